@@ -1,0 +1,86 @@
+"""Shared benchmark plumbing: timing, memory, environment, JSON-lines output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+import tomllib
+
+import jax
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def shape_sets(name: str) -> dict:
+  with (ROOT / "configs" / "benchmarks" / f"{name}.toml").open("rb") as f:
+    return tomllib.load(f)
+
+
+def environment() -> dict:
+  env = {
+      "device": jax.devices()[0].device_kind,
+      "platform": jax.devices()[0].platform,
+      "jax": jax.__version__,
+      "python": platform.python_version(),
+      "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  }
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+    env["torch"] = torch.__version__
+  except ImportError:
+    pass
+  return env
+
+
+def time_jax(fn, *args, warmup: int = 2, reps: int = 10, inner: int = 1) -> float:
+  """Median milliseconds per call of fn(*args) over `reps` batches.
+
+  A batch dispatches `inner` calls back to back and waits once, so short ops are not
+  charged the host round trip (use inner > 1 below a few milliseconds).
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(inner - 1):
+      fn(*args)
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3 / inner)
+  return statistics.median(times)
+
+
+def jax_temp_bytes(jitted, *args) -> int | None:
+  """Temporary bytes XLA assigns to the compiled program (None if the backend gives none)."""
+  analysis = jitted.lower(*args).compile().memory_analysis()
+  return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def time_torch(fn, warmup: int = 2, reps: int = 10) -> float:
+  import torch  # pylint: disable=import-outside-toplevel
+  for _ in range(warmup):
+    fn()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(reps):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end))
+  return statistics.median(times)
+
+
+def append(path: os.PathLike, rows: list[dict]) -> None:
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("a") as f:
+    for row in rows:
+      f.write(json.dumps(row) + "\n")

@@ -1,0 +1,238 @@
+"""Linear cross-entropy forward+backward: every provider side by side in one run.
+
+    python benchmarks/linear_cross_entropy.py --set llama3-8b [--providers a,b,...]
+
+Providers (those whose packages are missing are skipped, with a note):
+  floor              the three bf16 matmuls x@W, G@Wᵀ, xᵀ@G (XLA/cuBLAS) with a given G
+  jax_naive          x@W then optax.softmax_cross_entropy_with_integer_labels, jax.grad
+  jax_scan_remat     jax.checkpoint of the naive loss over token chunks in a lax.scan
+  memeff             memeff_jax.linear_cross_entropy, default implementation
+  memeff:NAME[:k=v]  one implementation with options, e.g. memeff:pallas_gpu:budget_mib=128
+  tokamax            tokamax.linear_softmax_cross_entropy_loss (default implementation)
+  torch_naive, torch_compile, liger, cce    PyTorch peers (CUDA only)
+
+Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step), extra memory
+(XLA temporaries for JAX; peak allocated over the inputs for torch) and the loss value.
+Rows are appended to benchmarks/results/linear_cross_entropy.jsonl (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+from benchmarks import _harness  # noqa: E402
+import memeff_jax  # noqa: E402
+from memeff_jax.ops import linear_cross_entropy as lce  # noqa: E402
+
+DEFAULT_PROVIDERS = ("floor,jax_naive,jax_scan_remat,memeff,memeff:chunked_xla,tokamax,"
+                     "torch_naive,torch_compile,liger,cce")
+
+
+def make_inputs(n, d, v, dtype, seed=0):
+  kx, kw, ky, kg = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(kx, (n, d), jnp.float32).astype(dtype)
+  w = (jax.random.normal(kw, (d, v), jnp.float32) / np.sqrt(d)).astype(dtype)
+  y = jax.random.randint(ky, (n,), 0, v, jnp.int32)
+  return x, w, y, kg
+
+
+def _loss_and_grads(loss_fn):
+  return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
+
+
+def jax_case(provider, x, w, y, kg):
+  """(jitted fn, args) computing the loss and (dx, dW) for a JAX provider."""
+  if provider == "floor":
+    g = jax.random.normal(kg, (x.shape[0], w.shape[1]), jnp.float32).astype(x.dtype) * 1e-3
+    fn = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
+    return fn, (x, w, g)
+  if provider == "jax_naive":
+    import optax  # pylint: disable=import-outside-toplevel
+    def loss(x, w):
+      logits = (x @ w).astype(jnp.float32)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return _loss_and_grads(loss), (x, w)
+  if provider == "jax_scan_remat":
+    import optax  # pylint: disable=import-outside-toplevel
+    chunk = math.gcd(x.shape[0], 1024)
+    n = x.shape[0]
+    def loss(x, w):
+      @jax.checkpoint
+      def one(xc, yc):
+        logits = (xc @ w).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yc).sum()
+      xs, ys = x[:n].reshape(-1, chunk, x.shape[1]), y[:n].reshape(-1, chunk)
+      total = jax.lax.scan(lambda acc, xy: (acc + one(*xy), None), 0.0, (xs, ys))[0]
+      return total / n
+    return _loss_and_grads(loss), (x, w)
+  if provider == "tokamax":
+    import tokamax  # pylint: disable=import-outside-toplevel
+    return _loss_and_grads(lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
+        x, y, w, reduction="mean")), (x, w)
+  if provider.startswith("memeff"):
+    impl, layout = parse_memeff(provider)
+    if layout == "vd":
+      w = jax.block_until_ready(jnp.copy(w.T))
+    return _loss_and_grads(lambda x, w: memeff_jax.linear_cross_entropy(
+        x, w, y, weight_layout=layout, implementation=impl)), (x, w)
+  raise KeyError(provider)
+
+
+def parse_memeff(provider: str):
+  """memeff[:name[:key=value...]] -> (implementation argument, weight layout)."""
+  parts = provider.split(":")
+  if len(parts) == 1:
+    return None, "dv"
+  name, opts = parts[1], dict(p.split("=", 1) for p in parts[2:])
+  layout = opts.pop("layout", "dv")
+  if name == "default":
+    impl = None
+  elif name == "chunked_xla":
+    kw = {}
+    if "budget_mib" in opts:
+      kw["memory_budget_bytes"] = int(opts.pop("budget_mib")) * 2**20
+    impl = lce.ChunkedXla(**kw)
+  elif name == "pallas_gpu":
+    kw, kernel = {}, {}
+    if "budget_mib" in opts:
+      kw["memory_budget_bytes"] = int(opts.pop("budget_mib")) * 2**20
+    if "dw" in opts:
+      kw["dw_accumulation"] = opts.pop("dw")
+    for key in ("block_rows", "block_v", "num_warps", "num_stages"):
+      if key in opts:
+        kernel[key] = int(opts.pop(key))
+    if kernel:
+      kw["kernel"] = lce.KernelConfig(**kernel)
+    impl = lce.PallasGpu(**kw)
+  else:
+    impl = name
+  if opts:
+    raise ValueError(f"unknown options {opts} in provider {provider!r}")
+  return impl, layout
+
+
+def torch_case(provider, x, w, y):
+  """A closure running forward+backward in torch, and a loss getter."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+  dev = "cuda"
+  tdtype = {jnp.bfloat16: torch.bfloat16, jnp.float32: torch.float32,
+            jnp.float16: torch.float16}[jnp.dtype(x.dtype).type]
+  xt = torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(dev, tdtype).requires_grad_()
+  wt = torch.from_numpy(np.asarray(w.astype(jnp.float32).T)).to(dev, tdtype).contiguous()
+  wt.requires_grad_()
+  yt = torch.from_numpy(np.asarray(y).astype(np.int64)).to(dev)
+
+  def naive(x, w, y):
+    return F.cross_entropy(F.linear(x, w).float(), y)
+
+  if provider == "torch_naive":
+    loss_fn = naive
+  elif provider == "torch_compile":
+    loss_fn = torch.compile(naive)
+  elif provider == "liger":
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
+    module = LigerFusedLinearCrossEntropyLoss()
+    loss_fn = lambda x, w, y: module(w, x, y)
+  elif provider == "cce":
+    from cut_cross_entropy import linear_cross_entropy as cce_loss  # pylint: disable=import-outside-toplevel
+    loss_fn = cce_loss
+  else:
+    raise KeyError(provider)
+  state = {}
+
+  def step():
+    xt.grad = wt.grad = None
+    loss = loss_fn(xt, wt, yt)
+    loss.backward()
+    state["loss"] = loss
+
+  return step, state, (xt, wt, yt)
+
+
+def run(set_name: str, providers: list[str], out, reps: int) -> list[dict]:
+  sets = _harness.shape_sets("linear_cross_entropy")
+  spec = sets[set_name]
+  dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
+  env = _harness.environment()
+  rows = []
+  for shape in spec["shapes"]:
+    n, d, v = shape["n"], shape["d"], shape["v"]
+    x, w, y, kg = make_inputs(n, d, v, dtype)
+    flops = 6.0 * n * d * v
+    floor_ms = None
+    for provider in providers:
+      row = dict(op="linear_cross_entropy", set=set_name, n=n, d=d, v=v,
+                 dtype=dtype.name, provider=provider, **env)
+      try:
+        if provider.startswith("torch") or provider in ("liger", "cce"):
+          if env["platform"] != "gpu":
+            print(f"  skip {provider}: torch peers run on CUDA only")
+            continue
+          import torch  # pylint: disable=import-outside-toplevel
+          step, state, tensors = torch_case(provider, x, w, y)
+          torch.cuda.synchronize()
+          torch.cuda.reset_peak_memory_stats()
+          base = torch.cuda.memory_allocated()
+          ms = _harness.time_torch(step, reps=reps)
+          grads = sum(t.grad.numel() * t.grad.element_size() for t in tensors[:2])
+          # Peak over inputs and the gradient outputs, as XLA's temporaries count.
+          row["extra_bytes"] = int(torch.cuda.max_memory_allocated() - base - grads)
+          row["loss"] = float(state["loss"])
+          del step, state, tensors
+          torch.cuda.empty_cache()
+        else:
+          fn, args = jax_case(provider, x, w, y, kg)
+          row["extra_bytes"] = _harness.jax_temp_bytes(fn, *args)
+          ms = _harness.time_jax(fn, *args, reps=reps)
+          if provider != "floor":
+            row["loss"] = float(fn(*args)[0])
+          del fn, args
+      except ImportError as err:
+        print(f"  skip {provider}: {err}")
+        continue
+      except Exception as err:  # pylint: disable=broad-except
+        traceback.print_exc()
+        row["error"] = f"{type(err).__name__}: {err}"[:500]
+        rows.append(row)
+        print(f"  {provider:32s} ERROR {row['error'][:200]}")
+        continue
+      if provider == "floor":
+        floor_ms = ms
+      row.update(ms=ms, tflops=flops / ms / 1e9,
+                 ratio_to_floor=None if floor_ms is None else ms / floor_ms)
+      rows.append(row)
+      extra = row.get("extra_bytes")
+      print(f"  {provider:32s} {ms:9.2f} ms  x{row['ratio_to_floor'] or float('nan'):.3f}  "
+            f"{row['tflops']:7.1f} TFLOP/s  extra "
+            f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}  "
+            f"loss {row.get('loss', float('nan')):.5f}", flush=True)
+  _harness.append(out, rows)
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--set", default="small", help="shape set from configs/benchmarks")
+  parser.add_argument("--providers", default=DEFAULT_PROVIDERS)
+  parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--out", default=str(_harness.RESULTS / "linear_cross_entropy.jsonl"))
+  args = parser.parse_args(argv)
+  providers = [p for p in args.providers.split(",") if p]
+  if "floor" in providers:  # ratios need the floor first
+    providers.remove("floor")
+    providers.insert(0, "floor")
+  print(f"linear_cross_entropy [{args.set}] on {jax.devices()[0].device_kind}")
+  run(args.set, providers, args.out, args.reps)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,58 @@
+"""Tuned kernel configs per GPU kind, read from TOML tables in configs/tuning/.
+
+A table `configs/tuning/<op>.toml` holds, per implementation, a `default` section and one
+section per device kind (matched as a case-insensitive substring of
+`jax.devices()[0].device_kind`, e.g. "H100" or "H200"):
+
+    [pallas_gpu.default]
+    block_v = 4096
+    [pallas_gpu.H200]
+    block_v = 8192
+
+The directory is `$MEMEFF_JAX_CONFIG_DIR/tuning` if that variable is set, else the
+repository's configs/tuning. Missing files or sections fall back to the dataclass defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+import tomllib
+
+import jax
+
+
+def config_dir() -> pathlib.Path:
+  env = os.environ.get("MEMEFF_JAX_CONFIG_DIR")
+  if env:
+    return pathlib.Path(env)
+  return pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+@functools.cache
+def _table(op: str) -> dict:
+  path = config_dir() / "tuning" / f"{op}.toml"
+  if not path.exists():
+    return {}
+  with path.open("rb") as f:
+    return tomllib.load(f)
+
+
+def lookup(op: str, implementation: str, *, fields=None, device_kind: str | None = None) -> dict:
+  """Tuned settings of `implementation` for this device kind (default section first)."""
+  table = _table(op).get(implementation, {})
+  if device_kind is None:
+    device_kind = jax.devices()[0].device_kind
+  found = dict(table.get("default", {}))
+  for key, section in table.items():
+    if key != "default" and key.lower() in device_kind.lower():
+      found.update(section)
+  if fields is not None:
+    names = {f.name for f in dataclasses.fields(fields)}
+    unknown = set(found) - names
+    if unknown:
+      raise ValueError(f"configs/tuning/{op}.toml [{implementation}] has unknown keys "
+                       f"{sorted(unknown)}; {fields.__name__} takes {sorted(names)}")
+  return found

@@ -1,0 +1,9 @@
+"""Fused linear cross-entropy: the LM head's matmul and loss without the logits."""
+
+from memeff_jax.ops.linear_cross_entropy.api import Aux
+from memeff_jax.ops.linear_cross_entropy.api import IMPLEMENTATIONS
+from memeff_jax.ops.linear_cross_entropy.api import linear_cross_entropy
+from memeff_jax.ops.linear_cross_entropy.chunked_xla import ChunkedXla
+from memeff_jax.ops.linear_cross_entropy.pallas_gpu import KernelConfig
+from memeff_jax.ops.linear_cross_entropy.pallas_gpu import PallasGpu
+from memeff_jax.ops.linear_cross_entropy.reference import Reference

@@ -1,0 +1,194 @@
+"""The token-chunk loop and the custom_vjp shared by `chunked_xla` and `pallas_gpu`.
+
+Both implementations walk the tokens in chunks of `token_chunk` and hand each chunk to a
+*chunk backend*, which owns everything that touches the chunk's logits:
+
+  backend.stats(x_c, w, bias, labels_c)                     -> Stats of the chunk
+  backend.grads(x_c, w, bias, labels_c, a_c, e_c, lse_c,
+                dw_acc, db_acc, need)                       -> (Stats, dx_c, dw_acc, db_acc)
+
+`grads` computes G (see _common) for the chunk and applies the two matmuls that consume it,
+accumulating dW and db into the running sums it is given. Nothing of size [N, V] exists.
+
+Gradients in the forward pass. For reduction "mean"/"sum" the loss's cotangent is a single
+scalar, so the forward pass computes the gradients for a cotangent of 1 while the chunk's
+logits are at hand (three matmuls in all) and the backward pass only scales them. For
+"none", or when the log-sum-exp / z-loss outputs get a cotangent, the backward pass runs
+the chunks again with the real cotangents.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
+
+
+class Static(NamedTuple):
+  """Hashable, static half of a call."""
+
+  backend: Any  # a frozen dataclass with .stats / .grads / .dw_dtype(weight)
+  opts: LossOptions
+  token_chunk: int
+
+
+class Residuals(NamedTuple):
+  x: jax.Array
+  weight: jax.Array
+  bias: jax.Array | None
+  labels: jax.Array
+  valid: jax.Array
+  lse: jax.Array  # float32 [N]
+  dx: jax.Array | None  # gradients for a unit loss cotangent (mean/sum only)
+  dweight: jax.Array | None
+  dbias: jax.Array | None
+
+
+def blocked_loop(total: int, block: int, body, carry):
+  """Runs body(start, size, carry) over [0, total) in blocks; the last one may be short.
+
+  Full blocks go through a fori_loop (one compiled body); a ragged tail is one more call
+  with a smaller static size, so no input needs padding or copying.
+  """
+  n_full = total // block
+  if n_full:
+    carry = jax.lax.fori_loop(0, n_full, lambda i, c: body(i * block, block, c), carry)
+  if total % block:
+    carry = body(n_full * block, total % block, carry)
+  return carry
+
+
+def balanced_chunk(n_tokens: int, max_chunk: int) -> int:
+  """The smallest chunk (a multiple of 128 when max_chunk is) that needs as few chunks.
+
+  E.g. 16,000 tokens with room for 1,024: 16 chunks either way, so 1,024 rather than a
+  last window that overlaps most of the one before it.
+  """
+  if max_chunk >= n_tokens:
+    return n_tokens
+  n_chunks = -(-n_tokens // max_chunk)
+  chunk = -(-n_tokens // n_chunks)
+  if max_chunk % 128 == 0:
+    chunk = -(-chunk // 128) * 128
+  return min(chunk, max_chunk)
+
+
+def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
+               need=(True, True, True)):
+  """Stats for all tokens, and with coefficients (a, e) also dx, dW and db.
+
+  Every chunk has the same static size C, so one compiled body serves all of them and the
+  running dW is updated in place (a second, ragged call after the loop would make XLA keep
+  a copy of it). The last chunk is the window [N - C, N): rows an earlier chunk already
+  covered get zero gradient coefficients there and keep their earlier dx.
+  """
+  backend, chunk = static.backend, static.token_chunk
+  n, d = x.shape
+  with_grads = a is not None
+  need_dx, need_dw, need_db = need
+  need_db = need_db and bias is not None
+  n_chunks = -(-n // chunk)
+  stats0 = Stats(*(jnp.zeros((n,), jnp.float32) for _ in range(3)))
+  carry = (
+      stats0,
+      jnp.zeros((n, d), x.dtype) if with_grads and need_dx else None,
+      jnp.zeros(w.shape, backend.dw_dtype(w)) if with_grads and need_dw else None,
+      jnp.zeros(bias.shape, jnp.float32) if with_grads and need_db else None,
+  )
+
+  def body(i, carry):
+    stats, dx, dw, db = carry
+    start = jnp.minimum(i * chunk, n - chunk)
+    sl = lambda t: jax.lax.dynamic_slice_in_dim(t, start, chunk, axis=0)
+    if with_grads:
+      fresh = start + jnp.arange(chunk) >= i * chunk  # False: done by the previous chunk
+      a_c, e_c = (jnp.where(fresh, sl(t), 0.0) for t in (a, e))
+      chunk_stats, dx_c, dw, db = backend.grads(
+          sl(x), w, bias, sl(labels), a_c, e_c, None if lse is None else sl(lse),
+          dw, db, (need_dx, need_dw, need_db))
+      if need_dx:
+        dx_c = jnp.where(fresh[:, None], dx_c.astype(dx.dtype), sl(dx))
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, axis=0)
+    else:
+      chunk_stats = backend.stats(sl(x), w, bias, sl(labels))
+    stats = Stats(*(jax.lax.dynamic_update_slice_in_dim(s, c, start, axis=0)
+                    for s, c in zip(stats, chunk_stats)))
+    return stats, dx, dw, db
+
+  return jax.lax.fori_loop(0, n_chunks, body, carry)
+
+
+def _value(p):
+  return getattr(p, "value", p)
+
+
+def _perturbed(p) -> bool:
+  return bool(getattr(p, "perturbed", True)) and _value(p) is not None
+
+
+def _nonzero(ct):
+  return None if isinstance(ct, SymbolicZero) or ct is None else ct
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunked_loss(static: Static, x, w, bias, labels, valid):
+  """(loss, lse, z-loss term) of the chunked computation; see module docstring."""
+  stats, *_ = run_chunks(static, x, w, bias, labels)
+  return _common.finish(stats, labels, valid, static.opts)
+
+
+def _fwd(static: Static, x, w, bias, labels, valid):
+  need = (_perturbed(x), _perturbed(w), _perturbed(bias))
+  x, w, bias, labels, valid = map(_value, (x, w, bias, labels, valid))
+  opts = static.opts
+  if opts.reduction == "none":
+    stats, *_ = run_chunks(static, x, w, bias, labels)
+    grads = (None, None, None)
+  else:  # scalar loss: gradients now, for a unit cotangent.
+    r = _common.token_scale(valid, opts.reduction)
+    stats, *grads = run_chunks(static, x, w, bias, labels, a=r, e=jnp.zeros_like(r),
+                               need=need)
+  out = _common.finish(stats, labels, valid, opts)
+  return out, Residuals(x, w, bias, labels, valid, stats.lse, *grads)
+
+
+def _scale(t, g, like):
+  if t is None or g is None:
+    return None
+  return (t.astype(jnp.float32) * g).astype(like.dtype)
+
+
+def _add(t, u):
+  if t is None:
+    return u
+  return t if u is None else (t.astype(jnp.float32) + u.astype(jnp.float32)).astype(t.dtype)
+
+
+def _bwd(static: Static, res: Residuals, cts):
+  g_loss, g_lse, g_z = map(_nonzero, cts)
+  opts = static.opts
+  need = (True, True, res.bias is not None)
+  if opts.reduction == "none":
+    a, e = _common.coefficients(res.valid, res.lse, g_loss, g_lse, g_z, opts)
+    _, dx, dw, db = run_chunks(static, res.x, res.weight, res.bias, res.labels,
+                               a=a, e=e, lse=res.lse, need=need)
+  else:
+    dx, dw, db = (_scale(t, g_loss, like) for t, like in
+                  ((res.dx, res.x), (res.dweight, res.weight), (res.dbias, res.bias)))
+    if g_lse is not None or (g_z is not None and opts.z_loss):
+      # The auxiliary outputs were differentiated: one more pass for their share.
+      a, e = _common.coefficients(res.valid, res.lse, None, g_lse, g_z, opts)
+      _, dx2, dw2, db2 = run_chunks(static, res.x, res.weight, res.bias, res.labels,
+                                    a=a, e=e, lse=res.lse, need=need)
+      dx, dw, db = _add(dx, dx2), _add(dw, dw2), _add(db, db2)
+  cast = lambda t, like: None if t is None or like is None else t.astype(like.dtype)
+  return (cast(dx, res.x), cast(dw, res.weight), cast(db, res.bias), None, None)
+
+
+chunked_loss.defvjp(_fwd, _bwd, symbolic_zeros=True)

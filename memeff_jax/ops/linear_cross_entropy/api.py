@@ -1,0 +1,213 @@
+"""linear_cross_entropy(): argument checks and the choice of implementation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy._common import LossOptions
+from memeff_jax.ops.linear_cross_entropy.chunked_xla import ChunkedXla
+from memeff_jax.ops.linear_cross_entropy.pallas_gpu import PallasGpu
+from memeff_jax.ops.linear_cross_entropy.reference import Reference
+
+IMPLEMENTATIONS = {
+    "reference": Reference(),
+    "chunked_xla": ChunkedXla(),
+    "pallas_gpu": PallasGpu(),
+}
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+class Aux(NamedTuple):
+  """Auxiliary outputs of linear_cross_entropy(..., return_aux=True)."""
+
+  lse: jax.Array  # float32, labels.shape: log-sum-exp of each token's (capped) logits
+  z_loss: jax.Array  # the z-loss term λ·lse², reduced like the loss (already in the loss)
+
+
+def _default_order() -> tuple[str, ...]:
+  device = jax.devices()[0]
+  if device.platform == "gpu" and "nvidia" in device.device_kind.lower():
+    return ("pallas_gpu", "chunked_xla")
+  return ("chunked_xla",)
+
+
+def _resolve(implementation) -> list[Any]:
+  if implementation is None:
+    implementation = _default_order()
+  if isinstance(implementation, str) or callable(implementation):
+    implementation = (implementation,)
+  resolved = []
+  for impl in implementation:
+    if isinstance(impl, str):
+      if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation={impl!r}; expected one of "
+                         f"{sorted(IMPLEMENTATIONS)} or an implementation object")
+      impl = IMPLEMENTATIONS[impl]
+    elif not callable(impl):
+      raise TypeError(f"implementation entries must be names or implementation objects, "
+                      f"got {impl!r}")
+    resolved.append(impl)
+  if not resolved:
+    raise ValueError("implementation must not be an empty sequence")
+  return resolved
+
+
+def _check_float(name, a):
+  if a.dtype not in _FLOAT_DTYPES:
+    raise TypeError(f"{name} must be float32, bfloat16 or float16, got {name}.dtype={a.dtype}")
+
+
+def linear_cross_entropy(
+    x: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    weight_layout: str = "dv",
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
+    where: jax.Array | None = None,
+    return_aux: bool = False,
+    implementation=None,
+    chunk_size: int | tuple[int, int] | None = None,
+):
+  """Cross-entropy of `x @ weight` against integer labels, without holding the logits.
+
+  Equals `optax.softmax_cross_entropy_with_integer_labels(x @ weight + bias, labels)`,
+  with torch's meanings of `ignore_index` and `label_smoothing`:
+
+    ẑ = c·tanh((x·W + b) / c)            (c = logit_softcap; no cap when None)
+    loss_n = logsumexp(ẑ_n) - Σ_v q_nv ẑ_nv + z_loss · logsumexp(ẑ_n)²,
+    q_nv = (1 - ε)[v = y_n] + ε / V,     ε = label_smoothing
+
+  Tokens whose label is `ignore_index`, or where `where` is False, contribute 0 and are
+  left out of the mean; with every token left out the loss is 0 and so are the gradients.
+  A label outside [0, V) that is not `ignore_index` gives NaN for that token, as optax does.
+
+  Args:
+    x: [..., D] activations.
+    weight: [D, V] (`weight_layout="dv"`, as `flax.linen.Dense`) or [V, D] (`"vd"`, a tied
+      embedding table or a `torch.nn.Linear` weight).
+    labels: [...] integer labels, the leading shape of x.
+    bias: optional [V].
+    weight_layout: "dv" or "vd".
+    ignore_index: label value that marks a token to skip.
+    reduction: "mean" (over counted tokens), "sum" or "none" (per token, labels.shape).
+    label_smoothing: ε in [0, 1].
+    z_loss: λ ≥ 0, weight of the log-sum-exp² regulariser (PaLM).
+    logit_softcap: optional c > 0 (Gemma 2).
+    where: optional boolean [...] mask, like labels; False tokens are skipped.
+    return_aux: also return `Aux(lse, z_loss)`; both are differentiable.
+    implementation: None (fastest available: "pallas_gpu" on NVIDIA GPUs, then
+      "chunked_xla"), a name ("reference", "chunked_xla", "pallas_gpu"), an implementation
+      object (`PallasGpu(...)`, `ChunkedXla(...)`) or a sequence of those tried in order.
+    chunk_size: tokens per chunk, or (tokens, vocab entries) for chunked_xla. None derives
+      it from the implementation's `memory_budget_bytes` (256 MiB for chunked_xla's float32
+      logits and G, 240 MiB for pallas_gpu's one buffer in the compute dtype).
+
+  Returns:
+    The loss (a scalar, or labels.shape for "none"), float32; with return_aux,
+    (loss, Aux).
+
+  Memory: reference holds N·V float32 logits; chunked_xla about its budget plus a float32
+  dW accumulator (D·V·4 bytes); pallas_gpu about its budget, accumulating dW in the
+  weight's dtype.
+
+  Raises:
+    ValueError / TypeError: for bad shapes, dtypes or options (the message names them).
+    NotImplementedError: when an explicitly chosen implementation cannot serve the call.
+
+  >>> import jax, jax.numpy as jnp
+  >>> x = jax.random.normal(jax.random.key(0), (8, 16))
+  >>> w = jax.random.normal(jax.random.key(1), (16, 100))
+  >>> labels = jnp.arange(8)
+  >>> loss = linear_cross_entropy(x, w, labels)
+  >>> loss.shape, loss.dtype
+  ((), dtype('float32'))
+  """
+  x, weight, labels = jnp.asarray(x), jnp.asarray(weight), jnp.asarray(labels)
+  if weight_layout not in _common.WEIGHT_LAYOUTS:
+    raise ValueError(f"weight_layout must be 'dv' ([D, V]) or 'vd' ([V, D]), got "
+                     f"{weight_layout!r}")
+  if reduction not in _common.REDUCTIONS:
+    raise ValueError(f"reduction must be one of {_common.REDUCTIONS}, got {reduction!r}")
+  if x.ndim < 1:
+    raise ValueError(f"x must be [..., D], got x.shape={x.shape}")
+  if weight.ndim != 2:
+    raise ValueError(f"weight must be 2-D ({'[D, V]' if weight_layout == 'dv' else '[V, D]'}"
+                     f" for weight_layout={weight_layout!r}), got weight.shape={weight.shape}")
+  _check_float("x", x)
+  _check_float("weight", weight)
+  d, vocab = weight.shape if weight_layout == "dv" else weight.shape[::-1]
+  if x.shape[-1] != d:
+    raise ValueError(f"x.shape={x.shape} has D={x.shape[-1]} but weight.shape="
+                     f"{weight.shape} with weight_layout={weight_layout!r} has D={d}")
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"labels must be integers (class ids), got labels.dtype={labels.dtype}")
+  if labels.shape != x.shape[:-1]:
+    raise ValueError(f"labels.shape={labels.shape} must equal x.shape[:-1]="
+                     f"{x.shape[:-1]} (x.shape={x.shape})")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    _check_float("bias", bias)
+    if bias.shape != (vocab,):
+      raise ValueError(f"bias.shape={bias.shape} must be (V,)=({vocab},)")
+  if where is not None:
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+      raise TypeError(f"where must be a boolean mask, got where.dtype={where.dtype}")
+    if where.shape != labels.shape:
+      raise ValueError(f"where.shape={where.shape} must equal labels.shape={labels.shape}")
+  if not isinstance(label_smoothing, numbers.Real) or not 0.0 <= label_smoothing <= 1.0:
+    raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+  if not isinstance(z_loss, numbers.Real) or z_loss < 0:
+    raise ValueError(f"z_loss must be ≥ 0, got {z_loss!r}")
+  if logit_softcap is not None and (not isinstance(logit_softcap, numbers.Real)
+                                    or logit_softcap <= 0):
+    raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap!r}")
+  if chunk_size is not None:
+    sizes = (chunk_size,) if isinstance(chunk_size, int) else tuple(chunk_size)
+    if len(sizes) not in (1, 2) or not all(isinstance(s, int) and s > 0 for s in sizes):
+      raise ValueError(f"chunk_size must be a positive int or (tokens, vocab) pair of "
+                       f"positive ints, got {chunk_size!r}")
+  if vocab == 0:
+    raise ValueError(f"the vocabulary is empty (weight.shape={weight.shape})")
+
+  opts = LossOptions(vocab_size=int(vocab), weight_layout=weight_layout, reduction=reduction,
+                     label_smoothing=float(label_smoothing), z_loss=float(z_loss),
+                     logit_softcap=None if logit_softcap is None else float(logit_softcap))
+  lead = labels.shape
+  dtype = jnp.result_type(x.dtype, weight.dtype)
+  x2 = x.reshape(-1, d).astype(dtype)
+  weight = weight.astype(dtype)
+  labels2 = labels.reshape(-1).astype(jnp.int32)
+  valid = labels2 != ignore_index
+  if where is not None:
+    valid = valid & where.reshape(-1)
+
+  reasons = []
+  for impl in _resolve(implementation):
+    try:
+      loss, lse, zterm = impl(x2, weight, bias, labels2, valid, opts=opts,
+                              chunk_size=chunk_size)
+      break
+    except NotImplementedError as err:
+      reasons.append(f"{getattr(impl, 'name', impl)}: {err}")
+  else:
+    raise NotImplementedError("no implementation can serve this call:\n  " +
+                              "\n  ".join(reasons))
+
+  if reduction == "none":
+    loss, zterm = loss.reshape(lead), zterm.reshape(lead)
+  if return_aux:
+    return loss, Aux(lse=lse.reshape(lead), z_loss=zterm)
+  return loss

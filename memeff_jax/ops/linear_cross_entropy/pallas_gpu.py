@@ -1,0 +1,252 @@
+"""Linear cross-entropy with a Pallas GPU kernel for the per-chunk softmax work.
+
+Per token chunk (see _chunked for the loop and the custom_vjp):
+
+  1. z = x_c @ W                   cuBLAS through XLA, logits in the compute dtype [C, V]
+  2. _softmax_grad_kernel          one Pallas (Triton) kernel over z: sweep 1 finds the
+                                   log-sum-exp, the label logit and Σ ẑ (online, block by
+                                   block); sweep 2 overwrites z in place with G (_common's
+                                   formula), so z and G share one buffer
+  3. dx_c = G @ Wᵀ, dW += x_cᵀ @ G  cuBLAS; dW's add is fused into the GEMM epilogue
+
+That is the three matmuls of the loss and its gradient, plus two reads and one write of the
+chunk's logits. Memory: one [C, V] buffer in the compute dtype; dW accumulates directly in
+the weight's dtype (each chunk's product is summed in float32 inside the GEMM, then added
+to the running dW and rounded once per chunk, as Liger-Kernel does) unless
+`dw_accumulation="float32"`, which holds a float32 [D, V] accumulator instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from memeff_jax import _tuning
+from memeff_jax.ops.linear_cross_entropy import _chunked
+from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
+
+try:  # The Triton flavour of Pallas; its module moved between releases.
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Tile of the softmax-gradient kernel: `block_rows` tokens × `block_v` vocab entries."""
+
+  block_rows: int = 1
+  block_v: int = 4096
+  num_warps: int = 8
+  num_stages: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasGpu:
+  """Chunked implementation whose per-chunk softmax pass is a Pallas GPU kernel.
+
+  Attributes:
+    memory_budget_bytes: bytes for the chunk's logits/G buffer; decides the token chunk.
+    dw_accumulation: "weight" (accumulate dW in the weight's dtype, no extra buffer) or
+      "float32" (a float32 [D, V] accumulator, cast once at the end).
+    kernel: tile config; None looks up configs/tuning for the device, else the default.
+    interpret: run the kernel in the Pallas interpreter (any backend, for tests).
+  """
+
+  memory_budget_bytes: int = 256 * 2**20
+  dw_accumulation: str = "weight"
+  kernel: KernelConfig | None = None
+  interpret: bool = False
+  name: str = "pallas_gpu"
+
+  def __post_init__(self):
+    if self.dw_accumulation not in ("weight", "float32"):
+      raise ValueError(f"dw_accumulation must be 'weight' or 'float32', got "
+                       f"{self.dw_accumulation!r}")
+
+  def plan(self, n_tokens: int, vocab: int, itemsize: int, chunk_size) -> int:
+    if chunk_size is not None:
+      if not isinstance(chunk_size, int):
+        tokens, cols = chunk_size
+        if cols < vocab:
+          raise NotImplementedError("pallas_gpu does not chunk the vocabulary; "
+                                    f"got {chunk_size=} with vocab size {vocab}")
+        chunk_size = tokens
+      return min(chunk_size, n_tokens)
+    tokens = self.memory_budget_bytes // (vocab * itemsize)
+    if tokens < 16:
+      raise NotImplementedError(
+          f"a vocabulary of {vocab} leaves fewer than 16 tokens per chunk in "
+          f"memory_budget_bytes={self.memory_budget_bytes}; pallas_gpu does not chunk the "
+          "vocabulary (chunked_xla does)")
+    if tokens >= 128:
+      tokens = tokens // 128 * 128
+    return _chunked.balanced_chunk(n_tokens, tokens)
+
+  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
+    if plgpu is None:
+      raise NotImplementedError("jax.experimental.pallas.triton is not importable")
+    if not self.interpret and jax.default_backend() != "gpu":
+      raise NotImplementedError(
+          f"pallas_gpu needs a GPU (default backend is {jax.default_backend()!r}); "
+          "PallasGpu(interpret=True) runs the kernel in the Pallas interpreter")
+    if not self.interpret and "nvidia" not in jax.devices()[0].device_kind.lower() and \
+        jax.devices()[0].platform != "gpu":
+      raise NotImplementedError("pallas_gpu needs an NVIDIA GPU")
+    kernel = self.kernel or KernelConfig(**_tuning.lookup(
+        "linear_cross_entropy", "pallas_gpu", fields=KernelConfig))
+    tokens = self.plan(x.shape[0], opts.vocab_size, jnp.dtype(x.dtype).itemsize, chunk_size)
+    backend = PallasChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
+                                 dw_accumulation=self.dw_accumulation)
+    return _chunked.chunked_loss(_chunked.Static(backend, opts, tokens),
+                                 x, weight, bias, labels, valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasChunkBackend:
+  """Per-chunk work of PallasGpu (see _chunked for the protocol)."""
+
+  opts: LossOptions
+  kernel: KernelConfig
+  interpret: bool
+  dw_accumulation: str
+
+  def dw_dtype(self, w):
+    return jnp.float32 if self.dw_accumulation == "float32" else w.dtype
+
+  def _logits(self, x_c, w, bias):
+    z = _common.logits_dot(x_c, w, self.opts.weight_layout, x_c.dtype)
+    if bias is not None:
+      z = (z.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x_c.dtype)
+    return z
+
+  def stats(self, x_c, w, bias, labels_c) -> Stats:
+    out = softmax_pass(self._logits(x_c, w, bias), labels_c, opts=self.opts,
+                       config=self.kernel, interpret=self.interpret)
+    return Stats(*out)
+
+  def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need):
+    need_dx, need_dw, need_db = need
+    layout = self.opts.weight_layout
+    g, lse, label_logit, logit_sum = softmax_pass(
+        self._logits(x_c, w, bias), labels_c, a_c, e_c, lse_c, opts=self.opts,
+        config=self.kernel, interpret=self.interpret)
+    dx_c = _common.dx_dot(g, w, layout, x_c.dtype) if need_dx else None
+    if need_dw:
+      # Same dtype on both sides of the add, so XLA fuses it into the GEMM (beta = 1).
+      dw_acc = dw_acc + _common.dw_dot(x_c, g, layout, dw_acc.dtype)
+    if need_db:
+      db_acc = db_acc + jnp.sum(g, axis=0, dtype=jnp.float32)
+    return Stats(lse, label_logit, logit_sum), dx_c, dw_acc, db_acc
+
+
+def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref,
+                         grad_ref, lse_ref, label_logit_ref, logit_sum_ref,
+                         *, opts: LossOptions, block_rows: int, block_v: int):
+  """One program: `block_rows` tokens, all V vocabulary entries, two sweeps of block_v.
+
+  Refs are whole arrays (no BlockSpecs: V need not be a power of two); loads are masked.
+  a/e/lse_in/grad refs are None when the call only wants statistics, lse_in is None when
+  sweep 1 must find the log-sum-exp itself. Follows FlashAttention's online softmax
+  (Dao et al. 2022, Alg. 1) for sweep 1.
+  """
+  n_rows = logits_ref.shape[0]
+  vocab = opts.vocab_size
+  row0 = pl.program_id(0) * block_rows
+  rows = row0 + jnp.arange(block_rows, dtype=jnp.int32)
+  row_ok = rows < n_rows
+  row_slice = pl.ds(row0, block_rows)
+  labels = plgpu.load(labels_ref.at[row_slice], mask=row_ok, other=0)
+  n_blocks = pl.cdiv(vocab, block_v)
+
+  def load(j):
+    cols = j * block_v + jnp.arange(block_v, dtype=jnp.int32)
+    mask = row_ok[:, None] & (cols < vocab)[None, :]
+    z = plgpu.load(logits_ref.at[row_slice, pl.ds(j * block_v, block_v)],
+                   mask=mask, other=0.0)  # [block_rows, block_v]
+    return cols, mask, _common.cap_logits(z.astype(jnp.float32), opts.logit_softcap)
+
+  if lse_in_ref is None:
+    def sweep1(j, acc):
+      cols, _, zc = load(j)
+      return _common.combine_stats(acc, _common.block_stats(zc, cols, labels, vocab))
+
+    init = (jnp.full((block_rows,), -jnp.inf, jnp.float32),) + tuple(
+        jnp.zeros((block_rows,), jnp.float32) for _ in range(3))
+    m, s, label_logit, logit_sum = jax.lax.fori_loop(0, n_blocks, sweep1, init)
+    lse = m + jnp.log(s)
+  else:
+    lse = plgpu.load(lse_in_ref.at[row_slice], mask=row_ok, other=0.0)
+    label_logit = logit_sum = jnp.zeros((block_rows,), jnp.float32)
+
+  if grad_ref is not None:
+    a = plgpu.load(a_ref.at[row_slice], mask=row_ok, other=0.0)
+    e = plgpu.load(e_ref.at[row_slice], mask=row_ok, other=0.0)
+
+    def sweep2(j, carry):
+      cols, mask, zc = load(j)
+      g = _common.block_grad(zc, cols, labels, lse, a, e, opts)
+      plgpu.store(grad_ref.at[row_slice, pl.ds(j * block_v, block_v)],
+                  g.astype(grad_ref.dtype), mask=mask)
+      return carry
+
+    jax.lax.fori_loop(0, n_blocks, sweep2, 0)
+
+  plgpu.store(lse_ref.at[row_slice], lse, mask=row_ok)
+  plgpu.store(label_logit_ref.at[row_slice], label_logit, mask=row_ok)
+  plgpu.store(logit_sum_ref.at[row_slice], logit_sum, mask=row_ok)
+
+
+def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
+                 config: KernelConfig, interpret: bool = False):
+  """Runs the kernel over one chunk's logits.
+
+  Args:
+    logits: [C, V] raw logits (compute dtype).
+    labels: [C] int32.
+    a, e: [C] float32 gradient coefficients (see _common); None for statistics only.
+    lse: [C] float32 known log-sum-exp (the backward pass), or None to compute it.
+
+  Returns:
+    Without a/e: (lse, label_logit, logit_sum). With them: (G, lse, label_logit,
+    logit_sum), G [C, V] in the logits' dtype, written over the logits' buffer.
+  """
+  n_rows, vocab = logits.shape
+  with_grad = a is not None
+  block_v = min(config.block_v, pl.next_power_of_2(vocab))
+  f32 = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+  out_shape = ([jax.ShapeDtypeStruct(logits.shape, logits.dtype)] if with_grad else []) + [f32] * 3
+  inputs = [labels.astype(jnp.int32)]
+  if with_grad:
+    inputs += [a.astype(jnp.float32), e.astype(jnp.float32)]
+  if lse is not None:
+    inputs.append(lse.astype(jnp.float32))
+  inputs.append(logits)
+  n_in = len(inputs)
+
+  def kernel(*refs):
+    ins, outs = list(refs[:n_in]), list(refs[n_in:])
+    labels_ref = ins.pop(0)
+    a_ref, e_ref = (ins.pop(0), ins.pop(0)) if with_grad else (None, None)
+    lse_in_ref = ins.pop(0) if lse is not None else None
+    logits_ref = ins.pop(0)
+    grad_ref = outs.pop(0) if with_grad else None
+    _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref, grad_ref, *outs,
+                         opts=opts, block_rows=config.block_rows, block_v=block_v)
+
+  call = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(pl.cdiv(n_rows, config.block_rows),),
+      input_output_aliases={n_in - 1: 0} if with_grad else {},
+      interpret=interpret,
+      name="linear_cross_entropy_softmax_grad" if with_grad else "linear_cross_entropy_lse",
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+  )
+  return tuple(call(*inputs))
