@@ -109,11 +109,12 @@ def main():
   if a.sweep:
     print("kernel sweep (logits GEMM + kernel, minus the GEMM; GB/s for 3 passes over z):")
     for spec in a.sweep.split(","):
-      br, bv, nw, ns = map(int, spec.split("/"))
-      cfg = pallas_gpu.KernelConfig(block_rows=br, block_v=bv, num_warps=nw, num_stages=ns)
+      br, bv, nw, ns, hints = map(int, (spec.split("/") + ["1"])[:5])
+      cfg = pallas_gpu.KernelConfig(block_rows=br, block_v=bv, num_warps=nw, num_stages=ns,
+                                    l2_hints=bool(hints))
       try:
         ms = _harness.time_jax(fused(cfg), xc, w, yc, r, inner=20) - gemm_ms
-        print(f"  rows={br} v={bv:5d} warps={nw:2d} stages={ns}  {ms:7.3f} ms "
+        print(f"  rows={br} v={bv:5d} warps={nw:2d} stages={ns} hints={hints}  {ms:7.3f} ms "
               f"{3 * logit_bytes / ms / 1e6:7.1f} GB/s", flush=True)
       except Exception as err:  # pylint: disable=broad-except
         print(f"  {spec}: {type(err).__name__}: {str(err)[:200]}")
