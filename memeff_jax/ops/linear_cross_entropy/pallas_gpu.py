@@ -60,11 +60,15 @@ class PallasGpu:
     dw_accumulation: "weight" (accumulate dW in the weight's dtype, no extra buffer) or
       "float32" (a float32 [D, V] accumulator, cast once at the end).
     kernel: tile config; None looks up configs/tuning for the device, else the default.
+    vocab_multiple: pad the vocabulary of W (with zero columns) to a multiple of this, so
+      that GEMM rows are 16-byte aligned (V = 50,257 otherwise leaves cuBLAS on slow
+      kernels). Costs a copy of W when V is not already a multiple.
     interpret: run the kernel in the Pallas interpreter (any backend, for tests).
   """
 
   memory_budget_bytes: int = 256 * 2**20
   dw_accumulation: str = "weight"
+  vocab_multiple: int = 64
   kernel: KernelConfig | None = None
   interpret: bool = False
   name: str = "pallas_gpu"
@@ -105,9 +109,17 @@ class PallasGpu:
       raise NotImplementedError("pallas_gpu needs an NVIDIA GPU")
     kernel = self.kernel or KernelConfig(**_tuning.lookup(
         "linear_cross_entropy", "pallas_gpu", fields=KernelConfig))
-    tokens = self.plan(x.shape[0], opts.vocab_size, jnp.dtype(x.dtype).itemsize, chunk_size)
+    pad = -opts.vocab_size % self.vocab_multiple
+    tokens = self.plan(x.shape[0], opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize,
+                       chunk_size)
     backend = PallasChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
                                  dw_accumulation=self.dw_accumulation)
+    # Zero columns give zero logits, which the kernel never overwrites: G is 0 there, so
+    # they add nothing to dx and their dW columns are sliced away by pad's transpose.
+    if pad:
+      axis = 1 if opts.weight_layout == "dv" else 0
+      weight = jnp.pad(weight, [(0, pad if i == axis else 0) for i in range(2)])
+      bias = None if bias is None else jnp.pad(bias, (0, pad))
     return _chunked.chunked_loss(_chunked.Static(backend, opts, tokens),
                                  x, weight, bias, labels, valid)
 

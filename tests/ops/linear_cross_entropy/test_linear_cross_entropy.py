@@ -228,6 +228,22 @@ class TestPallasGpuInterpret(_LinearCrossEntropyTest):
   dtypes = (jnp.float32, jnp.bfloat16)
 
 
+  def test_vocab_padding_is_invisible(self):
+    """W padded to a multiple of 64 columns (V = 1,000 → 1,024) gives the unpadded result."""
+    for layout in ("dv", "vd"):
+      options = dict(bias=True, weight_layout=layout, logit_softcap=3.0)
+      x, w, labels, b, _ = make_problem(jax.random.key(9), (40,), 16, 1000, jnp.float32,
+                                        **options)
+      results = [value_and_grads(loss_fn(PallasGpu(interpret=True, vocab_multiple=m), labels,
+                                         options, 16), x, w, b, None, "mean")
+                 for m in (1, 64)]
+      (l1, g1), (l2, g2) = results
+      assert g2[1].shape == w.shape and g2[2].shape == b.shape
+      assert rel_err(l1, l2) < 1e-6
+      for a, c in zip(g1, g2):
+        assert rel_err(a, c) < 1e-6
+
+
 class TestPallasGpuFloat32DwInterpret(_LinearCrossEntropyTest):
   impl = PallasGpu(interpret=True, dw_accumulation="float32")
   dtypes = (jnp.bfloat16,)
