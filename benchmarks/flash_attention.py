@@ -1,0 +1,132 @@
+"""Attention forward and forward+backward: every provider side by side in one run.
+
+    python benchmarks/flash_attention.py --set headline [--providers a,b,...]
+
+Providers: memeff (default implementation), memeff:NAME[:key=value] (e.g.
+memeff:pallas_triton:block_q=128), xla and cudnn (jax.nn.dot_product_attention),
+tokamax:mosaic and tokamax:triton (if importable). A provider that cannot express a case
+(segment ids for jax.nn) is skipped with a note.
+
+TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal) and 2.5× that for the
+backward; extra memory is XLA's temporary bytes of the compiled forward+backward.
+Rows are appended to benchmarks/results/flash_attention.jsonl (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks import _harness  # noqa: E402
+from memeff_jax.ops import flash_attention as fa  # noqa: E402
+
+DEFAULT_PROVIDERS = "memeff,memeff:chunked_xla,xla,cudnn,tokamax:mosaic,tokamax:triton"
+
+
+def parse_memeff(provider: str):
+  parts = provider.split(":")
+  if len(parts) == 1:
+    return None
+  name, opts = parts[1], dict(p.split("=", 1) for p in parts[2:])
+  if name == "pallas_triton" and opts:
+    from memeff_jax.ops.flash_attention.pallas_triton import BlockConfig, default_config  # pylint: disable=import-outside-toplevel
+    return fa.PallasTriton(config=BlockConfig(**{**default_config(128).__dict__,
+                                                 **{k: int(v) for k, v in opts.items()}}))
+  if opts:
+    raise ValueError(f"options {opts} not understood for {provider!r}")
+  return name
+
+
+def attention_fn(provider, causal, seg):
+  """f(q, k, v) -> out for a provider, or None where it cannot express the case."""
+  if provider.startswith("memeff"):
+    impl = parse_memeff(provider)
+    kw = {} if seg is None else dict(q_segment_ids=seg, kv_segment_ids=seg)
+    return lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, implementation=impl, **kw)
+  if provider in ("xla", "cudnn"):
+    if seg is not None:
+      return None
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                        implementation=provider)
+  if provider.startswith("tokamax:"):
+    if seg is not None:
+      return None
+    from benchmarks.linear_cross_entropy import import_tokamax  # pylint: disable=import-outside-toplevel
+    tokamax = import_tokamax()
+    impl = provider.split(":", 1)[1]
+    return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal,
+                                                         implementation=impl)
+  raise KeyError(provider)
+
+
+def run(set_name: str, providers: list[str], out, reps: int):
+  spec = _harness.shape_sets("flash_attention")[set_name]
+  dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
+  env = _harness.environment()
+  rows = []
+  for shape in spec["shapes"]:
+    b, t, h, d = shape["b"], shape["t"], shape["h"], shape["d"]
+    s, hkv, docs = shape.get("s", t), shape.get("hkv", h), shape.get("docs")
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, t, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.float32).astype(dtype)
+    ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(dtype)
+    seg = None if docs is None else jnp.broadcast_to(jnp.arange(t) * docs // t, (b, t))
+    for causal in spec.get("causal", [False]):
+      flops = 4.0 * b * h * t * s * d * (0.5 if causal else 1.0)
+      for provider in providers:
+        row = dict(op="flash_attention", set=set_name, b=b, t=t, s=s, h=h, hkv=hkv, d=d,
+                   docs=docs, causal=causal, dtype=dtype.name, provider=provider, **env)
+        try:
+          f = attention_fn(provider, causal, seg)
+          if f is None:
+            print(f"  skip {provider}: cannot express segment ids")
+            continue
+          fwd = jax.jit(f)
+          step = jax.jit(lambda q, k, v, f=f: jax.vjp(f, q, k, v)[1](ct))
+          row["fwd_ms"] = _harness.time_jax(fwd, q, k, v, reps=reps, inner=5)
+          row["fwd_bwd_ms"] = _harness.time_jax(
+              jax.jit(lambda q, k, v, f=f: (f(q, k, v), jax.vjp(f, q, k, v)[1](ct))),
+              q, k, v, reps=reps, inner=5)
+          row["extra_bytes"] = _harness.jax_temp_bytes(step, q, k, v)
+        except ImportError as err:
+          print(f"  skip {provider}: {err}")
+          continue
+        except Exception as err:  # pylint: disable=broad-except
+          traceback.print_exc(limit=2)
+          row["error"] = f"{type(err).__name__}: {err}"[:500]
+          rows.append(row)
+          print(f"  {provider:28s} causal={causal!s:5s} ERROR {row['error'][:160]}")
+          continue
+        row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+        row["fwd_bwd_tflops"] = 3.5 * flops / row["fwd_bwd_ms"] / 1e9
+        rows.append(row)
+        extra = row["extra_bytes"]
+        print(f"  {provider:28s} B={b} T={t} H={h}/{hkv} D={d} causal={causal!s:5s} "
+              f"fwd {row['fwd_ms']:7.2f} ms {row['fwd_tflops']:6.1f} TFLOP/s | fwd+bwd "
+              f"{row['fwd_bwd_ms']:7.2f} ms {row['fwd_bwd_tflops']:6.1f} TFLOP/s | extra "
+              f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}", flush=True)
+  _harness.append(out, rows)
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--set", default="small")
+  parser.add_argument("--providers", default=DEFAULT_PROVIDERS)
+  parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--out", default=str(_harness.RESULTS / "flash_attention.jsonl"))
+  args = parser.parse_args(argv)
+  print(f"flash_attention [{args.set}] on {jax.devices()[0].device_kind}")
+  run(args.set, [p for p in args.providers.split(",") if p], args.out, args.reps)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,8 @@
+"""Flash-style attention: forward and backward without the [T, S] scores."""
+
+from memeff_jax.ops.flash_attention.api import flash_attention
+from memeff_jax.ops.flash_attention.api import IMPLEMENTATIONS
+from memeff_jax.ops.flash_attention.chunked_xla import ChunkedXla
+from memeff_jax.ops.flash_attention.masks import MaskSpec
+from memeff_jax.ops.flash_attention.pallas_triton import PallasTriton
+from memeff_jax.ops.flash_attention.reference import Reference

@@ -1,0 +1,173 @@
+"""flash_attention(): argument checks and the choice of implementation."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from memeff_jax.ops.flash_attention._common import AttentionOptions
+from memeff_jax.ops.flash_attention.chunked_xla import ChunkedXla
+from memeff_jax.ops.flash_attention.masks import MaskSpec
+from memeff_jax.ops.flash_attention.pallas_triton import PallasTriton
+from memeff_jax.ops.flash_attention.reference import Reference
+
+IMPLEMENTATIONS = {
+    "reference": Reference(),
+    "chunked_xla": ChunkedXla(),
+    "pallas_triton": PallasTriton(),
+}
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
+
+
+def _default_order() -> tuple[str, ...]:
+  device = jax.devices()[0]
+  if device.platform == "gpu" and "nvidia" in device.device_kind.lower():
+    return ("pallas_triton", "chunked_xla")
+  return ("chunked_xla",)
+
+
+def _resolve(implementation):
+  if implementation is None:
+    implementation = _default_order()
+  if isinstance(implementation, str) or callable(implementation):
+    implementation = (implementation,)
+  resolved = []
+  for impl in implementation:
+    if isinstance(impl, str):
+      if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation={impl!r}; expected one of "
+                         f"{sorted(IMPLEMENTATIONS)} or an implementation object")
+      impl = IMPLEMENTATIONS[impl]
+    resolved.append(impl)
+  if not resolved:
+    raise ValueError("implementation must not be an empty sequence")
+  return resolved
+
+
+def _check_segments(name, ids, batch, length, which):
+  ids = jnp.asarray(ids)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"{name} must be integers, got {name}.dtype={ids.dtype}")
+  if ids.shape != (batch, length):
+    raise ValueError(f"{name}.shape={ids.shape} must be (B, {which})=({batch}, {length})")
+  return ids.astype(jnp.int32)
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+    logit_softcap: float | None = None,
+    return_lse: bool = False,
+    implementation=None,
+):
+  """Scaled dot-product attention without the [T, S] score matrix.
+
+    s = scale · q kᵀ,  ŝ = c·tanh(s / c) (c = logit_softcap),  out = softmax(ŝ) v
+
+  over the keys each query sees. Same layout and mask meanings as
+  `jax.nn.dot_product_attention`: `causal` lets query i see keys 0..i (top-left aligned);
+  `sliding_window=(left, right)` keys i-left..i+right (an int w means (w, w)); with segment
+  ids a query sees a key only where their ids are equal. All combine. A query that sees no
+  key gets output 0 (and lse -inf) with zero gradients.
+
+  Args:
+    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D] with Hq % Hkv == 0 (GQA, MQA: k/v are not
+      repeated in memory). T ≠ S allowed; D in [32, 256]; float32, bfloat16 or float16.
+    causal, sliding_window, q_segment_ids ([B, T] ints), kv_segment_ids ([B, S] ints;
+      defaults to q_segment_ids, which then needs T == S): the mask.
+    scale: default 1/sqrt(D).
+    logit_softcap: optional c > 0 (Gemma 2).
+    return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
+    implementation: None (fastest available: "pallas_triton" on NVIDIA GPUs, then
+      "chunked_xla"), a name, an implementation object or a sequence tried in order.
+
+  Returns:
+    out [B, T, Hq, D] in q's dtype; with return_lse, (out, lse).
+
+  Memory: reference holds [B, Hq, T, S] float32 scores; chunked_xla [B, Hq, block_q,
+  block_k]; pallas_triton only the kernels' tiles.
+
+  Raises:
+    ValueError / TypeError: bad shapes, dtypes or options; the message names the argument.
+    NotImplementedError: when an explicitly chosen implementation cannot serve the call.
+
+  >>> import jax, jax.numpy as jnp
+  >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 128, 4, 64))
+  >>> flash_attention(q, k, v, causal=True).shape
+  (1, 128, 4, 64)
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  for name, a in (("q", q), ("k", k), ("v", v)):
+    if a.ndim != 4:
+      raise ValueError(f"{name} must be [B, {'T' if name == 'q' else 'S'}, heads, D], got "
+                       f"{name}.shape={a.shape}")
+    if a.dtype not in _DTYPES:
+      raise TypeError(f"{name} must be float32, bfloat16 or float16, got "
+                      f"{name}.dtype={a.dtype}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  b, t, hq, d = q.shape
+  if k.shape != v.shape:
+    raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must be equal")
+  if k.shape[0] != b or k.shape[3] != d:
+    raise ValueError(f"k.shape={k.shape} must be [B={b}, S, Hkv, D={d}] for q.shape={q.shape}")
+  s, hkv = k.shape[1], k.shape[2]
+  if hq % hkv:
+    raise ValueError(f"query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv} "
+                     f"(q.shape={q.shape}, k.shape={k.shape})")
+  if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+    raise ValueError(f"head dim D={d} is not supported; expected {MIN_HEAD_DIM} ≤ D ≤ "
+                     f"{MAX_HEAD_DIM} (q.shape={q.shape})")
+  if q_segment_ids is None and kv_segment_ids is not None:
+    raise ValueError("kv_segment_ids needs q_segment_ids")
+  if q_segment_ids is not None:
+    q_segment_ids = _check_segments("q_segment_ids", q_segment_ids, b, t, "T")
+    if kv_segment_ids is None:
+      if s != t:
+        raise ValueError(f"kv_segment_ids defaults to q_segment_ids, which needs T == S; got "
+                         f"T={t}, S={s}: pass kv_segment_ids")
+      kv_segment_ids = q_segment_ids
+    kv_segment_ids = _check_segments("kv_segment_ids", kv_segment_ids, b, s, "S")
+  if sliding_window is not None:
+    window = (sliding_window,) * 2 if isinstance(sliding_window, numbers.Integral) else \
+        tuple(sliding_window)
+    if len(window) != 2 or not all(isinstance(w, numbers.Integral) and w >= 0 for w in window):
+      raise ValueError(f"sliding_window must be an int ≥ 0 or a (left, right) pair of them, "
+                       f"got {sliding_window!r}")
+    sliding_window = tuple(int(w) for w in window)
+  if logit_softcap is not None and (not isinstance(logit_softcap, numbers.Real)
+                                    or logit_softcap <= 0):
+    raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap!r}")
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  elif not isinstance(scale, numbers.Real):
+    raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
+
+  opts = AttentionOptions(
+      mask=MaskSpec.make(bool(causal), sliding_window, q_segment_ids is not None),
+      scale=float(scale),
+      logit_softcap=None if logit_softcap is None else float(logit_softcap))
+  reasons = []
+  for impl in _resolve(implementation):
+    try:
+      out, lse = impl(q, k, v, q_segment_ids, kv_segment_ids, opts=opts)
+      break
+    except NotImplementedError as err:
+      reasons.append(f"{getattr(impl, 'name', impl)}: {err}")
+  else:
+    raise NotImplementedError("no implementation can serve this call:\n  " +
+                              "\n  ".join(reasons))
+  if return_lse:
+    return out, jnp.moveaxis(lse, 1, 2)
+  return out

@@ -1,0 +1,147 @@
+"""flash_attention against the float32 reference, for every implementation.
+
+One parameterized base takes the implementation; subclasses run chunked_xla, the Pallas
+Triton kernels in the interpreter (CPU), and both on the GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memeff_jax.ops.flash_attention import ChunkedXla
+from memeff_jax.ops.flash_attention import flash_attention
+from memeff_jax.ops.flash_attention import PallasTriton
+from memeff_jax.ops.flash_attention.pallas_triton import BlockConfig
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
+
+FEATURES = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(sliding_window=(5, 3)),  # smaller than any block
+    "causal_window": dict(causal=True, sliding_window=9),
+    "segments": dict(segments=True),
+    "softcap": dict(logit_softcap=2.5),
+    "scale": dict(scale=0.3),
+    "everything": dict(causal=True, sliding_window=(40, 7), segments=True, logit_softcap=3.0),
+}
+
+
+def make_problem(key, b, t, s, hq, hkv, d, dtype, segments=False):
+  kq, kk, kv, ks1, ks2, kg = jax.random.split(key, 6)
+  q = jax.random.normal(kq, (b, t, hq, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (b, s, hkv, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (b, s, hkv, d), jnp.float32).astype(dtype)
+  seg = None
+  if segments:  # several packed documents per row: sorted ids, some rows start mid-id
+    seg = (jnp.sort(jax.random.randint(ks1, (b, t), 0, 4), axis=1),
+           jnp.sort(jax.random.randint(ks2, (b, s), 0, 4), axis=1))
+  return q, k, v, seg, jax.random.normal(kg, (b, t, hq, d), jnp.float32)
+
+
+def rel_err(got, ref):
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  return np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def run(impl, q, k, v, seg, ct, options):
+  options = dict(options)
+  options.pop("segments", None)
+  if seg is not None:
+    options.update(q_segment_ids=seg[0], kv_segment_ids=seg[1])
+
+  def f(q, k, v):
+    out, lse = flash_attention(q, k, v, return_lse=True, implementation=impl, **options)
+    lse_ct = jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.25
+    return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(lse_ct), (out, lse)
+
+  (_, (out, lse)), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  return out, lse, grads
+
+
+class _FlashAttentionTest:
+  impl = None
+  dtypes = (jnp.float32, jnp.bfloat16)
+  # Odd shapes: T ≠ S, neither a block multiple; D = 96 (padded to 128 in tiles); GQA 4:1.
+  shape = dict(b=2, t=100, s=153, hq=4, hkv=1, d=96)
+
+  @pytest.mark.parametrize("name", sorted(FEATURES))
+  def test_matches_reference(self, name):
+    options = FEATURES[name]
+    for i, dtype in enumerate(self.dtypes):
+      q, k, v, seg, ct = make_problem(jax.random.key(i), **self.shape, dtype=dtype,
+                                      segments=options.get("segments", False))
+      out, lse, grads = run(self.impl, q, k, v, seg, ct, options)
+      up = lambda x: x.astype(jnp.float32)
+      r_out, r_lse, r_grads = run("reference", up(q), up(k), up(v), seg, ct, options)
+      tol = TOL[dtype]
+      assert out.dtype == dtype and lse.dtype == jnp.float32
+      assert lse.shape == (self.shape["b"], self.shape["t"], self.shape["hq"])
+      assert rel_err(out, r_out) < tol, (dtype, rel_err(out, r_out))
+      np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
+      fin = np.isfinite(np.asarray(r_lse))
+      assert rel_err(np.asarray(lse)[fin], np.asarray(r_lse)[fin]) < 1e-4
+      for g, rg, arg in zip(grads, r_grads, "qkv"):
+        assert g.dtype == dtype
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), arg
+        assert rel_err(g, rg) < tol, (dtype, arg, rel_err(g, rg))
+
+  def test_rows_that_see_no_key_give_zero_and_finite_gradients(self):
+    """A window past the start and a segment with no key: output 0, lse -inf, no NaN."""
+    b, t, s, h, d = 1, 40, 40, 2, 32
+    q, k, v, _, ct = make_problem(jax.random.key(3), b, t, s, h, h, d, jnp.float32)
+    q_seg = jnp.where(jnp.arange(t) < 30, 0, 7)[None]  # id 7 has no key
+    kv_seg = jnp.zeros((1, s), jnp.int32)
+    opts = dict(sliding_window=(0, 0))  # causal with window 0 → sees itself only
+    out, lse, grads = run(self.impl, q, k, v, (q_seg, kv_seg), ct, opts)
+    assert np.all(np.asarray(out)[0, 30:] == 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)[0, 30:]))
+    for g in grads:
+      assert np.all(np.isfinite(np.asarray(g)))
+    r_out, _, r_grads = run("reference", q, k, v, (q_seg, kv_seg), ct, opts)
+    assert rel_err(out, r_out) < 2e-5
+    for g, rg in zip(grads, r_grads):
+      assert rel_err(g, rg) < 2e-5
+
+  def test_matches_jax_nn(self):
+    q, k, v, _, _ = make_problem(jax.random.key(4), 2, 64, 64, 4, 2, 64, jnp.float32)
+    for causal in (False, True):
+      got = flash_attention(q, k, v, causal=causal, implementation=self.impl)
+      want = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+      assert rel_err(got, want) < 2e-5
+
+
+class TestChunkedXla(_FlashAttentionTest):
+  impl = ChunkedXla(block_q=32, block_k=16)
+
+
+class TestPallasTritonInterpret(_FlashAttentionTest):
+  impl = PallasTriton(interpret=True, config=BlockConfig(
+      block_q=32, block_k=16, bwd_block_q=16, bwd_block_k=32))
+  dtypes = (jnp.float32, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+class TestChunkedXlaGpu(_FlashAttentionTest):
+  impl = "chunked_xla"
+  shape = dict(b=2, t=1000, s=1537, hq=8, hkv=2, d=96)
+
+
+@pytest.mark.gpu
+class TestPallasTritonGpu(_FlashAttentionTest):
+  impl = "pallas_triton"
+  dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+  shape = dict(b=2, t=1000, s=1537, hq=8, hkv=2, d=96)
+
+  @pytest.mark.parametrize("d", [32, 64, 128, 192, 256])
+  def test_head_dims(self, d):
+    q, k, v, _, ct = make_problem(jax.random.key(d), 1, 300, 300, 4, 2, d, jnp.bfloat16)
+    out, _, grads = run(self.impl, q, k, v, None, ct, dict(causal=True))
+    up = lambda x: x.astype(jnp.float32)
+    r_out, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=True))
+    assert rel_err(out, r_out) < 3e-2
+    for g, rg in zip(grads, r_grads):
+      assert rel_err(g, rg) < 3e-2
