@@ -103,17 +103,18 @@ def run(set_name: str, providers: list[str], out, reps: int):
           traceback.print_exc(limit=2)
           row["error"] = f"{type(err).__name__}: {err}"[:500]
           rows.append(row)
+          _harness.append(out, [row])
           print(f"  {provider:28s} causal={causal!s:5s} ERROR {row['error'][:160]}")
           continue
         row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
         row["fwd_bwd_tflops"] = 3.5 * flops / row["fwd_bwd_ms"] / 1e9
         rows.append(row)
+        _harness.append(out, [row])
         extra = row["extra_bytes"]
         print(f"  {provider:28s} B={b} T={t} H={h}/{hkv} D={d} causal={causal!s:5s} "
               f"fwd {row['fwd_ms']:7.2f} ms {row['fwd_tflops']:6.1f} TFLOP/s | fwd+bwd "
               f"{row['fwd_bwd_ms']:7.2f} ms {row['fwd_bwd_tflops']:6.1f} TFLOP/s | extra "
               f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}", flush=True)
-  _harness.append(out, rows)
   return rows
 
 

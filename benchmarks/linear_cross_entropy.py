@@ -227,6 +227,7 @@ def run(set_name: str, providers: list[str], out, reps: int) -> list[dict]:
         traceback.print_exc()
         row["error"] = f"{type(err).__name__}: {err}"[:500]
         rows.append(row)
+        _harness.append(out, [row])
         print(f"  {provider:32s} ERROR {row['error'][:200]}")
         continue
       if provider == "floor":
@@ -234,12 +235,12 @@ def run(set_name: str, providers: list[str], out, reps: int) -> list[dict]:
       row.update(ms=ms, tflops=flops / ms / 1e9,
                  ratio_to_floor=None if floor_ms is None else ms / floor_ms)
       rows.append(row)
+      _harness.append(out, [row])
       extra = row.get("extra_bytes")
       print(f"  {provider:32s} {ms:9.2f} ms  x{row['ratio_to_floor'] or float('nan'):.3f}  "
             f"{row['tflops']:7.1f} TFLOP/s  extra "
             f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}  "
             f"loss {row.get('loss', float('nan')):.5f}", flush=True)
-  _harness.append(out, rows)
   return rows
 
 

@@ -15,7 +15,12 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-README_MARK = re.compile(r"(<!-- results:linear_cross_entropy -->\n).*?(<!-- /results -->)", re.S)
+JAX_PEERS = ("xla", "cudnn", "tokamax:mosaic", "tokamax:triton")
+
+
+def readme_block(name: str, text: str, block: str) -> str:
+  mark = re.compile(rf"(<!-- results:{name} -->\n).*?(<!-- /results -->)", re.S)
+  return mark.sub(lambda m: m.group(1) + block + m.group(2), text)
 
 
 def load(op: str) -> list[dict]:
@@ -39,6 +44,42 @@ def lce_table(rows: list[dict]) -> str:
     out.append(f"| {r['provider']} | {r['ms']:.2f} | {ratio} | {r['tflops']:.0f} | "
                f"{_gib(r.get('extra_bytes'))} |")
   return "\n".join(out)
+
+
+def fa_table(rows: list[dict]) -> str:
+  """One attention run: ratios against the best JAX peer of the same run and mask."""
+  out = ["| provider | causal | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
+         "fwd+bwd vs best JAX peer | extra memory (GiB) |", "|---|---|---|---|---|---|---|---|"]
+  best = {}
+  for r in rows:
+    if r["provider"] in JAX_PEERS and "error" not in r:
+      best[r["causal"]] = max(best.get(r["causal"], 0.0), r["fwd_bwd_tflops"])
+  for r in sorted(rows, key=lambda r: r["causal"]):
+    if "error" in r:
+      out.append(f"| {r['provider']} | {r['causal']} | error: {r['error'][:60]} | | | | | |")
+      continue
+    ratio = (f"{r['fwd_bwd_tflops'] / best[r['causal']]:.2f}×" if r["causal"] in best else "—")
+    out.append(f"| {r['provider']} | {r['causal']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
+               f"{r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_tflops']:.0f} | {ratio} | "
+               f"{_gib(r.get('extra_bytes'))} |")
+  notes = sorted({r["source"] for r in rows if r.get("source")})
+  return "\n".join(out + [f"\nNote: {n}." for n in notes])
+
+
+def fa_runs(rows: list[dict]):
+  grouped = collections.OrderedDict()
+  for r in rows:
+    key = (r["set"], r["device"], r["timestamp"], r["b"], r["t"], r["s"], r["h"], r["hkv"],
+           r["d"], r["docs"], r["dtype"])
+    grouped.setdefault(key, []).append(r)
+  return sorted(grouped.items(), key=lambda kv: kv[0][2], reverse=True)
+
+
+def fa_heading(key, rows) -> str:
+  set_name, device, stamp, b, t, s, h, hkv, d, docs, dtype = key
+  docs = f", {docs} documents per row" if docs else ""
+  return (f"**{set_name}** (B={b}, T={t:,}, S={s:,}, H={h}/{hkv}, D={d}{docs}, {dtype}) on "
+          f"{device}, {stamp} (jax {rows[0]['jax']})")
 
 
 def runs(rows: list[dict]):
@@ -69,13 +110,27 @@ def main():
     lines += [run_heading(key, group), "", lce_table(group), ""]
     if latest is None and key[0] == "llama3-8b":
       latest = (key, group)
+  fa_rows = load("flash_attention")
+  lines += ["## flash_attention", "",
+            "TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal) and 2.5× that for "
+            "the backward. JAX peers: jax.nn.dot_product_attention (xla, cudnn) and tokamax.", ""]
+  fa_latest = None
+  for key, group in fa_runs(fa_rows):
+    lines += [fa_heading(key, group), "", fa_table(group), ""]
+    if fa_latest is None and key[0] == "headline":
+      fa_latest = (key, group)
   (ROOT / "benchmarks" / "RESULTS.md").write_text("\n".join(lines))
   readme = ROOT / "README.md"
-  if latest and readme.exists():
-    block = run_heading(*latest) + "\n\n" + lce_table(latest[1]) + "\n"
-    text = README_MARK.sub(lambda m: m.group(1) + block + m.group(2), readme.read_text())
+  if readme.exists():
+    text = readme.read_text()
+    if latest:
+      text = readme_block("linear_cross_entropy", text,
+                          run_heading(*latest) + "\n\n" + lce_table(latest[1]) + "\n")
+    if fa_latest:
+      text = readme_block("flash_attention", text,
+                          fa_heading(*fa_latest) + "\n\n" + fa_table(fa_latest[1]) + "\n")
     readme.write_text(text)
-  print(f"wrote benchmarks/RESULTS.md ({len(rows)} rows)")
+  print(f"wrote benchmarks/RESULTS.md ({len(rows)} + {len(fa_rows)} rows)")
 
 
 if __name__ == "__main__":

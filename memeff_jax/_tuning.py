@@ -48,7 +48,11 @@ def lookup(op: str, implementation: str, *, fields=None, device_kind: str | None
   found = dict(table.get("default", {}))
   for key, section in table.items():
     if key != "default" and key.lower() in device_kind.lower():
-      found.update(section)
+      for name, value in section.items():
+        if isinstance(value, dict) and isinstance(found.get(name), dict):
+          found[name] = {**found[name], **value}
+        else:
+          found[name] = value
   if fields is not None:
     names = {f.name for f in dataclasses.fields(fields)}
     unknown = set(found) - names

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
   demo.add_argument("--reps", type=int, default=3)
   demo.set_defaults(func=_demo)
   bench = sub.add_parser("bench", help="run benchmarks/<op>.py (source checkout)")
-  bench.add_argument("op", choices=["linear_cross_entropy"])
+  bench.add_argument("op", choices=["linear_cross_entropy", "flash_attention"])
   bench.add_argument("rest", nargs=argparse.REMAINDER)
   bench.set_defaults(func=_bench)
   args = parser.parse_args(argv)

@@ -50,18 +50,18 @@ class BlockConfig:
 
 
 def default_config(head_dim: int) -> BlockConfig:
-  """Heuristic tiles by head dim; configs/tuning/flash_attention.toml overrides them."""
-  if head_dim <= 64:
-    base = BlockConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
-  elif head_dim <= 128:
-    base = BlockConfig(block_q=128, block_k=64, num_warps=8, num_stages=2)
-  else:
-    base = BlockConfig(block_q=64, block_k=32, num_warps=8, num_stages=2,
-                       bwd_block_q=32, bwd_block_k=32, bwd_num_warps=8)
-  table = _tuning.lookup("flash_attention", "pallas_triton", fields=None)
-  tuned = {k: v for k, v in table.items() if not isinstance(v, dict)}
-  by_dim = table.get(f"d{pl.next_power_of_2(head_dim)}", {})
-  return dataclasses.replace(base, **{**tuned, **by_dim})
+  """Tiles for a head dim: configs/tuning/flash_attention.toml's `d<pow2>` section for
+  this GPU kind if there is one, else a heuristic."""
+  dim = pl.next_power_of_2(head_dim)
+  tuned = _tuning.lookup("flash_attention", "pallas_triton").get(f"d{dim}")
+  if tuned:
+    return BlockConfig(**tuned)
+  if dim <= 64:
+    return BlockConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
+  if dim <= 128:
+    return BlockConfig(block_q=128, block_k=64, num_warps=8, num_stages=2)
+  return BlockConfig(block_q=64, block_k=32, num_warps=8, num_stages=2,
+                     bwd_block_q=32, bwd_block_k=32, bwd_num_warps=8)
 
 
 @dataclasses.dataclass(frozen=True)
