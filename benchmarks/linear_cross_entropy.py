@@ -93,9 +93,8 @@ def import_tokamax():
   Where xprof is missing (it drags in duckdb and cloud-storage clients), a throwaway stub of
   the one name tokamax imports is put on sys.path; the loss itself never calls it.
   """
-  try:
-    import xprof  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  if importlib.util.find_spec("xprof") is None:
     import tempfile  # pylint: disable=import-outside-toplevel
     stub = pathlib.Path(tempfile.mkdtemp()) / "xprof"
     (stub / "cli").mkdir(parents=True)

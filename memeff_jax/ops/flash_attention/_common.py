@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -28,6 +29,25 @@ class Residuals(NamedTuple):
   kv_segment_ids: jax.Array | None
   out: jax.Array
   lse: jax.Array  # float32 [B, Hq, T]; -inf for a query that sees no key
+
+
+def attention_vjp(forward, backward):
+  """custom_vjp of forward(static, q, k, v, q_seg, kv_seg) -> (out, lse [B, Hq, T]).
+
+  The residuals are the inputs, the output and the float32 log-sum-exp (Residuals);
+  backward(static, residuals, (d_out, d_lse)) -> (dq, dk, dv, None, None).
+  """
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def attention(static, q, k, v, q_seg, kv_seg):
+    return forward(static, q, k, v, q_seg, kv_seg)
+
+  def fwd(static, q, k, v, q_seg, kv_seg):
+    out, lse = forward(static, q, k, v, q_seg, kv_seg)
+    return (out, lse), Residuals(q, k, v, q_seg, kv_seg, out, lse)
+
+  attention.defvjp(fwd, backward)
+  return attention
 
 
 def cap(s, softcap):

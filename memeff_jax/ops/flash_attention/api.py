@@ -8,6 +8,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention.chunked_xla import ChunkedXla
 from memeff_jax.ops.flash_attention.masks import MaskSpec
@@ -21,31 +22,6 @@ IMPLEMENTATIONS = {
 }
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
-
-
-def _default_order() -> tuple[str, ...]:
-  device = jax.devices()[0]
-  if device.platform == "gpu" and "nvidia" in device.device_kind.lower():
-    return ("pallas_triton", "chunked_xla")
-  return ("chunked_xla",)
-
-
-def _resolve(implementation):
-  if implementation is None:
-    implementation = _default_order()
-  if isinstance(implementation, str) or callable(implementation):
-    implementation = (implementation,)
-  resolved = []
-  for impl in implementation:
-    if isinstance(impl, str):
-      if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown implementation={impl!r}; expected one of "
-                         f"{sorted(IMPLEMENTATIONS)} or an implementation object")
-      impl = IMPLEMENTATIONS[impl]
-    resolved.append(impl)
-  if not resolved:
-    raise ValueError("implementation must not be an empty sequence")
-  return resolved
 
 
 def _check_segments(name, ids, batch, length, which):
@@ -158,16 +134,10 @@ def flash_attention(
       mask=MaskSpec.make(bool(causal), sliding_window, q_segment_ids is not None),
       scale=float(scale),
       logit_softcap=None if logit_softcap is None else float(logit_softcap))
-  reasons = []
-  for impl in _resolve(implementation):
-    try:
-      out, lse = impl(q, k, v, q_segment_ids, kv_segment_ids, opts=opts)
-      break
-    except NotImplementedError as err:
-      reasons.append(f"{getattr(impl, 'name', impl)}: {err}")
-  else:
-    raise NotImplementedError("no implementation can serve this call:\n  " +
-                              "\n  ".join(reasons))
+  default = ("pallas_triton", "chunked_xla") if _dispatch.on_nvidia_gpu() else ("chunked_xla",)
+  out, lse = _dispatch.first_that_serves(
+      _dispatch.resolve(implementation, IMPLEMENTATIONS, default),
+      lambda impl: impl(q, k, v, q_segment_ids, kv_segment_ids, opts=opts))
   if return_lse:
     return out, jnp.moveaxis(lse, 1, 2)
   return out

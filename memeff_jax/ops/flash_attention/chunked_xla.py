@@ -13,7 +13,6 @@ repeated.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -138,16 +137,6 @@ def _forward(st: _Static, q, k, v, q_seg, kv_seg):
   return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st: _Static, q, k, v, q_seg, kv_seg):
-  return _forward(st, q, k, v, q_seg, kv_seg)
-
-
-def _fwd(st, q, k, v, q_seg, kv_seg):
-  out, lse = _forward(st, q, k, v, q_seg, kv_seg)
-  return (out, lse), Residuals(q, k, v, q_seg, kv_seg, out, lse)
-
-
 def _bwd(st: _Static, res: Residuals, cts):
   d_out, d_lse = cts
   q, k, v = res.q, res.k, res.v
@@ -209,4 +198,4 @@ def _bwd(st: _Static, res: Residuals, cts):
   return dq, to_bshd(dk), to_bshd(dv), None, None
 
 
-_attention.defvjp(_fwd, _bwd)
+_attention = _common.attention_vjp(_forward, _bwd)

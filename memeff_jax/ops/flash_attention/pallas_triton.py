@@ -16,7 +16,6 @@ dims that are not powers of two are padded inside the tiles (loads are masked).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -303,16 +302,6 @@ def _forward(st: _Static, q, k, v, q_seg, kv_seg):
   return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st: _Static, q, k, v, q_seg, kv_seg):
-  return _forward(st, q, k, v, q_seg, kv_seg)
-
-
-def _fwd(st, q, k, v, q_seg, kv_seg):
-  out, lse = _forward(st, q, k, v, q_seg, kv_seg)
-  return (out, lse), Residuals(q, k, v, q_seg, kv_seg, out, lse)
-
-
 def _bwd(st: _Static, res: Residuals, cts):
   d_out, d_lse = cts
   q, k, v = res.q, res.k, res.v
@@ -362,4 +351,4 @@ def _bwd(st: _Static, res: Residuals, cts):
   return dq, dk, dv, None, None
 
 
-_attention.defvjp(_fwd, _bwd)
+_attention = _common.attention_vjp(_forward, _bwd)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import numbers
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from memeff_jax.ops import _dispatch
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions
 from memeff_jax.ops.linear_cross_entropy.chunked_xla import ChunkedXla
@@ -28,34 +28,6 @@ class Aux(NamedTuple):
 
   lse: jax.Array  # float32, labels.shape: log-sum-exp of each token's (capped) logits
   z_loss: jax.Array  # the z-loss term λ·lse², reduced like the loss (already in the loss)
-
-
-def _default_order() -> tuple[str, ...]:
-  device = jax.devices()[0]
-  if device.platform == "gpu" and "nvidia" in device.device_kind.lower():
-    return ("pallas_gpu", "chunked_xla")
-  return ("chunked_xla",)
-
-
-def _resolve(implementation) -> list[Any]:
-  if implementation is None:
-    implementation = _default_order()
-  if isinstance(implementation, str) or callable(implementation):
-    implementation = (implementation,)
-  resolved = []
-  for impl in implementation:
-    if isinstance(impl, str):
-      if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown implementation={impl!r}; expected one of "
-                         f"{sorted(IMPLEMENTATIONS)} or an implementation object")
-      impl = IMPLEMENTATIONS[impl]
-    elif not callable(impl):
-      raise TypeError(f"implementation entries must be names or implementation objects, "
-                      f"got {impl!r}")
-    resolved.append(impl)
-  if not resolved:
-    raise ValueError("implementation must not be an empty sequence")
-  return resolved
 
 
 def _check_float(name, a):
@@ -194,17 +166,10 @@ def linear_cross_entropy(
   if where is not None:
     valid = valid & where.reshape(-1)
 
-  reasons = []
-  for impl in _resolve(implementation):
-    try:
-      loss, lse, zterm = impl(x2, weight, bias, labels2, valid, opts=opts,
-                              chunk_size=chunk_size)
-      break
-    except NotImplementedError as err:
-      reasons.append(f"{getattr(impl, 'name', impl)}: {err}")
-  else:
-    raise NotImplementedError("no implementation can serve this call:\n  " +
-                              "\n  ".join(reasons))
+  default = ("pallas_gpu", "chunked_xla") if _dispatch.on_nvidia_gpu() else ("chunked_xla",)
+  loss, lse, zterm = _dispatch.first_that_serves(
+      _dispatch.resolve(implementation, IMPLEMENTATIONS, default),
+      lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))
 
   if reduction == "none":
     loss, zterm = loss.reshape(lead), zterm.reshape(lead)

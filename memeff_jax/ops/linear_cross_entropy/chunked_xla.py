@@ -77,13 +77,13 @@ class XlaChunkBackend:
   def _capped_logits(self, x_c, w, bias, start, size):
     layout = self.opts.weight_layout
     w_blk = w if size == self.opts.vocab_size else _common.vocab_slice(w, start, size, layout)
-    z = _common.logits_dot(x_c, w_blk.astype(x_c.dtype), layout, jnp.float32)
+    z = _common.logits_dot(x_c, w_blk, layout, jnp.float32)
     if bias is not None:
       z = z + jax.lax.dynamic_slice_in_dim(bias, start, size).astype(jnp.float32)[None, :]
-    return _common.cap_logits(z, self.opts.logit_softcap), w_blk
+    return _common.cap_logits(z, self.opts.logit_softcap)
 
   def _block_stats(self, x_c, w, bias, labels_c, start, size):
-    zc, _ = self._capped_logits(x_c, w, bias, start, size)
+    zc = self._capped_logits(x_c, w, bias, start, size)
     cols = start + jnp.arange(size, dtype=jnp.int32)
     return _common.block_stats(zc, cols, labels_c, self.opts.vocab_size)
 
@@ -104,30 +104,30 @@ class XlaChunkBackend:
 
   def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need):
     need_dx, need_dw, need_db = need
-    opts, layout = self.opts, self.opts.weight_layout
-    single = self.vocab_chunk >= opts.vocab_size
-    if single and lse_c is None:
-      zc, w_blk = self._capped_logits(x_c, w, bias, 0, opts.vocab_size)
-      cols = jnp.arange(opts.vocab_size, dtype=jnp.int32)
-      m, s, y, t = _common.block_stats(zc, cols, labels_c, opts.vocab_size)
+    opts, layout, vocab = self.opts, self.opts.weight_layout, self.opts.vocab_size
+    single = self.vocab_chunk >= vocab
+    # One vocabulary block, statistics wanted: form the logits once for both uses.
+    # Otherwise (vocabulary blocks, or lse given by the forward pass) each block recomputes.
+    reuse = single and lse_c is None
+    if reuse:
+      zc = self._capped_logits(x_c, w, bias, 0, vocab)
+      m, s, y, t = _common.block_stats(zc, jnp.arange(vocab, dtype=jnp.int32), labels_c, vocab)
       stats = Stats(m + jnp.log(s), y, t)
-    else:
-      stats = self.stats(x_c, w, bias, labels_c) if lse_c is None else None
-    lse = stats.lse if stats is not None else lse_c
-    dx_c = jnp.zeros((x_c.shape[0], x_c.shape[1]), jnp.float32) if need_dx else None
+    elif lse_c is None:
+      stats = self.stats(x_c, w, bias, labels_c)
+    else:  # the backward pass: statistics are known and not returned
+      stats = Stats(lse_c, jnp.zeros_like(lse_c), jnp.zeros_like(lse_c))
+    dx_c = jnp.zeros(x_c.shape, jnp.float32) if need_dx else None
 
     def block(start, size, carry):
       dx_c, dw_acc, db_acc = carry
-      if single and stats is not None:
-        zc_blk = zc
-      else:
-        zc_blk, _ = self._capped_logits(x_c, w, bias, start, size)
+      zc_blk = zc if reuse else self._capped_logits(x_c, w, bias, start, size)
       w_blk = w if single else _common.vocab_slice(w, start, size, layout)
       cols = start + jnp.arange(size, dtype=jnp.int32)
-      g = _common.block_grad(zc_blk, cols, labels_c, lse, a_c, e_c, opts)
+      g = _common.block_grad(zc_blk, cols, labels_c, stats.lse, a_c, e_c, opts)
       g_lo = g.astype(x_c.dtype)  # tensor-core operand; products accumulate in float32
       if need_dx:
-        dx_c = dx_c + _common.dx_dot(g_lo, w_blk.astype(x_c.dtype), layout, jnp.float32)
+        dx_c = dx_c + _common.dx_dot(g_lo, w_blk, layout, jnp.float32)
       if need_dw:
         axis = 1 if layout == "dv" else 0
         blk = _common.dw_dot(x_c, g_lo, layout, jnp.float32)
@@ -141,9 +141,6 @@ class XlaChunkBackend:
         db_acc = jax.lax.dynamic_update_slice_in_dim(db_acc, cur + jnp.sum(g, axis=0), start, 0)
       return dx_c, dw_acc, db_acc
 
-    chunk = opts.vocab_size if single else self.vocab_chunk
-    dx_c, dw_acc, db_acc = _chunked.blocked_loop(opts.vocab_size, chunk, block,
-                                                 (dx_c, dw_acc, db_acc))
-    if stats is None:
-      stats = Stats(lse_c, jnp.zeros_like(lse_c), jnp.zeros_like(lse_c))
+    dx_c, dw_acc, db_acc = _chunked.blocked_loop(vocab, vocab if single else self.vocab_chunk,
+                                                 block, (dx_c, dw_acc, db_acc))
     return stats, dx_c, dw_acc, db_acc

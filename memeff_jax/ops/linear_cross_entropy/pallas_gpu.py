@@ -19,7 +19,6 @@ to the running dW and rounded once per chunk, as Liger-Kernel does) unless
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
