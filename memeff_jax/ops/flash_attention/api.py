@@ -33,56 +33,13 @@ def _check_segments(name, ids, batch, length, which):
   return ids.astype(jnp.int32)
 
 
-def flash_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    sliding_window: int | tuple[int, int] | None = None,
-    logit_softcap: float | None = None,
-    return_lse: bool = False,
-    implementation=None,
-):
-  """Scaled dot-product attention without the [T, S] score matrix.
+def _default() -> tuple[str, ...]:
+  return ("pallas_triton", "chunked_xla") if _dispatch.on_nvidia_gpu() else ("chunked_xla",)
 
-    s = scale · q kᵀ,  ŝ = c·tanh(s / c) (c = logit_softcap),  out = softmax(ŝ) v
 
-  over the keys each query sees. Same layout and mask meanings as
-  `jax.nn.dot_product_attention`: `causal` lets query i see keys 0..i (top-left aligned);
-  `sliding_window=(left, right)` keys i-left..i+right (an int w means (w, w)); with segment
-  ids a query sees a key only where their ids are equal. All combine. A query that sees no
-  key gets output 0 (and lse -inf) with zero gradients.
-
-  Args:
-    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D] with Hq % Hkv == 0 (GQA, MQA: k/v are not
-      repeated in memory). T ≠ S allowed; D in [32, 256]; float32, bfloat16 or float16.
-    causal, sliding_window, q_segment_ids ([B, T] ints), kv_segment_ids ([B, S] ints;
-      defaults to q_segment_ids, which then needs T == S): the mask.
-    scale: default 1/sqrt(D).
-    logit_softcap: optional c > 0 (Gemma 2).
-    return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
-    implementation: None (fastest available: "pallas_triton" on NVIDIA GPUs, then
-      "chunked_xla"), a name, an implementation object or a sequence tried in order.
-
-  Returns:
-    out [B, T, Hq, D] in q's dtype; with return_lse, (out, lse).
-
-  Memory: reference holds [B, Hq, T, S] float32 scores; chunked_xla [B, Hq, block_q,
-  block_k]; pallas_triton only the kernels' tiles.
-
-  Raises:
-    ValueError / TypeError: bad shapes, dtypes or options; the message names the argument.
-    NotImplementedError: when an explicitly chosen implementation cannot serve the call.
-
-  >>> import jax, jax.numpy as jnp
-  >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 128, 4, 64))
-  >>> flash_attention(q, k, v, causal=True).shape
-  (1, 128, 4, 64)
-  """
+def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_window,
+             logit_softcap):
+  """Checks every argument; returns (AttentionOptions, q_segment_ids, kv_segment_ids)."""
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   for name, a in (("q", q), ("k", k), ("v", v)):
     if a.ndim != 4:
@@ -134,10 +91,90 @@ def flash_attention(
       mask=MaskSpec.make(bool(causal), sliding_window, q_segment_ids is not None),
       scale=float(scale),
       logit_softcap=None if logit_softcap is None else float(logit_softcap))
-  default = ("pallas_triton", "chunked_xla") if _dispatch.on_nvidia_gpu() else ("chunked_xla",)
+  return opts, q_segment_ids, kv_segment_ids
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+    logit_softcap: float | None = None,
+    return_lse: bool = False,
+    implementation=None,
+):
+  """Scaled dot-product attention without the [T, S] score matrix.
+
+    s = scale · q kᵀ,  ŝ = c·tanh(s / c) (c = logit_softcap),  out = softmax(ŝ) v
+
+  over the keys each query sees. Same layout and mask meanings as
+  `jax.nn.dot_product_attention`: `causal` lets query i see keys 0..i (top-left aligned);
+  `sliding_window=(left, right)` keys i-left..i+right (an int w means (w, w)); with segment
+  ids a query sees a key only where their ids are equal. All combine. A query that sees no
+  key gets output 0 (and lse -inf) with zero gradients.
+
+  Args:
+    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D] with Hq % Hkv == 0 (GQA, MQA: k/v are not
+      repeated in memory). T ≠ S allowed; D in [32, 256]; float32, bfloat16 or float16.
+    causal, sliding_window, q_segment_ids ([B, T] ints), kv_segment_ids ([B, S] ints;
+      defaults to q_segment_ids, which then needs T == S): the mask.
+    scale: default 1/sqrt(D).
+    logit_softcap: optional c > 0 (Gemma 2).
+    return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
+    implementation: None (fastest available: "pallas_triton" on NVIDIA GPUs, then
+      "chunked_xla"), a name, an implementation object or a sequence tried in order.
+
+  Returns:
+    out [B, T, Hq, D] in q's dtype; with return_lse, (out, lse).
+
+  Memory: reference holds [B, Hq, T, S] float32 scores; chunked_xla [B, Hq, block_q,
+  block_k]; pallas_triton only the kernels' tiles.
+
+  Raises:
+    ValueError / TypeError: bad shapes, dtypes or options; the message names the argument.
+    NotImplementedError: when an explicitly chosen implementation cannot serve the call.
+
+  >>> import jax, jax.numpy as jnp
+  >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 128, 4, 64))
+  >>> flash_attention(q, k, v, causal=True).shape
+  (1, 128, 4, 64)
+  """
+  opts, q_segment_ids, kv_segment_ids = _prepare(
+      q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
+      logit_softcap=logit_softcap)
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   out, lse = _dispatch.first_that_serves(
-      _dispatch.resolve(implementation, IMPLEMENTATIONS, default),
+      _dispatch.resolve(implementation, IMPLEMENTATIONS, _default()),
       lambda impl: impl(q, k, v, q_segment_ids, kv_segment_ids, opts=opts))
   if return_lse:
     return out, jnp.moveaxis(lse, 1, 2)
   return out
+
+
+def flash_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, causal=False, scale=None,
+                             q_segment_ids=None, kv_segment_ids=None, sliding_window=None,
+                             logit_softcap=None, implementation=None):
+  """(dq, dk, dv) of flash_attention from its saved output and log-sum-exp.
+
+  For callers that keep their own residuals (the PyTorch bridge): out [B, T, Hq, D] and
+  lse [B, T, Hq] as flash_attention(..., return_lse=True) returned them, d_out like out,
+  d_lse like lse or None. Options must equal the forward call's. No forward pass is run
+  (the reference implementation excepted: it recomputes).
+  """
+  opts, q_segment_ids, kv_segment_ids = _prepare(
+      q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
+      logit_softcap=logit_softcap)
+  lse = jnp.moveaxis(jnp.asarray(lse, jnp.float32), 2, 1)  # public [B, T, H] -> [B, H, T]
+  d_lse = jnp.zeros_like(lse) if d_lse is None else jnp.moveaxis(
+      jnp.asarray(d_lse, jnp.float32), 2, 1)
+  return _dispatch.first_that_serves(
+      _dispatch.resolve(implementation, IMPLEMENTATIONS, _default()),
+      lambda impl: impl.backward(q, k, v, q_segment_ids, kv_segment_ids, out, lse, d_out,
+                                 d_lse, opts=opts))

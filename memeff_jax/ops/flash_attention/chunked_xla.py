@@ -30,9 +30,16 @@ class ChunkedXla:
   block_k: int = 512
   name: str = "chunked_xla"
 
+  def _static(self, q, k, opts):
+    return _Static(opts, min(self.block_q, q.shape[1]), min(self.block_k, k.shape[1]))
+
   def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
-    static = _Static(opts, min(self.block_q, q.shape[1]), min(self.block_k, k.shape[1]))
-    return _attention(static, q, k, v, q_seg, kv_seg)
+    return _attention(self._static(q, k, opts), q, k, v, q_seg, kv_seg)
+
+  def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, opts: AttentionOptions):
+    """(dq, dk, dv) from saved out and lse [B, Hq, T], without a forward pass."""
+    res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
+    return _bwd(self._static(q, k, opts), res, (d_out, d_lse))[:3]
 
 
 @dataclasses.dataclass(frozen=True)

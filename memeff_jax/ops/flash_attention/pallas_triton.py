@@ -72,6 +72,14 @@ class PallasTriton:
   name: str = "pallas_triton"
 
   def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
+    return _attention(self._static(q, opts), q, k, v, q_seg, kv_seg)
+
+  def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, opts: AttentionOptions):
+    """(dq, dk, dv) from saved out and lse [B, Hq, T], without a forward pass."""
+    res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
+    return _bwd(self._static(q, opts), res, (d_out, d_lse))[:3]
+
+  def _static(self, q, opts: AttentionOptions) -> "_Static":
     if plgpu is None:
       raise NotImplementedError("jax.experimental.pallas.triton is not importable")
     if not self.interpret:
@@ -80,8 +88,7 @@ class PallasTriton:
         raise NotImplementedError(
             f"pallas_triton needs an NVIDIA GPU (default device: {device.device_kind}); "
             "PallasTriton(interpret=True) runs the kernels in the Pallas interpreter")
-    cfg = self.config or default_config(q.shape[-1])
-    return _attention(_Static(opts, cfg, self.interpret), q, k, v, q_seg, kv_seg)
+    return _Static(opts, self.config or default_config(q.shape[-1]), self.interpret)
 
 
 @dataclasses.dataclass(frozen=True)

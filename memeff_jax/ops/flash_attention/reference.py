@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from memeff_jax.ops.flash_attention import _common
@@ -48,3 +49,9 @@ class Reference:
   def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
     out, lse = reference_attention(q, k, v, q_seg, kv_seg, opts)
     return out.astype(q.dtype), lse
+
+  def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, opts: AttentionOptions):
+    """(dq, dk, dv) by autodiff of the reference (it recomputes the forward)."""
+    del out, lse
+    f = lambda q, k, v: self(q, k, v, q_seg, kv_seg, opts=opts)
+    return jax.vjp(f, q, k, v)[1]((d_out, d_lse))

@@ -1,0 +1,419 @@
+"""PyTorch bridge: memeff_jax's ops on torch tensors, zero-copy through DLPack.
+
+    from memeff_jax.interop import torch as mt
+    loss = mt.linear_cross_entropy(hidden, lm_head.weight, labels)   # torch conventions
+    out = mt.flash_attention(q, k, v, causal=True, layout="bhtd")
+    loss.backward()
+
+Conventions are torch's: the weight is [V, D] as in nn.Linear, labels are integer class ids
+(int64 as F.cross_entropy takes them), ignore_index=-100, and the option names of
+F.cross_entropy where they overlap.
+
+Both ops are `torch.library.custom_op`s with `register_fake` and `register_autograd`, so
+`torch.compile(fullgraph=True)` traces a model that calls them without graph breaks.
+Residuals are torch tensors (zero-copy views of the JAX buffers) saved with
+`ctx.save_for_backward`, so they are freed right after backward and pass through
+`torch.autograd.graph.saved_tensors_hooks` (e.g. CPU offload). None is kept on ctx attributes.
+
+Memory: importing this module sets XLA_PYTHON_CLIENT_PREALLOCATE=false when it is unset and
+JAX has not started a backend yet, so JAX allocates on demand instead of taking 75% of the
+GPU that torch needs. If JAX has already started, a warning says so; set the variable
+before importing JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import jax
+from jax._src import xla_bridge as _xla_bridge
+
+if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
+  if _xla_bridge.backends_are_initialized():
+    warnings.warn("memeff_jax.interop.torch: JAX has already started with its default "
+                  "preallocation (75% of GPU memory); set XLA_PYTHON_CLIENT_PREALLOCATE=false "
+                  "before importing JAX so that torch keeps its memory")
+  else:
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+
+from memeff_jax.ops import flash_attention as _fa  # noqa: E402
+from memeff_jax.ops.linear_cross_entropy import linear_cross_entropy as _lce  # noqa: E402
+
+__all__ = ["to_jax", "to_torch", "linear_cross_entropy", "flash_attention",
+           "LinearCrossEntropyLoss", "wrap"]
+
+_WIDE = (torch.int64, torch.float64, torch.complex128)
+
+
+# ----------------------------------------------------------------------------------------
+# Conversion
+# ----------------------------------------------------------------------------------------
+
+
+def to_jax(t: torch.Tensor) -> jax.Array:
+  """A torch tensor as a jax.Array on the same device, sharing its memory.
+
+  Zero-copy for contiguous tensors (bf16 included). A non-contiguous tensor is copied once
+  (`t.contiguous()`), since DLPack in JAX takes dense row-major buffers only. On CUDA, DLPack
+  makes JAX's stream wait for torch's current stream, so pending torch writes are seen.
+  64-bit tensors (int64, float64) raise unless `jax_enable_x64` is on: JAX would otherwise
+  narrow them silently; convert explicitly (`t.to(torch.int32)`). A tensor that requires
+  grad is detached (autograd goes through the ops below, not through this function).
+  """
+  if not isinstance(t, torch.Tensor):
+    raise TypeError(f"to_jax expects a torch.Tensor, got {type(t).__name__}")
+  if t.dtype in _WIDE and not jax.config.jax_enable_x64:
+    raise TypeError(f"to_jax got a {t.dtype} tensor; with jax_enable_x64 off JAX would "
+                    "narrow it, so convert explicitly, e.g. t.to(torch.int32)")
+  t = t.detach()
+  if not t.is_contiguous():
+    t = t.contiguous()
+  return jax.dlpack.from_dlpack(t)
+
+
+def to_torch(a: jax.Array) -> torch.Tensor:
+  """A jax.Array as a torch tensor on the same device, sharing its memory (zero-copy).
+
+  The torch tensor keeps the JAX buffer alive; deleting it releases the buffer. On CUDA,
+  DLPack makes torch's current stream wait for the JAX computation that produced `a`.
+  """
+  return torch.from_dlpack(a)
+
+
+def _opt(t):
+  return None if t is None else to_jax(t)
+
+
+def _empty():
+  return torch.empty(0)
+
+
+# ----------------------------------------------------------------------------------------
+# linear_cross_entropy
+# ----------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, has_bias):
+  """Jitted JAX functions for one set of options: value, value+unit grads, and vjp."""
+  opts = dict(weight_layout="vd", reduction=reduction, ignore_index=ignore_index,
+              label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap)
+
+  def loss(x, w, b, y):
+    return _lce(x, w, y, bias=b, **opts)
+
+  argnums = (0, 1, 2) if has_bias else (0, 1)
+  value = jax.jit(loss)
+  # For mean/sum the library computes the gradients inside the forward (three matmuls); the
+  # gradient of a unit cotangent is what the torch backward scales.
+  value_and_grads = jax.jit(jax.value_and_grad(loss, argnums=argnums))
+
+  def vjp(x, w, b, y, g):
+    return jax.vjp(lambda *a: loss(*a, y) if has_bias else loss(a[0], a[1], None, y),
+                   *((x, w, b) if has_bias else (x, w)))[1](g)
+
+  return value, value_and_grads, jax.jit(vjp)
+
+
+def _lce_key(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, bias):
+  return (reduction, int(ignore_index), float(label_smoothing), float(z_loss),
+          None if logit_softcap is None else float(logit_softcap), bias is not None)
+
+
+@torch.library.custom_op("memeff::linear_cross_entropy", mutates_args=())
+def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+            bias: torch.Tensor | None, ignore_index: int, reduction: str,
+            label_smoothing: float, z_loss: float, logit_softcap: float | None,
+            with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+  """(loss, dx, dW, db) with the gradients of a unit cotangent when with_grads (mean/sum)."""
+  value, value_and_grads, _ = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing,
+                                                 z_loss, logit_softcap, bias))
+  args = (to_jax(x), to_jax(weight), _opt(bias), to_jax(labels))
+  if not with_grads:
+    return to_torch(value(*args)), _empty(), _empty(), _empty()
+  loss, grads = value_and_grads(*args)
+  db = to_torch(grads[2]) if bias is not None else _empty()
+  return to_torch(loss), to_torch(grads[0]), to_torch(grads[1]), db
+
+
+@_lce_op.register_fake
+def _(x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
+      with_grads):
+  loss = x.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
+  if not with_grads:
+    return loss, x.new_empty(0), x.new_empty(0), x.new_empty(0)
+  db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
+  return loss, torch.empty_like(x), torch.empty_like(weight), db
+
+
+@torch.library.custom_op("memeff::linear_cross_entropy_backward", mutates_args=())
+def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                bias: torch.Tensor | None, grad: torch.Tensor, ignore_index: int,
+                reduction: str, label_smoothing: float, z_loss: float,
+                logit_softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+  """(dx, dW, db) for a per-token cotangent (reduction "none"): recomputes the chunks."""
+  _, _, vjp = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing, z_loss,
+                                 logit_softcap, bias))
+  grads = vjp(to_jax(x), to_jax(weight), _opt(bias), to_jax(labels), to_jax(grad))
+  db = to_torch(grads[2]) if bias is not None else _empty()
+  return to_torch(grads[0]), to_torch(grads[1]), db
+
+
+@_lce_bwd_op.register_fake
+def _(x, weight, labels, bias, grad, ignore_index, reduction, label_smoothing, z_loss,
+      logit_softcap):
+  db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
+  return torch.empty_like(x), torch.empty_like(weight), db
+
+
+def _lce_setup(ctx, inputs, output):
+  x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, _ = inputs
+  ctx.options = (ignore_index, reduction, label_smoothing, z_loss, softcap)
+  ctx.has_bias = bias is not None
+  if reduction == "none":  # recompute from the inputs: saving them copies nothing
+    ctx.save_for_backward(x, weight, labels, bias)
+  else:  # the unit gradients the forward computed
+    ctx.save_for_backward(*output[1:])
+
+
+def _lce_backward(ctx, g_loss, *unused):
+  del unused
+  ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.options
+  if reduction == "none":
+    x, weight, labels, bias = ctx.saved_tensors
+    dx, dw, db = _lce_bwd_op(x, weight, labels, bias, g_loss.contiguous().float(), ignore_index,
+                             reduction, label_smoothing, z_loss, softcap)
+  else:
+    dx, dw, db = ctx.saved_tensors
+    dx, dw, db = ((t * g_loss).to(t.dtype) for t in (dx, dw, db))
+  return dx, dw, None, db if ctx.has_bias else None, None, None, None, None, None, None
+
+
+_lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, logit_softcap: float | None = None
+                         ) -> torch.Tensor:
+  """`F.cross_entropy(F.linear(x, weight, bias), labels, ...)` without the logits.
+
+  Args:
+    x: [..., D]; weight: [V, D] (nn.Linear / tied embedding); labels: [...] integer ids
+      (int64 is fine: they are narrowed to int32 on the torch side, a copy of N ints);
+    bias: optional [V]; ignore_index, reduction ("mean" | "sum" | "none"), label_smoothing:
+      as F.cross_entropy; z_loss, logit_softcap: as memeff_jax.linear_cross_entropy.
+
+  Returns:
+    float32 loss (scalar, or labels.shape for "none").
+  """
+  if labels.dtype.is_floating_point:
+    raise TypeError(f"labels must be integer class ids, got labels.dtype={labels.dtype}")
+  needs_grad = torch.is_grad_enabled() and any(
+      t is not None and t.requires_grad for t in (x, weight, bias))
+  loss, *_ = _lce_op(x, weight, labels.to(torch.int32), bias, int(ignore_index), reduction,
+                     float(label_smoothing), float(z_loss),
+                     None if logit_softcap is None else float(logit_softcap),
+                     needs_grad and reduction != "none")
+  return loss
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+  """The LM-head loss as a module, over an existing [V, D] weight (nn.Linear or tied
+  embedding), which it holds by reference, not as a copy or a new parameter.
+
+  >>> head = torch.nn.Linear(64, 1000, bias=False)
+  >>> loss_fn = LinearCrossEntropyLoss(head.weight)
+  >>> loss = loss_fn(torch.randn(8, 64), torch.randint(0, 1000, (8,)))
+  """
+
+  def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+               z_loss: float = 0.0, logit_softcap: float | None = None):
+    super().__init__()
+    if weight.ndim != 2:
+      raise ValueError(f"weight must be [V, D], got weight.shape={tuple(weight.shape)}")
+    self._weight, self._bias = [weight], [bias]  # references: not registered twice
+    self.options = dict(ignore_index=ignore_index, reduction=reduction,
+                        label_smoothing=label_smoothing, z_loss=z_loss,
+                        logit_softcap=logit_softcap)
+
+  def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return linear_cross_entropy(x, self._weight[0], labels, bias=self._bias[0], **self.options)
+
+
+# ----------------------------------------------------------------------------------------
+# flash_attention
+# ----------------------------------------------------------------------------------------
+
+
+def _window(left: int, right: int):
+  return None if left < 0 else (left, right)
+
+
+@torch.library.custom_op("memeff::flash_attention", mutates_args=())
+def _fa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
+           causal: bool, scale: float | None, window_left: int, window_right: int,
+           logit_softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+  """(out [B, T, Hq, D], lse [B, T, Hq] float32), BTHD layout."""
+  out, lse = _fa_fwd(to_jax(q), to_jax(k), to_jax(v), _opt(q_segment_ids),
+                     _opt(kv_segment_ids), causal=causal, scale=scale,
+                     sliding_window=_window(window_left, window_right),
+                     logit_softcap=logit_softcap)
+  return to_torch(out), to_torch(lse)
+
+
+@_fa_op.register_fake
+def _(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window_left, window_right,
+      logit_softcap):
+  return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("memeff::flash_attention_backward", mutates_args=())
+def _fa_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor,
+               q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
+               causal: bool, scale: float | None, window_left: int, window_right: int,
+               logit_softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+  grads = _fa_bwd(to_jax(q), to_jax(k), to_jax(v), to_jax(out), to_jax(lse), to_jax(d_out),
+                  to_jax(d_lse), _opt(q_segment_ids), _opt(kv_segment_ids), causal=causal,
+                  scale=scale, sliding_window=_window(window_left, window_right),
+                  logit_softcap=logit_softcap)
+  return tuple(to_torch(g) for g in grads)
+
+
+@_fa_bwd_op.register_fake
+def _(q, k, v, out, lse, d_out, d_lse, *rest):
+  del rest
+  return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "sliding_window",
+                                             "logit_softcap"))
+def _fa_fwd(q, k, v, q_seg, kv_seg, *, causal, scale, sliding_window, logit_softcap):
+  return _fa.flash_attention(q, k, v, causal=causal, scale=scale, q_segment_ids=q_seg,
+                             kv_segment_ids=kv_seg, sliding_window=sliding_window,
+                             logit_softcap=logit_softcap, return_lse=True)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "sliding_window",
+                                             "logit_softcap"))
+def _fa_bwd(q, k, v, out, lse, d_out, d_lse, q_seg, kv_seg, *, causal, scale, sliding_window,
+            logit_softcap):
+  return _fa.flash_attention_backward(
+      q, k, v, out, lse, d_out, d_lse, causal=causal, scale=scale, q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg, sliding_window=sliding_window, logit_softcap=logit_softcap)
+
+
+def _fa_setup(ctx, inputs, output):
+  q, k, v, q_seg, kv_seg, *options = inputs
+  ctx.options = tuple(options)
+  out, lse = output
+  ctx.save_for_backward(q, k, v, out, lse, q_seg, kv_seg)
+
+
+def _fa_backward(ctx, d_out, d_lse):
+  q, k, v, out, lse, q_seg, kv_seg = ctx.saved_tensors
+  d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
+  dq, dk, dv = _fa_bwd_op(q, k, v, out, lse, d_out.contiguous(), d_lse.contiguous(), q_seg,
+                          kv_seg, *ctx.options)
+  return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_fa_op.register_autograd(_fa_backward, setup_context=_fa_setup)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    causal: bool = False, scale: float | None = None,
+                    q_segment_ids: torch.Tensor | None = None,
+                    kv_segment_ids: torch.Tensor | None = None,
+                    sliding_window: int | tuple[int, int] | None = None,
+                    logit_softcap: float | None = None, return_lse: bool = False,
+                    layout: str = "bthd"):
+  """memeff_jax.flash_attention on torch tensors, with autograd.
+
+  layout "bthd": q [B, T, Hq, D], k/v [B, S, Hkv, D] (no copies). "bhtd":
+  q [B, Hq, T, D] as F.scaled_dot_product_attention takes it; the tensors are transposed
+  into BTHD, which costs one copy each, and the output is returned as a BHTD view. GQA
+  (Hq a multiple of Hkv) needs no repeated k/v. Masks mean what they mean in
+  memeff_jax.flash_attention (causal is top-left aligned, as SDPA's is_causal).
+  """
+  if layout not in ("bthd", "bhtd"):
+    raise ValueError(f"layout must be 'bthd' or 'bhtd', got {layout!r}")
+  if layout == "bhtd":
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+  if sliding_window is None:
+    left = right = -1
+  elif isinstance(sliding_window, int):
+    left = right = sliding_window
+  else:
+    left, right = sliding_window
+  if (q_segment_ids is None) and (kv_segment_ids is not None):
+    raise ValueError("kv_segment_ids needs q_segment_ids")
+  if q_segment_ids is not None:
+    q_segment_ids = q_segment_ids.to(torch.int32)
+    kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids.to(torch.int32)
+  out, lse = _fa_op(q.contiguous(), k.contiguous(), v.contiguous(), q_segment_ids,
+                    kv_segment_ids, bool(causal), None if scale is None else float(scale),
+                    int(left), int(right),
+                    None if logit_softcap is None else float(logit_softcap))
+  if layout == "bhtd":
+    out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+  return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------
+# wrap: any JAX function
+# ----------------------------------------------------------------------------------------
+
+
+def wrap(jax_fn):
+  """A torch autograd function (eager) from a JAX function of arrays.
+
+  `wrap(f)(*tensors)` converts the tensors zero-copy, runs `jax.vjp(f, ...)` and returns the
+  outputs as torch tensors (a pytree of them as f returns). The VJP's residuals become torch
+  tensors saved with `ctx.save_for_backward`: freed after backward, visible to
+  saved_tensors_hooks. Non-array residual leaves (rare) are kept on ctx. Every argument is
+  a tensor and is differentiated if it requires grad. For torch.compile use the custom ops
+  above: this path runs eagerly.
+  """
+
+  class _Fn(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, out_tree_box, *tensors):
+      outs, vjp_fn = jax.vjp(jax_fn, *(to_jax(t) for t in tensors))
+      leaves, ctx.vjp_tree = jax.tree.flatten(vjp_fn)
+      ctx.is_array = [isinstance(leaf, jax.Array) for leaf in leaves]
+      ctx.others = [leaf for leaf, a in zip(leaves, ctx.is_array) if not a]
+      ctx.save_for_backward(*(to_torch(leaf) for leaf, a in zip(leaves, ctx.is_array) if a))
+      del leaves, vjp_fn  # the saved tensors now own the residual buffers
+      flat, ctx.out_tree = jax.tree.flatten(outs)
+      ctx.out_avals = [(o.shape, o.dtype) for o in flat]
+      out_tree_box.append(ctx.out_tree)
+      return tuple(to_torch(o) for o in flat)
+
+    @staticmethod
+    def backward(ctx, *cts):
+      saved, others = iter(ctx.saved_tensors), iter(ctx.others)
+      leaves = [to_jax(next(saved)) if a else next(others) for a in ctx.is_array]
+      vjp_fn = jax.tree.unflatten(ctx.vjp_tree, leaves)
+      cts = [jnp.zeros(shape, dtype) if ct is None else to_jax(ct)
+             for ct, (shape, dtype) in zip(cts, ctx.out_avals)]
+      grads = vjp_fn(jax.tree.unflatten(ctx.out_tree, cts))
+      return (None,) + tuple(to_torch(g) for g in grads)
+
+  @functools.wraps(jax_fn)
+  def run(*tensors):
+    box = []
+    flat = _Fn.apply(box, *tensors)
+    return jax.tree.unflatten(box[0], list(flat))
+
+  return run

@@ -1,0 +1,193 @@
+"""The PyTorch bridge: torch semantics, autograd, torch.compile, residual lifetime, zero-copy."""
+
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+mt = pytest.importorskip("memeff_jax.interop.torch")
+
+N, D, V = 37, 24, 203
+
+
+def _close(a, b, tol=2e-5):
+  a, b = a.detach().double(), b.detach().double()
+  assert (a - b).norm() <= tol * max(b.norm(), 1e-12), float((a - b).norm() / b.norm())
+
+
+def _lce_inputs(dtype=torch.float32, bias=False):
+  g = torch.Generator().manual_seed(0)
+  x = torch.randn(3, N, D, generator=g).to(dtype).requires_grad_()
+  w = (torch.randn(V, D, generator=g) * 0.2).to(dtype).requires_grad_()
+  b = (torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_() if bias else None
+  y = torch.randint(0, V, (3, N), generator=g)
+  y[0, :5] = -100
+  return x, w, b, y
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing, bias", [(0.0, False), (0.1, True)])
+def test_lce_equals_torch(reduction, smoothing, bias):
+  x, w, b, y = _lce_inputs(bias=bias)
+  ct = torch.cos(torch.arange(3 * N, dtype=torch.float32)).reshape(3, N)
+
+  def run(fn):
+    for t in (x, w, b):
+      if t is not None:
+        t.grad = None
+    loss = fn()
+    (loss * ct).sum().backward() if reduction == "none" else loss.backward()
+    return loss, [t.grad.clone() for t in (x, w, b) if t is not None]
+
+  ours = run(lambda: mt.linear_cross_entropy(x, w, y, bias=b, reduction=reduction,
+                                             label_smoothing=smoothing))
+  ref = run(lambda: F.cross_entropy(F.linear(x, w, b).reshape(-1, V), y.reshape(-1),
+                                    reduction=reduction, label_smoothing=smoothing
+                                    ).reshape(y.shape if reduction == "none" else ()))
+  _close(ours[0], ref[0])
+  for a, r in zip(ours[1], ref[1]):
+    _close(a, r)
+
+
+def test_lce_bf16_and_module():
+  x, w, _, y = _lce_inputs(torch.bfloat16)
+  head = torch.nn.Linear(D, V, bias=False, dtype=torch.bfloat16)
+  with torch.no_grad():
+    head.weight.copy_(w)
+  loss_fn = mt.LinearCrossEntropyLoss(head.weight)
+  assert not list(loss_fn.parameters())  # holds the weight by reference only
+  loss = loss_fn(x, y)
+  loss.backward()
+  assert head.weight.grad is not None and head.weight.grad.dtype == torch.bfloat16
+  ref = F.cross_entropy(F.linear(x.float(), w.float()).reshape(-1, V), y.reshape(-1))
+  _close(loss, ref, 2e-2)
+
+
+def test_lce_float_labels_raise():
+  x, w, _, y = _lce_inputs()
+  with pytest.raises(TypeError, match="labels must be integer class ids"):
+    mt.linear_cross_entropy(x, w, y.float())
+
+
+@pytest.mark.parametrize("layout", ["bthd", "bhtd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_equals_sdpa_with_gqa(layout, causal):
+  g = torch.Generator().manual_seed(1)
+  b, hq, hkv, t, d = 2, 4, 2, 29, 32
+  q = torch.randn(b, hq, t, d, generator=g, requires_grad=True)
+  k = torch.randn(b, hkv, t, d, generator=g, requires_grad=True)
+  v = torch.randn(b, hkv, t, d, generator=g, requires_grad=True)
+  ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+  ref_grads = torch.autograd.grad((ref * ref).sum(), (q, k, v))
+  args = (q, k, v) if layout == "bhtd" else tuple(a.transpose(1, 2) for a in (q, k, v))
+  out = mt.flash_attention(*args, causal=causal, layout=layout)
+  out_bhtd = out if layout == "bhtd" else out.transpose(1, 2)
+  _close(out_bhtd, ref)
+  for a, r in zip(torch.autograd.grad((out_bhtd * out_bhtd).sum(), (q, k, v)), ref_grads):
+    _close(a, r, 5e-5)
+
+
+class _TinyLM(torch.nn.Module):
+
+  def __init__(self):
+    super().__init__()
+    g = torch.Generator().manual_seed(2)
+    self.qkv = torch.nn.Linear(32, 96)
+    self.head = torch.nn.Linear(32, 100, bias=False)
+    with torch.no_grad():
+      for p in self.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+  def forward(self, x, labels):
+    b, t, _ = x.shape
+    q, k, v = self.qkv(x).reshape(b, t, 3, 1, 32).unbind(2)
+    h = x + mt.flash_attention(q, k, v, causal=True)[:, :, 0]
+    return mt.linear_cross_entropy(h, self.head.weight, labels)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+  model = _TinyLM()
+  x = torch.randn(2, 16, 32)
+  labels = torch.randint(0, 100, (2, 16))
+  eager = model(x, labels)
+  eager_grads = torch.autograd.grad(eager, list(model.parameters()))
+  compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # no graph breaks
+  got = compiled(x, labels)
+  got_grads = torch.autograd.grad(got, list(model.parameters()))
+  _close(got, eager, 1e-6)
+  for a, r in zip(got_grads, eager_grads):
+    _close(a, r, 1e-5)
+
+
+@pytest.mark.parametrize("op", ["lce", "attention", "wrap"])
+def test_residuals_are_saved_tensors_and_freed_after_backward(op):
+  """Residuals pass through saved_tensors_hooks (so offloading works) and die after backward."""
+  seen = []
+  x, w, _, y = _lce_inputs()
+  q = torch.randn(1, 20, 2, 32, requires_grad=True)
+  inputs = (x, w, y, q)
+
+  def pack(t):
+    if not any(t is i for i in inputs):  # the caller keeps its inputs alive, as it should
+      seen.append(weakref.ref(t))
+    return t
+
+  with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    if op == "lce":
+      loss = mt.linear_cross_entropy(x, w, y)
+    elif op == "attention":
+      loss = mt.flash_attention(q, q, q, causal=True).square().sum()
+    else:
+      loss = mt.wrap(lambda a: jnp.sum(jnp.tanh(a) ** 2))(q)
+  assert seen, "no residual went through save_for_backward"
+  assert any(r() is not None for r in seen)
+  loss.backward()
+  del loss
+  gc.collect()
+  assert all(r() is None for r in seen), "a residual outlived backward"
+
+
+def test_zero_copy_by_data_pointers():
+  for dtype in (torch.float32, torch.bfloat16):
+    t = torch.randn(64, 32).to(dtype)
+    a = mt.to_jax(t)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    back = mt.to_torch(a)
+    assert back.data_ptr() == t.data_ptr() and back.dtype == dtype
+  j = jnp.arange(1024, dtype=jnp.float32)
+  assert mt.to_torch(j).data_ptr() == j.unsafe_buffer_pointer()
+  # A non-contiguous tensor is copied once (documented), and still right.
+  t = torch.randn(32, 64).t()
+  np.testing.assert_array_equal(np.asarray(mt.to_jax(t)), t.numpy())
+
+
+def test_no_silent_64_bit_narrowing():
+  if jax.config.jax_enable_x64:
+    pytest.skip("x64 enabled: 64-bit tensors convert as they are")
+  with pytest.raises(TypeError, match="int64 tensor.*convert explicitly"):
+    mt.to_jax(torch.arange(4))
+
+
+def _fresh_python(code):
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
+  return subprocess.run([sys.executable, "-W", "always", "-c", code], env=env,
+                        capture_output=True, text=True, check=True)
+
+
+def test_import_sets_on_demand_allocation_before_jax_starts():
+  run = _fresh_python("import os, memeff_jax.interop.torch, jax; jax.devices(); "
+                      "print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])")
+  assert run.stdout.strip() == "false"
+
+
+def test_import_after_jax_started_warns():
+  run = _fresh_python("import jax; jax.devices(); import memeff_jax.interop.torch")
+  assert "set XLA_PYTHON_CLIENT_PREALLOCATE=false before importing JAX" in run.stderr
