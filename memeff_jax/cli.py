@@ -2,6 +2,7 @@
 
   memeff-jax demo          train a tiny model twice, plain Flax layers vs memeff layers
   memeff-jax train         the same loop at a configured size (configs/models/*.toml)
+  memeff-jax report        memory report of a model's train step, and of each remat policy
   memeff-jax compare-loss  the fused LM-head loss beside the naive one
   memeff-jax bench         run a benchmark script from a source checkout (benchmarks/<op>.py)
 """
@@ -77,6 +78,40 @@ def _train(args) -> int:
   peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 2**30:.3f} GiB"
   print(f"{args.kernels} layers: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f} in {steps} steps; "
         f"{r.tokens_per_s:.0f} tokens/s; train-step temporaries {mem}; device peak {peak}")
+  return 0
+
+
+def _report(args) -> int:
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from memeff_jax import remat  # pylint: disable=import-outside-toplevel
+  from memeff_jax.memory import analyze  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import Llama, LlamaConfig, make_train_step  # pylint: disable=import-outside-toplevel
+
+  cfg, train_cfg = LlamaConfig.from_toml(_config_path(args.config))
+  batch = args.batch or train_cfg.get("batch", 1)
+  seq_len = args.seq_len or train_cfg.get("seq_len", 1024)
+  tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+  batch_spec = dict(tokens=tokens, labels=tokens)
+
+  def make_step(policy, kernels=args.kernels):
+    model = Llama(dataclasses.replace(cfg, remat_policy=policy), kernels=kernels,
+                  rngs=nnx.Rngs(0))
+    state, step = make_train_step(model)
+    make_step.state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                   state.state)
+    return step
+
+  step = make_step(cfg.remat_policy)
+  print(f"train step of {args.config} ({args.kernels} layers, batch {batch} × {seq_len}, "
+        f"remat policy {cfg.remat_policy!r}):")
+  print(analyze(step, make_step.state, batch_spec))
+  print("\nremat policies (compiled, not run):")
+  remat.fit(make_step, make_step.state, batch_spec, budget_bytes=args.budget_gib * 2**30)
   return 0
 
 
@@ -166,6 +201,14 @@ def main(argv=None) -> int:
   train.add_argument("--batch", type=int, default=None)
   train.add_argument("--seq-len", type=int, default=None)
   train.set_defaults(func=_train)
+  report = sub.add_parser("report", help="memory report of a model's train step and policies")
+  report.add_argument("--config", required=True, help="a path or a name: tiny, 125m, 1b")
+  report.add_argument("--kernels", choices=["memeff", "plain"], default="memeff")
+  report.add_argument("--batch", type=int, default=None)
+  report.add_argument("--seq-len", type=int, default=None)
+  report.add_argument("--budget-gib", type=float, default=1e6,
+                      help="the budget fit() marks candidates against")
+  report.set_defaults(func=_report)
   compare = sub.add_parser("compare-loss",
                            help="fused vs naive LM-head loss: values, gradients, memory")
   compare.add_argument("--tokens", type=int, default=8192)

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import optax
 
+from memeff_jax import remat
 from memeff_jax.flax.nnx import FusedLMHead
 from memeff_jax.ops.flash_attention import flash_attention
 
@@ -26,8 +27,8 @@ KERNELS = ("memeff", "plain")
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """Model size and numerics. `remat_policy` names a `jax.checkpoint_policies` entry, or
-  "none" for no rematerialization."""
+  """Model size and numerics. `remat_policy` names a memeff_jax.remat.POLICIES entry, a
+  `jax.checkpoint_policies` entry, or "none" for no rematerialization."""
 
   vocab_size: int = 256
   d_model: int = 128
@@ -40,7 +41,7 @@ class LlamaConfig:
   tie_embeddings: bool = False
   dtype: str = "float32"
   param_dtype: str = "float32"
-  remat_policy: str = "nothing_saveable"
+  remat_policy: str = "nothing"
 
   def __post_init__(self):
     if self.d_model % self.n_heads:
@@ -48,8 +49,10 @@ class LlamaConfig:
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads="
                        f"{self.n_kv_heads}")
-    if self.remat_policy != "none" and not hasattr(jax.checkpoint_policies, self.remat_policy):
-      raise ValueError(f"remat_policy={self.remat_policy!r} is not in jax.checkpoint_policies")
+    try:
+      remat.resolve(self.remat_policy)
+    except ValueError as err:
+      raise ValueError(f"remat_policy={self.remat_policy!r}: {err}") from None
 
   @property
   def head_dim(self) -> int:
@@ -164,8 +167,7 @@ class Llama(nnx.Module):
     """Final-norm hidden states [B, T, D]."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    policy = (None if self.cfg.remat_policy == "none"
-              else getattr(jax.checkpoint_policies, self.cfg.remat_policy))
+    policy = remat.resolve(self.cfg.remat_policy)
 
     def layer(x, block):
       return block(x, positions, segment_ids)

@@ -1,0 +1,112 @@
+"""Named `jax.checkpoint` policies for transformer blocks, and `fit()`.
+
+The names refer to what memeff_jax's blocks tag with `checkpoint_name`: query_proj,
+key_proj, value_proj, attention_out (memeff_jax.models) and mlp_gate, mlp_up.
+
+  nothing                 keep nothing; recompute the whole block in the backward pass
+  attention               keep the attention output (the block's most expensive recompute)
+  attention_projections   keep q, k, v and the attention output
+  dots_no_batch           keep every matmul without batch dimensions (jax's policy)
+  everything              keep everything (no recomputation)
+  offload_attention       move the attention output to host memory and back (backends
+                          with pinned host memory: GPU/TPU)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+cp = jax.checkpoint_policies
+
+_ATTN = ("attention_out",)
+_PROJ = ("query_proj", "key_proj", "value_proj", "attention_out")
+
+POLICIES = {
+    "nothing": cp.nothing_saveable,
+    "attention": cp.save_only_these_names(*_ATTN),
+    "attention_projections": cp.save_only_these_names(*_PROJ),
+    "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
+    "everything": cp.everything_saveable,
+    "offload_attention": cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=_ATTN,
+        offload_src="device", offload_dst="pinned_host"),
+}
+
+
+def resolve(name: str):
+  """A policy by name: ours first, then jax.checkpoint_policies; "none" means no remat."""
+  if name == "none":
+    return None
+  if name in POLICIES:
+    return POLICIES[name]
+  if hasattr(cp, name):
+    return getattr(cp, name)
+  raise ValueError(f"unknown remat policy {name!r}; ours are {sorted(POLICIES)}, or any "
+                   "jax.checkpoint_policies name, or 'none'")
+
+
+@dataclasses.dataclass
+class Candidate:
+  """One policy's compiled cost."""
+
+  name: str
+  peak_bytes: int | None = None
+  flops: float | None = None
+  error: str | None = None
+
+  @property
+  def fits(self):
+    return self.error is None
+
+
+def _table(candidates, budget) -> str:
+  rows = [f"{'policy':24s} {'peak':>12s} {'GFLOP':>10s}  fits {budget / 2**30:.3f} GiB"]
+  for c in candidates:
+    if c.error:
+      rows.append(f"{c.name:24s} {'—':>12s} {'—':>10s}  cannot compile: {c.error[:60]}")
+    else:
+      rows.append(f"{c.name:24s} {c.peak_bytes / 2**30:9.3f} GiB {c.flops / 1e9:10.2f}  "
+                  f"{'yes' if c.peak_bytes <= budget else 'no'}")
+  return "\n".join(rows)
+
+
+def fit(make_step, *args, budget_bytes: int, policies=None, verbose: bool = True):
+  """The policy with the least recomputation whose compiled peak fits `budget_bytes`.
+
+  Args:
+    make_step: policy name -> the function to compile (e.g. a train step built with that
+      remat policy); it is compiled for `args` (arrays or ShapeDtypeStructs), never run.
+    budget_bytes: the memory the step may use (memeff_jax.memory.analyze's peak).
+    policies: names to try (default: every entry of POLICIES).
+
+  Returns:
+    (best name, [Candidate per policy]): the fitting candidate with the fewest FLOPs
+    (XLA's cost analysis; recomputation shows up as extra FLOPs), ties to the smaller peak.
+
+  Raises:
+    ValueError: if no candidate fits, with every candidate's peak in the message.
+  """
+  from memeff_jax.memory import report_of  # pylint: disable=import-outside-toplevel
+
+  candidates = []
+  for name in policies or POLICIES:
+    fn = make_step(name)
+    try:
+      jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+      compiled = jitted.lower(*args).compile()
+      cost = compiled.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      report = report_of(compiled)
+      candidates.append(Candidate(name, report.peak_bytes, float(cost.get("flops", 0.0))))
+    except Exception as err:  # pylint: disable=broad-except
+      candidates.append(Candidate(name, error=f"{type(err).__name__}: {err}".splitlines()[0]))
+  table = _table(candidates, budget_bytes)
+  if verbose:
+    print(table)
+  fitting = [c for c in candidates if c.fits and c.peak_bytes <= budget_bytes]
+  if not fitting:
+    raise ValueError(f"no remat policy fits budget_bytes={budget_bytes:,}:\n{table}")
+  best = min(fitting, key=lambda c: (c.flops, c.peak_bytes))
+  return best.name, candidates
