@@ -13,6 +13,8 @@ import tomllib
 
 import jax
 
+from memeff_jax import memory
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -58,8 +60,7 @@ def time_jax(fn, *args, warmup: int = 2, reps: int = 10, inner: int = 1) -> floa
 
 def jax_temp_bytes(jitted, *args) -> int | None:
   """Temporary bytes XLA assigns to the compiled program (None if the backend gives none)."""
-  analysis = jitted.lower(*args).compile().memory_analysis()
-  return None if analysis is None else int(analysis.temp_size_in_bytes)
+  return memory.analyze(jitted, *args).temp_bytes
 
 
 def time_torch(fn, warmup: int = 2, reps: int = 10) -> float:

@@ -180,8 +180,9 @@ class Llama(nnx.Module):
 
   def logits(self, tokens, segment_ids=None):
     h = self.hidden(tokens, segment_ids)
-    if self.kernels == "memeff":
-      return self.lm_head.logits(h)
+    return self.lm_head.logits(h) if self.kernels == "memeff" else self._plain_logits(h)
+
+  def _plain_logits(self, h):
     return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
 
   def loss(self, tokens, labels, segment_ids=None):
@@ -189,7 +190,7 @@ class Llama(nnx.Module):
     h = self.hidden(tokens, segment_ids)
     if self.kernels == "memeff":
       return self.lm_head(h, labels)
-    logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+    logits = self._plain_logits(h)
     valid = labels != -100
     per = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), jnp.where(valid, labels, 0))

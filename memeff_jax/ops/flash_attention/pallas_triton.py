@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from memeff_jax import _tuning
+from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import masks
 from memeff_jax.ops.flash_attention._common import AttentionOptions, Residuals
@@ -82,12 +83,10 @@ class PallasTriton:
   def _static(self, q, opts: AttentionOptions) -> "_Static":
     if plgpu is None:
       raise NotImplementedError("jax.experimental.pallas.triton is not importable")
-    if not self.interpret:
-      device = jax.devices()[0]
-      if device.platform != "gpu" or "nvidia" not in device.device_kind.lower():
-        raise NotImplementedError(
-            f"pallas_triton needs an NVIDIA GPU (default device: {device.device_kind}); "
-            "PallasTriton(interpret=True) runs the kernels in the Pallas interpreter")
+    if not self.interpret and not _dispatch.on_nvidia_gpu():
+      raise NotImplementedError(
+          f"pallas_triton needs an NVIDIA GPU (default device: {jax.devices()[0].device_kind});"
+          " PallasTriton(interpret=True) runs the kernels in the Pallas interpreter")
     return _Static(opts, self.config or default_config(q.shape[-1]), self.interpret)
 
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from memeff_jax import _tuning
+from memeff_jax.ops import _dispatch
 from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
@@ -99,13 +100,11 @@ class PallasGpu:
   def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
     if plgpu is None:
       raise NotImplementedError("jax.experimental.pallas.triton is not importable")
-    if not self.interpret and jax.default_backend() != "gpu":
+    if not self.interpret and not _dispatch.on_nvidia_gpu():
       raise NotImplementedError(
-          f"pallas_gpu needs a GPU (default backend is {jax.default_backend()!r}); "
-          "PallasGpu(interpret=True) runs the kernel in the Pallas interpreter")
-    if not self.interpret and "nvidia" not in jax.devices()[0].device_kind.lower() and \
-        jax.devices()[0].platform != "gpu":
-      raise NotImplementedError("pallas_gpu needs an NVIDIA GPU")
+          f"pallas_gpu needs a GPU, an NVIDIA one (default device: "
+          f"{jax.devices()[0].device_kind}); PallasGpu(interpret=True) runs the kernel in the "
+          "Pallas interpreter")
     kernel = self.kernel or KernelConfig(**_tuning.lookup(
         "linear_cross_entropy", "pallas_gpu", fields=KernelConfig))
     pad = -opts.vocab_size % self.vocab_multiple
