@@ -90,7 +90,7 @@ def _report(args) -> int:
 
   from memeff_jax import remat  # pylint: disable=import-outside-toplevel
   from memeff_jax.memory import analyze  # pylint: disable=import-outside-toplevel
-  from memeff_jax.models import Llama, LlamaConfig, make_train_step  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import Llama, LlamaConfig, abstract_train_step  # pylint: disable=import-outside-toplevel
 
   cfg, train_cfg = LlamaConfig.from_toml(_config_path(args.config))
   batch = args.batch or train_cfg.get("batch", 1)
@@ -99,11 +99,9 @@ def _report(args) -> int:
   batch_spec = dict(tokens=tokens, labels=tokens)
 
   def make_step(policy, kernels=args.kernels):
-    model = Llama(dataclasses.replace(cfg, remat_policy=policy), kernels=kernels,
-                  rngs=nnx.Rngs(0))
-    state, step = make_train_step(model)
-    make_step.state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                   state.state)
+    spec, step = abstract_train_step(lambda: Llama(
+        dataclasses.replace(cfg, remat_policy=policy), kernels=kernels, rngs=nnx.Rngs(0)))
+    make_step.state = spec
     return step
 
   step = make_step(cfg.remat_policy)

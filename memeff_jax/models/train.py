@@ -33,3 +33,12 @@ def make_train_step(model: nnx.Module, learning_rate: float = 3e-3, weight_decay
     return nnx.state((model, optimizer)), loss
 
   return TrainState(graphdef, state), jax.jit(step, donate_argnums=0)
+
+
+def abstract_train_step(make_model, learning_rate: float = 3e-3, weight_decay: float = 0.1):
+  """(state as ShapeDtypeStructs, step) for compiling a train step without allocating it:
+  `make_model()` runs under nnx.eval_shape, so a 1B model costs no device memory here."""
+  model = nnx.eval_shape(make_model)
+  state, step = make_train_step(model, learning_rate, weight_decay)
+  spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state.state)
+  return spec, step

@@ -2,5 +2,7 @@
 
 from memeff_jax.remat.policies import Candidate
 from memeff_jax.remat.policies import POLICIES
+from memeff_jax.remat.policies import candidates
+from memeff_jax.remat.policies import choose
 from memeff_jax.remat.policies import fit
 from memeff_jax.remat.policies import resolve

@@ -61,15 +61,50 @@ class Candidate:
     return self.error is None
 
 
-def _table(candidates, budget) -> str:
+def _table(cands, budget) -> str:
   rows = [f"{'policy':24s} {'peak':>12s} {'GFLOP':>10s}  fits {budget / 2**30:.3f} GiB"]
-  for c in candidates:
+  for c in cands:
     if c.error:
       rows.append(f"{c.name:24s} {'—':>12s} {'—':>10s}  cannot compile: {c.error[:60]}")
     else:
       rows.append(f"{c.name:24s} {c.peak_bytes / 2**30:9.3f} GiB {c.flops / 1e9:10.2f}  "
                   f"{'yes' if c.peak_bytes <= budget else 'no'}")
   return "\n".join(rows)
+
+
+def candidates(make_step, *args, policies=None) -> list[Candidate]:
+  """Compiles `make_step(name)` for `args` (arrays or ShapeDtypeStructs), for every policy
+  name, without running it: each one's peak bytes (memeff_jax.memory.analyze) and FLOPs (XLA's
+  cost analysis; recomputation shows up as extra FLOPs). A policy that does not compile is
+  kept with its error."""
+  from memeff_jax.memory import report_of  # pylint: disable=import-outside-toplevel
+
+  out = []
+  for name in policies or POLICIES:
+    fn = make_step(name)
+    try:
+      jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+      compiled = jitted.lower(*args).compile()
+      cost = compiled.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      report = report_of(compiled)
+      out.append(Candidate(name, report.peak_bytes, float(cost.get("flops", 0.0))))
+    except Exception as err:  # pylint: disable=broad-except
+      out.append(Candidate(name, error=f"{type(err).__name__}: {err}".splitlines()[0]))
+  return out
+
+
+def choose(cands: list[Candidate], budget_bytes: int) -> str:
+  """The fitting candidate with the fewest FLOPs, ties to the smaller peak.
+
+  Raises:
+    ValueError: if no candidate fits, with every candidate's peak in the message.
+  """
+  fitting = [c for c in cands if c.fits and c.peak_bytes <= budget_bytes]
+  if not fitting:
+    raise ValueError(f"no remat policy fits budget_bytes={budget_bytes:,}:\n"
+                     f"{_table(cands, budget_bytes)}")
+  return min(fitting, key=lambda c: (c.flops, c.peak_bytes)).name
 
 
 def fit(make_step, *args, budget_bytes: int, policies=None, verbose: bool = True):
@@ -80,33 +115,15 @@ def fit(make_step, *args, budget_bytes: int, policies=None, verbose: bool = True
       remat policy); it is compiled for `args` (arrays or ShapeDtypeStructs), never run.
     budget_bytes: the memory the step may use (memeff_jax.memory.analyze's peak).
     policies: names to try (default: every entry of POLICIES).
+    verbose: print the table of candidates.
 
   Returns:
-    (best name, [Candidate per policy]): the fitting candidate with the fewest FLOPs
-    (XLA's cost analysis; recomputation shows up as extra FLOPs), ties to the smaller peak.
+    (best name, [Candidate per policy]): see `candidates` and `choose`.
 
   Raises:
     ValueError: if no candidate fits, with every candidate's peak in the message.
   """
-  from memeff_jax.memory import report_of  # pylint: disable=import-outside-toplevel
-
-  candidates = []
-  for name in policies or POLICIES:
-    fn = make_step(name)
-    try:
-      jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-      compiled = jitted.lower(*args).compile()
-      cost = compiled.cost_analysis()
-      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-      report = report_of(compiled)
-      candidates.append(Candidate(name, report.peak_bytes, float(cost.get("flops", 0.0))))
-    except Exception as err:  # pylint: disable=broad-except
-      candidates.append(Candidate(name, error=f"{type(err).__name__}: {err}".splitlines()[0]))
-  table = _table(candidates, budget_bytes)
+  cands = candidates(make_step, *args, policies=policies)
   if verbose:
-    print(table)
-  fitting = [c for c in candidates if c.fits and c.peak_bytes <= budget_bytes]
-  if not fitting:
-    raise ValueError(f"no remat policy fits budget_bytes={budget_bytes:,}:\n{table}")
-  best = min(fitting, key=lambda c: (c.flops, c.peak_bytes))
-  return best.name, candidates
+    print(_table(cands, budget_bytes))
+  return choose(cands, budget_bytes), cands
