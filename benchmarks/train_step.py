@@ -3,15 +3,21 @@
     python benchmarks/train_step.py --config 1b [--kernels plain,memeff] [--steps 10]
 
 For each kernel set: tokens/s and peak device memory at the config's batch, and the largest
-batch that fits (doubling, then bisecting). Every measurement runs in a fresh process, so
-`peak_bytes_in_use` starts from zero and an out-of-memory failure only means "does not fit".
+batch that fits. The search starts from a prediction: the train step compiled (not run) at
+twice the batch gives the bytes per sequence, and the device's `bytes_limit` then gives the
+batch where the compiled peak reaches the limit. Real runs at that batch and the next one
+confirm it (and step on from there if the prediction was off). Every run is a fresh process,
+so `peak_bytes_in_use` starts from zero and an out-of-memory failure only means "does not
+fit". JAX may use 95% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set).
 Rows go to benchmarks/results/train_step.jsonl (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -29,46 +35,98 @@ def worker(args) -> None:
   from memeff_jax.models import run  # pylint: disable=import-outside-toplevel
 
   cfg, train_cfg = LlamaConfig.from_toml(_config_path(args.config))
+  if args.remat_policy:
+    cfg = dataclasses.replace(cfg, remat_policy=args.remat_policy)
   seq = args.seq_len or train_cfg["seq_len"]
+  probes = tuple(int(b) for b in args.probe.split(",") if b)
   r = run.train(cfg, train_cfg, kernels=args.kernels, steps=args.steps, batch=args.batch,
-                seq_len=seq, show_progress=False)
+                seq_len=seq, show_progress=False, probe_batches=probes)
+  stats = jax.devices()[0].memory_stats() or {}
   print(json.dumps(dict(kernels=args.kernels, batch=args.batch, seq_len=seq,
+                        remat_policy=cfg.remat_policy,
                         tokens_per_s=r.tokens_per_s, temp_bytes=r.temp_bytes,
-                        peak_bytes=r.peak_bytes, first_loss=r.losses[0],
-                        last_loss=r.losses[-1], device=jax.devices()[0].device_kind,
-                        jax=jax.__version__)))
+                        peak_bytes=r.peak_bytes, predicted_peak_bytes=r.predicted_peak_bytes,
+                        probes=r.probes, bytes_limit=stats.get("bytes_limit"),
+                        first_loss=r.losses[0], last_loss=r.losses[-1],
+                        device=jax.devices()[0].device_kind, jax=jax.__version__)))
 
 
-def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | None):
+RUNS_OUT = None  # where measure() appends every run, as it finishes (set by main)
+
+
+def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | None,
+            remat_policy: str | None = None, probe: tuple[int, ...] = ()):
+  """One fresh-process run; its JSON row, or None if it did not run (out of memory).
+  Every run, fitting or not, is appended to RUNS_OUT as an op="train_step_run" row."""
   cmd = [sys.executable, __file__, "--worker", "--config", config, "--kernels", kernels,
          "--batch", str(batch), "--steps", str(steps)]
   if seq_len:
     cmd += ["--seq-len", str(seq_len)]
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if remat_policy:
+    cmd += ["--remat-policy", remat_policy]
+  if probe:
+    cmd += ["--probe", ",".join(map(str, probe))]
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+  record = dict(op="train_step_run", config=config, kernels=kernels, batch=batch,
+                remat_policy=remat_policy)
   if proc.returncode or not lines:
-    reason = "out of memory" if "RESOURCE_EXHAUSTED" in proc.stderr or "Out of memory" in \
-        proc.stderr else proc.stderr.strip().splitlines()[-1:] or ["failed"]
+    oom = "RESOURCE_EXHAUSTED" in proc.stderr or "Out of memory" in proc.stderr
+    reason = "out of memory" if oom else \
+        (proc.stderr.strip().splitlines()[-1:] or ["failed"])[0][:300]
     print(f"  {kernels:6s} batch {batch:4d}: does not run ({reason})", flush=True)
+    if RUNS_OUT:
+      _append(RUNS_OUT, dict(record, fits=False, error=reason))
     return None
   row = json.loads(lines[-1])
+  if RUNS_OUT:
+    _append(RUNS_OUT, dict(record, **row, fits=True))
   print(f"  {kernels:6s} batch {batch:4d}: {row['tokens_per_s']:9.0f} tokens/s, peak "
         f"{(row['peak_bytes'] or 0) / 2**30:6.2f} GiB, temporaries "
         f"{(row['temp_bytes'] or 0) / 2**30:6.2f} GiB", flush=True)
   return row
 
 
-def largest_batch(config, kernels, start, steps, seq_len, max_batch):
-  """Largest batch ≤ max_batch that runs: double from `start` until one fails, then bisect."""
-  good, bad = 0, None
-  batch = start
-  while bad is None:
-    if batch > max_batch:
-      return good  # a lower bound: everything tried fits
-    if measure(config, kernels, batch, steps, seq_len):
-      good, batch = batch, batch * 2
-    else:
-      bad = batch
+def _append(path, row):
+  from benchmarks import _harness  # pylint: disable=import-outside-toplevel
+  _harness.append(path, [{**_harness.environment(), **row}])
+
+
+def predict_largest(row: dict) -> int | None:
+  """The batch where the compiled peak, linear in the batch, reaches bytes_limit."""
+  (b2, p2), = row["probes"].items()
+  b1, p1, limit = row["batch"], row["predicted_peak_bytes"], row["bytes_limit"]
+  if not (p1 and p2 and limit) or int(b2) <= b1 or p2 <= p1:
+    return None
+  per_sequence = (p2 - p1) / (int(b2) - b1)
+  return max(1, int((limit - (p1 - b1 * per_sequence)) // per_sequence))
+
+
+def largest_batch(config, kernels, start, steps, seq_len, max_batch, start_fits=None):
+  """Largest batch ≤ max_batch that runs, searched outward from `start` (a known-good batch
+  or a prediction): steps of 1, 2, 4, ... until the answer flips, then bisection."""
+  start = min(start, max_batch)
+  if start_fits is None:
+    start_fits = bool(measure(config, kernels, start, steps, seq_len))
+  if start_fits:
+    good, bad, step = start, None, 1
+    while bad is None:
+      if good + step > max_batch:
+        return good  # a lower bound: everything tried fits
+      if measure(config, kernels, good + step, steps, seq_len):
+        good, step = good + step, step * 2
+      else:
+        bad = good + step
+  else:
+    good, bad, step = 0, start, 1
+    while good == 0 and bad - step >= 1:
+      if measure(config, kernels, bad - step, steps, seq_len):
+        good = bad - step
+      else:
+        bad, step = bad - step, step * 2
   while bad - good > 1:
     mid = (good + bad) // 2
     if measure(config, kernels, mid, steps, seq_len):
@@ -85,6 +143,8 @@ def main(argv=None):
   p.add_argument("--batch", type=int, default=None, help="default: the config's")
   p.add_argument("--seq-len", type=int, default=None)
   p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--remat-policy", default=None, help="default: the config's")
+  p.add_argument("--probe", default="", help=argparse.SUPPRESS)
   p.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
   p.add_argument("--max-batch", type=int, default=256, help="where the search stops")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -100,14 +160,21 @@ def main(argv=None):
   _, train_cfg = LlamaConfig.from_toml(_config_path(args.config))
   batch = args.batch or train_cfg["batch"]
   env = _harness.environment()
+  global RUNS_OUT  # pylint: disable=global-statement
+  RUNS_OUT = args.out
   for kernels in args.kernels.split(","):
-    row = measure(args.config, kernels, batch, args.steps, args.seq_len) or {}
+    row = measure(args.config, kernels, batch, args.steps, args.seq_len,
+                  probe=() if args.no_search else (2 * batch,)) or {}
     row = {"op": "train_step", "config": args.config, "kernels": kernels, "batch": batch,
            **env, **row}
     if not args.no_search:
-      row["largest_batch"] = largest_batch(args.config, kernels, batch, 3, args.seq_len,
-                                           args.max_batch)
-      print(f"  {kernels}: largest batch that fits: {row['largest_batch']}")
+      predicted = predict_largest(row) if row.get("probes") else None
+      print(f"  {kernels}: predicted largest batch: {predicted}", flush=True)
+      row["predicted_largest_batch"] = predicted
+      row["largest_batch"] = largest_batch(
+          args.config, kernels, predicted or batch, 2, args.seq_len, args.max_batch,
+          start_fits=None if predicted else "tokens_per_s" in row)
+      print(f"  {kernels}: largest batch that fits: {row['largest_batch']}", flush=True)
     _harness.append(args.out, [row])
 
 

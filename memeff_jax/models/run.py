@@ -10,6 +10,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from memeff_jax import memory
 from memeff_jax.models import data
 from memeff_jax.models.llama import Llama, LlamaConfig
 from memeff_jax.models.train import make_train_step
@@ -22,6 +23,8 @@ class RunResult:
   temp_bytes: int | None  # XLA temporaries of the compiled train step
   peak_bytes: int | None  # device peak while training (GPU), None where not reported
   tokens_per_s: float
+  predicted_peak_bytes: int | None = None  # memeff_jax.memory.analyze's peak of the step
+  probes: dict[int, int | None] = dataclasses.field(default_factory=dict)
 
 
 def batches(cfg: LlamaConfig, train: dict, batch: int, seq_len: int):
@@ -43,19 +46,24 @@ def progress(prefix: str, i: int, n: int, loss: float, stream=sys.stderr):
 
 
 def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch: int,
-          seq_len: int, seed: int = 0, show_progress: bool = True) -> RunResult:
-  """Trains a fresh model (parameters from `seed`, so both kernel sets start equal)."""
+          seq_len: int, seed: int = 0, show_progress: bool = True,
+          probe_batches: tuple[int, ...] = ()) -> RunResult:
+  """Trains a fresh model (parameters from `seed`, so both kernel sets start equal).
+
+  `probe_batches`: batch sizes whose train step is only compiled, after training, to
+  report their predicted peak bytes (RunResult.probes); nothing runs at those sizes.
+  """
   model = Llama(cfg, kernels=kernels, rngs=nnx.Rngs(seed))
   state, step = make_train_step(model, learning_rate=train_cfg.get("learning_rate", 3e-3))
   state = state.state
   stream = batches(cfg, train_cfg, batch, seq_len)
   first = {k: jnp.asarray(v) for k, v in next(stream).items()}
-  analysis = step.lower(state, first).compile().memory_analysis()
-  temp = None if analysis is None else int(analysis.temp_size_in_bytes)
+  compiled = step.lower(state, first).compile()  # compiled once, run below
+  report = memory.report_of(compiled)
   losses, t_start = [], None
   batch_data = first
   for i in range(steps):
-    state, loss = step(state, batch_data)
+    state, loss = compiled(state, batch_data)
     losses.append(float(loss))  # waits for the step
     if i == 0:
       t_start = time.perf_counter()  # the first step includes compilation
@@ -64,8 +72,13 @@ def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch:
     batch_data = {k: jnp.asarray(v) for k, v in next(stream).items()}
   elapsed = time.perf_counter() - t_start if steps > 1 else float("nan")
   stats = jax.devices()[0].memory_stats() or {}
-  return RunResult(kernels, losses, temp, stats.get("peak_bytes_in_use"),
-                   (steps - 1) * batch * seq_len / elapsed if steps > 1 else float("nan"))
+  probes = {}
+  for b in probe_batches:
+    spec = {k: jax.ShapeDtypeStruct((b,) + v.shape[1:], v.dtype) for k, v in first.items()}
+    probes[b] = memory.analyze(step, state, spec).peak_bytes
+  return RunResult(kernels, losses, report.temp_bytes, stats.get("peak_bytes_in_use"),
+                   (steps - 1) * batch * seq_len / elapsed if steps > 1 else float("nan"),
+                   report.peak_bytes, probes)
 
 
 def plot(results: list[RunResult], path: str, title: str):
