@@ -142,10 +142,31 @@ def parse_memeff(provider: str):
   return impl, layout
 
 
+def torch_loss_fn(provider):
+  """loss_fn(x [N, D], w [V, D], y [N] int64) for a PyTorch provider."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+
+  def naive(x, w, y):
+    return F.cross_entropy(F.linear(x, w).float(), y)
+
+  if provider == "torch_naive":
+    return naive
+  if provider == "torch_compile":
+    return torch.compile(naive)
+  if provider == "liger":
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
+    module = LigerFusedLinearCrossEntropyLoss()
+    return lambda x, w, y: module(w, x, y)
+  if provider == "cce":
+    from cut_cross_entropy import linear_cross_entropy as cce_loss  # pylint: disable=import-outside-toplevel
+    return cce_loss
+  raise KeyError(provider)
+
+
 def torch_case(provider, x, w, y):
   """A closure running forward+backward in torch, and a loss getter."""
   import torch  # pylint: disable=import-outside-toplevel
-  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
   dev = "cuda"
   tdtype = {jnp.bfloat16: torch.bfloat16, jnp.float32: torch.float32,
             jnp.float16: torch.float16}[jnp.dtype(x.dtype).type]
@@ -153,23 +174,7 @@ def torch_case(provider, x, w, y):
   wt = torch.from_numpy(np.asarray(w.astype(jnp.float32).T)).to(dev, tdtype).contiguous()
   wt.requires_grad_()
   yt = torch.from_numpy(np.asarray(y).astype(np.int64)).to(dev)
-
-  def naive(x, w, y):
-    return F.cross_entropy(F.linear(x, w).float(), y)
-
-  if provider == "torch_naive":
-    loss_fn = naive
-  elif provider == "torch_compile":
-    loss_fn = torch.compile(naive)
-  elif provider == "liger":
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
-    module = LigerFusedLinearCrossEntropyLoss()
-    loss_fn = lambda x, w, y: module(w, x, y)
-  elif provider == "cce":
-    from cut_cross_entropy import linear_cross_entropy as cce_loss  # pylint: disable=import-outside-toplevel
-    loss_fn = cce_loss
-  else:
-    raise KeyError(provider)
+  loss_fn = torch_loss_fn(provider)
   state = {}
 
   def step():

@@ -89,8 +89,17 @@ def _opt(t):
   return None if t is None else to_jax(t)
 
 
-def _empty():
-  return torch.empty(0)
+def _empty(like: torch.Tensor) -> torch.Tensor:
+  return like.new_empty(0)
+
+
+def _on(t: torch.Tensor):
+  """Runs JAX on the tensor's device: a CPU tensor in a process whose JAX default is the
+  GPU is computed on JAX's CPU backend (with the CPU implementations)."""
+  platform = "gpu" if t.is_cuda else "cpu"
+  devices = [d for d in jax.devices(platform)
+             if platform == "cpu" or d.id == (t.device.index or 0)]
+  return jax.default_device(devices[0])
 
 
 # ----------------------------------------------------------------------------------------
@@ -99,10 +108,12 @@ def _empty():
 
 
 @functools.lru_cache(maxsize=None)
-def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, has_bias):
+def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, has_bias,
+             chunk_size):
   """Jitted JAX functions for one set of options: value, value+unit grads, and vjp."""
   opts = dict(weight_layout="vd", reduction=reduction, ignore_index=ignore_index,
-              label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap)
+              label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap,
+              chunk_size=chunk_size)
 
   def loss(x, w, b, y):
     return _lce(x, w, y, bias=b, **opts)
@@ -120,30 +131,34 @@ def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, ha
   return value, value_and_grads, jax.jit(vjp)
 
 
-def _lce_key(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, bias):
+def _lce_key(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, bias,
+             chunk_size):
   return (reduction, int(ignore_index), float(label_smoothing), float(z_loss),
-          None if logit_softcap is None else float(logit_softcap), bias is not None)
+          None if logit_softcap is None else float(logit_softcap), bias is not None,
+          None if chunk_size is None else int(chunk_size))
 
 
 @torch.library.custom_op("memeff::linear_cross_entropy", mutates_args=())
 def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
             bias: torch.Tensor | None, ignore_index: int, reduction: str,
             label_smoothing: float, z_loss: float, logit_softcap: float | None,
-            with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            chunk_size: int | None, with_grads: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
   """(loss, dx, dW, db) with the gradients of a unit cotangent when with_grads (mean/sum)."""
   value, value_and_grads, _ = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing,
-                                                 z_loss, logit_softcap, bias))
+                                                 z_loss, logit_softcap, bias, chunk_size))
   args = (to_jax(x), to_jax(weight), _opt(bias), to_jax(labels))
-  if not with_grads:
-    return to_torch(value(*args)), _empty(), _empty(), _empty()
-  loss, grads = value_and_grads(*args)
-  db = to_torch(grads[2]) if bias is not None else _empty()
+  with _on(x):
+    if not with_grads:
+      return to_torch(value(*args)), _empty(x), _empty(x), _empty(x)
+    loss, grads = value_and_grads(*args)
+  db = to_torch(grads[2]) if bias is not None else _empty(x)
   return to_torch(loss), to_torch(grads[0]), to_torch(grads[1]), db
 
 
 @_lce_op.register_fake
 def _(x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
-      with_grads):
+      chunk_size, with_grads):
   loss = x.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
   if not with_grads:
     return loss, x.new_empty(0), x.new_empty(0), x.new_empty(0)
@@ -155,26 +170,33 @@ def _(x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss,
 def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 bias: torch.Tensor | None, grad: torch.Tensor, ignore_index: int,
                 reduction: str, label_smoothing: float, z_loss: float,
-                logit_softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                logit_softcap: float | None, chunk_size: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
   """(dx, dW, db) for a per-token cotangent (reduction "none"): recomputes the chunks."""
   _, _, vjp = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing, z_loss,
-                                 logit_softcap, bias))
-  grads = vjp(to_jax(x), to_jax(weight), _opt(bias), to_jax(labels), to_jax(grad))
-  db = to_torch(grads[2]) if bias is not None else _empty()
+                                 logit_softcap, bias, chunk_size))
+  with _on(x):
+    grads = vjp(to_jax(x), to_jax(weight), _opt(bias), to_jax(labels), to_jax(grad))
+  db = to_torch(grads[2]) if bias is not None else _empty(x)
   return to_torch(grads[0]), to_torch(grads[1]), db
 
 
 @_lce_bwd_op.register_fake
 def _(x, weight, labels, bias, grad, ignore_index, reduction, label_smoothing, z_loss,
-      logit_softcap):
+      logit_softcap, chunk_size):
   db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
   return torch.empty_like(x), torch.empty_like(weight), db
 
 
 def _lce_setup(ctx, inputs, output):
-  x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, _ = inputs
-  ctx.options = (ignore_index, reduction, label_smoothing, z_loss, softcap)
+  (x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
+   chunk_size, _) = inputs
+  ctx.options = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size)
   ctx.has_bias = bias is not None
+  ctx.scaled = False
+  # Only the loss is differentiated; without this autograd would fill [N, D] and [V, D]
+  # zero gradients for the other outputs before every backward.
+  ctx.set_materialize_grads(False)
   if reduction == "none":  # recompute from the inputs: saving them copies nothing
     ctx.save_for_backward(x, weight, labels, bias)
   else:  # the unit gradients the forward computed
@@ -183,15 +205,23 @@ def _lce_setup(ctx, inputs, output):
 
 def _lce_backward(ctx, g_loss, *unused):
   del unused
-  ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.options
+  if g_loss is None:  # nothing flowed into the loss
+    return (None,) * 11
+  ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size = ctx.options
   if reduction == "none":
     x, weight, labels, bias = ctx.saved_tensors
     dx, dw, db = _lce_bwd_op(x, weight, labels, bias, g_loss.contiguous().float(), ignore_index,
-                             reduction, label_smoothing, z_loss, softcap)
-  else:
-    dx, dw, db = ctx.saved_tensors
-    dx, dw, db = ((t * g_loss).to(t.dtype) for t in (dx, dw, db))
-  return dx, dw, None, db if ctx.has_bias else None, None, None, None, None, None, None
+                             reduction, label_smoothing, z_loss, softcap, chunk_size)
+  elif torch.compiler.is_compiling():
+    dx, dw, db = ((t * g_loss).to(t.dtype) for t in ctx.saved_tensors)
+  else:  # eager: scale the unit gradients in place (they are ours alone), no second dW
+    if ctx.scaled:
+      raise RuntimeError("memeff linear_cross_entropy: a second backward through the same "
+                         "loss (retain_graph=True) is not supported; its gradients were "
+                         "scaled in place by the first. Call the loss again instead.")
+    ctx.scaled = True
+    dx, dw, db = (t.mul_(g_loss) for t in ctx.saved_tensors)
+  return dx, dw, None, db if ctx.has_bias else None, None, None, None, None, None, None, None
 
 
 _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
@@ -200,15 +230,17 @@ _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          bias: torch.Tensor | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
-                         z_loss: float = 0.0, logit_softcap: float | None = None
-                         ) -> torch.Tensor:
+                         z_loss: float = 0.0, logit_softcap: float | None = None,
+                         chunk_size: int | None = None) -> torch.Tensor:
   """`F.cross_entropy(F.linear(x, weight, bias), labels, ...)` without the logits.
 
   Args:
     x: [..., D]; weight: [V, D] (nn.Linear / tied embedding); labels: [...] integer ids
       (int64 is fine: they are narrowed to int32 on the torch side, a copy of N ints);
     bias: optional [V]; ignore_index, reduction ("mean" | "sum" | "none"), label_smoothing:
-      as F.cross_entropy; z_loss, logit_softcap: as memeff_jax.linear_cross_entropy.
+      as F.cross_entropy; z_loss, logit_softcap, chunk_size: as
+      memeff_jax.linear_cross_entropy (chunk_size: tokens per chunk, default from the
+      implementation's memory budget).
 
   Returns:
     float32 loss (scalar, or labels.shape for "none").
@@ -220,6 +252,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
   loss, *_ = _lce_op(x, weight, labels.to(torch.int32), bias, int(ignore_index), reduction,
                      float(label_smoothing), float(z_loss),
                      None if logit_softcap is None else float(logit_softcap),
+                     None if chunk_size is None else int(chunk_size),
                      needs_grad and reduction != "none")
   return loss
 
@@ -235,14 +268,15 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
   def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-               z_loss: float = 0.0, logit_softcap: float | None = None):
+               z_loss: float = 0.0, logit_softcap: float | None = None,
+               chunk_size: int | None = None):
     super().__init__()
     if weight.ndim != 2:
       raise ValueError(f"weight must be [V, D], got weight.shape={tuple(weight.shape)}")
     self._weight, self._bias = [weight], [bias]  # references: not registered twice
     self.options = dict(ignore_index=ignore_index, reduction=reduction,
                         label_smoothing=label_smoothing, z_loss=z_loss,
-                        logit_softcap=logit_softcap)
+                        logit_softcap=logit_softcap, chunk_size=chunk_size)
 
   def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return linear_cross_entropy(x, self._weight[0], labels, bias=self._bias[0], **self.options)
@@ -263,10 +297,11 @@ def _fa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            causal: bool, scale: float | None, window_left: int, window_right: int,
            logit_softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
   """(out [B, T, Hq, D], lse [B, T, Hq] float32), BTHD layout."""
-  out, lse = _fa_fwd(to_jax(q), to_jax(k), to_jax(v), _opt(q_segment_ids),
-                     _opt(kv_segment_ids), causal=causal, scale=scale,
-                     sliding_window=_window(window_left, window_right),
-                     logit_softcap=logit_softcap)
+  with _on(q):
+    out, lse = _fa_fwd(to_jax(q), to_jax(k), to_jax(v), _opt(q_segment_ids),
+                       _opt(kv_segment_ids), causal=causal, scale=scale,
+                       sliding_window=_window(window_left, window_right),
+                       logit_softcap=logit_softcap)
   return to_torch(out), to_torch(lse)
 
 
@@ -282,10 +317,12 @@ def _fa_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
                q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
                causal: bool, scale: float | None, window_left: int, window_right: int,
                logit_softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-  grads = _fa_bwd(to_jax(q), to_jax(k), to_jax(v), to_jax(out), to_jax(lse), to_jax(d_out),
-                  to_jax(d_lse), _opt(q_segment_ids), _opt(kv_segment_ids), causal=causal,
-                  scale=scale, sliding_window=_window(window_left, window_right),
-                  logit_softcap=logit_softcap)
+  with _on(q):
+    grads = _fa_bwd(to_jax(q), to_jax(k), to_jax(v), to_jax(out), to_jax(lse),
+                    to_jax(d_out), to_jax(d_lse), _opt(q_segment_ids), _opt(kv_segment_ids),
+                    causal=causal, scale=scale,
+                    sliding_window=_window(window_left, window_right),
+                    logit_softcap=logit_softcap)
   return tuple(to_torch(g) for g in grads)
 
 
@@ -317,10 +354,12 @@ def _fa_setup(ctx, inputs, output):
   ctx.options = tuple(options)
   out, lse = output
   ctx.save_for_backward(q, k, v, out, lse, q_seg, kv_seg)
+  ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
 
 
 def _fa_backward(ctx, d_out, d_lse):
   q, k, v, out, lse, q_seg, kv_seg = ctx.saved_tensors
+  d_out = torch.zeros_like(out) if d_out is None else d_out
   d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
   dq, dk, dv = _fa_bwd_op(q, k, v, out, lse, d_out.contiguous(), d_lse.contiguous(), q_seg,
                           kv_seg, *ctx.options)
@@ -389,7 +428,8 @@ def wrap(jax_fn):
 
     @staticmethod
     def forward(ctx, out_tree_box, *tensors):
-      outs, vjp_fn = jax.vjp(jax_fn, *(to_jax(t) for t in tensors))
+      with _on(tensors[0]):
+        outs, vjp_fn = jax.vjp(jax_fn, *(to_jax(t) for t in tensors))
       leaves, ctx.vjp_tree = jax.tree.flatten(vjp_fn)
       ctx.is_array = [isinstance(leaf, jax.Array) for leaf in leaves]
       ctx.others = [leaf for leaf, a in zip(leaves, ctx.is_array) if not a]
@@ -402,12 +442,15 @@ def wrap(jax_fn):
 
     @staticmethod
     def backward(ctx, *cts):
-      saved, others = iter(ctx.saved_tensors), iter(ctx.others)
+      saved = ctx.saved_tensors
+      where = next(t for t in (*saved, *cts) if t is not None)
+      saved, others = iter(saved), iter(ctx.others)
       leaves = [to_jax(next(saved)) if a else next(others) for a in ctx.is_array]
       vjp_fn = jax.tree.unflatten(ctx.vjp_tree, leaves)
-      cts = [jnp.zeros(shape, dtype) if ct is None else to_jax(ct)
-             for ct, (shape, dtype) in zip(cts, ctx.out_avals)]
-      grads = vjp_fn(jax.tree.unflatten(ctx.out_tree, cts))
+      with _on(where):
+        cts = [jnp.zeros(shape, dtype) if ct is None else to_jax(ct)
+               for ct, (shape, dtype) in zip(cts, ctx.out_avals)]
+        grads = vjp_fn(jax.tree.unflatten(ctx.out_tree, cts))
       return (None,) + tuple(to_torch(g) for g in grads)
 
   @functools.wraps(jax_fn)

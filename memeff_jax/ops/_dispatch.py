@@ -13,8 +13,19 @@ from typing import Any
 import jax
 
 
+def default_device() -> jax.Device:
+  """The device a jitted call without committed inputs runs on: `jax.default_device`'s when
+  set (as a device or a platform name), else the first device."""
+  device = jax.config.jax_default_device
+  if device is None:
+    return jax.devices()[0]
+  if isinstance(device, str):
+    return jax.devices(device)[0]
+  return device
+
+
 def on_nvidia_gpu() -> bool:
-  device = jax.devices()[0]
+  device = default_device()
   return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
 
 
