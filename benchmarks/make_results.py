@@ -97,6 +97,162 @@ def run_heading(key, rows) -> str:
           f"({versions}), forward+backward")
 
 
+def _by_run(rows, *fields):
+  grouped = collections.OrderedDict()
+  for r in rows:
+    grouped.setdefault(tuple(r.get(f) for f in fields), []).append(r)
+  return sorted(grouped.items(), key=lambda kv: kv[0][-1] or "", reverse=True)
+
+
+TRAIN_SUMMARY = {}  # the latest model's summary, for the README
+
+
+def train_step_section() -> list[str]:
+  """Issue 4: plain vs memeff train steps of one model, every run of every search."""
+  rows = [r for r in load("train_step") if r.get("platform") == "gpu"]
+  if not rows:
+    return []
+  out = ["## Train step: plain Flax layers vs memeff layers", "",
+         "`python benchmarks/train_step.py --config 1b`: each run a fresh process, "
+         "`peak_bytes_in_use` of the device, tokens/s over the steps after the first. "
+         "Predicted peak: `memeff_jax.memory.analyze` of the compiled step.", ""]
+  for (config, device), group in _by_run(rows, "config", "device"):
+    runs_ = [r for r in group if r["op"] == "train_step_run" or "tokens_per_s" in r]
+    out += [f"**{config}** on {device} (jax {group[0]['jax']})", "",
+            "| layers | batch | runs? | tokens/s | peak (GiB) | predicted peak (GiB) | "
+            "temporaries (GiB) |", "|---|---|---|---|---|---|---|"]
+    seen = set()
+    for r in sorted(runs_, key=lambda r: (r["kernels"], r["batch"])):
+      key = (r["kernels"], r["batch"])
+      if key in seen:
+        continue
+      seen.add(key)
+      if r.get("fits") is False:
+        out.append(f"| {r['kernels']} | {r['batch']} | no: {r.get('error', '')[:40]} | | | | |")
+        continue
+      out.append(f"| {r['kernels']} | {r['batch']} | yes | {r['tokens_per_s']:,.0f} | "
+                 f"{_gib(r.get('peak_bytes'))} | {_gib(r.get('predicted_peak_bytes'))} | "
+                 f"{_gib(r.get('temp_bytes'))} |")
+    summary = []
+    fits = collections.defaultdict(dict)
+    for r in runs_:
+      fits[r["kernels"]][r["batch"]] = r if r.get("fits") is not False else None
+    largest = {}
+    for kernels, by_batch in fits.items():
+      ok = [b for b, r in by_batch.items() if r]
+      bad = [b for b, r in by_batch.items() if r is None and b > max(ok, default=0)]
+      if ok:
+        largest[kernels] = (max(ok), min(bad, default=None))
+    for kernels, (ok, bad) in sorted(largest.items()):
+      exact = bad == ok + 1
+      summary.append(f"largest batch that runs, {kernels}: {ok}" +
+                     ("" if exact else f" (not bisected further; {bad} does not run)"
+                      if bad else " (a lower bound)"))
+    if "plain" in largest and "memeff" in largest:
+      summary.append(f"largest batch, memeff / plain: at least "
+                     f"{largest['memeff'][0] / largest['plain'][0]:.1f}×")
+      common = sorted(set(b for b, r in fits["plain"].items() if r) &
+                      set(b for b, r in fits["memeff"].items() if r))
+      for b in common[-1:]:
+        p, m = fits["plain"][b], fits["memeff"][b]
+        summary.append(f"at batch {b}: memeff peak {1 - m['peak_bytes'] / p['peak_bytes']:.0%} "
+                       f"below plain; tokens/s {m['tokens_per_s'] / p['tokens_per_s']:.2f}× "
+                       "plain's")
+    out += [""] + [f"- {line}" for line in summary] + [""]
+    TRAIN_SUMMARY.setdefault("text", f"**{config}** (sequence {runs_[0].get('seq_len', '?')}, "
+                             f"bf16) on {device}, plain Flax layers vs memeff layers:\n\n" +
+                             "\n".join(f"- {line}" for line in summary) + "\n")
+    notes = sorted({r["source"] for r in group if r.get("source")})
+    out += [f"Note: some rows are the {n}." for n in notes] + ([""] if notes else [])
+  return out
+
+
+def remat_fit_section() -> list[str]:
+  rows = [r for r in load("remat_fit") if r.get("platform") == "gpu"]
+  if not rows:
+    return []
+  out = ["## remat.fit on a train step", "",
+         "`python benchmarks/remat_fit.py --config 1b`: every policy compiled (not run); for "
+         "each budget the policy `fit` picks, then trained in a fresh process. GFLOP is XLA's "
+         "cost analysis, which counts a scanned layer once and Pallas kernels not at all, so "
+         "it only ranks policies by the XLA work they recompute.", ""]
+  for (config, batch, device, stamp), group in _by_run(rows, "config", "batch", "device",
+                                                         "timestamp"):
+    out += [f"**{config}**, batch {batch} × {group[0]['seq_len']}, memeff layers, on {device}, "
+            f"{stamp} (jax {group[0]['jax']})", "",
+            "| policy | predicted peak (GiB) | GFLOP |", "|---|---|---|"]
+    for c in group[0]["candidates"]:
+      if c.get("error"):
+        out.append(f"| {c['name']} | cannot compile: {c['error'][:60]} | |")
+      else:
+        out.append(f"| {c['name']} | {_gib(c['peak_bytes'])} | {c['flops'] / 1e9:.2f} |")
+    out += ["", "| budget (GiB) | fit picks | predicted peak (GiB) | measured peak (GiB) | "
+            "measured / predicted |", "|---|---|---|---|---|"]
+    for r in group:
+      if r.get("error"):
+        out.append(f"| {_gib(r['budget_bytes'])} | {r['error'][:60]} | | | |")
+        continue
+      ratio = r.get("measured_over_predicted")
+      out.append(f"| {_gib(r['budget_bytes'])} | {r['chosen']} | "
+                 f"{_gib(r['predicted_peak_bytes'])} | {_gib(r.get('measured_peak_bytes'))} | "
+                 f"{'n/a' if ratio is None else f'{ratio:.3f}'} |")
+    out.append("")
+  return out
+
+
+def branches_section() -> list[str]:
+  rows = load("branches")
+  if not rows:
+    return []
+  out = ["## Ten independent branches", "",
+         "`python benchmarks/branches.py`: relu → [2048×1024]@[1024×4096] → relu → "
+         "@[4096×1024] per branch, float32; temporaries of the compiled function (MiB).", ""]
+  for (device, stamp), group in _by_run(rows, "device", "timestamp"):
+    flags = list(dict.fromkeys(r["xla_flags"] for r in group))
+    out += [f"**{device}**, {stamp} (jax {group[0]['jax']})", "",
+            "| written as | " + " | ".join(f"{f or 'default flags'}: fwd / fwd+bwd"
+                                           for f in flags) + " |",
+            "|---|" + "---|" * len(flags)]
+    for variant in dict.fromkeys(r["variant"] for r in group):
+      cells = []
+      for f in flags:
+        r = next(r for r in group if r["variant"] == variant and r["xla_flags"] == f)
+        cells.append(f"{r['forward'] / 2**20:.0f} / {r['forward_backward'] / 2**20:.0f}")
+      out.append(f"| {variant} | " + " | ".join(cells) + " |")
+    out.append("")
+  return out
+
+
+def torch_bridge_section() -> list[str]:
+  rows = load("torch_bridge")
+  if not rows:
+    return []
+  out = ["## PyTorch bridge", "",
+         "`python benchmarks/torch_bridge.py`: every provider in a fresh process; extra memory "
+         "= torch's max_memory_allocated over the inputs + JAX's peak_bytes_in_use over its "
+         "start − the gradient outputs. jax_direct is the same JAX function on JAX arrays "
+         "(its extra memory: XLA temporaries).", ""]
+  for (op, device, stamp), group in _by_run(rows, "op", "device", "timestamp"):
+    out += [f"**{op}** on {device}, {stamp} (jax {group[0]['jax']}, torch "
+            f"{group[0].get('torch', '?')})", "",
+            "| provider | ms | × floor | TFLOP/s | torch peak (GiB) | JAX peak (GiB) | "
+            "extra (GiB) |", "|---|---|---|---|---|---|---|"]
+    for r in group:
+      if "error" in r:
+        out.append(f"| {r['provider']} | error: {r['error'][:60]} | | | | | |")
+        continue
+      ratio = r.get("ratio_to_floor")
+      out.append(f"| {r['provider']} | {r['ms']:.2f} | "
+                 f"{'—' if ratio is None else f'{ratio:.3f}'} | {r['tflops']:.0f} | "
+                 f"{_gib(r.get('torch_peak_bytes'))} | {_gib(r.get('jax_peak_bytes'))} | "
+                 f"{_gib(r.get('extra_bytes'))} |")
+    for r in group:
+      if r.get("bridge_overhead") is not None:
+        out.append(f"\nBridge overhead (memeff vs jax_direct): {r['bridge_overhead']:+.2%}.")
+    out.append("")
+  return out
+
+
 def main():
   rows = load("linear_cross_entropy")
   lines = ["# Benchmark results", "",
@@ -119,6 +275,8 @@ def main():
     lines += [fa_heading(key, group), "", fa_table(group), ""]
     if fa_latest is None and key[0] == "headline":
       fa_latest = (key, group)
+  lines += (train_step_section() + remat_fit_section() + branches_section() +
+            torch_bridge_section())
   (ROOT / "benchmarks" / "RESULTS.md").write_text("\n".join(lines))
   readme = ROOT / "README.md"
   if readme.exists():
@@ -129,6 +287,8 @@ def main():
     if fa_latest:
       text = readme_block("flash_attention", text,
                           fa_heading(*fa_latest) + "\n\n" + fa_table(fa_latest[1]) + "\n")
+    if TRAIN_SUMMARY:
+      text = readme_block("train_step", text, TRAIN_SUMMARY["text"])
     readme.write_text(text)
   print(f"wrote benchmarks/RESULTS.md ({len(rows)} + {len(fa_rows)} rows)")
 

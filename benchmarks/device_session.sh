@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device-machine call running named parts, each under its own time limit, logging to $OUT:
+#   bash benchmarks/device_session.sh tests bridge train fit branches attention
+set -o pipefail
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# One persistent compilation cache for every process of the call: a train step compiled for
+# one measurement is loaded, not recompiled (and not re-autotuned), by the next.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+R=$OUT/results
+part() {  # part NAME SECONDS command...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$secs" "$@" 2>&1 | grep -v -i "warning" | tee "$OUT/$name.log" | tail -${TAIL:-40}
+}
+for p in "$@"; do
+  case $p in
+    tests) part tests 220 python3 -m pytest -q -m gpu tests -n 8 -p no:cacheprovider ;;
+    bridge) part bridge 330 python3 benchmarks/torch_bridge.py --out $R/torch_bridge.jsonl ;;
+    bridge-loss) part bridge-loss 240 python3 benchmarks/torch_bridge.py --op loss --out $R/torch_bridge.jsonl ;;
+    bridge-attn) part bridge-attn 200 python3 benchmarks/torch_bridge.py --op attention --out $R/torch_bridge.jsonl ;;
+    train) part train ${TRAIN_S:-330} python3 benchmarks/train_step.py --config 1b --steps 5 --max-batch 96 --out $R/train_step.jsonl ;;
+    fit) part fit ${FIT_S:-240} python3 benchmarks/remat_fit.py --config 1b --out $R/remat_fit.jsonl ;;
+    branches) part branches 90 python3 benchmarks/branches.py --out $R/branches.jsonl ;;
+    attention) for s in ${ATTN_SETS:-t-sweep d-sweep gqa packed}; do
+        part attn-$s 200 python3 benchmarks/flash_attention.py --set $s --out $R/flash_attention.jsonl; done ;;
+  esac
+done
+echo "=== done ($(date +%T))"
