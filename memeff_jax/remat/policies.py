@@ -1,15 +1,18 @@
 """Named `jax.checkpoint` policies for transformer blocks, and `fit()`.
 
-The names refer to what memeff_jax's blocks tag with `checkpoint_name`: query_proj,
-key_proj, value_proj, attention_out (memeff_jax.models) and mlp_gate, mlp_up.
+The names refer to what memeff_jax tags with `checkpoint_name`: flash_attention's residuals
+attention_out and attention_lse (the float32 log-sum-exp), and in memeff_jax.models' blocks
+query_proj, key_proj, value_proj, attention_out, mlp_gate and mlp_up. linear_cross_entropy
+keeps nothing large.
 
   nothing                 keep nothing; recompute the whole block in the backward pass
-  attention               keep the attention output (the block's most expensive recompute)
-  attention_projections   keep q, k, v and the attention output
+  attention               keep the attention output and log-sum-exp, so the backward never
+                          reruns the attention forward (the block's dearest recompute)
+  attention_projections   keep q, k, v and the attention output and log-sum-exp
   dots_no_batch           keep every matmul without batch dimensions (jax's policy)
   everything              keep everything (no recomputation)
-  offload_attention       move the attention output to host memory and back (backends
-                          with pinned host memory: GPU/TPU)
+  offload_attention       move the attention output and log-sum-exp to host memory and back
+                          (backends with pinned host memory: GPU/TPU)
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import jax
 
 cp = jax.checkpoint_policies
 
-_ATTN = ("attention_out",)
-_PROJ = ("query_proj", "key_proj", "value_proj", "attention_out")
+_ATTN = ("attention_out", "attention_lse")
+_PROJ = ("query_proj", "key_proj", "value_proj") + _ATTN
 
 POLICIES = {
     "nothing": cp.nothing_saveable,
@@ -53,8 +56,9 @@ class Candidate:
 
   name: str
   peak_bytes: int | None = None
-  flops: float | None = None
+  flops: float | None = None  # matmul FLOPs on the jaxpr, recomputation included (flops.py)
   error: str | None = None
+  xla_flops: float | None = None  # XLA's compiled cost analysis (loop bodies counted once)
 
   @property
   def fits(self):
@@ -62,22 +66,27 @@ class Candidate:
 
 
 def _table(cands, budget) -> str:
-  rows = [f"{'policy':24s} {'peak':>12s} {'GFLOP':>10s}  fits {budget / 2**30:.3f} GiB"]
+  rows = [f"{'policy':24s} {'peak':>12s} {'matmul GFLOP':>13s} {'XLA GFLOP':>10s}  fits "
+          f"{budget / 2**30:.3f} GiB"]
   for c in cands:
     if c.error:
-      rows.append(f"{c.name:24s} {'—':>12s} {'—':>10s}  cannot compile: {c.error[:60]}")
+      rows.append(f"{c.name:24s} {'—':>12s} {'—':>13s} {'—':>10s}  cannot compile: "
+                  f"{c.error[:60]}")
     else:
-      rows.append(f"{c.name:24s} {c.peak_bytes / 2**30:9.3f} GiB {c.flops / 1e9:10.2f}  "
-                  f"{'yes' if c.peak_bytes <= budget else 'no'}")
+      rows.append(f"{c.name:24s} {c.peak_bytes / 2**30:8.3f} GiB {c.flops / 1e9:13.1f} "
+                  f"{c.xla_flops / 1e9:10.1f}  {'yes' if c.peak_bytes <= budget else 'no'}")
   return "\n".join(rows)
 
 
 def candidates(make_step, *args, policies=None) -> list[Candidate]:
   """Compiles `make_step(name)` for `args` (arrays or ShapeDtypeStructs), for every policy
-  name, without running it: each one's peak bytes (memeff_jax.memory.analyze) and FLOPs (XLA's
-  cost analysis; recomputation shows up as extra FLOPs). A policy that does not compile is
-  kept with its error."""
+  name, without running it: each one's peak bytes (memeff_jax.memory.analyze) and FLOPs.
+  `flops` counts the matmuls of the traced step (memeff_jax.remat.flops: scanned layers
+  times their count, Pallas kernels by their cost estimate), so recomputation shows up as
+  extra FLOPs; `xla_flops` is XLA's compiled cost analysis, which counts a loop body once
+  and sees no Pallas kernel. A policy that does not compile is kept with its error."""
   from memeff_jax.memory import report_of  # pylint: disable=import-outside-toplevel
+  from memeff_jax.remat.flops import matmul_flops  # pylint: disable=import-outside-toplevel
 
   out = []
   for name in policies or POLICIES:
@@ -88,14 +97,15 @@ def candidates(make_step, *args, policies=None) -> list[Candidate]:
       cost = compiled.cost_analysis()
       cost = cost[0] if isinstance(cost, (list, tuple)) else cost
       report = report_of(compiled)
-      out.append(Candidate(name, report.peak_bytes, float(cost.get("flops", 0.0))))
+      out.append(Candidate(name, report.peak_bytes, matmul_flops(jitted, *args),
+                           xla_flops=float(cost.get("flops", 0.0))))
     except Exception as err:  # pylint: disable=broad-except
       out.append(Candidate(name, error=f"{type(err).__name__}: {err}".splitlines()[0]))
   return out
 
 
 def choose(cands: list[Candidate], budget_bytes: int) -> str:
-  """The fitting candidate with the fewest FLOPs, ties to the smaller peak.
+  """The fitting candidate with the fewest (matmul) FLOPs, ties to the smaller peak.
 
   Raises:
     ValueError: if no candidate fits, with every candidate's peak in the message.

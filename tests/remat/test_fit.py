@@ -13,7 +13,7 @@ from memeff_jax.models import LlamaConfig
 from memeff_jax.models import make_train_step
 
 CFG = LlamaConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512)
-CANDIDATES = ("nothing", "attention_projections", "dots_no_batch", "everything")
+CANDIDATES = ("nothing", "attention", "attention_projections", "dots_no_batch", "everything")
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,10 @@ def test_fit_trades_recomputation_for_memory(step_args):
   # Keeping nothing holds the least and recomputes the most; keeping everything the reverse.
   assert by_name["nothing"].peak_bytes < by_name["everything"].peak_bytes
   assert by_name["nothing"].flops > by_name["everything"].flops
+  # Saving the attention output spares recomputing attention in the backward pass: the
+  # FLOP count sees it, inside the scanned layers and the attention's own loops.
+  assert by_name["attention"].flops < by_name["nothing"].flops
+  assert by_name["everything"].flops <= by_name["attention_projections"].flops
 
   budgets = sorted({by_name["nothing"].peak_bytes, by_name["everything"].peak_bytes})
   picked = [remat.fit(_make_step, *step_args, budget_bytes=b, policies=CANDIDATES,

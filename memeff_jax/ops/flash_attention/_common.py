@@ -7,6 +7,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from memeff_jax.ops.flash_attention.masks import MaskSpec
@@ -35,7 +36,9 @@ def attention_vjp(forward, backward):
   """custom_vjp of forward(static, q, k, v, q_seg, kv_seg) -> (out, lse [B, Hq, T]).
 
   The residuals are the inputs, the output and the float32 log-sum-exp (Residuals);
-  backward(static, residuals, (d_out, d_lse)) -> (dq, dk, dv, None, None).
+  backward(static, residuals, (d_out, d_lse)) -> (dq, dk, dv, None, None). The output and
+  the log-sum-exp carry the checkpoint names "attention_out" and "attention_lse": a remat
+  policy that saves both (memeff_jax.remat's "attention") never reruns the forward kernel.
   """
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -44,6 +47,7 @@ def attention_vjp(forward, backward):
 
   def fwd(static, q, k, v, q_seg, kv_seg):
     out, lse = forward(static, q, k, v, q_seg, kv_seg)
+    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
     return (out, lse), Residuals(q, k, v, q_seg, kv_seg, out, lse)
 
   attention.defvjp(fwd, backward)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,14 @@ class MaskSpec:
   @property
   def is_dense(self) -> bool:
     return self.left is None and self.right is None and not self.segments
+
+  def visible_pairs(self, t: int, s: int) -> int:
+    """How many (query, key) pairs of a [t, s] score matrix the band lets through (segment
+    ids, unknown until run time, are not counted)."""
+    rows = np.arange(t)
+    lo = np.zeros(t, np.int64) if self.left is None else np.maximum(rows - self.left, 0)
+    hi = np.full(t, s - 1) if self.right is None else np.minimum(rows + self.right, s - 1)
+    return int(np.maximum(hi - lo + 1, 0).sum())
 
 
 def visible(spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None):
