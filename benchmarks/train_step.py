@@ -39,8 +39,12 @@ def worker(args) -> None:
     cfg = dataclasses.replace(cfg, remat_policy=args.remat_policy)
   seq = args.seq_len or train_cfg["seq_len"]
   probes = tuple(int(b) for b in args.probe.split(",") if b)
+  def compiled(report):  # printed first: a run that then fails still reports its prediction
+    print(json.dumps(dict(compiled=True, predicted_peak_bytes=report.peak_bytes,
+                          temp_bytes=report.temp_bytes)), flush=True)
+
   r = run.train(cfg, train_cfg, kernels=args.kernels, steps=args.steps, batch=args.batch,
-                seq_len=seq, show_progress=False, probe_batches=probes)
+                seq_len=seq, show_progress=False, probe_batches=probes, on_compiled=compiled)
   stats = jax.devices()[0].memory_stats() or {}
   print(json.dumps(dict(kernels=args.kernels, batch=args.batch, seq_len=seq,
                         remat_policy=cfg.remat_policy,
@@ -73,11 +77,18 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   record = dict(op="train_step_run", config=config, kernels=kernels, batch=batch,
                 remat_policy=remat_policy)
+  prediction = [json.loads(l) for l in lines if l.startswith('{"compiled"')]
+  lines = [l for l in lines if not l.startswith('{"compiled"')]
+  if prediction:
+    record["predicted_peak_bytes"] = prediction[-1]["predicted_peak_bytes"]
+    record["temp_bytes"] = prediction[-1]["temp_bytes"]
   if proc.returncode or not lines:
     oom = "RESOURCE_EXHAUSTED" in proc.stderr or "Out of memory" in proc.stderr
     reason = "out of memory" if oom else \
         (proc.stderr.strip().splitlines()[-1:] or ["failed"])[0][:300]
-    print(f"  {kernels:6s} batch {batch:4d}: does not run ({reason})", flush=True)
+    where = ("at compile" if not prediction else
+             f"compiled peak {prediction[-1]['predicted_peak_bytes'] / 2**30:.2f} GiB")
+    print(f"  {kernels:6s} batch {batch:4d}: does not run ({reason}, {where})", flush=True)
     if RUNS_OUT:
       _append(RUNS_OUT, dict(record, fits=False, error=reason))
     return None

@@ -47,11 +47,13 @@ def progress(prefix: str, i: int, n: int, loss: float, stream=sys.stderr):
 
 def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch: int,
           seq_len: int, seed: int = 0, show_progress: bool = True,
-          probe_batches: tuple[int, ...] = ()) -> RunResult:
+          probe_batches: tuple[int, ...] = (), on_compiled=None) -> RunResult:
   """Trains a fresh model (parameters from `seed`, so both kernel sets start equal).
 
   `probe_batches`: batch sizes whose train step is only compiled, after training, to
   report their predicted peak bytes (RunResult.probes); nothing runs at those sizes.
+  `on_compiled(report)`: called with the step's MemoryReport before the first step runs
+  (so a run that then fails still leaves its prediction).
   """
   model = Llama(cfg, kernels=kernels, rngs=nnx.Rngs(seed))
   state, step = make_train_step(model, learning_rate=train_cfg.get("learning_rate", 3e-3))
@@ -60,6 +62,8 @@ def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch:
   first = {k: jnp.asarray(v) for k, v in next(stream).items()}
   compiled = step.lower(state, first).compile()  # compiled once, run below
   report = memory.report_of(compiled)
+  if on_compiled is not None:
+    on_compiled(report)
   losses, t_start = [], None
   batch_data = first
   for i in range(steps):
