@@ -50,12 +50,20 @@ def compile_candidates(config: str, batch: int, seq_len: int | None, policies=No
 
 
 def default_budgets(cands, limit: int | None) -> list[int]:
-  """Just above the smallest, a middle and the largest peak that fits `limit`."""
-  peaks = sorted({c.peak_bytes for c in cands if c.fits and (not limit or c.peak_bytes <= limit)})
-  if not peaks:
-    return []
-  picks = [peaks[0], peaks[len(peaks) // 2], peaks[-1]]
-  return [int(p * 1.02) for p in dict.fromkeys(picks)]
+  """Three budgets for which fit picks three different policies where it can: one just
+  above each candidate's peak gives every choice fit can make; keep the first, a middle and
+  the last distinct one."""
+  from memeff_jax import remat  # pylint: disable=import-outside-toplevel
+
+  fitting = sorted(c.peak_bytes for c in cands if c.fits and (not limit or c.peak_bytes <= limit))
+  choices = {}  # policy -> smallest budget that picks it
+  for peak in fitting:
+    budget = int(peak * 1.02)
+    choices.setdefault(remat.choose(cands, budget), budget)
+  budgets = sorted(choices.values())
+  if len(budgets) <= 3:
+    return budgets
+  return [budgets[0], budgets[len(budgets) // 2], budgets[-1]]
 
 
 def main(argv=None):
