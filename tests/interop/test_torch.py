@@ -65,6 +65,18 @@ def test_lce_equals_torch(reduction, smoothing, bias, device):
     _close(a, r)
 
 
+@pytest.mark.parametrize("scale", [1.0, -2.5])
+def test_lce_scaled_loss_gradients(scale, device):
+  """The unit gradients computed in the forward are scaled by the loss's cotangent."""
+  x, w, _, y = _lce_inputs(device=device)
+  (mt.linear_cross_entropy(x, w, y) * scale).backward()
+  got = (x.grad.clone(), w.grad.clone())
+  x.grad = w.grad = None
+  (F.cross_entropy(F.linear(x, w).reshape(-1, V), y.reshape(-1)) * scale).backward()
+  _close(got[0], x.grad)
+  _close(got[1], w.grad)
+
+
 def test_lce_second_backward_is_refused(device):
   x, w, _, y = _lce_inputs(device=device)
   loss = mt.linear_cross_entropy(x, w, y)
