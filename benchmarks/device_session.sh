@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call running named parts, each under its own time limit, logging to $OUT:
 #   bash benchmarks/device_session.sh tests bridge train fit branches attention
+# Still to run (in this order, see NOTES.md): bridge, train-search, fit, attention.
 set -o pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -26,6 +27,7 @@ for p in "$@"; do
     bridge-loss) part bridge-loss 240 python3 benchmarks/torch_bridge.py --op loss --out $R/torch_bridge.jsonl ;;
     bridge-attn) part bridge-attn 200 python3 benchmarks/torch_bridge.py --op attention --out $R/torch_bridge.jsonl ;;
     train) part train ${TRAIN_S:-330} python3 benchmarks/train_step.py --config 1b --steps 5 --max-batch 96 --out $R/train_step.jsonl ;;
+    train-search) part train-search ${TRAIN_S:-400} python3 benchmarks/train_step.py --config 1b --kernels memeff --steps 3 --search-from ${SEARCH_FROM:-48} --out $R/train_step.jsonl ;;
     fit) part fit ${FIT_S:-240} python3 benchmarks/remat_fit.py --config 1b --out $R/remat_fit.jsonl ;;
     branches) part branches 90 python3 benchmarks/branches.py --out $R/branches.jsonl ;;
     attention) for s in ${ATTN_SETS:-t-sweep d-sweep gqa packed}; do

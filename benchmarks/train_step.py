@@ -158,6 +158,8 @@ def main(argv=None):
   p.add_argument("--probe", default="", help=argparse.SUPPRESS)
   p.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
   p.add_argument("--max-batch", type=int, default=256, help="where the search stops")
+  p.add_argument("--search-from", type=int, default=None,
+                 help="start the largest-batch search here instead of at the prediction")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_step.jsonl"))
   args = p.parse_args(argv)
@@ -182,9 +184,10 @@ def main(argv=None):
       predicted = predict_largest(row) if row.get("probes") else None
       print(f"  {kernels}: predicted largest batch: {predicted}", flush=True)
       row["predicted_largest_batch"] = predicted
+      start = args.search_from or predicted
       row["largest_batch"] = largest_batch(
-          args.config, kernels, predicted or batch, 2, args.seq_len, args.max_batch,
-          start_fits=None if predicted else "tokens_per_s" in row)
+          args.config, kernels, start or batch, 2, args.seq_len, args.max_batch,
+          start_fits=None if start else "tokens_per_s" in row)
       print(f"  {kernels}: largest batch that fits: {row['largest_batch']}", flush=True)
     _harness.append(args.out, [row])
 
