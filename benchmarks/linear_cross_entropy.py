@@ -174,7 +174,13 @@ def torch_case(provider, x, w, y):
   wt = torch.from_numpy(np.asarray(w.astype(jnp.float32).T)).to(dev, tdtype).contiguous()
   wt.requires_grad_()
   yt = torch.from_numpy(np.asarray(y).astype(np.int64)).to(dev)
-  loss_fn = torch_loss_fn(provider)
+  step, state = torch_step(torch_loss_fn(provider), xt, wt, yt)
+  return step, state, (xt, wt, yt)
+
+
+def torch_step(loss_fn, xt, wt, yt):
+  """(step, state): step() runs loss_fn forward+backward from cleared gradients and keeps
+  the loss in state["loss"]."""
   state = {}
 
   def step():
@@ -183,7 +189,7 @@ def torch_case(provider, x, w, y):
     loss.backward()
     state["loss"] = loss
 
-  return step, state, (xt, wt, yt)
+  return step, state
 
 
 def run(set_name: str, providers: list[str], out, reps: int) -> list[dict]:

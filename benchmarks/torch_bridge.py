@@ -50,7 +50,7 @@ def loss_worker(provider: str, reps: int) -> dict:
   import torch  # pylint: disable=import-outside-toplevel
 
   from benchmarks import _harness  # pylint: disable=import-outside-toplevel
-  from benchmarks.linear_cross_entropy import torch_loss_fn  # pylint: disable=import-outside-toplevel
+  from benchmarks.linear_cross_entropy import torch_loss_fn, torch_step  # pylint: disable=import-outside-toplevel
 
   torch.manual_seed(0)
   xt = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
@@ -78,13 +78,7 @@ def loss_worker(provider: str, reps: int) -> dict:
     loss_fn = lambda x, w, y: mt.linear_cross_entropy(x, w, y, chunk_size=chunk)
   else:
     loss_fn = torch_loss_fn(provider)
-  state = {}
-
-  def step():
-    xt.grad = wt.grad = None
-    loss = loss_fn(xt, wt, yt)
-    loss.backward()
-    state["loss"] = loss
+  step, state = torch_step(loss_fn, xt, wt, yt)
 
   torch.cuda.synchronize()
   torch.cuda.reset_peak_memory_stats()
