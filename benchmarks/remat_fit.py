@@ -30,22 +30,16 @@ def compile_candidates(config: str, batch: int, seq_len: int | None, policies=No
 
   from memeff_jax import remat  # pylint: disable=import-outside-toplevel
   from memeff_jax.cli import _config_path  # pylint: disable=import-outside-toplevel
-  from memeff_jax.models import Llama, LlamaConfig, abstract_train_step  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import Llama, LlamaConfig, policy_steps  # pylint: disable=import-outside-toplevel
 
   cfg, train_cfg = LlamaConfig.from_toml(_config_path(config))
   seq_len = seq_len or train_cfg["seq_len"]
   tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-  state = {}
-
-  def make_step(policy):
-    spec, step = abstract_train_step(lambda: Llama(
-        dataclasses.replace(cfg, remat_policy=policy), kernels="memeff", rngs=nnx.Rngs(0)),
-        learning_rate=train_cfg.get("learning_rate", 3e-3))
-    state["spec"] = spec
-    return step
-
-  make_step("nothing")
-  return remat.candidates(make_step, state["spec"], dict(tokens=tokens, labels=tokens),
+  make_step, state = policy_steps(
+      lambda policy: Llama(dataclasses.replace(cfg, remat_policy=policy), kernels="memeff",
+                           rngs=nnx.Rngs(0)),
+      learning_rate=train_cfg.get("learning_rate", 3e-3))
+  return remat.candidates(make_step, state, dict(tokens=tokens, labels=tokens),
                           policies=policies), seq_len
 
 

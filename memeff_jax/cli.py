@@ -90,26 +90,21 @@ def _report(args) -> int:
 
   from memeff_jax import remat  # pylint: disable=import-outside-toplevel
   from memeff_jax.memory import analyze  # pylint: disable=import-outside-toplevel
-  from memeff_jax.models import Llama, LlamaConfig, abstract_train_step  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import Llama, LlamaConfig, policy_steps  # pylint: disable=import-outside-toplevel
 
   cfg, train_cfg = LlamaConfig.from_toml(_config_path(args.config))
   batch = args.batch or train_cfg.get("batch", 1)
   seq_len = args.seq_len or train_cfg.get("seq_len", 1024)
   tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
   batch_spec = dict(tokens=tokens, labels=tokens)
+  make_step, state = policy_steps(lambda policy: Llama(
+      dataclasses.replace(cfg, remat_policy=policy), kernels=args.kernels, rngs=nnx.Rngs(0)))
 
-  def make_step(policy, kernels=args.kernels):
-    spec, step = abstract_train_step(lambda: Llama(
-        dataclasses.replace(cfg, remat_policy=policy), kernels=kernels, rngs=nnx.Rngs(0)))
-    make_step.state = spec
-    return step
-
-  step = make_step(cfg.remat_policy)
   print(f"train step of {args.config} ({args.kernels} layers, batch {batch} × {seq_len}, "
         f"remat policy {cfg.remat_policy!r}):")
-  print(analyze(step, make_step.state, batch_spec))
+  print(analyze(make_step(cfg.remat_policy), state, batch_spec))
   print("\nremat policies (compiled, not run):")
-  remat.fit(make_step, make_step.state, batch_spec, budget_bytes=args.budget_gib * 2**30)
+  remat.fit(make_step, state, batch_spec, budget_bytes=args.budget_gib * 2**30)
   return 0
 
 

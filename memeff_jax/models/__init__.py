@@ -5,3 +5,4 @@ from memeff_jax.models.llama import LlamaConfig
 from memeff_jax.models.train import TrainState
 from memeff_jax.models.train import abstract_train_step
 from memeff_jax.models.train import make_train_step
+from memeff_jax.models.train import policy_steps

@@ -42,3 +42,15 @@ def abstract_train_step(make_model, learning_rate: float = 3e-3, weight_decay: f
   state, step = make_train_step(model, learning_rate, weight_decay)
   spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state.state)
   return spec, step
+
+
+def policy_steps(make_model, learning_rate: float = 3e-3):
+  """(make_step, state spec) for memeff_jax.remat.fit: make_step(policy) is the abstract
+  train step of make_model(policy). A remat policy changes the step, not its state, so one
+  spec (built with no remat) serves every policy."""
+  spec, _ = abstract_train_step(lambda: make_model("none"), learning_rate)
+
+  def make_step(policy):
+    return abstract_train_step(lambda: make_model(policy), learning_rate)[1]
+
+  return make_step, spec
