@@ -104,14 +104,13 @@ def _by_run(rows, *fields):
   return sorted(grouped.items(), key=lambda kv: kv[0][-1] or "", reverse=True)
 
 
-TRAIN_SUMMARY = {}  # the latest model's summary, for the README
-
-
-def train_step_section() -> list[str]:
-  """Issue 4: plain vs memeff train steps of one model, every run of every search."""
+def train_step_section() -> tuple[list[str], str | None]:
+  """Plain vs memeff train steps of each model, every run of every search: (RESULTS.md
+  lines, the latest model's summary for the README)."""
   rows = [r for r in load("train_step") if r.get("platform") == "gpu"]
+  readme = None
   if not rows:
-    return []
+    return [], readme
   out = ["## Train step: plain Flax layers vs memeff layers", "",
          "`python benchmarks/train_step.py --config 1b`: each run a fresh process, "
          "`peak_bytes_in_use` of the device, tokens/s over the steps after the first. "
@@ -159,12 +158,13 @@ def train_step_section() -> list[str]:
                        f"below plain; tokens/s {m['tokens_per_s'] / p['tokens_per_s']:.2f}× "
                        "plain's")
     out += [""] + [f"- {line}" for line in summary] + [""]
-    TRAIN_SUMMARY.setdefault("text", f"**{config}** (sequence {runs_[0].get('seq_len', '?')}, "
-                             f"bf16) on {device}, plain Flax layers vs memeff layers:\n\n" +
-                             "\n".join(f"- {line}" for line in summary) + "\n")
+    if readme is None:
+      readme = (f"**{config}** (sequence {runs_[0].get('seq_len', '?')}, bf16) on {device}, "
+                "plain Flax layers vs memeff layers:\n\n" +
+                "\n".join(f"- {line}" for line in summary) + "\n")
     notes = sorted({r["source"] for r in group if r.get("source")})
     out += [f"Note: some rows are the {n}." for n in notes] + ([""] if notes else [])
-  return out
+  return out, readme
 
 
 def remat_fit_section() -> list[str]:
@@ -280,8 +280,8 @@ def main():
     lines += [fa_heading(key, group), "", fa_table(group), ""]
     if fa_latest is None and key[0] == "headline":
       fa_latest = (key, group)
-  lines += (train_step_section() + remat_fit_section() + branches_section() +
-            torch_bridge_section())
+  train_lines, train_summary = train_step_section()
+  lines += train_lines + remat_fit_section() + branches_section() + torch_bridge_section()
   (ROOT / "benchmarks" / "RESULTS.md").write_text("\n".join(lines))
   readme = ROOT / "README.md"
   if readme.exists():
@@ -292,8 +292,8 @@ def main():
     if fa_latest:
       text = readme_block("flash_attention", text,
                           fa_heading(*fa_latest) + "\n\n" + fa_table(fa_latest[1]) + "\n")
-    if TRAIN_SUMMARY:
-      text = readme_block("train_step", text, TRAIN_SUMMARY["text"])
+    if train_summary:
+      text = readme_block("train_step", text, train_summary)
     readme.write_text(text)
   print(f"wrote benchmarks/RESULTS.md ({len(rows)} + {len(fa_rows)} rows)")
 

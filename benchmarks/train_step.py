@@ -55,13 +55,11 @@ def worker(args) -> None:
                         device=jax.devices()[0].device_kind, jax=jax.__version__)))
 
 
-RUNS_OUT = None  # where measure() appends every run, as it finishes (set by main)
-
-
 def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | None,
-            remat_policy: str | None = None, probe: tuple[int, ...] = ()):
+            remat_policy: str | None = None, probe: tuple[int, ...] = (), runs_out=None):
   """One fresh-process run; its JSON row, or None if it did not run (out of memory).
-  Every run, fitting or not, is appended to RUNS_OUT as an op="train_step_run" row."""
+  With `runs_out`, every run, fitting or not, is appended there as an op="train_step_run"
+  row as soon as it ends."""
   cmd = [sys.executable, __file__, "--worker", "--config", config, "--kernels", kernels,
          "--batch", str(batch), "--steps", str(steps)]
   if seq_len:
@@ -89,12 +87,12 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
     where = ("at compile" if not prediction else
              f"compiled peak {prediction[-1]['predicted_peak_bytes'] / 2**30:.2f} GiB")
     print(f"  {kernels:6s} batch {batch:4d}: does not run ({reason}, {where})", flush=True)
-    if RUNS_OUT:
-      _append(RUNS_OUT, dict(record, fits=False, error=reason))
+    if runs_out:
+      _append(runs_out, dict(record, fits=False, error=reason))
     return None
   row = json.loads(lines[-1])
-  if RUNS_OUT:
-    _append(RUNS_OUT, dict(record, **row, fits=True))
+  if runs_out:
+    _append(runs_out, dict(record, **row, fits=True))
   print(f"  {kernels:6s} batch {batch:4d}: {row['tokens_per_s']:9.0f} tokens/s, peak "
         f"{(row['peak_bytes'] or 0) / 2**30:6.2f} GiB, temporaries "
         f"{(row['temp_bytes'] or 0) / 2**30:6.2f} GiB", flush=True)
@@ -116,31 +114,32 @@ def predict_largest(row: dict) -> int | None:
   return max(1, int((limit - (p1 - b1 * per_sequence)) // per_sequence))
 
 
-def largest_batch(config, kernels, start, steps, seq_len, max_batch, start_fits=None):
+def largest_batch(config, kernels, start, steps, seq_len, max_batch, start_fits=None,
+                  runs_out=None):
   """Largest batch ≤ max_batch that runs, searched outward from `start` (a known-good batch
   or a prediction): steps of 1, 2, 4, ... until the answer flips, then bisection."""
   start = min(start, max_batch)
   if start_fits is None:
-    start_fits = bool(measure(config, kernels, start, steps, seq_len))
+    start_fits = bool(measure(config, kernels, start, steps, seq_len, runs_out=runs_out))
   if start_fits:
     good, bad, step = start, None, 1
     while bad is None:
       if good + step > max_batch:
         return good  # a lower bound: everything tried fits
-      if measure(config, kernels, good + step, steps, seq_len):
+      if measure(config, kernels, good + step, steps, seq_len, runs_out=runs_out):
         good, step = good + step, step * 2
       else:
         bad = good + step
   else:
     good, bad, step = 0, start, 1
     while good == 0 and bad - step >= 1:
-      if measure(config, kernels, bad - step, steps, seq_len):
+      if measure(config, kernels, bad - step, steps, seq_len, runs_out=runs_out):
         good = bad - step
       else:
         bad, step = bad - step, step * 2
   while bad - good > 1:
     mid = (good + bad) // 2
-    if measure(config, kernels, mid, steps, seq_len):
+    if measure(config, kernels, mid, steps, seq_len, runs_out=runs_out):
       good = mid
     else:
       bad = mid
@@ -173,11 +172,9 @@ def main(argv=None):
   _, train_cfg = LlamaConfig.from_toml(_config_path(args.config))
   batch = args.batch or train_cfg["batch"]
   env = _harness.environment()
-  global RUNS_OUT  # pylint: disable=global-statement
-  RUNS_OUT = args.out
   for kernels in args.kernels.split(","):
     row = measure(args.config, kernels, batch, args.steps, args.seq_len,
-                  probe=() if args.no_search else (2 * batch,)) or {}
+                  probe=() if args.no_search else (2 * batch,), runs_out=args.out) or {}
     row = {"op": "train_step", "config": args.config, "kernels": kernels, "batch": batch,
            **env, **row}
     if not args.no_search:
@@ -187,7 +184,7 @@ def main(argv=None):
       start = args.search_from or predicted
       row["largest_batch"] = largest_batch(
           args.config, kernels, start or batch, 2, args.seq_len, args.max_batch,
-          start_fits=None if start else "tokens_per_s" in row)
+          start_fits=None if start else "tokens_per_s" in row, runs_out=args.out)
       print(f"  {kernels}: largest batch that fits: {row['largest_batch']}", flush=True)
     _harness.append(args.out, [row])
 

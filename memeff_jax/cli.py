@@ -187,18 +187,17 @@ def main(argv=None) -> int:
   demo.add_argument("--steps", type=int, default=None, help="default: the tiny config's")
   demo.add_argument("--plot", default="memeff_demo.png", help="where to write the PNG")
   demo.set_defaults(func=_demo)
-  train = sub.add_parser("train", help="train a configured model (configs/models/*.toml)")
-  train.add_argument("--config", required=True, help="a path or a name: tiny, 125m, 1b")
-  train.add_argument("--kernels", choices=["memeff", "plain"], default="memeff")
+  model = argparse.ArgumentParser(add_help=False)  # what train and report share
+  model.add_argument("--config", required=True, help="a path or a name: tiny, 125m, 1b")
+  model.add_argument("--kernels", choices=["memeff", "plain"], default="memeff")
+  model.add_argument("--batch", type=int, default=None)
+  model.add_argument("--seq-len", type=int, default=None)
+  train = sub.add_parser("train", parents=[model],
+                         help="train a configured model (configs/models/*.toml)")
   train.add_argument("--steps", type=int, default=None)
-  train.add_argument("--batch", type=int, default=None)
-  train.add_argument("--seq-len", type=int, default=None)
   train.set_defaults(func=_train)
-  report = sub.add_parser("report", help="memory report of a model's train step and policies")
-  report.add_argument("--config", required=True, help="a path or a name: tiny, 125m, 1b")
-  report.add_argument("--kernels", choices=["memeff", "plain"], default="memeff")
-  report.add_argument("--batch", type=int, default=None)
-  report.add_argument("--seq-len", type=int, default=None)
+  report = sub.add_parser("report", parents=[model],
+                          help="memory report of a model's train step and policies")
   report.add_argument("--budget-gib", type=float, default=1e6,
                       help="the budget fit() marks candidates against")
   report.set_defaults(func=_report)
