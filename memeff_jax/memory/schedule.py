@@ -41,7 +41,8 @@ def _zero_from(a) -> jax.Array:
 
 def _link(x, dep):
   # x - (+0) is x for every x, -0 and NaN included.
-  return jax.tree.map(lambda a: a - _zero_from(dep).astype(a.dtype), x)
+  zero = _zero_from(dep)
+  return jax.tree.map(lambda a: a - zero.astype(a.dtype), x)
 
 
 def after(x, *deps):
