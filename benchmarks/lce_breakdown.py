@@ -27,7 +27,7 @@ from memeff_jax.ops.linear_cross_entropy import _common  # noqa: E402
 from memeff_jax.ops.linear_cross_entropy import pallas_gpu  # noqa: E402
 
 
-def largest_allocations(pattern: str, top: int = 10):
+def largest_allocations(pattern: str, top: int = 14):
   """The largest HLO values in XLA's buffer assignment dump (name, shape, bytes, allocation)."""
   files = sorted(glob.glob(os.path.join(dump, pattern)))
   if not files:

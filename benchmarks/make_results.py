@@ -238,22 +238,30 @@ def torch_bridge_section() -> list[str]:
          "start − the gradient outputs. jax_direct is the same JAX function on JAX arrays "
          "(its extra memory: XLA temporaries).", ""]
   for (op, device, stamp), group in _by_run(rows, "op", "device", "timestamp"):
+    attention = op.endswith("attention")
+    head = ("| provider | causal | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |"
+            if attention else "| provider | ms | × floor | TFLOP/s |")
     out += [f"**{op}** on {device}, {stamp} (jax {group[0]['jax']}, torch "
             f"{group[0].get('torch', '?')})", "",
-            "| provider | ms | × floor | TFLOP/s | torch peak (GiB) | JAX peak (GiB) | "
-            "extra (GiB) |", "|---|---|---|---|---|---|---|"]
+            head + " torch peak (GiB) | JAX peak (GiB) | extra (GiB) |",
+            "|---" * (9 if attention else 7) + "|"]
     for r in group:
       if "error" in r:
-        out.append(f"| {r['provider']} | error: {r['error'][:60]} | | | | | |")
+        out.append(f"| {r['provider']} | error: {r['error'][:60]} |")
         continue
-      ratio = r.get("ratio_to_floor")
-      out.append(f"| {r['provider']} | {r['ms']:.2f} | "
-                 f"{'—' if ratio is None else f'{ratio:.3f}'} | {r['tflops']:.0f} | "
-                 f"{_gib(r.get('torch_peak_bytes'))} | {_gib(r.get('jax_peak_bytes'))} | "
-                 f"{_gib(r.get('extra_bytes'))} |")
+      if attention:
+        cells = (f"{r.get('causal')} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
+                 f"{r['ms']:.2f} | {r['tflops']:.0f}")
+      else:
+        ratio = r.get("ratio_to_floor")
+        cells = f"{r['ms']:.2f} | {'—' if ratio is None else f'{ratio:.3f}'} | {r['tflops']:.0f}"
+      out.append(f"| {r['provider']} | {cells} | {_gib(r.get('torch_peak_bytes'))} | "
+                 f"{_gib(r.get('jax_peak_bytes'))} | {_gib(r.get('extra_bytes'))} |")
     for r in group:
       if r.get("bridge_overhead") is not None:
-        out.append(f"\nBridge overhead (memeff vs jax_direct): {r['bridge_overhead']:+.2%}.")
+        causal = f" (causal={r['causal']})" if attention else ""
+        out.append(f"\nBridge overhead{causal} (memeff vs jax_direct): "
+                   f"{r['bridge_overhead']:+.2%}.")
     out.append("")
   return out
 
