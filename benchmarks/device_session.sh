@@ -34,7 +34,7 @@ for p in "$@"; do
         part breakdown-$c 150 python3 benchmarks/lce_breakdown.py --chunk $c; done ;;
     branches) part branches 90 python3 benchmarks/branches.py --out $R/branches.jsonl ;;
     attention) for s in ${ATTN_SETS:-t-sweep d-sweep gqa packed}; do
-        part attn-$s 200 python3 benchmarks/flash_attention.py --set $s --out $R/flash_attention.jsonl; done ;;
+        part attn-$s ${ATTN_S:-200} python3 benchmarks/flash_attention.py --set $s --out $R/flash_attention.jsonl; done ;;
   esac
 done
 echo "=== done ($(date +%T))"

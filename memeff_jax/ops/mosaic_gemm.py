@@ -94,7 +94,11 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
   a_block, a_index = ((tk, cm), lambda kk: (kk, 0)) if trans_a else ((cm, tk), lambda kk: (0, kk))
   b_block, b_index = ((cn, tk), lambda kk: (0, kk)) if trans_b else ((tk, cn), lambda kk: (kk, 0))
 
-  def pipeline(body, context):
+  # Consecutive tiles of one CTA run as one "pipeline of pipelines" (no drain and refill of
+  # the A/B pipeline between tiles) when its depth divides the number of K steps.
+  chained = (k // tk) % config.max_concurrent_steps == 0
+
+  def pipeline(body, context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k // tk,),
@@ -109,6 +113,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
         num_compute_wgs=2,
         max_concurrent_steps=config.max_concurrent_steps,
         compute_context=context,
+        pipeline_state=state,
     )
 
   def operands(wg, a_smem, b_smem):
@@ -169,9 +174,16 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
         plgpu.wgmma_wait(0)
         return acc_ref
 
+      state = None
+      if chained:
+        last = info.num_local_steps - 1
+        state = jnp.where(info.local_index == 0, int(plgpu.PipelinePipeline.START),
+                          jnp.where(info.local_index == last,
+                                    int(plgpu.PipelinePipeline.STOP),
+                                    int(plgpu.PipelinePipeline.STEADY)))
       a_rows = pl.ds(mi * cm, cm)
       b_cols = pl.ds(ni * cn, cn)
-      pipeline(mma, context)(
+      pipeline(mma, context, state)(
           a_gmem.at[:, a_rows] if trans_a else a_gmem.at[a_rows, :],
           b_gmem.at[b_cols, :] if trans_b else b_gmem.at[:, b_cols],
           allocations=allocs,
