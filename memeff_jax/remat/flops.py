@@ -9,7 +9,9 @@ and a `pallas_call` counts its `cost_estimate` (memeff_jax's kernels give one).
 
 Counted: dot_general (2·M·N·K) and pallas_call cost estimates. Elementwise work is left out.
 A `while_loop` body counts once (its trip count is not static); `cond` counts its dearest
-branch.
+branch. Only equations whose results are used count: the backward's `remat` body still
+holds, e.g., the attention forward kernel when a policy saved its outputs (JAX's own DCE
+keeps a pallas_call), but XLA drops it, and so does this count.
 """
 
 from __future__ import annotations
@@ -48,11 +50,22 @@ def _eqn_flops(eqn) -> float:
   return sum(subs)
 
 
+def _live_eqns(jaxpr):
+  """The equations at least one of whose results reaches the jaxpr's outputs."""
+  live = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+  kept = []
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in live for v in eqn.outvars):
+      kept.append(eqn)
+      live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
+  return kept[::-1]
+
+
 def jaxpr_flops(jaxpr) -> float:
   """Matmul FLOPs of a Jaxpr or ClosedJaxpr (see the module docstring)."""
   if isinstance(jaxpr, jex_core.ClosedJaxpr):
     jaxpr = jaxpr.jaxpr
-  return sum(_eqn_flops(eqn) for eqn in jaxpr.eqns)
+  return sum(_eqn_flops(eqn) for eqn in _live_eqns(jaxpr))
 
 
 def matmul_flops(fn, *args, **kwargs) -> float:

@@ -48,3 +48,23 @@ def test_counts_pallas_kernels_by_their_cost_estimate():
 def test_plain_matmuls(unit):
   assert remat.matmul_flops(lambda a, b: a @ b, S((unit, 8), jnp.float32),
                             S((8, 16), jnp.float32)) == 2 * unit * 8 * 16
+
+
+def test_saved_attention_outputs_are_not_counted_as_recomputed():
+  # The backward's remat body still holds the forward kernel when the policy saved its
+  # outputs (JAX's DCE keeps a pallas_call); XLA drops it, and the count must too.
+  b, t, h, d = 1, 64, 2, 32
+  q = S((b, t, h, d), jnp.float32)
+  w = S((d, d), jnp.float32)
+  impl = PallasTriton(interpret=True)
+
+  def grad(policy):
+    def layer(q, w):
+      return flash_attention(q @ w, q, q, causal=True, implementation=impl)
+    return jax.value_and_grad(lambda q, w: jax.checkpoint(layer, policy=policy)(q, w).sum())
+
+  fwd_kernel = remat.matmul_flops(
+      lambda q, k, v: flash_attention(q, k, v, causal=True, implementation=impl), q, q, q)
+  nothing = remat.matmul_flops(grad(remat.POLICIES["nothing"]), q, w)
+  attention = remat.matmul_flops(grad(remat.POLICIES["attention"]), q, w)
+  assert nothing - attention == fwd_kernel

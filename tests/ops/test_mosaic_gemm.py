@@ -1,0 +1,68 @@
+"""ops.mosaic_gemm: the Hopper GEMM with an in-place C accumulate (kernel tests need a GPU)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memeff_jax.ops import mosaic_gemm as mg
+
+M, N, K = 256, 512, 256
+
+
+def _operands(trans_a, trans_b, seed=0):
+  k = jax.random.split(jax.random.key(seed), 3)
+  a = jax.random.normal(k[0], (K, M) if trans_a else (M, K), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(k[1], (N, K) if trans_b else (K, N), jnp.float32).astype(jnp.bfloat16)
+  c = jax.random.normal(k[2], (M, N), jnp.float32).astype(jnp.bfloat16)
+  ref = (a.T if trans_a else a).astype(jnp.float32) @ (b.T if trans_b else b).astype(jnp.float32)
+  return a, b, c, ref
+
+
+def test_errors_name_the_shapes():
+  a = jnp.zeros((M, K), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"contracting sizes differ.*\[256, 256\].*\[128, 512\]"):
+    mg.gemm(a, jnp.zeros((128, N), jnp.bfloat16))
+  with pytest.raises(TypeError, match="16-bit"):
+    mg.gemm(a.astype(jnp.float32), jnp.zeros((K, N), jnp.float32))
+  with pytest.raises(ValueError, match="N=320 is not a multiple of the tile 128"):
+    mg.gemm(a, jnp.zeros((K, 320), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"c must be \[256, 512\]"):
+    mg.gemm_into(jax.new_ref(jnp.zeros((M, M), jnp.bfloat16)), a, jnp.zeros((K, N), jnp.bfloat16))
+  assert mg.shape_error(4096, 128256, 512, mg.GemmConfig()) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trans_a,trans_b,split", [
+    (ta, tb, s) for ta, tb in itertools.product([False, True], repeat=2) for s in "nm"])
+def test_matches_float32_reference(trans_a, trans_b, split):
+  a, b, c, ref = _operands(trans_a, trans_b)
+  cfg = mg.GemmConfig(wg_split=split)
+  out = jax.jit(lambda a, b: mg.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg))(a, b)
+  np.testing.assert_allclose(out.astype(np.float32), ref.astype(jnp.bfloat16).astype(np.float32),
+                             rtol=1e-2, atol=0.5)
+
+  def into(c, a, b):
+    r = jax.new_ref(c)
+    mg.gemm_into(r, a, b, trans_a=trans_a, trans_b=trans_b, config=cfg)
+    return r[...]
+
+  out = jax.jit(into, donate_argnums=0)(jnp.copy(c), a, b)
+  want = (c.astype(jnp.float32) + ref).astype(jnp.bfloat16).astype(np.float32)
+  np.testing.assert_allclose(out.astype(np.float32), want, rtol=1e-2, atol=0.5)
+
+
+@pytest.mark.gpu
+def test_accumulates_in_place():
+  a, b, c, _ = _operands(True, False)
+
+  def into(c, a, b):
+    r = jax.new_ref(c)
+    mg.gemm_into(r, a, b, trans_a=True)
+    return r[...]
+
+  m = jax.jit(into, donate_argnums=0).lower(c, a, b).compile().memory_analysis()
+  assert m.temp_size_in_bytes < c.nbytes // 4
+  assert m.alias_size_in_bytes >= c.nbytes
