@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call running named parts, each under its own time limit, logging to $OUT:
 #   bash benchmarks/device_session.sh tests bridge train fit branches attention
-# Still to run (in this order, see NOTES.md): bridge, train-search, fit, attention.
+# What to run next: the end of benchmarks/NOTES.md.
 set -o pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -18,7 +18,8 @@ major-ness straight from shared memory, so no transposed copy is ever made.
 
 C is updated in place: pass it as a `jax.Ref` (see `gemm_into`) and the kernel writes the
 sum over it, so a running sum of 1 GiB costs no second buffer (checked: the compiled
-program aliases it and holds no temporary).
+program aliases it and holds no temporary). GPU only: jax 0.10.2's Mosaic GPU interpreter
+cannot run `plgpu.kernel` meshes, so there is no interpret mode.
 
 Status: correct for every transpose combination (H100, tests/ops/test_mosaic_gemm.py), but
 not used by `linear_cross_entropy` yet, because the prefetched C does not pay off so far.
@@ -142,6 +143,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
     return a_smem, b_smem.at[:, pl.ds(wg * tn, tn)]
 
   ignore = lambda *_, **__: None
+
   @functools.partial(
       pl.run_scoped,
       allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
@@ -186,7 +188,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
         plgpu.wgmma_wait(0)
         return acc_ref
 
-      state = None
+      state = None  # a CTA with a single tile stays at START; the kernel ends after it
       if chained:
         last = info.num_local_steps - 1
         state = jnp.where(info.local_index == 0, int(plgpu.PipelinePipeline.START),
@@ -204,23 +206,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _interpret(interpret: bool):
-  """Pallas's Mosaic GPU interpreter (simulated SMEM, TMA, barriers, warpgroups) on CPU."""
-  if not interpret:
-    return False
-  try:  # not exported publicly in jax 0.10 / 0.11
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # pylint: disable=import-outside-toplevel
-  except ImportError as err:  # pragma: no cover
-    raise NotImplementedError("this jax has no Mosaic GPU interpreter") from err
-  return InterpretGPUParams()
-
-
-def _num_sms(config: GemmConfig, interpret: bool) -> int:
-  if config.num_sms is not None:
-    return config.num_sms
-  if interpret:
-    return 2
-  return jax.devices()[0].core_count
+def _num_sms(config: GemmConfig) -> int:
+  return config.num_sms if config.num_sms is not None else jax.devices()[0].core_count
 
 
 def _check(a, b, c, trans_a, trans_b, config):
@@ -241,7 +228,7 @@ def _check(a, b, c, trans_a, trans_b, config):
 
 
 def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
-         config: GemmConfig = GemmConfig(), interpret: bool = False):
+         config: GemmConfig = GemmConfig()):
   """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype)."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
@@ -249,16 +236,15 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
       lambda a_ref, b_ref, out_ref: _kernel(a_ref, b_ref, None, out_ref, config=config,
                                             trans_a=trans_a, trans_b=trans_b),
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(_num_sms(config, interpret),), grid_names=("sm",),
+      grid=(_num_sms(config),), grid_names=("sm",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=_interpret(interpret),
   )
   return call(a, b)
 
 
 def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
-              config: GemmConfig = GemmConfig(), interpret: bool = False) -> None:
+              config: GemmConfig = GemmConfig()) -> None:
   """c_ref[...] += op(a) @ op(b), in place: the product is summed in float32 with C's tile
   and rounded once to C's dtype. `c_ref` is a `jax.Ref` (jax.new_ref)."""
   _check(a, b, c_ref, trans_a, trans_b, config)
@@ -271,8 +257,7 @@ def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
   plgpu.kernel(
       body,
       out_type=(),
-      grid=(_num_sms(config, interpret),), grid_names=("sm",),
+      grid=(_num_sms(config),), grid_names=("sm",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=_interpret(interpret),
   )(a, b, c_ref)
