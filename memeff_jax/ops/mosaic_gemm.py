@@ -206,8 +206,16 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _num_sms(config: GemmConfig) -> int:
-  return config.num_sms if config.num_sms is not None else jax.devices()[0].core_count
+def _launch(body, out_type, config: GemmConfig):
+  """A persistent launch of `body`: one CTA per SM, two compute and one memory warpgroup."""
+  sms = config.num_sms if config.num_sms is not None else jax.devices()[0].core_count
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=(sms,), grid_names=("sm",),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
 
 
 def _check(a, b, c, trans_a, trans_b, config):
@@ -232,15 +240,11 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype)."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
-  call = plgpu.kernel(
-      lambda a_ref, b_ref, out_ref: _kernel(a_ref, b_ref, None, out_ref, config=config,
-                                            trans_a=trans_a, trans_b=trans_b),
-      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(_num_sms(config),), grid_names=("sm",),
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )
-  return call(a, b)
+
+  def body(a_ref, b_ref, out_ref):
+    _kernel(a_ref, b_ref, None, out_ref, config=config, trans_a=trans_a, trans_b=trans_b)
+
+  return _launch(body, jax.ShapeDtypeStruct((m, n), out_dtype), config)(a, b)
 
 
 def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
@@ -254,10 +258,4 @@ def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
   def body(a_ref, b_ref, c_gmem):
     _kernel(a_ref, b_ref, c_gmem, c_gmem, config=config, trans_a=trans_a, trans_b=trans_b)
 
-  plgpu.kernel(
-      body,
-      out_type=(),
-      grid=(_num_sms(config),), grid_names=("sm",),
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )(a, b, c_ref)
+  _launch(body, (), config)(a, b, c_ref)

@@ -51,11 +51,12 @@ def _eqn_flops(eqn) -> float:
 
 
 def _live_eqns(jaxpr):
-  """The equations at least one of whose results reaches the jaxpr's outputs."""
+  """The equations with an effect (a kernel writing a Ref) or a result that reaches the
+  jaxpr's outputs."""
   live = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
   kept = []
   for eqn in reversed(jaxpr.eqns):
-    if any(v in live for v in eqn.outvars):
+    if eqn.effects or any(v in live for v in eqn.outvars):
       kept.append(eqn)
       live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
   return kept[::-1]
