@@ -39,6 +39,8 @@ def parse_memeff(provider: str):
     from memeff_jax.ops.flash_attention.pallas_triton import BlockConfig, default_config  # pylint: disable=import-outside-toplevel
     return fa.PallasTriton(config=BlockConfig(**{**default_config(128).__dict__,
                                                  **{k: int(v) for k, v in opts.items()}}))
+  if name == "pallas_mosaic_gpu" and opts:
+    return fa.PallasMosaicGpu(config=fa.MosaicConfig(**{k: int(v) for k, v in opts.items()}))
   if opts:
     raise ValueError(f"options {opts} not understood for {provider!r}")
   return name

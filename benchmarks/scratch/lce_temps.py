@@ -44,10 +44,14 @@ def main():
   k = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(k[0], (N, D), jnp.bfloat16)
   y = jax.random.randint(k[2], (N,), 0, V)
-  variants = [("vd", 512, {}), ("vd", 512, {"xla_gpu_enable_cublaslt": False}),
-              ("vd", 512, {"xla_gpu_enable_triton_gemm": False}),
-              ("vd", 512, {"xla_gpu_enable_split_k_autotuning": False}),
-              ("vd", 576, {}), ("dv", 512, {})]
+  fsk = {"xla_gpu_experimental_force_split_k": 1}
+  dsf = {"xla_gpu_enable_dynamic_slice_fusion": True}
+  tri = {"xla_gpu_cublas_fallback": False}
+  lt = {"xla_gpu_enable_cublaslt": True}
+  variants = [("vd", 512, {**lt, **fsk}), ("vd", 576, {**lt, **fsk}), ("vd", 512, {**fsk, **dsf}),
+              ("vd", 512, {**lt, **fsk, **dsf})]
+  if len(sys.argv) > 1:
+    variants = variants[:int(sys.argv[1])]
   for layout, chunk, options in variants:
     shape = (V, D) if layout == "vd" else (D, V)
     w = (jax.random.normal(k[1], shape, jnp.float32) / D**0.5).astype(jnp.bfloat16)

@@ -12,6 +12,7 @@ from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention.chunked_xla import ChunkedXla
 from memeff_jax.ops.flash_attention.masks import MaskSpec
+from memeff_jax.ops.flash_attention.pallas_mosaic_gpu import PallasMosaicGpu
 from memeff_jax.ops.flash_attention.pallas_triton import PallasTriton
 from memeff_jax.ops.flash_attention.reference import Reference
 
@@ -19,6 +20,7 @@ IMPLEMENTATIONS = {
     "reference": Reference(),
     "chunked_xla": ChunkedXla(),
     "pallas_triton": PallasTriton(),
+    "pallas_mosaic_gpu": PallasMosaicGpu(),
 }
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
@@ -34,7 +36,9 @@ def _check_segments(name, ids, batch, length, which):
 
 
 def _default() -> tuple[str, ...]:
-  return ("pallas_triton", "chunked_xla") if _dispatch.on_nvidia_gpu() else ("chunked_xla",)
+  if _dispatch.on_nvidia_gpu():
+    return ("pallas_mosaic_gpu", "pallas_triton", "chunked_xla")
+  return ("chunked_xla",)
 
 
 def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_window,

@@ -1,0 +1,329 @@
+"""Hopper attention forward in Pallas Mosaic GPU; the backward is pallas_triton's.
+
+One CTA per (batch, query head, 2·block_q query rows) runs three warpgroups:
+
+  memory warpgroup    streams K and V blocks of block_kv keys through a ring of `stages`
+                      shared-memory slots by TMA; a slot is refilled once both compute
+                      warpgroups have released it
+  compute warpgroups  one per block_q query rows (Q stays in shared memory): per key block
+                      s = Q Kᵀ by WGMMA into registers, the online softmax in the exp2
+                      domain (FlashAttention-2's recurrence), then acc += P V by WGMMA with P
+                      read from registers
+
+With `pingpong` the two compute warpgroups take turns on the tensor cores (as in
+FlashAttention-3, Shah et al. 2024, §3.1): a shared barrier lets one issue its matmuls only
+after the other has finished its softmax, so one's exponentials run under the other's
+WGMMAs. The output and the float32 log-sum-exp ([B, Hq, T], natural log, as the other
+implementations save it) leave through shared memory by TMA.
+
+Served: bf16/f16, head dim 64 or 128, T a multiple of 2·block_q and S of block_kv, no mask
+or causal (top-left aligned), GQA/MQA by indexing the key/value head. Anything else raises
+NotImplementedError with the reason, and `implementation=None` falls through to
+pallas_triton. The backward runs pallas_triton's dq and dk/dv kernels on the saved output
+and log-sum-exp. GPU only (sm90): jax 0.10.2's Mosaic GPU interpreter cannot run
+`plgpu.kernel` meshes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from memeff_jax.ops import _dispatch
+from memeff_jax.ops.flash_attention import _common
+from memeff_jax.ops.flash_attention import pallas_triton
+from memeff_jax.ops.flash_attention._common import AttentionOptions
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tiles of the forward kernel.
+
+  Attributes:
+    block_q: query rows per compute warpgroup (a CTA holds two such blocks).
+    block_kv: keys per pipeline step; causal calls need block_kv == 2·block_q.
+    stages: K/V slots in shared memory (at most what fits: 2 at D = 128, 6 at D = 64).
+    pingpong: alternate the two compute warpgroups on the tensor cores.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  stages: int = 2
+  pingpong: bool = True
+
+
+def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
+                  config: MosaicConfig) -> str | None:
+  """Why the kernel cannot serve this call, or None when it can."""
+  _, t, _, d = q_shape
+  s = k_shape[1]
+  mask = opts.mask
+  causal = mask.left is None and mask.right == 0 and not mask.segments
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+  if d not in (64, 128):
+    return f"serves head dims 64 and 128, got D={d}"
+  if t % (2 * config.block_q):
+    return f"needs T a multiple of {2 * config.block_q}, got T={t}"
+  if s % config.block_kv:
+    return f"needs S a multiple of {config.block_kv}, got S={s}"
+  if not (mask.is_dense or causal):
+    return "serves no mask or causal only (no sliding window, no segment ids)"
+  if causal and config.block_kv != 2 * config.block_q:
+    return f"causal needs block_kv == 2·block_q, got {config}"
+  if opts.logit_softcap is not None:
+    return "has no logit_softcap"
+  if opts.scale <= 0:
+    return f"needs scale > 0, got {opts.scale}"
+  return None
+
+
+def _smem_transforms():
+  """64-element (128-byte) swizzled tiles: what TMA writes and WGMMA reads for D ∈ {64, 128}."""
+  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+_SMEM_BYTES = 232_448  # per CTA on sm90
+_SMEM_RESERVE = 4_096  # barriers, reduction scratch, alignment
+
+
+def _fitting_stages(cfg: MosaicConfig, d: int, itemsize: int) -> int:
+  """The most K/V stages that fit in shared memory beside Q and the log-sum-exp."""
+  fixed = 2 * cfg.block_q * d * itemsize + 2 * cfg.block_q * 4 + _SMEM_RESERVE
+  return (_SMEM_BYTES - fixed) // (2 * cfg.block_kv * d * itemsize)
+
+
+def _div(x, n: int):
+  return lax.div(x, jnp.asarray(n, x.dtype))
+
+
+def _rem(x, n: int):
+  return lax.rem(x, jnp.asarray(n, x.dtype))
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
+                    q_ready, k_ready, v_ready, k_free, v_free, turn, *,
+                    config: MosaicConfig, causal: bool, scale: float, group: int):
+  bq, bkv = config.block_q, config.block_kv
+  s = k_ref.shape[1]
+  d = q_ref.shape[-1]
+  dtype = q_ref.dtype
+  b, h, qi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
+  wg = lax.axis_index("wg")
+  cta_row = qi * (2 * bq)
+  n_kv = s // bkv
+  if causal:  # the CTA's last row sees keys up to itself: its block is the diagonal one
+    n_kv = jnp.minimum(_div(cta_row + 2 * bq - 1, bkv) + 1, n_kv)
+  stages = config.stages
+
+  def take_turn():  # both compute warpgroups arrive; neither passes until the other has
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(turn)
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    row = cta_row + wg * bq
+    q_tile = q_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row, bq), h], q_tile, q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+
+    c = scale * _LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
+    m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                          plgpu.Layout.WGMMA.reduce(1))
+    l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+
+    if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
+      pl.when(wg == 1)(take_turn)
+    plgpu.barrier_wait(k_ready.at[0])
+
+    def step(j, carry, *, diagonal=False):
+      acc, m, l = carry
+      slot = _rem(j, stages)
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        if config.pingpong:
+          take_turn()
+        return s_ref[...]
+
+      scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      if diagonal:
+        rows = row + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+        cols = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1,
+                                                layout=plgpu.Layout.WGMMA)
+        scores = jnp.where(cols <= rows, scores, -jnp.inf)
+      m_new = jnp.maximum(m, scores.max(axis=1) * c)
+      p = jnp.exp2(scores * c - lax.broadcast_in_dim(m_new, scores.shape, [0]))
+      alpha = jnp.exp2(m - m_new)
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p = p.astype(dtype)
+      if config.pingpong:
+        plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may issue
+      plgpu.barrier_wait(v_ready.at[slot])
+      if config.pingpong:
+        plgpu.barrier_wait(turn)  # and now it is our turn on the tensor cores
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+
+        @pl.when(j + 1 < n_kv)  # the next K lands while this WGMMA runs
+        def _():
+          plgpu.barrier_wait(k_ready.at[_rem(j + 1, stages)])
+
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    carry = (acc, m, l)
+    if causal:
+      carry = lax.fori_loop(0, n_kv - 1, step, carry)
+      acc, m, l = step(n_kv - 1, carry, diagonal=True)
+    else:
+      acc, m, l = lax.fori_loop(0, n_kv, step, carry)
+    if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
+      pl.when(wg == 0)(take_turn)
+
+    acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+    q_tile[...] = acc.astype(dtype)
+    lse_smem.at[wg][...] = m * _LN2 + jnp.log(l)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, pl.ds(row, bq), h])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+    kv_head = _div(h, group)
+
+    def load(j, slot):
+      keys = pl.ds(j * bkv, bkv)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+    for j in range(stages):  # causal CTAs near the start may need fewer blocks
+      if causal:
+        pl.when(j < n_kv)(lambda j=j: load(j, j))
+      else:
+        load(j, j)
+
+    @pl.loop(stages, n_kv)
+    def _(j):
+      slot = _rem(j, stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+      load(j, slot)
+
+
+def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
+  del q_seg, kv_seg  # support_error admitted no segment ids
+  cfg = st.config
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  mask = st.opts.mask
+  causal = not mask.is_dense
+  stages = max(1, min(cfg.stages, s // cfg.block_kv,
+                      _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
+  cfg = dataclasses.replace(cfg, stages=stages)
+  layout = _smem_transforms()
+
+  def body(q_ref, k_ref, v_ref, o_ref, lse_ref):
+    pl.run_scoped(
+        lambda *scratch: _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch,
+                                         config=cfg, causal=causal, scale=st.opts.scale,
+                                         group=hq // hkv),
+        plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout),
+        plgpu.SMEM((stages, cfg.block_kv, d), k.dtype, transforms=layout),
+        plgpu.SMEM((stages, cfg.block_kv, d), v.dtype, transforms=layout),
+        plgpu.SMEM((2, cfg.block_q), jnp.float32),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  out, lse = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
+      grid=(b, hq, t // (2 * cfg.block_q)),
+      grid_names=("b", "h", "q"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v)
+  return out, lse
+
+
+def _backward(st: "_Static", res, cts):
+  return pallas_triton._bwd(st.triton, res, cts)  # pylint: disable=protected-access
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  opts: AttentionOptions
+  config: MosaicConfig
+  triton: pallas_triton._Static  # pylint: disable=protected-access
+
+
+_attention = _common.attention_vjp(_forward, _backward)
+
+
+def hopper_available() -> str | None:
+  """Why no Hopper GPU can run the kernel, or None."""
+  if plgpu is None:
+    return "jax.experimental.pallas.mosaic_gpu is not importable"
+  if not _dispatch.on_nvidia_gpu():
+    return f"needs an NVIDIA Hopper GPU (default device: {_dispatch.default_device().device_kind})"
+  capability = getattr(_dispatch.default_device(), "compute_capability", None)
+  if capability != "9.0":
+    return f"needs compute capability 9.0 (Hopper), got {capability}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicGpu:
+  """Mosaic GPU forward (Hopper) with pallas_triton's backward.
+
+  `config=None` uses MosaicConfig(); `backward` configures the Triton backward kernels.
+  """
+
+  config: MosaicConfig | None = None
+  backward_config: pallas_triton.BlockConfig | None = None
+  name: str = "pallas_mosaic_gpu"
+
+  def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
+    return _attention(self._static(q, k, opts), q, k, v, q_seg, kv_seg)
+
+  def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, opts: AttentionOptions):
+    """(dq, dk, dv) from saved out and lse [B, Hq, T], without a forward pass."""
+    res = _common.Residuals(q, k, v, q_seg, kv_seg, out, lse)
+    return _backward(self._static(q, k, opts), res, (d_out, d_lse))[:3]
+
+  def _static(self, q, k, opts: AttentionOptions) -> _Static:
+    config = self.config or MosaicConfig()
+    why = hopper_available() or support_error(q.shape, k.shape, q.dtype, opts, config)
+    if why is not None:
+      raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
+    triton = pallas_triton.PallasTriton(config=self.backward_config)._static(q, opts)  # pylint: disable=protected-access
+    return _Static(opts, config, triton)

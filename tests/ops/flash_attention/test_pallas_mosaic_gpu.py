@@ -1,0 +1,118 @@
+"""The Mosaic GPU (Hopper) forward: what it serves, that it builds, and its numbers on the GPU."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memeff_jax.ops.flash_attention import flash_attention
+from memeff_jax.ops.flash_attention import MosaicConfig
+from memeff_jax.ops.flash_attention import PallasMosaicGpu
+from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pm
+from memeff_jax.ops.flash_attention._common import AttentionOptions
+from memeff_jax.ops.flash_attention.masks import MaskSpec
+from tests.ops.flash_attention.test_flash_attention import make_problem
+from tests.ops.flash_attention.test_flash_attention import rel_err
+from tests.ops.flash_attention.test_flash_attention import run
+
+BF16 = jnp.bfloat16
+_MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
+
+
+def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
+  return AttentionOptions(mask=MaskSpec.make(causal, window, segments), scale=scale,
+                          logit_softcap=softcap)
+
+
+@pytest.mark.parametrize("q_shape, k_shape, dtype, opts, config, match", [
+    ((1, 256, 4, 128), (1, 256, 4, 128), jnp.float32, _opts(), MosaicConfig(), "bfloat16 or float16"),
+    ((1, 256, 4, 96), (1, 256, 4, 96), BF16, _opts(), MosaicConfig(), "D=96"),
+    ((1, 200, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(), "T=200"),
+    ((1, 256, 4, 128), (1, 300, 4, 128), BF16, _opts(), MosaicConfig(), "S=300"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(window=8), MosaicConfig(), "sliding"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(segments=True), MosaicConfig(), "segment"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(softcap=3.0), MosaicConfig(), "softcap"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(scale=-1.0), MosaicConfig(), "scale > 0"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(causal=True),
+     MosaicConfig(block_kv=64), "block_kv == 2·block_q"),
+])
+def test_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config, match):
+  assert re.search(match, pm.support_error(q_shape, k_shape, dtype, opts, config))
+
+
+def test_support_error_admits_the_served_calls():
+  for causal in (False, True):
+    for d in (64, 128):
+      assert pm.support_error((2, 384, 8, d), (2, 512, 2, d), BF16, _opts(causal),
+                              MosaicConfig()) is None
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU message")
+def test_explicit_mosaic_on_cpu_says_why():
+  q = jnp.ones((1, 128, 2, 64), BF16)
+  with pytest.raises(NotImplementedError, match="pallas_mosaic_gpu: needs an NVIDIA Hopper"):
+    flash_attention(q, q, q, implementation="pallas_mosaic_gpu")
+
+
+@pytest.mark.parametrize("causal, pingpong, d, t, s, hkv", [
+    (False, True, 128, 256, 512, 4), (True, True, 128, 512, 384, 2), (True, False, 64, 256, 256, 1)])
+def test_kernel_lowers_for_cuda(causal, pingpong, d, t, s, hkv):
+  """Builds the Mosaic GPU kernel (no GPU needed): catches API drift between jax releases."""
+  st = pm._Static(_opts(causal), MosaicConfig(pingpong=pingpong), None)  # pylint: disable=protected-access
+  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
+  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
+  fwd = functools.partial(pm._forward, st, q_seg=None, kv_seg=None)  # pylint: disable=protected-access
+  text = jax.jit(fwd).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+  assert _MOSAIC_CALL.search(text)
+
+
+def _hopper():
+  return jax.default_backend() == "gpu" and pm.hopper_available() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpu:
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("causal", [False, True])
+  @pytest.mark.parametrize("pingpong", [True, False])
+  @pytest.mark.parametrize("b, t, s, hq, hkv, d", [
+      (2, 256, 384, 8, 2, 128),   # T < S, GQA 4:1
+      (1, 384, 256, 4, 4, 64),    # T > S
+      (1, 512, 512, 4, 1, 128)])  # MQA
+  def test_matches_reference(self, dtype, causal, pingpong, b, t, s, hq, hkv, d):
+    impl = PallasMosaicGpu(config=MosaicConfig(pingpong=pingpong))
+    q, k, v, _, ct = make_problem(jax.random.key(t + s + d), b, t, s, hq, hkv, d, dtype)
+    opts = dict(causal=causal)
+    out, lse, grads = run(impl, q, k, v, None, ct, opts)
+    up = lambda x: x.astype(jnp.float32)
+    r_out, r_lse, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
+    tol = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3}[dtype]
+    assert out.dtype == dtype
+    assert rel_err(out, r_out) < tol
+    assert rel_err(lse, r_lse) < 1e-4
+    for g, rg in zip(grads, r_grads):
+      assert rel_err(g, rg) < tol
+
+  def test_default_picks_mosaic_where_it_serves(self):
+    q = jnp.ones((1, 256, 4, 128), BF16)
+    assert _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q, q, q).as_text())
+    q96 = jnp.ones((1, 256, 4, 96), BF16)  # D = 96: falls through to pallas_triton
+    assert not _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q96, q96, q96).as_text())
+
+  def test_backward_from_saved_residuals_equals_vjp(self):
+    from memeff_jax.ops.flash_attention import flash_attention_backward  # pylint: disable=import-outside-toplevel
+    q, k, v, _, ct = make_problem(jax.random.key(5), 1, 256, 256, 4, 2, 128, BF16)
+    f = lambda q, k, v: flash_attention(q, k, v, causal=True, return_lse=True,
+                                        implementation="pallas_mosaic_gpu")
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    ct = ct.astype(BF16)
+    want = vjp((ct, jnp.full_like(lse, 0.5)))
+    got = flash_attention_backward(q, k, v, out, lse, ct, jnp.full_like(lse, 0.5), causal=True,
+                                   implementation="pallas_mosaic_gpu")
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
