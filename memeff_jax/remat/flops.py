@@ -7,7 +7,8 @@ expensive) and sees nothing inside Pallas kernels. Counting on the jaxpr of the 
 `length` times, what `jax.checkpoint` recomputes appears in the backward's `remat` bodies,
 and a `pallas_call` counts its `cost_estimate` (memeff_jax's kernels give one).
 
-Counted: dot_general (2·M·N·K) and pallas_call cost estimates. Elementwise work is left out.
+Counted: dot_general (2·M·N·K) and the cost estimates of Pallas kernels (pallas_call, and
+mpmd_map for Mosaic GPU kernels launched by pl.kernel). Elementwise work is left out.
 A `while_loop` body counts once (its trip count is not static); `cond` counts its dearest
 branch. Only equations whose results are used count: the backward's `remat` body still
 holds, e.g., the attention forward kernel when a policy saved its outputs (JAX's own DCE
@@ -39,7 +40,7 @@ def _eqn_flops(eqn) -> float:
     lhs = eqn.invars[0].aval.shape
     k = math.prod(lhs[i] for i in lhs_contract)
     return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
-  if name == "pallas_call":
+  if name in ("pallas_call", "mpmd_map"):  # a Pallas kernel (mpmd_map: Mosaic GPU's pl.kernel)
     cost = eqn.params.get("cost_estimate")
     return float(cost.flops) if cost is not None else 0.0
   subs = [jaxpr_flops(j) for v in eqn.params.values() for j in _sub_jaxprs(v)]

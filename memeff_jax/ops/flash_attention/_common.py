@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
 from memeff_jax.ops.flash_attention.masks import MaskSpec
@@ -70,3 +71,15 @@ def finite_or_zero(x):
 def lse_from(m, l):
   """log-sum-exp from a running max and sum; -inf where nothing was visible (l = 0)."""
   return jnp.where(l > 0, finite_or_zero(m) + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+
+
+def cost_estimate(opts: AttentionOptions, q, k, matmuls: int) -> pl.CostEstimate:
+  """`matmuls` [T, S] × D products per head (2 for the forward, 3 for dq, 4 for dk/dv) over
+  the pairs the mask's band lets through. XLA does not see inside the kernels;
+  memeff_jax.remat.fit reads this to count what a remat policy recomputes."""
+  b, t, hq, d = q.shape
+  pairs = opts.mask.visible_pairs(t, k.shape[1])
+  itemsize = jnp.dtype(q.dtype).itemsize
+  return pl.CostEstimate(flops=2 * matmuls * b * hq * pairs * d,
+                         transcendentals=b * hq * pairs,
+                         bytes_accessed=(2 * q.size + 2 * k.size) * itemsize)

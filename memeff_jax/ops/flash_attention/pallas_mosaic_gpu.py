@@ -262,15 +262,16 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
         collective_axes="wg",
     )
 
-  out, lse = plgpu.kernel(
+  # pl.kernel rather than plgpu.kernel: it takes the cost estimate remat.fit counts.
+  out, lse = pl.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
-      grid=(b, hq, t // (2 * cfg.block_q)),
-      grid_names=("b", "h", "q"),
-      num_threads=3,
-      thread_name="wg",
+      mesh=plgpu.Mesh(grid=(b, hq, t // (2 * cfg.block_q)), grid_names=("b", "h", "q"),
+                      num_threads=3, thread_name="wg"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
+      cost_estimate=_common.cost_estimate(st.opts, q, k, 2),
+      name="flash_attention_fwd_mosaic",
   )(q, k, v)
   return out, lse
 

@@ -277,18 +277,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_se
   plgpu.store(dv_ref.at[pl.ds(k_start, bk), :], dv.astype(dv_ref.dtype), mask=mask)
 
 
-def _cost(st: _Static, q, k, matmuls: int) -> pl.CostEstimate:
-  """`matmuls` [T, S] × D products per head (2 for the forward, 3 for dq, 4 for dk/dv) over
-  the pairs the mask's band lets through. XLA does not see inside the kernels;
-  memeff_jax.remat.fit reads this to count what a remat policy recomputes."""
-  b, t, hq, d = q.shape
-  pairs = st.opts.mask.visible_pairs(t, k.shape[1])
-  flops = 2 * matmuls * b * hq * pairs * d
-  itemsize = jnp.dtype(q.dtype).itemsize
-  return pl.CostEstimate(flops=flops, transcendentals=b * hq * pairs,
-                         bytes_accessed=(2 * q.size + 2 * k.size) * itemsize)
-
-
 def _call(kernel, st, grid, in_specs, out_specs, out_shape, name, warps, stages, cost):
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -315,7 +303,7 @@ def _forward(st: _Static, q, k, v, q_seg, kv_seg):
       kernel, st, (pl.cdiv(t, cfg.block_q), b, hq), in_specs,
       [seq(t), pl.BlockSpec((None, None, t), lambda i, bb, h: (bb, h, 0))],
       [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)],
-      "flash_attention_fwd", cfg.num_warps, cfg.num_stages, _cost(st, q, k, 2))(
+      "flash_attention_fwd", cfg.num_warps, cfg.num_stages, _common.cost_estimate(st.opts, q, k, 2))(
           q, k, v, *((q_seg, kv_seg) if has_seg else ()))
   return out, lse
 
@@ -347,7 +335,7 @@ def _bwd(st: _Static, res: Residuals, cts):
   dq = _call(dq_kernel, st, (pl.cdiv(t, cfg.bwd_block_q), b, hq),
              [seq(t), kv, kv, seq(t), row, row] + ([seg(t), seg(s)] if has_seg else []),
              seq(t), jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq",
-             cfg.bwd_num_warps, cfg.bwd_num_stages, _cost(st, q, k, 3))(q, k, v, d_out, res.lse, delta, *segs)
+             cfg.bwd_num_warps, cfg.bwd_num_stages, _common.cost_estimate(st.opts, q, k, 3))(q, k, v, d_out, res.lse, delta, *segs)
 
   # dk, dv: grid over (key block, batch, key head); loops over the G query heads.
   group = pl.BlockSpec((None, t, g, dp), lambda j, bb, h: (bb, 0, h, 0))
@@ -365,7 +353,7 @@ def _bwd(st: _Static, res: Residuals, cts):
                  [group, kv2, kv2, group, rows, rows] + ([seg2(t), seg2(s)] if has_seg else []),
                  [kv2, kv2], [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
                  "flash_attention_dkv", cfg.bwd_num_warps, cfg.bwd_num_stages,
-                 _cost(st, q, k, 4))(
+                 _common.cost_estimate(st.opts, q, k, 4))(
                      q, k, v, d_out, res.lse, delta, *segs)
   return dq, dk, dv, None, None
 

@@ -69,6 +69,17 @@ def test_kernel_lowers_for_cuda(causal, pingpong, d, t, s, hkv):
   assert _MOSAIC_CALL.search(text)
 
 
+def test_remat_counts_the_kernel_cost():
+  """remat.fit ranks policies by the FLOPs they recompute: the kernel must report its own."""
+  from memeff_jax.remat import flops  # pylint: disable=import-outside-toplevel
+  opts = _opts(causal=True)
+  st = pm._Static(opts, MosaicConfig(), None)  # pylint: disable=protected-access
+  q = jax.ShapeDtypeStruct((2, 256, 4, 64), BF16)
+  fwd = functools.partial(pm._forward, st, q_seg=None, kv_seg=None)  # pylint: disable=protected-access
+  pairs = 256 * 257 // 2
+  assert flops.jaxpr_flops(jax.make_jaxpr(fwd)(q, q, q)) == 2 * 2 * 2 * 4 * pairs * 64
+
+
 def _hopper():
   return jax.default_backend() == "gpu" and pm.hopper_available() is None
 
