@@ -203,6 +203,13 @@ def _lce_setup(ctx, inputs, output):
     ctx.save_for_backward(*output[1:])
 
 
+def _tracing(t: torch.Tensor) -> bool:
+  """True while torch.compile traces, when values cannot be read. AOTAutograd traces the
+  backward with fake/functional tensor subclasses, and on some torch releases (2.11) outside
+  torch.compiler.is_compiling(); eager gradients are plain tensors."""
+  return torch.compiler.is_compiling() or type(t) is not torch.Tensor  # pylint: disable=unidiomatic-typecheck
+
+
 def _lce_backward(ctx, g_loss, *unused):
   del unused
   if g_loss is None:  # nothing flowed into the loss
@@ -212,7 +219,7 @@ def _lce_backward(ctx, g_loss, *unused):
     x, weight, labels, bias = ctx.saved_tensors
     dx, dw, db = _lce_bwd_op(x, weight, labels, bias, g_loss.contiguous().float(), ignore_index,
                              reduction, label_smoothing, z_loss, softcap, chunk_size)
-  elif torch.compiler.is_compiling():
+  elif _tracing(g_loss):
     dx, dw, db = ((t * g_loss).to(t.dtype) for t in ctx.saved_tensors)
   else:  # eager: scale the unit gradients in place (they are ours alone), no second dW
     if ctx.scaled:

@@ -21,8 +21,14 @@ def device(request):
   kernels). JAX matmuls in full float32 there, as torch's are by default."""
   if request.param == "cuda" and not torch.cuda.is_available():
     pytest.skip("torch has no CUDA here")
-  with jax.default_matmul_precision("highest"):
+  # Set globally, not with the thread-local context manager: torch runs a CUDA backward on
+  # its autograd device thread, where a context entered here would not apply.
+  before = jax.config.jax_default_matmul_precision
+  jax.config.update("jax_default_matmul_precision", "highest")
+  try:
     yield torch.device(request.param)
+  finally:
+    jax.config.update("jax_default_matmul_precision", before)
 
 
 def _close(a, b, tol=2e-5):
