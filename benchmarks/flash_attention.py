@@ -86,7 +86,8 @@ def run(set_name: str, providers: list[str], out, reps: int):
       flops = 4.0 * b * h * t * s * d * (0.5 if causal else 1.0)
       for provider in providers:
         row = dict(op="flash_attention", set=set_name, b=b, t=t, s=s, h=h, hkv=hkv, d=d,
-                   docs=docs, causal=causal, dtype=dtype.name, provider=provider, **env)
+                   docs=docs, causal=causal, dtype=dtype.name, provider=provider,
+                   fwd_bwd_timing="one vjp", **env)
         try:
           f = attention_fn(provider, causal, seg)
           if f is None:

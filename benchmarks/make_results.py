@@ -63,6 +63,10 @@ def fa_table(rows: list[dict]) -> str:
                f"{r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_tflops']:.0f} | {ratio} | "
                f"{_gib(r.get('extra_bytes'))} |")
   notes = sorted({r["source"] for r in rows if r.get("source")})
+  if any("fwd_bwd_timing" not in r for r in rows):
+    notes.append("fwd+bwd timed before 2026-11-21 as a separate primal call plus a vjp; XLA "
+                 "does not merge two Mosaic GPU or cuDNN calls, so those providers ran their "
+                 "forward twice and their fwd+bwd figures here are understated")
   return "\n".join(out + [f"\nNote: {n}." for n in notes])
 
 

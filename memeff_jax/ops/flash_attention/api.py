@@ -130,14 +130,16 @@ def flash_attention(
     scale: default 1/sqrt(D).
     logit_softcap: optional c > 0 (Gemma 2).
     return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
-    implementation: None (fastest available: "pallas_triton" on NVIDIA GPUs, then
-      "chunked_xla"), a name, an implementation object or a sequence tried in order.
+    implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
+      serves the call (Hopper, bf16/f16, D 64/128, no mask or causal), then
+      "pallas_triton", then "chunked_xla"), a name, an implementation object or a sequence
+      tried in order.
 
   Returns:
     out [B, T, Hq, D] in q's dtype; with return_lse, (out, lse).
 
   Memory: reference holds [B, Hq, T, S] float32 scores; chunked_xla [B, Hq, block_q,
-  block_k]; pallas_triton only the kernels' tiles.
+  block_k]; pallas_triton and pallas_mosaic_gpu only the kernels' tiles.
 
   Raises:
     ValueError / TypeError: bad shapes, dtypes or options; the message names the argument.
