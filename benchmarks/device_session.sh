@@ -2,17 +2,7 @@
 # One device-machine call running named parts, each under its own time limit, logging to $OUT:
 #   bash benchmarks/device_session.sh tests bridge train fit branches attention
 # What to run next: the end of benchmarks/NOTES.md.
-set -o pipefail
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-# One persistent compilation cache for every process of the call: a train step compiled for
-# one measurement is loaded, not recompiled (and not re-autotuned), by the next.
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
-export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
+. "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 R=$OUT/results
 part() {  # part NAME SECONDS command...

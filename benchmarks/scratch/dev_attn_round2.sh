@@ -1,10 +1,5 @@
 # Headline with every peer, then a sweep of the Triton backward's tiles (fwd+bwd minus fwd).
-set -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-mkdir -p $OUT/results
+. "$(dirname "$0")/../device_env.sh"
 echo "=== headline $(date +%T)"
 timeout 250 python3 benchmarks/flash_attention.py --set headline --out $OUT/results/flash_attention.jsonl \
   --providers memeff,memeff:pallas_triton,cudnn,tokamax:mosaic,tokamax:triton,xla 2>&1 | grep TFLOP | tee $OUT/headline.log

@@ -1,10 +1,5 @@
 # Device check of the Mosaic GPU attention forward: GPU tests, then the headline with variants.
-set -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-mkdir -p $OUT/results
+. "$(dirname "$0")/../device_env.sh"
 echo "=== tests $(date +%T)"
 timeout ${TEST_S:-200} python3 -m pytest -q -x -m gpu tests/ops/flash_attention/test_pallas_mosaic_gpu.py -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} 2>&1 | grep -v -i warning | tail -25
 echo "=== headline $(date +%T)"

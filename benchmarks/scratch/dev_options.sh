@@ -1,10 +1,5 @@
 # Device diagnostic for the bridged loss's memory: XLA options, allocators, the backward sync.
-set -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+. "$(dirname "$0")/../device_env.sh"
 echo "=== temps $(date +%T)"
 timeout 200 python3 benchmarks/scratch/lce_temps.py 2>&1 | grep -v -i warning | tee $OUT/temps.log
 echo "=== bridge $(date +%T)"

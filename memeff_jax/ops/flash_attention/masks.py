@@ -38,6 +38,11 @@ class MaskSpec:
     return cls(left=left, right=right, segments=segments)
 
   @property
+  def is_causal(self) -> bool:
+    """Exactly causal: no window on the left, no segment ids."""
+    return self.left is None and self.right == 0 and not self.segments
+
+  @property
   def is_dense(self) -> bool:
     return self.left is None and self.right is None and not self.segments
 

@@ -71,7 +71,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   _, t, _, d = q_shape
   s = k_shape[1]
   mask = opts.mask
-  causal = mask.left is None and mask.right == 0 and not mask.segments
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
   if d not in (64, 128):
@@ -80,9 +79,9 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"needs T a multiple of {2 * config.block_q}, got T={t}"
   if s % config.block_kv:
     return f"needs S a multiple of {config.block_kv}, got S={s}"
-  if not (mask.is_dense or causal):
+  if not (mask.is_dense or mask.is_causal):
     return "serves no mask or causal only (no sliding window, no segment ids)"
-  if causal and config.block_kv != 2 * config.block_q:
+  if mask.is_causal and config.block_kv != 2 * config.block_q:
     return f"causal needs block_kv == 2·block_q, got {config}"
   if opts.logit_softcap is not None:
     return "has no logit_softcap"
@@ -237,8 +236,6 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   cfg = st.config
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
-  mask = st.opts.mask
-  causal = not mask.is_dense
   stages = max(1, min(cfg.stages, s // cfg.block_kv,
                       _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
   cfg = dataclasses.replace(cfg, stages=stages)
@@ -247,7 +244,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   def body(q_ref, k_ref, v_ref, o_ref, lse_ref):
     pl.run_scoped(
         lambda *scratch: _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch,
-                                         config=cfg, causal=causal, scale=st.opts.scale,
+                                         config=cfg, causal=st.opts.mask.is_causal, scale=st.opts.scale,
                                          group=hq // hkv),
         plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout),
         plgpu.SMEM((stages, cfg.block_kv, d), k.dtype, transforms=layout),
@@ -306,7 +303,8 @@ def hopper_available() -> str | None:
 class PallasMosaicGpu:
   """Mosaic GPU forward (Hopper) with pallas_triton's backward.
 
-  `config=None` uses MosaicConfig(); `backward` configures the Triton backward kernels.
+  `config=None` uses MosaicConfig(); `backward_config` sets the Triton backward's tiles
+  (None: pallas_triton's choice for the head dim).
   """
 
   config: MosaicConfig | None = None
