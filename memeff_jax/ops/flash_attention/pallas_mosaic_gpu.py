@@ -16,7 +16,7 @@ after the other has finished its softmax, so one's exponentials run under the ot
 WGMMAs. The output and the float32 log-sum-exp ([B, Hq, T], natural log, as the other
 implementations save it) leave through shared memory by TMA.
 
-Served: bf16/f16, head dim 64 or 128, T a multiple of 2·block_q and S of block_kv, no mask
+Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of block_kv, no mask
 or causal (top-left aligned), GQA/MQA by indexing the key/value head. Anything else raises
 NotImplementedError with the reason, and `implementation=None` falls through to
 pallas_triton. The backward runs pallas_triton's dq and dk/dv kernels on the saved output
@@ -27,6 +27,7 @@ and log-sum-exp. GPU only (sm90): jax 0.10.2's Mosaic GPU interpreter cannot run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -54,7 +55,7 @@ class MosaicConfig:
 
   Attributes:
     block_q: query rows per compute warpgroup (a CTA holds two such blocks).
-    block_kv: keys per pipeline step; causal calls need block_kv == 2·block_q.
+    block_kv: keys per pipeline step.
     stages: K/V slots in shared memory (at most what fits: 2 at D = 128, 6 at D = 64).
     pingpong: alternate the two compute warpgroups on the tensor cores.
   """
@@ -63,6 +64,11 @@ class MosaicConfig:
   block_kv: int = 128
   stages: int = 2
   pingpong: bool = True
+
+  @classmethod
+  def for_head_dim(cls, d: int) -> "MosaicConfig":
+    """128-key blocks up to D = 128; 64-key blocks above (registers and shared memory)."""
+    return cls() if d <= 128 else cls(block_kv=64)
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
@@ -73,16 +79,14 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   mask = opts.mask
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
-  if d not in (64, 128):
-    return f"serves head dims 64 and 128, got D={d}"
+  if d not in (64, 128, 192, 256):
+    return f"serves head dims 64, 128, 192 and 256, got D={d}"
   if t % (2 * config.block_q):
     return f"needs T a multiple of {2 * config.block_q}, got T={t}"
   if s % config.block_kv:
     return f"needs S a multiple of {config.block_kv}, got S={s}"
   if not (mask.is_dense or mask.is_causal):
     return "serves no mask or causal only (no sliding window, no segment ids)"
-  if mask.is_causal and config.block_kv != 2 * config.block_q:
-    return f"causal needs block_kv == 2·block_q, got {config}"
   if opts.logit_softcap is not None:
     return "has no logit_softcap"
   if opts.scale <= 0:
@@ -123,10 +127,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
   b, h, qi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
   wg = lax.axis_index("wg")
   cta_row = qi * (2 * bq)
-  n_kv = s // bkv
-  if causal:  # the CTA's last row sees keys up to itself: its block is the diagonal one
-    n_kv = jnp.minimum(_div(cta_row + 2 * bq - 1, bkv) + 1, n_kv)
   stages = config.stages
+
+  def blocks_for(first_row):
+    """Key blocks the bq query rows from first_row see: causal stops at the diagonal."""
+    if not causal:
+      return s // bkv
+    return jnp.minimum(_div(first_row + bq - 1, bkv) + 1, s // bkv)
+
+  n_kv = blocks_for(cta_row + bq)  # the CTA's second query block needs the most
 
   def take_turn():  # both compute warpgroups arrive; neither passes until the other has
     plgpu.barrier_arrive(turn)
@@ -136,6 +145,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
   def _compute():
     plgpu.set_max_registers(232, action="increase")
     row = cta_row + wg * bq
+    n_mine = blocks_for(row)
     q_tile = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row, bq), h], q_tile, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
@@ -150,7 +160,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
       pl.when(wg == 1)(take_turn)
     plgpu.barrier_wait(k_ready.at[0])
 
-    def step(j, carry, *, diagonal=False):
+    def step(j, carry, *, masked=False):
       acc, m, l = carry
       slot = _rem(j, stages)
 
@@ -162,7 +172,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
 
       scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
-      if diagonal:
+      if masked:
         rows = row + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
         cols = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1,
                                                 layout=plgpu.Layout.WGMMA)
@@ -182,7 +192,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, p, v_smem.at[slot])
 
-        @pl.when(j + 1 < n_kv)  # the next K lands while this WGMMA runs
+        @pl.when(j + 1 < n_mine)  # the next K lands while this WGMMA runs
         def _():
           plgpu.barrier_wait(k_ready.at[_rem(j + 1, stages)])
 
@@ -192,8 +202,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
 
     carry = (acc, m, l)
     if causal:
-      carry = lax.fori_loop(0, n_kv - 1, step, carry)
-      acc, m, l = step(n_kv - 1, carry, diagonal=True)
+      n_full = jnp.minimum(_div(row + 1, bkv), n_mine)  # blocks wholly left of the diagonal
+      carry = lax.fori_loop(0, n_full, step, carry)
+      acc, m, l = lax.fori_loop(n_full, n_mine, functools.partial(step, masked=True), carry)
+
+      def skip(j, _):  # a block only the other query block sees: release it, keep the turns
+        plgpu.barrier_arrive(k_free.at[_rem(j, stages)])
+        plgpu.barrier_arrive(v_free.at[_rem(j, stages)])
+        if config.pingpong:
+          take_turn()
+          take_turn()
+
+      lax.fori_loop(n_mine, n_kv, skip, None)
     else:
       acc, m, l = lax.fori_loop(0, n_kv, step, carry)
     if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
@@ -320,7 +340,7 @@ class PallasMosaicGpu:
     return _backward(self._static(q, k, opts), res, (d_out, d_lse))[:3]
 
   def _static(self, q, k, opts: AttentionOptions) -> _Static:
-    config = self.config or MosaicConfig()
+    config = self.config or MosaicConfig.for_head_dim(q.shape[-1])
     why = hopper_available() or support_error(q.shape, k.shape, q.dtype, opts, config)
     if why is not None:
       raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
