@@ -3,7 +3,8 @@
     python benchmarks/flash_attention.py --set headline [--providers a,b,...]
 
 Providers: memeff (default implementation), memeff:NAME[:key=value] (e.g.
-memeff:pallas_triton:block_q=128), xla and cudnn (jax.nn.dot_product_attention),
+memeff:pallas_triton:block_q=128, memeff:pallas_mosaic_gpu:bwd=triton or :bwd_dq_split=0),
+xla and cudnn (jax.nn.dot_product_attention),
 tokamax:mosaic and tokamax:triton (if importable). A provider that cannot express a case
 (segment ids for jax.nn) is skipped with a note. memeff:chunked_xla is not in the default
 list: on a GPU it compiles for minutes at T=4096 (memeff is chunked_xla on CPU anyway).
@@ -40,7 +41,17 @@ def parse_memeff(provider: str):
     return fa.PallasTriton(config=BlockConfig(**{**default_config(128).__dict__,
                                                  **{k: int(v) for k, v in opts.items()}}))
   if name == "pallas_mosaic_gpu" and opts:
-    return fa.PallasMosaicGpu(config=fa.MosaicConfig(**{k: int(v) for k, v in opts.items()}))
+    # bwd=triton runs pallas_triton's backward; bwd_KEY=V sets MosaicBackwardConfig's KEY.
+    bwd_kind = opts.pop("bwd", "mosaic")
+    bwd = {k[4:]: int(v) for k, v in opts.items() if k.startswith("bwd_")}
+    fwd = {k: int(v) for k, v in opts.items() if not k.startswith("bwd_")}
+    if bwd_kind == "triton":
+      from memeff_jax.ops.flash_attention.pallas_triton import default_config  # pylint: disable=import-outside-toplevel
+      backward = default_config(128)
+    else:
+      backward = fa.MosaicBackwardConfig(**bwd) if bwd else None
+    return fa.PallasMosaicGpu(config=fa.MosaicConfig(**fwd) if fwd else None,
+                              backward_config=backward)
   if opts:
     raise ValueError(f"options {opts} not understood for {provider!r}")
   return name

@@ -1,4 +1,4 @@
-"""Hopper attention forward in Pallas Mosaic GPU; the backward is pallas_triton's.
+"""Hopper attention in Pallas Mosaic GPU: the forward here, the backward in mosaic_gpu_backward.
 
 One CTA per (batch, query head, 2·block_q query rows) runs three warpgroups:
 
@@ -19,8 +19,9 @@ implementations save it) leave through shared memory by TMA.
 Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of block_kv, no mask
 or causal (top-left aligned), GQA/MQA by indexing the key/value head. Anything else raises
 NotImplementedError with the reason, and `implementation=None` falls through to
-pallas_triton. The backward runs pallas_triton's dq and dk/dv kernels on the saved output
-and log-sum-exp. GPU only (sm90): jax 0.10.2's Mosaic GPU interpreter cannot run
+pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel where it serves the
+call (D 64 and 128), else pallas_triton's dq and dk/dv kernels; both run on the saved
+output and log-sum-exp. GPU only (sm90): jax 0.10.2's Mosaic GPU interpreter cannot run
 `plgpu.kernel` meshes.
 """
 
@@ -37,8 +38,10 @@ from jax.experimental import pallas as pl
 
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention import _common
+from memeff_jax.ops.flash_attention import mosaic_gpu_backward
 from memeff_jax.ops.flash_attention import pallas_triton
 from memeff_jax.ops.flash_attention._common import AttentionOptions
+from memeff_jax.ops.flash_attention.mosaic_gpu_backward import MosaicBackwardConfig
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -294,14 +297,17 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
 
 
 def _backward(st: "_Static", res, cts):
-  return pallas_triton._bwd(st.triton, res, cts)  # pylint: disable=protected-access
+  if st.triton is not None:
+    return pallas_triton._bwd(st.triton, res, cts)  # pylint: disable=protected-access
+  return mosaic_gpu_backward.backward(st.opts, st.backward, res, cts)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
   opts: AttentionOptions
   config: MosaicConfig
-  triton: pallas_triton._Static  # pylint: disable=protected-access
+  backward: MosaicBackwardConfig | None  # set when the Mosaic backward runs,
+  triton: pallas_triton._Static | None  # pylint: disable=protected-access  else this one
 
 
 _attention = _common.attention_vjp(_forward, _backward)
@@ -321,14 +327,16 @@ def hopper_available() -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PallasMosaicGpu:
-  """Mosaic GPU forward (Hopper) with pallas_triton's backward.
+  """Mosaic GPU forward and backward (Hopper).
 
-  `config=None` uses MosaicConfig(); `backward_config` sets the Triton backward's tiles
-  (None: pallas_triton's choice for the head dim).
+  `config=None` uses MosaicConfig.for_head_dim. `backward_config` picks the backward: a
+  MosaicBackwardConfig runs the Mosaic kernel (mosaic_gpu_backward) with those tiles, a
+  pallas_triton.BlockConfig runs pallas_triton's dq and dk/dv kernels, and None runs the
+  Mosaic backward where it serves the call (D 64 and 128) and pallas_triton's elsewhere.
   """
 
   config: MosaicConfig | None = None
-  backward_config: pallas_triton.BlockConfig | None = None
+  backward_config: MosaicBackwardConfig | pallas_triton.BlockConfig | None = None
   name: str = "pallas_mosaic_gpu"
 
   def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
@@ -344,5 +352,14 @@ class PallasMosaicGpu:
     why = hopper_available() or support_error(q.shape, k.shape, q.dtype, opts, config)
     if why is not None:
       raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
-    triton = pallas_triton.PallasTriton(config=self.backward_config)._static(q, opts)  # pylint: disable=protected-access
-    return _Static(opts, config, triton)
+    bwd = self.backward_config
+    if bwd is None or isinstance(bwd, MosaicBackwardConfig):
+      mosaic = bwd or MosaicBackwardConfig.for_head_dim(q.shape[-1])
+      why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
+      if why is None:
+        return _Static(opts, config, mosaic, None)
+      if bwd is not None:
+        raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
+      bwd = None  # the Triton backward's own choice of tiles
+    triton = pallas_triton.PallasTriton(config=bwd)._static(q, opts)  # pylint: disable=protected-access
+    return _Static(opts, config, None, triton)

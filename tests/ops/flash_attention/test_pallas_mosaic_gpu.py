@@ -12,8 +12,11 @@ import pytest
 from memeff_jax.ops.flash_attention import flash_attention
 from memeff_jax.ops.flash_attention import MosaicConfig
 from memeff_jax.ops.flash_attention import PallasMosaicGpu
+from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb
 from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pm
+from memeff_jax.ops.flash_attention import pallas_triton
 from memeff_jax.ops.flash_attention._common import AttentionOptions
+from memeff_jax.ops.flash_attention._common import Residuals
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 from tests.ops.flash_attention.test_flash_attention import make_problem
 from tests.ops.flash_attention.test_flash_attention import rel_err
@@ -62,7 +65,7 @@ def test_explicit_mosaic_on_cpu_says_why():
 def test_kernel_lowers_for_cuda(causal, pingpong, d, t, s, hkv):
   """Builds the Mosaic GPU kernel (no GPU needed): catches API drift between jax releases."""
   config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=pingpong)
-  st = pm._Static(_opts(causal), config, None)  # pylint: disable=protected-access
+  st = pm._Static(_opts(causal), config, None, None)  # pylint: disable=protected-access
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
   k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
   fwd = functools.partial(pm._forward, st, q_seg=None, kv_seg=None)  # pylint: disable=protected-access
@@ -70,11 +73,46 @@ def test_kernel_lowers_for_cuda(causal, pingpong, d, t, s, hkv):
   assert _MOSAIC_CALL.search(text)
 
 
+@pytest.mark.parametrize("causal, d, dq_split, stages, t, s, hkv", [
+    (False, 128, True, 2, 256, 384, 2), (True, 128, True, 2, 384, 256, 4),
+    (True, 128, False, 2, 256, 512, 1), (False, 64, False, 3, 192, 256, 4)])
+def test_backward_kernel_lowers_for_cuda(causal, d, dq_split, stages, t, s, hkv):
+  config = mb.MosaicBackwardConfig(dq_split=dq_split, stages=stages)
+  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
+  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
+  lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
+
+  def bwd(q, k, v, out, lse, d_out, d_lse):
+    res = Residuals(q, k, v, None, None, out, lse)
+    return mb.backward(_opts(causal), config, res, (d_out, d_lse))[:3]
+
+  text = jax.jit(bwd).trace(q, k, k, q, lse, q, lse).lower(lowering_platforms=("cuda",)).as_text()
+  assert _MOSAIC_CALL.search(text)
+
+
+@pytest.mark.parametrize("q_shape, k_shape, dtype, opts, config, match", [
+    ((1, 256, 4, 96), (1, 256, 4, 96), BF16, _opts(), mb.MosaicBackwardConfig(), "D=96"),
+    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(), mb.MosaicBackwardConfig(), "D=256"),
+    ((1, 256, 4, 64), (1, 256, 4, 64), BF16, _opts(), mb.MosaicBackwardConfig(), "dq_split"),
+    ((1, 96, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(), "T=96"),
+    ((1, 256, 4, 128), (1, 192, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(), "S=192"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(window=8), mb.MosaicBackwardConfig(),
+     "causal only"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(softcap=2.0), mb.MosaicBackwardConfig(),
+     "softcap"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(stages=3, dq_split=False),
+     "shared memory"),
+])
+def test_backward_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config,
+                                                         match):
+  assert re.search(match, mb.support_error(q_shape, k_shape, dtype, opts, config))
+
+
 def test_remat_counts_the_kernel_cost():
   """remat.fit ranks policies by the FLOPs they recompute: the kernel must report its own."""
   from memeff_jax.remat import flops  # pylint: disable=import-outside-toplevel
   opts = _opts(causal=True)
-  st = pm._Static(opts, MosaicConfig(), None)  # pylint: disable=protected-access
+  st = pm._Static(opts, MosaicConfig(), None, None)  # pylint: disable=protected-access
   q = jax.ShapeDtypeStruct((2, 256, 4, 64), BF16)
   fwd = functools.partial(pm._forward, st, q_seg=None, kv_seg=None)  # pylint: disable=protected-access
   pairs = 256 * 257 // 2
@@ -124,6 +162,57 @@ class TestMosaicGpu:
     r_out, r_lse, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
     assert rel_err(out, r_out) < 3e-2
     assert rel_err(lse, r_lse) < 1e-4
+    for g, rg in zip(grads, r_grads):
+      assert rel_err(g, rg) < 3e-2
+
+  @pytest.mark.parametrize("backward", [
+      mb.MosaicBackwardConfig(dq_split=True), mb.MosaicBackwardConfig(dq_split=False),
+      mb.MosaicBackwardConfig(dq_split=True, stages=3),
+      mb.MosaicBackwardConfig(dq_split=False, stages=1)])
+  @pytest.mark.parametrize("causal", [False, True])
+  @pytest.mark.parametrize("b, t, s, hq, hkv", [
+      (2, 256, 384, 8, 2),    # T < S: under causal the last key blocks see no query
+      (1, 384, 256, 4, 4),    # T > S
+      (1, 256, 256, 4, 1)])   # MQA: one key head collects four query heads
+  def test_mosaic_backward_matches_reference(self, backward, causal, b, t, s, hq, hkv):
+    impl = PallasMosaicGpu(backward_config=backward)
+    q, k, v, _, ct = make_problem(jax.random.key(t + 3 * s + hq), b, t, s, hq, hkv, 128, BF16)
+    out, lse, grads = run(impl, q, k, v, None, ct, dict(causal=causal))
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
+    for name, g, rg in zip("qkv", grads, r_grads):
+      assert g.dtype == BF16
+      assert rel_err(g, rg) < 3e-2, name
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  def test_mosaic_backward_d64_and_lse_cotangent(self, dtype):
+    """D = 64 (no dq_split), and a cotangent on the log-sum-exp as well as the output."""
+    q, k, v, _, ct = make_problem(jax.random.key(11), 2, 256, 256, 4, 2, 64, dtype)
+    g_lse = jax.random.normal(jax.random.key(12), (2, 256, 4), jnp.float32)  # lse is [B, T, H]
+
+    def loss(impl, q, k, v):
+      out, lse = flash_attention(q, k, v, causal=True, return_lse=True, implementation=impl)
+      return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(lse * g_lse)
+
+    impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(dq_split=False))
+    got = jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2))(q, k, v)
+    up = lambda x: x.astype(jnp.float32)
+    want = jax.grad(functools.partial(loss, "reference"), argnums=(0, 1, 2))(up(q), up(k), up(v))
+    tol = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3}[dtype]
+    for g, w in zip(got, want):
+      assert rel_err(g, w) < tol
+
+  def test_triton_backward_on_request(self):
+    """A pallas_triton BlockConfig runs the Triton dq and dk/dv kernels instead."""
+    impl = PallasMosaicGpu(backward_config=pallas_triton.default_config(128))
+    q, k, v, _, ct = make_problem(jax.random.key(3), 1, 256, 256, 4, 2, 128, BF16)
+    f = lambda q, k, v: flash_attention(q, k, v, causal=True, implementation=impl)
+    text = jax.jit(jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+                   ).lower(q, k, v).as_text()
+    assert "flash_attention_dq" in text and "flash_attention_bwd_mosaic" not in text
+    _, _, grads = run(impl, q, k, v, None, ct, dict(causal=True))
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=True))
     for g, rg in zip(grads, r_grads):
       assert rel_err(g, rg) < 3e-2
 

@@ -1,0 +1,324 @@
+"""Hopper attention backward in Pallas Mosaic GPU: one pass over the scores for dq, dk and dv.
+
+FlashAttention-2/3's backward: a CTA owns 2·block_kv keys of one key head, keeps K, V and
+the float32 dK, dV accumulators on chip, and streams every query block of the heads that
+share that key head. Per query block it runs the five matmuls the gradient needs, with no
+recomputed product (two separate dq and dk/dv kernels need seven):
+
+  Sᵀ  = K Qᵀ          Pᵀ = 2^(Sᵀ·c − lse₂)        (the forward's log-sum-exp, log2 domain)
+  dPᵀ = V dOᵀ         dSᵀ = Pᵀ ∘ (dPᵀ − Δ)         (Δ = rowsum(dO ∘ O) − d_lse)
+  dV += Pᵀ dO         dK += dSᵀ Q                  (Pᵀ, dSᵀ from registers)
+  dQ  = dS K          added into a float32 dq in global memory by a TMA reduction
+
+Warpgroups:
+
+  memory warpgroup    TMA-loads K and V once, then streams Q, dO and the two row
+                      statistics (lse₂, Δ) through a ring of `stages` slots; a slot is
+                      refilled once both compute warpgroups have released it
+  compute warpgroups  one per block_kv keys. dSᵀ goes to shared memory for dQ = dS K. With
+                      `dq_split` (D = 128) the two warpgroups share their dSᵀ and each
+                      computes half of dQ's columns over all 2·block_kv keys, which halves
+                      the float32 traffic of the reduction; without it each adds the dQ of
+                      its own keys.
+
+The softmax scale is applied once at the end (to dK, and to dq when it is cast back to the
+input dtype). Served: bf16/f16, D 64 or 128, T a multiple of block_q, S of 2·block_kv, no
+mask or causal; causal CTAs start at the first query block that sees their keys and mask
+the query blocks on the diagonal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from memeff_jax.ops.flash_attention import _common
+from memeff_jax.ops.flash_attention._common import AttentionOptions
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+_LOG2E = math.log2(math.e)
+BLOCK_Q = 64  # query rows per pipeline step
+BLOCK_KV = 64  # keys per compute warpgroup; a CTA holds two such blocks
+_SMEM_BYTES = 232_448  # per CTA on sm90
+_SMEM_RESERVE = 1_024  # barriers and alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardConfig:
+  """Tiles of the backward kernel.
+
+  The tiles are fixed at 64 query rows per step and 64 keys per compute warpgroup: WGMMA's
+  M is 64, and the dK and dV accumulators (64 × D float32 each) leave no registers for
+  larger score tiles.
+
+  Attributes:
+    stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split).
+    dq_split: the two compute warpgroups each compute half of dQ's columns (D = 128 only).
+  """
+
+  stages: int = 2
+  dq_split: bool = True
+
+  @classmethod
+  def for_head_dim(cls, d: int) -> "MosaicBackwardConfig":
+    """dq_split where it applies (D = 128)."""
+    return cls(dq_split=d == 128)
+
+
+def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
+                  config: MosaicBackwardConfig) -> str | None:
+  """Why the backward kernel cannot serve this call, or None when it can."""
+  _, t, _, d = q_shape
+  s = k_shape[1]
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+  if d not in (64, 128):
+    return f"backward serves head dims 64 and 128, got D={d}"
+  if config.dq_split and d != 128:
+    return f"dq_split needs D=128, got D={d}"
+  if config.stages < 1:
+    return f"needs at least one stage, got {config}"
+  if t % BLOCK_Q:
+    return f"backward needs T a multiple of {BLOCK_Q}, got T={t}"
+  if s % (2 * BLOCK_KV):
+    return f"backward needs S a multiple of {2 * BLOCK_KV}, got S={s}"
+  if not (opts.mask.is_dense or opts.mask.is_causal):
+    return "backward serves no mask or causal only"
+  if (need := _smem_bytes(config, d, jnp.dtype(dtype).itemsize)) > _SMEM_BYTES:
+    return f"{config} needs {need} bytes of shared memory at D={d}, more than {_SMEM_BYTES}"
+  if opts.logit_softcap is not None:
+    return "backward has no logit_softcap"
+  return None
+
+
+def _ds_buffers(config: MosaicBackwardConfig) -> int:
+  """dSᵀ slots: shared between the warpgroups, a slot is rewritten only two steps later."""
+  return 2 if config.dq_split else 1
+
+
+def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int) -> int:
+  bq, bkv = BLOCK_Q, BLOCK_KV
+  dq_cols = d // 2 if config.dq_split else d
+  return (2 * (2 * bkv) * d * itemsize  # K, V
+          + config.stages * (2 * bq * d * itemsize + 2 * bq * 4)  # Q, dO, lse₂ and Δ
+          + _ds_buffers(config) * (2 * bkv) * bq * itemsize  # dSᵀ
+          + 2 * bq * dq_cols * 4  # the dQ tiles on their way to the reduction
+          + _SMEM_RESERVE)
+
+
+def _div(x, n):
+  return lax.div(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
+
+
+def _rem(x, n):
+  return lax.rem(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref,
+                     k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
+                     k_ready, v_ready, q_ready, do_ready, stats_ready, q_free, do_free, ds_ready,
+                     done, *,
+                     config: MosaicBackwardConfig, causal: bool, scale: float, group: int):
+  bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
+  t, d = q_ref.shape[1], q_ref.shape[-1]
+  dtype = q_ref.dtype
+  b, h, kvi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("kv")
+  wg = lax.axis_index("wg")
+  cta_key = kvi * (2 * bkv)
+  n_q = t // bq
+  # Causal: query rows before the CTA's first key see none of its keys.
+  first = jnp.minimum(_div(cta_key, bq), n_q) if causal else 0
+  per_head = n_q - first
+  n_steps = group * per_head
+
+  def step_block(i):
+    """(query head, query block) of pipeline step i: all blocks of one head, then the next."""
+    return h * group + _div(i, per_head), first + _rem(i, per_head)
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    my_key = cta_key + wg * bkv
+    k_mine, v_mine = k_smem.at[pl.ds(wg * bkv, bkv)], v_smem.at[pl.ds(wg * bkv, bkv)]
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along Sᵀ's columns (queries)
+    c = scale * _LOG2E
+    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    plgpu.barrier_wait(k_ready)
+    plgpu.barrier_wait(v_ready)
+
+    def step(i, carry, *, masked):
+      dk, dv = carry
+      slot = _rem(i, stages)
+      head, qb = step_block(i)
+      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(do_ready.at[slot])
+      plgpu.barrier_wait(stats_ready.at[slot])
+
+      def scores(refs):
+        s_ref, dp_ref = refs
+        plgpu.wgmma(s_ref, k_mine, plgpu.transpose_ref(q_tile, (1, 0)))
+        plgpu.wgmma(dp_ref, v_mine, plgpu.transpose_ref(do_tile, (1, 0)))
+
+      st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
+                                      plgpu.ACC.init(zeros((bkv, bq)))))
+      lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=col_layout)
+      delta = plgpu.load(stats_smem.at[slot, 1], (), layout=col_layout)
+      if masked:  # key (row of Sᵀ) visible to query (column) iff key ≤ query
+        keys = my_key + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
+        queries = qb * bq + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1,
+                                                   layout=plgpu.Layout.WGMMA)
+        st = jnp.where(keys <= queries, st, -jnp.inf)
+      pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
+      dst = (pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
+      pt = pt.astype(dtype)
+
+      def grads(refs):
+        dv_ref, dk_ref = refs
+        plgpu.wgmma(dv_ref, pt, do_tile)
+        plgpu.wgmma(dk_ref, dst, q_tile)
+
+      dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+      plgpu.barrier_arrive(do_free.at[slot])
+      plgpu.barrier_arrive(q_free.at[slot])
+
+      ds_buf = ds_smem.at[_rem(i, _ds_buffers(config))]
+      ds_buf.at[pl.ds(wg * bkv, bkv)][...] = dst
+      plgpu.commit_smem()
+      rows = pl.ds(qb * bq, bq)
+      if config.dq_split:  # dQ[:, half] = dS (all 2·bkv keys) K[:, half]
+        plgpu.barrier_arrive(ds_ready.at[_rem(i, 2)])
+        plgpu.barrier_wait(ds_ready.at[_rem(i, 2)])
+        half = d // 2
+        ds_all = plgpu.transpose_ref(ds_buf, (1, 0))
+
+        def dq_half(col):
+          def mm(acc_ref):
+            plgpu.wgmma(acc_ref, ds_all, k_smem.at[:, pl.ds(col, half)])
+            return acc_ref[...]
+          return pl.run_scoped(mm, plgpu.ACC((bq, half), jnp.float32))
+
+        dq = lax.cond(wg == 0, lambda: dq_half(0), lambda: dq_half(half))
+        cols = pl.ds(wg * half, half)
+      else:  # dQ = dS (own keys) K (own keys)
+        def mm(acc_ref):
+          plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_buf.at[pl.ds(wg * bkv, bkv)], (1, 0)),
+                      k_mine)
+          return acc_ref[...]
+        dq = pl.run_scoped(mm, plgpu.ACC((bq, d), jnp.float32))
+        cols = pl.ds(0, d)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
+      dq_smem.at[wg][...] = dq
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, rows, head, cols], reduction_op="add")
+      return dk, dv
+
+    carry = (zeros((bkv, d)), zeros((bkv, d)))
+    if causal:  # per head, the first 2·bkv/bq query blocks hold the diagonal (k0 % bq == 0)
+      n_masked = jnp.minimum((2 * bkv) // bq, per_head)
+
+      def head_steps(g, carry):
+        start = g * per_head
+        carry = lax.fori_loop(start, start + n_masked, functools.partial(step, masked=True), carry)
+        return lax.fori_loop(start + n_masked, start + per_head,
+                             functools.partial(step, masked=False), carry)
+
+      dk, dv = lax.fori_loop(0, group, head_steps, carry)
+    else:
+      dk, dv = lax.fori_loop(0, n_steps, functools.partial(step, masked=False), carry)
+
+    plgpu.barrier_arrive(done)  # the other warpgroup has finished reading all of K
+    plgpu.barrier_wait(done)
+    k_mine[...] = (dk * scale).astype(dtype)
+    v_mine[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    keys = pl.ds(my_key, bkv)
+    plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[b, keys, h])
+    plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[b, keys, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+    keys = pl.ds(cta_key, 2 * bkv)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem, k_ready)
+    plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem, v_ready)
+
+    def load(i, slot):
+      head, qb = step_block(i)
+      rows = pl.ds(qb * bq, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot], q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot], do_ready.at[slot])
+      plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows], stats_smem.at[slot],
+                              stats_ready.at[slot])
+
+    for i in range(stages):
+      pl.when(i < n_steps)(functools.partial(load, i, i))
+
+    @pl.loop(stages, n_steps)
+    def _(i):
+      slot = _rem(i, stages)
+      plgpu.barrier_wait(q_free.at[slot])
+      plgpu.barrier_wait(do_free.at[slot])
+      load(i, slot)
+
+
+def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.Residuals,
+             cts):
+  """(dq, dk, dv, None, None) from the saved residuals and the output cotangents."""
+  d_out, d_lse = cts
+  q, k, v = res.q, res.k, res.v
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
+  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), res.out.astype(jnp.float32))
+  stats = jnp.stack([res.lse * _LOG2E, delta - d_lse], axis=2)  # [B, Hq, 2, T]
+  dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+  tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  dq_cols = d // 2 if config.dq_split else d
+
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref):
+    pl.run_scoped(
+        lambda *scratch: _backward_kernel(
+            q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref, *scratch,
+            config=config, causal=opts.mask.is_causal, scale=opts.scale, group=hq // hkv),
+        plgpu.SMEM((2 * bkv, d), k.dtype, transforms=tiles),
+        plgpu.SMEM((2 * bkv, d), v.dtype, transforms=tiles),
+        plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiles),
+        plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiles),
+        plgpu.SMEM((stages, 2, bq), jnp.float32),
+        plgpu.SMEM((_ds_buffers(config), 2 * bkv, bq), q.dtype, transforms=tiles),
+        plgpu.SMEM((2, bq, dq_cols), jnp.float32),
+        plgpu.Barrier(),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  dk, dv = pl.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      mesh=plgpu.Mesh(grid=(b, hkv, s // (2 * bkv)), grid_names=("b", "h", "kv"),
+                      num_threads=3, thread_name="wg"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      cost_estimate=_common.cost_estimate(opts, q, k, 5),
+      name="flash_attention_bwd_mosaic",
+  )(q, k, v, d_out, stats, dq_acc)
+  dq = (dq_acc[...] * opts.scale).astype(q.dtype)
+  return dq, dk, dv, None, None
