@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from memeff_jax import _tuning
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 
@@ -49,6 +50,9 @@ except ImportError:  # pragma: no cover
 _LOG2E = math.log2(math.e)
 BLOCK_Q = 64  # query rows per pipeline step
 BLOCK_KV = 64  # keys per compute warpgroup; a CTA holds two such blocks
+# Registers per thread of the compute and memory warpgroups (2·128·240 + 128·24 = 63Ki of
+# the SM's 64Ki). At (232, 40) ptxas spilled about twice as much and the kernel ran 1–3% slower.
+_REGISTERS = (240, 24)
 _SMEM_BYTES = 232_448  # per CTA on sm90
 _SMEM_RESERVE = 1_024  # barriers and alignment
 
@@ -64,15 +68,22 @@ class MosaicBackwardConfig:
   Attributes:
     stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split).
     dq_split: the two compute warpgroups each compute half of dQ's columns (D = 128 only).
+    pingpong: the compute warpgroups take turns issuing their WGMMAs, so that one's softmax
+      and stores run under the other's matmuls (not with dq_split: its exchange of dSᵀ
+      would wait on a turn the other warpgroup cannot give).
   """
 
   stages: int = 2
   dq_split: bool = True
+  pingpong: bool = False
 
   @classmethod
-  def for_head_dim(cls, d: int) -> "MosaicBackwardConfig":
-    """dq_split where it applies (D = 128)."""
-    return cls(dq_split=d == 128)
+  def tuned(cls, d: int, causal: bool) -> "MosaicBackwardConfig":
+    """configs/tuning/flash_attention.toml's `d<D>` or `d<D>_causal` section for this GPU
+    kind, else dq_split where it applies (D = 128)."""
+    section = f"d{d}_causal" if causal else f"d{d}"
+    found = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward").get(section)
+    return cls(**found) if found else cls(dq_split=d == 128)
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
@@ -86,6 +97,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"backward serves head dims 64 and 128, got D={d}"
   if config.dq_split and d != 128:
     return f"dq_split needs D=128, got D={d}"
+  if config.dq_split and config.pingpong:
+    return "pingpong and dq_split exclude each other"
   if config.stages < 1:
     return f"needs at least one stage, got {config}"
   if t % BLOCK_Q:
@@ -127,7 +140,7 @@ def _rem(x, n):
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref,
                      k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
                      k_ready, v_ready, q_ready, do_ready, stats_ready, q_free, do_free, ds_ready,
-                     done, *,
+                     pair, *,
                      config: MosaicBackwardConfig, causal: bool, scale: float, group: int):
   bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -147,7 +160,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
 
   @pl.when(wg < 2)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(_REGISTERS[0], action="increase")
     my_key = cta_key + wg * bkv
     k_mine, v_mine = k_smem.at[pl.ds(wg * bkv, bkv)], v_smem.at[pl.ds(wg * bkv, bkv)]
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along Sᵀ's columns (queries)
@@ -155,6 +168,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     plgpu.barrier_wait(k_ready)
     plgpu.barrier_wait(v_ready)
+
+    def take_turn():  # both warpgroups arrive; neither passes until the other has
+      if config.pingpong:
+        plgpu.barrier_arrive(pair)
+        plgpu.barrier_wait(pair)
+
+    if config.pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
+      pl.when(wg == 1)(take_turn)
 
     def step(i, carry, *, masked):
       dk, dv = carry
@@ -169,17 +190,20 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
         s_ref, dp_ref = refs
         plgpu.wgmma(s_ref, k_mine, plgpu.transpose_ref(q_tile, (1, 0)))
         plgpu.wgmma(dp_ref, v_mine, plgpu.transpose_ref(do_tile, (1, 0)))
+        take_turn()
 
       st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                       plgpu.ACC.init(zeros((bkv, bq)))))
-      lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=col_layout)
-      delta = plgpu.load(stats_smem.at[slot, 1], (), layout=col_layout)
       if masked:  # key (row of Sᵀ) visible to query (column) iff key ≤ query
         keys = my_key + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
         queries = qb * bq + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1,
                                                    layout=plgpu.Layout.WGMMA)
         st = jnp.where(keys <= queries, st, -jnp.inf)
+      # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
+      # 16 registers of a column vector decide whether the warpgroup spills.
+      lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=col_layout)
       pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
+      delta = plgpu.load(stats_smem.at[slot, 1], (), layout=col_layout)
       dst = (pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
       pt = pt.astype(dtype)
 
@@ -187,6 +211,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
         dv_ref, dk_ref = refs
         plgpu.wgmma(dv_ref, pt, do_tile)
         plgpu.wgmma(dk_ref, dst, q_tile)
+        take_turn()
 
       dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
       plgpu.barrier_arrive(do_free.at[slot])
@@ -214,6 +239,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
         def mm(acc_ref):
           plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_buf.at[pl.ds(wg * bkv, bkv)], (1, 0)),
                       k_mine)
+          take_turn()
           return acc_ref[...]
         dq = pl.run_scoped(mm, plgpu.ACC((bq, d), jnp.float32))
         cols = pl.ds(0, d)
@@ -237,8 +263,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
     else:
       dk, dv = lax.fori_loop(0, n_steps, functools.partial(step, masked=False), carry)
 
-    plgpu.barrier_arrive(done)  # the other warpgroup has finished reading all of K
-    plgpu.barrier_wait(done)
+    if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
+      pl.when(wg == 0)(take_turn)
+    plgpu.barrier_arrive(pair)  # the other warpgroup has finished reading all of K
+    plgpu.barrier_wait(pair)
     k_mine[...] = (dk * scale).astype(dtype)
     v_mine[...] = dv.astype(dtype)
     plgpu.commit_smem()
@@ -249,7 +277,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
 
   @pl.when(wg == 2)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(_REGISTERS[1], action="decrease")
     keys = pl.ds(cta_key, 2 * bkv)
     plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem, k_ready)
     plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem, v_ready)

@@ -332,7 +332,8 @@ class PallasMosaicGpu:
   `config=None` uses MosaicConfig.for_head_dim. `backward_config` picks the backward: a
   MosaicBackwardConfig runs the Mosaic kernel (mosaic_gpu_backward) with those tiles, a
   pallas_triton.BlockConfig runs pallas_triton's dq and dk/dv kernels, and None runs the
-  Mosaic backward where it serves the call (D 64 and 128) and pallas_triton's elsewhere.
+  Mosaic backward (tiles from MosaicBackwardConfig.tuned) where it serves the call (D 64
+  and 128) and pallas_triton's elsewhere.
   """
 
   config: MosaicConfig | None = None
@@ -354,7 +355,7 @@ class PallasMosaicGpu:
       raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
     bwd = self.backward_config
     if bwd is None or isinstance(bwd, MosaicBackwardConfig):
-      mosaic = bwd or MosaicBackwardConfig.for_head_dim(q.shape[-1])
+      mosaic = bwd or MosaicBackwardConfig.tuned(q.shape[-1], opts.mask.is_causal)
       why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
       if why is None:
         return _Static(opts, config, mosaic, None)

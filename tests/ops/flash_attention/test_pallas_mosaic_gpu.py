@@ -73,11 +73,11 @@ def test_kernel_lowers_for_cuda(causal, pingpong, d, t, s, hkv):
   assert _MOSAIC_CALL.search(text)
 
 
-@pytest.mark.parametrize("causal, d, dq_split, stages, t, s, hkv", [
-    (False, 128, True, 2, 256, 384, 2), (True, 128, True, 2, 384, 256, 4),
-    (True, 128, False, 2, 256, 512, 1), (False, 64, False, 3, 192, 256, 4)])
-def test_backward_kernel_lowers_for_cuda(causal, d, dq_split, stages, t, s, hkv):
-  config = mb.MosaicBackwardConfig(dq_split=dq_split, stages=stages)
+@pytest.mark.parametrize("causal, d, dq_split, pingpong, stages, t, s, hkv", [
+    (False, 128, True, False, 2, 256, 384, 2), (True, 128, True, False, 2, 384, 256, 4),
+    (True, 128, False, True, 2, 256, 512, 1), (False, 64, False, False, 3, 192, 256, 4)])
+def test_backward_kernel_lowers_for_cuda(causal, d, dq_split, pingpong, stages, t, s, hkv):
+  config = mb.MosaicBackwardConfig(dq_split=dq_split, pingpong=pingpong, stages=stages)
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
   k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
   lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
@@ -102,10 +102,23 @@ def test_backward_kernel_lowers_for_cuda(causal, d, dq_split, stages, t, s, hkv)
      "softcap"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(stages=3, dq_split=False),
      "shared memory"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(pingpong=True),
+     "exclude"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(stages=0),
+     "one stage"),
 ])
 def test_backward_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config,
                                                          match):
   assert re.search(match, mb.support_error(q_shape, k_shape, dtype, opts, config))
+
+
+def test_tuned_backward_configs_serve_their_calls():
+  """The tuning table's sections name real fields and choices the kernel accepts."""
+  for d in (64, 128):
+    for causal in (False, True):
+      config = mb.MosaicBackwardConfig.tuned(d, causal)
+      assert mb.support_error((2, 256, 8, d), (2, 256, 2, d), BF16, _opts(causal), config) is None
+  assert mb.MosaicBackwardConfig.tuned(128, False).pingpong
 
 
 def test_remat_counts_the_kernel_cost():
@@ -168,7 +181,8 @@ class TestMosaicGpu:
   @pytest.mark.parametrize("backward", [
       mb.MosaicBackwardConfig(dq_split=True), mb.MosaicBackwardConfig(dq_split=False),
       mb.MosaicBackwardConfig(dq_split=True, stages=3),
-      mb.MosaicBackwardConfig(dq_split=False, stages=1)])
+      mb.MosaicBackwardConfig(dq_split=False, stages=1),
+      mb.MosaicBackwardConfig(dq_split=False, pingpong=True)])
   @pytest.mark.parametrize("causal", [False, True])
   @pytest.mark.parametrize("b, t, s, hq, hkv", [
       (2, 256, 384, 8, 2),    # T < S: under causal the last key blocks see no query
