@@ -15,7 +15,8 @@ sys.path.insert(0, ".")
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
 
-B, T, H, D = 4, 4096, 32, 128
+import os  # noqa: E402
+B, T, H, D = 4, 4096, int(os.environ.get("H", 32)), int(os.environ.get("D", 128))
 VARIANTS = {
     "split": dict(),
     "pingpong": dict(dq_split=False, pingpong=True),
@@ -64,7 +65,7 @@ for causal in (False, True):
         impl = fa.PallasMosaicGpu(backward_config=fa.pallas_triton.default_config(D))
       else:
         opts = dict(VARIANTS[name])
-        mb._REGISTERS = opts.pop("registers", (232, 40))  # pylint: disable=protected-access
+        mb._REGISTERS = opts.pop("registers", (240, 24))  # pylint: disable=protected-access
         impl = fa.PallasMosaicGpu(backward_config=fa.MosaicBackwardConfig(**opts))
       if not causal:
         print(f"{name}: worst gradient rel err {check(impl):.2e}", flush=True)
