@@ -1,6 +1,6 @@
 """Hopper attention backward in Pallas Mosaic GPU: one pass over the scores for dq, dk and dv.
 
-FlashAttention-2/3's backward: a CTA owns 2·block_kv keys of one key head, keeps K, V and
+FlashAttention-2/3's backward: a CTA owns 128 keys of one key head, keeps K, V and
 the float32 dK, dV accumulators on chip, and streams every query block of the heads that
 share that key head. Per query block it runs the five matmuls the gradient needs, with no
 recomputed product (two separate dq and dk/dv kernels need seven):
@@ -15,16 +15,18 @@ Warpgroups:
   memory warpgroup    TMA-loads K and V once, then streams Q, dO and the two row
                       statistics (lse₂, Δ) through a ring of `stages` slots; a slot is
                       refilled once both compute warpgroups have released it
-  compute warpgroups  one per block_kv keys. dSᵀ goes to shared memory for dQ = dS K. With
-                      `dq_split` (D = 128) the two warpgroups share their dSᵀ and each
-                      computes half of dQ's columns over all 2·block_kv keys, which halves
-                      the float32 traffic of the reduction; without it each adds the dQ of
-                      its own keys.
+  compute warpgroups  one per 64 keys, 64 query rows per step. dSᵀ goes to shared memory
+                      for dQ = dS K. With `dq_split` (D = 128) the two warpgroups share
+                      their dSᵀ and each computes half of dQ's columns over all 128 keys,
+                      which halves the float32 traffic of the reduction; without it each
+                      adds the dQ of its own keys. With `pingpong` they take turns issuing
+                      WGMMAs, as in the forward.
 
 The softmax scale is applied once at the end (to dK, and to dq when it is cast back to the
-input dtype). Served: bf16/f16, D 64 or 128, T a multiple of block_q, S of 2·block_kv, no
-mask or causal; causal CTAs start at the first query block that sees their keys and mask
-the query blocks on the diagonal.
+input dtype). Served: bf16/f16, D 64 or 128, T a multiple of 64, S of 128, no mask or
+causal; causal CTAs start at the first query block that sees their keys and mask the query
+blocks on the diagonal. configs/tuning/flash_attention.toml picks the settings per head
+dim and causal, and benchmarks/NOTES.md has what each variant measured.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ _SMEM_RESERVE = 1_024  # barriers and alignment
 
 @dataclasses.dataclass(frozen=True)
 class MosaicBackwardConfig:
-  """Tiles of the backward kernel.
+  """Settings of the backward kernel.
 
   The tiles are fixed at 64 query rows per step and 64 keys per compute warpgroup: WGMMA's
   M is 64, and the dK and dV accumulators (64 × D float32 each) leave no registers for
