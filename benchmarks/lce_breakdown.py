@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import re
 import sys
 import tempfile
 
@@ -33,14 +32,7 @@ def largest_allocations(pattern: str, top: int = 14):
   if not files:
     print("  (no buffer assignment dumped)")
     return
-  text = open(files[-1]).read()
-  values = {}
-  for alloc in re.split(r"\n(?=allocation \d+:)", text):
-    head = alloc.split("\n", 1)[0]
-    kind = "temp" if "temp" in head else ("out" if "live-out" in head else
-                                          "param" if "parameter" in head else "other")
-    for name, size, shape in re.findall(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)", alloc):
-      values[name] = (int(size), shape, kind)
+  values = _harness.buffer_values(files[-1])
   for name, (size, shape, kind) in sorted(values.items(), key=lambda kv: -kv[1][0])[:top]:
     print(f"  {size / 2**30:8.3f} GiB  {kind:6s} {shape:28s} {name}")
 

@@ -7,7 +7,6 @@ buffers from XLA's buffer assignment, and the fwd+bwd time at the llama3-8b shap
 """
 import glob
 import os
-import re
 import sys
 import tempfile
 
@@ -28,15 +27,8 @@ def temps(before):
   files = sorted(set(glob.glob(os.path.join(dump, "*loss*buffer-assignment.txt"))) - before)
   if not files:
     return []
-  out = []
-  for alloc in re.split(r"\n(?=allocation \d+:)", open(files[-1]).read()):
-    head = alloc.split("\n", 1)[0]
-    for name, size, shape in re.findall(
-        r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)", alloc):
-      if "param" in head or "live-out" in head or "constant" in head:
-        continue
-      if int(size) >= 2**20:
-        out.append((int(size), shape, name))
+  out = [(size, shape, name) for name, (size, shape, kind) in _harness.buffer_values(files[-1]).items()
+         if kind in ("temp", "other") and size >= 2**20]
   return sorted(out, reverse=True)[:8]
 
 
