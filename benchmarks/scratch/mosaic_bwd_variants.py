@@ -17,6 +17,7 @@ from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E4
 
 import os  # noqa: E402
 B, T, H, D = 4, 4096, int(os.environ.get("H", 32)), int(os.environ.get("D", 128))
+SOFTCAP = float(os.environ["SOFTCAP"]) if "SOFTCAP" in os.environ else None  # not for cudnn
 VARIANTS = {
     "split": dict(),
     "pingpong": dict(dq_split=False, pingpong=True),
@@ -47,9 +48,10 @@ def check(impl):
   worst = 0.0
   for causal in (False, True):
     q_, k_, v_, _, ct_ = make_problem(jax.random.key(7), 2, 256, 384, 8, 2, D, jnp.bfloat16)
-    _, _, g = run(impl, q_, k_, v_, None, ct_, dict(causal=causal))
+    opts = dict(causal=causal, logit_softcap=SOFTCAP)
+    _, _, g = run(impl, q_, k_, v_, None, ct_, opts)
     up = lambda x: x.astype(jnp.float32)
-    _, _, r = run("reference", up(q_), up(k_), up(v_), None, ct_, dict(causal=causal))
+    _, _, r = run("reference", up(q_), up(k_), up(v_), None, ct_, opts)
     worst = max([worst] + [float(rel_err(a, b)) for a, b in zip(g, r)])
   return worst
 
@@ -61,7 +63,9 @@ for causal in (False, True):
       attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                           implementation="cudnn")
     else:
-      if name == "triton":
+      if name == "pallas_triton":  # forward and backward both Triton
+        impl = "pallas_triton"
+      elif name == "triton":
         impl = fa.PallasMosaicGpu(backward_config=fa.pallas_triton.default_config(D))
       else:
         opts = dict(VARIANTS[name])
@@ -70,6 +74,7 @@ for causal in (False, True):
       if not causal:
         print(f"{name}: worst gradient rel err {check(impl):.2e}", flush=True)
       attn = lambda q, k, v, impl=impl: fa.flash_attention(q, k, v, causal=causal,
+                                                           logit_softcap=SOFTCAP,
                                                            implementation=impl)
 
     @jax.jit

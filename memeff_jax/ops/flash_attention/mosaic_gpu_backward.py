@@ -24,7 +24,7 @@ Warpgroups:
 
 The softmax scale is applied once at the end (to dK, and to dq when it is cast back to the
 input dtype). Served: bf16/f16, D 64 or 128, T a multiple of 64, S of 128, no mask or
-causal; causal CTAs start at the first query block that sees their keys and mask the query
+causal, logit softcap; causal CTAs start at the first query block that sees their keys and mask the query
 blocks on the diagonal. configs/tuning/flash_attention.toml picks the settings per head
 dim and causal, and benchmarks/NOTES.md has what each variant measured.
 """
@@ -111,8 +111,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return "backward serves no mask or causal only"
   if (need := _smem_bytes(config, d, jnp.dtype(dtype).itemsize)) > _SMEM_BYTES:
     return f"{config} needs {need} bytes of shared memory at D={d}, more than {_SMEM_BYTES}"
-  if opts.logit_softcap is not None:
-    return "backward has no logit_softcap"
   return None
 
 
@@ -143,7 +141,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
                      k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
                      k_ready, v_ready, q_ready, do_ready, stats_ready, q_free, do_free, ds_ready,
                      pair, *,
-                     config: MosaicBackwardConfig, causal: bool, scale: float, group: int):
+                     config: MosaicBackwardConfig, causal: bool, scale: float,
+                     softcap: float | None, group: int):
   bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
   t, d = q_ref.shape[1], q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -196,18 +195,25 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
 
       st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                       plgpu.ACC.init(zeros((bkv, bq)))))
+      if softcap is None:
+        zt = st * c
+      else:  # z = cap·tanh(s/cap) in the exp2 domain; dz/ds = 1 − tanh²
+        tanh = jnp.tanh(st * (scale / softcap))
+        zt = tanh * (softcap * _LOG2E)
       if masked:  # key (row of Sᵀ) visible to query (column) iff key ≤ query
         keys = my_key + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
         queries = qb * bq + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1,
                                                    layout=plgpu.Layout.WGMMA)
-        st = jnp.where(keys <= queries, st, -jnp.inf)
+        zt = jnp.where(keys <= queries, zt, -jnp.inf)
       # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
       # 16 registers of a column vector decide whether the warpgroup spills.
       lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=col_layout)
-      pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
+      pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
+      p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
+      pt_in = pt.astype(dtype)
       delta = plgpu.load(stats_smem.at[slot, 1], (), layout=col_layout)
-      dst = (pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
-      pt = pt.astype(dtype)
+      dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
+      pt = pt_in
 
       def grads(refs):
         dv_ref, dk_ref = refs
@@ -321,7 +327,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     pl.run_scoped(
         lambda *scratch: _backward_kernel(
             q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref, *scratch,
-            config=config, causal=opts.mask.is_causal, scale=opts.scale, group=hq // hkv),
+            config=config, causal=opts.mask.is_causal, scale=opts.scale,
+            softcap=opts.logit_softcap, group=hq // hkv),
         plgpu.SMEM((2 * bkv, d), k.dtype, transforms=tiles),
         plgpu.SMEM((2 * bkv, d), v.dtype, transforms=tiles),
         plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiles),

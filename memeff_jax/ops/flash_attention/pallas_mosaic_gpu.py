@@ -16,13 +16,13 @@ after the other has finished its softmax, so one's exponentials run under the ot
 WGMMAs. The output and the float32 log-sum-exp ([B, Hq, T], natural log, as the other
 implementations save it) leave through shared memory by TMA.
 
-Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of block_kv, no mask
-or causal (top-left aligned), GQA/MQA by indexing the key/value head. Anything else raises
-NotImplementedError with the reason, and `implementation=None` falls through to
-pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel where it serves the
-call (D 64 and 128), else pallas_triton's dq and dk/dv kernels; both run on the saved
-output and log-sum-exp. GPU only (sm90): jax 0.10.2's Mosaic GPU interpreter cannot run
-`plgpu.kernel` meshes.
+Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of
+block_kv, no mask or causal (top-left aligned), logit softcap, GQA/MQA by indexing the
+key/value head. Anything else raises NotImplementedError with the reason, and
+`implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's
+one-pass kernel where it serves the call (D 64 and 128), else pallas_triton's dq and dk/dv
+kernels; both run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
+Mosaic GPU interpreter cannot run `plgpu.kernel` meshes.
 """
 
 from __future__ import annotations
@@ -90,8 +90,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"needs S a multiple of {config.block_kv}, got S={s}"
   if not (mask.is_dense or mask.is_causal):
     return "serves no mask or causal only (no sliding window, no segment ids)"
-  if opts.logit_softcap is not None:
-    return "has no logit_softcap"
   if opts.scale <= 0:
     return f"needs scale > 0, got {opts.scale}"
   return None
@@ -122,7 +120,8 @@ def _rem(x, n: int):
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                     q_ready, k_ready, v_ready, k_free, v_free, turn, *,
-                    config: MosaicConfig, causal: bool, scale: float, group: int):
+                    config: MosaicConfig, causal: bool, scale: float, softcap: float | None,
+                    group: int):
   bq, bkv = config.block_q, config.block_kv
   s = k_ref.shape[1]
   d = q_ref.shape[-1]
@@ -175,13 +174,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
 
       scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
+      if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
+        scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _LOG2E)
       if masked:
         rows = row + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
         cols = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1,
                                                 layout=plgpu.Layout.WGMMA)
         scores = jnp.where(cols <= rows, scores, -jnp.inf)
-      m_new = jnp.maximum(m, scores.max(axis=1) * c)
-      p = jnp.exp2(scores * c - lax.broadcast_in_dim(m_new, scores.shape, [0]))
+      if softcap is None:  # scale the row maximum, not the whole tile
+        m_new = jnp.maximum(m, scores.max(axis=1) * c)
+        z = scores * c
+      else:
+        m_new = jnp.maximum(m, scores.max(axis=1))
+        z = scores
+      p = jnp.exp2(z - lax.broadcast_in_dim(m_new, scores.shape, [0]))
       alpha = jnp.exp2(m - m_new)
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -267,7 +273,8 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   def body(q_ref, k_ref, v_ref, o_ref, lse_ref):
     pl.run_scoped(
         lambda *scratch: _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch,
-                                         config=cfg, causal=st.opts.mask.is_causal, scale=st.opts.scale,
+                                         config=cfg, causal=st.opts.mask.is_causal,
+                                         scale=st.opts.scale, softcap=st.opts.logit_softcap,
                                          group=hq // hkv),
         plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout),
         plgpu.SMEM((stages, cfg.block_kv, d), k.dtype, transforms=layout),
