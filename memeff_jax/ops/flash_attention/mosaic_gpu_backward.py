@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 
 from memeff_jax import _tuning
 from memeff_jax.ops.flash_attention import _common
+from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 
 try:
@@ -129,14 +130,6 @@ def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int) -> int:
           + _SMEM_RESERVE)
 
 
-def _div(x, n):
-  return lax.div(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
-
-
-def _rem(x, n):
-  return lax.rem(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
-
-
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref,
                      k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
                      k_ready, v_ready, q_ready, do_ready, stats_ready, q_free, do_free, ds_ready,
@@ -151,13 +144,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
   cta_key = kvi * (2 * bkv)
   n_q = t // bq
   # Causal: query rows before the CTA's first key see none of its keys.
-  first = jnp.minimum(_div(cta_key, bq), n_q) if causal else 0
+  first = jnp.minimum(_mosaic.div(cta_key, bq), n_q) if causal else 0
   per_head = n_q - first
   n_steps = group * per_head
 
   def step_block(i):
     """(query head, query block) of pipeline step i: all blocks of one head, then the next."""
-    return h * group + _div(i, per_head), first + _rem(i, per_head)
+    return h * group + _mosaic.div(i, per_head), first + _mosaic.rem(i, per_head)
 
   @pl.when(wg < 2)
   def _compute():
@@ -180,7 +173,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
 
     def step(i, carry, *, masked):
       dk, dv = carry
-      slot = _rem(i, stages)
+      slot = _mosaic.rem(i, stages)
       head, qb = step_block(i)
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
       plgpu.barrier_wait(q_ready.at[slot])
@@ -225,13 +218,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
       plgpu.barrier_arrive(do_free.at[slot])
       plgpu.barrier_arrive(q_free.at[slot])
 
-      ds_buf = ds_smem.at[_rem(i, _ds_buffers(config))]
+      ds_buf = ds_smem.at[_mosaic.rem(i, _ds_buffers(config))]
       ds_buf.at[pl.ds(wg * bkv, bkv)][...] = dst
       plgpu.commit_smem()
       rows = pl.ds(qb * bq, bq)
       if config.dq_split:  # dQ[:, half] = dS (all 2·bkv keys) K[:, half]
-        plgpu.barrier_arrive(ds_ready.at[_rem(i, 2)])
-        plgpu.barrier_wait(ds_ready.at[_rem(i, 2)])
+        plgpu.barrier_arrive(ds_ready.at[_mosaic.rem(i, 2)])
+        plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
         half = d // 2
         ds_all = plgpu.transpose_ref(ds_buf, (1, 0))
 
@@ -298,15 +291,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
       plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows], stats_smem.at[slot],
                               stats_ready.at[slot])
 
-    for i in range(stages):
-      pl.when(i < n_steps)(functools.partial(load, i, i))
-
-    @pl.loop(stages, n_steps)
-    def _(i):
-      slot = _rem(i, stages)
-      plgpu.barrier_wait(q_free.at[slot])
-      plgpu.barrier_wait(do_free.at[slot])
-      load(i, slot)
+    _mosaic.fill_ring(load, n_steps, stages, (q_free, do_free))
 
 
 def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.Residuals,

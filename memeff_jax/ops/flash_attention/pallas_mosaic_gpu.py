@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention import _common
+from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward
 from memeff_jax.ops.flash_attention import pallas_triton
 from memeff_jax.ops.flash_attention._common import AttentionOptions
@@ -110,14 +111,6 @@ def _fitting_stages(cfg: MosaicConfig, d: int, itemsize: int) -> int:
   return (_SMEM_BYTES - fixed) // (2 * cfg.block_kv * d * itemsize)
 
 
-def _div(x, n: int):
-  return lax.div(x, jnp.asarray(n, x.dtype))
-
-
-def _rem(x, n: int):
-  return lax.rem(x, jnp.asarray(n, x.dtype))
-
-
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                     q_ready, k_ready, v_ready, k_free, v_free, turn, *,
                     config: MosaicConfig, causal: bool, scale: float, softcap: float | None,
@@ -135,7 +128,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
     """Key blocks the bq query rows from first_row see: causal stops at the diagonal."""
     if not causal:
       return s // bkv
-    return jnp.minimum(_div(first_row + bq - 1, bkv) + 1, s // bkv)
+    return jnp.minimum(_mosaic.div(first_row + bq - 1, bkv) + 1, s // bkv)
 
   n_kv = blocks_for(cta_row + bq)  # the CTA's second query block needs the most
 
@@ -164,7 +157,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
 
     def step(j, carry, *, masked=False):
       acc, m, l = carry
-      slot = _rem(j, stages)
+      slot = _mosaic.rem(j, stages)
 
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -203,7 +196,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
 
         @pl.when(j + 1 < n_mine)  # the next K lands while this WGMMA runs
         def _():
-          plgpu.barrier_wait(k_ready.at[_rem(j + 1, stages)])
+          plgpu.barrier_wait(k_ready.at[_mosaic.rem(j + 1, stages)])
 
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(v_free.at[slot])
@@ -211,13 +204,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
 
     carry = (acc, m, l)
     if causal:
-      n_full = jnp.minimum(_div(row + 1, bkv), n_mine)  # blocks wholly left of the diagonal
+      n_full = jnp.minimum(_mosaic.div(row + 1, bkv), n_mine)  # wholly left of the diagonal
       carry = lax.fori_loop(0, n_full, step, carry)
       acc, m, l = lax.fori_loop(n_full, n_mine, functools.partial(step, masked=True), carry)
 
       def skip(j, _):  # a block only the other query block sees: release it, keep the turns
-        plgpu.barrier_arrive(k_free.at[_rem(j, stages)])
-        plgpu.barrier_arrive(v_free.at[_rem(j, stages)])
+        plgpu.barrier_arrive(k_free.at[_mosaic.rem(j, stages)])
+        plgpu.barrier_arrive(v_free.at[_mosaic.rem(j, stages)])
         if config.pingpong:
           take_turn()
           take_turn()
@@ -239,25 +232,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
   @pl.when(wg == 2)
   def _memory():
     plgpu.set_max_registers(40, action="decrease")
-    kv_head = _div(h, group)
+    kv_head = _mosaic.div(h, group)
 
     def load(j, slot):
       keys = pl.ds(j * bkv, bkv)
       plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
 
-    for j in range(stages):  # causal CTAs near the start may need fewer blocks
-      if causal:
-        pl.when(j < n_kv)(lambda j=j: load(j, j))
-      else:
-        load(j, j)
-
-    @pl.loop(stages, n_kv)
-    def _(j):
-      slot = _rem(j, stages)
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-      load(j, slot)
+    _mosaic.fill_ring(load, n_kv, stages, (k_free, v_free))  # causal CTAs may need fewer
 
 
 def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
