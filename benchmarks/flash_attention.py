@@ -41,7 +41,8 @@ def parse_memeff(provider: str):
     return fa.PallasTriton(config=BlockConfig(**{**default_config(128).__dict__,
                                                  **{k: int(v) for k, v in opts.items()}}))
   if name == "pallas_mosaic_gpu" and opts:
-    # bwd=triton runs pallas_triton's backward; bwd_KEY=V sets MosaicBackwardConfig's KEY.
+    # bwd=triton runs pallas_triton's backward (with its D = 128 tiles: the head dim is not
+    # known here); bwd_KEY=V sets MosaicBackwardConfig's KEY.
     bwd_kind = opts.pop("bwd", "mosaic")
     bwd = {k[4:]: int(v) for k, v in opts.items() if k.startswith("bwd_")}
     fwd = {k: int(v) for k, v in opts.items() if not k.startswith("bwd_")}

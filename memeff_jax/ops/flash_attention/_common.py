@@ -55,6 +55,12 @@ def attention_vjp(forward, backward):
   return attention
 
 
+def softmax_delta(out, d_out, d_lse):
+  """Δ = rowsum(dO ∘ O) − d_lse, float32 [B, Hq, T]: what the backward kernels subtract from
+  dP (a cotangent on the log-sum-exp enters here)."""
+  return jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
+
+
 def cap(s, softcap):
   return s if softcap is None else softcap * jnp.tanh(s / softcap)
 

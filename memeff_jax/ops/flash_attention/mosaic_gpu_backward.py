@@ -203,10 +203,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
       lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=col_layout)
       pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
       p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
-      pt_in = pt.astype(dtype)
+      pt = pt.astype(dtype)  # dV's operand
       delta = plgpu.load(stats_smem.at[slot, 1], (), layout=col_layout)
       dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
-      pt = pt_in
 
       def grads(refs):
         dv_ref, dk_ref = refs
@@ -302,8 +301,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
-  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), res.out.astype(jnp.float32))
-  stats = jnp.stack([res.lse * _LOG2E, delta - d_lse], axis=2)  # [B, Hq, 2, T]
+  stats = jnp.stack([res.lse * _LOG2E, _common.softmax_delta(res.out, d_out, d_lse)],
+                    axis=2)  # [B, Hq, 2, T]
   dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
   tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   dq_cols = d // 2 if config.dq_split else d

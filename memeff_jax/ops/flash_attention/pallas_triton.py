@@ -314,9 +314,7 @@ def _bwd(st: _Static, res: Residuals, cts):
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   g, dp, cfg = hq // hkv, pl.next_power_of_2(d), st.config
-  # delta = rowsum(dO ∘ O) - g_lse: [B, Hq, T] float32 (one XLA fusion).
-  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), res.out.astype(jnp.float32))
-  delta = delta - d_lse
+  delta = _common.softmax_delta(res.out, d_out, d_lse)  # one XLA fusion
   has_seg = res.q_segment_ids is not None
   segs = (res.q_segment_ids, res.kv_segment_ids) if has_seg else ()
 
