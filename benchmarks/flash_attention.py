@@ -9,8 +9,8 @@ tokamax:mosaic and tokamax:triton (if importable). A provider that cannot expres
 (segment ids for jax.nn) is skipped with a note. memeff:chunked_xla is not in the default
 list: on a GPU it compiles for minutes at T=4096 (memeff is chunked_xla on CPU anyway).
 
-TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal) and 2.5× that for the
-backward; extra memory is XLA's temporary bytes of the compiled forward+backward.
+TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal; with a sliding window or
+packed documents, 4·H·D per visible (query, key) pair) and 2.5× that for the backward; extra memory is XLA's temporary bytes of the compiled forward+backward.
 Rows are appended to benchmarks/results/flash_attention.jsonl (or --out).
 """
 
@@ -23,10 +23,13 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks import _harness  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
+from memeff_jax.ops.flash_attention import masks  # noqa: E402
+from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
 
 DEFAULT_PROVIDERS = "memeff,xla,cudnn,tokamax:mosaic,tokamax:triton"
 
@@ -58,26 +61,42 @@ def parse_memeff(provider: str):
   return name
 
 
-def attention_fn(provider, causal, seg):
-  """f(q, k, v) -> out for a provider, or None where it cannot express the case."""
+def attention_fn(provider, causal, seg, window=None):
+  """f(q, k, v) -> out for a provider, or None where it cannot express the case. `window` is
+  a (left, right) sliding window (jax.nn's local_window_size)."""
   if provider.startswith("memeff"):
     impl = parse_memeff(provider)
     kw = {} if seg is None else dict(q_segment_ids=seg, kv_segment_ids=seg)
-    return lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, implementation=impl, **kw)
+    return lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, sliding_window=window,
+                                              implementation=impl, **kw)
   if provider in ("xla", "cudnn"):
     if seg is not None:
       return None
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                        implementation=provider)
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, local_window_size=window, implementation=provider)
   if provider.startswith("tokamax:"):
     if seg is not None:
       return None
     from benchmarks.linear_cross_entropy import import_tokamax  # pylint: disable=import-outside-toplevel
     tokamax = import_tokamax()
     impl = provider.split(":", 1)[1]
+    kw = {} if window is None else dict(local_window_size=window)
     return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal,
-                                                         implementation=impl)
+                                                         implementation=impl, **kw)
   raise KeyError(provider)
+
+
+def visible_pairs(causal, window, seg, b, t, s) -> int:
+  """Pairs a masked call computes (all rows of the batch), counted from the mask itself."""
+  spec = MaskSpec.make(causal, window, seg is not None)
+  ids = None if seg is None else np.asarray(seg)
+  total = 0
+  for row in range(b):
+    ok = np.asarray(masks.visible(spec, jnp.arange(t), jnp.arange(s)))
+    if ids is not None:
+      ok = ok & (ids[row][:, None] == ids[row][None, :s])
+    total += int(ok.sum())
+  return total
 
 
 def run(set_name: str, providers: list[str], out, reps: int):
@@ -88,6 +107,7 @@ def run(set_name: str, providers: list[str], out, reps: int):
   for shape in spec["shapes"]:
     b, t, h, d = shape["b"], shape["t"], shape["h"], shape["d"]
     s, hkv, docs = shape.get("s", t), shape.get("hkv", h), shape.get("docs")
+    left = shape.get("window")
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (b, t, h, d), jnp.float32).astype(dtype)
     k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.float32).astype(dtype)
@@ -95,13 +115,17 @@ def run(set_name: str, providers: list[str], out, reps: int):
     ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(dtype)
     seg = None if docs is None else jnp.broadcast_to(jnp.arange(t) * docs // t, (b, t))
     for causal in spec.get("causal", [False]):
-      flops = 4.0 * b * h * t * s * d * (0.5 if causal else 1.0)
+      window = None if left is None else (left, 0 if causal else left)
+      if window is None and docs is None:
+        flops = 4.0 * b * h * t * s * d * (0.5 if causal else 1.0)
+      else:  # the (query, key) pairs the window or the documents let through
+        flops = 4.0 * h * d * visible_pairs(causal, window, seg, b, t, s)
       for provider in providers:
         row = dict(op="flash_attention", set=set_name, b=b, t=t, s=s, h=h, hkv=hkv, d=d,
-                   docs=docs, causal=causal, dtype=dtype.name, provider=provider,
-                   fwd_bwd_timing="one vjp", **env)
+                   docs=docs, window=window, causal=causal, dtype=dtype.name,
+                   provider=provider, fwd_bwd_timing="one vjp", **env)
         try:
-          f = attention_fn(provider, causal, seg)
+          f = attention_fn(provider, causal, seg, window)
           if f is None:
             print(f"  skip {provider}: cannot express segment ids")
             continue

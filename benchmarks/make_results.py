@@ -82,6 +82,8 @@ def fa_runs(rows: list[dict]):
 def fa_heading(key, rows) -> str:
   set_name, device, stamp, b, t, s, h, hkv, d, docs, dtype = key
   docs = f", {docs} documents per row" if docs else ""
+  if rows[0].get("window"):
+    docs += f", sliding window {rows[0]['window'][0]} (to the right too unless causal)"
   return (f"**{set_name}** (B={b}, T={t:,}, S={s:,}, H={h}/{hkv}, D={d}{docs}, {dtype}) on "
           f"{device}, {stamp} (jax {rows[0]['jax']})")
 
@@ -286,7 +288,9 @@ def main():
   fa_rows = load("flash_attention")
   lines += ["## flash_attention", "",
             "TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal) and 2.5× that for "
-            "the backward. JAX peers: jax.nn.dot_product_attention (xla, cudnn) and tokamax.", ""]
+            "the backward; the window and packed sets (from 2026-11-21T22:30) count 4·H·D per "
+            "(query, key) pair their mask lets through. JAX peers: jax.nn.dot_product_attention "
+            "(xla, cudnn) and tokamax.", ""]
   fa_latest = None
   for key, group in fa_runs(fa_rows):
     lines += [fa_heading(key, group), "", fa_table(group), ""]

@@ -40,3 +40,51 @@ def fill_ring(load, n, stages: int, free) -> None:
     for barrier in free:
       plgpu.barrier_wait(barrier.at[slot])
     load(i, slot)
+
+
+def floor_div(x, n):
+  """Floor division of a possibly negative kernel index (lax.div truncates toward zero)."""
+  q = div(x, n)
+  return jnp.where(rem(x, n) < 0, q - 1, q)
+
+
+def band_blocks(before: int | None, after: int | None, start, length: int, n_blocks: int,
+                block: int):
+  """Blocks of the other axis that the indices start..start+length-1 reach through a band.
+
+  An index i reaches the other axis's indices i-before..i+after (None: unbounded), which is
+  a key's view of the keys a query sees with before = left and after = right, and the
+  query's view with before = right and after = left. Returns (lo, hi, full_lo, full_hi):
+  blocks [lo, hi) are reached at all, and blocks [full_lo, full_hi) ⊆ [lo, hi) are reached
+  by every one of the indices, so need no mask. masks.kv_block_range / q_block_range are
+  the same bounds in plain jnp; this version lowers in Mosaic GPU kernels (traced start).
+  """
+  last = start + length - 1
+  lo = 0 if before is None else jnp.maximum(floor_div(start - before, block), 0)
+  hi = n_blocks if after is None else jnp.clip(floor_div(last + after, block) + 1, 0, n_blocks)
+  lo = jnp.minimum(lo, hi)
+  full_lo = lo if before is None else -floor_div(before - last, block)  # ⌈(last-before)/block⌉
+  full_hi = hi if after is None else floor_div(start + after + 1, block)
+  full_lo = jnp.clip(full_lo, lo, hi)
+  return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
+
+
+def segment_block_ranges(ids, other_ids, block: int, other_block: int):
+  """[B, L/block, 2] int32: per block of `ids` ([B, L] segment ids), the [lo, hi) of the
+  blocks of `other_ids` ([B, M]) holding any id within that block's range of ids ([0, 0)
+  for none). Query blocks against key blocks for the forward, the reverse for the backward.
+
+  A superset of the blocks with a visible pair whatever the ids' order, and exact for
+  packed documents (ids that never decrease along the sequence). Plain XLA, run before
+  the kernels, which read it as scalars.
+  """
+  b, n = ids.shape
+  m = other_ids.shape[1]
+  mine = ids.reshape(b, n // block, block)
+  other = other_ids.reshape(b, m // other_block, other_block)
+  overlap = ((other.min(-1)[:, None, :] <= mine.max(-1)[:, :, None])
+             & (mine.min(-1)[:, :, None] <= other.max(-1)[:, None, :]))  # [B, n/bl, m/obl]
+  found = overlap.any(-1)
+  lo = jnp.argmax(overlap, -1).astype(jnp.int32)
+  hi = jnp.max(jnp.where(overlap, jnp.arange(1, m // other_block + 1, dtype=jnp.int32), 0), -1)
+  return jnp.stack([jnp.where(found, lo, 0), hi], -1).astype(jnp.int32)

@@ -131,7 +131,7 @@ def flash_attention(
     logit_softcap: optional c > 0 (Gemma 2).
     return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
-      serves the call (Hopper, bf16/f16, D 64/128, no mask or causal), then
+      serves the call (Hopper, bf16/f16, D 64/128/192/256, T and S multiples of 128), then
       "pallas_triton", then "chunked_xla"), a name, an implementation object or a sequence
       tried in order.
 

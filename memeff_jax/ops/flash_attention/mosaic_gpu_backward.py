@@ -23,9 +23,10 @@ Warpgroups:
                       WGMMAs, as in the forward.
 
 The softmax scale is applied once at the end (to dK, and to dq when it is cast back to the
-input dtype). Served: bf16/f16, D 64 or 128, T a multiple of 64, S of 128, no mask or
-causal, logit softcap; causal CTAs start at the first query block that sees their keys and mask the query
-blocks on the diagonal. configs/tuning/flash_attention.toml picks the settings per head
+input dtype). Masks as in the forward, transposed: a CTA visits only the query blocks that
+see any of its keys (by the band, then by segment-id ranges), and masks those that do not
+see all of them (with segment ids, every one). Served: bf16/f16, D 64 or 128, T a multiple
+of 64, S of 128, any mask, logit softcap. configs/tuning/flash_attention.toml picks the settings per head
 dim and causal, and benchmarks/NOTES.md has what each variant measured.
 """
 
@@ -44,6 +45,7 @@ from memeff_jax import _tuning
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention._common import AttentionOptions
+from memeff_jax.ops.flash_attention.masks import MaskSpec
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -108,8 +110,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"backward needs T a multiple of {BLOCK_Q}, got T={t}"
   if s % (2 * BLOCK_KV):
     return f"backward needs S a multiple of {2 * BLOCK_KV}, got S={s}"
-  if not (opts.mask.is_dense or opts.mask.is_causal):
-    return "backward serves no mask or causal only"
   if (need := _smem_bytes(config, d, jnp.dtype(dtype).itemsize)) > _SMEM_BYTES:
     return f"{config} needs {need} bytes of shared memory at D={d}, more than {_SMEM_BYTES}"
   return None
@@ -130,11 +130,11 @@ def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int) -> int:
           + _SMEM_RESERVE)
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref,
+def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, dk_ref, dv_ref,
                      k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
                      k_ready, v_ready, q_ready, do_ready, stats_ready, q_free, do_free, ds_ready,
-                     pair, *,
-                     config: MosaicBackwardConfig, causal: bool, scale: float,
+                     pair, seg_scratch, *,
+                     config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int):
   bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -143,9 +143,17 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
   wg = lax.axis_index("wg")
   cta_key = kvi * (2 * bkv)
   n_q = t // bq
-  # Causal: query rows before the CTA's first key see none of its keys.
-  first = jnp.minimum(_mosaic.div(cta_key, bq), n_q) if causal else 0
-  per_head = n_q - first
+  segments = mask.segments
+  if mask.is_dense:  # every query block, none masked
+    first, per_head, full_lo, full_hi = 0, n_q, 0, n_q
+  else:  # the query blocks that see the CTA's keys ([first, last)); [full_lo, full_hi) see all
+    first, last, full_lo, full_hi = _mosaic.band_blocks(mask.right, mask.left, cta_key, 2 * bkv,
+                                                        n_q, bq)
+    if segments:
+      first = jnp.maximum(first, seg_refs[2][b, kvi, 0])
+      last = jnp.maximum(jnp.minimum(last, seg_refs[2][b, kvi, 1]), first)
+      full_lo = full_hi = last
+    per_head = last - first
   n_steps = group * per_head
 
   def step_block(i):
@@ -162,6 +170,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     plgpu.barrier_wait(k_ready)
     plgpu.barrier_wait(v_ready)
+    if segments:
+      kv_seg_smem, q_seg_smem, kv_seg_ready, q_seg_ready = seg_scratch
+      plgpu.barrier_wait(kv_seg_ready)
+      key_ids = plgpu.load(kv_seg_smem.at[pl.ds(wg * bkv, bkv)], (),
+                           layout=plgpu.Layout.WGMMA.reduce(1))
 
     def take_turn():  # both warpgroups arrive; neither passes until the other has
       if config.pingpong:
@@ -170,6 +183,26 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
 
     if config.pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
       pl.when(wg == 1)(take_turn)
+
+    def visible(slot, qb, shape):
+      """Which keys (rows of Sᵀ) the queries of block qb (columns) see."""
+      ok = None
+      if mask.left is not None or mask.right is not None:
+        # key - query = (my_key - qb·bq) + (r - col): one iota difference, then scalar bounds
+        rel = (plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+               - plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA))
+        offset = my_key - qb * bq
+        if mask.right is not None:
+          ok = rel <= mask.right - offset
+        if mask.left is not None:
+          ok = (rel >= -mask.left - offset) if ok is None else ok & (rel >= -mask.left - offset)
+      if segments:
+        plgpu.barrier_wait(q_seg_ready.at[slot])
+        query_ids = plgpu.load(q_seg_smem.at[slot], (), layout=col_layout)
+        same = (lax.broadcast_in_dim(key_ids, shape, [0])
+                == lax.broadcast_in_dim(query_ids, shape, [1]))
+        ok = same if ok is None else ok & same
+      return ok
 
     def step(i, carry, *, masked):
       dk, dv = carry
@@ -193,11 +226,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
       else:  # z = cap·tanh(s/cap) in the exp2 domain; dz/ds = 1 − tanh²
         tanh = jnp.tanh(st * (scale / softcap))
         zt = tanh * (softcap * _LOG2E)
-      if masked:  # key (row of Sᵀ) visible to query (column) iff key ≤ query
-        keys = my_key + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
-        queries = qb * bq + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1,
-                                                   layout=plgpu.Layout.WGMMA)
-        zt = jnp.where(keys <= queries, zt, -jnp.inf)
+      if masked:
+        zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
       # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
       # 16 registers of a column vector decide whether the warpgroup spills.
       lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=col_layout)
@@ -250,18 +280,18 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
       return dk, dv
 
     carry = (zeros((bkv, d)), zeros((bkv, d)))
-    if causal:  # per head, the first 2·bkv/bq query blocks hold the diagonal (k0 % bq == 0)
-      n_masked = jnp.minimum((2 * bkv) // bq, per_head)
+    if mask.is_dense:
+      dk, dv = lax.fori_loop(0, n_steps, functools.partial(step, masked=False), carry)
+    else:  # per head: the masked blocks before full_lo, the unmasked ones, the masked rest
+      masked, unmasked = functools.partial(step, masked=True), functools.partial(step, masked=False)
 
       def head_steps(g, carry):
-        start = g * per_head
-        carry = lax.fori_loop(start, start + n_masked, functools.partial(step, masked=True), carry)
-        return lax.fori_loop(start + n_masked, start + per_head,
-                             functools.partial(step, masked=False), carry)
+        start = g * per_head - first
+        carry = lax.fori_loop(start + first, start + full_lo, masked, carry)
+        carry = lax.fori_loop(start + full_lo, start + full_hi, unmasked, carry)
+        return lax.fori_loop(start + full_hi, start + first + per_head, masked, carry)
 
       dk, dv = lax.fori_loop(0, group, head_steps, carry)
-    else:
-      dk, dv = lax.fori_loop(0, n_steps, functools.partial(step, masked=False), carry)
 
     if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
       pl.when(wg == 0)(take_turn)
@@ -281,6 +311,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
     keys = pl.ds(cta_key, 2 * bkv)
     plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem, k_ready)
     plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem, v_ready)
+    if segments:
+      plgpu.copy_gmem_to_smem(seg_refs[1].at[b, keys], seg_scratch[0], seg_scratch[2])
 
     def load(i, slot):
       head, qb = step_block(i)
@@ -289,6 +321,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot], do_ready.at[slot])
       plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows], stats_smem.at[slot],
                               stats_ready.at[slot])
+      if segments:
+        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, rows], seg_scratch[1].at[slot],
+                                seg_scratch[3].at[slot])
 
     _mosaic.fill_ring(load, n_steps, stages, (q_free, do_free))
 
@@ -301,18 +336,34 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
-  stats = jnp.stack([res.lse * _LOG2E, _common.softmax_delta(res.out, d_out, d_lse)],
-                    axis=2)  # [B, Hq, 2, T]
+  mask = opts.mask
+  lse2 = res.lse * _LOG2E
+  if not (mask.is_dense or mask.is_causal):  # a query that sees no key: P = 2^(-inf - 0) = 0
+    lse2 = jnp.where(res.lse == -jnp.inf, 0.0, lse2)
+  stats = jnp.stack([lse2, _common.softmax_delta(res.out, d_out, d_lse)], axis=2)  # [B, Hq, 2, T]
+  if mask.segments:
+    q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
+    ranges = _mosaic.segment_block_ranges(kv_seg, q_seg, 2 * bkv, bq)
+    seg_args = (q_seg, kv_seg, ranges)
+    seg_scratch = (plgpu.SMEM((2 * bkv,), jnp.int32), plgpu.SMEM((stages, bq), jnp.int32),
+                   plgpu.Barrier(), plgpu.Barrier(num_barriers=stages))
+  else:
+    seg_args, seg_scratch = (), ()
   dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
   tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   dq_cols = d // 2 if config.dq_split else d
 
-  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref):
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
+    seg_refs, (dq_ref, dk_ref, dv_ref) = (refs[:3], refs[3:]) if mask.segments else (None, refs)
+
+    def kernel(*scratch):
+      main, extra = scratch[:16], scratch[16:]
+      _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, dk_ref, dv_ref,
+                       *main, extra or None, config=config, mask=mask, scale=opts.scale,
+                       softcap=opts.logit_softcap, group=hq // hkv)
+
     pl.run_scoped(
-        lambda *scratch: _backward_kernel(
-            q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref, *scratch,
-            config=config, causal=opts.mask.is_causal, scale=opts.scale,
-            softcap=opts.logit_softcap, group=hq // hkv),
+        kernel,
         plgpu.SMEM((2 * bkv, d), k.dtype, transforms=tiles),
         plgpu.SMEM((2 * bkv, d), v.dtype, transforms=tiles),
         plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiles),
@@ -329,6 +380,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=2),
         plgpu.Barrier(num_arrivals=2),
+        *seg_scratch,
         collective_axes="wg",
     )
 
@@ -340,6 +392,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       compiler_params=plgpu.CompilerParams(approx_math=True),
       cost_estimate=_common.cost_estimate(opts, q, k, 5),
       name="flash_attention_bwd_mosaic",
-  )(q, k, v, d_out, stats, dq_acc)
+  )(q, k, v, d_out, stats, *seg_args, dq_acc)
   dq = (dq_acc[...] * opts.scale).astype(q.dtype)
   return dq, dk, dv, None, None

@@ -16,9 +16,15 @@ after the other has finished its softmax, so one's exponentials run under the ot
 WGMMAs. The output and the float32 log-sum-exp ([B, Hq, T], natural log, as the other
 implementations save it) leave through shared memory by TMA.
 
+Masks: a CTA streams only the key blocks its rows can see. The causal and sliding-window
+band gives each query block a range of key blocks, of which the ones it sees whole run
+unmasked; segment ids narrow the range further by per-block ranges of the ids
+(_mosaic.segment_block_ranges, computed by XLA and read by the kernel as scalars) and mask
+every block they leave. Blocks that only the CTA's other query block sees are released
+without compute. A row that sees no key ends with output 0 and log-sum-exp -inf.
+
 Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of
-block_kv, no mask or causal (top-left aligned), logit softcap, GQA/MQA by indexing the
-key/value head. Anything else raises NotImplementedError with the reason, and
+block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anything else raises NotImplementedError with the reason, and
 `implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's
 one-pass kernel where it serves the call (D 64 and 128), else pallas_triton's dq and dk/dv
 kernels; both run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
@@ -42,6 +48,7 @@ from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward
 from memeff_jax.ops.flash_attention import pallas_triton
 from memeff_jax.ops.flash_attention._common import AttentionOptions
+from memeff_jax.ops.flash_attention.masks import MaskSpec
 from memeff_jax.ops.flash_attention.mosaic_gpu_backward import MosaicBackwardConfig
 
 try:
@@ -80,7 +87,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   """Why the kernel cannot serve this call, or None when it can."""
   _, t, _, d = q_shape
   s = k_shape[1]
-  mask = opts.mask
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
   if d not in (64, 128, 192, 256):
@@ -89,8 +95,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"needs T a multiple of {2 * config.block_q}, got T={t}"
   if s % config.block_kv:
     return f"needs S a multiple of {config.block_kv}, got S={s}"
-  if not (mask.is_dense or mask.is_causal):
-    return "serves no mask or causal only (no sliding window, no segment ids)"
   if opts.scale <= 0:
     return f"needs scale > 0, got {opts.scale}"
   return None
@@ -111,10 +115,10 @@ def _fitting_stages(cfg: MosaicConfig, d: int, itemsize: int) -> int:
   return (_SMEM_BYTES - fixed) // (2 * cfg.block_kv * d * itemsize)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
-                    q_ready, k_ready, v_ready, k_free, v_free, turn, *,
-                    config: MosaicConfig, causal: bool, scale: float, softcap: float | None,
-                    group: int):
+def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_smem, v_smem,
+                    lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, seg_scratch, *,
+                    config: MosaicConfig, mask: MaskSpec, scale: float,
+                    softcap: float | None, group: int):
   bq, bkv = config.block_q, config.block_kv
   s = k_ref.shape[1]
   d = q_ref.shape[-1]
@@ -123,14 +127,33 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
   wg = lax.axis_index("wg")
   cta_row = qi * (2 * bq)
   stages = config.stages
+  segments = mask.segments
+  # Rows that see no key at all (window, segments) end with l = 0: guard the exponents.
+  may_be_empty = not (mask.is_dense or mask.is_causal)
 
-  def blocks_for(first_row):
-    """Key blocks the bq query rows from first_row see: causal stops at the diagonal."""
-    if not causal:
-      return s // bkv
-    return jnp.minimum(_mosaic.div(first_row + bq - 1, bkv) + 1, s // bkv)
+  n_blocks = s // bkv
+  static_range = mask.is_dense  # every CTA reads every key block: static loop bounds
 
-  n_kv = blocks_for(cta_row + bq)  # the CTA's second query block needs the most
+  def blocks_for(w):
+    """(lo, hi, full_lo, full_hi): query block w of the CTA sees key blocks [lo, hi) in part
+    and [full_lo, full_hi) whole; with segment ids every block is masked."""
+    lo, hi, full_lo, full_hi = _mosaic.band_blocks(mask.left, mask.right, cta_row + w * bq, bq,
+                                                   n_blocks, bkv)
+    if mask.segments:
+      ranges_ref = seg_refs[2]
+      lo = jnp.maximum(lo, ranges_ref[b, 2 * qi + w, 0])
+      hi = jnp.maximum(jnp.minimum(hi, ranges_ref[b, 2 * qi + w, 1]), lo)
+      full_lo = full_hi = hi
+    return lo, hi, full_lo, full_hi
+
+  if static_range:
+    cta_lo, cta_hi = 0, n_blocks
+  else:  # the union of the two query blocks' ranges (an empty one adds nothing)
+    ranges = [blocks_for(w)[:2] for w in (0, 1)]
+    cta_lo = jnp.minimum(*[jnp.where(r_hi > r_lo, r_lo, n_blocks) for r_lo, r_hi in ranges])
+    cta_hi = jnp.maximum(*[jnp.where(r_hi > r_lo, r_hi, 0) for r_lo, r_hi in ranges])
+    cta_lo = jnp.minimum(cta_lo, cta_hi)
+  n_kv = cta_hi - cta_lo
 
   def take_turn():  # both compute warpgroups arrive; neither passes until the other has
     plgpu.barrier_arrive(turn)
@@ -140,9 +163,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
   def _compute():
     plgpu.set_max_registers(232, action="increase")
     row = cta_row + wg * bq
-    n_mine = blocks_for(row)
+    if static_range:
+      lo, hi = full_lo, full_hi = cta_lo, cta_hi
+    else:  # within the CTA's range (an empty range may lie outside it)
+      lo, hi, full_lo, full_hi = (jnp.clip(x, cta_lo, cta_hi) for x in blocks_for(wg))
     q_tile = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row, bq), h], q_tile, q_ready.at[wg])
+    if segments:
+      q_seg_smem, kv_seg_smem, q_seg_ready, kv_seg_ready = seg_scratch
+      plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(row, bq)], q_seg_smem.at[wg],
+                              q_seg_ready.at[wg])
+      plgpu.barrier_wait(q_seg_ready.at[wg])
+      q_ids = plgpu.load(q_seg_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
     plgpu.barrier_wait(q_ready.at[wg])
 
     c = scale * _LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
@@ -153,11 +185,31 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
 
     if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
       pl.when(wg == 1)(take_turn)
-    plgpu.barrier_wait(k_ready.at[0])
+
+    def visible(j, scores):
+      """The mask of key block j on this warpgroup's rows (band and segment ids)."""
+      ok = None
+      if mask.left is not None or mask.right is not None:
+        # key - query = (j·bkv - row) + (col - r): one iota difference, then scalar bounds
+        rel = (plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+               - plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA))
+        offset = j * bkv - row
+        if mask.right is not None:
+          ok = rel <= mask.right - offset
+        if mask.left is not None:
+          ok = (rel >= -mask.left - offset) if ok is None else ok & (rel >= -mask.left - offset)
+      if segments:
+        slot = _mosaic.rem(j - cta_lo, stages)
+        plgpu.barrier_wait(kv_seg_ready.at[slot])
+        kv_ids = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        same = (lax.broadcast_in_dim(q_ids, scores.shape, [0])
+                == lax.broadcast_in_dim(kv_ids, scores.shape, [1]))
+        ok = same if ok is None else ok & same
+      return jnp.where(ok, scores, -jnp.inf)
 
     def step(j, carry, *, masked=False):
       acc, m, l = carry
-      slot = _mosaic.rem(j, stages)
+      slot = _mosaic.rem(j - cta_lo, stages)
 
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -166,22 +218,24 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
         return s_ref[...]
 
       scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
+      if not segments:
+        plgpu.barrier_arrive(k_free.at[slot])
       if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
         scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _LOG2E)
       if masked:
-        rows = row + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-        cols = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1,
-                                                layout=plgpu.Layout.WGMMA)
-        scores = jnp.where(cols <= rows, scores, -jnp.inf)
+        scores = visible(j, scores)
+      if segments:  # the slot's key ids have been read too
+        plgpu.barrier_arrive(k_free.at[slot])
       if softcap is None:  # scale the row maximum, not the whole tile
         m_new = jnp.maximum(m, scores.max(axis=1) * c)
         z = scores * c
       else:
         m_new = jnp.maximum(m, scores.max(axis=1))
         z = scores
-      p = jnp.exp2(z - lax.broadcast_in_dim(m_new, scores.shape, [0]))
-      alpha = jnp.exp2(m - m_new)
+      # A row with no visible key yet has m_new = -inf: subtract 0 instead (p = 0, α = 0).
+      m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
+      p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
+      alpha = jnp.exp2(m - m_sub)
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p = p.astype(dtype)
@@ -194,36 +248,57 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, p, v_smem.at[slot])
 
-        @pl.when(j + 1 < n_mine)  # the next K lands while this WGMMA runs
+        @pl.when(j + 1 < hi)  # the next K lands while this WGMMA runs
         def _():
-          plgpu.barrier_wait(k_ready.at[_mosaic.rem(j + 1, stages)])
+          plgpu.barrier_wait(k_ready.at[_mosaic.rem(j + 1 - cta_lo, stages)])
 
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
-    carry = (acc, m, l)
-    if causal:
-      n_full = jnp.minimum(_mosaic.div(row + 1, bkv), n_mine)  # wholly left of the diagonal
-      carry = lax.fori_loop(0, n_full, step, carry)
-      acc, m, l = lax.fori_loop(n_full, n_mine, functools.partial(step, masked=True), carry)
+    def skip(j, _):  # a block only the other query block sees: release it, keep the turns
+      slot = _mosaic.rem(j - cta_lo, stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+      if segments:
+        plgpu.barrier_wait(kv_seg_ready.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      if config.pingpong:
+        take_turn()
+        take_turn()
 
-      def skip(j, _):  # a block only the other query block sees: release it, keep the turns
-        plgpu.barrier_arrive(k_free.at[_mosaic.rem(j, stages)])
-        plgpu.barrier_arrive(v_free.at[_mosaic.rem(j, stages)])
-        if config.pingpong:
-          take_turn()
-          take_turn()
+    lax.fori_loop(cta_lo, lo, skip, None)
 
-      lax.fori_loop(n_mine, n_kv, skip, None)
+    def first_k():
+      plgpu.barrier_wait(k_ready.at[_mosaic.rem(lo - cta_lo, stages)])
+
+    if static_range:
+      first_k()
     else:
-      acc, m, l = lax.fori_loop(0, n_kv, step, carry)
+      pl.when(lo < hi)(first_k)
+
+    carry = (acc, m, l)
+    if mask.is_dense:
+      carry = lax.fori_loop(lo, hi, step, carry)
+    else:
+      masked = functools.partial(step, masked=True)
+      carry = lax.fori_loop(lo, full_lo, masked, carry)
+      carry = lax.fori_loop(full_lo, full_hi, step, carry)
+      carry = lax.fori_loop(full_hi, hi, masked, carry)
+    acc, m, l = carry
+    lax.fori_loop(hi, cta_hi, skip, None)
     if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
       pl.when(wg == 0)(take_turn)
 
-    acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+    if may_be_empty:  # no visible key: output 0, log-sum-exp -inf
+      inv = jnp.where(l > 0, 1.0 / l, 0.0)
+      lse = jnp.where(l > 0, m * _LN2 + jnp.log(l), -jnp.inf)
+    else:
+      inv, lse = 1.0 / l, m * _LN2 + jnp.log(l)
+    acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
     q_tile[...] = acc.astype(dtype)
-    lse_smem.at[wg][...] = m * _LN2 + jnp.log(l)
+    lse_smem.at[wg][...] = lse
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, pl.ds(row, bq), h])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row, bq)])
@@ -234,16 +309,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
     plgpu.set_max_registers(40, action="decrease")
     kv_head = _mosaic.div(h, group)
 
-    def load(j, slot):
-      keys = pl.ds(j * bkv, bkv)
+    def load(i, slot):
+      keys = pl.ds((cta_lo + i) * bkv, bkv)
       plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+      if segments:
+        plgpu.copy_gmem_to_smem(seg_refs[1].at[b, keys], seg_scratch[1].at[slot],
+                                seg_scratch[3].at[slot])
 
-    _mosaic.fill_ring(load, n_kv, stages, (k_free, v_free))  # causal CTAs may need fewer
+    _mosaic.fill_ring(load, n_kv, stages, (k_free, v_free))  # masked CTAs may need fewer
 
 
 def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
-  del q_seg, kv_seg  # support_error admitted no segment ids
   cfg = st.config
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
@@ -251,13 +328,27 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
                       _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
   cfg = dataclasses.replace(cfg, stages=stages)
   layout = _smem_transforms()
+  segments = st.opts.mask.segments
+  if segments:
+    ranges = _mosaic.segment_block_ranges(q_seg, kv_seg, cfg.block_q, cfg.block_kv)
+    seg_args = (q_seg, kv_seg, ranges)
+    seg_scratch = (plgpu.SMEM((2, cfg.block_q), jnp.int32),
+                   plgpu.SMEM((stages, cfg.block_kv), jnp.int32),
+                   plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
+  else:
+    seg_args, seg_scratch = (), ()
 
-  def body(q_ref, k_ref, v_ref, o_ref, lse_ref):
+  def body(q_ref, k_ref, v_ref, *refs):
+    seg_refs, (o_ref, lse_ref) = (refs[:3], refs[3:]) if segments else (None, refs)
+
+    def kernel(*scratch):
+      main, extra = scratch[:10], scratch[10:]
+      _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, *main, extra or None,
+                      config=cfg, mask=st.opts.mask, scale=st.opts.scale,
+                      softcap=st.opts.logit_softcap, group=hq // hkv)
+
     pl.run_scoped(
-        lambda *scratch: _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch,
-                                         config=cfg, causal=st.opts.mask.is_causal,
-                                         scale=st.opts.scale, softcap=st.opts.logit_softcap,
-                                         group=hq // hkv),
+        kernel,
         plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout),
         plgpu.SMEM((stages, cfg.block_kv, d), k.dtype, transforms=layout),
         plgpu.SMEM((stages, cfg.block_kv, d), v.dtype, transforms=layout),
@@ -268,6 +359,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
+        *seg_scratch,
         collective_axes="wg",
     )
 
@@ -281,7 +373,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
       compiler_params=plgpu.CompilerParams(approx_math=True),
       cost_estimate=_common.cost_estimate(st.opts, q, k, 2),
       name="flash_attention_fwd_mosaic",
-  )(q, k, v)
+  )(q, k, v, *seg_args)
   return out, lse
 
 
