@@ -76,18 +76,24 @@ class MosaicBackwardConfig:
     pingpong: the compute warpgroups take turns issuing their WGMMAs, so that one's softmax
       and stores run under the other's matmuls (not with dq_split: its exchange of dSᵀ
       would wait on a turn the other warpgroup cannot give).
+    gqa_per_query_head: under GQA, one CTA per query head rather than per key head: dK and
+      dV are added into float32 [B, S, Hkv, D] buffers by TMA reductions (as dq is), so
+      the grid has Hq/Hkv times more, shorter CTAs (not with dq_split, whose dQ tiles are
+      too small to carry a dK tile).
   """
 
   stages: int = 2
   dq_split: bool = True
   pingpong: bool = False
+  gqa_per_query_head: bool = False
 
   @classmethod
-  def tuned(cls, d: int, causal: bool) -> "MosaicBackwardConfig":
-    """configs/tuning/flash_attention.toml's `d<D>` or `d<D>_causal` section for this GPU
-    kind, else dq_split where it applies (D = 128)."""
+  def tuned(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
+    """configs/tuning/flash_attention.toml's `d<D>[_causal][_gqa]` section for this GPU kind
+    (without `_gqa` where that has none), else dq_split where it applies (D = 128)."""
+    table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     section = f"d{d}_causal" if causal else f"d{d}"
-    found = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward").get(section)
+    found = (gqa and table.get(section + "_gqa")) or table.get(section)
     return cls(**found) if found else cls(dq_split=d == 128)
 
 
@@ -104,6 +110,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"dq_split needs D=128, got D={d}"
   if config.dq_split and config.pingpong:
     return "pingpong and dq_split exclude each other"
+  if config.dq_split and config.gqa_per_query_head:
+    return "gqa_per_query_head and dq_split exclude each other"
   if config.stages < 1:
     return f"needs at least one stage, got {config}"
   if t % BLOCK_Q:
@@ -136,7 +144,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
                      pair, seg_scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int):
+  """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
+  query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head."""
   bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
+  per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
   dtype = q_ref.dtype
   b, h, kvi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("kv")
@@ -154,10 +165,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       last = jnp.maximum(jnp.minimum(last, seg_refs[2][b, kvi, 1]), first)
       full_lo = full_hi = last
     per_head = last - first
-  n_steps = group * per_head
+  if per_query_head:  # this CTA's one query head, and its key head
+    heads, kv_head = 1, _mosaic.div(h, group)
+  else:  # every query head of this key head
+    heads, kv_head = group, h
+  n_steps = heads * per_head
 
   def step_block(i):
     """(query head, query block) of pipeline step i: all blocks of one head, then the next."""
+    if per_query_head:
+      return h, first + _mosaic.rem(i, per_head)
     return h * group + _mosaic.div(i, per_head), first + _mosaic.rem(i, per_head)
 
   @pl.when(wg < 2)
@@ -291,16 +308,25 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
         carry = lax.fori_loop(start + full_lo, start + full_hi, unmasked, carry)
         return lax.fori_loop(start + full_hi, start + first + per_head, masked, carry)
 
-      dk, dv = lax.fori_loop(0, group, head_steps, carry)
+      dk, dv = lax.fori_loop(0, heads, head_steps, carry)
 
     if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
       pl.when(wg == 0)(take_turn)
+    keys = pl.ds(my_key, bkv)
+    if per_query_head:  # add this head's share into the float32 dK and dV, via the dQ tile
+      for acc, acc_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        dq_smem.at[wg][...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dq_smem.at[wg], acc_ref.at[b, keys, kv_head],
+                                reduction_op="add")
+      plgpu.wait_smem_to_gmem(0)
+      return
     plgpu.barrier_arrive(pair)  # the other warpgroup has finished reading all of K
     plgpu.barrier_wait(pair)
     k_mine[...] = (dk * scale).astype(dtype)
     v_mine[...] = dv.astype(dtype)
     plgpu.commit_smem()
-    keys = pl.ds(my_key, bkv)
     plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[b, keys, h])
     plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[b, keys, h])
     plgpu.wait_smem_to_gmem(0)
@@ -309,8 +335,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
   def _memory():
     plgpu.set_max_registers(_REGISTERS[1], action="decrease")
     keys = pl.ds(cta_key, 2 * bkv)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem, k_ready)
-    plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem, v_ready)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem, k_ready)
+    plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem, v_ready)
     if segments:
       plgpu.copy_gmem_to_smem(seg_refs[1].at[b, keys], seg_scratch[0], seg_scratch[2])
 
@@ -350,6 +376,14 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   else:
     seg_args, seg_scratch = (), ()
   dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+  per_query_head = config.gqa_per_query_head and hq > hkv
+  if per_query_head:  # dK and dV gather the group's query heads by TMA reductions too
+    dkv_acc = (jax.new_ref(jnp.zeros(k.shape, jnp.float32)),
+               jax.new_ref(jnp.zeros(v.shape, jnp.float32)))
+    out_type = ()
+  else:
+    dkv_acc = ()
+    out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   dq_cols = d // 2 if config.dq_split else d
 
@@ -384,14 +418,17 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         collective_axes="wg",
     )
 
-  dk, dv = pl.kernel(
+  dkv = pl.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      mesh=plgpu.Mesh(grid=(b, hkv, s // (2 * bkv)), grid_names=("b", "h", "kv"),
+      out_type=out_type,
+      mesh=plgpu.Mesh(grid=(b, hq if per_query_head else hkv, s // (2 * bkv)),
+                      grid_names=("b", "h", "kv"),
                       num_threads=3, thread_name="wg"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       cost_estimate=_common.cost_estimate(opts, q, k, 5),
       name="flash_attention_bwd_mosaic",
-  )(q, k, v, d_out, stats, *seg_args, dq_acc)
+  )(q, k, v, d_out, stats, *seg_args, dq_acc, *dkv_acc)
   dq = (dq_acc[...] * opts.scale).astype(q.dtype)
-  return dq, dk, dv, None, None
+  if per_query_head:
+    dkv = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)
+  return dq, *dkv, None, None

@@ -436,7 +436,8 @@ class PallasMosaicGpu:
       raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
     bwd = self.backward_config
     if bwd is None or isinstance(bwd, MosaicBackwardConfig):
-      mosaic = bwd or MosaicBackwardConfig.tuned(q.shape[-1], opts.mask.is_causal)
+      mosaic = bwd or MosaicBackwardConfig.tuned(q.shape[-1], opts.mask.is_causal,
+                                                 gqa=q.shape[2] > k.shape[2])
       why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
       if why is None:
         return _Static(opts, config, mosaic, None)

@@ -95,9 +95,13 @@ def test_kernel_lowers_for_cuda(causal, window, segments, pingpong, d, t, s, hkv
     (True, 200, True, 128, True, False, 2, 256, 384, 4),
     (False, None, True, 64, False, False, 2, 192, 256, 1)])
 @pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("per_query_head", [False, True])
 def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, pingpong, stages,
-                                         t, s, hkv, softcap):
-  config = mb.MosaicBackwardConfig(dq_split=dq_split, pingpong=pingpong, stages=stages)
+                                         t, s, hkv, softcap, per_query_head):
+  if per_query_head and dq_split:
+    pytest.skip("gqa_per_query_head excludes dq_split")
+  config = mb.MosaicBackwardConfig(dq_split=dq_split, pingpong=pingpong, stages=stages,
+                                   gqa_per_query_head=per_query_head)
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
   k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
   lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
@@ -124,6 +128,8 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
      "exclude"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(stages=0),
      "one stage"),
+    ((1, 256, 4, 128), (1, 256, 2, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(gqa_per_query_head=True), "exclude"),
 ])
 def test_backward_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config,
                                                          match):
@@ -137,6 +143,11 @@ def test_tuned_backward_configs_serve_their_calls():
       config = mb.MosaicBackwardConfig.tuned(d, causal)
       assert mb.support_error((2, 256, 8, d), (2, 256, 2, d), BF16, _opts(causal), config) is None
   assert mb.MosaicBackwardConfig.tuned(128, False).pingpong
+  gqa = mb.MosaicBackwardConfig.tuned(128, True, gqa=True)
+  assert gqa.gqa_per_query_head
+  assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(True), gqa) is None
+  assert mb.MosaicBackwardConfig.tuned(128, False, gqa=True) == mb.MosaicBackwardConfig.tuned(
+      128, False)  # no _gqa section: the head dim's own
 
 
 def test_remat_counts_the_kernel_cost():
@@ -200,7 +211,9 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=True), mb.MosaicBackwardConfig(dq_split=False),
       mb.MosaicBackwardConfig(dq_split=True, stages=3),
       mb.MosaicBackwardConfig(dq_split=False, stages=1),
-      mb.MosaicBackwardConfig(dq_split=False, pingpong=True)])
+      mb.MosaicBackwardConfig(dq_split=False, pingpong=True),
+      mb.MosaicBackwardConfig(dq_split=False, gqa_per_query_head=True),
+      mb.MosaicBackwardConfig(dq_split=False, pingpong=True, gqa_per_query_head=True)])
   @pytest.mark.parametrize("causal", [False, True])
   @pytest.mark.parametrize("b, t, s, hq, hkv", [
       (2, 256, 384, 8, 2),    # T < S: under causal the last key blocks see no query
