@@ -25,9 +25,11 @@ Warpgroups:
 The softmax scale is applied once at the end (to dK, and to dq when it is cast back to the
 input dtype). Masks as in the forward, transposed: a CTA visits only the query blocks that
 see any of its keys (by the band, then by segment-id ranges), and masks those that do not
-see all of them (with segment ids, every one). Served: bf16/f16, D 64 or 128, T a multiple
-of 64, S of 128, any mask, logit softcap. configs/tuning/flash_attention.toml picks the settings per head
-dim and causal, and benchmarks/NOTES.md has what each variant measured.
+see all of them (with segment ids, every one). Served: bf16/f16, D 64, 128 or 256 (256
+with column_split: each warpgroup owns half of the columns of dK, dV and dQ, and both
+compute the whole Sᵀ and dPᵀ of the CTA's 64 keys), T a multiple of 64, S of 128 (of 64
+with column_split), any mask, logit softcap. configs/tuning/flash_attention.toml picks the
+settings per head dim, causal and GQA; benchmarks/NOTES.md has what each variant measured.
 """
 
 from __future__ import annotations
@@ -80,12 +82,28 @@ class MosaicBackwardConfig:
       dV are added into float32 [B, S, Hkv, D] buffers by TMA reductions (as dq is), so
       the grid has Hq/Hkv times more, shorter CTAs (not with dq_split, whose dQ tiles are
       too small to carry a dK tile).
+    column_split: a CTA of 64 keys whose two compute warpgroups each own half of the
+      columns of dK, dV and dQ; both compute the whole Sᵀ and dPᵀ (7 matmul units of
+      64·64·D/2 per warpgroup against 5 of 64·64·D). It keeps dK and dV in registers at
+      D = 256, where 64 keys of full width do not fit.
   """
 
   stages: int = 2
   dq_split: bool = True
   pingpong: bool = False
   gqa_per_query_head: bool = False
+  column_split: bool = False
+
+  def cta_keys(self) -> int:
+    return BLOCK_KV if self.column_split else 2 * BLOCK_KV
+
+  def out_cols(self, d: int) -> int:
+    """Columns of dK and dV each compute warpgroup owns."""
+    return d // 2 if self.column_split else d
+
+  def dq_cols(self, d: int) -> int:
+    """Columns of dQ each compute warpgroup adds per step."""
+    return d // 2 if (self.dq_split or self.column_split) else d
 
   @classmethod
   def tuned(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -94,7 +112,11 @@ class MosaicBackwardConfig:
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     section = f"d{d}_causal" if causal else f"d{d}"
     found = (gqa and table.get(section + "_gqa")) or table.get(section)
-    return cls(**found) if found else cls(dq_split=d == 128)
+    if found:
+      return cls(**found)
+    if d == 256:
+      return cls(dq_split=False, column_split=True, stages=1)
+    return cls(dq_split=d == 128)
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
@@ -104,8 +126,14 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   s = k_shape[1]
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
-  if d not in (64, 128):
-    return f"backward serves head dims 64 and 128, got D={d}"
+  if d not in (64, 128, 256):
+    return f"backward serves head dims 64, 128 and 256, got D={d}"
+  if d == 256 and not config.column_split:
+    return "D=256 needs column_split (dK and dV of 64 keys at full width do not fit in registers)"
+  if config.column_split and d != 256:
+    return f"column_split serves D=256, got D={d}"
+  if config.column_split and config.dq_split:
+    return "column_split and dq_split exclude each other"
   if config.dq_split and d != 128:
     return f"dq_split needs D=128, got D={d}"
   if config.dq_split and config.pingpong:
@@ -116,8 +144,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"needs at least one stage, got {config}"
   if t % BLOCK_Q:
     return f"backward needs T a multiple of {BLOCK_Q}, got T={t}"
-  if s % (2 * BLOCK_KV):
-    return f"backward needs S a multiple of {2 * BLOCK_KV}, got S={s}"
+  if s % config.cta_keys():
+    return f"backward needs S a multiple of {config.cta_keys()}, got S={s}"
   if (need := _smem_bytes(config, d, jnp.dtype(dtype).itemsize)) > _SMEM_BYTES:
     return f"{config} needs {need} bytes of shared memory at D={d}, more than {_SMEM_BYTES}"
   return None
@@ -130,8 +158,8 @@ def _ds_buffers(config: MosaicBackwardConfig) -> int:
 
 def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int) -> int:
   bq, bkv = BLOCK_Q, BLOCK_KV
-  dq_cols = d // 2 if config.dq_split else d
-  return (2 * (2 * bkv) * d * itemsize  # K, V
+  dq_cols = config.dq_cols(d)
+  return (2 * config.cta_keys() * d * itemsize  # K, V
           + config.stages * (2 * bq * d * itemsize + 2 * bq * 4)  # Q, dO, lse₂ and Δ
           + _ds_buffers(config) * (2 * bkv) * bq * itemsize  # dSᵀ
           + 2 * bq * dq_cols * 4  # the dQ tiles on their way to the reduction
@@ -152,13 +180,15 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
   dtype = q_ref.dtype
   b, h, kvi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("kv")
   wg = lax.axis_index("wg")
-  cta_key = kvi * (2 * bkv)
+  cta_keys = config.cta_keys()
+  cta_key = kvi * cta_keys
+  split = config.column_split
   n_q = t // bq
   segments = mask.segments
   if mask.is_dense:  # every query block, none masked
     first, per_head, full_lo, full_hi = 0, n_q, 0, n_q
   else:  # the query blocks that see the CTA's keys ([first, last)); [full_lo, full_hi) see all
-    first, last, full_lo, full_hi = _mosaic.band_blocks(mask.right, mask.left, cta_key, 2 * bkv,
+    first, last, full_lo, full_hi = _mosaic.band_blocks(mask.right, mask.left, cta_key, cta_keys,
                                                         n_q, bq)
     if segments:
       first = jnp.maximum(first, seg_refs[2][b, kvi, 0])
@@ -180,8 +210,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
   @pl.when(wg < 2)
   def _compute():
     plgpu.set_max_registers(_REGISTERS[0], action="increase")
-    my_key = cta_key + wg * bkv
-    k_mine, v_mine = k_smem.at[pl.ds(wg * bkv, bkv)], v_smem.at[pl.ds(wg * bkv, bkv)]
+    # This warpgroup's keys (rows of K, V, dK, dV) and its columns of dK, dV and dQ.
+    key_row = 0 if split else wg * bkv
+    my_key = cta_key + key_row
+    k_mine, v_mine = k_smem.at[pl.ds(key_row, bkv)], v_smem.at[pl.ds(key_row, bkv)]
+    oc = config.out_cols(d)
+    my_cols = pl.ds(wg * oc, oc) if split else pl.ds(0, d)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along Sᵀ's columns (queries)
     c = scale * _LOG2E
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -190,7 +224,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
     if segments:
       kv_seg_smem, q_seg_smem, kv_seg_ready, q_seg_ready = seg_scratch
       plgpu.barrier_wait(kv_seg_ready)
-      key_ids = plgpu.load(kv_seg_smem.at[pl.ds(wg * bkv, bkv)], (),
+      key_ids = plgpu.load(kv_seg_smem.at[pl.ds(key_row, bkv)], (),
                            layout=plgpu.Layout.WGMMA.reduce(1))
 
     def take_turn():  # both warpgroups arrive; neither passes until the other has
@@ -256,8 +290,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
 
       def grads(refs):
         dv_ref, dk_ref = refs
-        plgpu.wgmma(dv_ref, pt, do_tile)
-        plgpu.wgmma(dk_ref, dst, q_tile)
+        plgpu.wgmma(dv_ref, pt, do_tile.at[:, my_cols] if split else do_tile)
+        plgpu.wgmma(dk_ref, dst, q_tile.at[:, my_cols] if split else q_tile)
         take_turn()
 
       dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
@@ -265,7 +299,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       plgpu.barrier_arrive(q_free.at[slot])
 
       ds_buf = ds_smem.at[_mosaic.rem(i, _ds_buffers(config))]
-      ds_buf.at[pl.ds(wg * bkv, bkv)][...] = dst
+      ds_mine = ds_buf.at[pl.ds(wg * bkv, bkv)]  # with column_split, both hold the same dSᵀ
+      ds_mine[...] = dst
       plgpu.commit_smem()
       rows = pl.ds(qb * bq, bq)
       if config.dq_split:  # dQ[:, half] = dS (all 2·bkv keys) K[:, half]
@@ -282,21 +317,21 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
 
         dq = lax.cond(wg == 0, lambda: dq_half(0), lambda: dq_half(half))
         cols = pl.ds(wg * half, half)
-      else:  # dQ = dS (own keys) K (own keys)
+      else:  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
         def mm(acc_ref):
-          plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_buf.at[pl.ds(wg * bkv, bkv)], (1, 0)),
-                      k_mine)
+          plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_mine, (1, 0)),
+                      k_mine.at[:, my_cols] if split else k_mine)
           take_turn()
           return acc_ref[...]
-        dq = pl.run_scoped(mm, plgpu.ACC((bq, d), jnp.float32))
-        cols = pl.ds(0, d)
+        dq = pl.run_scoped(mm, plgpu.ACC((bq, oc), jnp.float32))
+        cols = my_cols
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
       dq_smem.at[wg][...] = dq
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, rows, head, cols], reduction_op="add")
       return dk, dv
 
-    carry = (zeros((bkv, d)), zeros((bkv, d)))
+    carry = (zeros((bkv, oc)), zeros((bkv, oc)))
     if mask.is_dense:
       dk, dv = lax.fori_loop(0, n_steps, functools.partial(step, masked=False), carry)
     else:  # per head: the masked blocks before full_lo, the unmasked ones, the masked rest
@@ -318,23 +353,32 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         dq_smem.at[wg][...] = acc
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_smem.at[wg], acc_ref.at[b, keys, kv_head],
+        plgpu.copy_smem_to_gmem(dq_smem.at[wg], acc_ref.at[b, keys, kv_head, my_cols],
                                 reduction_op="add")
       plgpu.wait_smem_to_gmem(0)
       return
     plgpu.barrier_arrive(pair)  # the other warpgroup has finished reading all of K
     plgpu.barrier_wait(pair)
-    k_mine[...] = (dk * scale).astype(dtype)
-    v_mine[...] = dv.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[b, keys, h])
-    plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[b, keys, h])
+    if split:  # each writes its columns of the tile; then one stores dK, the other dV
+      k_mine.at[:, my_cols][...] = (dk * scale).astype(dtype)
+      v_mine.at[:, my_cols][...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(pair)
+      plgpu.barrier_wait(pair)
+      pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[b, keys, h]))
+      pl.when(wg == 1)(lambda: plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[b, keys, h]))
+    else:
+      k_mine[...] = (dk * scale).astype(dtype)
+      v_mine[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[b, keys, h])
+      plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[b, keys, h])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
   def _memory():
     plgpu.set_max_registers(_REGISTERS[1], action="decrease")
-    keys = pl.ds(cta_key, 2 * bkv)
+    keys = pl.ds(cta_key, cta_keys)
     plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem, k_ready)
     plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem, v_ready)
     if segments:
@@ -369,9 +413,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   stats = jnp.stack([lse2, _common.softmax_delta(res.out, d_out, d_lse)], axis=2)  # [B, Hq, 2, T]
   if mask.segments:
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
-    ranges = _mosaic.segment_block_ranges(kv_seg, q_seg, 2 * bkv, bq)
+    ranges = _mosaic.segment_block_ranges(kv_seg, q_seg, config.cta_keys(), bq)
     seg_args = (q_seg, kv_seg, ranges)
-    seg_scratch = (plgpu.SMEM((2 * bkv,), jnp.int32), plgpu.SMEM((stages, bq), jnp.int32),
+    seg_scratch = (plgpu.SMEM((config.cta_keys(),), jnp.int32), plgpu.SMEM((stages, bq), jnp.int32),
                    plgpu.Barrier(), plgpu.Barrier(num_barriers=stages))
   else:
     seg_args, seg_scratch = (), ()
@@ -385,7 +429,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     dkv_acc = ()
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  dq_cols = d // 2 if config.dq_split else d
+  dq_cols = config.dq_cols(d)
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
     seg_refs, (dq_ref, dk_ref, dv_ref) = (refs[:3], refs[3:]) if mask.segments else (None, refs)
@@ -398,8 +442,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
 
     pl.run_scoped(
         kernel,
-        plgpu.SMEM((2 * bkv, d), k.dtype, transforms=tiles),
-        plgpu.SMEM((2 * bkv, d), v.dtype, transforms=tiles),
+        plgpu.SMEM((config.cta_keys(), d), k.dtype, transforms=tiles),
+        plgpu.SMEM((config.cta_keys(), d), v.dtype, transforms=tiles),
         plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiles),
         plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiles),
         plgpu.SMEM((stages, 2, bq), jnp.float32),
@@ -421,7 +465,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   dkv = pl.kernel(
       body,
       out_type=out_type,
-      mesh=plgpu.Mesh(grid=(b, hq if per_query_head else hkv, s // (2 * bkv)),
+      mesh=plgpu.Mesh(grid=(b, hq if per_query_head else hkv, s // config.cta_keys()),
                       grid_names=("b", "h", "kv"),
                       num_threads=3, thread_name="wg"),
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -26,7 +26,7 @@ without compute. A row that sees no key ends with output 0 and log-sum-exp -inf.
 Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of
 block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anything else raises NotImplementedError with the reason, and
 `implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's
-one-pass kernel where it serves the call (D 64 and 128), else pallas_triton's dq and dk/dv
+one-pass kernel where it serves the call (D 64, 128 and 256), else pallas_triton's dq and dk/dv
 kernels; both run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
 Mosaic GPU interpreter cannot run `plgpu.kernel` meshes.
 """
@@ -413,8 +413,8 @@ class PallasMosaicGpu:
   `config=None` uses MosaicConfig.for_head_dim. `backward_config` picks the backward: a
   MosaicBackwardConfig runs the Mosaic kernel (mosaic_gpu_backward) with those tiles, a
   pallas_triton.BlockConfig runs pallas_triton's dq and dk/dv kernels, and None runs the
-  Mosaic backward (tiles from MosaicBackwardConfig.tuned) where it serves the call (D 64
-  and 128) and pallas_triton's elsewhere.
+  Mosaic backward (tiles from MosaicBackwardConfig.tuned) where it serves the call (D 64,
+  128 and 256) and pallas_triton's elsewhere.
   """
 
   config: MosaicConfig | None = None

@@ -93,7 +93,9 @@ def test_kernel_lowers_for_cuda(causal, window, segments, pingpong, d, t, s, hkv
     (False, None, False, 64, False, False, 3, 192, 256, 4),
     (False, (100, 7), False, 128, False, True, 2, 384, 256, 2),
     (True, 200, True, 128, True, False, 2, 256, 384, 4),
-    (False, None, True, 64, False, False, 2, 192, 256, 1)])
+    (False, None, True, 64, False, False, 2, 192, 256, 1),
+    (True, None, False, 256, False, False, 1, 256, 320, 2),
+    (False, (100, 7), True, 256, False, True, 1, 192, 256, 1)])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("per_query_head", [False, True])
 def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, pingpong, stages,
@@ -101,7 +103,7 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
   if per_query_head and dq_split:
     pytest.skip("gqa_per_query_head excludes dq_split")
   config = mb.MosaicBackwardConfig(dq_split=dq_split, pingpong=pingpong, stages=stages,
-                                   gqa_per_query_head=per_query_head)
+                                   gqa_per_query_head=per_query_head, column_split=d == 256)
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
   k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
   lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
@@ -119,6 +121,13 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
 @pytest.mark.parametrize("q_shape, k_shape, dtype, opts, config, match", [
     ((1, 256, 4, 96), (1, 256, 4, 96), BF16, _opts(), mb.MosaicBackwardConfig(), "D=96"),
     ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(), mb.MosaicBackwardConfig(), "D=256"),
+    ((1, 256, 4, 192), (1, 256, 4, 192), BF16, _opts(), mb.MosaicBackwardConfig(), "D=192"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, column_split=True), "column_split serves D=256"),
+    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(),
+     mb.MosaicBackwardConfig(column_split=True, stages=1), "exclude"),
+    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2), "shared memory"),
     ((1, 256, 4, 64), (1, 256, 4, 64), BF16, _opts(), mb.MosaicBackwardConfig(), "dq_split"),
     ((1, 96, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(), "T=96"),
     ((1, 256, 4, 128), (1, 192, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(), "S=192"),
@@ -138,7 +147,7 @@ def test_backward_support_error_names_what_is_not_served(q_shape, k_shape, dtype
 
 def test_tuned_backward_configs_serve_their_calls():
   """The tuning table's sections name real fields and choices the kernel accepts."""
-  for d in (64, 128):
+  for d in (64, 128, 256):
     for causal in (False, True):
       config = mb.MosaicBackwardConfig.tuned(d, causal)
       assert mb.support_error((2, 256, 8, d), (2, 256, 2, d), BF16, _opts(causal), config) is None
@@ -227,6 +236,23 @@ class TestMosaicGpu:
     _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
     for name, g, rg in zip("qkv", grads, r_grads):
       assert g.dtype == BF16
+      assert rel_err(g, rg) < 3e-2, name
+
+  @pytest.mark.parametrize("backward", [
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1),
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, pingpong=True),
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
+                              gqa_per_query_head=True)])
+  @pytest.mark.parametrize("causal", [False, True])
+  @pytest.mark.parametrize("b, t, s, hq, hkv", [(2, 256, 320, 8, 2), (1, 384, 192, 4, 4)])
+  def test_mosaic_backward_d256_column_split(self, backward, causal, b, t, s, hq, hkv):
+    """D = 256: each compute warpgroup owns half of the columns of dK, dV and dQ."""
+    impl = PallasMosaicGpu(config=MosaicConfig(block_kv=64), backward_config=backward)
+    q, k, v, _, ct = make_problem(jax.random.key(t + s + hq), b, t, s, hq, hkv, 256, BF16)
+    _, _, grads = run(impl, q, k, v, None, ct, dict(causal=causal))
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
+    for name, g, rg in zip("qkv", grads, r_grads):
       assert rel_err(g, rg) < 3e-2, name
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -370,10 +396,7 @@ class TestMosaicGpuFeaturesD64(TestMosaicGpuFeatures):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesD256(TestMosaicGpuFeatures):
-  """D = 256: the Mosaic forward with 64-key blocks, the Triton backward."""
+  """D = 256: the Mosaic forward with 64-key blocks, the backward with column_split."""
 
   dtypes = (jnp.bfloat16,)
   shape = dict(b=1, t=256, s=384, hq=4, hkv=2, d=256)
-
-  def test_packed_documents_take_the_mosaic_kernels(self):
-    pytest.skip("the backward at D = 256 is pallas_triton's")
