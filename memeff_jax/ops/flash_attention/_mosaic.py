@@ -88,3 +88,30 @@ def segment_block_ranges(ids, other_ids, block: int, other_block: int):
   lo = jnp.argmax(overlap, -1).astype(jnp.int32)
   hi = jnp.max(jnp.where(overlap, jnp.arange(1, m // other_block + 1, dtype=jnp.int32), 0), -1)
   return jnp.stack([jnp.where(found, lo, 0), hi], -1).astype(jnp.int32)
+
+
+def visible(mask, shape, key_axis: int, key_minus_query, row_ids=None, col_ids=None):
+  """Bool tile (WGMMA layout) of which pairs a score tile keeps, or None for all of them.
+
+  `key_axis` is the axis along which the key index runs (1 for the forward's S, 0 for the
+  backward's Sᵀ); `key_minus_query` is the first key's index minus the first query's. The
+  band compares one iota difference with scalar bounds (two full index tiles cost registers
+  the compute warpgroups do not have); segment ids, when given as a vector per row and per
+  column (WGMMA reduce layouts), must be equal.
+  """
+  ok = None
+
+  def both(a, b):
+    return b if a is None else a & b
+
+  if mask.left is not None or mask.right is not None:
+    iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+    rel = iota(key_axis) - iota(1 - key_axis)  # key - query, less key_minus_query
+    if mask.right is not None:
+      ok = both(ok, rel <= mask.right - key_minus_query)
+    if mask.left is not None:
+      ok = both(ok, rel >= -mask.left - key_minus_query)
+  if row_ids is not None:
+    ok = both(ok, lax.broadcast_in_dim(row_ids, shape, [0])
+              == lax.broadcast_in_dim(col_ids, shape, [1]))
+  return ok

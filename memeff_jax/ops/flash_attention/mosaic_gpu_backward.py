@@ -237,23 +237,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
 
     def visible(slot, qb, shape):
       """Which keys (rows of Sᵀ) the queries of block qb (columns) see."""
-      ok = None
-      if mask.left is not None or mask.right is not None:
-        # key - query = (my_key - qb·bq) + (r - col): one iota difference, then scalar bounds
-        rel = (plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-               - plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA))
-        offset = my_key - qb * bq
-        if mask.right is not None:
-          ok = rel <= mask.right - offset
-        if mask.left is not None:
-          ok = (rel >= -mask.left - offset) if ok is None else ok & (rel >= -mask.left - offset)
+      query_ids = None
       if segments:
         plgpu.barrier_wait(q_seg_ready.at[slot])
         query_ids = plgpu.load(q_seg_smem.at[slot], (), layout=col_layout)
-        same = (lax.broadcast_in_dim(key_ids, shape, [0])
-                == lax.broadcast_in_dim(query_ids, shape, [1]))
-        ok = same if ok is None else ok & same
-      return ok
+      return _mosaic.visible(mask, shape, 0, my_key - qb * bq,
+                             key_ids if segments else None, query_ids)
 
     def step(i, carry, *, masked):
       dk, dv = carry

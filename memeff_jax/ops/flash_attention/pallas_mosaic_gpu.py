@@ -187,24 +187,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
       pl.when(wg == 1)(take_turn)
 
     def visible(j, scores):
-      """The mask of key block j on this warpgroup's rows (band and segment ids)."""
-      ok = None
-      if mask.left is not None or mask.right is not None:
-        # key - query = (j·bkv - row) + (col - r): one iota difference, then scalar bounds
-        rel = (plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-               - plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA))
-        offset = j * bkv - row
-        if mask.right is not None:
-          ok = rel <= mask.right - offset
-        if mask.left is not None:
-          ok = (rel >= -mask.left - offset) if ok is None else ok & (rel >= -mask.left - offset)
+      """Key block j's scores on this warpgroup's rows, -inf where the mask hides them."""
+      kv_ids = None
       if segments:
         slot = _mosaic.rem(j - cta_lo, stages)
         plgpu.barrier_wait(kv_seg_ready.at[slot])
         kv_ids = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-        same = (lax.broadcast_in_dim(q_ids, scores.shape, [0])
-                == lax.broadcast_in_dim(kv_ids, scores.shape, [1]))
-        ok = same if ok is None else ok & same
+      ok = _mosaic.visible(mask, scores.shape, 1, j * bkv - row,
+                           q_ids if segments else None, kv_ids)
       return jnp.where(ok, scores, -jnp.inf)
 
     def step(j, carry, *, masked=False):
