@@ -14,6 +14,21 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 
+SMEM_BYTES = 232_448  # shared memory per CTA on sm90
+
+
+def dtype_error(dtype) -> str | None:
+  """Why the Mosaic kernels cannot take inputs of this dtype (they run bf16/f16 WGMMAs)."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+  return None
+
+
+def swizzled_tiles():
+  """64-element (128-byte) swizzled tiles: what TMA writes and WGMMA reads."""
+  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
 def div(x, n):
   """Integer division of kernel indices (Python ints or traced int32)."""
   return lax.div(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))

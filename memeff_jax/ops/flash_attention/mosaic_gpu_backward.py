@@ -60,7 +60,6 @@ BLOCK_KV = 64  # keys per compute warpgroup; a CTA holds two such blocks
 # Registers per thread of the compute and memory warpgroups (2·128·240 + 128·24 = 63Ki of
 # the SM's 64Ki). At (232, 40) ptxas spilled about twice as much and the kernel ran 1–3% slower.
 _REGISTERS = (240, 24)
-_SMEM_BYTES = 232_448  # per CTA on sm90
 _SMEM_RESERVE = 1_024  # barriers and alignment
 
 
@@ -124,8 +123,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   """Why the backward kernel cannot serve this call, or None when it can."""
   _, t, _, d = q_shape
   s = k_shape[1]
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+  if (why := _mosaic.dtype_error(dtype)) is not None:
+    return why
   if d not in (64, 128, 256):
     return f"backward serves head dims 64, 128 and 256, got D={d}"
   if d == 256 and not config.column_split:
@@ -146,8 +145,9 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"backward needs T a multiple of {BLOCK_Q}, got T={t}"
   if s % config.cta_keys():
     return f"backward needs S a multiple of {config.cta_keys()}, got S={s}"
-  if (need := _smem_bytes(config, d, jnp.dtype(dtype).itemsize)) > _SMEM_BYTES:
-    return f"{config} needs {need} bytes of shared memory at D={d}, more than {_SMEM_BYTES}"
+  if (need := _smem_bytes(config, d, jnp.dtype(dtype).itemsize)) > _mosaic.SMEM_BYTES:
+    return (f"{config} needs {need} bytes of shared memory at D={d}, more than "
+            f"{_mosaic.SMEM_BYTES}")
   return None
 
 
@@ -417,7 +417,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   else:
     dkv_acc = ()
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-  tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  tiles = _mosaic.swizzled_tiles()
   dq_cols = config.dq_cols(d)
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):

@@ -87,8 +87,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   """Why the kernel cannot serve this call, or None when it can."""
   _, t, _, d = q_shape
   s = k_shape[1]
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+  if (why := _mosaic.dtype_error(dtype)) is not None:
+    return why
   if d not in (64, 128, 192, 256):
     return f"serves head dims 64, 128, 192 and 256, got D={d}"
   if t % (2 * config.block_q):
@@ -100,19 +100,13 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   return None
 
 
-def _smem_transforms():
-  """64-element (128-byte) swizzled tiles: what TMA writes and WGMMA reads for D ∈ {64, 128}."""
-  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-
-_SMEM_BYTES = 232_448  # per CTA on sm90
 _SMEM_RESERVE = 4_096  # barriers, reduction scratch, alignment
 
 
 def _fitting_stages(cfg: MosaicConfig, d: int, itemsize: int) -> int:
   """The most K/V stages that fit in shared memory beside Q and the log-sum-exp."""
   fixed = 2 * cfg.block_q * d * itemsize + 2 * cfg.block_q * 4 + _SMEM_RESERVE
-  return (_SMEM_BYTES - fixed) // (2 * cfg.block_kv * d * itemsize)
+  return (_mosaic.SMEM_BYTES - fixed) // (2 * cfg.block_kv * d * itemsize)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_smem, v_smem,
@@ -139,7 +133,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
     and [full_lo, full_hi) whole; with segment ids every block is masked."""
     lo, hi, full_lo, full_hi = _mosaic.band_blocks(mask.left, mask.right, cta_row + w * bq, bq,
                                                    n_blocks, bkv)
-    if mask.segments:
+    if segments:
       ranges_ref = seg_refs[2]
       lo = jnp.maximum(lo, ranges_ref[b, 2 * qi + w, 0])
       hi = jnp.maximum(jnp.minimum(hi, ranges_ref[b, 2 * qi + w, 1]), lo)
@@ -317,7 +311,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   stages = max(1, min(cfg.stages, s // cfg.block_kv,
                       _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
   cfg = dataclasses.replace(cfg, stages=stages)
-  layout = _smem_transforms()
+  layout = _mosaic.swizzled_tiles()
   segments = st.opts.mask.segments
   if segments:
     ranges = _mosaic.segment_block_ranges(q_seg, kv_seg, cfg.block_q, cfg.block_kv)
