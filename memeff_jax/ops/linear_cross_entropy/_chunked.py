@@ -94,11 +94,14 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   need_dx, need_dw, need_db = need
   need_db = need_db and bias is not None
   n_chunks = -(-n // chunk)
+  # A backend whose first chunk writes dW (rather than adding to zeros) gets dw_acc=None
+  # for it, and that chunk runs before the loop.
+  peel = with_grads and need_dw and getattr(backend, "first_chunk_writes_dw", False)
   stats0 = Stats(*(jnp.zeros((n,), jnp.float32) for _ in range(3)))
   carry = (
       stats0,
       jnp.zeros((n, d), x.dtype) if with_grads and need_dx else None,
-      jnp.zeros(w.shape, backend.dw_dtype(w)) if with_grads and need_dw else None,
+      jnp.zeros(w.shape, backend.dw_dtype(w)) if with_grads and need_dw and not peel else None,
       jnp.zeros(bias.shape, jnp.float32) if with_grads and need_db else None,
   )
 
@@ -121,7 +124,9 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
                     for s, c in zip(stats, chunk_stats)))
     return stats, dx, dw, db
 
-  return jax.lax.fori_loop(0, n_chunks, body, carry)
+  if peel:
+    carry = body(0, carry)
+  return jax.lax.fori_loop(int(peel), n_chunks, body, carry)
 
 
 def _value(p):
