@@ -90,25 +90,30 @@ def cap_logits(z: jax.Array, cap: float | None) -> jax.Array:
   return z if cap is None else cap * jnp.tanh(z / cap)
 
 
-def block_stats(zc, cols, labels, vocab_size: int):
+def block_stats(zc, cols, labels, vocab_size: int, *, padded: bool = True,
+                logit_sum: bool = True):
   """Partial statistics of one block of capped logits.
 
   Args:
     zc: [R, Vb] float32 capped logits of vocabulary columns `cols`.
     cols: [Vb] int32 absolute column ids (ids ≥ vocab_size are padding).
-    labels: [R] int32.
+    labels: [R] int32, or None where no row's label is among `cols` (label logit 0).
+    padded: whether `cols` may hold padding ids; False skips masking them.
+    logit_sum: whether to sum ẑ (label smoothing needs it); else that output is 0.
 
   Returns:
     (max, sum of exp(ẑ - max), label logit, sum of ẑ), each [R] float32.
   """
   in_vocab = (cols < vocab_size)[None, :]
-  masked = jnp.where(in_vocab, zc, -jnp.inf)
+  masked = jnp.where(in_vocab, zc, -jnp.inf) if padded else zc
   m = jnp.max(masked, axis=1)
   s = jnp.sum(jnp.exp(masked - m[:, None]), axis=1)
-  hit = cols[None, :] == labels[:, None]
-  label_logit = jnp.sum(jnp.where(hit, zc, 0.0), axis=1)
-  logit_sum = jnp.sum(jnp.where(in_vocab, zc, 0.0), axis=1)
-  return m, s, label_logit, logit_sum
+  label_logit = logit_total = jnp.zeros_like(m)
+  if labels is not None:
+    label_logit = jnp.sum(jnp.where(cols[None, :] == labels[:, None], zc, 0.0), axis=1)
+  if logit_sum:
+    logit_total = jnp.sum(jnp.where(in_vocab, zc, 0.0) if padded else zc, axis=1)
+  return m, s, label_logit, logit_total
 
 
 def combine_stats(a, b):
@@ -120,17 +125,23 @@ def combine_stats(a, b):
   return m, s, y_a + y_b, t_a + t_b
 
 
-def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions):
-  """G for one block of capped logits (float32 [R, Vb]); zero in padding columns."""
+def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions, *, padded: bool = True):
+  """G for one block of capped logits (float32 [R, Vb]); zero in padding columns.
+
+  G = b·p − a·q with p = exp(ẑ − lse), q = (1 − ε)·onehot(label) + ε/V; labels=None means
+  no row's label is among `cols`, and `padded` as in block_stats.
+  """
   eps = opts.label_smoothing
   b = a * (1.0 + 2.0 * opts.z_loss * lse) + e
-  p = jnp.exp(zc - lse[:, None])
-  hit = (cols[None, :] == labels[:, None]).astype(jnp.float32)
-  q = (1.0 - eps) * hit + eps / opts.vocab_size
-  g = b[:, None] * p - a[:, None] * q
+  g = b[:, None] * jnp.exp(zc - lse[:, None])
+  if eps:
+    g = g - (a * (eps / opts.vocab_size))[:, None]
+  if labels is not None:
+    hit = cols[None, :] == labels[:, None]
+    g = jnp.where(hit, g - (a * (1.0 - eps))[:, None], g)
   if opts.logit_softcap is not None:
     g = g * (1.0 - jnp.square(zc / opts.logit_softcap))
-  return jnp.where((cols < opts.vocab_size)[None, :], g, 0.0)
+  return jnp.where((cols < opts.vocab_size)[None, :], g, 0.0) if padded else g
 
 
 # ----------------------------------------------------------------------------------------

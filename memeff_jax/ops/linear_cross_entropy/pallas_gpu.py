@@ -172,7 +172,8 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref,
                          l2_hints: bool):
   """One program: `block_rows` tokens, all V vocabulary entries, two sweeps of block_v.
 
-  Refs are whole arrays (no BlockSpecs: V need not be a power of two); loads are masked.
+  Refs are whole arrays (no BlockSpecs: V need not be a power of two); the loads of a
+  ragged last block (and of rows past the end) are masked.
   a/e/lse_in/grad refs are None when the call only wants statistics, lse_in is None when
   sweep 1 must find the log-sum-exp itself. Follows FlashAttention's online softmax
   (Dao et al. 2022, Alg. 1) for sweep 1.
@@ -183,24 +184,48 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref,
   rows = row0 + jnp.arange(block_rows, dtype=jnp.int32)
   row_ok = rows < n_rows
   row_slice = pl.ds(row0, block_rows)
-  labels = plgpu.load(labels_ref.at[row_slice], mask=row_ok, other=0)
-  n_blocks = pl.cdiv(vocab, block_v)
+  labels = plgpu.load(labels_ref.at[row_slice], mask=row_ok, other=-1)
+  # Blocks below n_full lie inside the vocabulary and take no column mask; the one after
+  # them (if V is not a multiple of block_v) does. Only a block that holds some row's label
+  # compares columns with labels (a branch per block), and Σ ẑ is summed only for label
+  # smoothing: the elementwise work per logit is what bounds this kernel.
+  n_full, ragged = divmod(vocab, block_v)
+  rows_ragged = n_rows % block_rows != 0
+  smoothing = bool(opts.label_smoothing)
 
-  def load(j, eviction_policy):
+  def load(j, eviction_policy, padded):
     cols = j * block_v + jnp.arange(block_v, dtype=jnp.int32)
-    mask = row_ok[:, None] & (cols < vocab)[None, :]
-    z = plgpu.load(logits_ref.at[row_slice, pl.ds(j * block_v, block_v)], mask=mask,
-                   other=0.0, eviction_policy=eviction_policy)  # [block_rows, block_v]
+    mask = None
+    if padded:
+      mask = row_ok[:, None] & (cols < vocab)[None, :]
+    elif rows_ragged:
+      mask = jnp.broadcast_to(row_ok[:, None], (block_rows, block_v))
+    kw = {} if mask is None else dict(mask=mask, other=0.0)
+    z = plgpu.load(logits_ref.at[row_slice, pl.ds(j * block_v, block_v)],
+                   eviction_policy=eviction_policy, **kw)  # [block_rows, block_v]
     return cols, mask, _common.cap_logits(z.astype(jnp.float32), opts.logit_softcap)
 
+  def holds_label(j):
+    inside = (labels >= j * block_v) & (labels < (j + 1) * block_v)
+    return jnp.sum(inside.astype(jnp.int32)) > 0  # (Pallas Triton lowers no reduce_or)
+
+  def by_label(j, compute):
+    """compute(labels) in a block that holds a label, compute(None) elsewhere."""
+    return jax.lax.cond(holds_label(j), lambda: compute(labels), lambda: compute(None))
+
   if lse_in_ref is None:
-    def sweep1(j, acc):
-      cols, _, zc = load(j, "evict_last" if l2_hints else None)  # sweep 2 reads it again
-      return _common.combine_stats(acc, _common.block_stats(zc, cols, labels, vocab))
+    def sweep1(j, acc, padded=False):
+      cols, _, zc = load(j, "evict_last" if l2_hints else None, padded)  # sweep 2 rereads it
+      stats = by_label(j, lambda lab: _common.block_stats(zc, cols, lab, vocab, padded=padded,
+                                                          logit_sum=smoothing))
+      return _common.combine_stats(acc, stats)
 
     init = (jnp.full((block_rows,), -jnp.inf, jnp.float32),) + tuple(
         jnp.zeros((block_rows,), jnp.float32) for _ in range(3))
-    m, s, label_logit, logit_sum = jax.lax.fori_loop(0, n_blocks, sweep1, init)
+    acc = jax.lax.fori_loop(0, n_full, sweep1, init)
+    if ragged:  # a traced start: the masked block may reach past the array's end
+      acc = sweep1(jnp.int32(n_full), acc, padded=True)
+    m, s, label_logit, logit_sum = acc
     lse = m + jnp.log(s)
   else:
     lse = plgpu.load(lse_in_ref.at[row_slice], mask=row_ok, other=0.0)
@@ -210,14 +235,18 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref,
     a = plgpu.load(a_ref.at[row_slice], mask=row_ok, other=0.0)
     e = plgpu.load(e_ref.at[row_slice], mask=row_ok, other=0.0)
 
-    def sweep2(j, carry):
-      cols, mask, zc = load(j, "evict_first" if l2_hints else None)
-      g = _common.block_grad(zc, cols, labels, lse, a, e, opts)
+    def sweep2(j, carry, padded=False):
+      cols, mask, zc = load(j, "evict_first" if l2_hints else None, padded)
+      g = by_label(j, lambda lab: _common.block_grad(zc, cols, lab, lse, a, e, opts,
+                                                     padded=padded))
+      kw = {} if mask is None else dict(mask=mask)
       plgpu.store(grad_ref.at[row_slice, pl.ds(j * block_v, block_v)],
-                  g.astype(grad_ref.dtype), mask=mask)
+                  g.astype(grad_ref.dtype), **kw)
       return carry
 
-    jax.lax.fori_loop(0, n_blocks, sweep2, 0)
+    jax.lax.fori_loop(0, n_full, sweep2, 0)
+    if ragged:
+      sweep2(jnp.int32(n_full), 0, padded=True)
 
   plgpu.store(lse_ref.at[row_slice], lse, mask=row_ok)
   plgpu.store(label_logit_ref.at[row_slice], label_logit, mask=row_ok)

@@ -12,7 +12,10 @@ import pytest
 
 import memeff_jax
 from memeff_jax.ops.linear_cross_entropy import ChunkedXla
+from memeff_jax.ops.linear_cross_entropy import KernelConfig
 from memeff_jax.ops.linear_cross_entropy import PallasGpu
+from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy import pallas_gpu
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -242,6 +245,42 @@ class TestPallasGpuInterpret(_LinearCrossEntropyTest):
       assert rel_err(l1, l2) < 1e-6
       for a, c in zip(g1, g2):
         assert rel_err(a, c) < 1e-6
+
+
+  def test_many_vocab_blocks(self):
+    """Kernel blocks of 128 columns over V = 1,000: seven whole blocks, of which those holding
+    a label take the kernel's label branch, and a masked ragged eighth; every option that
+    changes G, and `none` (whose gradients come from a second pass with a known lse)."""
+    impl = PallasGpu(interpret=True, vocab_multiple=1, kernel=KernelConfig(block_v=128))
+    for options, reduction in ((dict(), "mean"),
+                               (dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=5.0,
+                                     bias=True), "mean"),
+                               (dict(label_smoothing=0.2, reduction="none"), "none")):
+      x, w, labels, b, _ = make_problem(jax.random.key(3), (40,), 16, 1000, jnp.float32,
+                                        **options)
+      out, grads = value_and_grads(loss_fn(impl, labels, options, 16), x, w, b, None, reduction)
+      ref_out, ref_grads = value_and_grads(loss_fn("reference", labels, options), x, w, b, None,
+                                           reduction)
+      assert rel_err(out, ref_out) < 1e-5, options
+      for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < 1e-5, options
+
+
+def test_pallas_gpu_kernel_lowers_for_cuda():
+  """The softmax kernel lowers to Triton on a CPU host (what the GPU would compile): catches
+  operations Pallas Triton has no lowering for, which interpret mode runs happily."""
+  for vocab, smoothing in ((128_256, 0.0), (50_257, 0.1)):
+    opts = _common.LossOptions(vocab_size=vocab, label_smoothing=smoothing)
+    logits = jax.ShapeDtypeStruct((64, vocab + (-vocab % 64)), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((64,), jnp.int32)
+    coef = jax.ShapeDtypeStruct((64,), jnp.float32)
+    for fn in (lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, opts=opts,
+                                                          config=KernelConfig()),
+               lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, a, e, opts=opts,
+                                                          config=KernelConfig())):
+      text = jax.jit(fn).trace(logits, labels, coef, coef).lower(
+          lowering_platforms=("cuda",)).as_text()
+      assert "triton" in text.lower()
 
 
 class TestPallasGpuFloat32DwInterpret(_LinearCrossEntropyTest):
