@@ -9,6 +9,9 @@ Both implementations walk the tokens in chunks of `token_chunk` and hand each ch
 
 `grads` computes G (see _common) for the chunk and applies the two matmuls that consume it,
 accumulating dW and db into the running sums it is given. Nothing of size [N, V] exists.
+A backend with `first_chunk_writes_dw = True` is given dw_acc=None for the first chunk,
+which runs before the loop, and returns that chunk's dW as the running sum (no zero-filled
+dW to add to).
 
 Gradients in the forward pass. For reduction "mean"/"sum" the loss's cotangent is a single
 scalar, so the forward pass computes the gradients for a cotangent of 1 while the chunk's
@@ -94,8 +97,6 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   need_dx, need_dw, need_db = need
   need_db = need_db and bias is not None
   n_chunks = -(-n // chunk)
-  # A backend whose first chunk writes dW (rather than adding to zeros) gets dw_acc=None
-  # for it, and that chunk runs before the loop.
   peel = with_grads and need_dw and getattr(backend, "first_chunk_writes_dw", False)
   stats0 = Stats(*(jnp.zeros((n,), jnp.float32) for _ in range(3)))
   carry = (

@@ -104,15 +104,15 @@ def block_stats(zc, cols, labels, vocab_size: int, *, padded: bool = True,
   Returns:
     (max, sum of exp(ẑ - max), label logit, sum of ẑ), each [R] float32.
   """
-  in_vocab = (cols < vocab_size)[None, :]
-  masked = jnp.where(in_vocab, zc, -jnp.inf) if padded else zc
+  in_vocab = (cols < vocab_size)[None, :] if padded else None
+  masked = zc if in_vocab is None else jnp.where(in_vocab, zc, -jnp.inf)
   m = jnp.max(masked, axis=1)
   s = jnp.sum(jnp.exp(masked - m[:, None]), axis=1)
   label_logit = logit_total = jnp.zeros_like(m)
   if labels is not None:
     label_logit = jnp.sum(jnp.where(cols[None, :] == labels[:, None], zc, 0.0), axis=1)
   if logit_sum:
-    logit_total = jnp.sum(jnp.where(in_vocab, zc, 0.0) if padded else zc, axis=1)
+    logit_total = jnp.sum(zc if in_vocab is None else jnp.where(in_vocab, zc, 0.0), axis=1)
   return m, s, label_logit, logit_total
 
 
