@@ -2,9 +2,11 @@
 
     python benchmarks/flash_attention.py --set headline [--providers a,b,...]
 
-Providers: memeff (default implementation), memeff:NAME[:key=value] (e.g.
-memeff:pallas_triton:block_q=128, memeff:pallas_mosaic_gpu:bwd=triton or :bwd_dq_split=0),
-xla and cudnn (jax.nn.dot_product_attention),
+Providers: memeff (default implementation, deterministic backward), memeff:nondeterministic
+(default implementation with deterministic=False: on Hopper the one-pass Mosaic backward),
+memeff:NAME[:key=value] (e.g. memeff:pallas_triton:block_q=128,
+memeff:pallas_mosaic_gpu:bwd=triton or :bwd_dq_split=0; a Mosaic backward runs with
+deterministic=False), xla and cudnn (jax.nn.dot_product_attention),
 tokamax:mosaic and tokamax:triton (if importable). A provider that cannot express a case
 (segment ids for jax.nn) is skipped with a note. memeff:chunked_xla is not in the default
 list: on a GPU it compiles for minutes at T=4096 (memeff is chunked_xla on CPU anyway).
@@ -31,18 +33,21 @@ from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import masks  # noqa: E402
 from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
 
-DEFAULT_PROVIDERS = "memeff,xla,cudnn,tokamax:mosaic,tokamax:triton"
+DEFAULT_PROVIDERS = "memeff,memeff:nondeterministic,xla,cudnn,tokamax:mosaic,tokamax:triton"
 
 
 def parse_memeff(provider: str):
+  """(implementation, deterministic) of a memeff provider."""
   parts = provider.split(":")
   if len(parts) == 1:
-    return None
+    return None, True
+  if parts[1:] == ["nondeterministic"]:
+    return None, False
   name, opts = parts[1], dict(p.split("=", 1) for p in parts[2:])
   if name == "pallas_triton" and opts:
     from memeff_jax.ops.flash_attention.pallas_triton import BlockConfig, default_config  # pylint: disable=import-outside-toplevel
     return fa.PallasTriton(config=BlockConfig(**{**default_config(128).__dict__,
-                                                 **{k: int(v) for k, v in opts.items()}}))
+                                                 **{k: int(v) for k, v in opts.items()}})), True
   if name == "pallas_mosaic_gpu" and opts:
     # bwd=triton runs pallas_triton's backward (with its D = 128 tiles: the head dim is not
     # known here); bwd_KEY=V sets MosaicBackwardConfig's KEY.
@@ -54,20 +59,21 @@ def parse_memeff(provider: str):
       backward = default_config(128)
     else:
       backward = fa.MosaicBackwardConfig(**bwd) if bwd else None
-    return fa.PallasMosaicGpu(config=fa.MosaicConfig(**fwd) if fwd else None,
-                              backward_config=backward)
+    return (fa.PallasMosaicGpu(config=fa.MosaicConfig(**fwd) if fwd else None,
+                               backward_config=backward), bwd_kind == "triton")
   if opts:
     raise ValueError(f"options {opts} not understood for {provider!r}")
-  return name
+  return name, True
 
 
 def attention_fn(provider, causal, seg, window=None):
   """f(q, k, v) -> out for a provider, or None where it cannot express the case. `window` is
   a (left, right) sliding window (jax.nn's local_window_size)."""
   if provider.startswith("memeff"):
-    impl = parse_memeff(provider)
+    impl, deterministic = parse_memeff(provider)
     kw = {} if seg is None else dict(q_segment_ids=seg, kv_segment_ids=seg)
     return lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, sliding_window=window,
+                                              deterministic=deterministic,
                                               implementation=impl, **kw)
   if provider in ("xla", "cudnn"):
     if seg is not None:
@@ -125,6 +131,8 @@ def run(set_name: str, providers: list[str], out, reps: int):
                    docs=docs, window=window, causal=causal, dtype=dtype.name,
                    provider=provider, fwd_bwd_timing="one vjp", **env)
         try:
+          if provider.startswith("memeff"):
+            row["deterministic"] = parse_memeff(provider)[1]
           f = attention_fn(provider, causal, seg, window)
           if f is None:
             print(f"  skip {provider}: cannot express segment ids")

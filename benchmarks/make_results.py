@@ -63,6 +63,10 @@ def fa_table(rows: list[dict]) -> str:
                f"{r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_tflops']:.0f} | {ratio} | "
                f"{_gib(r.get('extra_bytes'))} |")
   notes = sorted({r["source"] for r in rows if r.get("source")})
+  if any(r["provider"] == "memeff" and "deterministic" not in r for r in rows):
+    notes.append("memeff rows before 2026-11-22T02:30 ran the one-pass Mosaic backward, which "
+                 "sums dq in arrival order (not bitwise deterministic): today's "
+                 "memeff:nondeterministic. memeff now defaults to deterministic=True")
   if any("fwd_bwd_timing" not in r for r in rows):
     notes.append("fwd+bwd timed before 2026-11-21 as a separate primal call plus a vjp; XLA "
                  "does not merge two Mosaic GPU or cuDNN calls, so those providers ran their "

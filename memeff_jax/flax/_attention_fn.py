@@ -46,11 +46,13 @@ def flash_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropou
                        dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                        precision=None, module=None, is_causal=False, *, causal=False,
                        sliding_window=None, segment_ids=None, logit_softcap=None,
-                       implementation=None):
+                       deterministic_backward=True, implementation=None):
   """`attention_fn` for `flax.linen.MultiHeadDotProductAttention` / `flax.nnx.MultiHeadAttention`.
 
   query [..., T, H, D], key/value [..., S, H, D] (flax's layout; leading dims are batch).
-  Keyword-only arguments are ours, to bind with functools.partial.
+  Keyword-only arguments are ours, to bind with functools.partial. flax's `deterministic`
+  turns dropout off; `deterministic_backward` is flash_attention's `deterministic`
+  (bitwise-reproducible gradients; False allows the faster Hopper backward).
   """
   del broadcast_dropout, dropout_rng  # meaningful only with dropout, which raises below
   if bias is not None:
@@ -74,5 +76,6 @@ def flash_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropou
   seg = None if segment_ids is None else jnp.asarray(segment_ids).reshape(-1, t)
   out = flash_attention(flat(query), flat(key), flat(value), causal=causal,
                         sliding_window=sliding_window, q_segment_ids=seg,
-                        logit_softcap=logit_softcap, implementation=implementation)
+                        logit_softcap=logit_softcap, deterministic=deterministic_backward,
+                        implementation=implementation)
   return out.reshape(batch + out.shape[1:])

@@ -306,19 +306,19 @@ def _window(left: int, right: int):
 def _fa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
            causal: bool, scale: float | None, window_left: int, window_right: int,
-           logit_softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+           logit_softcap: float | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
   """(out [B, T, Hq, D], lse [B, T, Hq] float32), BTHD layout."""
   with _on(q):
     out, lse = _fa_fwd(to_jax(q), to_jax(k), to_jax(v), _opt(q_segment_ids),
                        _opt(kv_segment_ids), causal=causal, scale=scale,
                        sliding_window=_window(window_left, window_right),
-                       logit_softcap=logit_softcap)
+                       logit_softcap=logit_softcap, deterministic=deterministic)
   return to_torch(out), to_torch(lse)
 
 
 @_fa_op.register_fake
 def _(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window_left, window_right,
-      logit_softcap):
+      logit_softcap, deterministic):
   return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -327,13 +327,14 @@ def _fa_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
                lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor,
                q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
                causal: bool, scale: float | None, window_left: int, window_right: int,
-               logit_softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               logit_softcap: float | None,
+               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
   with _on(q):
     grads = _fa_bwd(to_jax(q), to_jax(k), to_jax(v), to_jax(out), to_jax(lse),
                     to_jax(d_out), to_jax(d_lse), _opt(q_segment_ids), _opt(kv_segment_ids),
                     causal=causal, scale=scale,
                     sliding_window=_window(window_left, window_right),
-                    logit_softcap=logit_softcap)
+                    logit_softcap=logit_softcap, deterministic=deterministic)
   return tuple(to_torch(g) for g in grads)
 
 
@@ -343,21 +344,25 @@ def _(q, k, v, out, lse, d_out, d_lse, *rest):
   return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "sliding_window",
-                                             "logit_softcap"))
-def _fa_fwd(q, k, v, q_seg, kv_seg, *, causal, scale, sliding_window, logit_softcap):
+_FA_STATIC = ("causal", "scale", "sliding_window", "logit_softcap", "deterministic")
+
+
+@functools.partial(jax.jit, static_argnames=_FA_STATIC)
+def _fa_fwd(q, k, v, q_seg, kv_seg, *, causal, scale, sliding_window, logit_softcap,
+            deterministic):
   return _fa.flash_attention(q, k, v, causal=causal, scale=scale, q_segment_ids=q_seg,
                              kv_segment_ids=kv_seg, sliding_window=sliding_window,
-                             logit_softcap=logit_softcap, return_lse=True)
+                             logit_softcap=logit_softcap, deterministic=deterministic,
+                             return_lse=True)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "sliding_window",
-                                             "logit_softcap"))
+@functools.partial(jax.jit, static_argnames=_FA_STATIC)
 def _fa_bwd(q, k, v, out, lse, d_out, d_lse, q_seg, kv_seg, *, causal, scale, sliding_window,
-            logit_softcap):
+            logit_softcap, deterministic):
   return _fa.flash_attention_backward(
       q, k, v, out, lse, d_out, d_lse, causal=causal, scale=scale, q_segment_ids=q_seg,
-      kv_segment_ids=kv_seg, sliding_window=sliding_window, logit_softcap=logit_softcap)
+      kv_segment_ids=kv_seg, sliding_window=sliding_window, logit_softcap=logit_softcap,
+      deterministic=deterministic)
 
 
 def _fa_setup(ctx, inputs, output):
@@ -374,7 +379,7 @@ def _fa_backward(ctx, d_out, d_lse):
   d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
   dq, dk, dv = _fa_bwd_op(q, k, v, out, lse, d_out.contiguous(), d_lse.contiguous(), q_seg,
                           kv_seg, *ctx.options)
-  return dq, dk, dv, None, None, None, None, None, None, None
+  return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _fa_op.register_autograd(_fa_backward, setup_context=_fa_setup)
@@ -386,14 +391,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                     kv_segment_ids: torch.Tensor | None = None,
                     sliding_window: int | tuple[int, int] | None = None,
                     logit_softcap: float | None = None, return_lse: bool = False,
-                    layout: str = "bthd"):
+                    deterministic: bool = True, layout: str = "bthd"):
   """memeff_jax.flash_attention on torch tensors, with autograd.
 
   layout "bthd": q [B, T, Hq, D], k/v [B, S, Hkv, D] (no copies). "bhtd":
   q [B, Hq, T, D] as F.scaled_dot_product_attention takes it; the tensors are transposed
   into BTHD, which costs one copy each, and the output is returned as a BHTD view. GQA
   (Hq a multiple of Hkv) needs no repeated k/v. Masks mean what they mean in
-  memeff_jax.flash_attention (causal is top-left aligned, as SDPA's is_causal).
+  memeff_jax.flash_attention (causal is top-left aligned, as SDPA's is_causal), and so does
+  `deterministic` (bitwise-reproducible gradients, the default; False allows the faster
+  Hopper backward).
   """
   if layout not in ("bthd", "bhtd"):
     raise ValueError(f"layout must be 'bthd' or 'bhtd', got {layout!r}")
@@ -413,7 +420,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
   out, lse = _fa_op(q.contiguous(), k.contiguous(), v.contiguous(), q_segment_ids,
                     kv_segment_ids, bool(causal), None if scale is None else float(scale),
                     int(left), int(right),
-                    None if logit_softcap is None else float(logit_softcap))
+                    None if logit_softcap is None else float(logit_softcap),
+                    bool(deterministic))
   if layout == "bhtd":
     out, lse = out.transpose(1, 2), lse.transpose(1, 2)
   return (out, lse) if return_lse else out

@@ -141,3 +141,6 @@ def test_attention_fn_refuses_what_it_cannot_do():
   np.testing.assert_allclose(fn(q, q, q), flash_attention(q, q, q, causal=True, sliding_window=2,
                                                           implementation="reference"),
                              rtol=1e-5, atol=1e-6)
+  # flax's `deterministic` is dropout's; the kernel's own reaches flash_attention by its name.
+  with pytest.raises(TypeError, match="deterministic must be a bool"):
+    mlinen.flash_attention_fn(q, q, q, deterministic=True, deterministic_backward="no")

@@ -22,6 +22,7 @@ class AttentionOptions:
   mask: MaskSpec
   scale: float
   logit_softcap: float | None = None
+  deterministic: bool = True  # the backward must give bitwise-identical gradients every run
 
 
 class Residuals(NamedTuple):

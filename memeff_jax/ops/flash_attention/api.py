@@ -7,6 +7,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention._common import AttentionOptions
@@ -42,7 +43,7 @@ def _default() -> tuple[str, ...]:
 
 
 def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_window,
-             logit_softcap):
+             logit_softcap, deterministic):
   """Checks every argument; returns (AttentionOptions, q_segment_ids, kv_segment_ids)."""
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   for name, a in (("q", q), ("k", k), ("v", v)):
@@ -86,6 +87,8 @@ def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_w
   if logit_softcap is not None and (not isinstance(logit_softcap, numbers.Real)
                                     or logit_softcap <= 0):
     raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap!r}")
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   elif not isinstance(scale, numbers.Real):
@@ -94,7 +97,8 @@ def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_w
   opts = AttentionOptions(
       mask=MaskSpec.make(bool(causal), sliding_window, q_segment_ids is not None),
       scale=float(scale),
-      logit_softcap=None if logit_softcap is None else float(logit_softcap))
+      logit_softcap=None if logit_softcap is None else float(logit_softcap),
+      deterministic=bool(deterministic))
   return opts, q_segment_ids, kv_segment_ids
 
 
@@ -110,6 +114,7 @@ def flash_attention(
     sliding_window: int | tuple[int, int] | None = None,
     logit_softcap: float | None = None,
     return_lse: bool = False,
+    deterministic: bool = True,
     implementation=None,
 ):
   """Scaled dot-product attention without the [T, S] score matrix.
@@ -130,6 +135,12 @@ def flash_attention(
     scale: default 1/sqrt(D).
     logit_softcap: optional c > 0 (Gemma 2).
     return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
+    deterministic: the backward gives bitwise-identical gradients on every run (the
+      default). pallas_mosaic_gpu's one-pass backward adds dq (and, for GQA with
+      gqa_per_query_head, dk and dv) into float32 buffers by TMA reductions in whatever
+      order the CTAs arrive, so it runs only with deterministic=False; with True its
+      forward is paired with pallas_triton's dq and dk/dv kernels. Every other
+      implementation is deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
       serves the call (Hopper, bf16/f16, D 64/128/192/256, T and S multiples of 128), then
       "pallas_triton", then "chunked_xla"), a name, an implementation object or a sequence
@@ -153,7 +164,7 @@ def flash_attention(
   opts, q_segment_ids, kv_segment_ids = _prepare(
       q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
-      logit_softcap=logit_softcap)
+      logit_softcap=logit_softcap, deterministic=deterministic)
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   out, lse = _dispatch.first_that_serves(
       _dispatch.resolve(implementation, IMPLEMENTATIONS, _default()),
@@ -165,7 +176,7 @@ def flash_attention(
 
 def flash_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, causal=False, scale=None,
                              q_segment_ids=None, kv_segment_ids=None, sliding_window=None,
-                             logit_softcap=None, implementation=None):
+                             logit_softcap=None, deterministic=True, implementation=None):
   """(dq, dk, dv) of flash_attention from its saved output and log-sum-exp.
 
   For callers that keep their own residuals (the PyTorch bridge): out [B, T, Hq, D] and
@@ -176,7 +187,7 @@ def flash_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, causal=Fal
   opts, q_segment_ids, kv_segment_ids = _prepare(
       q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
-      logit_softcap=logit_softcap)
+      logit_softcap=logit_softcap, deterministic=deterministic)
   lse = jnp.moveaxis(jnp.asarray(lse, jnp.float32), 2, 1)  # public [B, T, H] -> [B, H, T]
   d_lse = jnp.zeros_like(lse) if d_lse is None else jnp.moveaxis(
       jnp.asarray(d_lse, jnp.float32), 2, 1)

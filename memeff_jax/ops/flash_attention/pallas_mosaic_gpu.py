@@ -26,8 +26,9 @@ without compute. A row that sees no key ends with output 0 and log-sum-exp -inf.
 Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of
 block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anything else raises NotImplementedError with the reason, and
 `implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's
-one-pass kernel where it serves the call (D 64, 128 and 256), else pallas_triton's dq and dk/dv
-kernels; both run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
+one-pass kernel for calls with deterministic=False where it serves them (D 64, 128 and 256;
+it sums dq by TMA reductions in arrival order), else pallas_triton's dq and dk/dv kernels
+(deterministic); both run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
 Mosaic GPU interpreter cannot run `plgpu.kernel` meshes.
 """
 
@@ -399,6 +400,11 @@ class PallasMosaicGpu:
   pallas_triton.BlockConfig runs pallas_triton's dq and dk/dv kernels, and None runs the
   Mosaic backward (tiles from MosaicBackwardConfig.tuned) where it serves the call (D 64,
   128 and 256) and pallas_triton's elsewhere.
+
+  The Mosaic backward sums dq over key blocks by TMA reductions in the order the CTAs
+  arrive, which is not bitwise reproducible: it runs only for calls with
+  deterministic=False. With deterministic=True (flash_attention's default) None means
+  pallas_triton's backward, and a MosaicBackwardConfig raises.
   """
 
   config: MosaicConfig | None = None
@@ -419,7 +425,12 @@ class PallasMosaicGpu:
     if why is not None:
       raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
     bwd = self.backward_config
-    if bwd is None or isinstance(bwd, MosaicBackwardConfig):
+    if opts.deterministic and isinstance(bwd, MosaicBackwardConfig):
+      raise NotImplementedError(
+          "pallas_mosaic_gpu: the Mosaic backward (backward_config=MosaicBackwardConfig) adds "
+          "dq by TMA reductions in arrival order and is not deterministic; call "
+          "flash_attention with deterministic=False to run it")
+    if not opts.deterministic and (bwd is None or isinstance(bwd, MosaicBackwardConfig)):
       mosaic = bwd or MosaicBackwardConfig.tuned(q.shape[-1], opts.mask.is_causal,
                                                  gqa=q.shape[2] > k.shape[2])
       why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)

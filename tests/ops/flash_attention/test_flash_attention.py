@@ -64,6 +64,7 @@ def run(impl, q, k, v, seg, ct, options):
 
 class _FlashAttentionTest:
   impl = None
+  extra = {}  # options every call of the suite adds (e.g. deterministic=False)
   dtypes = (jnp.float32, jnp.bfloat16)
   # Odd shapes: T ≠ S, neither a block multiple; D = 96 (padded to 128 in tiles); GQA 4:1.
   shape = dict(b=2, t=100, s=153, hq=4, hkv=1, d=96)
@@ -74,7 +75,7 @@ class _FlashAttentionTest:
     for i, dtype in enumerate(self.dtypes):
       q, k, v, seg, ct = make_problem(jax.random.key(i), **self.shape, dtype=dtype,
                                       segments=options.get("segments", False))
-      out, lse, grads = run(self.impl, q, k, v, seg, ct, options)
+      out, lse, grads = run(self.impl, q, k, v, seg, ct, {**self.extra, **options})
       up = lambda x: x.astype(jnp.float32)
       r_out, r_lse, r_grads = run("reference", up(q), up(k), up(v), seg, ct, options)
       tol = TOL[dtype]
@@ -96,7 +97,7 @@ class _FlashAttentionTest:
     q_seg = jnp.where(jnp.arange(t) < 30, 0, 7)[None]  # id 7 has no key
     kv_seg = jnp.zeros((1, s), jnp.int32)
     opts = dict(sliding_window=(0, 0))  # causal with window 0 → sees itself only
-    out, lse, grads = run(self.impl, q, k, v, (q_seg, kv_seg), ct, opts)
+    out, lse, grads = run(self.impl, q, k, v, (q_seg, kv_seg), ct, {**self.extra, **opts})
     assert np.all(np.asarray(out)[0, 30:] == 0.0)
     assert np.all(np.isneginf(np.asarray(lse)[0, 30:]))
     for g in grads:
@@ -109,7 +110,7 @@ class _FlashAttentionTest:
   def test_matches_jax_nn(self):
     q, k, v, _, _ = make_problem(jax.random.key(4), 2, 64, 64, 4, 2, 64, jnp.float32)
     for causal in (False, True):
-      got = flash_attention(q, k, v, causal=causal, implementation=self.impl)
+      got = flash_attention(q, k, v, causal=causal, implementation=self.impl, **self.extra)
       want = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
       assert rel_err(got, want) < 2e-5
 

@@ -60,6 +60,36 @@ def test_explicit_mosaic_on_cpu_says_why():
     flash_attention(q, q, q, implementation="pallas_mosaic_gpu")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_deterministic_calls_get_the_triton_backward(monkeypatch, causal, hkv):
+  """The Mosaic backward sums dq in arrival order: only deterministic=False may run it."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
+  monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
+  k = jax.ShapeDtypeStruct((1, 256, hkv, 128), BF16)
+  det = _opts(causal)
+  fast = dataclasses.replace(det, deterministic=False)
+  assert det.deterministic  # the default
+  st = PallasMosaicGpu()._static(q, k, det)  # pylint: disable=protected-access
+  assert st.backward is None and st.triton is not None
+  st = PallasMosaicGpu()._static(q, k, fast)  # pylint: disable=protected-access
+  assert isinstance(st.backward, mb.MosaicBackwardConfig) and st.triton is None
+  explicit = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig())
+  assert explicit._static(q, k, fast).backward == mb.MosaicBackwardConfig()  # pylint: disable=protected-access
+  with pytest.raises(NotImplementedError, match="deterministic=False"):
+    explicit._static(q, k, det)  # pylint: disable=protected-access
+  triton = PallasMosaicGpu(backward_config=pallas_triton.default_config(128))
+  for opts in (det, fast):  # a Triton backward asked for is deterministic either way
+    assert triton._static(q, k, opts).triton is not None  # pylint: disable=protected-access
+
+
+def test_deterministic_must_be_a_bool():
+  q = jnp.ones((1, 64, 2, 32))
+  with pytest.raises(TypeError, match="deterministic must be a bool"):
+    flash_attention(q, q, q, deterministic="yes")
+
+
 def _segment_structs(segments, t, s):
   if not segments:
     return None, None
@@ -231,7 +261,7 @@ class TestMosaicGpu:
   def test_mosaic_backward_matches_reference(self, backward, causal, b, t, s, hq, hkv):
     impl = PallasMosaicGpu(backward_config=backward)
     q, k, v, _, ct = make_problem(jax.random.key(t + 3 * s + hq), b, t, s, hq, hkv, 128, BF16)
-    out, lse, grads = run(impl, q, k, v, None, ct, dict(causal=causal))
+    out, lse, grads = run(impl, q, k, v, None, ct, dict(causal=causal, deterministic=False))
     up = lambda x: x.astype(jnp.float32)
     _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
     for name, g, rg in zip("qkv", grads, r_grads):
@@ -249,7 +279,7 @@ class TestMosaicGpu:
     """D = 256: each compute warpgroup owns half of the columns of dK, dV and dQ."""
     impl = PallasMosaicGpu(config=MosaicConfig(block_kv=64), backward_config=backward)
     q, k, v, _, ct = make_problem(jax.random.key(t + s + hq), b, t, s, hq, hkv, 256, BF16)
-    _, _, grads = run(impl, q, k, v, None, ct, dict(causal=causal))
+    _, _, grads = run(impl, q, k, v, None, ct, dict(causal=causal, deterministic=False))
     up = lambda x: x.astype(jnp.float32)
     _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
     for name, g, rg in zip("qkv", grads, r_grads):
@@ -262,7 +292,8 @@ class TestMosaicGpu:
     g_lse = jax.random.normal(jax.random.key(12), (2, 256, 4), jnp.float32)  # lse is [B, T, H]
 
     def loss(impl, q, k, v):
-      out, lse = flash_attention(q, k, v, causal=True, return_lse=True, implementation=impl)
+      out, lse = flash_attention(q, k, v, causal=True, return_lse=True, implementation=impl,
+                                 deterministic=False)
       return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(lse * g_lse)
 
     impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(dq_split=False))
@@ -279,13 +310,15 @@ class TestMosaicGpu:
     """Gemma-style logit softcap, small enough (cap 2) that the tanh saturates for many scores."""
     q, k, v, _, ct = make_problem(jax.random.key(d + causal), 1, 256, 384, 4, 2, d, BF16)
     opts = dict(causal=causal, logit_softcap=2.0)
-    out, lse, grads = run(PallasMosaicGpu(), q, k, v, None, ct, opts)
     up = lambda x: x.astype(jnp.float32)
     r_out, r_lse, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
-    assert rel_err(out, r_out) < 3e-2
-    assert rel_err(lse, r_lse) < 1e-3
-    for g, rg in zip(grads, r_grads):
-      assert rel_err(g, rg) < 3e-2
+    for deterministic in (True, False):
+      out, lse, grads = run(PallasMosaicGpu(), q, k, v, None, ct,
+                            dict(opts, deterministic=deterministic))
+      assert rel_err(out, r_out) < 3e-2
+      assert rel_err(lse, r_lse) < 1e-3
+      for g, rg in zip(grads, r_grads):
+        assert rel_err(g, rg) < 3e-2
 
   def test_triton_backward_on_request(self):
     """A pallas_triton BlockConfig runs the Triton dq and dk/dv kernels instead."""
@@ -300,6 +333,18 @@ class TestMosaicGpu:
     _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=True))
     for g, rg in zip(grads, r_grads):
       assert rel_err(g, rg) < 3e-2
+
+  @pytest.mark.parametrize("causal", [False, True])
+  def test_default_backward_is_bitwise_reproducible(self, causal):
+    """deterministic=True (the default): repeated backward passes give identical bits. Many
+    key blocks per query row, so that a reduction in arrival order would show."""
+    q, k, v, _, ct = make_problem(jax.random.key(21), 2, 1024, 2048, 8, 2, 128, BF16)
+    f = lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    step = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](ct.astype(BF16)))
+    first = step(q, k, v)
+    for _ in range(3):
+      for g, h in zip(first, step(q, k, v)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
 
   def test_default_picks_mosaic_where_it_serves(self):
     q = jnp.ones((1, 256, 4, 128), BF16)
@@ -328,6 +373,7 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
   Mosaic backward with dq_split or ping-pong; GQA 4:1; T ≠ S)."""
 
   impl = PallasMosaicGpu()
+  extra = dict(deterministic=False)
   dtypes = (jnp.bfloat16, jnp.float16)
   shape = dict(b=2, t=512, s=768, hq=8, hkv=2, d=128)
 
@@ -340,7 +386,7 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
     cases = [(dict(sliding_window=(5, 2)), (q_seg, kv_seg), slice(200, None)),
              (dict(sliding_window=(2, 2)), None, slice(s + 2, None))]
     for opts, seg, empty in cases:
-      out, lse, grads = run(self.impl, q, k, v, seg, ct, opts)
+      out, lse, grads = run(self.impl, q, k, v, seg, ct, {**self.extra, **opts})
       r_out, r_lse, r_grads = run("reference", *(x.astype(jnp.float32) for x in (q, k, v)), seg,
                                   ct, opts)
       assert np.all(np.asarray(out, np.float32)[0, empty] == 0.0)
@@ -356,7 +402,7 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
     for causal in (False, True):
       for window in (None, (70, 0), (40, 90)):
         got = flash_attention(q, k, v, causal=causal, sliding_window=window,
-                              implementation=self.impl)
+                              implementation=self.impl, **self.extra)
         want = jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window)
         assert rel_err(got, want) < 1e-2
 
@@ -368,7 +414,7 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
     seg = (jax.random.randint(jax.random.key(9), (b, t), 0, 3),
            jax.random.randint(jax.random.key(10), (b, s), 0, 3))
     opts = dict(causal=causal)
-    out, lse, grads = run(self.impl, q, k, v, seg, ct, opts)
+    out, lse, grads = run(self.impl, q, k, v, seg, ct, {**self.extra, **opts})
     r_out, r_lse, r_grads = run("reference", *(x.astype(jnp.float32) for x in (q, k, v)), seg, ct,
                                 opts)
     assert rel_err(out, r_out) < 3e-2
@@ -379,9 +425,12 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
   def test_packed_documents_take_the_mosaic_kernels(self):
     q = jnp.ones((1, 256, 4, self.shape["d"]), BF16)
     seg = jnp.repeat(jnp.arange(4), 64)[None]
-    f = lambda q: flash_attention(q, q, q, causal=True, sliding_window=100, q_segment_ids=seg)
-    text = jax.jit(jax.grad(lambda q: f(q).astype(jnp.float32).sum())).lower(q).as_text()
-    assert "flash_attention_fwd_mosaic" in text and "flash_attention_bwd_mosaic" in text
+    for deterministic, backward in ((False, "flash_attention_bwd_mosaic"),
+                                    (True, "flash_attention_dq")):
+      f = lambda q, d=deterministic: flash_attention(q, q, q, causal=True, sliding_window=100,
+                                                     q_segment_ids=seg, deterministic=d)
+      text = jax.jit(jax.grad(lambda q, f=f: f(q).astype(jnp.float32).sum())).lower(q).as_text()
+      assert "flash_attention_fwd_mosaic" in text and backward in text
 
 
 @pytest.mark.gpu
