@@ -85,6 +85,9 @@ class MosaicBackwardConfig:
       columns of dK, dV and dQ; both compute the whole Sᵀ and dPᵀ (7 matmul units of
       64·64·D/2 per warpgroup against 5 of 64·64·D). It keeps dK and dV in registers at
       D = 256, where 64 keys of full width do not fit.
+    with_dq: False computes dK and dV only (four matmuls per step, no float32 dq, no
+      reductions): each key block has one CTA, so the result is deterministic, and dq comes
+      from elsewhere (pallas_mosaic_gpu's deterministic backward: pallas_triton's dq kernel).
   """
 
   stages: int = 2
@@ -92,6 +95,7 @@ class MosaicBackwardConfig:
   pingpong: bool = False
   gqa_per_query_head: bool = False
   column_split: bool = False
+  with_dq: bool = True
 
   def cta_keys(self) -> int:
     return BLOCK_KV if self.column_split else 2 * BLOCK_KV
@@ -139,6 +143,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return "pingpong and dq_split exclude each other"
   if config.dq_split and config.gqa_per_query_head:
     return "gqa_per_query_head and dq_split exclude each other"
+  if not config.with_dq and (config.dq_split or config.gqa_per_query_head):
+    return "with_dq=False excludes dq_split and gqa_per_query_head"
   if config.stages < 1:
     return f"needs at least one stage, got {config}"
   if t % BLOCK_Q:
@@ -286,6 +292,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
       plgpu.barrier_arrive(do_free.at[slot])
       plgpu.barrier_arrive(q_free.at[slot])
+      if not config.with_dq:
+        return dk, dv
 
       ds_buf = ds_smem.at[_mosaic.rem(i, _ds_buffers(config))]
       ds_mine = ds_buf.at[pl.ds(wg * bkv, bkv)]  # with column_split, both hold the same dSᵀ
@@ -388,8 +396,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
 
 
 def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.Residuals,
-             cts):
-  """(dq, dk, dv, None, None) from the saved residuals and the output cotangents."""
+             cts, delta=None):
+  """(dq, dk, dv, None, None) from the saved residuals and the output cotangents; dq is None
+  with config.with_dq=False. `delta`: rowsum(dO ∘ O) − d_lse if the caller has it."""
   d_out, d_lse = cts
   q, k, v = res.q, res.k, res.v
   b, t, hq, d = q.shape
@@ -399,7 +408,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   lse2 = res.lse * _LOG2E
   if not (mask.is_dense or mask.is_causal):  # a query that sees no key: P = 2^(-inf - 0) = 0
     lse2 = jnp.where(res.lse == -jnp.inf, 0.0, lse2)
-  stats = jnp.stack([lse2, _common.softmax_delta(res.out, d_out, d_lse)], axis=2)  # [B, Hq, 2, T]
+  if delta is None:
+    delta = _common.softmax_delta(res.out, d_out, d_lse)
+  stats = jnp.stack([lse2, delta], axis=2)  # [B, Hq, 2, T]
   if mask.segments:
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
     ranges = _mosaic.segment_block_ranges(kv_seg, q_seg, config.cta_keys(), bq)
@@ -408,7 +419,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                    plgpu.Barrier(), plgpu.Barrier(num_barriers=stages))
   else:
     seg_args, seg_scratch = (), ()
-  dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+  dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),) if config.with_dq else ()
   per_query_head = config.gqa_per_query_head and hq > hkv
   if per_query_head:  # dK and dV gather the group's query heads by TMA reductions too
     dkv_acc = (jax.new_ref(jnp.zeros(k.shape, jnp.float32)),
@@ -421,7 +432,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   dq_cols = config.dq_cols(d)
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
-    seg_refs, (dq_ref, dk_ref, dv_ref) = (refs[:3], refs[3:]) if mask.segments else (None, refs)
+    seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
+    dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
     def kernel(*scratch):
       main, extra = scratch[:16], scratch[16:]
@@ -460,8 +472,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       compiler_params=plgpu.CompilerParams(approx_math=True),
       cost_estimate=_common.cost_estimate(opts, q, k, 5),
       name="flash_attention_bwd_mosaic",
-  )(q, k, v, d_out, stats, *seg_args, dq_acc, *dkv_acc)
-  dq = (dq_acc[...] * opts.scale).astype(q.dtype)
+  )(q, k, v, d_out, stats, *seg_args, *dq_acc, *dkv_acc)
+  dq = (dq_acc[0][...] * opts.scale).astype(q.dtype) if config.with_dq else None
   if per_query_head:
     dkv = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)
   return dq, *dkv, None, None

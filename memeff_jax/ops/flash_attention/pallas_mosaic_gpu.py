@@ -26,9 +26,10 @@ without compute. A row that sees no key ends with output 0 and log-sum-exp -inf.
 Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of
 block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anything else raises NotImplementedError with the reason, and
 `implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's
-one-pass kernel for calls with deterministic=False where it serves them (D 64, 128 and 256;
-it sums dq by TMA reductions in arrival order), else pallas_triton's dq and dk/dv kernels
-(deterministic); both run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
+one-pass kernel where it serves the call (D 64, 128 and 256): whole for calls with
+deterministic=False (it sums dq by TMA reductions in arrival order), for dK and dV alone with
+pallas_triton's dq kernel beside it otherwise; else pallas_triton's dq and dk/dv kernels. All
+run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
 Mosaic GPU interpreter cannot run `plgpu.kernel` meshes.
 """
 
@@ -363,17 +364,27 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
 
 
 def _backward(st: "_Static", res, cts):
-  if st.triton is not None:
+  if st.backward is None:
     return pallas_triton._bwd(st.triton, res, cts)  # pylint: disable=protected-access
-  return mosaic_gpu_backward.backward(st.opts, st.backward, res, cts)
+  if st.triton is None:
+    return mosaic_gpu_backward.backward(st.opts, st.backward, res, cts)
+  # Deterministic: dK and dV from the Mosaic kernel (one CTA per key block), dq from
+  # pallas_triton's dq kernel (one program per query block), sharing Δ.
+  d_out, d_lse = cts
+  delta = _common.softmax_delta(res.out, d_out, d_lse)
+  _, dk, dv, _, _ = mosaic_gpu_backward.backward(st.opts, st.backward, res, cts, delta=delta)
+  return pallas_triton.dq_pass(st.triton, res, d_out, delta), dk, dv, None, None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
   opts: AttentionOptions
   config: MosaicConfig
-  backward: MosaicBackwardConfig | None  # set when the Mosaic backward runs,
-  triton: pallas_triton._Static | None  # pylint: disable=protected-access  else this one
+  # The backward: the Mosaic kernel (backward alone), pallas_triton's kernels (triton
+  # alone), or, both set, the Mosaic kernel for dK and dV (with_dq=False) and pallas_triton's
+  # for dq.
+  backward: MosaicBackwardConfig | None
+  triton: pallas_triton._Static | None  # pylint: disable=protected-access
 
 
 _attention = _common.attention_vjp(_forward, _backward)
@@ -402,9 +413,11 @@ class PallasMosaicGpu:
   128 and 256) and pallas_triton's elsewhere.
 
   The Mosaic backward sums dq over key blocks by TMA reductions in the order the CTAs
-  arrive, which is not bitwise reproducible: it runs only for calls with
-  deterministic=False. With deterministic=True (flash_attention's default) None means
-  pallas_triton's backward, and a MosaicBackwardConfig raises.
+  arrive, which is not bitwise reproducible: it runs whole only for calls with
+  deterministic=False. With deterministic=True (flash_attention's default), None means the
+  Mosaic kernel for dK and dV alone (`with_dq=False`: one CTA per key block, no reductions)
+  and pallas_triton's dq kernel beside it; a MosaicBackwardConfig must then have
+  with_dq=False.
   """
 
   config: MosaicConfig | None = None
@@ -425,17 +438,24 @@ class PallasMosaicGpu:
     if why is not None:
       raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
     bwd = self.backward_config
-    if opts.deterministic and isinstance(bwd, MosaicBackwardConfig):
+    det = opts.deterministic
+    if det and isinstance(bwd, MosaicBackwardConfig) and bwd.with_dq:
       raise NotImplementedError(
-          "pallas_mosaic_gpu: the Mosaic backward (backward_config=MosaicBackwardConfig) adds "
-          "dq by TMA reductions in arrival order and is not deterministic; call "
-          "flash_attention with deterministic=False to run it")
-    if not opts.deterministic and (bwd is None or isinstance(bwd, MosaicBackwardConfig)):
-      mosaic = bwd or MosaicBackwardConfig.tuned(q.shape[-1], opts.mask.is_causal,
-                                                 gqa=q.shape[2] > k.shape[2])
+          "pallas_mosaic_gpu: the Mosaic backward with dq (backward_config="
+          "MosaicBackwardConfig(with_dq=True)) adds dq by TMA reductions in arrival order and "
+          "is not deterministic; call flash_attention with deterministic=False to run it")
+    if bwd is None or isinstance(bwd, MosaicBackwardConfig):
+      mosaic = bwd
+      if mosaic is None:
+        mosaic = MosaicBackwardConfig.tuned(q.shape[-1], opts.mask.is_causal,
+                                            gqa=q.shape[2] > k.shape[2])
+        if det:  # dK and dV only: no reductions
+          mosaic = dataclasses.replace(mosaic, dq_split=False, gqa_per_query_head=False,
+                                       with_dq=False)
       why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
       if why is None:
-        return _Static(opts, config, mosaic, None)
+        dq = pallas_triton.PallasTriton()._static(q, opts) if not mosaic.with_dq else None  # pylint: disable=protected-access
+        return _Static(opts, config, mosaic, dq)
       if bwd is not None:
         raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
       bwd = None  # the Triton backward's own choice of tiles

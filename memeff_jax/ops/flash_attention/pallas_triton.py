@@ -310,15 +310,18 @@ def _forward(st: _Static, q, k, v, q_seg, kv_seg):
 
 def _bwd(st: _Static, res: Residuals, cts):
   d_out, d_lse = cts
+  delta = _common.softmax_delta(res.out, d_out, d_lse)  # one XLA fusion
+  return dq_pass(st, res, d_out, delta), *_dkv_pass(st, res, d_out, delta), None, None
+
+
+def dq_pass(st: _Static, res: Residuals, d_out, delta):
+  """dq alone: one program per (query block, batch, query head), recomputing P and dP."""
   q, k, v = res.q, res.k, res.v
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   g, dp, cfg = hq // hkv, pl.next_power_of_2(d), st.config
-  delta = _common.softmax_delta(res.out, d_out, d_lse)  # one XLA fusion
   has_seg = res.q_segment_ids is not None
   segs = (res.q_segment_ids, res.kv_segment_ids) if has_seg else ()
-
-  # dq: grid over (query block, batch, query head).
   seq = lambda n: pl.BlockSpec((None, n, None, dp), lambda i, bb, h: (bb, 0, h, 0))
   kv = pl.BlockSpec((None, s, None, dp), lambda i, bb, h: (bb, 0, h // g, 0))
   row = pl.BlockSpec((None, None, t), lambda i, bb, h: (bb, h, 0))
@@ -330,12 +333,21 @@ def _bwd(st: _Static, res: Residuals, cts):
     _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *seg_refs, dq_ref,
                st=st, t=t, s=s, d=d)
 
-  dq = _call(dq_kernel, st, (pl.cdiv(t, cfg.bwd_block_q), b, hq),
-             [seq(t), kv, kv, seq(t), row, row] + ([seg(t), seg(s)] if has_seg else []),
-             seq(t), jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq",
-             cfg.bwd_num_warps, cfg.bwd_num_stages, _common.cost_estimate(st.opts, q, k, 3))(q, k, v, d_out, res.lse, delta, *segs)
+  return _call(dq_kernel, st, (pl.cdiv(t, cfg.bwd_block_q), b, hq),
+               [seq(t), kv, kv, seq(t), row, row] + ([seg(t), seg(s)] if has_seg else []),
+               seq(t), jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq",
+               cfg.bwd_num_warps, cfg.bwd_num_stages, _common.cost_estimate(st.opts, q, k, 3))(
+                   q, k, v, d_out, res.lse, delta, *segs)
 
-  # dk, dv: grid over (key block, batch, key head); loops over the G query heads.
+
+def _dkv_pass(st: _Static, res: Residuals, d_out, delta):
+  """(dk, dv): one program per (key block, batch, key head), looping over the G query heads."""
+  q, k = res.q, res.k
+  t, hq, d = q.shape[1:]
+  s, hkv = k.shape[1], k.shape[2]
+  g, dp, cfg = hq // hkv, pl.next_power_of_2(d), st.config
+  has_seg = res.q_segment_ids is not None
+  segs = (res.q_segment_ids, res.kv_segment_ids) if has_seg else ()
   group = pl.BlockSpec((None, t, g, dp), lambda j, bb, h: (bb, 0, h, 0))
   kv2 = pl.BlockSpec((None, s, None, dp), lambda j, bb, h: (bb, 0, h, 0))
   rows = pl.BlockSpec((None, g, t), lambda j, bb, h: (bb, h, 0))
@@ -347,13 +359,12 @@ def _bwd(st: _Static, res: Residuals, cts):
     _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *seg_refs, dk_ref, dv_ref,
                 st=st, t=t, s=s, d=d, groups=g)
 
-  dk, dv = _call(dkv_kernel, st, (pl.cdiv(s, cfg.bwd_block_k), b, hkv),
-                 [group, kv2, kv2, group, rows, rows] + ([seg2(t), seg2(s)] if has_seg else []),
-                 [kv2, kv2], [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
-                 "flash_attention_dkv", cfg.bwd_num_warps, cfg.bwd_num_stages,
-                 _common.cost_estimate(st.opts, q, k, 4))(
-                     q, k, v, d_out, res.lse, delta, *segs)
-  return dq, dk, dv, None, None
+  return _call(dkv_kernel, st, (pl.cdiv(s, cfg.bwd_block_k), q.shape[0], hkv),
+               [group, kv2, kv2, group, rows, rows] + ([seg2(t), seg2(s)] if has_seg else []),
+               [kv2, kv2], [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
+               "flash_attention_dkv", cfg.bwd_num_warps, cfg.bwd_num_stages,
+               _common.cost_estimate(st.opts, q, k, 4))(
+                   q, k, res.v, d_out, res.lse, delta, *segs)
 
 
 _attention = _common.attention_vjp(_forward, _bwd)

@@ -62,8 +62,9 @@ def test_explicit_mosaic_on_cpu_says_why():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [4, 1])
-def test_deterministic_calls_get_the_triton_backward(monkeypatch, causal, hkv):
-  """The Mosaic backward sums dq in arrival order: only deterministic=False may run it."""
+def test_deterministic_calls_take_dq_from_triton(monkeypatch, causal, hkv):
+  """The Mosaic backward sums dq in arrival order: only deterministic=False may run it whole;
+  deterministic calls get dK, dV from it (with_dq=False) and dq from pallas_triton."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
   monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
@@ -72,13 +73,22 @@ def test_deterministic_calls_get_the_triton_backward(monkeypatch, causal, hkv):
   fast = dataclasses.replace(det, deterministic=False)
   assert det.deterministic  # the default
   st = PallasMosaicGpu()._static(q, k, det)  # pylint: disable=protected-access
-  assert st.backward is None and st.triton is not None
+  assert not st.backward.with_dq and not st.backward.gqa_per_query_head
+  assert st.triton is not None
   st = PallasMosaicGpu()._static(q, k, fast)  # pylint: disable=protected-access
-  assert isinstance(st.backward, mb.MosaicBackwardConfig) and st.triton is None
+  assert st.backward.with_dq and st.triton is None
   explicit = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig())
   assert explicit._static(q, k, fast).backward == mb.MosaicBackwardConfig()  # pylint: disable=protected-access
   with pytest.raises(NotImplementedError, match="deterministic=False"):
     explicit._static(q, k, det)  # pylint: disable=protected-access
+  dkv_only = mb.MosaicBackwardConfig(dq_split=False, pingpong=True, with_dq=False)
+  st = PallasMosaicGpu(backward_config=dkv_only)._static(q, k, det)  # pylint: disable=protected-access
+  assert st.backward == dkv_only and st.triton is not None
+  # The pair lowers for CUDA: the Mosaic dK/dV kernel and the Triton dq kernel.
+  res = Residuals(q, k, k, None, None, q, jax.ShapeDtypeStruct((1, 4, 256), jnp.float32))
+  bwd = lambda res, d_out, d_lse: pm._backward(st, res, (d_out, d_lse))[:3]  # pylint: disable=protected-access
+  text = jax.jit(bwd).trace(res, q, res.lse).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flash_attention_bwd_mosaic" in text and "flash_attention_dq" in text
   triton = PallasMosaicGpu(backward_config=pallas_triton.default_config(128))
   for opts in (det, fast):  # a Triton backward asked for is deterministic either way
     assert triton._static(q, k, opts).triton is not None  # pylint: disable=protected-access
