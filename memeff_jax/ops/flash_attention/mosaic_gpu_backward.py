@@ -470,7 +470,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                       grid_names=("b", "h", "kv"),
                       num_threads=3, thread_name="wg"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      cost_estimate=_common.cost_estimate(opts, q, k, 5),
+      cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
   )(q, k, v, d_out, stats, *seg_args, *dq_acc, *dkv_acc)
   dq = (dq_acc[0][...] * opts.scale).astype(q.dtype) if config.with_dq else None

@@ -454,8 +454,9 @@ class PallasMosaicGpu:
                                        with_dq=False)
       why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
       if why is None:
-        dq = pallas_triton.PallasTriton()._static(q, opts) if not mosaic.with_dq else None  # pylint: disable=protected-access
-        return _Static(opts, config, mosaic, dq)
+        # Without dq in the Mosaic kernel, pallas_triton's dq kernel computes it.
+        dq_kernel = None if mosaic.with_dq else pallas_triton.PallasTriton()._static(q, opts)  # pylint: disable=protected-access
+        return _Static(opts, config, mosaic, dq_kernel)
       if bwd is not None:
         raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
       bwd = None  # the Triton backward's own choice of tiles

@@ -89,6 +89,10 @@ def test_deterministic_calls_take_dq_from_triton(monkeypatch, causal, hkv):
   bwd = lambda res, d_out, d_lse: pm._backward(st, res, (d_out, d_lse))[:3]  # pylint: disable=protected-access
   text = jax.jit(bwd).trace(res, q, res.lse).lower(lowering_platforms=("cuda",)).as_text()
   assert "flash_attention_bwd_mosaic" in text and "flash_attention_dq" in text
+  # remat.fit counts 4 matmuls for the dK/dV kernel and 3 for the dq kernel.
+  from memeff_jax.remat import flops  # pylint: disable=import-outside-toplevel
+  pairs = det.mask.visible_pairs(256, 256)
+  assert flops.jaxpr_flops(jax.make_jaxpr(bwd)(res, q, res.lse)) == 2 * 7 * 4 * pairs * 128
   triton = PallasMosaicGpu(backward_config=pallas_triton.default_config(128))
   for opts in (det, fast):  # a Triton backward asked for is deterministic either way
     assert triton._static(q, k, opts).triton is not None  # pylint: disable=protected-access
