@@ -6,6 +6,7 @@ from memeff_jax.ops.flash_attention.api import IMPLEMENTATIONS
 from memeff_jax.ops.flash_attention.chunked_xla import ChunkedXla
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 from memeff_jax.ops.flash_attention.mosaic_gpu_backward import MosaicBackwardConfig
+from memeff_jax.ops.flash_attention.mosaic_gpu_dq import MosaicDqConfig
 from memeff_jax.ops.flash_attention.pallas_mosaic_gpu import MosaicConfig
 from memeff_jax.ops.flash_attention.pallas_mosaic_gpu import PallasMosaicGpu
 from memeff_jax.ops.flash_attention.pallas_triton import PallasTriton

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax.numpy as jnp
 from jax import lax
@@ -22,6 +23,19 @@ def dtype_error(dtype) -> str | None:
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
   return None
+
+
+def load(ref, layout):
+  """A whole shared-memory ref into registers with `layout`. jax 0.11 deprecates the index
+  argument of plgpu.load that 0.10 requires."""
+  if _LOAD_TAKES_INDEX:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
+_LOAD_TAKES_INDEX = plgpu is not None and getattr(
+    inspect.signature(plgpu.load).parameters.get("idx"), "default", None
+) is inspect.Parameter.empty
 
 
 def swizzled_tiles():
@@ -130,3 +144,62 @@ def visible(mask, shape, key_axis: int, key_minus_query, row_ids=None, col_ids=N
     ok = both(ok, lax.broadcast_in_dim(row_ids, shape, [0])
               == lax.broadcast_in_dim(col_ids, shape, [1]))
   return ok
+
+
+def query_cta_key_blocks(mask, ranges_ref, b, qi, block_q: int, block_kv: int, n_blocks: int):
+  """The key blocks a CTA of two query blocks (rows qi·2·block_q ..) visits, for kernels that
+  stream keys past resident queries (the forward, the dq kernel).
+
+  Returns (per_block, cta_lo, cta_hi): per_block[w] = (lo, hi, full_lo, full_hi) for query
+  block w, which sees key blocks [lo, hi) in part and [full_lo, full_hi) whole (with segment
+  ids every block is masked); the CTA streams [cta_lo, cta_hi), the union of the two (an
+  empty range adds nothing). `ranges_ref` is segment_block_ranges(q_ids, kv_ids, ...) or
+  None. Python ints where the mask is dense.
+  """
+  if mask.is_dense:
+    return [(0, n_blocks, 0, n_blocks)] * 2, 0, n_blocks
+
+  def blocks_for(w):
+    lo, hi, full_lo, full_hi = band_blocks(mask.left, mask.right, (2 * qi + w) * block_q,
+                                           block_q, n_blocks, block_kv)
+    if mask.segments:
+      lo = jnp.maximum(lo, ranges_ref[b, 2 * qi + w, 0])
+      hi = jnp.maximum(jnp.minimum(hi, ranges_ref[b, 2 * qi + w, 1]), lo)
+      full_lo = full_hi = hi
+    return lo, hi, full_lo, full_hi
+
+  per_block = [blocks_for(w) for w in (0, 1)]
+  cta_lo = jnp.minimum(*[jnp.where(hi > lo, lo, n_blocks) for lo, hi, _, _ in per_block])
+  cta_hi = jnp.maximum(*[jnp.where(hi > lo, hi, 0) for lo, hi, _, _ in per_block])
+  return per_block, jnp.minimum(cta_lo, cta_hi), cta_hi
+
+
+def my_key_blocks(per_block, cta_lo, cta_hi, wg):
+  """Warpgroup wg's (lo, hi, full_lo, full_hi) from query_cta_key_blocks, within the CTA's
+  range (an empty range may lie outside it)."""
+  if isinstance(cta_lo, int):
+    return per_block[0]
+  return tuple(jnp.clip(jnp.where(wg == 0, a, b), cta_lo, cta_hi)
+               for a, b in zip(*per_block))
+
+
+def visit_key_blocks(step, skip, carry, bounds, cta_lo, cta_hi, *, dense: bool, start=None):
+  """A compute warpgroup's loop over the CTA's key blocks [cta_lo, cta_hi): skip(j, None)
+  for the blocks only the other query block sees, step(j, carry, masked=...) for its own,
+  unmasked where it sees the whole block; start() runs before its first own block."""
+  lo, hi, full_lo, full_hi = bounds
+  lax.fori_loop(cta_lo, lo, skip, None)
+  if start is not None:
+    if dense:
+      start()
+    else:
+      pl.when(lo < hi)(start)
+  if dense:
+    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+  else:
+    masked = functools.partial(step, masked=True)
+    carry = lax.fori_loop(lo, full_lo, masked, carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(full_hi, hi, masked, carry)
+  lax.fori_loop(hi, cta_hi, skip, None)
+  return carry

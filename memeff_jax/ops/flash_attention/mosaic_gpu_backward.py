@@ -72,7 +72,8 @@ class MosaicBackwardConfig:
   larger score tiles.
 
   Attributes:
-    stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split).
+    stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split or without dq,
+      4 without dq).
     dq_split: the two compute warpgroups each compute half of dQ's columns (D = 128 only).
     pingpong: the compute warpgroups take turns issuing their WGMMAs, so that one's softmax
       and stores run under the other's matmuls (not with dq_split: its exchange of dSᵀ
@@ -87,7 +88,8 @@ class MosaicBackwardConfig:
       D = 256, where 64 keys of full width do not fit.
     with_dq: False computes dK and dV only (four matmuls per step, no float32 dq, no
       reductions): each key block has one CTA, so the result is deterministic, and dq comes
-      from elsewhere (pallas_mosaic_gpu's deterministic backward: pallas_triton's dq kernel).
+      from elsewhere (pallas_mosaic_gpu's deterministic backward: mosaic_gpu_dq's kernel, or
+      pallas_triton's).
   """
 
   stages: int = 2
@@ -162,13 +164,22 @@ def _ds_buffers(config: MosaicBackwardConfig) -> int:
   return 2 if config.dq_split else 1
 
 
+def _ds_shape(config: MosaicBackwardConfig) -> tuple[int, int, int]:
+  """dSᵀ slots; one 8 × 64 tile (unused) without dq."""
+  return (_ds_buffers(config), 2 * BLOCK_KV, BLOCK_Q) if config.with_dq else (1, 8, 64)
+
+
+def _dq_tile_shape(config: MosaicBackwardConfig, d: int) -> tuple[int, int, int]:
+  """The float32 dQ tiles on their way to the reduction (also dK and dV's with
+  gqa_per_query_head); a token 8 × 8 without dq."""
+  return (2, BLOCK_Q, config.dq_cols(d)) if config.with_dq else (2, 8, 8)
+
+
 def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int) -> int:
-  bq, bkv = BLOCK_Q, BLOCK_KV
-  dq_cols = config.dq_cols(d)
   return (2 * config.cta_keys() * d * itemsize  # K, V
-          + config.stages * (2 * bq * d * itemsize + 2 * bq * 4)  # Q, dO, lse₂ and Δ
-          + _ds_buffers(config) * (2 * bkv) * bq * itemsize  # dSᵀ
-          + 2 * bq * dq_cols * 4  # the dQ tiles on their way to the reduction
+          + config.stages * (2 * BLOCK_Q * d * itemsize + 2 * BLOCK_Q * 4)  # Q, dO, lse₂, Δ
+          + math.prod(_ds_shape(config)) * itemsize
+          + math.prod(_dq_tile_shape(config, d)) * 4
           + _SMEM_RESERVE)
 
 
@@ -230,8 +241,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
     if segments:
       kv_seg_smem, q_seg_smem, kv_seg_ready, q_seg_ready = seg_scratch
       plgpu.barrier_wait(kv_seg_ready)
-      key_ids = plgpu.load(kv_seg_smem.at[pl.ds(key_row, bkv)], (),
-                           layout=plgpu.Layout.WGMMA.reduce(1))
+      key_ids = _mosaic.load(kv_seg_smem.at[pl.ds(key_row, bkv)], plgpu.Layout.WGMMA.reduce(1))
 
     def take_turn():  # both warpgroups arrive; neither passes until the other has
       if config.pingpong:
@@ -246,7 +256,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       query_ids = None
       if segments:
         plgpu.barrier_wait(q_seg_ready.at[slot])
-        query_ids = plgpu.load(q_seg_smem.at[slot], (), layout=col_layout)
+        query_ids = _mosaic.load(q_seg_smem.at[slot], col_layout)
       return _mosaic.visible(mask, shape, 0, my_key - qb * bq,
                              key_ids if segments else None, query_ids)
 
@@ -276,11 +286,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
         zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
       # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
       # 16 registers of a column vector decide whether the warpgroup spills.
-      lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=col_layout)
+      lse2 = _mosaic.load(stats_smem.at[slot, 0], col_layout)
       pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
       p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
       pt = pt.astype(dtype)  # dV's operand
-      delta = plgpu.load(stats_smem.at[slot, 1], (), layout=col_layout)
+      delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
       dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
 
       def grads(refs):
@@ -395,6 +405,15 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
     _mosaic.fill_ring(load, n_steps, stages, (q_free, do_free))
 
 
+def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
+  """[B, Hq, 2, T] float32: the log-sum-exp in the exp2 domain (0 for a query that sees no
+  key, so that its P = 2^(-inf - 0) = 0) and Δ, as the Mosaic backward kernels load them."""
+  lse2 = res.lse * _LOG2E
+  if not (opts.mask.is_dense or opts.mask.is_causal):
+    lse2 = jnp.where(res.lse == -jnp.inf, 0.0, lse2)
+  return jnp.stack([lse2, delta], axis=2)
+
+
 def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.Residuals,
              cts, delta=None):
   """(dq, dk, dv, None, None) from the saved residuals and the output cotangents; dq is None
@@ -405,12 +424,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   s, hkv = k.shape[1], k.shape[2]
   bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
   mask = opts.mask
-  lse2 = res.lse * _LOG2E
-  if not (mask.is_dense or mask.is_causal):  # a query that sees no key: P = 2^(-inf - 0) = 0
-    lse2 = jnp.where(res.lse == -jnp.inf, 0.0, lse2)
   if delta is None:
     delta = _common.softmax_delta(res.out, d_out, d_lse)
-  stats = jnp.stack([lse2, delta], axis=2)  # [B, Hq, 2, T]
+  stats = row_stats(opts, res, delta)
   if mask.segments:
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
     ranges = _mosaic.segment_block_ranges(kv_seg, q_seg, config.cta_keys(), bq)
@@ -429,7 +445,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     dkv_acc = ()
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   tiles = _mosaic.swizzled_tiles()
-  dq_cols = config.dq_cols(d)
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
@@ -448,8 +463,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiles),
         plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiles),
         plgpu.SMEM((stages, 2, bq), jnp.float32),
-        plgpu.SMEM((_ds_buffers(config), 2 * bkv, bq), q.dtype, transforms=tiles),
-        plgpu.SMEM((2, bq, dq_cols), jnp.float32),
+        plgpu.SMEM(_ds_shape(config), q.dtype, transforms=tiles),
+        plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32),
         plgpu.Barrier(),
         plgpu.Barrier(),
         plgpu.Barrier(num_barriers=stages),

@@ -27,9 +27,9 @@ Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S
 block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anything else raises NotImplementedError with the reason, and
 `implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's
 one-pass kernel where it serves the call (D 64, 128 and 256): whole for calls with
-deterministic=False (it sums dq by TMA reductions in arrival order), for dK and dV alone with
-pallas_triton's dq kernel beside it otherwise; else pallas_triton's dq and dk/dv kernels. All
-run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
+deterministic=False (it sums dq by TMA reductions in arrival order), for dK and dV alone
+otherwise, beside mosaic_gpu_dq's dq kernel (D 64 and 128) or pallas_triton's; else
+pallas_triton's dq and dk/dv kernels. All run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
 Mosaic GPU interpreter cannot run `plgpu.kernel` meshes.
 """
 
@@ -48,10 +48,12 @@ from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward
+from memeff_jax.ops.flash_attention import mosaic_gpu_dq
 from memeff_jax.ops.flash_attention import pallas_triton
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 from memeff_jax.ops.flash_attention.mosaic_gpu_backward import MosaicBackwardConfig
+from memeff_jax.ops.flash_attention.mosaic_gpu_dq import MosaicDqConfig
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -129,26 +131,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
 
   n_blocks = s // bkv
   static_range = mask.is_dense  # every CTA reads every key block: static loop bounds
-
-  def blocks_for(w):
-    """(lo, hi, full_lo, full_hi): query block w of the CTA sees key blocks [lo, hi) in part
-    and [full_lo, full_hi) whole; with segment ids every block is masked."""
-    lo, hi, full_lo, full_hi = _mosaic.band_blocks(mask.left, mask.right, cta_row + w * bq, bq,
-                                                   n_blocks, bkv)
-    if segments:
-      ranges_ref = seg_refs[2]
-      lo = jnp.maximum(lo, ranges_ref[b, 2 * qi + w, 0])
-      hi = jnp.maximum(jnp.minimum(hi, ranges_ref[b, 2 * qi + w, 1]), lo)
-      full_lo = full_hi = hi
-    return lo, hi, full_lo, full_hi
-
-  if static_range:
-    cta_lo, cta_hi = 0, n_blocks
-  else:  # the union of the two query blocks' ranges (an empty one adds nothing)
-    ranges = [blocks_for(w)[:2] for w in (0, 1)]
-    cta_lo = jnp.minimum(*[jnp.where(r_hi > r_lo, r_lo, n_blocks) for r_lo, r_hi in ranges])
-    cta_hi = jnp.maximum(*[jnp.where(r_hi > r_lo, r_hi, 0) for r_lo, r_hi in ranges])
-    cta_lo = jnp.minimum(cta_lo, cta_hi)
+  per_block, cta_lo, cta_hi = _mosaic.query_cta_key_blocks(
+      mask, seg_refs[2] if segments else None, b, qi, bq, bkv, n_blocks)
   n_kv = cta_hi - cta_lo
 
   def take_turn():  # both compute warpgroups arrive; neither passes until the other has
@@ -159,10 +143,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
   def _compute():
     plgpu.set_max_registers(232, action="increase")
     row = cta_row + wg * bq
-    if static_range:
-      lo, hi = full_lo, full_hi = cta_lo, cta_hi
-    else:  # within the CTA's range (an empty range may lie outside it)
-      lo, hi, full_lo, full_hi = (jnp.clip(x, cta_lo, cta_hi) for x in blocks_for(wg))
+    bounds = _mosaic.my_key_blocks(per_block, cta_lo, cta_hi, wg)
+    hi = bounds[1]
     q_tile = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row, bq), h], q_tile, q_ready.at[wg])
     if segments:
@@ -170,7 +152,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
       plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(row, bq)], q_seg_smem.at[wg],
                               q_seg_ready.at[wg])
       plgpu.barrier_wait(q_seg_ready.at[wg])
-      q_ids = plgpu.load(q_seg_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+      q_ids = _mosaic.load(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
     plgpu.barrier_wait(q_ready.at[wg])
 
     c = scale * _LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
@@ -188,12 +170,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
       if segments:
         slot = _mosaic.rem(j - cta_lo, stages)
         plgpu.barrier_wait(kv_seg_ready.at[slot])
-        kv_ids = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        kv_ids = _mosaic.load(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
       ok = _mosaic.visible(mask, scores.shape, 1, j * bkv - row,
                            q_ids if segments else None, kv_ids)
       return jnp.where(ok, scores, -jnp.inf)
 
-    def step(j, carry, *, masked=False):
+    def step(j, carry, *, masked):
       acc, m, l = carry
       slot = _mosaic.rem(j - cta_lo, stages)
 
@@ -254,26 +236,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
         take_turn()
         take_turn()
 
-    lax.fori_loop(cta_lo, lo, skip, None)
-
     def first_k():
-      plgpu.barrier_wait(k_ready.at[_mosaic.rem(lo - cta_lo, stages)])
+      plgpu.barrier_wait(k_ready.at[_mosaic.rem(bounds[0] - cta_lo, stages)])
 
-    if static_range:
-      first_k()
-    else:
-      pl.when(lo < hi)(first_k)
-
-    carry = (acc, m, l)
-    if mask.is_dense:
-      carry = lax.fori_loop(lo, hi, step, carry)
-    else:
-      masked = functools.partial(step, masked=True)
-      carry = lax.fori_loop(lo, full_lo, masked, carry)
-      carry = lax.fori_loop(full_lo, full_hi, step, carry)
-      carry = lax.fori_loop(full_hi, hi, masked, carry)
-    acc, m, l = carry
-    lax.fori_loop(hi, cta_hi, skip, None)
+    acc, m, l = _mosaic.visit_key_blocks(step, skip, (acc, m, l), bounds, cta_lo, cta_hi,
+                                         dense=static_range, start=first_k)
     if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
       pl.when(wg == 0)(take_turn)
 
@@ -366,25 +333,32 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
 def _backward(st: "_Static", res, cts):
   if st.backward is None:
     return pallas_triton._bwd(st.triton, res, cts)  # pylint: disable=protected-access
-  if st.triton is None:
+  if st.backward.with_dq:
     return mosaic_gpu_backward.backward(st.opts, st.backward, res, cts)
-  # Deterministic: dK and dV from the Mosaic kernel (one CTA per key block), dq from
-  # pallas_triton's dq kernel (one program per query block), sharing Δ.
+  # Deterministic: dK and dV from the one-pass kernel without dq (one CTA per key block),
+  # dq from a kernel with one CTA per query block (mosaic_gpu_dq's, else pallas_triton's),
+  # sharing Δ.
   d_out, d_lse = cts
   delta = _common.softmax_delta(res.out, d_out, d_lse)
   _, dk, dv, _, _ = mosaic_gpu_backward.backward(st.opts, st.backward, res, cts, delta=delta)
-  return pallas_triton.dq_pass(st.triton, res, d_out, delta), dk, dv, None, None
+  if st.dq is not None:
+    dq = mosaic_gpu_dq.dq(st.opts, st.dq, res, d_out,
+                          mosaic_gpu_backward.row_stats(st.opts, res, delta))
+  else:
+    dq = pallas_triton.dq_pass(st.triton, res, d_out, delta)
+  return dq, dk, dv, None, None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
   opts: AttentionOptions
   config: MosaicConfig
-  # The backward: the Mosaic kernel (backward alone), pallas_triton's kernels (triton
-  # alone), or, both set, the Mosaic kernel for dK and dV (with_dq=False) and pallas_triton's
-  # for dq.
+  # The backward: the Mosaic kernel whole (backward.with_dq), pallas_triton's kernels
+  # (backward None), or the Mosaic kernel for dK and dV (with_dq=False) beside a dq kernel:
+  # mosaic_gpu_dq's with `dq`, else pallas_triton's (`triton`).
   backward: MosaicBackwardConfig | None
   triton: pallas_triton._Static | None  # pylint: disable=protected-access
+  dq: MosaicDqConfig | None = None
 
 
 _attention = _common.attention_vjp(_forward, _backward)
@@ -416,12 +390,15 @@ class PallasMosaicGpu:
   arrive, which is not bitwise reproducible: it runs whole only for calls with
   deterministic=False. With deterministic=True (flash_attention's default), None means the
   Mosaic kernel for dK and dV alone (`with_dq=False`: one CTA per key block, no reductions)
-  and pallas_triton's dq kernel beside it; a MosaicBackwardConfig must then have
-  with_dq=False.
+  beside a dq kernel with one CTA per query block; a MosaicBackwardConfig must then have
+  with_dq=False. `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
+  pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the call
+  (D 64 and 128), pallas_triton's elsewhere.
   """
 
   config: MosaicConfig | None = None
   backward_config: MosaicBackwardConfig | pallas_triton.BlockConfig | None = None
+  dq_config: MosaicDqConfig | pallas_triton.BlockConfig | None = None
   name: str = "pallas_mosaic_gpu"
 
   def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
@@ -453,12 +430,35 @@ class PallasMosaicGpu:
           mosaic = dataclasses.replace(mosaic, dq_split=False, gqa_per_query_head=False,
                                        with_dq=False)
       why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
+      if why is None and not mosaic.with_dq:
+        return self._with_dq_kernel(q, k, opts, _Static(opts, config, mosaic, None))
+      self._no_dq_kernel(why or "the Mosaic backward computes dq itself (deterministic=False)")
       if why is None:
-        # Without dq in the Mosaic kernel, pallas_triton's dq kernel computes it.
-        dq_kernel = None if mosaic.with_dq else pallas_triton.PallasTriton()._static(q, opts)  # pylint: disable=protected-access
-        return _Static(opts, config, mosaic, dq_kernel)
+        return _Static(opts, config, mosaic, None)
       if bwd is not None:
         raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
       bwd = None  # the Triton backward's own choice of tiles
+    self._no_dq_kernel("pallas_triton's backward computes dq itself")
     triton = pallas_triton.PallasTriton(config=bwd)._static(q, opts)  # pylint: disable=protected-access
     return _Static(opts, config, None, triton)
+
+  def _no_dq_kernel(self, why: str) -> None:
+    """A dq_config asked for where no separate dq kernel runs is an error, not ignored."""
+    if self.dq_config is not None:
+      raise NotImplementedError(
+          f"pallas_mosaic_gpu: dq_config={self.dq_config} needs the dK/dV-only Mosaic "
+          f"backward of a deterministic call, which this call does not run: {why}")
+
+  def _with_dq_kernel(self, q, k, opts: AttentionOptions, st: _Static) -> _Static:
+    """st with the dq kernel that runs beside the dK/dV-only Mosaic backward."""
+    dq = self.dq_config
+    if not isinstance(dq, pallas_triton.BlockConfig):
+      mosaic = dq or MosaicDqConfig()
+      why = mosaic_gpu_dq.support_error(q.shape, k.shape, q.dtype, mosaic)
+      if why is None:
+        return dataclasses.replace(st, dq=mosaic)
+      if dq is not None:
+        raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
+      dq = None  # pallas_triton's own choice of tiles
+    triton = pallas_triton.PallasTriton(config=dq)._static(q, opts)  # pylint: disable=protected-access
+    return dataclasses.replace(st, triton=triton)

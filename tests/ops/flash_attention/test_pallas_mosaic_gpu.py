@@ -13,6 +13,8 @@ from memeff_jax.ops.flash_attention import flash_attention
 from memeff_jax.ops.flash_attention import MosaicConfig
 from memeff_jax.ops.flash_attention import PallasMosaicGpu
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb
+from memeff_jax.ops.flash_attention import mosaic_gpu_dq as mdq
+from memeff_jax.ops.flash_attention import MosaicDqConfig
 from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pm
 from memeff_jax.ops.flash_attention import pallas_triton
 from memeff_jax.ops.flash_attention._common import AttentionOptions
@@ -62,9 +64,10 @@ def test_explicit_mosaic_on_cpu_says_why():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [4, 1])
-def test_deterministic_calls_take_dq_from_triton(monkeypatch, causal, hkv):
+def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv):
   """The Mosaic backward sums dq in arrival order: only deterministic=False may run it whole;
-  deterministic calls get dK, dV from it (with_dq=False) and dq from pallas_triton."""
+  deterministic calls get dK, dV from it (with_dq=False) and dq from mosaic_gpu_dq's kernel
+  (pallas_triton's on request, or where that does not serve the call)."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
   monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
@@ -74,28 +77,84 @@ def test_deterministic_calls_take_dq_from_triton(monkeypatch, causal, hkv):
   assert det.deterministic  # the default
   st = PallasMosaicGpu()._static(q, k, det)  # pylint: disable=protected-access
   assert not st.backward.with_dq and not st.backward.gqa_per_query_head
-  assert st.triton is not None
+  assert st.dq == MosaicDqConfig() and st.triton is None
   st = PallasMosaicGpu()._static(q, k, fast)  # pylint: disable=protected-access
-  assert st.backward.with_dq and st.triton is None
+  assert st.backward.with_dq and st.triton is None and st.dq is None
   explicit = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig())
   assert explicit._static(q, k, fast).backward == mb.MosaicBackwardConfig()  # pylint: disable=protected-access
   with pytest.raises(NotImplementedError, match="deterministic=False"):
     explicit._static(q, k, det)  # pylint: disable=protected-access
   dkv_only = mb.MosaicBackwardConfig(dq_split=False, pingpong=True, with_dq=False)
-  st = PallasMosaicGpu(backward_config=dkv_only)._static(q, k, det)  # pylint: disable=protected-access
-  assert st.backward == dkv_only and st.triton is not None
-  # The pair lowers for CUDA: the Mosaic dK/dV kernel and the Triton dq kernel.
   res = Residuals(q, k, k, None, None, q, jax.ShapeDtypeStruct((1, 4, 256), jnp.float32))
-  bwd = lambda res, d_out, d_lse: pm._backward(st, res, (d_out, d_lse))[:3]  # pylint: disable=protected-access
-  text = jax.jit(bwd).trace(res, q, res.lse).lower(lowering_platforms=("cuda",)).as_text()
-  assert "flash_attention_bwd_mosaic" in text and "flash_attention_dq" in text
-  # remat.fit counts 4 matmuls for the dK/dV kernel and 3 for the dq kernel.
-  from memeff_jax.remat import flops  # pylint: disable=import-outside-toplevel
   pairs = det.mask.visible_pairs(256, 256)
-  assert flops.jaxpr_flops(jax.make_jaxpr(bwd)(res, q, res.lse)) == 2 * 7 * 4 * pairs * 128
-  triton = PallasMosaicGpu(backward_config=pallas_triton.default_config(128))
+  from memeff_jax.remat import flops  # pylint: disable=import-outside-toplevel
+  triton_dq = pallas_triton.default_config(128)
+  for dq_config, dq_name in ((None, "flash_attention_dq_mosaic"),
+                             (MosaicDqConfig(block_kv=64, pingpong=True),
+                              "flash_attention_dq_mosaic"),
+                             (triton_dq, '"flash_attention_dq"')):
+    impl = PallasMosaicGpu(backward_config=dkv_only, dq_config=dq_config)
+    st = impl._static(q, k, det)  # pylint: disable=protected-access
+    assert st.backward == dkv_only
+    assert (st.triton is not None) == (dq_config is triton_dq)
+    # The pair lowers for CUDA: the Mosaic dK/dV kernel and the dq kernel.
+    bwd = lambda res, d_out, d_lse, st=st: pm._backward(st, res, (d_out, d_lse))[:3]  # pylint: disable=protected-access
+    text = jax.jit(bwd).trace(res, q, res.lse).lower(lowering_platforms=("cuda",)).as_text()
+    assert "flash_attention_bwd_mosaic" in text and dq_name in text
+    # remat.fit counts 4 matmuls for the dK/dV kernel and 3 for the dq kernel.
+    assert flops.jaxpr_flops(jax.make_jaxpr(bwd)(res, q, res.lse)) == 2 * 7 * 4 * pairs * 128
+  # A dq kernel asked for where none runs beside the dK/dV kernel is an error, not ignored.
+  with pytest.raises(NotImplementedError, match="dq_config"):
+    PallasMosaicGpu(dq_config=MosaicDqConfig())._static(q, k, fast)  # pylint: disable=protected-access
+  with pytest.raises(NotImplementedError, match="dq_config"):
+    PallasMosaicGpu(backward_config=triton_dq, dq_config=MosaicDqConfig())._static(q, k, det)  # pylint: disable=protected-access
+  with pytest.raises(NotImplementedError, match="block_kv 64 or 128"):
+    PallasMosaicGpu(dq_config=MosaicDqConfig(block_kv=32))._static(q, k, det)  # pylint: disable=protected-access
+  # D = 256: the dq kernel does not serve it, so pallas_triton's computes dq.
+  q256 = jax.ShapeDtypeStruct((1, 256, 4, 256), BF16)
+  k256 = jax.ShapeDtypeStruct((1, 256, hkv, 256), BF16)
+  st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
+  assert not st.backward.with_dq and st.dq is None and st.triton is not None
+  triton = PallasMosaicGpu(backward_config=triton_dq)
   for opts in (det, fast):  # a Triton backward asked for is deterministic either way
     assert triton._static(q, k, opts).triton is not None  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, softcap", [
+    (False, None, False, 128, 256, 512, 4, None),
+    (True, None, False, 128, 512, 384, 2, 30.0),
+    (True, None, False, 64, 256, 256, 1, None),
+    (False, (100, 7), False, 128, 512, 384, 2, None),
+    (True, 300, True, 128, 512, 512, 4, 20.0),
+    (False, None, True, 64, 256, 384, 1, None)])
+@pytest.mark.parametrize("config", [MosaicDqConfig(), MosaicDqConfig(block_kv=64, pingpong=True),
+                                    MosaicDqConfig(stages=1)])
+def test_dq_kernel_lowers_for_cuda(causal, window, segments, d, t, s, hkv, softcap, config):
+  opts = _opts(causal, window, segments, softcap)
+  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
+  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
+  stats = jax.ShapeDtypeStruct((2, 4, 2, t), jnp.float32)
+
+  def dq(q, k, v, d_out, stats, q_seg, kv_seg):
+    res = Residuals(q, k, v, q_seg, kv_seg, None, None)
+    return mdq.dq(opts, config, res, d_out, stats)
+
+  text = jax.jit(dq).trace(q, k, k, q, stats, *_segment_structs(segments, t, s)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert _MOSAIC_CALL.search(text) and "flash_attention_dq_mosaic" in text
+
+
+@pytest.mark.parametrize("q_shape, k_shape, dtype, config, match", [
+    ((1, 256, 4, 96), (1, 256, 4, 96), BF16, MosaicDqConfig(), "D=96"),
+    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, MosaicDqConfig(), "D=256"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), jnp.float32, MosaicDqConfig(), "bfloat16 or float16"),
+    ((1, 192, 4, 128), (1, 256, 4, 128), BF16, MosaicDqConfig(), "T=192"),
+    ((1, 256, 4, 128), (1, 192, 4, 128), BF16, MosaicDqConfig(), "S=192"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, MosaicDqConfig(block_kv=96), "block_kv"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, MosaicDqConfig(stages=0), "one stage"),
+])
+def test_dq_support_error_names_what_is_not_served(q_shape, k_shape, dtype, config, match):
+  assert re.search(match, mdq.support_error(q_shape, k_shape, dtype, config))
 
 
 def test_deterministic_must_be_a_bool():
@@ -282,6 +341,25 @@ class TestMosaicGpu:
       assert g.dtype == BF16
       assert rel_err(g, rg) < 3e-2, name
 
+  @pytest.mark.parametrize("dq_config", [
+      MosaicDqConfig(), MosaicDqConfig(pingpong=True), MosaicDqConfig(block_kv=64),
+      MosaicDqConfig(block_kv=64, pingpong=True), MosaicDqConfig(stages=1)])
+  @pytest.mark.parametrize("causal", [False, True])
+  @pytest.mark.parametrize("b, t, s, hq, hkv, d", [
+      (2, 256, 384, 8, 2, 128),   # T < S, GQA 4:1
+      (1, 384, 256, 4, 4, 64),    # T > S: under causal the last query rows see every key
+      (1, 256, 512, 4, 1, 128)])  # MQA
+  def test_mosaic_dq_kernel_matches_reference(self, dq_config, causal, b, t, s, hq, hkv, d):
+    """The deterministic backward: the dK/dV-only Mosaic kernel beside mosaic_gpu_dq's."""
+    impl = PallasMosaicGpu(dq_config=dq_config)
+    q, k, v, _, ct = make_problem(jax.random.key(t + 5 * s + d), b, t, s, hq, hkv, d, BF16)
+    _, _, grads = run(impl, q, k, v, None, ct, dict(causal=causal))
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
+    for name, g, rg in zip("qkv", grads, r_grads):
+      assert g.dtype == BF16
+      assert rel_err(g, rg) < 3e-2, name
+
   @pytest.mark.parametrize("backward", [
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, pingpong=True),
@@ -390,6 +468,7 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
   extra = dict(deterministic=False)
   dtypes = (jnp.bfloat16, jnp.float16)
   shape = dict(b=2, t=512, s=768, hq=8, hkv=2, d=128)
+  deterministic_dq = "flash_attention_dq_mosaic"  # the dq kernel of deterministic calls
 
   def test_rows_that_see_no_key_give_zero_and_finite_gradients(self):
     """A segment id with no key, and queries past the last key's window (T > S)."""
@@ -440,7 +519,7 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
     q = jnp.ones((1, 256, 4, self.shape["d"]), BF16)
     seg = jnp.repeat(jnp.arange(4), 64)[None]
     for deterministic, backward in ((False, "flash_attention_bwd_mosaic"),
-                                    (True, "flash_attention_dq")):
+                                    (True, self.deterministic_dq)):
       f = lambda q, d=deterministic: flash_attention(q, q, q, causal=True, sliding_window=100,
                                                      q_segment_ids=seg, deterministic=d)
       text = jax.jit(jax.grad(lambda q, f=f: f(q).astype(jnp.float32).sum())).lower(q).as_text()
@@ -463,3 +542,19 @@ class TestMosaicGpuFeaturesD256(TestMosaicGpuFeatures):
 
   dtypes = (jnp.bfloat16,)
   shape = dict(b=1, t=256, s=384, hq=4, hkv=2, d=256)
+  deterministic_dq = '"flash_attention_dq"'  # pallas_triton's: mosaic_gpu_dq serves D <= 128
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesDeterministic(TestMosaicGpuFeatures):
+  """The default deterministic backward: the dK/dV-only Mosaic kernel and mosaic_gpu_dq's."""
+
+  extra = {}
+  dtypes = (jnp.bfloat16,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesDeterministicD64(TestMosaicGpuFeaturesD64):
+  extra = {}
