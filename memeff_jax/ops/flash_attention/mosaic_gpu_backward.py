@@ -111,11 +111,22 @@ class MosaicBackwardConfig:
     return d // 2 if (self.dq_split or self.column_split) else d
 
   @classmethod
-  def tuned(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
+  def tuned(cls, d: int, causal: bool, gqa: bool = False,
+            with_dq: bool = True) -> "MosaicBackwardConfig":
     """configs/tuning/flash_attention.toml's `d<D>[_causal][_gqa]` section for this GPU kind
-    (without `_gqa` where that has none), else dq_split where it applies (D = 128)."""
+    (without `_gqa` where that has none), else dq_split where it applies (D = 128).
+
+    with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
+    (`d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is one, else the section above
+    without dq_split and gqa_per_query_head (which only the kernel with dq serves)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     section = f"d{d}_causal" if causal else f"d{d}"
+    if not with_dq:
+      found = table.get(section + "_dkv") or table.get(f"d{d}_dkv")
+      if found:
+        return cls(**found, with_dq=False)
+      return dataclasses.replace(cls.tuned(d, causal, gqa), dq_split=False,
+                                 gqa_per_query_head=False, with_dq=False)
     found = (gqa and table.get(section + "_gqa")) or table.get(section)
     if found:
       return cls(**found)

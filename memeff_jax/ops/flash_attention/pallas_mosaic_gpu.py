@@ -28,7 +28,7 @@ block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anyth
 `implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's
 one-pass kernel where it serves the call (D 64, 128 and 256): whole for calls with
 deterministic=False (it sums dq by TMA reductions in arrival order), for dK and dV alone
-otherwise, beside mosaic_gpu_dq's dq kernel (D 64 and 128) or pallas_triton's; else
+otherwise, beside mosaic_gpu_dq's dq kernel; else
 pallas_triton's dq and dk/dv kernels. All run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
 Mosaic GPU interpreter cannot run `plgpu.kernel` meshes.
 """
@@ -393,7 +393,7 @@ class PallasMosaicGpu:
   beside a dq kernel with one CTA per query block; a MosaicBackwardConfig must then have
   with_dq=False. `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
   pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the call
-  (D 64 and 128), pallas_triton's elsewhere.
+  (D 64, 128 and 256), pallas_triton's elsewhere.
   """
 
   config: MosaicConfig | None = None
@@ -424,11 +424,9 @@ class PallasMosaicGpu:
     if bwd is None or isinstance(bwd, MosaicBackwardConfig):
       mosaic = bwd
       if mosaic is None:
+        # Deterministic calls: dK and dV only (no reductions).
         mosaic = MosaicBackwardConfig.tuned(q.shape[-1], opts.mask.is_causal,
-                                            gqa=q.shape[2] > k.shape[2])
-        if det:  # dK and dV only: no reductions
-          mosaic = dataclasses.replace(mosaic, dq_split=False, gqa_per_query_head=False,
-                                       with_dq=False)
+                                            gqa=q.shape[2] > k.shape[2], with_dq=not det)
       why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
       if why is None and not mosaic.with_dq:
         return self._with_dq_kernel(q, k, opts, _Static(opts, config, mosaic, None))
@@ -453,7 +451,7 @@ class PallasMosaicGpu:
     """st with the dq kernel that runs beside the dK/dV-only Mosaic backward."""
     dq = self.dq_config
     if not isinstance(dq, pallas_triton.BlockConfig):
-      mosaic = dq or MosaicDqConfig()
+      mosaic = dq or MosaicDqConfig.for_head_dim(q.shape[-1])
       why = mosaic_gpu_dq.support_error(q.shape, k.shape, q.dtype, mosaic)
       if why is None:
         return dataclasses.replace(st, dq=mosaic)

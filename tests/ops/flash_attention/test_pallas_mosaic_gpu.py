@@ -110,11 +110,17 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
     PallasMosaicGpu(backward_config=triton_dq, dq_config=MosaicDqConfig())._static(q, k, det)  # pylint: disable=protected-access
   with pytest.raises(NotImplementedError, match="block_kv 64 or 128"):
     PallasMosaicGpu(dq_config=MosaicDqConfig(block_kv=32))._static(q, k, det)  # pylint: disable=protected-access
-  # D = 256: the dq kernel does not serve it, so pallas_triton's computes dq.
+  # D = 256: 64-key blocks for dq, two Q/dO stages for the column-split dK/dV kernel.
   q256 = jax.ShapeDtypeStruct((1, 256, 4, 256), BF16)
   k256 = jax.ShapeDtypeStruct((1, 256, hkv, 256), BF16)
   st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
-  assert not st.backward.with_dq and st.dq is None and st.triton is not None
+  assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2,
+                                                with_dq=False)
+  assert st.dq == MosaicDqConfig(block_kv=64, stages=1) and st.triton is None
+  # D = 192: no Mosaic backward; pallas_triton's computes dq with the rest.
+  q192 = jax.ShapeDtypeStruct((1, 256, 4, 192), BF16)
+  st = PallasMosaicGpu()._static(q192, q192, det)  # pylint: disable=protected-access
+  assert st.backward is None and st.dq is None and st.triton is not None
   triton = PallasMosaicGpu(backward_config=triton_dq)
   for opts in (det, fast):  # a Triton backward asked for is deterministic either way
     assert triton._static(q, k, opts).triton is not None  # pylint: disable=protected-access
@@ -126,10 +132,12 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
     (True, None, False, 64, 256, 256, 1, None),
     (False, (100, 7), False, 128, 512, 384, 2, None),
     (True, 300, True, 128, 512, 512, 4, 20.0),
-    (False, None, True, 64, 256, 384, 1, None)])
-@pytest.mark.parametrize("config", [MosaicDqConfig(), MosaicDqConfig(block_kv=64, pingpong=True),
-                                    MosaicDqConfig(stages=1)])
+    (False, None, True, 64, 256, 384, 1, None),
+    (True, (100, 7), True, 256, 256, 384, 2, 30.0)])
+@pytest.mark.parametrize("config", [None, MosaicDqConfig(block_kv=64, pingpong=True),
+                                    MosaicDqConfig(block_kv=64, stages=1)])
 def test_dq_kernel_lowers_for_cuda(causal, window, segments, d, t, s, hkv, softcap, config):
+  config = config or MosaicDqConfig.for_head_dim(d)
   opts = _opts(causal, window, segments, softcap)
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
   k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
@@ -146,7 +154,8 @@ def test_dq_kernel_lowers_for_cuda(causal, window, segments, d, t, s, hkv, softc
 
 @pytest.mark.parametrize("q_shape, k_shape, dtype, config, match", [
     ((1, 256, 4, 96), (1, 256, 4, 96), BF16, MosaicDqConfig(), "D=96"),
-    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, MosaicDqConfig(), "D=256"),
+    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, MosaicDqConfig(), "block_kv 64 at D=256"),
+    ((1, 256, 4, 192), (1, 256, 4, 192), BF16, MosaicDqConfig(), "D=192"),
     ((1, 256, 4, 128), (1, 256, 4, 128), jnp.float32, MosaicDqConfig(), "bfloat16 or float16"),
     ((1, 192, 4, 128), (1, 256, 4, 128), BF16, MosaicDqConfig(), "T=192"),
     ((1, 256, 4, 128), (1, 192, 4, 128), BF16, MosaicDqConfig(), "S=192"),
@@ -260,6 +269,14 @@ def test_tuned_backward_configs_serve_their_calls():
   assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(True), gqa) is None
   assert mb.MosaicBackwardConfig.tuned(128, False, gqa=True) == mb.MosaicBackwardConfig.tuned(
       128, False)  # no _gqa section: the head dim's own
+  for d in (64, 128, 256):  # the dK/dV-only kernel of deterministic calls
+    for causal in (False, True):
+      for gqa in (False, True):
+        config = mb.MosaicBackwardConfig.tuned(d, causal, gqa, with_dq=False)
+        assert not config.with_dq
+        assert mb.support_error((2, 256, 8, d), (2, 256, 2, d), BF16, _opts(causal),
+                                config) is None
+  assert mb.MosaicBackwardConfig.tuned(256, True, with_dq=False).stages == 2  # d256_dkv
 
 
 def test_remat_counts_the_kernel_cost():
@@ -542,7 +559,6 @@ class TestMosaicGpuFeaturesD256(TestMosaicGpuFeatures):
 
   dtypes = (jnp.bfloat16,)
   shape = dict(b=1, t=256, s=384, hq=4, hkv=2, d=256)
-  deterministic_dq = '"flash_attention_dq"'  # pallas_triton's: mosaic_gpu_dq serves D <= 128
 
 
 @pytest.mark.gpu
@@ -557,4 +573,10 @@ class TestMosaicGpuFeaturesDeterministic(TestMosaicGpuFeatures):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesDeterministicD64(TestMosaicGpuFeaturesD64):
+  extra = {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesDeterministicD256(TestMosaicGpuFeaturesD256):
   extra = {}
