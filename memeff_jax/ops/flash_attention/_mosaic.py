@@ -203,3 +203,40 @@ def visit_key_blocks(step, skip, carry, bounds, cta_lo, cta_hi, *, dense: bool, 
     carry = lax.fori_loop(full_hi, hi, masked, carry)
   lax.fori_loop(hi, cta_hi, skip, None)
   return carry
+
+
+def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, block_kv: int,
+                      stages: int, smem, ready, free) -> None:
+  """The memory warpgroup of the kernels that stream keys past resident queries: key blocks
+  [cta_lo, cta_hi) of K, V (and the key segment ids, when kv_seg_ref is given) into the
+  `smem` = (k, v[, ids]) ring with barriers `ready` (the same order), refilling a slot once
+  both compute warpgroups arrived on every barrier of `free`."""
+
+  def load(i, slot):
+    keys = pl.ds((cta_lo + i) * block_kv, block_kv)
+    srcs = (k_ref.at[b, keys, kv_head], v_ref.at[b, keys, kv_head])
+    if kv_seg_ref is not None:
+      srcs += (kv_seg_ref.at[b, keys],)
+    for src, dst, barrier in zip(srcs, smem, ready):
+      plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
+
+  fill_ring(load, cta_hi - cta_lo, stages, free)
+
+
+def release_key_block(slot, ready, free, take_turn=None) -> None:
+  """A compute warpgroup passes over a key block only the CTA's other query block sees: it
+  waits for the slot's loads and releases it, and takes its two ping-pong turns."""
+  for barrier in ready:
+    plgpu.barrier_wait(barrier.at[slot])
+  for barrier in free:
+    plgpu.barrier_arrive(barrier.at[slot])
+  if take_turn is not None:
+    take_turn()
+    take_turn()
+
+
+def take_turn(barrier) -> None:
+  """Ping-pong: both compute warpgroups arrive on `barrier`; neither passes until the other
+  has."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)

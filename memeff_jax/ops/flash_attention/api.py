@@ -139,8 +139,9 @@ def flash_attention(
       default). pallas_mosaic_gpu's one-pass backward adds dq (and, for GQA with
       gqa_per_query_head, dk and dv) into float32 buffers by TMA reductions in whatever
       order the CTAs arrive, so it runs whole only with deterministic=False; with True its
-      kernel computes dk and dv alone and pallas_triton's dq kernel dq (1.1–1.2× slower
-      forward+backward on an H200). Every other implementation is deterministic either way.
+      kernel computes dk and dv alone and a Mosaic dq kernel dq (as fast at D = 128 on an
+      H200, 1.2× slower forward+backward at D = 256, and no float32 dq buffer). Every other
+      implementation is deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
       serves the call (Hopper, bf16/f16, D 64/128/192/256, T and S multiples of 128), then
       "pallas_triton", then "chunked_xla"), a name, an implementation object or a sequence

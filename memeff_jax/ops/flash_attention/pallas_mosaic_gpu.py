@@ -133,11 +133,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
   static_range = mask.is_dense  # every CTA reads every key block: static loop bounds
   per_block, cta_lo, cta_hi = _mosaic.query_cta_key_blocks(
       mask, seg_refs[2] if segments else None, b, qi, bq, bkv, n_blocks)
-  n_kv = cta_hi - cta_lo
+  ready = (k_ready, v_ready) + ((seg_scratch[3],) if segments else ())  # a key block's loads
 
-  def take_turn():  # both compute warpgroups arrive; neither passes until the other has
-    plgpu.barrier_arrive(turn)
-    plgpu.barrier_wait(turn)
+  take_turn = functools.partial(_mosaic.take_turn, turn)
 
   @pl.when(wg < 2)
   def _compute():
@@ -224,17 +222,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
-    def skip(j, _):  # a block only the other query block sees: release it, keep the turns
-      slot = _mosaic.rem(j - cta_lo, stages)
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[slot])
-      if segments:
-        plgpu.barrier_wait(kv_seg_ready.at[slot])
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
-      if config.pingpong:
-        take_turn()
-        take_turn()
+    def skip(j, _):
+      _mosaic.release_key_block(_mosaic.rem(j - cta_lo, stages), ready, (k_free, v_free),
+                                take_turn if config.pingpong else None)
 
     def first_k():
       plgpu.barrier_wait(k_ready.at[_mosaic.rem(bounds[0] - cta_lo, stages)])
@@ -260,17 +250,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
   @pl.when(wg == 2)
   def _memory():
     plgpu.set_max_registers(40, action="decrease")
-    kv_head = _mosaic.div(h, group)
-
-    def load(i, slot):
-      keys = pl.ds((cta_lo + i) * bkv, bkv)
-      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
-      if segments:
-        plgpu.copy_gmem_to_smem(seg_refs[1].at[b, keys], seg_scratch[1].at[slot],
-                                seg_scratch[3].at[slot])
-
-    _mosaic.fill_ring(load, n_kv, stages, (k_free, v_free))  # masked CTAs may need fewer
+    # Masked CTAs may stream fewer blocks.
+    _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, b,
+                              _mosaic.div(h, group), cta_lo, cta_hi, bkv, stages,
+                              (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
+                              ready, (k_free, v_free))
 
 
 def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
