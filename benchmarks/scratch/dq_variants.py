@@ -89,11 +89,11 @@ for causal in (False, True):
     det = True
     if name.startswith("dkv:"):
       cfg = fa.MosaicBackwardConfig(dq_split=False, with_dq=False, **DKV[name[4:]])
-      alone = jax.jit(lambda res, ct, delta, cfg=cfg: mb.backward(
-          opts, cfg, res, (ct, jnp.zeros_like(res.lse)), delta=delta)[1:3])
+      alone = jax.jit(lambda res, ct, stats, cfg=cfg: mb.backward(
+          opts, cfg, res, (ct, jnp.zeros_like(res.lse)), stats=stats)[1:3])
       try:
         print(f"causal={causal!s:5} {name:18} dk/dv alone "
-              f"{timed(alone, res, ct, delta) * 1e3:7.3f} ms", flush=True)
+              f"{timed(alone, res, ct, stats) * 1e3:7.3f} ms", flush=True)
       except Exception as e:  # pylint: disable=broad-except
         print(f"{name} FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
       continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -16,6 +17,7 @@ except ImportError:  # pragma: no cover
 
 
 SMEM_BYTES = 232_448  # shared memory per CTA on sm90
+LOG2E = math.log2(math.e)  # the kernels' exponentials are exp2: e^x = 2^(x·log2 e)
 
 
 def dtype_error(dtype) -> str | None:

@@ -54,7 +54,6 @@ try:
 except ImportError:  # pragma: no cover
   plgpu = None
 
-_LOG2E = math.log2(math.e)
 BLOCK_Q = 64  # query rows per pipeline step
 BLOCK_KV = 64  # keys per compute warpgroup; a CTA holds two such blocks
 # Registers per thread of the compute and memory warpgroups (2·128·240 + 128·24 = 63Ki of
@@ -245,7 +244,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
     oc = config.out_cols(d)
     my_cols = pl.ds(wg * oc, oc) if split else pl.ds(0, d)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along Sᵀ's columns (queries)
-    c = scale * _LOG2E
+    c = scale * _mosaic.LOG2E
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     plgpu.barrier_wait(k_ready)
     plgpu.barrier_wait(v_ready)
@@ -292,7 +291,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
         zt = st * c
       else:  # z = cap·tanh(s/cap) in the exp2 domain; dz/ds = 1 − tanh²
         tanh = jnp.tanh(st * (scale / softcap))
-        zt = tanh * (softcap * _LOG2E)
+        zt = tanh * (softcap * _mosaic.LOG2E)
       if masked:
         zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
       # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
@@ -419,25 +418,24 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
 def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
   """[B, Hq, 2, T] float32: the log-sum-exp in the exp2 domain (0 for a query that sees no
   key, so that its P = 2^(-inf - 0) = 0) and Δ, as the Mosaic backward kernels load them."""
-  lse2 = res.lse * _LOG2E
+  lse2 = res.lse * _mosaic.LOG2E
   if not (opts.mask.is_dense or opts.mask.is_causal):
     lse2 = jnp.where(res.lse == -jnp.inf, 0.0, lse2)
   return jnp.stack([lse2, delta], axis=2)
 
 
 def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.Residuals,
-             cts, delta=None):
+             cts, stats=None):
   """(dq, dk, dv, None, None) from the saved residuals and the output cotangents; dq is None
-  with config.with_dq=False. `delta`: rowsum(dO ∘ O) − d_lse if the caller has it."""
+  with config.with_dq=False. `stats`: row_stats(opts, res, Δ) if the caller has it."""
   d_out, d_lse = cts
   q, k, v = res.q, res.k, res.v
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
   mask = opts.mask
-  if delta is None:
-    delta = _common.softmax_delta(res.out, d_out, d_lse)
-  stats = row_stats(opts, res, delta)
+  if stats is None:
+    stats = row_stats(opts, res, _common.softmax_delta(res.out, d_out, d_lse))
   if mask.segments:
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
     ranges = _mosaic.segment_block_ranges(kv_seg, q_seg, config.cta_keys(), bq)

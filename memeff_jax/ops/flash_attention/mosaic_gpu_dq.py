@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +47,6 @@ try:
 except ImportError:  # pragma: no cover
   plgpu = None
 
-_LOG2E = math.log2(math.e)
 BLOCK_Q = 64  # query rows per compute warpgroup; a CTA holds two such blocks
 _SMEM_RESERVE = 2_048  # barriers and alignment
 
@@ -146,7 +144,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
     delta = _mosaic.load(stats_smem.at[wg, 1], row_layout)
     plgpu.barrier_wait(q_ready.at[wg])
     plgpu.barrier_wait(do_ready.at[wg])
-    c = scale * _LOG2E
+    c = scale * _mosaic.LOG2E
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
     if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
@@ -171,7 +169,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
         z = st * c
       else:  # z = cap·tanh(s/cap) in the exp2 domain; dz/ds = 1 − tanh²
         tanh = jnp.tanh(st * (scale / softcap))
-        z = tanh * (softcap * _LOG2E)
+        z = tanh * (softcap * _mosaic.LOG2E)
       if masked:
         kv_ids = None
         if segments:

@@ -60,7 +60,6 @@ try:
 except ImportError:  # pragma: no cover
   plgpu = None
 
-_LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
@@ -153,7 +152,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
       q_ids = _mosaic.load(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
     plgpu.barrier_wait(q_ready.at[wg])
 
-    c = scale * _LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
+    c = scale * _mosaic.LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
     m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                           plgpu.Layout.WGMMA.reduce(1))
     l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -187,7 +186,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
       if not segments:
         plgpu.barrier_arrive(k_free.at[slot])
       if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
-        scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _LOG2E)
+        scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _mosaic.LOG2E)
       if masked:
         scores = visible(j, scores)
       if segments:  # the slot's key ids have been read too
@@ -324,10 +323,10 @@ def _backward(st: "_Static", res, cts):
   # sharing Δ.
   d_out, d_lse = cts
   delta = _common.softmax_delta(res.out, d_out, d_lse)
-  _, dk, dv, _, _ = mosaic_gpu_backward.backward(st.opts, st.backward, res, cts, delta=delta)
+  stats = mosaic_gpu_backward.row_stats(st.opts, res, delta)
+  _, dk, dv, _, _ = mosaic_gpu_backward.backward(st.opts, st.backward, res, cts, stats=stats)
   if st.dq is not None:
-    dq = mosaic_gpu_dq.dq(st.opts, st.dq, res, d_out,
-                          mosaic_gpu_backward.row_stats(st.opts, res, delta))
+    dq = mosaic_gpu_dq.dq(st.opts, st.dq, res, d_out, stats)
   else:
     dq = pallas_triton.dq_pass(st.triton, res, d_out, delta)
   return dq, dk, dv, None, None

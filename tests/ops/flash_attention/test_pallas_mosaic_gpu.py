@@ -294,6 +294,18 @@ def _hopper():
   return jax.default_backend() == "gpu" and pm.hopper_available() is None
 
 
+def _assert_grads_match_reference(impl, key, shape, opts, **extra):
+  """bf16 gradients of `impl` (called with opts and `extra`) within 3e-2 of the float32
+  reference's (called with opts) on make_problem(key, *shape)."""
+  q, k, v, _, ct = make_problem(key, *shape, BF16)
+  _, _, grads = run(impl, q, k, v, None, ct, {**opts, **extra})
+  up = lambda x: x.astype(jnp.float32)
+  _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
+  for name, g, rg in zip("qkv", grads, r_grads):
+    assert g.dtype == BF16
+    assert rel_err(g, rg) < 3e-2, name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpu:
@@ -349,14 +361,9 @@ class TestMosaicGpu:
       (1, 384, 256, 4, 4),    # T > S
       (1, 256, 256, 4, 1)])   # MQA: one key head collects four query heads
   def test_mosaic_backward_matches_reference(self, backward, causal, b, t, s, hq, hkv):
-    impl = PallasMosaicGpu(backward_config=backward)
-    q, k, v, _, ct = make_problem(jax.random.key(t + 3 * s + hq), b, t, s, hq, hkv, 128, BF16)
-    out, lse, grads = run(impl, q, k, v, None, ct, dict(causal=causal, deterministic=False))
-    up = lambda x: x.astype(jnp.float32)
-    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
-    for name, g, rg in zip("qkv", grads, r_grads):
-      assert g.dtype == BF16
-      assert rel_err(g, rg) < 3e-2, name
+    _assert_grads_match_reference(PallasMosaicGpu(backward_config=backward),
+                                  jax.random.key(t + 3 * s + hq), (b, t, s, hq, hkv, 128),
+                                  dict(causal=causal), deterministic=False)
 
   @pytest.mark.parametrize("dq_config", [
       MosaicDqConfig(), MosaicDqConfig(pingpong=True), MosaicDqConfig(block_kv=64),
@@ -368,14 +375,9 @@ class TestMosaicGpu:
       (1, 256, 512, 4, 1, 128)])  # MQA
   def test_mosaic_dq_kernel_matches_reference(self, dq_config, causal, b, t, s, hq, hkv, d):
     """The deterministic backward: the dK/dV-only Mosaic kernel beside mosaic_gpu_dq's."""
-    impl = PallasMosaicGpu(dq_config=dq_config)
-    q, k, v, _, ct = make_problem(jax.random.key(t + 5 * s + d), b, t, s, hq, hkv, d, BF16)
-    _, _, grads = run(impl, q, k, v, None, ct, dict(causal=causal))
-    up = lambda x: x.astype(jnp.float32)
-    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
-    for name, g, rg in zip("qkv", grads, r_grads):
-      assert g.dtype == BF16
-      assert rel_err(g, rg) < 3e-2, name
+    _assert_grads_match_reference(PallasMosaicGpu(dq_config=dq_config),
+                                  jax.random.key(t + 5 * s + d), (b, t, s, hq, hkv, d),
+                                  dict(causal=causal))
 
   @pytest.mark.parametrize("backward", [
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1),
@@ -387,12 +389,8 @@ class TestMosaicGpu:
   def test_mosaic_backward_d256_column_split(self, backward, causal, b, t, s, hq, hkv):
     """D = 256: each compute warpgroup owns half of the columns of dK, dV and dQ."""
     impl = PallasMosaicGpu(config=MosaicConfig(block_kv=64), backward_config=backward)
-    q, k, v, _, ct = make_problem(jax.random.key(t + s + hq), b, t, s, hq, hkv, 256, BF16)
-    _, _, grads = run(impl, q, k, v, None, ct, dict(causal=causal, deterministic=False))
-    up = lambda x: x.astype(jnp.float32)
-    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
-    for name, g, rg in zip("qkv", grads, r_grads):
-      assert rel_err(g, rg) < 3e-2, name
+    _assert_grads_match_reference(impl, jax.random.key(t + s + hq), (b, t, s, hq, hkv, 256),
+                                  dict(causal=causal), deterministic=False)
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
   def test_mosaic_backward_d64_and_lse_cotangent(self, dtype):
