@@ -135,9 +135,9 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
   def operands(wg, a_smem, b_smem):
     """This warpgroup's [tm, tk] slice of A and [tk, tn] slice of B, as WGMMA reads them."""
     if trans_a:
-      a_smem = plgpu.transpose_ref(a_smem, (1, 0))
+      a_smem = a_smem.T
     if trans_b:
-      b_smem = plgpu.transpose_ref(b_smem, (1, 0))
+      b_smem = b_smem.T
     if config.wg_split == "m":
       return a_smem.at[pl.ds(wg * tm, tm)], b_smem
     return a_smem, b_smem.at[:, pl.ds(wg * tn, tn)]

@@ -281,8 +281,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
 
       def scores(refs):
         s_ref, dp_ref = refs
-        plgpu.wgmma(s_ref, k_mine, plgpu.transpose_ref(q_tile, (1, 0)))
-        plgpu.wgmma(dp_ref, v_mine, plgpu.transpose_ref(do_tile, (1, 0)))
+        plgpu.wgmma(s_ref, k_mine, q_tile.T)
+        plgpu.wgmma(dp_ref, v_mine, do_tile.T)
         take_turn()
 
       st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
@@ -324,7 +324,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
         plgpu.barrier_arrive(ds_ready.at[_mosaic.rem(i, 2)])
         plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
         half = d // 2
-        ds_all = plgpu.transpose_ref(ds_buf, (1, 0))
+        ds_all = ds_buf.T
 
         def dq_half(col):
           def mm(acc_ref):
@@ -336,7 +336,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
         cols = pl.ds(wg * half, half)
       else:  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
         def mm(acc_ref):
-          plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_mine, (1, 0)),
+          plgpu.wgmma(acc_ref, ds_mine.T,
                       k_mine.at[:, my_cols] if split else k_mine)
           take_turn()
           return acc_ref[...]

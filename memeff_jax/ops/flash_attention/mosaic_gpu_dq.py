@@ -157,8 +157,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
 
       def scores(refs):
         s_ref, dp_ref = refs
-        plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-        plgpu.wgmma(dp_ref, do_tile, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+        plgpu.wgmma(dp_ref, do_tile, v_smem.at[slot].T)
         if config.pingpong:
           take_turn()
 

@@ -177,7 +177,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
       slot = _mosaic.rem(j - cta_lo, stages)
 
       def qk(s_ref):
-        plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
         if config.pingpong:
           take_turn()
         return s_ref[...]
