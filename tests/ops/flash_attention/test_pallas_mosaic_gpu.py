@@ -368,16 +368,17 @@ class TestMosaicGpu:
   @pytest.mark.parametrize("dq_config", [
       MosaicDqConfig(), MosaicDqConfig(pingpong=True), MosaicDqConfig(block_kv=64),
       MosaicDqConfig(block_kv=64, pingpong=True), MosaicDqConfig(stages=1)])
-  @pytest.mark.parametrize("causal", [False, True])
+  @pytest.mark.parametrize("opts", [
+      dict(causal=False), dict(causal=True),
+      dict(sliding_window=(100, 30))])  # wider than a block: skips at both ends of a CTA
   @pytest.mark.parametrize("b, t, s, hq, hkv, d", [
       (2, 256, 384, 8, 2, 128),   # T < S, GQA 4:1
       (1, 384, 256, 4, 4, 64),    # T > S: under causal the last query rows see every key
       (1, 256, 512, 4, 1, 128)])  # MQA
-  def test_mosaic_dq_kernel_matches_reference(self, dq_config, causal, b, t, s, hq, hkv, d):
+  def test_mosaic_dq_kernel_matches_reference(self, dq_config, opts, b, t, s, hq, hkv, d):
     """The deterministic backward: the dK/dV-only Mosaic kernel beside mosaic_gpu_dq's."""
     _assert_grads_match_reference(PallasMosaicGpu(dq_config=dq_config),
-                                  jax.random.key(t + 5 * s + d), (b, t, s, hq, hkv, d),
-                                  dict(causal=causal))
+                                  jax.random.key(t + 5 * s + d), (b, t, s, hq, hkv, d), opts)
 
   @pytest.mark.parametrize("backward", [
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1),
