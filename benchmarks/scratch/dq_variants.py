@@ -31,6 +31,9 @@ VARIANTS = {
     "kv64-3st": fa.MosaicDqConfig(stages=3),
     "kv128-1st": fa.MosaicDqConfig(block_kv=128, stages=1),
     "kv64-1st": fa.MosaicDqConfig(block_kv=64, stages=1),
+    "kv64-k2v1": fa.MosaicDqConfig(block_kv=64, stages=2, v_stages=1),
+    "kv128-k2v1": fa.MosaicDqConfig(block_kv=128, stages=2, v_stages=1),
+    "kv128-k3v1": fa.MosaicDqConfig(block_kv=128, stages=3, v_stages=1),
 }
 # The dK/dV-only Mosaic backward (with_dq=False), timed alone: "dkv:<name>".
 DKV = {

@@ -54,16 +54,21 @@ def rem(x, n):
   return lax.rem(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
 
 
+def when(cond, fn) -> None:
+  """fn() where cond holds: a Python bool (static shapes) or a traced one."""
+  if isinstance(cond, bool):
+    if cond:
+      fn()
+  else:
+    pl.when(cond)(fn)
+
+
 def fill_ring(load, n, stages: int, free) -> None:
   """The memory warpgroup's loop: load(i, slot) for steps 0..n-1 into `stages` shared-memory
   slots, refilling a slot once every barrier array in `free` has been arrived on for it.
   `n` may be traced (causal CTAs need fewer steps); the first fills are then guarded."""
   for i in range(stages):
-    if isinstance(n, int):
-      if i < n:
-        load(i, i)
-    else:
-      pl.when(i < n)(functools.partial(load, i, i))
+    when(i < n, functools.partial(load, i, i))
 
   @pl.loop(stages, n)
   def _(i):
@@ -208,30 +213,59 @@ def visit_key_blocks(step, skip, carry, bounds, cta_lo, cta_hi, *, dense: bool, 
 
 
 def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, block_kv: int,
-                      stages: int, smem, ready, free) -> None:
+                      stages, smem, ready, free) -> None:
   """The memory warpgroup of the kernels that stream keys past resident queries: key blocks
   [cta_lo, cta_hi) of K, V (and the key segment ids, when kv_seg_ref is given) into the
   `smem` = (k, v[, ids]) ring with barriers `ready` (the same order), refilling a slot once
-  both compute warpgroups arrived on every barrier of `free`."""
+  both compute warpgroups arrived on every barrier of `free` = (k_free, v_free).
 
-  def load(i, slot):
+  `stages`: the ring's slots, or (K's, V's) for two rings of different depths, each refilled
+  once its own free barrier is passed (the ids share K's slots)."""
+  k_stages, v_stages = stages if isinstance(stages, tuple) else (stages, stages)
+  k_free, v_free = free
+  n = cta_hi - cta_lo
+
+  def copies(i, slot, which):
     keys = pl.ds((cta_lo + i) * block_kv, block_kv)
     srcs = (k_ref.at[b, keys, kv_head], v_ref.at[b, keys, kv_head])
     if kv_seg_ref is not None:
       srcs += (kv_seg_ref.at[b, keys],)
-    for src, dst, barrier in zip(srcs, smem, ready):
-      plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
+    for w in which:
+      plgpu.copy_gmem_to_smem(srcs[w], smem[w].at[slot], ready[w].at[slot])
 
-  fill_ring(load, cta_hi - cta_lo, stages, free)
+  if k_stages == v_stages:
+    fill_ring(functools.partial(copies, which=range(len(smem))), n, k_stages, free)
+    return
+  # Two rings, the shallower first (its block is needed sooner): each is filled, then the
+  # slot that block i leaves is refilled with block i + depth. Every wait sits under one
+  # condition with its own copy; a conditional wait of one ring after an unconditional copy of
+  # the other handed the compute warpgroups zeros for a V block (benchmarks/NOTES.md, session
+  # of 2026-11-22 (5)).
+  rings = sorted([(k_stages, [0] + ([2] if kv_seg_ref is not None else []), k_free),
+                  (v_stages, [1], v_free)], key=lambda ring: ring[0])
+  for depth, which, _ in rings:
+    for i in range(depth):
+      when(i < n, functools.partial(copies, i, i, which))
+
+  @pl.loop(0, n)
+  def _(i):
+    for depth, which, barrier in rings:
+
+      @pl.when(i + depth < n)
+      def _(depth=depth, which=which, barrier=barrier):
+        slot = rem(i, depth)
+        plgpu.barrier_wait(barrier.at[slot])
+        copies(i + depth, slot, which)
 
 
-def release_key_block(slot, ready, free, take_turn=None) -> None:
+def release_key_block(ready, free, take_turn=None) -> None:
   """A compute warpgroup passes over a key block only the CTA's other query block sees: it
-  waits for the slot's loads and releases it, and takes its two ping-pong turns."""
+  waits for the block's loads (`ready`: barriers of its slots) and releases them (`free`),
+  and takes its two ping-pong turns."""
   for barrier in ready:
-    plgpu.barrier_wait(barrier.at[slot])
+    plgpu.barrier_wait(barrier)
   for barrier in free:
-    plgpu.barrier_arrive(barrier.at[slot])
+    plgpu.barrier_arrive(barrier)
   if take_turn is not None:
     take_turn()
     take_turn()

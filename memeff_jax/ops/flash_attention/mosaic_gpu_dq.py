@@ -61,23 +61,35 @@ class MosaicDqConfig:
   Attributes:
     block_kv: keys per pipeline step (64 or 128). S and dP are block_kv columns wide beside
       the 64 × D float32 dQ accumulator in the compute warpgroups' registers.
-    stages: K/V slots in shared memory (fewer when they do not fit).
+    stages: K slots in shared memory, and V slots unless v_stages says otherwise (fewer
+      when they do not fit).
+    v_stages: V slots, where they differ from K's. A step reads V only for dP = dO Vᵀ, at
+      its start, and K until dQ += dS K at its end: one V slot is refilled while the rest
+      of the step runs, and the shared memory of a second V slot buys a second K slot
+      (at D = 256, where two of each do not fit).
     pingpong: the compute warpgroups take turns issuing WGMMAs.
   """
 
   block_kv: int = 128
   stages: int = 2
+  v_stages: int | None = None
   pingpong: bool = False
+
+  def ring_depths(self) -> tuple[int, int]:
+    """(K slots, V slots)."""
+    return self.stages, self.stages if self.v_stages is None else self.v_stages
 
   @classmethod
   def for_head_dim(cls, d: int) -> "MosaicDqConfig":
-    """128-key blocks up to D = 128; at D = 256 64-key blocks, one stage (registers and
-    shared memory: dq alone 4.6 ms against pallas_triton's 14.3 at B=4 H=16 T=4096)."""
-    return cls(block_kv=64, stages=1) if d == 256 else cls()
+    """128-key blocks up to D = 128; at D = 256 64-key blocks (registers), two K slots and
+    one V slot (shared memory: dq alone 3.5 ms against 4.6 with one slot of each and
+    pallas_triton's 14.3 at B=4 H=16 T=4096; one K slot where segment ids need the room)."""
+    return cls(block_kv=64, stages=2, v_stages=1) if d == 256 else cls()
 
 
-def support_error(q_shape, k_shape, dtype, config: MosaicDqConfig) -> str | None:
-  """Why the dq kernel cannot serve this call, or None when it can."""
+def support_error(q_shape, k_shape, dtype, config: MosaicDqConfig,
+                  segments: bool = False) -> str | None:
+  """Why the dq kernel cannot serve this call (with segment ids if `segments`), or None."""
   _, t, _, d = q_shape
   s = k_shape[1]
   if (why := _mosaic.dtype_error(dtype)) is not None:
@@ -92,17 +104,25 @@ def support_error(q_shape, k_shape, dtype, config: MosaicDqConfig) -> str | None
     return f"dq kernel needs T a multiple of {2 * BLOCK_Q}, got T={t}"
   if s % config.block_kv:
     return f"dq kernel needs S a multiple of {config.block_kv}, got S={s}"
-  if config.stages < 1:
+  if min(config.ring_depths()) < 1:
     return f"dq kernel needs at least one stage, got {config}"
-  if _fitting_stages(config, d, jnp.dtype(dtype).itemsize) < 1:
+  if _fitting_stages(config, d, jnp.dtype(dtype).itemsize, segments) < 1:
     return f"{config} does not fit in shared memory at D={d}"
   return None
 
 
-def _fitting_stages(config: MosaicDqConfig, d: int, itemsize: int) -> int:
-  """The most K/V stages that fit in shared memory beside Q, dO and the row statistics."""
+def _fitting_stages(config: MosaicDqConfig, d: int, itemsize: int, segments: bool) -> int:
+  """The most K stages (K/V stages without v_stages) that fit in shared memory beside Q,
+  dO, the row statistics, config.v_stages V slots and the segment ids (the queries', and
+  the keys' in K's slots)."""
   fixed = 2 * (2 * BLOCK_Q * d * itemsize) + 2 * 2 * BLOCK_Q * 4 + _SMEM_RESERVE
-  return (_mosaic.SMEM_BYTES - fixed) // (2 * config.block_kv * d * itemsize)
+  block = config.block_kv * d * itemsize
+  ids = config.block_kv * 4 if segments else 0
+  if segments:  # the query ids, and the padding of both id buffers to 1 kB (swizzle alignment)
+    fixed += 2 * BLOCK_Q * 4 + 2 * 1_024
+  if config.v_stages is None:
+    return (_mosaic.SMEM_BYTES - fixed) // (2 * block + ids)
+  return (_mosaic.SMEM_BYTES - fixed - config.v_stages * block) // (block + ids)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
@@ -110,7 +130,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
                q_ready, do_ready, stats_ready, k_ready, v_ready, k_free, v_free, turn,
                seg_scratch, *, config: MosaicDqConfig, mask: MaskSpec, scale: float,
                softcap: float | None, group: int):
-  bq, bkv, stages = BLOCK_Q, config.block_kv, config.stages
+  bq, bkv = BLOCK_Q, config.block_kv
+  stages, v_stages = config.ring_depths()
   s = k_ref.shape[1]
   dtype = q_ref.dtype
   b, h, qi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
@@ -150,21 +171,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
     if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
       pl.when(wg == 1)(take_turn)
 
+    def slots(j):
+      """Key block j's K slot (also its ids') and V slot."""
+      return _mosaic.rem(j - cta_lo, stages), _mosaic.rem(j - cta_lo, v_stages)
+
     def step(j, dq, *, masked):
-      slot = _mosaic.rem(j - cta_lo, stages)
+      slot, v_slot = slots(j)
       plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[v_slot])
 
       def scores(refs):
         s_ref, dp_ref = refs
         plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-        plgpu.wgmma(dp_ref, do_tile, v_smem.at[slot].T)
+        plgpu.wgmma(dp_ref, do_tile, v_smem.at[v_slot].T)
         if config.pingpong:
           take_turn()
 
       st, dp = pl.run_state(scores)((plgpu.ACC.init(zeros((bq, bkv))),
                                      plgpu.ACC.init(zeros((bq, bkv)))))
-      plgpu.barrier_arrive(v_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[v_slot])
       if softcap is None:
         z = st * c
       else:  # z = cap·tanh(s/cap) in the exp2 domain; dz/ds = 1 − tanh²
@@ -194,7 +219,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
       return dq
 
     def skip(j, _):
-      _mosaic.release_key_block(_mosaic.rem(j - cta_lo, stages), ready, (k_free, v_free),
+      slot, v_slot = slots(j)
+      ready_j = [k_ready.at[slot], v_ready.at[v_slot]]
+      if segments:
+        ready_j.append(kv_seg_ready.at[slot])
+      _mosaic.release_key_block(ready_j, [k_free.at[slot], v_free.at[v_slot]],
                                 take_turn if config.pingpong else None)
 
     dq = _mosaic.visit_key_blocks(step, skip, zeros((bq, q_ref.shape[-1])), bounds, cta_lo,
@@ -210,7 +239,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
   def _memory():
     plgpu.set_max_registers(40, action="decrease")
     _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, b,
-                              _mosaic.div(h, group), cta_lo, cta_hi, bkv, stages,
+                              _mosaic.div(h, group), cta_lo, cta_hi, bkv, (stages, v_stages),
                               (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
                               ready, (k_free, v_free))
 
@@ -222,9 +251,13 @@ def dq(opts: AttentionOptions, config: MosaicDqConfig, res: _common.Residuals, d
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   bq, bkv = BLOCK_Q, config.block_kv
+  if config.v_stages is not None:
+    config = dataclasses.replace(config, v_stages=max(1, min(config.v_stages, s // bkv)))
   stages = max(1, min(config.stages, s // bkv,
-                      _fitting_stages(config, d, jnp.dtype(q.dtype).itemsize)))
+                      _fitting_stages(config, d, jnp.dtype(q.dtype).itemsize,
+                                      opts.mask.segments)))
   config = dataclasses.replace(config, stages=stages)
+  v_stages = config.ring_depths()[1]
   mask = opts.mask
   tiles = _mosaic.swizzled_tiles()
   if mask.segments:
@@ -251,14 +284,14 @@ def dq(opts: AttentionOptions, config: MosaicDqConfig, res: _common.Residuals, d
         plgpu.SMEM((2, bq, d), q.dtype, transforms=tiles),
         plgpu.SMEM((2, 2, bq), jnp.float32),
         plgpu.SMEM((stages, bkv, d), k.dtype, transforms=tiles),
-        plgpu.SMEM((stages, bkv, d), v.dtype, transforms=tiles),
+        plgpu.SMEM((v_stages, bkv, d), v.dtype, transforms=tiles),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=v_stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=v_stages),
         plgpu.Barrier(num_arrivals=2),
         *seg_scratch,
         collective_axes="wg",

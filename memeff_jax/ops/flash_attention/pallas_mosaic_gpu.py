@@ -222,7 +222,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
       return acc, m_new, l
 
     def skip(j, _):
-      _mosaic.release_key_block(_mosaic.rem(j - cta_lo, stages), ready, (k_free, v_free),
+      slot = _mosaic.rem(j - cta_lo, stages)
+      _mosaic.release_key_block([r.at[slot] for r in ready], [k_free.at[slot], v_free.at[slot]],
                                 take_turn if config.pingpong else None)
 
     def first_k():
@@ -435,7 +436,7 @@ class PallasMosaicGpu:
     dq = self.dq_config
     if not isinstance(dq, pallas_triton.BlockConfig):
       mosaic = dq or MosaicDqConfig.for_head_dim(q.shape[-1])
-      why = mosaic_gpu_dq.support_error(q.shape, k.shape, q.dtype, mosaic)
+      why = mosaic_gpu_dq.support_error(q.shape, k.shape, q.dtype, mosaic, opts.mask.segments)
       if why is None:
         return dataclasses.replace(st, dq=mosaic)
       if dq is not None:

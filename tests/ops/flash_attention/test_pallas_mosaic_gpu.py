@@ -116,7 +116,7 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
   assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2,
                                                 with_dq=False)
-  assert st.dq == MosaicDqConfig(block_kv=64, stages=1) and st.triton is None
+  assert st.dq == MosaicDqConfig(block_kv=64, stages=2, v_stages=1) and st.triton is None
   # D = 192: no Mosaic backward; pallas_triton's computes dq with the rest.
   q192 = jax.ShapeDtypeStruct((1, 256, 4, 192), BF16)
   st = PallasMosaicGpu()._static(q192, q192, det)  # pylint: disable=protected-access
@@ -135,12 +135,17 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
     (False, None, True, 64, 256, 384, 1, None),
     (True, (100, 7), True, 256, 256, 384, 2, 30.0)])
 @pytest.mark.parametrize("config", [None, MosaicDqConfig(block_kv=64, pingpong=True),
-                                    MosaicDqConfig(block_kv=64, stages=1)])
+                                    MosaicDqConfig(block_kv=64, stages=1),
+                                    MosaicDqConfig(block_kv=64, stages=2, v_stages=1),
+                                    MosaicDqConfig(block_kv=64, stages=1, v_stages=2)])
 def test_dq_kernel_lowers_for_cuda(causal, window, segments, d, t, s, hkv, softcap, config):
   config = config or MosaicDqConfig.for_head_dim(d)
   opts = _opts(causal, window, segments, softcap)
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
   k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
+  if (why := mdq.support_error(q.shape, k.shape, BF16, config, segments)) is not None:
+    assert d == 256 and config.v_stages == 2 and "does not fit" in why
+    return  # two V slots beside Q, dO and the ids at D = 256: refused, not compiled
   stats = jax.ShapeDtypeStruct((2, 4, 2, t), jnp.float32)
 
   def dq(q, k, v, d_out, stats, q_seg, kv_seg):
@@ -161,6 +166,9 @@ def test_dq_kernel_lowers_for_cuda(causal, window, segments, d, t, s, hkv, softc
     ((1, 256, 4, 128), (1, 192, 4, 128), BF16, MosaicDqConfig(), "S=192"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, MosaicDqConfig(block_kv=96), "block_kv"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, MosaicDqConfig(stages=0), "one stage"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, MosaicDqConfig(v_stages=0), "one stage"),
+    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, MosaicDqConfig(block_kv=64, v_stages=3),
+     "does not fit"),
 ])
 def test_dq_support_error_names_what_is_not_served(q_shape, k_shape, dtype, config, match):
   assert re.search(match, mdq.support_error(q_shape, k_shape, dtype, config))
@@ -367,7 +375,11 @@ class TestMosaicGpu:
 
   @pytest.mark.parametrize("dq_config", [
       MosaicDqConfig(), MosaicDqConfig(pingpong=True), MosaicDqConfig(block_kv=64),
-      MosaicDqConfig(block_kv=64, pingpong=True), MosaicDqConfig(stages=1)])
+      MosaicDqConfig(block_kv=64, pingpong=True), MosaicDqConfig(stages=1),
+      # Rings of different depths: each refills in its own turn (a K block two steps
+      # ahead of its V block, or the reverse).
+      MosaicDqConfig(block_kv=64, stages=2, v_stages=1),
+      MosaicDqConfig(block_kv=64, stages=1, v_stages=2)])
   @pytest.mark.parametrize("opts", [
       dict(causal=False), dict(causal=True),
       dict(sliding_window=(100, 30))])  # wider than a block: skips at both ends of a CTA
@@ -379,6 +391,15 @@ class TestMosaicGpu:
     """The deterministic backward: the dK/dV-only Mosaic kernel beside mosaic_gpu_dq's."""
     _assert_grads_match_reference(PallasMosaicGpu(dq_config=dq_config),
                                   jax.random.key(t + 5 * s + d), (b, t, s, hq, hkv, d), opts)
+
+  @pytest.mark.parametrize("dq_config", [MosaicDqConfig(block_kv=64, stages=1),
+                                         MosaicDqConfig(block_kv=64, stages=2, v_stages=1)])
+  @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
+                                    dict(sliding_window=(100, 30))])
+  def test_mosaic_dq_kernel_d256(self, dq_config, opts):
+    """D = 256: one K/V slot each, and the default's two K slots beside one V slot."""
+    _assert_grads_match_reference(PallasMosaicGpu(dq_config=dq_config), jax.random.key(256),
+                                  (1, 256, 384, 4, 2, 256), opts)
 
   @pytest.mark.parametrize("backward", [
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1),
