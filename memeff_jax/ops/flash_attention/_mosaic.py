@@ -213,14 +213,15 @@ def visit_key_blocks(step, skip, carry, bounds, cta_lo, cta_hi, *, dense: bool, 
 
 
 def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, block_kv: int,
-                      stages, smem, ready, free) -> None:
+                      stages, smem, ready, free, *, separate_rings: bool = False) -> None:
   """The memory warpgroup of the kernels that stream keys past resident queries: key blocks
   [cta_lo, cta_hi) of K, V (and the key segment ids, when kv_seg_ref is given) into the
   `smem` = (k, v[, ids]) ring with barriers `ready` (the same order), refilling a slot once
   both compute warpgroups arrived on every barrier of `free` = (k_free, v_free).
 
   `stages`: the ring's slots, or (K's, V's) for two rings of different depths, each refilled
-  once its own free barrier is passed (the ids share K's slots)."""
+  once its own free barrier is passed (the ids share K's slots). `separate_rings`: two rings
+  even of equal depths, for kernels that release a block's K long before its V."""
   k_stages, v_stages = stages if isinstance(stages, tuple) else (stages, stages)
   k_free, v_free = free
   n = cta_hi - cta_lo
@@ -233,7 +234,7 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
     for w in which:
       plgpu.copy_gmem_to_smem(srcs[w], smem[w].at[slot], ready[w].at[slot])
 
-  if k_stages == v_stages:
+  if k_stages == v_stages and not separate_rings:
     fill_ring(functools.partial(copies, which=range(len(smem))), n, k_stages, free)
     return
   # Two rings, the shallower first (its block is needed sooner): each is filled, then the

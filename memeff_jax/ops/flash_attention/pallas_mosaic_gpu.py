@@ -13,7 +13,10 @@ One CTA per (batch, query head, 2·block_q query rows) runs three warpgroups:
 With `pingpong` the two compute warpgroups take turns on the tensor cores (as in
 FlashAttention-3, Shah et al. 2024, §3.1): a shared barrier lets one issue its matmuls only
 after the other has finished its softmax, so one's exponentials run under the other's
-WGMMAs. The output and the float32 log-sum-exp ([B, Hq, T], natural log, as the other
+WGMMAs. With `overlap` (FlashAttention-3's intra-warpgroup pipelining, §3.2, the default
+at D = 128 and 256 without a window or segment ids) each warpgroup instead issues block j's
+QKᵀ together with block j−1's PV and computes block j's softmax while that PV runs. The
+output and the float32 log-sum-exp ([B, Hq, T], natural log, as the other
 implementations save it) leave through shared memory by TMA.
 
 Masks: a CTA streams only the key blocks its rows can see. The causal and sliding-window
@@ -72,17 +75,35 @@ class MosaicConfig:
     block_kv: keys per pipeline step.
     stages: K/V slots in shared memory (at most what fits: 2 at D = 128, 6 at D = 64).
     pingpong: alternate the two compute warpgroups on the tensor cores.
+    overlap: FlashAttention-3's intra-warpgroup overlap: a step issues block j's QKᵀ and
+      block j−1's PV together and computes block j's softmax while PV runs (P of the
+      previous block is carried in registers). K and V then stream through separate rings,
+      since a block's V is released a step after its K. Excludes pingpong (which measured
+      slower with it: the turns hold back the warpgroup whose PV is in flight).
   """
 
   block_q: int = 64
   block_kv: int = 128
   stages: int = 2
   pingpong: bool = True
+  overlap: bool = False
 
   @classmethod
   def for_head_dim(cls, d: int) -> "MosaicConfig":
     """128-key blocks up to D = 128; 64-key blocks above (registers and shared memory)."""
     return cls() if d <= 128 else cls(block_kv=64)
+
+  @classmethod
+  def for_call(cls, d: int, mask: MaskSpec) -> "MosaicConfig":
+    """for_head_dim(d), with overlap in place of ping-pong at D = 128 and 256 under no mask
+    or a causal one. There it measured 1.05× / 1.13× cuDNN's forward non-causal and 1.02× /
+    1.09× causal, against 0.98× / 0.95× and 1.01× / 0.98× with ping-pong (H200, one
+    process, benchmarks/NOTES.md); not at D = 64 (no faster). Masked blocks run without the
+    overlap, so windows and segment ids keep ping-pong."""
+    config = cls.for_head_dim(d)
+    if d in (128, 256) and (mask.is_dense or mask.is_causal):
+      config = dataclasses.replace(config, overlap=True, pingpong=False)
+    return config
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
@@ -100,6 +121,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"needs S a multiple of {config.block_kv}, got S={s}"
   if opts.scale <= 0:
     return f"needs scale > 0, got {opts.scale}"
+  if config.overlap and config.pingpong:
+    return "overlap and pingpong exclude each other"
   return None
 
 
@@ -172,6 +195,33 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
                            q_ids if segments else None, kv_ids)
       return jnp.where(ok, scores, -jnp.inf)
 
+    def online_softmax(j, slot, scores, m, l, *, masked):
+        """Block j's P (input dtype) on the running maximum m → m_new, the new row sums, and
+        α = 2^(m − m_new) for the accumulator; releases K's slot once its scores (and key
+        ids) have been read."""
+        if not segments:
+          plgpu.barrier_arrive(k_free.at[slot])
+        if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
+          scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _mosaic.LOG2E)
+        if masked:
+          scores = visible(j, scores)
+        if segments:  # the slot's key ids have been read too
+          plgpu.barrier_arrive(k_free.at[slot])
+        if softcap is None:  # scale the row maximum, not the whole tile
+          m_new = jnp.maximum(m, scores.max(axis=1) * c)
+          z = scores * c
+        else:
+          m_new = jnp.maximum(m, scores.max(axis=1))
+          z = scores
+        # A row with no visible key yet has m_new = -inf: subtract 0 instead (p = 0, α = 0).
+        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
+        p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
+        alpha = jnp.exp2(m - m_sub)
+        return p.astype(dtype), m_new, l * alpha + p.sum(axis=1), alpha
+
+    def rescale(acc, alpha):
+      return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
     def step(j, carry, *, masked):
       acc, m, l = carry
       slot = _mosaic.rem(j - cta_lo, stages)
@@ -183,27 +233,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
         return s_ref[...]
 
       scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-      if not segments:
-        plgpu.barrier_arrive(k_free.at[slot])
-      if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
-        scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _mosaic.LOG2E)
-      if masked:
-        scores = visible(j, scores)
-      if segments:  # the slot's key ids have been read too
-        plgpu.barrier_arrive(k_free.at[slot])
-      if softcap is None:  # scale the row maximum, not the whole tile
-        m_new = jnp.maximum(m, scores.max(axis=1) * c)
-        z = scores * c
-      else:
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        z = scores
-      # A row with no visible key yet has m_new = -inf: subtract 0 instead (p = 0, α = 0).
-      m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
-      p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
-      alpha = jnp.exp2(m - m_sub)
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p = p.astype(dtype)
+      p, m_new, l, alpha = online_softmax(j, slot, scores, m, l, masked=masked)
+      acc = rescale(acc, alpha)
       if config.pingpong:
         plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may issue
       plgpu.barrier_wait(v_ready.at[slot])
@@ -229,8 +260,89 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
     def first_k():
       plgpu.barrier_wait(k_ready.at[_mosaic.rem(bounds[0] - cta_lo, stages)])
 
-    acc, m, l = _mosaic.visit_key_blocks(step, skip, (acc, m, l), bounds, cta_lo, cta_hi,
-                                         dense=static_range, start=first_k)
+    def overlapped_blocks(acc, m, l):
+      """visit_key_blocks with FlashAttention-3's intra-warpgroup overlap (config.overlap):
+      block lo's QKᵀ and softmax, then per block j QKᵀ_j and PV_{j−1} issued together and
+      block j's softmax computed while PV_{j−1} runs, then block hi−1's PV."""
+      lo, hi, full_lo, full_hi = bounds
+      slot_of = lambda j: _mosaic.rem(j - cta_lo, stages)
+      zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+      def first(masked):
+        def run():
+          slot = slot_of(lo)
+          plgpu.barrier_wait(k_ready.at[slot])
+
+          def qk(s_ref):
+            plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+            return s_ref[...]
+
+          scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+          return online_softmax(lo, slot, scores, m, l, masked=masked)[:3]
+        return run
+
+      def no_blocks():
+        return zeros((bq, bkv)).astype(dtype), m, l
+
+      def step(j, carry, *, masked):
+        acc, m, l, p_prev = carry
+        slot, prev = slot_of(j), slot_of(j - 1)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[prev])
+
+        def issue_both(refs):
+          s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+          plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+          # PV_{j−1} may still run, except on a masked block: the mask's registers then made
+          # ptxas serialize every WGMMA of the kernel (C7513, benchmarks/NOTES.md).
+          scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if masked else 1)
+          p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = online_softmax(
+              j, slot, scores, m, l, masked=masked)
+
+        _, acc, p, m, l, alpha = pl.run_state(issue_both)(
+            (plgpu.ACC.init(zeros((bq, bkv))), plgpu.ACC.init(acc), p_prev, m, l, m))
+        plgpu.barrier_arrive(v_free.at[prev])
+        return rescale(acc, alpha), m, l, p
+
+      def last(acc, p):
+        def run():
+          prev = slot_of(hi - 1)
+          plgpu.barrier_wait(v_ready.at[prev])
+
+          def pv(o_ref):
+            plgpu.wgmma(o_ref, p, v_smem.at[prev])
+
+          out = pl.run_state(pv)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_free.at[prev])
+          return out
+        return run
+
+      lax.fori_loop(cta_lo, lo, skip, None)
+      # Under a window or segment ids a warpgroup may own no block: its first and last
+      # blocks then go under a lax.cond (every causal row sees key 0).
+      if may_be_empty:
+        p, m, l = lax.cond(lo < hi, first(masked=True), no_blocks)
+      else:
+        p, m, l = first(masked=not static_range)()
+      carry = (acc, m, l, p)
+      if static_range:
+        carry = lax.fori_loop(lo + 1, hi, functools.partial(step, masked=False), carry)
+      else:  # blocks lo+1.. in visit_key_blocks's three ranges (none when lo == hi)
+        full_lo, full_hi = jnp.maximum(full_lo, lo + 1), jnp.maximum(full_hi, lo + 1)
+        carry = lax.fori_loop(lo + 1, full_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+      acc, m, l, p = carry
+      acc = lax.cond(lo < hi, last(acc, p), lambda: acc) if may_be_empty else last(acc, p)()
+      lax.fori_loop(hi, cta_hi, skip, None)
+      return acc, m, l
+
+    if config.overlap:
+      acc, m, l = overlapped_blocks(acc, m, l)
+    else:
+      acc, m, l = _mosaic.visit_key_blocks(step, skip, (acc, m, l), bounds, cta_lo, cta_hi,
+                                           dense=static_range, start=first_k)
     if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
       pl.when(wg == 0)(take_turn)
 
@@ -254,7 +366,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
     _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, b,
                               _mosaic.div(h, group), cta_lo, cta_hi, bkv, stages,
                               (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
-                              ready, (k_free, v_free))
+                              ready, (k_free, v_free), separate_rings=config.overlap)
 
 
 def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
@@ -364,7 +476,7 @@ def hopper_available() -> str | None:
 class PallasMosaicGpu:
   """Mosaic GPU forward and backward (Hopper).
 
-  `config=None` uses MosaicConfig.for_head_dim. `backward_config` picks the backward: a
+  `config=None` uses MosaicConfig.for_call. `backward_config` picks the backward: a
   MosaicBackwardConfig runs the Mosaic kernel (mosaic_gpu_backward) with those tiles, a
   pallas_triton.BlockConfig runs pallas_triton's dq and dk/dv kernels, and None runs the
   Mosaic backward (tiles from MosaicBackwardConfig.tuned) where it serves the call (D 64,
@@ -394,7 +506,7 @@ class PallasMosaicGpu:
     return _backward(self._static(q, k, opts), res, (d_out, d_lse))[:3]
 
   def _static(self, q, k, opts: AttentionOptions) -> _Static:
-    config = self.config or MosaicConfig.for_head_dim(q.shape[-1])
+    config = self.config or MosaicConfig.for_call(q.shape[-1], opts.mask)
     why = hopper_available() or support_error(q.shape, k.shape, q.dtype, opts, config)
     if why is not None:
       raise NotImplementedError(f"pallas_mosaic_gpu: {why}")

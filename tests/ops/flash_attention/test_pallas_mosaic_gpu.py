@@ -40,6 +40,8 @@ def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
     ((1, 200, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(), "T=200"),
     ((1, 256, 4, 128), (1, 300, 4, 128), BF16, _opts(), MosaicConfig(), "S=300"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(scale=-1.0), MosaicConfig(), "scale > 0"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(overlap=True),
+     "overlap and pingpong"),
 ])
 def test_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config, match):
   assert re.search(match, pm.support_error(q_shape, k_shape, dtype, opts, config))
@@ -60,6 +62,23 @@ def test_explicit_mosaic_on_cpu_says_why():
   q = jnp.ones((1, 128, 2, 64), BF16)
   with pytest.raises(NotImplementedError, match="pallas_mosaic_gpu: needs an NVIDIA Hopper"):
     flash_attention(q, q, q, implementation="pallas_mosaic_gpu")
+
+
+@pytest.mark.parametrize("d, opts, overlap", [
+    (128, _opts(), True), (128, _opts(causal=True), True), (256, _opts(causal=True), True),
+    (64, _opts(), False), (192, _opts(), False),
+    (128, _opts(window=(100, 7)), False), (128, _opts(causal=True, segments=True), False)])
+def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap):
+  """The default forward: intra-warpgroup overlap at D = 128 and 256 with no mask or a causal
+  one, ping-pong elsewhere (masked blocks run without the overlap); an explicit config wins."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
+  q = jax.ShapeDtypeStruct((1, 256, 4, d), BF16)
+  st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
+  assert (st.config.overlap, st.config.pingpong) == (overlap, not overlap)
+  assert st.config.block_kv == MosaicConfig.for_head_dim(d).block_kv
+  explicit = PallasMosaicGpu(config=MosaicConfig())._static(q, q, opts)  # pylint: disable=protected-access
+  assert explicit.config == MosaicConfig()
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -194,9 +213,12 @@ def _segment_structs(segments, t, s):
     (False, (100, 7), False, True, 128, 512, 384, 2, None),
     (True, 300, True, True, 128, 512, 512, 4, 20.0),
     (False, None, True, False, 64, 256, 384, 1, None)])
-def test_kernel_lowers_for_cuda(causal, window, segments, pingpong, d, t, s, hkv, softcap):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_kernel_lowers_for_cuda(causal, window, segments, pingpong, d, t, s, hkv, softcap,
+                                overlap):
   """Builds the Mosaic GPU kernel (no GPU needed): catches API drift between jax releases."""
-  config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=pingpong)
+  config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=pingpong and not overlap,
+                               overlap=overlap)
   st = pm._Static(_opts(causal, window, segments, softcap), config, None, None)  # pylint: disable=protected-access
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
   k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
@@ -353,6 +375,28 @@ class TestMosaicGpu:
     r_out, r_lse, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=causal))
     assert rel_err(out, r_out) < 3e-2
     assert rel_err(lse, r_lse) < 1e-4
+    for g, rg in zip(grads, r_grads):
+      assert rel_err(g, rg) < 3e-2
+
+  @pytest.mark.parametrize("opts", [
+      dict(causal=False), dict(causal=True), dict(causal=True, logit_softcap=30.0),
+      dict(sliding_window=(100, 30)),  # skips at both ends of a CTA
+      dict(sliding_window=5),  # narrower than a block: rows of the first block see none
+      dict(causal=True, segments=True), dict(sliding_window=(100, 30), segments=True)])
+  @pytest.mark.parametrize("d", [64, 128, 256])
+  def test_overlapped_forward_matches_reference(self, opts, d):
+    """MosaicConfig(overlap=True): PV of the previous block in flight during the softmax."""
+    config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=False, overlap=True)
+    impl = PallasMosaicGpu(config=config)
+    q, k, v, seg, ct = make_problem(jax.random.key(d + 3), 2, 384, 512, 8, 2, d, BF16,
+                                    segments=opts.get("segments", False))
+    out, lse, grads = run(impl, q, k, v, seg, ct, opts)
+    up = lambda x: x.astype(jnp.float32)
+    r_out, r_lse, r_grads = run("reference", up(q), up(k), up(v), seg, ct, opts)
+    assert rel_err(out, r_out) < 3e-2
+    finite = jnp.isfinite(r_lse)
+    assert bool(jnp.all(finite == jnp.isfinite(lse)))
+    assert rel_err(jnp.where(finite, lse, 0.0), jnp.where(finite, r_lse, 0.0)) < 1e-4
     for g, rg in zip(grads, r_grads):
       assert rel_err(g, rg) < 3e-2
 
