@@ -11,12 +11,12 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, ".")
+from benchmarks import _harness  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
 
 B, T, H, D = 4, 4096, int(os.environ.get("H", 32)), int(os.environ.get("D", 128))
@@ -39,15 +39,6 @@ def provider_fn(name, causal):
                                                          implementation="mosaic")
   impl = fa.PallasMosaicGpu(config=CONFIGS[name])
   return lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, implementation=impl)
-
-
-def timed(f, *args, reps=20):
-  jax.block_until_ready(f(*args))
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    r = f(*args)
-  jax.block_until_ready(r)
-  return (time.perf_counter() - t0) / reps
 
 
 def main():
@@ -75,7 +66,8 @@ def main():
     for _ in range(rounds):
       for name, f in fns.items():
         args = (q, k, v, ct) if name.startswith("vjp:") else (q, k, v)
-        times[name].append(timed(f, *args))
+        # One batch of 20 back-to-back calls per round (seconds per call).
+        times[name].append(_harness.time_jax(f, *args, warmup=1, reps=1, inner=20) / 1e3)
     base = statistics.median(times["cudnn"]) if "cudnn" in times else None
     for name, ts in times.items():
       med = statistics.median(ts)
