@@ -196,43 +196,46 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
       return jnp.where(ok, scores, -jnp.inf)
 
     def online_softmax(j, slot, scores, m, l, *, masked):
-        """Block j's P (input dtype) on the running maximum m → m_new, the new row sums, and
-        α = 2^(m − m_new) for the accumulator; releases K's slot once its scores (and key
-        ids) have been read."""
-        if not segments:
-          plgpu.barrier_arrive(k_free.at[slot])
-        if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
-          scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _mosaic.LOG2E)
-        if masked:
-          scores = visible(j, scores)
-        if segments:  # the slot's key ids have been read too
-          plgpu.barrier_arrive(k_free.at[slot])
-        if softcap is None:  # scale the row maximum, not the whole tile
-          m_new = jnp.maximum(m, scores.max(axis=1) * c)
-          z = scores * c
-        else:
-          m_new = jnp.maximum(m, scores.max(axis=1))
-          z = scores
-        # A row with no visible key yet has m_new = -inf: subtract 0 instead (p = 0, α = 0).
-        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
-        p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
-        alpha = jnp.exp2(m - m_sub)
-        return p.astype(dtype), m_new, l * alpha + p.sum(axis=1), alpha
+      """Block j's P (input dtype) on the running maximum m → m_new, the new row sums, and
+      α = 2^(m − m_new) for the accumulator; releases K's slot once its scores (and key
+      ids) have been read."""
+      if not segments:
+        plgpu.barrier_arrive(k_free.at[slot])
+      if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
+        scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _mosaic.LOG2E)
+      if masked:
+        scores = visible(j, scores)
+      if segments:  # the slot's key ids have been read too
+        plgpu.barrier_arrive(k_free.at[slot])
+      if softcap is None:  # scale the row maximum, not the whole tile
+        m_new = jnp.maximum(m, scores.max(axis=1) * c)
+        z = scores * c
+      else:
+        m_new = jnp.maximum(m, scores.max(axis=1))
+        z = scores
+      # A row with no visible key yet has m_new = -inf: subtract 0 instead (p = 0, α = 0).
+      m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
+      p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
+      alpha = jnp.exp2(m - m_sub)
+      return p.astype(dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
     def rescale(acc, alpha):
       return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-    def step(j, carry, *, masked):
-      acc, m, l = carry
-      slot = _mosaic.rem(j - cta_lo, stages)
-
+    def block_scores(slot):
+      """QKᵀ of the key block in `slot` (then the ping-pong turn), waited for."""
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
         if config.pingpong:
           take_turn()
         return s_ref[...]
 
-      scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+      return pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+
+    def step(j, carry, *, masked):
+      acc, m, l = carry
+      slot = _mosaic.rem(j - cta_lo, stages)
+      scores = block_scores(slot)
       p, m_new, l, alpha = online_softmax(j, slot, scores, m, l, masked=masked)
       acc = rescale(acc, alpha)
       if config.pingpong:
@@ -272,13 +275,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
         def run():
           slot = slot_of(lo)
           plgpu.barrier_wait(k_ready.at[slot])
-
-          def qk(s_ref):
-            plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-            return s_ref[...]
-
-          scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-          return online_softmax(lo, slot, scores, m, l, masked=masked)[:3]
+          return online_softmax(lo, slot, block_scores(slot), m, l, masked=masked)[:3]
         return run
 
       def no_blocks():
