@@ -129,6 +129,8 @@ def parse_memeff(provider: str):
       kw["memory_budget_bytes"] = int(opts.pop("budget_mib")) * 2**20
     if "dw" in opts:
       kw["dw_accumulation"] = opts.pop("dw")
+    if "gemms" in opts:  # e.g. gemms=dw or gemms=logits+dx+dw: those on ops.mosaic_gemm
+      kw["mosaic_gemms"] = tuple(opts.pop("gemms").split("+"))
     for key in ("block_rows", "block_v", "num_warps", "num_stages"):
       if key in opts:
         kernel[key] = int(opts.pop(key))

@@ -29,6 +29,16 @@ def on_nvidia_gpu() -> bool:
   return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
 
 
+def hopper_error() -> str | None:
+  """Why the default device is not an NVIDIA Hopper GPU (compute capability 9.0), or None."""
+  if not on_nvidia_gpu():
+    return f"needs an NVIDIA Hopper GPU (default device: {default_device().device_kind})"
+  capability = getattr(default_device(), "compute_capability", None)
+  if capability != "9.0":
+    return f"needs compute capability 9.0 (Hopper), got {capability}"
+  return None
+
+
 def resolve(implementation, registry: Mapping[str, Any], default: Sequence[str]) -> list[Any]:
   """Names, objects or a sequence of them (None: `default`) -> implementation objects."""
   if implementation is None:

@@ -46,10 +46,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from memeff_jax.ops import _dispatch
+
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
+
+
+def unavailable() -> str | None:
+  """Why the kernel cannot run on the default device, or None when it can."""
+  if plgpu is None:
+    return "jax.experimental.pallas.mosaic_gpu is not importable"
+  return _dispatch.hopper_error()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +70,13 @@ class GemmConfig:
     tile_k: K per pipeline step.
     max_concurrent_steps: depth of the A/B pipeline in shared memory.
     wg_split: "n" puts the two warpgroups' tiles side by side along N (CTA tile
-      tile_m × 2·tile_n), "m" along M.
+      tile_m × 2·tile_n), "m" along M (cooperative schedule only).
     minor: which tile coordinate the persistent walk advances fastest ("m" or "n").
     band: width of the walk's bands along the minor coordinate (plgpu.planar_snake).
     num_sms: CTAs to launch; None reads the device's SM count.
+    schedule: "cooperative" (both compute warpgroups work on one CTA tile, then both run
+      its epilogue) or "pingpong" (each owns every other tile of the CTA's walk, so one
+      warpgroup's epilogue runs under the other's main loop; see _pingpong_kernel).
   """
 
   tile_m: int = 128
@@ -75,8 +87,15 @@ class GemmConfig:
   minor: str = "n"
   band: int = 1
   num_sms: int | None = None
+  schedule: str = "cooperative"
+
+  def __post_init__(self):
+    if self.schedule not in ("cooperative", "pingpong"):
+      raise ValueError(f"schedule must be 'cooperative' or 'pingpong', got {self.schedule!r}")
 
   def cta_tile(self) -> tuple[int, int]:
+    if self.schedule == "pingpong":
+      return self.tile_m, self.tile_n
     return (self.tile_m * (2 if self.wg_split == "m" else 1),
             self.tile_n * (2 if self.wg_split == "n" else 1))
 
@@ -206,16 +225,148 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _launch(body, out_type, config: GemmConfig):
-  """A persistent launch of `body`: one CTA per SM, two compute and one memory warpgroup."""
+def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
+                     trans_b: bool, sms: int):
+  """Ping-pong: the CTA walks its tiles j = 0, 1, 2, ...; compute warpgroup j % 2 owns tile j.
+
+  One ring of `max_concurrent_steps` A/B slots carries every tile's K steps in walk order.
+  Both compute warpgroups wait on every slot's arrival and release every slot (the owner
+  once its WGMMA has read it, the other at once), so each sees every phase of every barrier
+  in order, and a slot is refilled once both have passed it. While one warpgroup adds C to
+  its tile and stores it, the other's main loop has the tensor cores; C is requested when a
+  tile's main loop starts and lands in shared memory while it runs.
+  """
+  m, n = out_gmem.shape
+  k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
+  tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
+  stages = config.max_concurrent_steps
+  m_tiles, n_tiles = m // tm, n // tn
+  k_steps = k // tk
+  dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  div, rem = (lambda x, y: lax.div(i32(x), i32(y))), (lambda x, y: lax.rem(i32(x), i32(y)))
+  sm = lax.axis_index("sm")
+  n_local = div(m_tiles * n_tiles - sm + sms - 1, sms)  # tiles sm, sm + sms, ...
+
+  def origin(j):
+    mi, ni = plgpu.planar_snake(sm + j * sms, (m_tiles, n_tiles),
+                                0 if config.minor == "m" else 1, config.band)
+    return mi * tm, ni * tn
+
+  a_block = (tk, tm) if trans_a else (tm, tk)
+  b_block = (tn, tk) if trans_b else (tk, tn)
+
+  def body(a_smem, b_smem, c_smem, ready, free, c_ready):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+
+      def tile(j, _):
+        first = j * k_steps  # this tile's first step in the ring's sequence
+        rows, cols = origin(j)
+        out_tile = (pl.ds(rows, tm), pl.ds(cols, tn))
+
+        @pl.when(rem(j, 2) != wg)
+        def _pass():  # the other warpgroup's tile: release each slot once it has landed
+          @pl.loop(0, k_steps)
+          def _(kk):
+            slot = rem(first + kk, stages)
+            plgpu.barrier_wait(ready.at[slot])
+            plgpu.barrier_arrive(free.at[slot])
+
+        @pl.when(rem(j, 2) == wg)
+        def _own():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read c_smem
+          if c_gmem is not None:
+            plgpu.copy_gmem_to_smem(c_gmem.at[out_tile], c_smem.at[wg], c_ready.at[wg])
+
+          def main_loop(acc_ref):
+            @pl.loop(0, k_steps)
+            def _(kk):
+              slot = rem(first + kk, stages)
+              plgpu.barrier_wait(ready.at[slot])
+              a, b = a_smem.at[slot], b_smem.at[slot]
+              plgpu.wgmma(acc_ref, a.T if trans_a else a, b.T if trans_b else b)
+              plgpu.wgmma_wait(1)  # the step before has been read: release its slot
+
+              @pl.when(kk > 0)
+              def _():
+                plgpu.barrier_arrive(free.at[rem(first + kk - 1, stages)])
+
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(free.at[rem(first + k_steps - 1, stages)])
+            return acc_ref[...]
+
+          acc = pl.run_scoped(main_loop, plgpu.ACC((tm, tn), jnp.float32))
+          if c_gmem is not None:
+            plgpu.barrier_wait(c_ready.at[wg])
+            acc = acc + c_smem.at[wg][...].astype(jnp.float32)
+          c_smem.at[wg][...] = acc.astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(c_smem.at[wg], out_gmem.at[out_tile])
+
+      lax.fori_loop(0, n_local, tile, None)
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def tile(j, _):
+        rows, cols = origin(j)
+
+        @pl.loop(0, k_steps)
+        def _(kk):
+          step = j * k_steps + kk
+          slot = rem(step, stages)
+
+          @pl.when(step >= stages)
+          def _():
+            plgpu.barrier_wait(free.at[slot])
+
+          ks = pl.ds(kk * tk, tk)
+          a_src = a_gmem.at[ks, pl.ds(rows, tm)] if trans_a else a_gmem.at[pl.ds(rows, tm), ks]
+          b_src = b_gmem.at[pl.ds(cols, tn), ks] if trans_b else b_gmem.at[ks, pl.ds(cols, tn)]
+          plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], ready.at[slot])
+          plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], ready.at[slot])
+
+      lax.fori_loop(0, n_local, tile, None)
+
+  pl.run_scoped(
+      body,
+      plgpu.SMEM((stages, *a_block), dtype, transforms=_swizzled(a_block[1], dtype)),
+      plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype)),
+      plgpu.SMEM((2, tm, tn), out_dtype, transforms=_swizzled(tn, out_dtype)),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # ready: A and B landed
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # free: both warpgroups passed
+      plgpu.Barrier(num_barriers=2),  # C landed, per warpgroup
+      collective_axes="wg",
+  )
+
+
+def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: bool,
+            into: bool):
+  """A persistent launch: one CTA per SM, two compute and one memory warpgroup. With `into`
+  the last operand is C, which the kernel updates in place (out_type is then ())."""
   sms = config.num_sms if config.num_sms is not None else jax.devices()[0].core_count
+
+  def body(a_ref, b_ref, out_ref):
+    c_ref = out_ref if into else None
+    if config.schedule == "pingpong":
+      _pingpong_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
+                       trans_b=trans_b, sms=sms)
+    else:
+      _kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a, trans_b=trans_b)
+
   return plgpu.kernel(
       body,
       out_type=out_type,
       grid=(sms,), grid_names=("sm",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )
+  )(*operands)
 
 
 def _check(a, b, c, trans_a, trans_b, config):
@@ -240,11 +391,8 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype)."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
-
-  def body(a_ref, b_ref, out_ref):
-    _kernel(a_ref, b_ref, None, out_ref, config=config, trans_a=trans_a, trans_b=trans_b)
-
-  return _launch(body, jax.ShapeDtypeStruct((m, n), out_dtype), config)(a, b)
+  return _launch((a, b), jax.ShapeDtypeStruct((m, n), out_dtype), config, trans_a=trans_a,
+                 trans_b=trans_b, into=False)
 
 
 def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
@@ -254,8 +402,4 @@ def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
   _check(a, b, c_ref, trans_a, trans_b, config)
   if jnp.dtype(c_ref.dtype).itemsize != 2:
     raise TypeError(f"c must be 16-bit, got {c_ref.dtype}")
-
-  def body(a_ref, b_ref, c_gmem):
-    _kernel(a_ref, b_ref, c_gmem, c_gmem, config=config, trans_a=trans_a, trans_b=trans_b)
-
-  _launch(body, (), config)(a, b, c_ref)
+  _launch((a, b, c_ref), (), config, trans_a=trans_a, trans_b=trans_b, into=True)

@@ -32,14 +32,33 @@ def test_errors_name_the_shapes():
   with pytest.raises(ValueError, match=r"c must be \[256, 512\]"):
     mg.gemm_into(jax.new_ref(jnp.zeros((M, M), jnp.bfloat16)), a, jnp.zeros((K, N), jnp.bfloat16))
   assert mg.shape_error(4096, 128256, 512, mg.GemmConfig()) is None
+  with pytest.raises(ValueError, match="schedule must be"):
+    mg.GemmConfig(schedule="stream-k")
+
+
+def test_pingpong_lowers_for_cuda():
+  """The ping-pong kernel lowers to a Mosaic GPU module on a CPU host (runs need a GPU)."""
+  cfg = mg.GemmConfig(tile_n=128, max_concurrent_steps=4, schedule="pingpong", num_sms=132)
+  for ta, tb in ((True, False), (False, True), (False, False)):
+    a = jax.ShapeDtypeStruct((K, M) if ta else (M, K), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((N, K) if tb else (K, N), jnp.bfloat16)
+    f = lambda a, b, ta=ta, tb=tb: mg.gemm(a, b, trans_a=ta, trans_b=tb, config=cfg)
+    text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("trans_a,trans_b,split", [
-    (ta, tb, s) for ta, tb in itertools.product([False, True], repeat=2) for s in "nm"])
+    (ta, tb, s) for ta, tb in itertools.product([False, True], repeat=2) for s in ("n", "m", "pingpong")])
 def test_matches_float32_reference(trans_a, trans_b, split):
+  """split "pingpong": 128 × 128 tiles, one per warpgroup, 4 tiles per CTA on 2 CTAs (each
+  warpgroup runs two), K in 4 steps through a ring of 3 slots (the slots' phases wrap
+  across tiles)."""
   a, b, c, ref = _operands(trans_a, trans_b)
-  cfg = mg.GemmConfig(wg_split=split)
+  if split == "pingpong":
+    cfg = mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule="pingpong", num_sms=2)
+  else:
+    cfg = mg.GemmConfig(wg_split=split)
   out = jax.jit(lambda a, b: mg.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg))(a, b)
   np.testing.assert_allclose(out.astype(np.float32), ref.astype(jnp.bfloat16).astype(np.float32),
                              rtol=1e-2, atol=0.5)

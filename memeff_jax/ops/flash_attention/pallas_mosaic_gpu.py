@@ -461,12 +461,7 @@ def hopper_available() -> str | None:
   """Why no Hopper GPU can run the kernel, or None."""
   if plgpu is None:
     return "jax.experimental.pallas.mosaic_gpu is not importable"
-  if not _dispatch.on_nvidia_gpu():
-    return f"needs an NVIDIA Hopper GPU (default device: {_dispatch.default_device().device_kind})"
-  capability = getattr(_dispatch.default_device(), "compute_capability", None)
-  if capability != "9.0":
-    return f"needs compute capability 9.0 (Hopper), got {capability}"
-  return None
+  return _dispatch.hopper_error()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,11 @@ chunk's logits. Memory: one [C, V] buffer in the compute dtype; dW accumulates d
 the weight's dtype (each chunk's product is summed in float32 inside the GEMM, then added
 to the running dW and rounded once per chunk, as Liger-Kernel does) unless
 `dw_accumulation="float32"`, which holds a float32 [D, V] accumulator instead.
+
+`mosaic_gemms` moves any of the three GEMMs from cuBLAS to ops.mosaic_gemm (Hopper, 16-bit
+operands): there dW's running sum is a `jax.Ref` that the kernel updates in place, its tile
+of the sum fetched while the tile's main loop runs, and no GEMM holds cuBLAS's 32 MiB
+workspace.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from jax.experimental import pallas as pl
 
 from memeff_jax import _tuning
 from memeff_jax.ops import _dispatch
+from memeff_jax.ops import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
@@ -34,6 +40,9 @@ try:  # The Triton flavour of Pallas; its module moved between releases.
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
+
+
+GEMMS = ("logits", "dx", "dw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +73,10 @@ class PallasGpu:
       that GEMM rows are 16-byte aligned (V = 50,257 otherwise leaves cuBLAS on slow
       kernels). Costs a copy of W when V is not already a multiple.
     interpret: run the kernel in the Pallas interpreter (any backend, for tests).
+    mosaic_gemms: which of the chunk's GEMMs ("logits", "dx", "dw") run on ops.mosaic_gemm
+      instead of cuBLAS; tiles from configs/tuning/linear_cross_entropy.toml's
+      [mosaic_gemm] sections (`<gemm>_<layout>`, else `<gemm>`). Needs a Hopper GPU, 16-bit x and weight, and shapes that
+      are multiples of the tiles; a call that cannot have them raises NotImplementedError.
   """
 
   memory_budget_bytes: int = 256 * 2**20
@@ -71,12 +84,44 @@ class PallasGpu:
   vocab_multiple: int = 64
   kernel: KernelConfig | None = None
   interpret: bool = False
+  mosaic_gemms: tuple[str, ...] = ()
   name: str = "pallas_gpu"
 
   def __post_init__(self):
     if self.dw_accumulation not in ("weight", "float32"):
       raise ValueError(f"dw_accumulation must be 'weight' or 'float32', got "
                        f"{self.dw_accumulation!r}")
+    if isinstance(self.mosaic_gemms, str) or not set(self.mosaic_gemms) <= set(GEMMS):
+      raise ValueError(f"mosaic_gemms must be a tuple of names from {GEMMS}, got "
+                       f"{self.mosaic_gemms!r}")
+    if "dw" in self.mosaic_gemms and self.dw_accumulation == "float32":
+      raise ValueError("mosaic_gemms with 'dw' accumulates dW in the weight's 16-bit dtype; "
+                       "it excludes dw_accumulation='float32'")
+
+  def gemm_configs(self, tokens: int, d: int, vocab: int, dtype, weight_dtype,
+                   layout: str) -> tuple[tuple[str, mosaic_gemm.GemmConfig], ...]:
+    """(name, tiles) of each GEMM in mosaic_gemms; NotImplementedError when one cannot run."""
+    if not self.mosaic_gemms:
+      return ()
+    why = "interpret mode runs no Mosaic GPU kernel" if self.interpret else mosaic_gemm.unavailable()
+    if why is None and (jnp.dtype(dtype) != jnp.dtype(weight_dtype)
+                        or jnp.dtype(dtype).itemsize != 2):
+      why = f"needs x and weight in one 16-bit dtype, got {jnp.dtype(dtype)} and {jnp.dtype(weight_dtype)}"
+    if why is not None:
+      raise NotImplementedError(f"pallas_gpu mosaic_gemms={self.mosaic_gemms}: {why}")
+    tuned = _tuning.lookup("linear_cross_entropy", "mosaic_gemm")
+    shapes = dict(logits=(tokens, vocab, d), dx=(tokens, d, vocab),
+                  dw=(d, vocab, tokens) if layout == "dv" else (vocab, d, tokens))
+    configs = []
+    for name in GEMMS:
+      if name in self.mosaic_gemms:
+        config = mosaic_gemm.GemmConfig(**tuned.get(f"{name}_{layout}", tuned.get(name, {})))
+        if (why := mosaic_gemm.shape_error(*shapes[name], config)) is not None:
+          raise NotImplementedError(
+              f"pallas_gpu's {name} GEMM on ops.mosaic_gemm, [M, N, K] = {list(shapes[name])} "
+              f"at a chunk of {tokens} tokens: {why}")
+        configs.append((name, config))
+    return tuple(configs)
 
   def plan(self, n_tokens: int, vocab: int, itemsize: int, chunk_size) -> int:
     if chunk_size is not None:
@@ -110,8 +155,10 @@ class PallasGpu:
     pad = -opts.vocab_size % self.vocab_multiple
     tokens = self.plan(x.shape[0], opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize,
                        chunk_size)
+    gemms = self.gemm_configs(tokens, x.shape[1], opts.vocab_size + pad, x.dtype, weight.dtype,
+                              opts.weight_layout)
     backend = PallasChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
-                                 dw_accumulation=self.dw_accumulation)
+                                 dw_accumulation=self.dw_accumulation, gemms=gemms)
     # Zero columns give zero logits, which the kernel never overwrites: G is 0 there, so
     # they add nothing to dx and their dW columns are sliced away by pad's transpose.
     if pad:
@@ -130,12 +177,20 @@ class PallasChunkBackend:
   kernel: KernelConfig
   interpret: bool
   dw_accumulation: str
+  gemms: tuple[tuple[str, mosaic_gemm.GemmConfig], ...] = ()  # those on ops.mosaic_gemm
 
   def dw_dtype(self, w):
     return jnp.float32 if self.dw_accumulation == "float32" else w.dtype
 
+  def _mosaic(self, name: str) -> mosaic_gemm.GemmConfig | None:
+    return dict(self.gemms).get(name)
+
   def _logits(self, x_c, w, bias):
-    z = _common.logits_dot(x_c, w, self.opts.weight_layout, x_c.dtype)
+    layout = self.opts.weight_layout
+    if (config := self._mosaic("logits")) is not None:
+      z = mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=config)
+    else:
+      z = _common.logits_dot(x_c, w, layout, x_c.dtype)
     if bias is not None:
       z = (z.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x_c.dtype)
     return z
@@ -156,8 +211,21 @@ class PallasChunkBackend:
     g, lse, label_logit, logit_sum = softmax_pass(
         self._logits(x_c, w, bias), labels_c, a_c, e_c, lse_c, opts=self.opts,
         config=self.kernel, interpret=self.interpret)
-    dx_c = _common.dx_dot(g, w, layout, x_c.dtype) if need_dx else None
-    if need_dw:
+    dx_c = None
+    if need_dx and (config := self._mosaic("dx")) is not None:
+      dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config)
+    elif need_dx:
+      dx_c = _common.dx_dot(g, w, layout, x_c.dtype)
+    if need_dw and (config := self._mosaic("dw")) is not None:
+      # op(A) = Aᵀ: dW = x_cᵀ G ("dv") or Gᵀ x_c ("vd"), both operands as stored.
+      a, b = (x_c, g) if layout == "dv" else (g, x_c)
+      if dw_acc is None:
+        dw_acc = mosaic_gemm.gemm(a, b, trans_a=True, out_dtype=w.dtype, config=config)
+      else:
+        ref = jax.new_ref(dw_acc)
+        mosaic_gemm.gemm_into(ref, a, b, trans_a=True, config=config)
+        dw_acc = ref[...]
+    elif need_dw:
       dw_c = _common.dw_dot(x_c, g, layout, self.dw_dtype(w))
       # Same dtype on both sides of the add, so XLA fuses it into the GEMM (beta = 1).
       dw_acc = dw_c if dw_acc is None else dw_acc + dw_c

@@ -53,3 +53,18 @@ def test_fallback_order_skips_what_cannot_serve():
 def test_bad_kernel_option():
   with pytest.raises(ValueError, match="dw_accumulation must be"):
     PallasGpu(dw_accumulation="bf16")
+
+
+def test_bad_mosaic_gemms_option():
+  with pytest.raises(ValueError, match=r"mosaic_gemms must be a tuple of names from"):
+    PallasGpu(mosaic_gemms="dw")
+  with pytest.raises(ValueError, match=r"mosaic_gemms must be a tuple.*'dW'"):
+    PallasGpu(mosaic_gemms=("dW",))
+  with pytest.raises(ValueError, match="excludes dw_accumulation='float32'"):
+    PallasGpu(mosaic_gemms=("dw",), dw_accumulation="float32")
+
+
+def test_mosaic_gemms_in_interpret_mode_say_why():
+  impl = PallasGpu(interpret=True, mosaic_gemms=("dw",))
+  with pytest.raises(NotImplementedError, match="interpret mode runs no Mosaic GPU kernel"):
+    memeff_jax.linear_cross_entropy(X, W, Y, implementation=impl)

@@ -303,3 +303,32 @@ class TestPallasGpuOnGpu(_LinearCrossEntropyTest):
   impl = "pallas_gpu"
   lead = (4, 250)
   chunk_size = 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("gemms", [("dw",), pallas_gpu.GEMMS])
+def test_mosaic_gemms_match_reference(layout, reduction, gemms):
+  """GEMMs on ops.mosaic_gemm: three chunks of 256 tokens (the first writes dW, the others
+  add into it in place), V = 2,000 padded to 2,048, bf16."""
+  options = dict(weight_layout=layout, reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
+  x, w, labels, _, _ = make_problem(jax.random.key(11), (3, 256), 256, 2000, jnp.bfloat16,
+                                    **options)
+  impl = PallasGpu(mosaic_gemms=gemms)
+  got, got_g = value_and_grads(loss_fn(impl, labels, options, 256), x, w, None, None, reduction)
+  up = lambda t: t.astype(jnp.float32)
+  ref, ref_g = value_and_grads(loss_fn("reference", labels, options), up(x), up(w), None, None,
+                               reduction)
+  assert rel_err(got, ref) < TOL[jnp.bfloat16]
+  for gg, rg, arg in zip(got_g, ref_g, "xw"):
+    assert gg.dtype == jnp.bfloat16, (arg, gg.dtype)
+    assert rel_err(gg, rg) < TOL[jnp.bfloat16], (arg, rel_err(gg, rg))
+
+
+@pytest.mark.gpu
+def test_mosaic_gemms_refuse_shapes_off_their_tiles():
+  x, w, labels, _, _ = make_problem(jax.random.key(12), (200,), 256, 2000, jnp.bfloat16)
+  impl = PallasGpu(mosaic_gemms=("logits",))
+  with pytest.raises(NotImplementedError, match=r"logits GEMM.*\[200, 2048, 256\].*M=200"):
+    memeff_jax.linear_cross_entropy(x, w, labels, implementation=impl, chunk_size=200)
