@@ -9,31 +9,38 @@ without it (H100, benchmarks/NOTES.md). Here the C tile is requested by TMA when
 starts and lands in shared memory while the main loop runs; the epilogue adds it to the
 float32 accumulator and rounds once.
 
-Structure: a persistent kernel, one CTA per SM walking the output tiles; in each CTA two
-compute warpgroups (each owning half the CTA tile, side by side along N or M) and one
-memory warpgroup feeding them A and B through a `max_concurrent_steps`-deep TMA pipeline
-(`plgpu.emit_pipeline_warp_specialized`). Operands may be stored transposed (`trans_a`:
-A is [K, M] in memory; `trans_b`: B is [N, K]); WGMMA reads 16-bit operands of either
-major-ness straight from shared memory, so no transposed copy is ever made.
+Structure: a persistent kernel, one CTA per SM walking the output tiles, two compute
+warpgroups and one memory warpgroup feeding them A and B through a ring of TMA slots, in one
+of two schedules (`GemmConfig.schedule`):
+
+  cooperative  the two compute warpgroups each own half of a CTA tile (side by side along N
+               or M) and run its epilogue together (`plgpu.emit_pipeline_warp_specialized`)
+  pingpong     each owns every other tile of the CTA's walk, so one warpgroup's epilogue
+               runs under the other's main loop (`_pingpong_kernel`)
+
+Operands may be stored transposed (`trans_a`: A is [K, M] in memory; `trans_b`: B is
+[N, K]); WGMMA reads 16-bit operands of either major-ness straight from shared memory, so
+no transposed copy is ever made.
 
 C is updated in place: pass it as a `jax.Ref` (see `gemm_into`) and the kernel writes the
 sum over it, so a running sum of 1 GiB costs no second buffer (checked: the compiled
 program aliases it and holds no temporary). GPU only: jax 0.10.2's Mosaic GPU interpreter
-cannot run `plgpu.kernel` meshes, so there is no interpret mode.
+cannot run `plgpu.kernel` meshes, so there is no interpret mode (the ping-pong kernel's
+lowering is checked on the CPU).
 
-Status: correct for every transpose combination (H100, tests/ops/test_mosaic_gemm.py), but
-not used by `linear_cross_entropy` yet, because the prefetched C does not pay off so far.
-One 512-token chunk of Llama-3-8B on an H100 (benchmarks/scratch/mosaic_gemm_check.py,
-best config of a small sweep, vs XLA/cuBLAS in the same process):
+Status: correct for every transpose combination and both schedules
+(tests/ops/test_mosaic_gemm.py). `linear_cross_entropy` runs it where asked
+(`PallasGpu(mosaic_gemms=...)`), which drops cuBLAS's 32 MiB workspace, but it does not beat
+cuBLAS. One 512-token chunk of Llama-3-8B on an H200, best tiles of a sweep, ms
+(benchmarks/scratch/dw_gemm_loop.py; dW += timed inside a loop, as the chunk loop runs it):
 
-  logits x_c Wᵀ  [512,4096]@[4096,128256]    0.765 ms   cuBLAS 0.730 ms
-  dx     G W     [512,128256]@[128256,4096]  0.799 ms   cuBLAS 0.697 ms (split K)
-  dW += Gᵀ x_c   [128256,512]@[512,4096]     1.83 ms    cuBLAS 1.11 ms
+                                            cooperative  ping-pong   cuBLAS
+  logits x_c Wᵀ  [512,4096]@[4096,128256]      0.779       0.794      0.765
+  dx     G W     [512,128256]@[128256,4096]    0.773       0.780      0.732 (split K)
+  dW += Gᵀ x_c   [128256,512]@[512,4096]       1.205       1.063     ~1.06 (in the real loop)
 
-With K = 512 a tile's main loop is only 8 steps long, and its epilogue (wait for C, add,
-store) stalls both compute warpgroups at once. The next step is a ping-pong schedule, in
-which each warpgroup owns whole tiles and one warpgroup's epilogue runs under the other's
-main loop.
+With K = 512 a cooperative tile's main loop is 8 steps long and its epilogue (add C, store)
+stalls both warpgroups; ping-pong hides it. benchmarks/NOTES.md (session 7) has the rest.
 """
 
 from __future__ import annotations
