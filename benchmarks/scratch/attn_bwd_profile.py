@@ -2,7 +2,8 @@
 
     ncu --clock-control none -k regex:bwd --set full python benchmarks/scratch/attn_bwd_profile.py causal
 
-argv[1]: "causal" or "full"; argv[2] (optional): MosaicBackwardConfig fields as k=v,k=v.
+argv[1]: "causal" or "full"; argv[2] (optional): MosaicBackwardConfig fields as k=v,k=v, or
+"default" for the library's default (deterministic) backward.
 The first call compiles (and runs); NVTX range "measured" marks the second.
 """
 import os
@@ -16,12 +17,16 @@ from memeff_jax.ops import flash_attention as fa  # noqa: E402
 
 B, T, H, D = 4, 4096, int(os.environ.get("H", 32)), int(os.environ.get("D", 128))
 causal = sys.argv[1] == "causal"
-fields = dict(kv.split("=") for kv in sys.argv[2].split(",")) if len(sys.argv) > 2 else {}
-fields = {k: (v.lower() in ("1", "true") if v.lower() in ("0", "1", "true", "false") else int(v))
-          for k, v in fields.items()}
-config = fa.MosaicBackwardConfig(**fields) if fields else fa.MosaicBackwardConfig.tuned(D, causal)
-print("backward config:", config, flush=True)
-impl = fa.PallasMosaicGpu(backward_config=config)
+if len(sys.argv) > 2 and sys.argv[2] == "default":  # the library's default (deterministic) path
+  impl = fa.PallasMosaicGpu()
+  print("default PallasMosaicGpu (deterministic: dK/dV kernel + dq kernel)", flush=True)
+else:
+  fields = dict(kv.split("=") for kv in sys.argv[2].split(",")) if len(sys.argv) > 2 else {}
+  fields = {k: (v.lower() in ("1", "true") if v.lower() in ("0", "1", "true", "false") else int(v))
+            for k, v in fields.items()}
+  config = fa.MosaicBackwardConfig(**fields) if fields else fa.MosaicBackwardConfig.tuned(D, causal)
+  print("backward config:", config, flush=True)
+  impl = fa.PallasMosaicGpu(backward_config=config)
 ks = jax.random.split(jax.random.key(0), 4)
 q, k, v, ct = (jax.random.normal(kk, (B, T, H, D), jnp.float32).astype(jnp.bfloat16) for kk in ks)
 

@@ -1,4 +1,5 @@
 # ncu profile of the Mosaic attention backward at the headline shape (non-causal and causal),
+# env: MODES ("full causal"), CONFIG (MosaicBackwardConfig k=v,... or "default"), KERNEL (regex, "bwd").
 # plus every kernel's duration in one fwd+bwd, and ptxas's register/spill report.
 . "$(dirname "$0")/../device_env.sh"
 NCU=${NCU:-ncu}
@@ -13,7 +14,7 @@ for mode in ${MODES:-full causal}; do
   grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" $OUT/durations-$mode.log | paste - - \
     | awk '{print $1, $(NF)}' | tail -40
   echo "=== ncu full $mode $(date +%T)"
-  timeout ${FULL_S:-240} $NCU --clock-control none -k regex:bwd --launch-count 1 --set full \
+  timeout ${FULL_S:-240} $NCU --clock-control none -k regex:${KERNEL:-bwd} --launch-count 1 --set full \
     --import-source no -o /tmp/bwd-$mode python3 benchmarks/scratch/attn_bwd_profile.py $mode $CONFIG \
     2>&1 | grep -v -i warning | tail -5
   $NCU --import /tmp/bwd-$mode.ncu-rep --page details > $OUT/details-$mode.txt 2>&1
