@@ -1,6 +1,6 @@
 # ncu profile of the Mosaic attention backward at the headline shape (non-causal and causal),
-# env: MODES ("full causal"), CONFIG (MosaicBackwardConfig k=v,... or "default"), KERNEL (regex, "bwd").
 # plus every kernel's duration in one fwd+bwd, and ptxas's register/spill report.
+# env: MODES ("full causal"), CONFIG (MosaicBackwardConfig k=v,... or "default"), KERNEL (regex, "bwd").
 . "$(dirname "$0")/../device_env.sh"
 NCU=${NCU:-ncu}
 command -v ncu >/dev/null || NCU=$(ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
