@@ -54,6 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from memeff_jax.ops import _dispatch
+from memeff_jax.ops.flash_attention import _mosaic
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -250,8 +251,7 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, tr
   m_tiles, n_tiles = m // tm, n // tn
   k_steps = k // tk
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
-  i32 = lambda x: jnp.asarray(x, jnp.int32)
-  div, rem = (lambda x, y: lax.div(i32(x), i32(y))), (lambda x, y: lax.rem(i32(x), i32(y)))
+  div, rem = _mosaic.div, _mosaic.rem
   sm = lax.axis_index("sm")
   n_local = div(m_tiles * n_tiles - sm + sms - 1, sms)  # tiles sm, sm + sms, ...
 

@@ -49,7 +49,8 @@ def test_pingpong_lowers_for_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("trans_a,trans_b,split", [
-    (ta, tb, s) for ta, tb in itertools.product([False, True], repeat=2) for s in ("n", "m", "pingpong")])
+    (ta, tb, s) for ta, tb in itertools.product([False, True], repeat=2)
+    for s in ("n", "m", "pingpong")])
 def test_matches_float32_reference(trans_a, trans_b, split):
   """split "pingpong": 128 × 128 tiles, one per warpgroup, 4 tiles per CTA on 2 CTAs (each
   warpgroup runs two), K in 4 steps through a ring of 3 slots (the slots' phases wrap

@@ -75,8 +75,9 @@ class PallasGpu:
     interpret: run the kernel in the Pallas interpreter (any backend, for tests).
     mosaic_gemms: which of the chunk's GEMMs ("logits", "dx", "dw") run on ops.mosaic_gemm
       instead of cuBLAS; tiles from configs/tuning/linear_cross_entropy.toml's
-      [mosaic_gemm] sections (`<gemm>_<layout>`, else `<gemm>`). Needs a Hopper GPU, 16-bit x and weight, and shapes that
-      are multiples of the tiles; a call that cannot have them raises NotImplementedError.
+      [mosaic_gemm] sections (`<gemm>_<layout>`, else `<gemm>`). Needs a Hopper GPU, 16-bit
+      x and weight, and shapes that are multiples of the tiles; a call that cannot have them
+      raises NotImplementedError.
   """
 
   memory_budget_bytes: int = 256 * 2**20
@@ -103,10 +104,12 @@ class PallasGpu:
     """(name, tiles) of each GEMM in mosaic_gemms; NotImplementedError when one cannot run."""
     if not self.mosaic_gemms:
       return ()
-    why = "interpret mode runs no Mosaic GPU kernel" if self.interpret else mosaic_gemm.unavailable()
+    why = ("interpret mode runs no Mosaic GPU kernel" if self.interpret
+           else mosaic_gemm.unavailable())
     if why is None and (jnp.dtype(dtype) != jnp.dtype(weight_dtype)
                         or jnp.dtype(dtype).itemsize != 2):
-      why = f"needs x and weight in one 16-bit dtype, got {jnp.dtype(dtype)} and {jnp.dtype(weight_dtype)}"
+      why = (f"needs x and weight in one 16-bit dtype, got {jnp.dtype(dtype)} and "
+             f"{jnp.dtype(weight_dtype)}")
     if why is not None:
       raise NotImplementedError(f"pallas_gpu mosaic_gemms={self.mosaic_gemms}: {why}")
     tuned = _tuning.lookup("linear_cross_entropy", "mosaic_gemm")
