@@ -8,7 +8,8 @@ are timed as single calls. An optimization barrier ties the operands to the loop
 XLA cannot hoist the loop-invariant product out of the loop.
 
     python benchmarks/scratch/dw_gemm_loop.py       env: CHUNKS=512,1024 LAYOUTS=vd,dv
-                                                         CASES=dw,logits,dx  CONFIGS=quick|all
+                                                         CASES=dw,logits,dx
+                          CONFIGS=quick|all|pingpong|cluster|cluster2|cluster3
 """
 import functools
 import os
@@ -60,6 +61,31 @@ def configs(which):
            G(tile_n=128, tile_k=32, max_concurrent_steps=4, minor="m")]
   if which == "quick":
     return quick
+  if which == "cluster":  # session 8: pairs of CTAs sharing one operand's blocks by multicast
+    P = functools.partial(G, schedule="pingpong", tile_n=128, max_concurrent_steps=4, band=8)
+    C = functools.partial(G, tile_n=128, max_concurrent_steps=3)
+    return [P(), P(cluster="m"), P(cluster="n"), P(cluster="m", minor="m"),
+            P(cluster="n", max_concurrent_steps=5),
+            C(), C(cluster="m"), C(cluster="n"), C(cluster="m", minor="m")]
+  if which == "cluster3":  # deeper pipelines: smaller CTA tiles leave room for more slots
+    C = functools.partial(G, minor="m", cluster="m")
+    return [C(tile_n=128, max_concurrent_steps=3),
+            C(tile_n=64, max_concurrent_steps=5), C(tile_n=64, max_concurrent_steps=6),
+            C(tile_n=64, max_concurrent_steps=5, cluster="n"),
+            C(tile_n=64, max_concurrent_steps=4, band=8),
+            C(tile_n=64, wg_split="m", max_concurrent_steps=4, cluster="n"),
+            C(tile_n=64, wg_split="m", max_concurrent_steps=4, cluster="n", minor="n", band=8),
+            C(tile_n=128, tile_k=32, max_concurrent_steps=6),
+            G(schedule="pingpong", tile_n=128, max_concurrent_steps=5, band=8, cluster="n"),
+            G(schedule="pingpong", tile_n=64, max_concurrent_steps=8, band=8, cluster="n")]
+  if which == "cluster2":  # around the best of "cluster"
+    C = functools.partial(G, tile_n=128, max_concurrent_steps=3, minor="m")
+    W = functools.partial(G, tile_n=128, max_concurrent_steps=3, wg_split="m")
+    P = functools.partial(G, schedule="pingpong", tile_n=128, max_concurrent_steps=5, band=8)
+    return [C(), C(cluster="m"), C(cluster="m", max_concurrent_steps=2), C(cluster="m", band=4),
+            C(cluster="m", band=8), C(cluster="m", band=16), C(cluster="m", minor="n", band=8),
+            W(cluster="n"), W(cluster="n", minor="m"), W(cluster="m", minor="m"),
+            P(cluster="n"), P(cluster="m", minor="m")]
   if which == "pingpong":
     P = functools.partial(G, schedule="pingpong", tile_n=128)
     return [G(tile_n=128, max_concurrent_steps=3), G(tile_n=128, max_concurrent_steps=2, minor="m"),

@@ -28,19 +28,20 @@ program aliases it and holds no temporary). GPU only: jax 0.10.2's Mosaic GPU in
 cannot run `plgpu.kernel` meshes, so there is no interpret mode (the ping-pong kernel's
 lowering is checked on the CPU).
 
-Status: correct for every transpose combination and both schedules
+Status: correct for every transpose combination, both schedules and both cluster axes
 (tests/ops/test_mosaic_gemm.py). `linear_cross_entropy` runs it where asked
 (`PallasGpu(mosaic_gemms=...)`), which drops cuBLAS's 32 MiB workspace, but it does not beat
-cuBLAS. One 512-token chunk of Llama-3-8B on an H200, best tiles of a sweep, ms
-(benchmarks/scratch/dw_gemm_loop.py; dW += timed inside a loop, as the chunk loop runs it):
+cuBLAS. One 512-token chunk of Llama-3-8B on an H200, µs per GEMM inside the loss's chunk
+loop under ncu (benchmarks/scratch/lce_tiles_insitu.py; isolated timings move by ±10%
+between machines and rank tiles differently):
 
-                                            cooperative  ping-pong   cuBLAS
-  logits x_c Wᵀ  [512,4096]@[4096,128256]      0.779       0.794      0.765
-  dx     G W     [512,128256]@[128256,4096]    0.773       0.780      0.732 (split K)
-  dW += Gᵀ x_c   [128256,512]@[512,4096]       1.205       1.063     ~1.06 (in the real loop)
+  GEMM, [M, K] @ [K, N]                        best tiles                          ours  cuBLAS
+  logits x_c Wᵀ  [512,4096] @ [4096,128256]     cooperative 128×256, 3 slots         722     678
+  dx     G W     [512,128256] @ [128256,4096]   ping-pong, pairs along M (B shared)  706     654
+  dW += Gᵀ x_c   [128256,512] @ [512,4096]      cooperative, pairs along M           937     877
 
-With K = 512 a cooperative tile's main loop is 8 steps long and its epilogue (add C, store)
-stalls both warpgroups; ping-pong hides it. benchmarks/NOTES.md (session 7) has the rest.
+CTA pairs took dW += from 1,013 µs (ping-pong, session 7) to 937. benchmarks/NOTES.md
+(sessions 7 and 8) has the rest.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class GemmConfig:
     schedule: "cooperative" (both compute warpgroups work on one CTA tile, then both run
       its epilogue) or "pingpong" (each owns every other tile of the CTA's walk, so one
       warpgroup's epilogue runs under the other's main loop; see _pingpong_kernel).
+    cluster: None, or "m" / "n": CTAs run in clusters of two whose tiles sit side by side
+      along M (sharing B's blocks) or N (sharing A's), and the shared block is loaded once
+      by TMA multicast into both CTAs' shared memory: a quarter less operand traffic from L2
+      per tile pair. num_sms must then be even.
   """
 
   tile_m: int = 128
@@ -96,10 +101,15 @@ class GemmConfig:
   band: int = 1
   num_sms: int | None = None
   schedule: str = "cooperative"
+  cluster: str | None = None
 
   def __post_init__(self):
     if self.schedule not in ("cooperative", "pingpong"):
       raise ValueError(f"schedule must be 'cooperative' or 'pingpong', got {self.schedule!r}")
+    if self.cluster not in (None, "m", "n"):
+      raise ValueError(f"cluster must be None, 'm' or 'n', got {self.cluster!r}")
+    if self.cluster and self.num_sms is not None and self.num_sms % 2:
+      raise ValueError(f"a cluster of two needs an even num_sms, got {self.num_sms}")
 
   def cta_tile(self) -> tuple[int, int]:
     if self.schedule == "pingpong":
@@ -107,10 +117,18 @@ class GemmConfig:
     return (self.tile_m * (2 if self.wg_split == "m" else 1),
             self.tile_n * (2 if self.wg_split == "n" else 1))
 
+  def cluster_tile(self) -> tuple[int, int]:
+    """The output tile of one cluster (of one CTA without clusters)."""
+    cm, cn = self.cta_tile()
+    return cm * (2 if self.cluster == "m" else 1), cn * (2 if self.cluster == "n" else 1)
+
+  def cluster_size(self) -> int:
+    return 2 if self.cluster else 1
+
 
 def shape_error(m: int, n: int, k: int, config: GemmConfig) -> str | None:
   """Why (m, n, k) cannot run with `config`, or None when it can."""
-  cm, cn = config.cta_tile()
+  cm, cn = config.cluster_tile()
   for name, size, tile in (("M", m, cm), ("N", n, cn), ("K", k, config.tile_k)):
     if size % tile:
       return f"{name}={size} is not a multiple of the tile {tile}"
@@ -130,12 +148,17 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
   k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
   tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
   cm, cn = config.cta_tile()
-  m_tiles, n_tiles = m // cm, n // cn
+  clm, cln = config.cluster_tile()
+  m_tiles, n_tiles = m // clm, n // cln
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
+  cta = lax.axis_index("cluster") if config.cluster else 0
 
   # A block [cm, tk] (or [tk, cm] stored transposed), B block [tk, cn] (or [cn, tk]).
   a_block, a_index = ((tk, cm), lambda kk: (kk, 0)) if trans_a else ((cm, tk), lambda kk: (0, kk))
   b_block, b_index = ((cn, tk), lambda kk: (0, kk)) if trans_b else ((tk, cn), lambda kk: (kk, 0))
+  # In a cluster along M the two CTAs share B's blocks, along N A's: multicast.
+  a_shared = ("cluster",) if config.cluster == "n" else ()
+  b_shared = ("cluster",) if config.cluster == "m" else ()
 
   # Consecutive tiles of one CTA run as one "pipeline of pipelines" (no drain and refill of
   # the A/B pipeline between tiles) when its depth divides the number of K steps.
@@ -148,9 +171,9 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec(a_block, a_index, transforms=_swizzled(a_block[1], dtype),
-                            memory_space=plgpu.SMEM),
+                            memory_space=plgpu.SMEM, collective_axes=a_shared),
             plgpu.BlockSpec(b_block, b_index, transforms=_swizzled(b_block[1], dtype),
-                            memory_space=plgpu.SMEM),
+                            memory_space=plgpu.SMEM, collective_axes=b_shared),
         ],
         wg_axis="wg",
         num_compute_wgs=2,
@@ -186,8 +209,10 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
       (lin,) = info.index
       mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), 0 if config.minor == "m" else 1,
                                   config.band)
-      wm = mi * cm + (wg * tm if config.wg_split == "m" else 0)
-      wn = ni * cn + (wg * tn if config.wg_split == "n" else 0)
+      cta_m = mi * clm + (cta * cm if config.cluster == "m" else 0)
+      cta_n = ni * cln + (cta * cn if config.cluster == "n" else 0)
+      wm = cta_m + (wg * tm if config.wg_split == "m" else 0)
+      wn = cta_n + (wg * tn if config.wg_split == "n" else 0)
       out_tile = out_gmem.at[pl.ds(wm, tm), pl.ds(wn, tn)]
       smem = tile_smem.at[wg]
 
@@ -222,8 +247,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
                           jnp.where(info.local_index == last,
                                     int(plgpu.PipelinePipeline.STOP),
                                     int(plgpu.PipelinePipeline.STEADY)))
-      a_rows = pl.ds(mi * cm, cm)
-      b_cols = pl.ds(ni * cn, cn)
+      a_rows = pl.ds(cta_m, cm)
+      b_cols = pl.ds(cta_n, cn)
       pipeline(mma, context, state)(
           a_gmem.at[:, a_rows] if trans_a else a_gmem.at[a_rows, :],
           b_gmem.at[b_cols, :] if trans_b else b_gmem.at[:, b_cols],
@@ -248,17 +273,22 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, tr
   k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
   tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
   stages = config.max_concurrent_steps
-  m_tiles, n_tiles = m // tm, n // tn
+  clm, cln = config.cluster_tile()
+  m_tiles, n_tiles = m // clm, n // cln
   k_steps = k // tk
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   div, rem = _mosaic.div, _mosaic.rem
-  sm = lax.axis_index("sm")
-  n_local = div(m_tiles * n_tiles - sm + sms - 1, sms)  # tiles sm, sm + sms, ...
+  walker, walkers = lax.axis_index("sm"), sms // config.cluster_size()  # clusters (or CTAs)
+  cta = lax.axis_index("cluster") if config.cluster else 0
+  n_local = div(m_tiles * n_tiles - walker + walkers - 1, walkers)  # walker, walker + walkers, ...
+  a_shared = "cluster" if config.cluster == "n" else None  # multicast to both CTAs
+  b_shared = "cluster" if config.cluster == "m" else None
 
   def origin(j):
-    mi, ni = plgpu.planar_snake(sm + j * sms, (m_tiles, n_tiles),
+    mi, ni = plgpu.planar_snake(walker + j * walkers, (m_tiles, n_tiles),
                                 0 if config.minor == "m" else 1, config.band)
-    return mi * tm, ni * tn
+    return (mi * clm + (cta * tm if config.cluster == "m" else 0),
+            ni * cln + (cta * tn if config.cluster == "n" else 0))
 
   a_block = (tk, tm) if trans_a else (tm, tk)
   b_block = (tn, tk) if trans_b else (tk, tn)
@@ -336,10 +366,18 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, tr
           ks = pl.ds(kk * tk, tk)
           a_src = a_gmem.at[ks, pl.ds(rows, tm)] if trans_a else a_gmem.at[pl.ds(rows, tm), ks]
           b_src = b_gmem.at[pl.ds(cols, tn), ks] if trans_b else b_gmem.at[ks, pl.ds(cols, tn)]
-          plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], ready.at[slot])
-          plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], ready.at[slot])
+          plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], ready.at[slot],
+                                  collective_axes=a_shared)
+          plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], ready.at[slot],
+                                  collective_axes=b_shared)
 
       lax.fori_loop(0, n_local, tile, None)
+      if config.cluster:  # the other CTA arrives on this one's slots until its last release:
+        total = n_local * k_steps  # stay until every slot's last phase has completed
+
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _(step):
+          plgpu.barrier_wait(free.at[rem(step, stages)])
 
   pl.run_scoped(
       body,
@@ -347,7 +385,9 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, tr
       plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype)),
       plgpu.SMEM((2, tm, tn), out_dtype, transforms=_swizzled(tn, out_dtype)),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # ready: A and B landed
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # free: both warpgroups passed
+      # free: both warpgroups (of both CTAs of a cluster) passed
+      (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=stages)
+       if config.cluster else plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
       plgpu.Barrier(num_barriers=2),  # C landed, per warpgroup
       collective_axes="wg",
   )
@@ -358,6 +398,7 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
   """A persistent launch: one CTA per SM, two compute and one memory warpgroup. With `into`
   the last operand is C, which the kernel updates in place (out_type is then ())."""
   sms = config.num_sms if config.num_sms is not None else jax.devices()[0].core_count
+  sms -= sms % config.cluster_size()
 
   def body(a_ref, b_ref, out_ref):
     c_ref = out_ref if into else None
@@ -367,10 +408,11 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
     else:
       _kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a, trans_b=trans_b)
 
+  cluster = dict(cluster=(2,), cluster_names=("cluster",)) if config.cluster else {}
   return plgpu.kernel(
       body,
       out_type=out_type,
-      grid=(sms,), grid_names=("sm",),
+      grid=(sms // config.cluster_size(),), grid_names=("sm",), **cluster,
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(*operands)

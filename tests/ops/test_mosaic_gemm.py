@@ -34,11 +34,20 @@ def test_errors_name_the_shapes():
   assert mg.shape_error(4096, 128256, 512, mg.GemmConfig()) is None
   with pytest.raises(ValueError, match="schedule must be"):
     mg.GemmConfig(schedule="stream-k")
+  with pytest.raises(ValueError, match="cluster must be"):
+    mg.GemmConfig(cluster="k")
+  with pytest.raises(ValueError, match="even num_sms"):
+    mg.GemmConfig(cluster="m", num_sms=131)
+  with pytest.raises(ValueError, match="M=128 is not a multiple of the tile 256"):
+    mg.gemm(jnp.zeros((128, K), jnp.bfloat16), jnp.zeros((K, N), jnp.bfloat16),
+            config=mg.GemmConfig(cluster="m"))
 
 
-def test_pingpong_lowers_for_cuda():
+@pytest.mark.parametrize("cluster", [None, "m", "n"])
+def test_pingpong_lowers_for_cuda(cluster):
   """The ping-pong kernel lowers to a Mosaic GPU module on a CPU host (runs need a GPU)."""
-  cfg = mg.GemmConfig(tile_n=128, max_concurrent_steps=4, schedule="pingpong", num_sms=132)
+  cfg = mg.GemmConfig(tile_n=128, max_concurrent_steps=4, schedule="pingpong", num_sms=132,
+                      cluster=cluster)
   for ta, tb in ((True, False), (False, True), (False, False)):
     a = jax.ShapeDtypeStruct((K, M) if ta else (M, K), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((N, K) if tb else (K, N), jnp.bfloat16)
@@ -50,16 +59,20 @@ def test_pingpong_lowers_for_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("trans_a,trans_b,split", [
     (ta, tb, s) for ta, tb in itertools.product([False, True], repeat=2)
-    for s in ("n", "m", "pingpong")])
+    for s in ("n", "m", "pingpong", "n/cluster-n", "n/cluster-m", "pingpong/cluster-m",
+              "pingpong/cluster-n")])
 def test_matches_float32_reference(trans_a, trans_b, split):
   """split "pingpong": 128 × 128 tiles, one per warpgroup, 4 tiles per CTA on 2 CTAs (each
   warpgroup runs two), K in 4 steps through a ring of 3 slots (the slots' phases wrap
-  across tiles)."""
+  across tiles). "/cluster-m|n": CTAs in pairs sharing B's (A's) blocks by multicast; the
+  ping-pong pair walks 4 tiles of 256 × 128 (128 × 256)."""
   a, b, c, ref = _operands(trans_a, trans_b)
+  split, _, cluster = split.partition("/cluster-")
   if split == "pingpong":
-    cfg = mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule="pingpong", num_sms=2)
+    cfg = mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule="pingpong", num_sms=2,
+                        cluster=cluster or None)
   else:
-    cfg = mg.GemmConfig(wg_split=split)
+    cfg = mg.GemmConfig(wg_split=split, cluster=cluster or None)
   out = jax.jit(lambda a, b: mg.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg))(a, b)
   np.testing.assert_allclose(out.astype(np.float32), ref.astype(jnp.bfloat16).astype(np.float32),
                              rtol=1e-2, atol=0.5)

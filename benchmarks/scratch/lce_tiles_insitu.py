@@ -1,0 +1,78 @@
+"""ops.mosaic_gemm tiles timed where they run: in the chunk loop of linear_cross_entropy, under
+ncu (per-kernel durations; isolated timings of these GEMMs move by ±10% between machines and
+do not rank tiles the way the loop does).
+
+Each round rewrites configs/tuning/linear_cross_entropy.toml's [mosaic_gemm.default.*_<layout>]
+sections with one candidate per GEMM, runs benchmarks/scratch/lce_profile.py under ncu and
+prints each GEMM's mean duration over the second call's chunks (the first chunk excluded).
+
+    LCE_LAYOUT=vd CHUNK=512 python benchmarks/scratch/lce_tiles_insitu.py    (on the GPU machine)
+"""
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+
+TOML = pathlib.Path("configs/tuning/linear_cross_entropy.toml")
+C = dict(tile_n=128, max_concurrent_steps=3)
+C64 = dict(tile_n=64)
+PP = dict(schedule="pingpong", tile_n=128, band=8)
+# Round k uses the k-th candidate of every GEMM.
+CANDIDATES = {
+    "logits": [dict(C, minor="m", band=16, cluster="m"), dict(C, band=8, cluster="m"), dict(C),
+               dict(C64, max_concurrent_steps=4, band=8, minor="m", cluster="m"),
+               dict(PP, max_concurrent_steps=5, minor="m", cluster="m"),
+               dict(C64, wg_split="m", max_concurrent_steps=4, cluster="n", band=8)],
+    "dw": [dict(C, minor="m", cluster="m"), dict(C, minor="m", band=4, cluster="m"),
+           dict(PP, max_concurrent_steps=4), dict(PP, max_concurrent_steps=5, cluster="n"),
+           dict(PP, max_concurrent_steps=4, minor="m", cluster="m"),
+           dict(C64, wg_split="m", max_concurrent_steps=4, minor="m", cluster="n")],
+    "dx": [dict(PP, max_concurrent_steps=5, cluster="n"),
+           dict(C64, max_concurrent_steps=6, minor="m", cluster="m"),
+           dict(C64, max_concurrent_steps=4, band=8, minor="m", cluster="m"),
+           dict(PP, max_concurrent_steps=4, minor="m"),
+           dict(C64, max_concurrent_steps=5, minor="m", cluster="n"),
+           dict(PP, max_concurrent_steps=5, minor="m", cluster="m")],
+}
+
+
+def section(name, fields):
+  body = "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in fields.items())
+  return f"[mosaic_gemm.default.{name}]\n{body}"
+
+
+def main():
+  layout, chunk = os.environ.get("LCE_LAYOUT", "vd"), os.environ.get("CHUNK", "512")
+  original = TOML.read_text()
+  env = dict(os.environ, LCE_LAYOUT=layout, LCE_GEMMS="logits+dx+dw")
+  rounds = len(CANDIDATES["dw"])
+  try:
+    for k in range(rounds):
+      text = original
+      for gemm, cands in CANDIDATES.items():
+        pattern = rf"\[mosaic_gemm\.default\.{gemm}_{layout}\]\n(?:[^\[\n][^\n]*\n)*"
+        text = re.sub(pattern, section(f"{gemm}_{layout}", cands[k]) + "\n", text)
+      TOML.write_text(text)
+      subprocess.run([sys.executable, "benchmarks/scratch/lce_profile.py", "memeff", chunk],
+                     env=env, check=True, capture_output=True)
+      out = subprocess.run(["ncu", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
+                            sys.executable, "benchmarks/scratch/lce_profile.py", "memeff", chunk],
+                           env=env, capture_output=True, text=True).stdout
+      names = re.findall(r"^  (\S+?)\s*\(", out, re.M)
+      times = [float(v) * {"ms": 1000, "us": 1, "ns": 1e-3}[u] for u, v in
+               re.findall(r"gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)", out.replace(",", ""))]
+      assert len(names) == len(times), (len(names), len(times), out[-2000:])
+      seq = list(zip(names, times))
+      mosaic = [t for n, t in seq[len(seq) // 2:] if "mosaic" in n]
+      # per chunk after the first: logits, dW +=, dx (the first chunk: logits, dx, dW =)
+      means = [statistics.mean(mosaic[3 + i::3]) for i in range(3)]
+      print(f"round {k}: logits {means[0]:6.1f} us  dW+= {means[1]:6.1f} us  dx {means[2]:6.1f} us"
+            f"   {[CANDIDATES[g][k] for g in ('logits', 'dw', 'dx')]}", flush=True)
+  finally:
+    TOML.write_text(original)
+
+
+if __name__ == "__main__":
+  main()
