@@ -126,6 +126,22 @@ class GemmConfig:
     return 2 if self.cluster else 1
 
 
+def _cluster_layout(config: GemmConfig):
+  """(cta_origin, a_axes, b_axes): cta_origin(mi, ni) is the first row and column of this
+  CTA's tile in cluster tile (mi, ni); a_axes / b_axes are the collective axes of A's and B's
+  copies (a pair along M shares B's blocks, along N A's: loaded once, multicast to both)."""
+  clm, cln = config.cluster_tile()
+  cm, cn = config.cta_tile()
+  cta = lax.axis_index("cluster") if config.cluster else 0
+
+  def cta_origin(mi, ni):
+    return (mi * clm + (cta * cm if config.cluster == "m" else 0),
+            ni * cln + (cta * cn if config.cluster == "n" else 0))
+
+  return (cta_origin, ("cluster",) if config.cluster == "n" else (),
+          ("cluster",) if config.cluster == "m" else ())
+
+
 def shape_error(m: int, n: int, k: int, config: GemmConfig) -> str | None:
   """Why (m, n, k) cannot run with `config`, or None when it can."""
   cm, cn = config.cluster_tile()
@@ -151,14 +167,11 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
   clm, cln = config.cluster_tile()
   m_tiles, n_tiles = m // clm, n // cln
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
-  cta = lax.axis_index("cluster") if config.cluster else 0
+  cta_origin, a_shared, b_shared = _cluster_layout(config)
 
   # A block [cm, tk] (or [tk, cm] stored transposed), B block [tk, cn] (or [cn, tk]).
   a_block, a_index = ((tk, cm), lambda kk: (kk, 0)) if trans_a else ((cm, tk), lambda kk: (0, kk))
   b_block, b_index = ((cn, tk), lambda kk: (0, kk)) if trans_b else ((tk, cn), lambda kk: (kk, 0))
-  # In a cluster along M the two CTAs share B's blocks, along N A's: multicast.
-  a_shared = ("cluster",) if config.cluster == "n" else ()
-  b_shared = ("cluster",) if config.cluster == "m" else ()
 
   # Consecutive tiles of one CTA run as one "pipeline of pipelines" (no drain and refill of
   # the A/B pipeline between tiles) when its depth divides the number of K steps.
@@ -209,8 +222,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
       (lin,) = info.index
       mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), 0 if config.minor == "m" else 1,
                                   config.band)
-      cta_m = mi * clm + (cta * cm if config.cluster == "m" else 0)
-      cta_n = ni * cln + (cta * cn if config.cluster == "n" else 0)
+      cta_m, cta_n = cta_origin(mi, ni)
       wm = cta_m + (wg * tm if config.wg_split == "m" else 0)
       wn = cta_n + (wg * tn if config.wg_split == "n" else 0)
       out_tile = out_gmem.at[pl.ds(wm, tm), pl.ds(wn, tn)]
@@ -279,16 +291,12 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, tr
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   div, rem = _mosaic.div, _mosaic.rem
   walker, walkers = lax.axis_index("sm"), sms // config.cluster_size()  # clusters (or CTAs)
-  cta = lax.axis_index("cluster") if config.cluster else 0
   n_local = div(m_tiles * n_tiles - walker + walkers - 1, walkers)  # walker, walker + walkers, ...
-  a_shared = "cluster" if config.cluster == "n" else None  # multicast to both CTAs
-  b_shared = "cluster" if config.cluster == "m" else None
+  cta_origin, a_shared, b_shared = _cluster_layout(config)
 
   def origin(j):
-    mi, ni = plgpu.planar_snake(walker + j * walkers, (m_tiles, n_tiles),
-                                0 if config.minor == "m" else 1, config.band)
-    return (mi * clm + (cta * tm if config.cluster == "m" else 0),
-            ni * cln + (cta * tn if config.cluster == "n" else 0))
+    return cta_origin(*plgpu.planar_snake(walker + j * walkers, (m_tiles, n_tiles),
+                                          0 if config.minor == "m" else 1, config.band))
 
   a_block = (tk, tm) if trans_a else (tm, tk)
   b_block = (tn, tk) if trans_b else (tk, tn)
