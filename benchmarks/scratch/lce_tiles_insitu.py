@@ -51,9 +51,12 @@ def main():
   try:
     for k in range(rounds):
       text = original
-      for gemm, cands in CANDIDATES.items():
-        pattern = rf"\[mosaic_gemm\.default\.{gemm}_{layout}\]\n(?:[^\[\n][^\n]*\n)*"
-        text = re.sub(pattern, section(f"{gemm}_{layout}", cands[k]) + "\n", text)
+      for gemm, cands in CANDIDATES.items():  # replace the section, or add it (it outranks
+        name = f"{gemm}_{layout}"               # a layout-free [mosaic_gemm.default.<gemm>])
+        pattern = rf"\[mosaic_gemm\.default\.{name}\]\n(?:[^\[\n][^\n]*\n)*"
+        text, found = re.subn(pattern, section(name, cands[k]) + "\n", text)
+        if not found:
+          text += "\n" + section(name, cands[k])
       TOML.write_text(text)
       subprocess.run([sys.executable, "benchmarks/scratch/lce_profile.py", "memeff", chunk],
                      env=env, check=True, capture_output=True)
