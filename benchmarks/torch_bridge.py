@@ -4,7 +4,11 @@
 
 Loss (llama3-8b shape, N=16384, D=4096, V=128256, bf16; forward+backward):
   memeff             memeff_jax.interop.torch.linear_cross_entropy (default chunking)
-  memeff:chunk=C     the same with chunk_size=C tokens
+  memeff:chunk=C     the same with chunk_size=C tokens; modifiers (after more colons):
+                     :mosaic  implementation=PallasGpu(mosaic_gemms=("logits", "dx", "dw")),
+                              the three GEMMs off cuBLAS (no 32 MiB workspace)
+                     :async   JAX's XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async instead of its
+                              BFC allocator (whose peak counts ~22 MiB of its own slack)
   jax_direct         the same JAX function called on JAX arrays: what the bridge adds
                      (conversion, stream sync, scaling the unit gradients) is the difference
   floor              the three matmuls in torch (x Wᵀ, G W, Gᵀ x) with a given G
@@ -74,8 +78,12 @@ def loss_worker(provider: str, reps: int) -> dict:
                 extra_bytes=_harness.jax_temp_bytes(fn, x, w))
   if provider.startswith("memeff"):
     from memeff_jax.interop import torch as mt  # pylint: disable=import-outside-toplevel
-    chunk = int(provider.split("=")[1]) if "=" in provider else None
-    loss_fn = lambda x, w, y: mt.linear_cross_entropy(x, w, y, chunk_size=chunk)
+    from memeff_jax.ops import linear_cross_entropy as lce  # pylint: disable=import-outside-toplevel
+    mods = provider.split(":")[1:]
+    chunk = next((int(m.split("=")[1]) for m in mods if m.startswith("chunk=")), None)
+    impl = lce.PallasGpu(mosaic_gemms=("logits", "dx", "dw")) if "mosaic" in mods else None
+    loss_fn = lambda x, w, y: mt.linear_cross_entropy(x, w, y, chunk_size=chunk,
+                                                      implementation=impl)
   else:
     loss_fn = torch_loss_fn(provider)
   step, state = torch_step(loss_fn, xt, wt, yt)
@@ -174,6 +182,8 @@ def main(argv=None):
         cmd = [sys.executable, __file__, "--worker", f"{op}/{provider}", "--causal",
                str(int(bool(causal)))]
         environ = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        if provider.startswith("memeff") and ":async" in provider:
+          environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "cuda_async"
         if provider.startswith("memeff") and environ.get("JAX_COMPILATION_CACHE_DIR"):
           # JAX's peak_bytes_in_use cannot be reset and counts the autotuner's scratch
           # buffers of the first compile: a first process fills the persistent cache, the

@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 from memeff_jax.ops import flash_attention as _fa  # noqa: E402
 from memeff_jax.ops.linear_cross_entropy import linear_cross_entropy as _lce  # noqa: E402
+from memeff_jax.ops.linear_cross_entropy import IMPLEMENTATIONS as _LCE_NAMES  # noqa: E402
 
 __all__ = ["to_jax", "to_torch", "linear_cross_entropy", "flash_attention",
            "LinearCrossEntropyLoss", "wrap"]
@@ -107,13 +108,38 @@ def _on(t: torch.Tensor):
 # ----------------------------------------------------------------------------------------
 
 
+# Implementation objects (and sequences) passed to the bridge, under the string keys that
+# the custom ops carry (a torch.library schema has no slot for a Python object).
+_IMPLEMENTATIONS: dict[str, object] = {}
+
+
+def _implementation_key(implementation) -> str:
+  """"" for the default, a name as it is, an object or sequence as a registered "@<n>" key."""
+  if implementation is None:
+    return ""
+  if isinstance(implementation, str):
+    if implementation not in _LCE_NAMES:
+      raise ValueError(f"unknown implementation={implementation!r}; expected one of "
+                       f"{sorted(_LCE_NAMES)} or an implementation object")
+    return implementation
+  if not isinstance(implementation, tuple) and not callable(implementation):
+    implementation = tuple(implementation)
+  for key, known in _IMPLEMENTATIONS.items():
+    if known == implementation:
+      return key
+  key = f"@{len(_IMPLEMENTATIONS)}"
+  _IMPLEMENTATIONS[key] = implementation
+  return key
+
+
 @functools.lru_cache(maxsize=None)
 def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, has_bias,
-             chunk_size):
+             chunk_size, implementation):
   """Jitted JAX functions for one set of options: value, value+unit grads, and vjp."""
   opts = dict(weight_layout="vd", reduction=reduction, ignore_index=ignore_index,
               label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap,
-              chunk_size=chunk_size)
+              chunk_size=chunk_size,
+              implementation=_IMPLEMENTATIONS.get(implementation, implementation or None))
 
   def loss(x, w, b, y):
     return _lce(x, w, y, bias=b, **opts)
@@ -132,21 +158,22 @@ def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, ha
 
 
 def _lce_key(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, bias,
-             chunk_size):
+             chunk_size, implementation):
   return (reduction, int(ignore_index), float(label_smoothing), float(z_loss),
           None if logit_softcap is None else float(logit_softcap), bias is not None,
-          None if chunk_size is None else int(chunk_size))
+          None if chunk_size is None else int(chunk_size), implementation)
 
 
 @torch.library.custom_op("memeff::linear_cross_entropy", mutates_args=())
 def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
             bias: torch.Tensor | None, ignore_index: int, reduction: str,
             label_smoothing: float, z_loss: float, logit_softcap: float | None,
-            chunk_size: int | None, with_grads: bool
+            chunk_size: int | None, implementation: str, with_grads: bool
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
   """(loss, dx, dW, db) with the gradients of a unit cotangent when with_grads (mean/sum)."""
   value, value_and_grads, _ = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing,
-                                                 z_loss, logit_softcap, bias, chunk_size))
+                                                 z_loss, logit_softcap, bias, chunk_size,
+                                                 implementation))
   args = (to_jax(x), to_jax(weight), _opt(bias), to_jax(labels))
   with _on(x):
     if not with_grads:
@@ -158,7 +185,7 @@ def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
 
 @_lce_op.register_fake
 def _(x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
-      chunk_size, with_grads):
+      chunk_size, implementation, with_grads):
   loss = x.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
   if not with_grads:
     return loss, x.new_empty(0), x.new_empty(0), x.new_empty(0)
@@ -170,11 +197,11 @@ def _(x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss,
 def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 bias: torch.Tensor | None, grad: torch.Tensor, ignore_index: int,
                 reduction: str, label_smoothing: float, z_loss: float,
-                logit_softcap: float | None, chunk_size: int | None
+                logit_softcap: float | None, chunk_size: int | None, implementation: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
   """(dx, dW, db) for a per-token cotangent (reduction "none"): recomputes the chunks."""
   _, _, vjp = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing, z_loss,
-                                 logit_softcap, bias, chunk_size))
+                                 logit_softcap, bias, chunk_size, implementation))
   with _on(x):
     grads = vjp(to_jax(x), to_jax(weight), _opt(bias), to_jax(labels), to_jax(grad))
   db = to_torch(grads[2]) if bias is not None else _empty(x)
@@ -183,15 +210,16 @@ def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
 
 @_lce_bwd_op.register_fake
 def _(x, weight, labels, bias, grad, ignore_index, reduction, label_smoothing, z_loss,
-      logit_softcap, chunk_size):
+      logit_softcap, chunk_size, implementation):
   db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
   return torch.empty_like(x), torch.empty_like(weight), db
 
 
 def _lce_setup(ctx, inputs, output):
   (x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
-   chunk_size, _) = inputs
-  ctx.options = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size)
+   chunk_size, implementation, _) = inputs
+  ctx.options = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size,
+                 implementation)
   ctx.has_bias = bias is not None
   ctx.scaled = False
   # Only the loss is differentiated; without this autograd would fill [N, D] and [V, D]
@@ -213,12 +241,12 @@ def _tracing(t: torch.Tensor) -> bool:
 def _lce_backward(ctx, g_loss, *unused):
   del unused
   if g_loss is None:  # nothing flowed into the loss
-    return (None,) * 11
-  ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size = ctx.options
+    return (None,) * 12
+  ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size, impl = ctx.options
   if reduction == "none":
     x, weight, labels, bias = ctx.saved_tensors
     dx, dw, db = _lce_bwd_op(x, weight, labels, bias, g_loss.contiguous().float(), ignore_index,
-                             reduction, label_smoothing, z_loss, softcap, chunk_size)
+                             reduction, label_smoothing, z_loss, softcap, chunk_size, impl)
   elif _tracing(g_loss):
     dx, dw, db = ((t * g_loss).to(t.dtype) for t in ctx.saved_tensors)
   else:  # eager: scale the unit gradients in place (they are ours alone), no second dW
@@ -232,7 +260,7 @@ def _lce_backward(ctx, g_loss, *unused):
     # reading that scalar (one sync) is cheaper than a pass over dW. As Liger-Kernel does.
     if g_loss.numel() != 1 or g_loss.item() != 1.0:
       dx, dw, db = (t.mul_(g_loss) for t in (dx, dw, db))
-  return dx, dw, None, db if ctx.has_bias else None, None, None, None, None, None, None, None
+  return (dx, dw, None, db if ctx.has_bias else None) + (None,) * 8
 
 
 _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
@@ -242,7 +270,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                          bias: torch.Tensor | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, logit_softcap: float | None = None,
-                         chunk_size: int | None = None) -> torch.Tensor:
+                         chunk_size: int | None = None, implementation=None) -> torch.Tensor:
   """`F.cross_entropy(F.linear(x, weight, bias), labels, ...)` without the logits.
 
   Args:
@@ -252,6 +280,10 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
       as F.cross_entropy; z_loss, logit_softcap, chunk_size: as
       memeff_jax.linear_cross_entropy (chunk_size: tokens per chunk, default from the
       implementation's memory budget).
+    implementation: as memeff_jax.linear_cross_entropy: None (the fastest available), a
+      name ("reference", "chunked_xla", "pallas_gpu"), an implementation object such as
+      `memeff_jax.ops.linear_cross_entropy.PallasGpu(mosaic_gemms=("logits", "dx", "dw"))`
+      (the lowest-memory setting on Hopper, see the README), or a sequence of them.
 
   Returns:
     float32 loss (scalar, or labels.shape for "none").
@@ -264,7 +296,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                      float(label_smoothing), float(z_loss),
                      None if logit_softcap is None else float(logit_softcap),
                      None if chunk_size is None else int(chunk_size),
-                     needs_grad and reduction != "none")
+                     _implementation_key(implementation), needs_grad and reduction != "none")
   return loss
 
 
@@ -280,14 +312,15 @@ class LinearCrossEntropyLoss(torch.nn.Module):
   def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                z_loss: float = 0.0, logit_softcap: float | None = None,
-               chunk_size: int | None = None):
+               chunk_size: int | None = None, implementation=None):
     super().__init__()
     if weight.ndim != 2:
       raise ValueError(f"weight must be [V, D], got weight.shape={tuple(weight.shape)}")
     self._weight, self._bias = [weight], [bias]  # references: not registered twice
     self.options = dict(ignore_index=ignore_index, reduction=reduction,
                         label_smoothing=label_smoothing, z_loss=z_loss,
-                        logit_softcap=logit_softcap, chunk_size=chunk_size)
+                        logit_softcap=logit_softcap, chunk_size=chunk_size,
+                        implementation=implementation)
 
   def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return linear_cross_entropy(x, self._weight[0], labels, bias=self._bias[0], **self.options)

@@ -100,6 +100,32 @@ def test_lce_chunk_size_is_used(device):
     mt.linear_cross_entropy(x, w, y, chunk_size=0)
 
 
+def test_lce_implementation_is_used(device):
+  """A name, an object and a sequence reach memeff_jax.linear_cross_entropy, forward and
+  (reduction "none") the recomputing backward; unknown names are refused up front."""
+  from memeff_jax.ops import linear_cross_entropy as lce  # pylint: disable=import-outside-toplevel
+  calls = []
+
+  class Counting:  # an implementation object: the reference, counted
+    name = "counting"
+
+    def __call__(self, *args, **kwargs):
+      calls.append(kwargs["opts"].reduction)
+      return lce.IMPLEMENTATIONS["reference"](*args, **kwargs)
+
+  x, w, _, y = _lce_inputs(device=device)
+  want = mt.linear_cross_entropy(x, w, y, implementation="chunked_xla")
+  impl = Counting()
+  for choice in ("reference", impl, (impl, "chunked_xla")):
+    _close(mt.linear_cross_entropy(x, w, y, implementation=choice), want, 1e-6)
+  assert calls == ["mean", "mean"]
+  loss_fn = mt.LinearCrossEntropyLoss(w, reduction="none", implementation=impl)
+  loss_fn(x, y).sum().backward()
+  assert calls[2:] and set(calls[2:]) == {"none"}  # forward, then the backward's recompute
+  with pytest.raises(ValueError, match="implementation='bogus'"):
+    mt.linear_cross_entropy(x, w, y, implementation="bogus")
+
+
 def test_lce_bf16_and_module(device):
   x, w, _, y = _lce_inputs(torch.bfloat16, device=device)
   head = torch.nn.Linear(D, V, bias=False, dtype=torch.bfloat16, device=device)
