@@ -49,6 +49,11 @@ def _jax_bytes():
   return stats.get("bytes_in_use", 0), stats.get("peak_bytes_in_use", 0)
 
 
+def _modifiers(provider: str) -> list[str]:
+  """"memeff:chunk=512:mosaic" -> ["chunk=512", "mosaic"]."""
+  return provider.split(":")[1:]
+
+
 def loss_worker(provider: str, reps: int) -> dict:
   import numpy as np  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
@@ -79,7 +84,7 @@ def loss_worker(provider: str, reps: int) -> dict:
   if provider.startswith("memeff"):
     from memeff_jax.interop import torch as mt  # pylint: disable=import-outside-toplevel
     from memeff_jax.ops import linear_cross_entropy as lce  # pylint: disable=import-outside-toplevel
-    mods = provider.split(":")[1:]
+    mods = _modifiers(provider)
     chunk = next((int(m.split("=")[1]) for m in mods if m.startswith("chunk=")), None)
     impl = lce.PallasGpu(mosaic_gemms=("logits", "dx", "dw")) if "mosaic" in mods else None
     loss_fn = lambda x, w, y: mt.linear_cross_entropy(x, w, y, chunk_size=chunk,
@@ -182,7 +187,7 @@ def main(argv=None):
         cmd = [sys.executable, __file__, "--worker", f"{op}/{provider}", "--causal",
                str(int(bool(causal)))]
         environ = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        if provider.startswith("memeff") and ":async" in provider:
+        if provider.startswith("memeff") and "async" in _modifiers(provider):
           environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "cuda_async"
         if provider.startswith("memeff") and environ.get("JAX_COMPILATION_CACHE_DIR"):
           # JAX's peak_bytes_in_use cannot be reset and counts the autotuner's scratch

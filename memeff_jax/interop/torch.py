@@ -41,6 +41,7 @@ if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
+from memeff_jax.ops import _dispatch  # noqa: E402
 from memeff_jax.ops import flash_attention as _fa  # noqa: E402
 from memeff_jax.ops.linear_cross_entropy import linear_cross_entropy as _lce  # noqa: E402
 from memeff_jax.ops.linear_cross_entropy import IMPLEMENTATIONS as _LCE_NAMES  # noqa: E402
@@ -117,10 +118,8 @@ def _implementation_key(implementation) -> str:
   """"" for the default, a name as it is, an object or sequence as a registered "@<n>" key."""
   if implementation is None:
     return ""
+  _dispatch.resolve(implementation, _LCE_NAMES, ())  # refuses unknown names up front
   if isinstance(implementation, str):
-    if implementation not in _LCE_NAMES:
-      raise ValueError(f"unknown implementation={implementation!r}; expected one of "
-                       f"{sorted(_LCE_NAMES)} or an implementation object")
     return implementation
   if not isinstance(implementation, tuple) and not callable(implementation):
     implementation = tuple(implementation)
