@@ -17,24 +17,26 @@ import sys
 
 TOML = pathlib.Path("configs/tuning/linear_cross_entropy.toml")
 C = dict(tile_n=128, max_concurrent_steps=3)
-C64 = dict(tile_n=64)
 PP = dict(schedule="pingpong", tile_n=128, band=8)
-# Round k uses the k-th candidate of every GEMM.
+R = dict(schedule="ring", tile_n=128, max_concurrent_steps=3, in_flight=0)
+R4 = dict(schedule="ring", tile_n=128, max_concurrent_steps=4, epilogue_rows=64)
+# Round k uses the k-th candidate of every GEMM; the last round is the configured default.
+# This sweep: the logits GEMM with one WGMMA group in flight and 4 slots (epilogue through
+# 64-row halves). Earlier sweeps are in the history of this file.
+PPX = dict(PP, max_concurrent_steps=5, minor="m", cluster="m")
 CANDIDATES = {
-    "logits": [dict(C, minor="m", band=16, cluster="m"), dict(C, band=8, cluster="m"), dict(C),
-               dict(C64, max_concurrent_steps=4, band=8, minor="m", cluster="m"),
-               dict(PP, max_concurrent_steps=5, minor="m", cluster="m"),
-               dict(C64, wg_split="m", max_concurrent_steps=4, cluster="n", band=8)],
-    "dw": [dict(C, minor="m", cluster="m"), dict(C, minor="m", band=4, cluster="m"),
-           dict(PP, max_concurrent_steps=4), dict(PP, max_concurrent_steps=5, cluster="n"),
-           dict(PP, max_concurrent_steps=4, minor="m", cluster="m"),
-           dict(C64, wg_split="m", max_concurrent_steps=4, minor="m", cluster="n")],
-    "dx": [dict(PP, max_concurrent_steps=5, cluster="n"),
-           dict(C64, max_concurrent_steps=6, minor="m", cluster="m"),
-           dict(C64, max_concurrent_steps=4, band=8, minor="m", cluster="m"),
-           dict(PP, max_concurrent_steps=4, minor="m"),
-           dict(C64, max_concurrent_steps=5, minor="m", cluster="n"),
-           dict(PP, max_concurrent_steps=5, minor="m", cluster="m")],
+    "vd": {
+        "logits": [R4, dict(R4, in_flight=0), dict(R4, cluster="m"), R,
+                   dict(R4, minor="m", band=8), C],
+        "dw": [dict(C, minor="m", cluster="m")] * 6,
+        "dx": [PPX] * 6,
+    },
+    "dv": {
+        "logits": [R4, dict(R4, in_flight=0), dict(R4, cluster="m"), R,
+                   dict(R4, minor="m", band=8), C],
+        "dw": [dict(C, minor="m", band=4, cluster="m")] * 6,
+        "dx": [dict(PP, max_concurrent_steps=4, minor="m")] * 6,
+    },
 }
 
 
@@ -47,11 +49,12 @@ def main():
   layout, chunk = os.environ.get("LCE_LAYOUT", "vd"), os.environ.get("CHUNK", "512")
   original = TOML.read_text()
   env = dict(os.environ, LCE_LAYOUT=layout, LCE_GEMMS="logits+dx+dw")
-  rounds = len(CANDIDATES["dw"])
+  candidates = CANDIDATES[layout]
+  rounds = len(candidates["dw"])
   try:
     for k in range(rounds):
       text = original
-      for gemm, cands in CANDIDATES.items():  # replace the section, or add it (it outranks
+      for gemm, cands in candidates.items():  # replace the section, or add it (it outranks
         name = f"{gemm}_{layout}"               # a layout-free [mosaic_gemm.default.<gemm>])
         pattern = rf"\[mosaic_gemm\.default\.{name}\]\n(?:[^\[\n][^\n]*\n)*"
         text, found = re.subn(pattern, section(name, cands[k]) + "\n", text)
@@ -72,7 +75,7 @@ def main():
       # per chunk after the first: logits, dW +=, dx (the first chunk: logits, dx, dW =)
       means = [statistics.mean(mosaic[3 + i::3]) for i in range(3)]
       print(f"round {k}: logits {means[0]:6.1f} us  dW+= {means[1]:6.1f} us  dx {means[2]:6.1f} us"
-            f"   {[CANDIDATES[g][k] for g in ('logits', 'dw', 'dx')]}", flush=True)
+            f"   {[candidates[g][k] for g in ('logits', 'dw', 'dx')]}", flush=True)
   finally:
     TOML.write_text(original)
 

@@ -11,12 +11,15 @@ float32 accumulator and rounds once.
 
 Structure: a persistent kernel, one CTA per SM walking the output tiles, two compute
 warpgroups and one memory warpgroup feeding them A and B through a ring of TMA slots, in one
-of two schedules (`GemmConfig.schedule`):
+of three schedules (`GemmConfig.schedule`):
 
   cooperative  the two compute warpgroups each own half of a CTA tile (side by side along N
                or M) and run its epilogue together (`plgpu.emit_pipeline_warp_specialized`)
   pingpong     each owns every other tile of the CTA's walk, so one warpgroup's epilogue
-               runs under the other's main loop (`_pingpong_kernel`)
+               runs under the other's main loop (`_ring_kernel`)
+  ring         as cooperative, but through `_ring_kernel`'s one ring of slots across all of
+               the CTA's tiles: the next tile's operands land during an epilogue, whatever
+               the depth of the ring
 
 Operands may be stored transposed (`trans_a`: A is [K, M] in memory; `trans_b`: B is
 [N, K]); WGMMA reads 16-bit operands of either major-ness straight from shared memory, so
@@ -25,10 +28,10 @@ no transposed copy is ever made.
 C is updated in place: pass it as a `jax.Ref` (see `gemm_into`) and the kernel writes the
 sum over it, so a running sum of 1 GiB costs no second buffer (checked: the compiled
 program aliases it and holds no temporary). GPU only: jax 0.10.2's Mosaic GPU interpreter
-cannot run `plgpu.kernel` meshes, so there is no interpret mode (the ping-pong kernel's
+cannot run `plgpu.kernel` meshes, so there is no interpret mode (the ring kernel's
 lowering is checked on the CPU).
 
-Status: correct for every transpose combination, both schedules and both cluster axes
+Status: correct for every transpose combination, every schedule and both cluster axes
 (tests/ops/test_mosaic_gemm.py). `linear_cross_entropy` runs it where asked
 (`PallasGpu(mosaic_gemms=...)`), which drops cuBLAS's 32 MiB workspace, but it does not beat
 cuBLAS. One 512-token chunk of Llama-3-8B on an H200, µs per GEMM inside the loss's chunk
@@ -36,12 +39,13 @@ loop under ncu (benchmarks/scratch/lce_tiles_insitu.py; isolated timings move by
 between machines and rank tiles differently):
 
   GEMM, [M, K] @ [K, N]                        best tiles                          ours  cuBLAS
-  logits x_c Wᵀ  [512,4096] @ [4096,128256]     cooperative 128×256, 3 slots         722     678
+  logits x_c Wᵀ  [512,4096] @ [4096,128256]     ring 128×256, 4 slots, 1 in flight   715     678
   dx     G W     [512,128256] @ [128256,4096]   ping-pong, pairs along M (B shared)  706     654
   dW += Gᵀ x_c   [128256,512] @ [512,4096]      cooperative, pairs along M           937     877
 
-CTA pairs took dW += from 1,013 µs (ping-pong, session 7) to 937. benchmarks/NOTES.md
-(sessions 7 and 8) has the rest.
+CTA pairs took dW += from 1,013 µs (ping-pong, session 7) to 937; the ring schedule took
+the logits GEMM from 730 µs (cooperative, 3 slots) to 715. benchmarks/NOTES.md (sessions 7
+to 9) has the rest.
 """
 
 from __future__ import annotations
@@ -85,11 +89,20 @@ class GemmConfig:
     num_sms: CTAs to launch; None reads the device's SM count.
     schedule: "cooperative" (both compute warpgroups work on one CTA tile, then both run
       its epilogue) or "pingpong" (each owns every other tile of the CTA's walk, so one
-      warpgroup's epilogue runs under the other's main loop; see _pingpong_kernel).
+      warpgroup's epilogue runs under the other's main loop) or "ring" (as cooperative,
+      with no drain of the A/B pipeline between tiles); see _ring_kernel.
     cluster: None, or "m" / "n": CTAs run in clusters of two whose tiles sit side by side
       along M (sharing B's blocks) or N (sharing A's), and the shared block is loaded once
       by TMA multicast into both CTAs' shared memory: a quarter less operand traffic from L2
       per tile pair. num_sms must then be even.
+    in_flight: "pingpong" and "ring": the WGMMA groups left running when a step's slot is
+      released. 1 (their default) releases step k - 1's slot once step k is issued (the
+      tensor cores never wait on this warpgroup, but two slots are held), 0 waits for step
+      k and releases its slot (one slot held; the other warpgroup keeps the tensor cores
+      busy meanwhile). The cooperative schedule's pipeline helper always works as 0.
+    epilogue_rows: "pingpong" and "ring", GEMMs without C only: store each warpgroup's
+      tile through a buffer of this many rows (a divisor of tile_m), in pieces; the shared
+      memory saved makes room for another slot (None: the whole tile at once).
   """
 
   tile_m: int = 128
@@ -102,12 +115,24 @@ class GemmConfig:
   num_sms: int | None = None
   schedule: str = "cooperative"
   cluster: str | None = None
+  in_flight: int | None = None
+  epilogue_rows: int | None = None
 
   def __post_init__(self):
-    if self.schedule not in ("cooperative", "pingpong"):
-      raise ValueError(f"schedule must be 'cooperative' or 'pingpong', got {self.schedule!r}")
+    if self.schedule not in ("cooperative", "pingpong", "ring"):
+      raise ValueError(
+          f"schedule must be 'cooperative', 'pingpong' or 'ring', got {self.schedule!r}")
     if self.cluster not in (None, "m", "n"):
       raise ValueError(f"cluster must be None, 'm' or 'n', got {self.cluster!r}")
+    if self.in_flight not in (None, 0, 1):
+      raise ValueError(f"in_flight must be 0 or 1, got {self.in_flight}")
+    if self.schedule == "cooperative" and (self.in_flight is not None or self.epilogue_rows):
+      raise ValueError("in_flight and epilogue_rows are options of the 'pingpong' and 'ring' "
+                       f"schedules, got {self}")
+    if self.epilogue_rows is not None and (self.epilogue_rows % 64
+                                           or self.tile_m % self.epilogue_rows):
+      raise ValueError(f"epilogue_rows must be a multiple of 64 dividing tile_m={self.tile_m}, "
+                       f"got {self.epilogue_rows}")
     if self.cluster and self.num_sms is not None and self.num_sms % 2:
       raise ValueError(f"a cluster of two needs an even num_sms, got {self.num_sms}")
 
@@ -270,26 +295,35 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
-                     trans_b: bool, sms: int):
-  """Ping-pong: the CTA walks its tiles j = 0, 1, 2, ...; compute warpgroup j % 2 owns tile j.
+def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
+                 trans_b: bool, sms: int):
+  """The schedules with one ring of A/B slots across all of a CTA's tiles ("pingpong",
+  "ring"): the CTA walks its tiles j = 0, 1, 2, ..., and the memory warpgroup streams their K
+  steps in walk order through `max_concurrent_steps` slots, so the next tile's first steps
+  land while the last tile's epilogue runs (no drain and refill between tiles, whatever the
+  depth).
 
-  One ring of `max_concurrent_steps` A/B slots carries every tile's K steps in walk order.
-  Both compute warpgroups wait on every slot's arrival and release every slot (the owner
-  once its WGMMA has read it, the other at once), so each sees every phase of every barrier
-  in order, and a slot is refilled once both have passed it. While one warpgroup adds C to
-  its tile and stores it, the other's main loop has the tensor cores; C is requested when a
+    pingpong  compute warpgroup j % 2 owns tile j, so one warpgroup's epilogue runs under
+              the other's main loop
+    ring      both compute warpgroups work on every tile, each on its half (`wg_split`),
+              and run its epilogue together
+
+  Both compute warpgroups wait on every slot's arrival and release every slot (once their
+  WGMMA has read it; in ping-pong the non-owner at once), so each sees every phase of every
+  barrier in order, and a slot is refilled once both have passed it. C is requested when a
   tile's main loop starts and lands in shared memory while it runs.
   """
   m, n = out_gmem.shape
   k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
   tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
+  cm, cn = config.cta_tile()
   stages = config.max_concurrent_steps
   clm, cln = config.cluster_tile()
   m_tiles, n_tiles = m // clm, n // cln
   k_steps = k // tk
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   div, rem = _mosaic.div, _mosaic.rem
+  pingpong = config.schedule == "pingpong"
   walker, walkers = lax.axis_index("sm"), sms // config.cluster_size()  # clusters (or CTAs)
   n_local = div(m_tiles * n_tiles - walker + walkers - 1, walkers)  # walker, walker + walkers, ...
   cta_origin, a_shared, b_shared = _cluster_layout(config)
@@ -298,11 +332,22 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, tr
     return cta_origin(*plgpu.planar_snake(walker + j * walkers, (m_tiles, n_tiles),
                                           0 if config.minor == "m" else 1, config.band))
 
-  a_block = (tk, tm) if trans_a else (tm, tk)
-  b_block = (tn, tk) if trans_b else (tk, tn)
+  a_block = (tk, cm) if trans_a else (cm, tk)
+  b_block = (cn, tk) if trans_b else (tk, cn)
+  er = config.epilogue_rows or tm
+  in_flight = 1 if config.in_flight is None else config.in_flight
 
   def body(a_smem, b_smem, c_smem, ready, free, c_ready):
     wg = lax.axis_index("wg")
+
+    def operands(slot):
+      """This warpgroup's [tm, tk] slice of A and [tk, tn] slice of B in `slot`."""
+      a, b = a_smem.at[slot], b_smem.at[slot]  # sliced as stored, then transposed
+      if not pingpong and config.wg_split == "m":
+        a = a.at[:, pl.ds(wg * tm, tm)] if trans_a else a.at[pl.ds(wg * tm, tm)]
+      if not pingpong and config.wg_split == "n":
+        b = b.at[pl.ds(wg * tn, tn)] if trans_b else b.at[:, pl.ds(wg * tn, tn)]
+      return (a.T if trans_a else a), (b.T if trans_b else b)
 
     @pl.when(wg < 2)
     def _compute():
@@ -311,18 +356,12 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, tr
       def tile(j, _):
         first = j * k_steps  # this tile's first step in the ring's sequence
         rows, cols = origin(j)
+        if not pingpong:
+          rows += wg * tm if config.wg_split == "m" else 0
+          cols += wg * tn if config.wg_split == "n" else 0
         out_tile = (pl.ds(rows, tm), pl.ds(cols, tn))
 
-        @pl.when(rem(j, 2) != wg)
-        def _pass():  # the other warpgroup's tile: release each slot once it has landed
-          @pl.loop(0, k_steps)
-          def _(kk):
-            slot = rem(first + kk, stages)
-            plgpu.barrier_wait(ready.at[slot])
-            plgpu.barrier_arrive(free.at[slot])
-
-        @pl.when(rem(j, 2) == wg)
-        def _own():
+        def own():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read c_smem
           if c_gmem is not None:
             plgpu.copy_gmem_to_smem(c_gmem.at[out_tile], c_smem.at[wg], c_ready.at[wg])
@@ -332,25 +371,45 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, tr
             def _(kk):
               slot = rem(first + kk, stages)
               plgpu.barrier_wait(ready.at[slot])
-              a, b = a_smem.at[slot], b_smem.at[slot]
-              plgpu.wgmma(acc_ref, a.T if trans_a else a, b.T if trans_b else b)
-              plgpu.wgmma_wait(1)  # the step before has been read: release its slot
+              plgpu.wgmma(acc_ref, *operands(slot))
+              plgpu.wgmma_wait(in_flight)
+              if in_flight:  # the step before has been read: release its slot
+                @pl.when(kk > 0)
+                def _():
+                  plgpu.barrier_arrive(free.at[rem(first + kk - 1, stages)])
+              else:
+                plgpu.barrier_arrive(free.at[slot])
 
-              @pl.when(kk > 0)
-              def _():
-                plgpu.barrier_arrive(free.at[rem(first + kk - 1, stages)])
-
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[rem(first + k_steps - 1, stages)])
+            if in_flight:
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(free.at[rem(first + k_steps - 1, stages)])
             return acc_ref[...]
 
           acc = pl.run_scoped(main_loop, plgpu.ACC((tm, tn), jnp.float32))
           if c_gmem is not None:
             plgpu.barrier_wait(c_ready.at[wg])
             acc = acc + c_smem.at[wg][...].astype(jnp.float32)
-          c_smem.at[wg][...] = acc.astype(out_dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(c_smem.at[wg], out_gmem.at[out_tile])
+          for r0 in range(0, tm, er):  # through a buffer of er rows
+            if r0:
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            c_smem.at[wg][...] = acc[r0:r0 + er].astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(c_smem.at[wg],
+                                    out_gmem.at[pl.ds(rows + r0, er), pl.ds(cols, tn)])
+
+        if not pingpong:
+          own()
+          return
+
+        @pl.when(rem(j, 2) != wg)
+        def _pass():  # the other warpgroup's tile: release each slot once it has landed
+          @pl.loop(0, k_steps)
+          def _(kk):
+            slot = rem(first + kk, stages)
+            plgpu.barrier_wait(ready.at[slot])
+            plgpu.barrier_arrive(free.at[slot])
+
+        pl.when(rem(j, 2) == wg)(own)
 
       lax.fori_loop(0, n_local, tile, None)
       plgpu.wait_smem_to_gmem(0)
@@ -372,8 +431,8 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, tr
             plgpu.barrier_wait(free.at[slot])
 
           ks = pl.ds(kk * tk, tk)
-          a_src = a_gmem.at[ks, pl.ds(rows, tm)] if trans_a else a_gmem.at[pl.ds(rows, tm), ks]
-          b_src = b_gmem.at[pl.ds(cols, tn), ks] if trans_b else b_gmem.at[ks, pl.ds(cols, tn)]
+          a_src = a_gmem.at[ks, pl.ds(rows, cm)] if trans_a else a_gmem.at[pl.ds(rows, cm), ks]
+          b_src = b_gmem.at[pl.ds(cols, cn), ks] if trans_b else b_gmem.at[ks, pl.ds(cols, cn)]
           plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], ready.at[slot],
                                   collective_axes=a_shared)
           plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], ready.at[slot],
@@ -391,7 +450,7 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, tr
       body,
       plgpu.SMEM((stages, *a_block), dtype, transforms=_swizzled(a_block[1], dtype)),
       plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype)),
-      plgpu.SMEM((2, tm, tn), out_dtype, transforms=_swizzled(tn, out_dtype)),
+      plgpu.SMEM((2, er, tn), out_dtype, transforms=_swizzled(tn, out_dtype)),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # ready: A and B landed
       # free: both warpgroups (of both CTAs of a cluster) passed
       (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=stages)
@@ -410,8 +469,8 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
 
   def body(a_ref, b_ref, out_ref):
     c_ref = out_ref if into else None
-    if config.schedule == "pingpong":
-      _pingpong_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
+    if config.schedule in ("pingpong", "ring"):
+      _ring_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
                        trans_b=trans_b, sms=sms)
     else:
       _kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a, trans_b=trans_b)
@@ -438,6 +497,9 @@ def _check(a, b, c, trans_a, trans_b, config):
                      f"(trans_a={trans_a}, trans_b={trans_b})")
   if c is not None and tuple(c.shape) != (m, n):
     raise ValueError(f"c must be [{m}, {n}], got {tuple(c.shape)}")
+  if c is not None and config.epilogue_rows not in (None, config.tile_m):
+    raise ValueError(f"epilogue_rows={config.epilogue_rows} serves GEMMs without C "
+                     "(gemm, not gemm_into)")
   if (why := shape_error(m, n, k, config)) is not None:
     raise ValueError(f"mosaic gemm: {why} ({config})")
   return m, n, k

@@ -12,11 +12,11 @@ from memeff_jax.ops import mosaic_gemm as mg
 M, N, K = 256, 512, 256
 
 
-def _operands(trans_a, trans_b, seed=0):
+def _operands(trans_a, trans_b, seed=0, m=M):
   k = jax.random.split(jax.random.key(seed), 3)
-  a = jax.random.normal(k[0], (K, M) if trans_a else (M, K), jnp.float32).astype(jnp.bfloat16)
+  a = jax.random.normal(k[0], (K, m) if trans_a else (m, K), jnp.float32).astype(jnp.bfloat16)
   b = jax.random.normal(k[1], (N, K) if trans_b else (K, N), jnp.float32).astype(jnp.bfloat16)
-  c = jax.random.normal(k[2], (M, N), jnp.float32).astype(jnp.bfloat16)
+  c = jax.random.normal(k[2], (m, N), jnp.float32).astype(jnp.bfloat16)
   ref = (a.T if trans_a else a).astype(jnp.float32) @ (b.T if trans_b else b).astype(jnp.float32)
   return a, b, c, ref
 
@@ -41,13 +41,26 @@ def test_errors_name_the_shapes():
   with pytest.raises(ValueError, match="M=128 is not a multiple of the tile 256"):
     mg.gemm(jnp.zeros((128, K), jnp.bfloat16), jnp.zeros((K, N), jnp.bfloat16),
             config=mg.GemmConfig(cluster="m"))
+  with pytest.raises(ValueError, match="in_flight must be 0 or 1"):
+    mg.GemmConfig(schedule="ring", in_flight=2)
+  with pytest.raises(ValueError, match="options of the 'pingpong' and 'ring' schedules"):
+    mg.GemmConfig(in_flight=0)
+  with pytest.raises(ValueError, match="options of the 'pingpong' and 'ring' schedules"):
+    mg.GemmConfig(epilogue_rows=64)
+  with pytest.raises(ValueError, match="epilogue_rows must be a multiple of 64 dividing"):
+    mg.GemmConfig(schedule="ring", epilogue_rows=96)
+  with pytest.raises(ValueError, match="epilogue_rows=64 serves GEMMs without C"):
+    mg.gemm_into(jax.new_ref(jnp.zeros((M, N), jnp.bfloat16)), a, jnp.zeros((K, N), jnp.bfloat16),
+                 config=mg.GemmConfig(schedule="ring", epilogue_rows=64))
 
 
+@pytest.mark.parametrize("schedule", ["pingpong", "ring"])
 @pytest.mark.parametrize("cluster", [None, "m", "n"])
-def test_pingpong_lowers_for_cuda(cluster):
-  """The ping-pong kernel lowers to a Mosaic GPU module on a CPU host (runs need a GPU)."""
-  cfg = mg.GemmConfig(tile_n=128, max_concurrent_steps=4, schedule="pingpong", num_sms=132,
-                      cluster=cluster)
+def test_ring_kernel_lowers_for_cuda(schedule, cluster):
+  """The ring kernel's schedules lower to a Mosaic GPU module on a CPU host (runs need a
+  GPU)."""
+  cfg = mg.GemmConfig(tile_n=128 if schedule == "pingpong" else 64, max_concurrent_steps=3,
+                      schedule=schedule, num_sms=132, cluster=cluster)
   for ta, tb in ((True, False), (False, True), (False, False)):
     a = jax.ShapeDtypeStruct((K, M) if ta else (M, K), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((N, K) if tb else (K, N), jnp.bfloat16)
@@ -60,22 +73,33 @@ def test_pingpong_lowers_for_cuda(cluster):
 @pytest.mark.parametrize("trans_a,trans_b,split", [
     (ta, tb, s) for ta, tb in itertools.product([False, True], repeat=2)
     for s in ("n", "m", "pingpong", "n/cluster-n", "n/cluster-m", "pingpong/cluster-m",
-              "pingpong/cluster-n")])
+              "pingpong/cluster-n", "ring-n", "ring-m", "ring-n/cluster-m", "ring-m/cluster-n",
+              "ring0-n", "ring0-m/cluster-m", "ringE-n", "ringE-n/cluster-m")])
 def test_matches_float32_reference(trans_a, trans_b, split):
   """split "pingpong": 128 × 128 tiles, one per warpgroup, 4 tiles per CTA on 2 CTAs (each
   warpgroup runs two), K in 4 steps through a ring of 3 slots (the slots' phases wrap
   across tiles). "/cluster-m|n": CTAs in pairs sharing B's (A's) blocks by multicast; the
-  ping-pong pair walks 4 tiles of 256 × 128 (128 × 256)."""
-  a, b, c, ref = _operands(trans_a, trans_b)
+  ping-pong pair walks 4 tiles of 256 × 128 (128 × 256). "ring-n|m": the cooperative split
+  through the ring kernel, 4 CTA tiles per CTA on 2 CTAs, K in 4 steps through 3 slots;
+  "ring0": each slot released once its WGMMA is done (in_flight=0); "ringE": the epilogue
+  through 64-row pieces. ring0-m/cluster-m's pair tile is 512 rows: M = 512 there."""
   split, _, cluster = split.partition("/cluster-")
+  a, b, c, ref = _operands(trans_a, trans_b, m=512 if split == "ring0-m" and cluster else M)
   if split == "pingpong":
     cfg = mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule="pingpong", num_sms=2,
                         cluster=cluster or None)
+  elif split.startswith("ring"):
+    cfg = mg.GemmConfig(wg_split=split[-1], max_concurrent_steps=3, schedule="ring", num_sms=2,
+                        cluster=cluster or None, in_flight=0 if split.startswith("ring0") else 1,
+                        epilogue_rows=64 if split.startswith("ringE") else None)
   else:
     cfg = mg.GemmConfig(wg_split=split, cluster=cluster or None)
   out = jax.jit(lambda a, b: mg.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg))(a, b)
   np.testing.assert_allclose(out.astype(np.float32), ref.astype(jnp.bfloat16).astype(np.float32),
                              rtol=1e-2, atol=0.5)
+
+  if cfg.epilogue_rows:
+    return
 
   def into(c, a, b):
     r = jax.new_ref(c)
