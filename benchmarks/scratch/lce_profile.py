@@ -1,12 +1,15 @@
 """Two warm loss+gradient calls of linear_cross_entropy at llama3-8b (bf16), or of the floor's
 three matmuls, for ncu's per-kernel durations.
 
-    LCE_KERNEL=programs_per_sm=1,num_warps=16 python benchmarks/scratch/lce_profile.py memeff|floor [chunk_size]
+    LCE_KERNEL=block_v=4096,num_warps=4 python benchmarks/scratch/lce_profile.py memeff|floor|liger [chunk_size]
 
+REPS=n makes n calls (default 2); TRACE=path.json traces the last n - 2 with torch's profiler
+(kernel durations under sustained load, JAX's included; benchmarks/scratch/dev_lce_trace.sh).
 LCE_GEMMS=logits+dx+dw puts those GEMMs on ops.mosaic_gemm; LCE_LAYOUT=vd stores W as [V, D].
 """
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -15,12 +18,55 @@ sys.path.insert(0, ".")
 import memeff_jax  # noqa: E402
 
 N, D, V = 16384, 4096, 128256
+REPS = int(os.environ.get("REPS", 2))  # calls (ncu: 2; a traced run under sustained load: more)
 kx, kw, ky, kg = jax.random.split(jax.random.key(0), 4)
 x = jax.random.normal(kx, (N, D), jnp.float32).astype(jnp.bfloat16)
 LAYOUT = os.environ.get("LCE_LAYOUT", "dv")
 w = (jax.random.normal(kw, (D, V) if LAYOUT == "dv" else (V, D), jnp.float32)
      * 0.02).astype(jnp.bfloat16)
 y = jax.random.randint(ky, (N,), 0, V)
+
+
+def run(call):
+  """REPS calls; with $TRACE, the last REPS - 2 (warm, back to back) under torch's profiler
+  (CUPTI sees every kernel of the process, JAX's too), as a Chrome trace at $TRACE."""
+  walls = []
+
+  def timed():
+    t0 = time.perf_counter()
+    call()
+    walls.append((time.perf_counter() - t0) * 1e3)
+
+  if not os.environ.get("TRACE"):
+    for _ in range(REPS):
+      timed()
+  else:
+    import torch  # pylint: disable=import-outside-toplevel
+    for _ in range(2):
+      timed()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+      for _ in range(REPS - 2):
+        timed()
+    prof.export_chrome_trace(os.environ["TRACE"])
+  print(f"done; wall-clock per call (ms): {' '.join(f'{w:.2f}' for w in walls)}", flush=True)
+
+
+if sys.argv[1] == "liger":  # Liger-Kernel's fused loss on the same shapes (W as [V, D])
+  import torch  # pylint: disable=import-outside-toplevel
+  from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(0)
+  xt = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+  wt = (torch.randn(V, D, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+  yt = torch.randint(0, V, (N,), device="cuda")
+  loss_fn = LigerFusedLinearCrossEntropyLoss()
+
+  def call():
+    xt.grad = wt.grad = None
+    loss_fn(wt, xt, yt).backward()
+    torch.cuda.synchronize()
+
+  run(call)
+  sys.exit(0)
 if sys.argv[1] == "floor":
   g = (jax.random.normal(kg, (N, V), jnp.float32) * 1e-3).astype(jnp.bfloat16)
   fn, args = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g)), (x, w, g)
@@ -41,6 +87,4 @@ else:
                                                    implementation=impl), argnums=(0, 1)))
   args = (x, w)
 jax.block_until_ready(args)
-for _ in range(2):
-  jax.block_until_ready(fn(*args))
-print("done", flush=True)
+run(lambda: jax.block_until_ready(fn(*args)))
