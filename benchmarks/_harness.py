@@ -59,6 +59,21 @@ def time_jax(fn, *args, warmup: int = 2, reps: int = 10, inner: int = 1) -> floa
   return statistics.median(times)
 
 
+def interleaved(timers: dict, rounds: int) -> dict[str, list]:
+  """{name: [timer() of each round]}: every timer once per round, the order rotated by one
+  each round, so that no provider always runs first (coolest GPU) or last. Under sustained
+  load the GPU's clock drifts by a few percent within a run; ratios of medians over
+  interleaved rounds do not carry that drift, as ratios of providers timed one after
+  another do."""
+  names = list(timers)
+  out = {name: [] for name in names}
+  for r in range(rounds):
+    shift = r % len(names) if names else 0
+    for name in names[shift:] + names[:shift]:
+      out[name].append(timers[name]())
+  return out
+
+
 def jax_temp_bytes(jitted, *args) -> int | None:
   """Temporary bytes XLA assigns to the compiled program (None if the backend gives none)."""
   return memory.analyze(jitted, *args).temp_bytes

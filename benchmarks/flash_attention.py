@@ -13,7 +13,10 @@ list: on a GPU it compiles for minutes at T=4096 (memeff is chunked_xla on CPU a
 
 TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal; with a sliding window or
 packed documents, 4·H·D per visible (query, key) pair) and 2.5× that for the backward; extra memory is XLA's temporary bytes of the compiled forward+backward.
-Rows are appended to benchmarks/results/flash_attention.jsonl (or --out).
+Every provider of a case is compiled first; then `--rounds R` interleaved rounds time each once
+per round (the order rotated each round), and each figure is the median over rounds: the GPU's
+clock drifts under sustained load, and providers timed one after another carry that drift into
+their ratios. Rows are appended to benchmarks/results/flash_attention.jsonl (or --out).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def visible_pairs(causal, window, seg, b, t, s) -> int:
   return total
 
 
-def run(set_name: str, providers: list[str], out, reps: int):
+def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1):
   spec = _harness.shape_sets("flash_attention")[set_name]
   dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
   env = _harness.environment()
@@ -126,10 +129,11 @@ def run(set_name: str, providers: list[str], out, reps: int):
         flops = 4.0 * b * h * t * s * d * (0.5 if causal else 1.0)
       else:  # the (query, key) pairs the window or the documents let through
         flops = 4.0 * h * d * visible_pairs(causal, window, seg, b, t, s)
+      cases = {}  # provider -> (row, fwd, fwd_bwd), built and compiled before any timing
       for provider in providers:
         row = dict(op="flash_attention", set=set_name, b=b, t=t, s=s, h=h, hkv=hkv, d=d,
                    docs=docs, window=window, causal=causal, dtype=dtype.name,
-                   provider=provider, fwd_bwd_timing="one vjp", **env)
+                   provider=provider, fwd_bwd_timing="one vjp", rounds=rounds, **env)
         try:
           if provider.startswith("memeff"):
             row["deterministic"] = parse_memeff(provider)[1]
@@ -144,19 +148,28 @@ def run(set_name: str, providers: list[str], out, reps: int):
             out, pull = jax.vjp(f, q, k, v)
             return out, pull(ct)
 
-          row["fwd_ms"] = _harness.time_jax(fwd, q, k, v, reps=reps, inner=5)
-          row["fwd_bwd_ms"] = _harness.time_jax(jax.jit(fwd_bwd), q, k, v, reps=reps, inner=5)
+          fwd_bwd = jax.jit(fwd_bwd)
+          jax.block_until_ready((fwd(q, k, v), fwd_bwd(q, k, v)))  # compile; fail here
           row["extra_bytes"] = _harness.jax_temp_bytes(step, q, k, v)
+          cases[provider] = (row, fwd, fwd_bwd)
         except ImportError as err:
           print(f"  skip {provider}: {err}")
-          continue
         except Exception as err:  # pylint: disable=broad-except
           traceback.print_exc(limit=2)
           row["error"] = f"{type(err).__name__}: {err}"[:500]
           rows.append(row)
           _harness.append(out, [row])
           print(f"  {provider:28s} causal={causal!s:5s} ERROR {row['error'][:160]}")
-          continue
+      timers = {p: (lambda fwd=fwd, fwd_bwd=fwd_bwd: (
+          _harness.time_jax(fwd, q, k, v, reps=reps, inner=5),
+          _harness.time_jax(fwd_bwd, q, k, v, reps=reps, inner=5)))
+                for p, (_, fwd, fwd_bwd) in cases.items()}
+      for provider, times in _harness.interleaved(timers, rounds).items():
+        row = cases[provider][0]
+        row["fwd_ms"] = float(np.median([f for f, _ in times]))
+        row["fwd_bwd_ms"] = float(np.median([fb for _, fb in times]))
+        if rounds > 1:
+          row["fwd_bwd_ms_rounds"] = [round(fb, 4) for _, fb in times]
         row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
         row["fwd_bwd_tflops"] = 3.5 * flops / row["fwd_bwd_ms"] / 1e9
         rows.append(row)
@@ -166,6 +179,7 @@ def run(set_name: str, providers: list[str], out, reps: int):
               f"fwd {row['fwd_ms']:7.2f} ms {row['fwd_tflops']:6.1f} TFLOP/s | fwd+bwd "
               f"{row['fwd_bwd_ms']:7.2f} ms {row['fwd_bwd_tflops']:6.1f} TFLOP/s | extra "
               f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}", flush=True)
+      del cases, timers
   return rows
 
 
@@ -174,10 +188,12 @@ def main(argv=None):
   parser.add_argument("--set", default="small")
   parser.add_argument("--providers", default=DEFAULT_PROVIDERS)
   parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="interleaved rounds per case; each figure is the median over them")
   parser.add_argument("--out", default=str(_harness.RESULTS / "flash_attention.jsonl"))
   args = parser.parse_args(argv)
   print(f"flash_attention [{args.set}] on {jax.devices()[0].device_kind}")
-  run(args.set, [p for p in args.providers.split(",") if p], args.out, args.reps)
+  run(args.set, [p for p in args.providers.split(",") if p], args.out, args.reps, args.rounds)
 
 
 if __name__ == "__main__":

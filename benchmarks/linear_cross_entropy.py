@@ -13,7 +13,10 @@ Providers (those whose packages are missing are skipped, with a note):
 
 Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step), extra memory
 (XLA temporaries for JAX; peak allocated over the inputs for torch) and the loss value.
-Rows are appended to benchmarks/results/linear_cross_entropy.jsonl (or --out).
+Every provider is built and run once first (memory is measured then); `--rounds R` interleaved
+rounds then time each once per round, the order rotated each round, and ms is the median over
+rounds (see _harness.interleaved). Rows are appended to
+benchmarks/results/linear_cross_entropy.jsonl (or --out).
 """
 
 from __future__ import annotations
@@ -194,7 +197,7 @@ def torch_step(loss_fn, xt, wt, yt):
   return step, state
 
 
-def run(set_name: str, providers: list[str], out, reps: int) -> list[dict]:
+def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) -> list[dict]:
   sets = _harness.shape_sets("linear_cross_entropy")
   spec = sets[set_name]
   dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
@@ -204,10 +207,10 @@ def run(set_name: str, providers: list[str], out, reps: int) -> list[dict]:
     n, d, v = shape["n"], shape["d"], shape["v"]
     x, w, y, kg = make_inputs(n, d, v, dtype)
     flops = 6.0 * n * d * v
-    floor_ms = None
+    cases = {}  # provider -> (row, timer, loss getter): built and run once before any timing
     for provider in providers:
       row = dict(op="linear_cross_entropy", set=set_name, n=n, d=d, v=v,
-                 dtype=dtype.name, provider=provider, **env)
+                 dtype=dtype.name, provider=provider, rounds=rounds, **env)
       try:
         if provider.startswith("torch") or provider in ("liger", "cce"):
           if env["platform"] != "gpu":
@@ -215,35 +218,40 @@ def run(set_name: str, providers: list[str], out, reps: int) -> list[dict]:
             continue
           import torch  # pylint: disable=import-outside-toplevel
           step, state, tensors = torch_case(provider, x, w, y)
+          step()  # compile / autotune outside the peak
           torch.cuda.synchronize()
           torch.cuda.reset_peak_memory_stats()
           base = torch.cuda.memory_allocated()
-          ms = _harness.time_torch(step, reps=reps)
+          step()
+          torch.cuda.synchronize()
           grads = sum(t.grad.numel() * t.grad.element_size() for t in tensors[:2])
           # Peak over inputs and the gradient outputs, as XLA's temporaries count.
           row["extra_bytes"] = int(torch.cuda.max_memory_allocated() - base - grads)
-          row["loss"] = float(state["loss"])
-          del step, state, tensors
-          torch.cuda.empty_cache()
+          cases[provider] = (row, lambda step=step: _harness.time_torch(step, reps=reps),
+                             lambda state=state: float(state["loss"]))
         else:
           fn, args = jax_case(provider, x, w, y, kg)
           row["extra_bytes"] = _harness.jax_temp_bytes(fn, *args)
-          ms = _harness.time_jax(fn, *args, reps=reps)
-          if provider != "floor":
-            row["loss"] = float(fn(*args)[0])
-          del fn, args
+          loss = float(fn(*args)[0]) if provider != "floor" else None
+          cases[provider] = (row, lambda fn=fn, args=args: _harness.time_jax(fn, *args, reps=reps),
+                             lambda loss=loss: loss)
       except ImportError as err:
         print(f"  skip {provider}: {err}")
-        continue
       except Exception as err:  # pylint: disable=broad-except
         traceback.print_exc()
         row["error"] = f"{type(err).__name__}: {err}"[:500]
         rows.append(row)
         _harness.append(out, [row])
         print(f"  {provider:32s} ERROR {row['error'][:200]}")
-        continue
-      if provider == "floor":
-        floor_ms = ms
+    times = _harness.interleaved({p: timer for p, (_, timer, _) in cases.items()}, rounds)
+    medians = {p: float(np.median(t)) for p, t in times.items()}
+    floor_ms = medians.get("floor")
+    for provider, ms in medians.items():
+      row, _, loss = cases[provider]
+      if loss() is not None:
+        row["loss"] = loss()
+      if rounds > 1:
+        row["ms_rounds"] = [round(t, 3) for t in times[provider]]
       row.update(ms=ms, tflops=flops / ms / 1e9,
                  ratio_to_floor=None if floor_ms is None else ms / floor_ms)
       rows.append(row)
@@ -253,6 +261,7 @@ def run(set_name: str, providers: list[str], out, reps: int) -> list[dict]:
             f"{row['tflops']:7.1f} TFLOP/s  extra "
             f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}  "
             f"loss {row.get('loss', float('nan')):.5f}", flush=True)
+    del cases, times
   return rows
 
 
@@ -261,14 +270,13 @@ def main(argv=None):
   parser.add_argument("--set", default="small", help="shape set from configs/benchmarks")
   parser.add_argument("--providers", default=DEFAULT_PROVIDERS)
   parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="interleaved rounds per shape; each figure is the median over them")
   parser.add_argument("--out", default=str(_harness.RESULTS / "linear_cross_entropy.jsonl"))
   args = parser.parse_args(argv)
   providers = [p for p in args.providers.split(",") if p]
-  if "floor" in providers:  # ratios need the floor first
-    providers.remove("floor")
-    providers.insert(0, "floor")
   print(f"linear_cross_entropy [{args.set}] on {jax.devices()[0].device_kind}")
-  run(args.set, providers, args.out, args.reps)
+  run(args.set, providers, args.out, args.reps, args.rounds)
 
 
 if __name__ == "__main__":
