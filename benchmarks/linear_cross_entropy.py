@@ -219,6 +219,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
           import torch  # pylint: disable=import-outside-toplevel
           step, state, tensors = torch_case(provider, x, w, y)
           step()  # compile / autotune outside the peak
+          for t in tensors[:2]:  # the gradients are outputs: not held at the start
+            t.grad = None
           torch.cuda.synchronize()
           torch.cuda.reset_peak_memory_stats()
           base = torch.cuda.memory_allocated()
@@ -228,7 +230,7 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
           # Peak over inputs and the gradient outputs, as XLA's temporaries count.
           row["extra_bytes"] = int(torch.cuda.max_memory_allocated() - base - grads)
           cases[provider] = (row, lambda step=step: _harness.time_torch(step, reps=reps),
-                             lambda state=state: float(state["loss"]))
+                             lambda state=state: float(state["loss"].detach()))
         else:
           fn, args = jax_case(provider, x, w, y, kg)
           row["extra_bytes"] = _harness.jax_temp_bytes(fn, *args)

@@ -89,7 +89,13 @@ def fa_heading(key, rows) -> str:
   if rows[0].get("window"):
     docs += f", sliding window {rows[0]['window'][0]} (to the right too unless causal)"
   return (f"**{set_name}** (B={b}, T={t:,}, S={s:,}, H={h}/{hkv}, D={d}{docs}, {dtype}) on "
-          f"{device}, {stamp} (jax {rows[0]['jax']})")
+          f"{device}, {stamp} (jax {rows[0]['jax']}){_rounds(rows)}")
+
+
+def _rounds(rows) -> str:
+  """', median of R interleaved rounds' for runs timed with --rounds R > 1."""
+  rounds = rows[0].get("rounds", 1)
+  return f", median of {rounds} interleaved rounds" if rounds > 1 else ""
 
 
 def runs(rows: list[dict]):
@@ -104,7 +110,7 @@ def run_heading(key, rows) -> str:
   set_name, device, stamp, n, d, v, dtype = key
   versions = ", ".join(f"{k} {rows[0][k]}" for k in ("jax", "torch") if k in rows[0])
   return (f"**{set_name}** (N={n:,}, D={d:,}, V={v:,}, {dtype}) on {device}, {stamp} "
-          f"({versions}), forward+backward")
+          f"({versions}), forward+backward{_rounds(rows)}")
 
 
 def _by_run(rows, *fields):

@@ -93,14 +93,20 @@ def loss_worker(provider: str, reps: int) -> dict:
     loss_fn = torch_loss_fn(provider)
   step, state = torch_step(loss_fn, xt, wt, yt)
 
+  # JAX's peak cannot be reset: it counts from here, over a warm-up call and the timed ones
+  # (which peak alike). torch's counts from after the warm-up, which allocates once-per-process
+  # state (cuBLAS's workspace, Triton's autotuning) that a training step would already hold,
+  # and without the gradients (outputs, subtracted below).
+  jax_base = _jax_bytes()[0] if provider.startswith("memeff") else 0
+  step()
+  xt.grad = wt.grad = None
   torch.cuda.synchronize()
   torch.cuda.reset_peak_memory_stats()
   base = torch.cuda.memory_allocated()
-  jax_base = _jax_bytes()[0] if provider.startswith("memeff") else 0
   ms = _harness.time_torch(step, reps=reps)
   torch_extra = torch.cuda.max_memory_allocated() - base
   jax_extra = max(0, _jax_bytes()[1] - jax_base) if provider.startswith("memeff") else 0
-  return dict(ms=ms, loss=float(state["loss"]), torch_peak_bytes=int(torch_extra),
+  return dict(ms=ms, loss=float(state["loss"].detach()), torch_peak_bytes=int(torch_extra),
               jax_peak_bytes=int(jax_extra), extra_bytes=int(torch_extra + jax_extra - grads))
 
 
