@@ -190,6 +190,20 @@ def my_key_blocks(per_block, cta_lo, cta_hi, wg):
                for a, b in zip(*per_block))
 
 
+def masked_ranges(step, carry, lo, hi, full_lo, full_hi, *, dense: bool):
+  """step(i, carry, masked=...) for i in [lo, hi): unmasked on [full_lo, full_hi) (the
+  blocks that see each other whole; everywhere when dense), masked on the rest. The whole
+  range may start inside [full_lo, full_hi) (lo > full_lo): the unmasked part is cut there."""
+  if dense:
+    return lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+  full_lo = jnp.maximum(full_lo, lo)
+  full_hi = jnp.maximum(full_hi, full_lo)
+  masked = functools.partial(step, masked=True)
+  carry = lax.fori_loop(lo, full_lo, masked, carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, masked, carry)
+
+
 def visit_key_blocks(step, skip, carry, bounds, cta_lo, cta_hi, *, dense: bool, start=None):
   """A compute warpgroup's loop over the CTA's key blocks [cta_lo, cta_hi): skip(j, None)
   for the blocks only the other query block sees, step(j, carry, masked=...) for its own,
@@ -201,13 +215,7 @@ def visit_key_blocks(step, skip, carry, bounds, cta_lo, cta_hi, *, dense: bool, 
       start()
     else:
       pl.when(lo < hi)(start)
-  if dense:
-    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
-  else:
-    masked = functools.partial(step, masked=True)
-    carry = lax.fori_loop(lo, full_lo, masked, carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(full_hi, hi, masked, carry)
+  carry = masked_ranges(step, carry, lo, hi, full_lo, full_hi, dense=dense)
   lax.fori_loop(hi, cta_hi, skip, None)
   return carry
 

@@ -352,13 +352,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
     if mask.is_dense:
       dk, dv = lax.fori_loop(0, n_steps, functools.partial(step, masked=False), carry)
     else:  # per head: the masked blocks before full_lo, the unmasked ones, the masked rest
-      masked, unmasked = functools.partial(step, masked=True), functools.partial(step, masked=False)
-
       def head_steps(g, carry):
-        start = g * per_head - first
-        carry = lax.fori_loop(start + first, start + full_lo, masked, carry)
-        carry = lax.fori_loop(start + full_lo, start + full_hi, unmasked, carry)
-        return lax.fori_loop(start + full_hi, start + first + per_head, masked, carry)
+        start = g * per_head - first  # step i of this head visits query block i - start
+        return _mosaic.masked_ranges(step, carry, start + first, start + first + per_head,
+                                     start + full_lo, start + full_hi, dense=False)
 
       dk, dv = lax.fori_loop(0, heads, head_steps, carry)
 

@@ -322,15 +322,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
         p, m, l = lax.cond(lo < hi, first(masked=True), no_blocks)
       else:
         p, m, l = first(masked=not static_range)()
-      carry = (acc, m, l, p)
-      if static_range:
-        carry = lax.fori_loop(lo + 1, hi, functools.partial(step, masked=False), carry)
-      else:  # blocks lo+1.. in visit_key_blocks's three ranges (none when lo == hi)
-        full_lo, full_hi = jnp.maximum(full_lo, lo + 1), jnp.maximum(full_hi, lo + 1)
-        carry = lax.fori_loop(lo + 1, full_lo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-      acc, m, l, p = carry
+      # Blocks lo+1.. (none when lo == hi), each masked where visit_key_blocks masks it.
+      acc, m, l, p = _mosaic.masked_ranges(step, (acc, m, l, p), lo + 1, hi, full_lo, full_hi,
+                                           dense=static_range)
       acc = lax.cond(lo < hi, last(acc, p), lambda: acc) if may_be_empty else last(acc, p)()
       lax.fori_loop(hi, cta_hi, skip, None)
       return acc, m, l
