@@ -83,7 +83,7 @@ class GemmConfig:
     tile_k: K per pipeline step.
     max_concurrent_steps: depth of the A/B pipeline in shared memory.
     wg_split: "n" puts the two warpgroups' tiles side by side along N (CTA tile
-      tile_m × 2·tile_n), "m" along M (cooperative schedule only).
+      tile_m × 2·tile_n), "m" along M (the cooperative and ring schedules).
     minor: which tile coordinate the persistent walk advances fastest ("m" or "n").
     band: width of the walk's bands along the minor coordinate (plgpu.planar_snake).
     num_sms: CTAs to launch; None reads the device's SM count.
@@ -124,6 +124,12 @@ class GemmConfig:
           f"schedule must be 'cooperative', 'pingpong' or 'ring', got {self.schedule!r}")
     if self.cluster not in (None, "m", "n"):
       raise ValueError(f"cluster must be None, 'm' or 'n', got {self.cluster!r}")
+    for name in ("wg_split", "minor"):
+      if getattr(self, name) not in ("m", "n"):
+        raise ValueError(f"{name} must be 'm' or 'n', got {getattr(self, name)!r}")
+    if self.schedule == "pingpong" and self.wg_split != "n":
+      raise ValueError("wg_split splits a CTA tile between the warpgroups; in 'pingpong' each "
+                       "owns whole tiles, so it takes no wg_split")
     if self.in_flight not in (None, 0, 1):
       raise ValueError(f"in_flight must be 0 or 1, got {self.in_flight}")
     if self.schedule == "cooperative" and (self.in_flight is not None or self.epilogue_rows):

@@ -41,6 +41,10 @@ def test_errors_name_the_shapes():
   with pytest.raises(ValueError, match="M=128 is not a multiple of the tile 256"):
     mg.gemm(jnp.zeros((128, K), jnp.bfloat16), jnp.zeros((K, N), jnp.bfloat16),
             config=mg.GemmConfig(cluster="m"))
+  with pytest.raises(ValueError, match="wg_split must be 'm' or 'n'"):
+    mg.GemmConfig(wg_split="k")
+  with pytest.raises(ValueError, match="in 'pingpong' each owns whole tiles"):
+    mg.GemmConfig(schedule="pingpong", wg_split="m")
   with pytest.raises(ValueError, match="in_flight must be 0 or 1"):
     mg.GemmConfig(schedule="ring", in_flight=2)
   with pytest.raises(ValueError, match="options of the 'pingpong' and 'ring' schedules"):
