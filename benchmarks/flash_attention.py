@@ -160,10 +160,12 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1):
           rows.append(row)
           _harness.append(out, [row])
           print(f"  {provider:28s} causal={causal!s:5s} ERROR {row['error'][:160]}")
-      timers = {p: (lambda fwd=fwd, fwd_bwd=fwd_bwd: (
-          _harness.time_jax(fwd, q, k, v, reps=reps, inner=5),
-          _harness.time_jax(fwd_bwd, q, k, v, reps=reps, inner=5)))
-                for p, (_, fwd, fwd_bwd) in cases.items()}
+
+      def timer(fwd, fwd_bwd):
+        return lambda: (_harness.time_jax(fwd, q, k, v, reps=reps, inner=5),
+                        _harness.time_jax(fwd_bwd, q, k, v, reps=reps, inner=5))
+
+      timers = {p: timer(fwd, fwd_bwd) for p, (_, fwd, fwd_bwd) in cases.items()}
       for provider, times in _harness.interleaved(timers, rounds).items():
         row = cases[provider][0]
         row["fwd_ms"] = float(np.median([f for f, _ in times]))
