@@ -250,8 +250,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
     floor_ms = medians.get("floor")
     for provider, ms in medians.items():
       row, _, loss = cases[provider]
-      if loss() is not None:
-        row["loss"] = loss()
+      if (value := loss()) is not None:
+        row["loss"] = value
       if rounds > 1:
         row["ms_rounds"] = [round(t, 3) for t in times[provider]]
       row.update(ms=ms, tflops=flops / ms / 1e9,

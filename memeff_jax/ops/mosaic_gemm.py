@@ -188,6 +188,19 @@ def _swizzled(minor_elems: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
+def _wg_operands(a_smem, b_smem, wg, split: str | None, config: GemmConfig, trans_a: bool,
+                 trans_b: bool):
+  """Warpgroup wg's [tm, tk] slice of A and [tk, tn] slice of B, as WGMMA reads them, from
+  one slot of A and B (sliced as stored, then transposed). split: the CTA tile's halves
+  ("m" or "n", config.wg_split), or None where the warpgroup uses the whole slot."""
+  tm, tn = config.tile_m, config.tile_n
+  if split == "m":
+    a_smem = a_smem.at[:, pl.ds(wg * tm, tm)] if trans_a else a_smem.at[pl.ds(wg * tm, tm)]
+  if split == "n":
+    b_smem = b_smem.at[pl.ds(wg * tn, tn)] if trans_b else b_smem.at[:, pl.ds(wg * tn, tn)]
+  return (a_smem.T if trans_a else a_smem), (b_smem.T if trans_b else b_smem)
+
+
 def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
             trans_b: bool):
   """One CTA: walk tiles, pipeline A/B into shared memory, WGMMA, epilogue with C."""
@@ -225,16 +238,6 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
         compute_context=context,
         pipeline_state=state,
     )
-
-  def operands(wg, a_smem, b_smem):
-    """This warpgroup's [tm, tk] slice of A and [tk, tn] slice of B, as WGMMA reads them."""
-    if trans_a:
-      a_smem = a_smem.T
-    if trans_b:
-      b_smem = b_smem.T
-    if config.wg_split == "m":
-      return a_smem.at[pl.ds(wg * tm, tm)], b_smem
-    return a_smem, b_smem.at[:, pl.ds(wg * tn, tn)]
 
   ignore = lambda *_, **__: None
 
@@ -278,8 +281,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
           plgpu.copy_smem_to_gmem(smem, out_tile)
 
       def mma(_, a_smem, b_smem, acc_ref):
-        a_op, b_op = operands(wg, a_smem, b_smem)
-        plgpu.wgmma(acc_ref, a_op, b_op)
+        plgpu.wgmma(acc_ref, *_wg_operands(a_smem, b_smem, wg, config.wg_split, config,
+                                           trans_a, trans_b))
         plgpu.wgmma_wait(0)
         return acc_ref
 
@@ -330,6 +333,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   div, rem = _mosaic.div, _mosaic.rem
   pingpong = config.schedule == "pingpong"
+  split = None if pingpong else config.wg_split  # ping-pong: each warpgroup owns whole tiles
   walker, walkers = lax.axis_index("sm"), sms // config.cluster_size()  # clusters (or CTAs)
   n_local = div(m_tiles * n_tiles - walker + walkers - 1, walkers)  # walker, walker + walkers, ...
   cta_origin, a_shared, b_shared = _cluster_layout(config)
@@ -345,15 +349,6 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
 
   def body(a_smem, b_smem, c_smem, ready, free, c_ready):
     wg = lax.axis_index("wg")
-
-    def operands(slot):
-      """This warpgroup's [tm, tk] slice of A and [tk, tn] slice of B in `slot`."""
-      a, b = a_smem.at[slot], b_smem.at[slot]  # sliced as stored, then transposed
-      if not pingpong and config.wg_split == "m":
-        a = a.at[:, pl.ds(wg * tm, tm)] if trans_a else a.at[pl.ds(wg * tm, tm)]
-      if not pingpong and config.wg_split == "n":
-        b = b.at[pl.ds(wg * tn, tn)] if trans_b else b.at[:, pl.ds(wg * tn, tn)]
-      return (a.T if trans_a else a), (b.T if trans_b else b)
 
     @pl.when(wg < 2)
     def _compute():
@@ -377,7 +372,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             def _(kk):
               slot = rem(first + kk, stages)
               plgpu.barrier_wait(ready.at[slot])
-              plgpu.wgmma(acc_ref, *operands(slot))
+              plgpu.wgmma(acc_ref, *_wg_operands(a_smem.at[slot], b_smem.at[slot], wg, split,
+                                                 config, trans_a, trans_b))
               plgpu.wgmma_wait(in_flight)
               if in_flight:  # the step before has been read: release its slot
                 @pl.when(kk > 0)
@@ -477,7 +473,7 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
     c_ref = out_ref if into else None
     if config.schedule in ("pingpong", "ring"):
       _ring_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
-                       trans_b=trans_b, sms=sms)
+                   trans_b=trans_b, sms=sms)
     else:
       _kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a, trans_b=trans_b)
 
