@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -462,15 +463,50 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   )
 
 
+class Rows(NamedTuple):
+  """The `block`-th block of `size` rows of a 2-D array (or `jax.Ref`), used where it lies.
+
+  As a GEMM operand or output it stands for `array[block * size:(block + 1) * size]`
+  without the copy XLA makes of a slice it hands to a kernel: the kernel adds the block's
+  first row to its TMA coordinates. A loop over token chunks then holds no chunk-sized copy
+  of its input (nor of the chunk's output, which `gemm_into` writes straight into the whole
+  array). `block` may be traced; `size` is static and divides the array's first axis (the
+  axis as stored: with trans_a, A's first axis is K). Windows start at multiples of `size`
+  because Mosaic GPU's layout inference must know that a TMA copy's offset is a multiple of
+  the shared-memory tiling; a traced block index read in the kernel times the static size
+  says so.
+  """
+
+  array: jax.Array
+  block: jax.Array | int
+  size: int
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return (self.size, self.array.shape[1])
+
+  @property
+  def dtype(self):
+    return self.array.dtype
+
+
 def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: bool,
-            into: bool):
+            into: bool, accumulate: bool = True):
   """A persistent launch: one CTA per SM, two compute and one memory warpgroup. With `into`
-  the last operand is C, which the kernel updates in place (out_type is then ())."""
+  the last operand is C, which the kernel updates in place (out_type is then ()): C plus
+  the product with `accumulate`, the product alone without. Operands may be `Rows`."""
   sms = config.num_sms if config.num_sms is not None else jax.devices()[0].core_count
   sms -= sms % config.cluster_size()
+  windows = [op if isinstance(op, Rows) else None for op in operands]
+  blocks = [jnp.asarray(w.block, jnp.int32) for w in windows if w is not None]
 
-  def body(a_ref, b_ref, out_ref):
-    c_ref = out_ref if into else None
+  def body(*refs):  # the operands' refs, the windows' block indices (0-d), the output's
+    block_refs = iter(refs[len(operands):len(operands) + len(blocks)])
+    op_refs = [ref if w is None else ref.at[pl.ds(next(block_refs)[...] * w.size, w.size)]
+               for ref, w in zip(refs, windows)]
+    a_ref, b_ref = op_refs[:2]
+    out_ref = op_refs[2] if into else refs[-1]
+    c_ref = out_ref if into and accumulate else None
     if config.schedule in ("pingpong", "ring"):
       _ring_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
                    trans_b=trans_b, sms=sms)
@@ -484,12 +520,16 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
       grid=(sms // config.cluster_size(),), grid_names=("sm",), **cluster,
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )(*operands)
+  )(*[op.array if isinstance(op, Rows) else op for op in operands], *blocks)
 
 
-def _check(a, b, c, trans_a, trans_b, config):
-  if a.ndim != 2 or b.ndim != 2:
-    raise ValueError(f"a and b must be 2-D, got a {a.shape}, b {b.shape}")
+def _check(a, b, c, trans_a, trans_b, config, accumulate=True):
+  for name, op in (("a", a), ("b", b), ("c", c)):
+    if isinstance(op, Rows) and (op.array.ndim != 2 or op.array.shape[0] % op.size):
+      raise ValueError(f"{name}: Rows of size {op.size} must tile the first axis of a 2-D "
+                       f"array, got one of shape {tuple(op.array.shape)}")
+    if op is not None and len(op.shape) != 2:
+      raise ValueError(f"{name} must be 2-D, got {name} {tuple(op.shape)}")
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
     raise TypeError(f"a and b must share a 16-bit dtype, got {a.dtype} and {b.dtype}")
   m, k = a.shape[::-1] if trans_a else a.shape
@@ -499,9 +539,9 @@ def _check(a, b, c, trans_a, trans_b, config):
                      f"(trans_a={trans_a}, trans_b={trans_b})")
   if c is not None and tuple(c.shape) != (m, n):
     raise ValueError(f"c must be [{m}, {n}], got {tuple(c.shape)}")
-  if c is not None and config.epilogue_rows not in (None, config.tile_m):
+  if c is not None and accumulate and config.epilogue_rows not in (None, config.tile_m):
     raise ValueError(f"epilogue_rows={config.epilogue_rows} serves GEMMs without C "
-                     "(gemm, not gemm_into)")
+                     "(gemm, or gemm_into with accumulate=False)")
   if (why := shape_error(m, n, k, config)) is not None:
     raise ValueError(f"mosaic gemm: {why} ({config})")
   return m, n, k
@@ -509,7 +549,8 @@ def _check(a, b, c, trans_a, trans_b, config):
 
 def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
          config: GemmConfig = GemmConfig()):
-  """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype)."""
+  """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype).
+  a and b are arrays or `Rows` of arrays."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   return _launch((a, b), jax.ShapeDtypeStruct((m, n), out_dtype), config, trans_a=trans_a,
@@ -517,10 +558,12 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
 
 
 def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
-              config: GemmConfig = GemmConfig()) -> None:
+              accumulate: bool = True, config: GemmConfig = GemmConfig()) -> None:
   """c_ref[...] += op(a) @ op(b), in place: the product is summed in float32 with C's tile
-  and rounded once to C's dtype. `c_ref` is a `jax.Ref` (jax.new_ref)."""
-  _check(a, b, c_ref, trans_a, trans_b, config)
+  and rounded once to C's dtype. With accumulate=False, c_ref[...] = op(a) @ op(b) (C is not
+  read). `c_ref` is a `jax.Ref` (jax.new_ref) or `Rows` of one; a and b arrays or `Rows`."""
+  _check(a, b, c_ref, trans_a, trans_b, config, accumulate)
   if jnp.dtype(c_ref.dtype).itemsize != 2:
     raise TypeError(f"c must be 16-bit, got {c_ref.dtype}")
-  _launch((a, b, c_ref), (), config, trans_a=trans_a, trans_b=trans_b, into=True)
+  _launch((a, b, c_ref), (), config, trans_a=trans_a, trans_b=trans_b, into=True,
+          accumulate=accumulate)

@@ -115,6 +115,68 @@ def test_matches_float32_reference(trans_a, trans_b, split):
   np.testing.assert_allclose(out.astype(np.float32), want, rtol=1e-2, atol=0.5)
 
 
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong", "ring"])
+def test_row_windows_lower_for_cuda(schedule):
+  """Rows windows (a traced block index) lower on a CPU host for every schedule."""
+  cfg = mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule=schedule, num_sms=132,
+                      wg_split="m" if schedule != "pingpong" else "n")
+  for ta in (False, True):
+    a = jax.ShapeDtypeStruct((4 * K, M) if ta else (4 * M, K), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((4 * K, N), jnp.bfloat16)
+    f = lambda a, b, i, ta=ta: mg.gemm(mg.Rows(a, i, K if ta else M), mg.Rows(b, i, K),
+                                       trans_a=ta, config=cfg)
+    text = jax.jit(f).trace(a, b, jax.ShapeDtypeStruct((), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_row_windows_must_tile_the_array():
+  with pytest.raises(ValueError, match=r"a: Rows of size 256 must tile.*\(640, 256\)"):
+    mg.gemm(mg.Rows(jnp.zeros((640, K), jnp.bfloat16), 0, M), jnp.zeros((K, N), jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong", "ring"])
+def test_row_windows_read_and_write_in_place(schedule):
+  """Block i of A's rows (and of B's, as K) times B, written into block i of a larger C
+  without reading it (accumulate=False): equals the sliced product, the rest of C intact;
+  and accumulated into it (accumulate=True)."""
+  cfg = (mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule=schedule, num_sms=2)
+         if schedule == "pingpong" else
+         mg.GemmConfig(wg_split="m", max_concurrent_steps=3, schedule=schedule, num_sms=2))
+  ks = jax.random.split(jax.random.key(5), 3)
+  for ta in (False, True):
+    a = jax.random.normal(ks[0], (3 * K, M) if ta else (3 * M, K), jnp.float32).astype(
+        jnp.bfloat16)
+    b = jax.random.normal(ks[1], (3 * K, N), jnp.float32).astype(jnp.bfloat16)
+    c = jax.random.normal(ks[2], (3 * M, N), jnp.float32).astype(jnp.bfloat16)
+    i = 1
+    a_i = a[i * K:(i + 1) * K] if ta else a[i * M:(i + 1) * M]
+    prod = ((a_i.T if ta else a_i).astype(jnp.float32)
+            @ b[i * K:(i + 1) * K].astype(jnp.float32))
+
+    def run(c, a, b, i, accumulate, ta=ta):
+      r = jax.new_ref(c)
+      mg.gemm_into(mg.Rows(r, i, M), mg.Rows(a, i, K if ta else M), mg.Rows(b, i, K),
+                   trans_a=ta, accumulate=accumulate, config=cfg)
+      return r[...]
+
+    for accumulate in (False, True):
+      out = jax.jit(run, static_argnums=4)(c, a, b, jnp.int32(i), accumulate)
+      want = prod + (c[i * M:(i + 1) * M].astype(jnp.float32) if accumulate else 0)
+      np.testing.assert_allclose(out[i * M:(i + 1) * M].astype(np.float32),
+                                 want.astype(jnp.bfloat16).astype(np.float32), rtol=1e-2,
+                                 atol=0.5)
+      np.testing.assert_array_equal(np.delete(np.asarray(out), np.s_[i * M:(i + 1) * M], 0),
+                                    np.delete(np.asarray(c), np.s_[i * M:(i + 1) * M], 0))
+    out = jax.jit(lambda a, b, i, ta=ta: mg.gemm(mg.Rows(a, i, K if ta else M), b[:K],
+                                                 trans_a=ta, config=cfg))(a, b, jnp.int32(i))
+    np.testing.assert_allclose(
+        out.astype(np.float32),
+        ((a_i.T if ta else a_i).astype(jnp.float32) @ b[:K].astype(jnp.float32)).astype(
+            jnp.bfloat16).astype(np.float32), rtol=1e-2, atol=0.5)
+
+
 @pytest.mark.gpu
 def test_accumulates_in_place():
   a, b, c, _ = _operands(True, False)

@@ -188,11 +188,16 @@ class PallasChunkBackend:
   def _mosaic(self, name: str) -> mosaic_gemm.GemmConfig | None:
     return dict(self.gemms).get(name)
 
+  def takes_rows(self, n_tokens: int, chunk: int) -> bool:
+    """With Mosaic GEMMs, x's chunk is read (and dx's written) in place (see _chunked)."""
+    return bool(self.gemms) and n_tokens % chunk == 0
+
   def _logits(self, x_c, w, bias):
     layout = self.opts.weight_layout
     if (config := self._mosaic("logits")) is not None:
       z = mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=config)
     else:
+      x_c = _sliced(x_c)
       z = _common.logits_dot(x_c, w, layout, x_c.dtype)
     if bias is not None:
       z = (z.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x_c.dtype)
@@ -208,7 +213,8 @@ class PallasChunkBackend:
   # by that chunk's GEMM (0.17 ms).
   first_chunk_writes_dw = True
 
-  def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need):
+  def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
+            dx_into=None):
     need_dx, need_dw, need_db = need
     layout = self.opts.weight_layout
     g, lse, label_logit, logit_sum = softmax_pass(
@@ -216,9 +222,18 @@ class PallasChunkBackend:
         config=self.kernel, interpret=self.interpret)
     dx_c = None
     if need_dx and (config := self._mosaic("dx")) is not None:
-      dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config)
+      if dx_into is not None:  # straight into dx's rows: no [C, D] buffer
+        ref = jax.new_ref(dx_into.array)
+        mosaic_gemm.gemm_into(dx_into._replace(array=ref), g, w, trans_b=layout == "dv",
+                              accumulate=False, config=config)
+        dx_c = ref[...]
+      else:
+        dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config)
     elif need_dx:
       dx_c = _common.dx_dot(g, w, layout, x_c.dtype)
+      if dx_into is not None:
+        dx_c = jax.lax.dynamic_update_slice_in_dim(
+            dx_into.array, dx_c.astype(dx_into.dtype), dx_into.block * dx_into.size, axis=0)
     if need_dw and (config := self._mosaic("dw")) is not None:
       # op(A) = Aᵀ: dW = x_cᵀ G ("dv") or Gᵀ x_c ("vd"), both operands as stored.
       a, b = (x_c, g) if layout == "dv" else (g, x_c)
@@ -229,12 +244,19 @@ class PallasChunkBackend:
         mosaic_gemm.gemm_into(ref, a, b, trans_a=True, config=config)
         dw_acc = ref[...]
     elif need_dw:
-      dw_c = _common.dw_dot(x_c, g, layout, self.dw_dtype(w))
+      dw_c = _common.dw_dot(_sliced(x_c), g, layout, self.dw_dtype(w))
       # Same dtype on both sides of the add, so XLA fuses it into the GEMM (beta = 1).
       dw_acc = dw_c if dw_acc is None else dw_acc + dw_c
     if need_db:
       db_acc = db_acc + jnp.sum(g, axis=0, dtype=jnp.float32)
     return Stats(lse, label_logit, logit_sum), dx_c, dw_acc, db_acc
+
+
+def _sliced(x_c):
+  """x's chunk as an array (x_c is that already, or a mosaic_gemm.Rows window of x)."""
+  if isinstance(x_c, mosaic_gemm.Rows):
+    return jax.lax.dynamic_slice_in_dim(x_c.array, x_c.block * x_c.size, x_c.size, axis=0)
+  return x_c
 
 
 def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref,

@@ -6,6 +6,7 @@ import optax
 import pytest
 
 import memeff_jax
+from memeff_jax.ops.linear_cross_entropy.pallas_gpu import GEMMS, PallasGpu
 
 
 def _temp_bytes(loss, *shapes):
@@ -47,3 +48,20 @@ def test_pallas_gpu_temporaries_at_llama3_8b_shape():
   x, w, y = _shapes(n, d, v, jnp.bfloat16)
   temp = _temp_bytes(lambda x, w, y: memeff_jax.linear_cross_entropy(x, w, y), x, w, y)
   assert temp < 0.10 * n * v * 2, f"{temp / 2**30:.3f} GiB of temporaries"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,chunk", [("dv", 1024), ("vd", 512)])
+def test_mosaic_gemms_hold_only_the_chunk_logits(layout, chunk):
+  """All three GEMMs on ops.mosaic_gemm read x's chunk and write dx's where they lie
+  (mosaic_gemm.Rows): the temporaries are the chunk's [C, V] logits and O(N) statistics,
+  with no [C, D] copy and no cuBLAS workspace. Llama-3-8B shapes, bf16."""
+  n, d, v = 16384, 4096, 128256
+  x, w, y = _shapes(n, d, v, jnp.bfloat16)
+  if layout == "vd":
+    w = jax.ShapeDtypeStruct((v, d), jnp.bfloat16)
+  impl = PallasGpu(mosaic_gemms=GEMMS)
+  temp = _temp_bytes(lambda x, w, y: memeff_jax.linear_cross_entropy(
+      x, w, y, weight_layout=layout, implementation=impl, chunk_size=chunk), x, w, y)
+  logits = chunk * v * 2
+  assert logits <= temp < logits + 2**20, f"{(temp - logits) / 2**20:.2f} MiB over the logits"
