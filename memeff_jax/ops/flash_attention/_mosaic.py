@@ -153,6 +153,20 @@ def visible(mask, shape, key_axis: int, key_minus_query, row_ids=None, col_ids=N
   return ok
 
 
+def query_cta_index(mask, n_ctas: int):
+  """This CTA's query-CTA index along grid axis "q", heaviest first under a causal mask.
+
+  CUDA starts CTAs in grid order, and "q" is the grid's slowest axis: under a causal mask the
+  CTAs of the last query rows (which see the most keys) would start last and make the
+  final wave the longest. Walking the query rows backwards starts them first, and the light
+  CTAs fill the tail: the causal forward at the headline shape took 1.095 against 1.117 ms
+  on an H200 (benchmarks/NOTES.md, session 11). The dq kernel keeps grid order (no gain
+  measured there).
+  """
+  qi = lax.axis_index("q")
+  return n_ctas - 1 - qi if mask.is_causal else qi
+
+
 def query_cta_key_blocks(mask, ranges_ref, b, qi, block_q: int, block_kv: int, n_blocks: int):
   """The key blocks a CTA of two query blocks (rows qi·2·block_q ..) visits, for kernels that
   stream keys past resident queries (the forward, the dq kernel).

@@ -143,7 +143,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
   s = k_ref.shape[1]
   d = q_ref.shape[-1]
   dtype = q_ref.dtype
-  b, h, qi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
+  b, h = lax.axis_index("b"), lax.axis_index("h")
+  qi = _mosaic.query_cta_index(mask, q_ref.shape[1] // (2 * bq))
   wg = lax.axis_index("wg")
   cta_row = qi * (2 * bq)
   stages = config.stages
