@@ -13,11 +13,11 @@ A backend with `first_chunk_writes_dw = True` is given dw_acc=None for the first
 which runs before the loop, and returns that chunk's dW as the running sum (no zero-filled
 dW to add to).
 
-A backend whose kernels read and write at an offset (`takes_rows(n_tokens, chunk)` true;
-the chunk must divide the tokens) is given x_c as `Rows(x, i, C)`, the i-th chunk of x
-unsliced, and, where dx is wanted, `dx_into=Rows(dx, i, C)`: it writes the chunk's rows
-of dx in place and returns the whole dx. The loop then holds no chunk-sized copy of x or
-dx next to the chunk's logits.
+A backend whose kernels read or write at an offset names in `takes_rows(n_tokens, chunk)`
+which of "x" and "dx" it takes as windows (the chunk must then divide the tokens). For "x"
+it is given x_c as `Rows(x, i, C)`, the i-th chunk of x unsliced; for "dx", where dx is
+wanted, `dx_into=Rows(dx, i, C)`: it writes the chunk's rows of dx in place and returns
+the whole dx. The loop then holds no chunk-sized copy of x or dx next to the chunk's logits.
 
 Gradients in the forward pass. For reduction "mean"/"sum" the loss's cotangent is a single
 scalar, so the forward pass computes the gradients for a cotangent of 1 while the chunk's
@@ -105,7 +105,7 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   need_db = need_db and bias is not None
   n_chunks = -(-n // chunk)
   peel = with_grads and need_dw and getattr(backend, "first_chunk_writes_dw", False)
-  rows = getattr(backend, "takes_rows", lambda *_: False)(n, chunk)
+  rows = getattr(backend, "takes_rows", lambda *_: ())(n, chunk)
   if rows and n % chunk:
     raise ValueError(f"takes_rows needs chunks that divide the tokens, got {n} and {chunk}")
   stats0 = Stats(*(jnp.zeros((n,), jnp.float32) for _ in range(3)))
@@ -120,11 +120,11 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
     stats, dx, dw, db = carry
     start = jnp.minimum(i * chunk, n - chunk)
     sl = lambda t: jax.lax.dynamic_slice_in_dim(t, start, chunk, axis=0)
-    x_c = Rows(x, i, chunk) if rows else sl(x)
+    x_c = Rows(x, i, chunk) if "x" in rows else sl(x)
     if with_grads:
       fresh = start + jnp.arange(chunk) >= i * chunk  # False: done by the previous chunk
       a_c, e_c = (jnp.where(fresh, sl(t), 0.0) for t in (a, e))
-      into = {"dx_into": Rows(dx, i, chunk)} if rows and need_dx else {}
+      into = {"dx_into": Rows(dx, i, chunk)} if "dx" in rows and need_dx else {}
       chunk_stats, dx_c, dw, db = backend.grads(
           x_c, w, bias, sl(labels), a_c, e_c, None if lse is None else sl(lse),
           dw, db, (need_dx, need_dw, need_db), **into)

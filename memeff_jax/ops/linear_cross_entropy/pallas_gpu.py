@@ -190,9 +190,12 @@ class PallasChunkBackend:
   def _mosaic(self, name: str) -> mosaic_gemm.GemmConfig | None:
     return dict(self.gemms).get(name)
 
-  def takes_rows(self, n_tokens: int, chunk: int) -> bool:
-    """With Mosaic GEMMs, x's chunk is read (and dx's written) in place (see _chunked)."""
-    return bool(self.gemms) and n_tokens % chunk == 0
+  def takes_rows(self, n_tokens: int, chunk: int) -> tuple[str, ...]:
+    """With Mosaic GEMMs, x's chunk is read in place, and with dx's on Mosaic dx's rows are
+    written in place (see _chunked)."""
+    if not self.gemms or n_tokens % chunk:
+      return ()
+    return ("x", "dx") if self._mosaic("dx") is not None else ("x",)
 
   def _logits(self, x_c, w, bias):
     layout = self.opts.weight_layout
@@ -233,9 +236,6 @@ class PallasChunkBackend:
         dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config)
     elif need_dx:
       dx_c = _common.dx_dot(g, w, layout, x_c.dtype)
-      if dx_into is not None:
-        dx_c = jax.lax.dynamic_update_slice_in_dim(
-            dx_into.array, dx_c.astype(dx_into.dtype), dx_into.block * dx_into.size, axis=0)
     if need_dw and (config := self._mosaic("dw")) is not None:
       # op(A) = Aᵀ: dW = x_cᵀ G ("dv") or Gᵀ x_c ("vd"), both operands as stored.
       a, b = (x_c, g) if layout == "dv" else (g, x_c)
