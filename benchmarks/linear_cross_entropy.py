@@ -109,7 +109,41 @@ def import_tokamax():
     sys.path.append(str(stub.parent))
     print("  note: xprof missing; tokamax imported with a stub of its profiler helper")
   import tokamax  # pylint: disable=import-outside-toplevel
+  # tokamax reads its options through absl flags, which parse sys.argv on first use and
+  # reject this script's own arguments (--set, --providers): parse the program name only.
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS(sys.argv[:1])
+  _mosaic_kernel_names()
   return tokamax
+
+
+def _mosaic_kernel_names():
+  """tokamax 0.0.11-0.0.12 call plgpu.kernel(out_shape=..., scratch_shapes=...), names that
+  jax 0.11 dropped for out_type / scratch_types (0.10 takes both): where they are gone, pass
+  them on under the new names, so the peer runs on the device image's jax."""
+  import inspect  # pylint: disable=import-outside-toplevel
+  try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return
+  params = inspect.signature(plgpu.kernel).parameters
+  renames = {old: new for old, new in (("out_shape", "out_type"),
+                                       ("scratch_shapes", "scratch_types"))
+             if old not in params and new in params}
+  if not renames or getattr(plgpu.kernel, "_renamed", False):
+    return
+  kernel = plgpu.kernel
+
+  def renamed(*args, **kwargs):
+    for old, new in renames.items():
+      if old in kwargs:
+        kwargs[new] = kwargs.pop(old)
+    return kernel(*args, **kwargs)
+
+  renamed._renamed = True
+  plgpu.kernel = renamed
+  print(f"  note: tokamax's plgpu.kernel arguments renamed for this jax: {renames}")
 
 
 def parse_memeff(provider: str):

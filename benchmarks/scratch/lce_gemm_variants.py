@@ -5,7 +5,8 @@ in interleaved rounds (medians), so that ratios between variants carry no clock 
         ROUNDS=5 python benchmarks/scratch/lce_gemm_variants.py
 
 A variant is "base" (the tiles of configs/tuning) or '+'-joined gemm.field=value changes to
-them (gemm: logits, dx, dw; values parsed as Python literals). Session 11 timed a
+them (gemm: logits, dx, dw; values parsed as Python literals), or impl.field=value for a
+PallasGpu field (impl.dw_accumulation="tma_add"). Session 11 timed a
 `memory_warp` GemmConfig option this way (the memory warpgroup's work in one warp): no
 change (96.50 against 96.54 ms), so the option was not kept.
 """
@@ -27,13 +28,14 @@ from memeff_jax.ops.linear_cross_entropy import pallas_gpu  # noqa: E402
 
 
 def parse(variant: str):
-  """'dx.max_concurrent_steps=4+logits.in_flight=0' -> change(name, config)."""
+  """'dx.max_concurrent_steps=4+logits.in_flight=0' -> (change(name, config), PallasGpu
+  field edits: 'impl.dw_accumulation="tma_add"')."""
   edits = {}
   for part in ([] if variant == "base" else variant.split("+")):
     key, value = part.split("=", 1)
     gemm, field = key.split(".")
     edits.setdefault(gemm, {})[field] = ast.literal_eval(value)
-  return lambda name, cfg: dataclasses.replace(cfg, **edits.get(name, {}))
+  return (lambda name, cfg: dataclasses.replace(cfg, **edits.get(name, {}))), edits.get("impl", {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Variant(lce.PallasGpu):
   variant: str = "base"
 
   def gemm_configs(self, *args):
-    change = parse(self.variant)
+    change, _ = parse(self.variant)
     return tuple((name, change(name, cfg))
                  for name, cfg in super().gemm_configs(*args))
 
@@ -59,14 +61,19 @@ def main():
   y = jax.random.randint(k[2], (n,), 0, v)
   timers, losses = {}, {}
   for name in names:
-    impl = Variant(mosaic_gemms=pallas_gpu.GEMMS, variant=name)
+    impl = Variant(mosaic_gemms=pallas_gpu.GEMMS, variant=name, **parse(name)[1])
     fn = jax.jit(jax.value_and_grad(lambda x, w, impl=impl: memeff_jax.linear_cross_entropy(
         x, w, y, weight_layout=layout, implementation=impl, chunk_size=chunk), argnums=(0, 1)))
-    loss, (dx, dw) = fn(x, w)
+    try:
+      loss, (dx, dw) = fn(x, w)
+    except Exception as err:  # pylint: disable=broad-except  (e.g. tiles past shared memory)
+      print(f"{name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+      continue
     losses[name] = (float(loss), float(jnp.abs(dx.astype(jnp.float32)).sum()),
                     float(jnp.abs(dw.astype(jnp.float32)).sum()))
     timers[name] = lambda fn=fn: _harness.time_jax(fn, x, w, reps=10)
   times = _harness.interleaved(timers, rounds)
+  names = [name for name in names if name in timers]
   base = statistics.median(times[names[0]])
   for name in names:
     med = statistics.median(times[name])

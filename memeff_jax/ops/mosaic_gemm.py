@@ -203,8 +203,9 @@ def _wg_operands(a_smem, b_smem, wg, split: str | None, config: GemmConfig, tran
 
 
 def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
-            trans_b: bool):
-  """One CTA: walk tiles, pipeline A/B into shared memory, WGMMA, epilogue with C."""
+            trans_b: bool, reduce: bool = False):
+  """One CTA: walk tiles, pipeline A/B into shared memory, WGMMA, epilogue with C (or, with
+  `reduce`, a store that TMA adds to what out_gmem holds)."""
   m, n = out_gmem.shape
   k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
   tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
@@ -279,7 +280,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
             acc = acc + smem[...].astype(jnp.float32)
           smem[...] = acc.astype(out_dtype)
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(smem, out_tile)
+          plgpu.copy_smem_to_gmem(smem, out_tile, reduction_op="add" if reduce else None)
 
       def mma(_, a_smem, b_smem, acc_ref):
         plgpu.wgmma(acc_ref, *_wg_operands(a_smem, b_smem, wg, config.wg_split, config,
@@ -306,7 +307,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
 
 
 def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
-                 trans_b: bool, sms: int):
+                 trans_b: bool, sms: int, reduce: bool = False):
   """The schedules with one ring of A/B slots across all of a CTA's tiles ("pingpong",
   "ring"): the CTA walks its tiles j = 0, 1, 2, ..., and the memory warpgroup streams their K
   steps in walk order through `max_concurrent_steps` slots, so the next tile's first steps
@@ -321,7 +322,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   Both compute warpgroups wait on every slot's arrival and release every slot (once their
   WGMMA has read it; in ping-pong the non-owner at once), so each sees every phase of every
   barrier in order, and a slot is refilled once both have passed it. C is requested when a
-  tile's main loop starts and lands in shared memory while it runs.
+  tile's main loop starts and lands in shared memory while it runs. With `reduce` (c_gmem is
+  then None) each tile is stored by a TMA reduce-add into what out_gmem holds.
   """
   m, n = out_gmem.shape
   k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
@@ -398,7 +400,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             c_smem.at[wg][...] = acc[r0:r0 + er].astype(out_dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(c_smem.at[wg],
-                                    out_gmem.at[pl.ds(rows + r0, er), pl.ds(cols, tn)])
+                                    out_gmem.at[pl.ds(rows + r0, er), pl.ds(cols, tn)],
+                                    reduction_op="add" if reduce else None)
 
         if not pingpong:
           own()
@@ -491,10 +494,13 @@ class Rows(NamedTuple):
 
 
 def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: bool,
-            into: bool, accumulate: bool = True):
+            into: bool, accumulate: bool = True, add: str = "epilogue",
+            name: str = "mosaic_gemm"):
   """A persistent launch: one CTA per SM, two compute and one memory warpgroup. With `into`
   the last operand is C, which the kernel updates in place (out_type is then ()): C plus
-  the product with `accumulate`, the product alone without. Operands may be `Rows`."""
+  the product with `accumulate` (added as `add` says, see gemm_into), the product alone
+  without. Operands may be `Rows`. The kernel is named after `name` in profiles (Mosaic GPU
+  names it after the body function)."""
   sms = config.num_sms if config.num_sms is not None else jax.devices()[0].core_count
   sms -= sms % config.cluster_size()
   windows = [op if isinstance(op, Rows) else None for op in operands]
@@ -506,13 +512,16 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
                for ref, w in zip(refs, windows)]
     a_ref, b_ref = op_refs[:2]
     out_ref = op_refs[2] if into else refs[-1]
-    c_ref = out_ref if into and accumulate else None
+    reduce = into and accumulate and add == "tma"
+    c_ref = out_ref if into and accumulate and not reduce else None
     if config.schedule in ("pingpong", "ring"):
       _ring_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
-                   trans_b=trans_b, sms=sms)
+                   trans_b=trans_b, sms=sms, reduce=reduce)
     else:
-      _kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a, trans_b=trans_b)
+      _kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a, trans_b=trans_b,
+              reduce=reduce)
 
+  body.__name__ = body.__qualname__ = name
   cluster = dict(cluster=(2,), cluster_names=("cluster",)) if config.cluster else {}
   return plgpu.kernel(
       body,
@@ -523,7 +532,7 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
   )(*[op.array if isinstance(op, Rows) else op for op in operands], *blocks)
 
 
-def _check(a, b, c, trans_a, trans_b, config, accumulate=True):
+def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue"):
   for name, op in (("a", a), ("b", b), ("c", c)):
     if isinstance(op, Rows) and (op.array.ndim != 2 or op.array.shape[0] % op.size):
       raise ValueError(f"{name}: Rows of size {op.size} must tile the first axis of a 2-D "
@@ -539,31 +548,43 @@ def _check(a, b, c, trans_a, trans_b, config, accumulate=True):
                      f"(trans_a={trans_a}, trans_b={trans_b})")
   if c is not None and tuple(c.shape) != (m, n):
     raise ValueError(f"c must be [{m}, {n}], got {tuple(c.shape)}")
-  if c is not None and accumulate and config.epilogue_rows not in (None, config.tile_m):
-    raise ValueError(f"epilogue_rows={config.epilogue_rows} serves GEMMs without C "
-                     "(gemm, or gemm_into with accumulate=False)")
+  if add not in ("epilogue", "tma"):
+    raise ValueError(f"add must be 'epilogue' or 'tma', got {add!r}")
+  if (c is not None and accumulate and add == "epilogue"
+      and config.epilogue_rows not in (None, config.tile_m)):
+    raise ValueError(f"epilogue_rows={config.epilogue_rows} serves GEMMs that read no C "
+                     "(gemm, or gemm_into with accumulate=False or add='tma')")
   if (why := shape_error(m, n, k, config)) is not None:
     raise ValueError(f"mosaic gemm: {why} ({config})")
   return m, n, k
 
 
 def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
-         config: GemmConfig = GemmConfig()):
+         config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm"):
   """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype).
-  a and b are arrays or `Rows` of arrays."""
+  a and b are arrays or `Rows` of arrays; `name` names the kernel in profiles."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   return _launch((a, b), jax.ShapeDtypeStruct((m, n), out_dtype), config, trans_a=trans_a,
-                 trans_b=trans_b, into=False)
+                 trans_b=trans_b, into=False, name=name)
 
 
 def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
-              accumulate: bool = True, config: GemmConfig = GemmConfig()) -> None:
-  """c_ref[...] += op(a) @ op(b), in place: the product is summed in float32 with C's tile
-  and rounded once to C's dtype. With accumulate=False, c_ref[...] = op(a) @ op(b) (C is not
-  read). `c_ref` is a `jax.Ref` (jax.new_ref) or `Rows` of one; a and b arrays or `Rows`."""
-  _check(a, b, c_ref, trans_a, trans_b, config, accumulate)
+              accumulate: bool = True, add: str = "epilogue",
+              config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm") -> None:
+  """c_ref[...] += op(a) @ op(b), in place. `add` says how C is added:
+
+    "epilogue"  C's tile is read into shared memory while the tile's main loop runs, summed
+                with the float32 product and rounded once to C's dtype
+    "tma"       the product is rounded to C's dtype and stored by a TMA reduce-add
+                (cp.reduce.async.bulk.tensor), which adds it to C in L2: C never enters the
+                SM, at the cost of a second rounding
+
+  With accumulate=False, c_ref[...] = op(a) @ op(b) (C is not read). `c_ref` is a
+  `jax.Ref` (jax.new_ref) or `Rows` of one; a and b arrays or `Rows`; `name` names the
+  kernel in profiles."""
+  _check(a, b, c_ref, trans_a, trans_b, config, accumulate, add)
   if jnp.dtype(c_ref.dtype).itemsize != 2:
     raise TypeError(f"c must be 16-bit, got {c_ref.dtype}")
   _launch((a, b, c_ref), (), config, trans_a=trans_a, trans_b=trans_b, into=True,
-          accumulate=accumulate)
+          accumulate=accumulate, add=add, name=name)

@@ -53,9 +53,12 @@ def test_errors_name_the_shapes():
     mg.GemmConfig(epilogue_rows=64)
   with pytest.raises(ValueError, match="epilogue_rows must be a multiple of 64 dividing"):
     mg.GemmConfig(schedule="ring", epilogue_rows=96)
-  with pytest.raises(ValueError, match="epilogue_rows=64 serves GEMMs without C"):
+  with pytest.raises(ValueError, match="epilogue_rows=64 serves GEMMs that read no C"):
     mg.gemm_into(jax.new_ref(jnp.zeros((M, N), jnp.bfloat16)), a, jnp.zeros((K, N), jnp.bfloat16),
                  config=mg.GemmConfig(schedule="ring", epilogue_rows=64))
+  with pytest.raises(ValueError, match="add must be 'epilogue' or 'tma', got 'l2'"):
+    mg.gemm_into(jax.new_ref(jnp.zeros((M, N), jnp.bfloat16)), a, jnp.zeros((K, N), jnp.bfloat16),
+                 add="l2")
 
 
 @pytest.mark.parametrize("schedule", ["pingpong", "ring"])
@@ -175,6 +178,39 @@ def test_row_windows_read_and_write_in_place(schedule):
         out.astype(np.float32),
         ((a_i.T if ta else a_i).astype(jnp.float32) @ b[:K].astype(jnp.float32)).astype(
             jnp.bfloat16).astype(np.float32), rtol=1e-2, atol=0.5)
+
+
+TMA_ADD_CONFIGS = {
+    "cooperative": mg.GemmConfig(max_concurrent_steps=3),
+    "pingpong/cluster-m": mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule="pingpong",
+                                        num_sms=2, cluster="m"),
+    "ringE-n": mg.GemmConfig(max_concurrent_steps=3, schedule="ring", num_sms=2, epilogue_rows=64),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(TMA_ADD_CONFIGS))
+@pytest.mark.parametrize("trans_a,trans_b", [(True, False), (False, True)])
+def test_tma_add_matches_reference(name, trans_a, trans_b):
+  """C += op(A) op(B) with the product rounded to bf16 and added to C by TMA reduce stores:
+  C + bf16(product), rounded, but for the product's own rounding, which may fall on the
+  other side where the kernel's float32 sum (in its own order) differs from XLA's in the
+  last bit: then one bf16 ulp of the product or of the result apart (H200: 3 and 7 of
+  131,072 elements)."""
+  a, b, c, ref = _operands(trans_a, trans_b, seed=3, m=512 if "cluster" in name else M)
+
+  def into(c, a, b):
+    r = jax.new_ref(c)
+    mg.gemm_into(r, a, b, trans_a=trans_a, trans_b=trans_b, add="tma",
+                 config=TMA_ADD_CONFIGS[name])
+    return r[...]
+
+  out = np.asarray(jax.jit(into, donate_argnums=0)(jnp.copy(c), a, b).astype(np.float32))
+  prod = ref.astype(jnp.bfloat16).astype(jnp.float32)
+  twice = np.asarray((c.astype(jnp.float32) + prod).astype(jnp.bfloat16).astype(np.float32))
+  off = np.abs(out - twice) > 2.0**-7 * (np.abs(twice) + np.abs(np.asarray(prod)))
+  assert not off.any(), f"{off.sum()} elements beyond one ulp, e.g. {np.argwhere(off)[:3]}"
+  assert (out != twice).mean() < 1e-3
 
 
 @pytest.mark.gpu

@@ -68,8 +68,12 @@ class PallasGpu:
 
   Attributes:
     memory_budget_bytes: bytes for the chunk's logits/G buffer; decides the token chunk.
-    dw_accumulation: "weight" (accumulate dW in the weight's dtype, no extra buffer) or
-      "float32" (a float32 [D, V] accumulator, cast once at the end).
+    dw_accumulation: "weight" (accumulate dW in the weight's dtype, no extra buffer: each
+      chunk's product is added to the running dW in float32 and rounded once), "float32"
+      (a float32 [D, V] accumulator, cast once at the end) or "tma_add" (in the weight's
+      dtype, with "dw" in mosaic_gemms: each chunk's product is rounded to the weight's
+      dtype and added to the running dW by TMA reduce-add stores in L2, so the GEMM never
+      reads dW into the SMs; two roundings per chunk instead of one).
     kernel: tile config; None looks up configs/tuning for the device, else the default.
     vocab_multiple: pad the vocabulary of W (with zero columns) to a multiple of this, so
       that GEMM rows are 16-byte aligned (V = 50,257 otherwise leaves cuBLAS on slow
@@ -77,7 +81,8 @@ class PallasGpu:
     interpret: run the kernel in the Pallas interpreter (any backend, for tests).
     mosaic_gemms: which of the chunk's GEMMs ("logits", "dx", "dw") run on ops.mosaic_gemm
       instead of cuBLAS; tiles from configs/tuning/linear_cross_entropy.toml's
-      [mosaic_gemm] sections (`<gemm>_<layout>`, else `<gemm>`). Needs a Hopper GPU, 16-bit
+      [mosaic_gemm] sections (`<gemm>_<layout>`, else `<gemm>`; the dW GEMM's under
+      dw_accumulation="tma_add" are `dw_tma_<layout>`). Needs a Hopper GPU, 16-bit
       x and weight, and shapes that are multiples of the tiles; a call that cannot have them
       raises NotImplementedError.
   """
@@ -91,9 +96,12 @@ class PallasGpu:
   name: str = "pallas_gpu"
 
   def __post_init__(self):
-    if self.dw_accumulation not in ("weight", "float32"):
-      raise ValueError(f"dw_accumulation must be 'weight' or 'float32', got "
+    if self.dw_accumulation not in ("weight", "float32", "tma_add"):
+      raise ValueError(f"dw_accumulation must be 'weight', 'float32' or 'tma_add', got "
                        f"{self.dw_accumulation!r}")
+    if self.dw_accumulation == "tma_add" and "dw" not in self.mosaic_gemms:
+      raise ValueError("dw_accumulation='tma_add' is done by the Mosaic dW GEMM's stores; "
+                       f"it needs 'dw' in mosaic_gemms, got {self.mosaic_gemms!r}")
     if isinstance(self.mosaic_gemms, str) or not set(self.mosaic_gemms) <= set(GEMMS):
       raise ValueError(f"mosaic_gemms must be a tuple of names from {GEMMS}, got "
                        f"{self.mosaic_gemms!r}")
@@ -120,7 +128,9 @@ class PallasGpu:
     configs = []
     for name in GEMMS:
       if name in self.mosaic_gemms:
-        config = mosaic_gemm.GemmConfig(**tuned.get(f"{name}_{layout}", tuned.get(name, {})))
+        # dW added by TMA reads no C: its tiles have their own sections ("dw_tma_<layout>").
+        key = "dw_tma" if name == "dw" and self.dw_accumulation == "tma_add" else name
+        config = mosaic_gemm.GemmConfig(**tuned.get(f"{key}_{layout}", tuned.get(key, {})))
         if (why := mosaic_gemm.shape_error(*shapes[name], config)) is not None:
           raise NotImplementedError(
               f"pallas_gpu's {name} GEMM on ops.mosaic_gemm, [M, N, K] = {list(shapes[name])} "
@@ -200,7 +210,8 @@ class PallasChunkBackend:
   def _logits(self, x_c, w, bias):
     layout = self.opts.weight_layout
     if (config := self._mosaic("logits")) is not None:
-      z = mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=config)
+      z = mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=config,
+                           name="lce_logits_gemm")
     else:
       x_c = _sliced(x_c)
       z = _common.logits_dot(x_c, w, layout, x_c.dtype)
@@ -230,20 +241,23 @@ class PallasChunkBackend:
       if dx_into is not None:  # straight into dx's rows: no [C, D] buffer
         ref = jax.new_ref(dx_into.array)
         mosaic_gemm.gemm_into(dx_into._replace(array=ref), g, w, trans_b=layout == "dv",
-                              accumulate=False, config=config)
+                              accumulate=False, config=config, name="lce_dx_gemm")
         dx_c = ref[...]
       else:
-        dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config)
+        dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config,
+                                name="lce_dx_gemm")
     elif need_dx:
       dx_c = _common.dx_dot(g, w, layout, x_c.dtype)
     if need_dw and (config := self._mosaic("dw")) is not None:
       # op(A) = Aᵀ: dW = x_cᵀ G ("dv") or Gᵀ x_c ("vd"), both operands as stored.
       a, b = (x_c, g) if layout == "dv" else (g, x_c)
       if dw_acc is None:
-        dw_acc = mosaic_gemm.gemm(a, b, trans_a=True, out_dtype=w.dtype, config=config)
+        dw_acc = mosaic_gemm.gemm(a, b, trans_a=True, out_dtype=w.dtype, config=config,
+                                  name="lce_dw_gemm")
       else:
         ref = jax.new_ref(dw_acc)
-        mosaic_gemm.gemm_into(ref, a, b, trans_a=True, config=config)
+        mosaic_gemm.gemm_into(ref, a, b, trans_a=True, config=config, name="lce_dw_gemm",
+                              add="tma" if self.dw_accumulation == "tma_add" else "epilogue")
         dw_acc = ref[...]
     elif need_dw:
       dw_c = _common.dw_dot(_sliced(x_c), g, layout, self.dw_dtype(w))

@@ -62,6 +62,8 @@ def test_bad_mosaic_gemms_option():
     PallasGpu(mosaic_gemms=("dW",))
   with pytest.raises(ValueError, match="excludes dw_accumulation='float32'"):
     PallasGpu(mosaic_gemms=("dw",), dw_accumulation="float32")
+  with pytest.raises(ValueError, match=r"'tma_add'.*needs 'dw' in mosaic_gemms, got \('dx',\)"):
+    PallasGpu(mosaic_gemms=("dx",), dw_accumulation="tma_add")
 
 
 def test_mosaic_gemms_in_interpret_mode_say_why():

@@ -308,14 +308,16 @@ class TestPallasGpuOnGpu(_LinearCrossEntropyTest):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["dv", "vd"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("gemms", [("dw",), pallas_gpu.GEMMS])
-def test_mosaic_gemms_match_reference(layout, reduction, gemms):
+@pytest.mark.parametrize("gemms,dw_accumulation", [(("dw",), "weight"),
+                                                   (pallas_gpu.GEMMS, "weight"),
+                                                   (pallas_gpu.GEMMS, "tma_add")])
+def test_mosaic_gemms_match_reference(layout, reduction, gemms, dw_accumulation):
   """GEMMs on ops.mosaic_gemm: three chunks of 256 tokens (the first writes dW, the others
-  add into it in place), V = 2,000 padded to 2,048, bf16."""
+  add into it in place, or by TMA reduce-adds), V = 2,000 padded to 2,048, bf16."""
   options = dict(weight_layout=layout, reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(11), (3, 256), 256, 2000, jnp.bfloat16,
                                     **options)
-  impl = PallasGpu(mosaic_gemms=gemms)
+  impl = PallasGpu(mosaic_gemms=gemms, dw_accumulation=dw_accumulation)
   got, got_g = value_and_grads(loss_fn(impl, labels, options, 256), x, w, None, None, reduction)
   up = lambda t: t.astype(jnp.float32)
   ref, ref_g = value_and_grads(loss_fn("reference", labels, options), up(x), up(w), None, None,

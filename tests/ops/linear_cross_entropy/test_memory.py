@@ -51,8 +51,10 @@ def test_pallas_gpu_temporaries_at_llama3_8b_shape():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,chunk", [("dv", 1024), ("vd", 512)])
-def test_mosaic_gemms_hold_only_the_chunk_logits(layout, chunk):
+@pytest.mark.parametrize("layout,chunk,dw_accumulation", [("dv", 1024, "weight"),
+                                                          ("vd", 512, "weight"),
+                                                          ("vd", 512, "tma_add")])
+def test_mosaic_gemms_hold_only_the_chunk_logits(layout, chunk, dw_accumulation):
   """All three GEMMs on ops.mosaic_gemm read x's chunk and write dx's where they lie
   (mosaic_gemm.Rows): the temporaries are the chunk's [C, V] logits and O(N) statistics,
   with no [C, D] copy and no cuBLAS workspace. Llama-3-8B shapes, bf16."""
@@ -60,7 +62,7 @@ def test_mosaic_gemms_hold_only_the_chunk_logits(layout, chunk):
   x, w, y = _shapes(n, d, v, jnp.bfloat16)
   if layout == "vd":
     w = jax.ShapeDtypeStruct((v, d), jnp.bfloat16)
-  impl = PallasGpu(mosaic_gemms=GEMMS)
+  impl = PallasGpu(mosaic_gemms=GEMMS, dw_accumulation=dw_accumulation)
   temp = _temp_bytes(lambda x, w, y: memeff_jax.linear_cross_entropy(
       x, w, y, weight_layout=layout, implementation=impl, chunk_size=chunk), x, w, y)
   logits = chunk * v * 2
