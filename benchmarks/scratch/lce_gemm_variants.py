@@ -6,7 +6,8 @@ in interleaved rounds (medians), so that ratios between variants carry no clock 
 
 A variant is "base" (the tiles of configs/tuning) or '+'-joined gemm.field=value changes to
 them (gemm: logits, dx, dw; values parsed as Python literals), or impl.field=value for a
-PallasGpu field (impl.dw_accumulation="tma_add"). Session 11 timed a
+PallasGpu field (impl.dw_accumulation="tma_add"), or kernel.field=value for the softmax
+kernel's KernelConfig. Session 11 timed a
 `memory_warp` GemmConfig option this way (the memory warpgroup's work in one warp): no
 change (96.50 against 96.54 ms), so the option was not kept.
 """
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.getcwd())
 from benchmarks import _harness  # noqa: E402
 import memeff_jax  # noqa: E402
+from memeff_jax import _tuning  # noqa: E402
 from memeff_jax.ops import linear_cross_entropy as lce  # noqa: E402
 from memeff_jax.ops.linear_cross_entropy import pallas_gpu  # noqa: E402
 
@@ -35,7 +37,12 @@ def parse(variant: str):
     key, value = part.split("=", 1)
     gemm, field = key.split(".")
     edits.setdefault(gemm, {})[field] = ast.literal_eval(value)
-  return (lambda name, cfg: dataclasses.replace(cfg, **edits.get(name, {}))), edits.get("impl", {})
+  impl = dict(edits.get("impl", {}))
+  if "kernel" in edits:  # the softmax kernel's tile: kernel.block_v=16384+kernel.num_warps=16
+    impl["kernel"] = pallas_gpu.KernelConfig(**{
+        **_tuning.lookup("linear_cross_entropy", "pallas_gpu", fields=pallas_gpu.KernelConfig),
+        **edits["kernel"]})
+  return (lambda name, cfg: dataclasses.replace(cfg, **edits.get(name, {}))), impl
 
 
 @dataclasses.dataclass(frozen=True)
