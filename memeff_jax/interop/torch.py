@@ -45,6 +45,7 @@ from memeff_jax.ops import _dispatch  # noqa: E402
 from memeff_jax.ops import flash_attention as _fa  # noqa: E402
 from memeff_jax.ops.linear_cross_entropy import linear_cross_entropy as _lce  # noqa: E402
 from memeff_jax.ops.linear_cross_entropy import IMPLEMENTATIONS as _LCE_NAMES  # noqa: E402
+from memeff_jax.ops.linear_cross_entropy import Int64Labels  # noqa: E402
 
 __all__ = ["to_jax", "to_torch", "linear_cross_entropy", "flash_attention",
            "LinearCrossEntropyLoss", "wrap"]
@@ -89,6 +90,16 @@ def to_torch(a: jax.Array) -> torch.Tensor:
 
 def _opt(t):
   return None if t is None else to_jax(t)
+
+
+def _labels_to_jax(labels: torch.Tensor):
+  """Class ids for the JAX loss without a copy: int64 as `Int64Labels`, the int32 words of
+  the same memory (JAX without x64 holds no int64), other integer dtypes as they are.
+  Non-contiguous int64 labels are made contiguous first (one copy)."""
+  if labels.dtype != torch.int64:
+    return to_jax(labels)
+  labels = labels.contiguous()
+  return Int64Labels(to_jax(labels.reshape(-1).view(torch.int32).view(*labels.shape, 2)))
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -173,7 +184,7 @@ def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
   value, value_and_grads, _ = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing,
                                                  z_loss, logit_softcap, bias, chunk_size,
                                                  implementation))
-  args = (to_jax(x), to_jax(weight), _opt(bias), to_jax(labels))
+  args = (to_jax(x), to_jax(weight), _opt(bias), _labels_to_jax(labels))
   with _on(x):
     if not with_grads:
       return to_torch(value(*args)), _empty(x), _empty(x), _empty(x)
@@ -202,7 +213,7 @@ def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
   _, _, vjp = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing, z_loss,
                                  logit_softcap, bias, chunk_size, implementation))
   with _on(x):
-    grads = vjp(to_jax(x), to_jax(weight), _opt(bias), to_jax(labels), to_jax(grad))
+    grads = vjp(to_jax(x), to_jax(weight), _opt(bias), _labels_to_jax(labels), to_jax(grad))
   db = to_torch(grads[2]) if bias is not None else _empty(x)
   return to_torch(grads[0]), to_torch(grads[1]), db
 
@@ -274,7 +285,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
   Args:
     x: [..., D]; weight: [V, D] (nn.Linear / tied embedding); labels: [...] integer ids
-      (int64 is fine: they are narrowed to int32 on the torch side, a copy of N ints);
+      (int64, as F.cross_entropy takes them, is read in place as int32 words: no copy; ids
+      are compared with ignore_index on all 64 bits, and one past the int32 range is out
+      of range, NaN as for any id outside [0, V));
     bias: optional [V]; ignore_index, reduction ("mean" | "sum" | "none"), label_smoothing:
       as F.cross_entropy; z_loss, logit_softcap, chunk_size: as
       memeff_jax.linear_cross_entropy (chunk_size: tokens per chunk, default from the
@@ -291,7 +304,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     raise TypeError(f"labels must be integer class ids, got labels.dtype={labels.dtype}")
   needs_grad = torch.is_grad_enabled() and any(
       t is not None and t.requires_grad for t in (x, weight, bias))
-  loss, *_ = _lce_op(x, weight, labels.to(torch.int32), bias, int(ignore_index), reduction,
+  if labels.dtype not in (torch.int64, torch.int32):
+    labels = labels.to(torch.int32)
+  loss, *_ = _lce_op(x, weight, labels, bias, int(ignore_index), reduction,
                      float(label_smoothing), float(z_loss),
                      None if logit_softcap is None else float(logit_softcap),
                      None if chunk_size is None else int(chunk_size),

@@ -240,6 +240,21 @@ def test_zero_copy_by_data_pointers(device):
   np.testing.assert_array_equal(np.asarray(mt.to_jax(t)), t.cpu().numpy())
 
 
+def test_int64_labels_reach_jax_without_a_copy(device):
+  """The loss reads torch's int64 labels in place, as int32 words (Int64Labels), and keeps
+  64-bit meaning: -100 + 2³² is not ignore_index, an id past int32 is out of range (NaN)."""
+  y = torch.randint(0, V, (3, N), device=device)
+  words = mt._labels_to_jax(y)  # pylint: disable=protected-access
+  assert words.words.unsafe_buffer_pointer() == y.data_ptr()
+  assert words.shape == tuple(y.shape)
+  x, w, _, _ = _lce_inputs(device=device)
+  y[0, :3] = torch.tensor([-100 + 2**32, 2**40 + 1, -100], device=device)
+  loss = mt.linear_cross_entropy(x, w, y, reduction="none").detach()
+  assert torch.isnan(loss[0, :2]).all() and loss[0, 2] == 0
+  y32 = y.to(torch.int32)  # the ids that fit agree with the same ids as int32
+  _close(loss[:, 3:], mt.linear_cross_entropy(x, w, y32, reduction="none")[:, 3:])
+
+
 def test_no_silent_64_bit_narrowing():
   if jax.config.jax_enable_x64:
     pytest.skip("x64 enabled: 64-bit tensors convert as they are")

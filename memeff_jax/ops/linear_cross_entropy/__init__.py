@@ -2,6 +2,7 @@
 
 from memeff_jax.ops.linear_cross_entropy.api import Aux
 from memeff_jax.ops.linear_cross_entropy.api import IMPLEMENTATIONS
+from memeff_jax.ops.linear_cross_entropy.api import Int64Labels
 from memeff_jax.ops.linear_cross_entropy.api import linear_cross_entropy
 from memeff_jax.ops.linear_cross_entropy.chunked_xla import ChunkedXla
 from memeff_jax.ops.linear_cross_entropy.pallas_gpu import KernelConfig

@@ -24,6 +24,11 @@ scalar, so the forward pass computes the gradients for a cotangent of 1 while th
 logits are at hand (three matmuls in all) and the backward pass only scales them. For
 "none", or when the log-sum-exp / z-loss outputs get a cotangent, the backward pass runs
 the chunks again with the real cotangents.
+
+A mean/sum loss without the auxiliary outputs (`opts.aux_outputs` False) is reduced inside
+the loop: each chunk adds its tokens' share to a scalar and makes its gradient coefficients
+from the labels' validity, so nothing of size [N] in float32 is held (at 16k tokens that is
+the 4-byte statistics, coefficients and log-sum-exp: ~0.4 MB next to a 128 MB chunk).
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ class Residuals(NamedTuple):
   x: jax.Array
   weight: jax.Array
   bias: jax.Array | None
-  labels: jax.Array
+  labels: jax.Array  # [N] int32, or [N, 2] int32 words of int64 ids (_common.int32_labels)
   valid: jax.Array
-  lse: jax.Array  # float32 [N]
+  lse: jax.Array | None  # float32 [N]; None for a loss reduced in the loop
   dx: jax.Array | None  # gradients for a unit loss cotangent (mean/sum only)
   dweight: jax.Array | None
   dbias: jax.Array | None
@@ -89,18 +94,30 @@ def balanced_chunk(n_tokens: int, max_chunk: int) -> int:
   return min(chunk, max_chunk)
 
 
+class Reduced(NamedTuple):
+  """A mean/sum loss reduced inside the chunk loop (no per-token outputs wanted)."""
+
+  valid: jax.Array  # bool [N]: the counted tokens
+  scale: jax.Array  # float32 scalar: d(loss) / d(loss[n]) of a counted token
+  grads: bool  # also the gradients for a unit cotangent (a = scale·valid, e = 0)
+
+
 def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
-               need=(True, True, True)):
+               need=(True, True, True), reduced: Reduced | None = None):
   """Stats for all tokens, and with coefficients (a, e) also dx, dW and db.
+
+  With `reduced` the first result is the reduced loss (a float32 scalar) instead of the
+  [N] statistics, and the coefficients come from reduced (a and e must be None).
 
   Every chunk has the same static size C, so one compiled body serves all of them and the
   running dW is updated in place (a second, ragged call after the loop would make XLA keep
   a copy of it). The last chunk is the window [N - C, N): rows an earlier chunk already
-  covered get zero gradient coefficients there and keep their earlier dx.
+  covered get zero gradient coefficients there and keep their earlier dx, and add nothing
+  to a reduced loss.
   """
-  backend, chunk = static.backend, static.token_chunk
+  backend, chunk, opts = static.backend, static.token_chunk, static.opts
   n, d = x.shape
-  with_grads = a is not None
+  with_grads = a is not None or (reduced is not None and reduced.grads)
   need_dx, need_dw, need_db = need
   need_db = need_db and bias is not None
   n_chunks = -(-n // chunk)
@@ -108,7 +125,8 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   rows = getattr(backend, "takes_rows", lambda *_: ())(n, chunk)
   if rows and n % chunk:
     raise ValueError(f"takes_rows needs chunks that divide the tokens, got {n} and {chunk}")
-  stats0 = Stats(*(jnp.zeros((n,), jnp.float32) for _ in range(3)))
+  stats0 = (jnp.zeros((), jnp.float32) if reduced is not None
+            else Stats(*(jnp.zeros((n,), jnp.float32) for _ in range(3))))
   carry = (
       stats0,
       jnp.zeros((n, d), x.dtype) if with_grads and need_dx else None,
@@ -121,12 +139,19 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
     start = jnp.minimum(i * chunk, n - chunk)
     sl = lambda t: jax.lax.dynamic_slice_in_dim(t, start, chunk, axis=0)
     x_c = Rows(x, i, chunk) if "x" in rows else sl(x)
+    labels_c = _common.int32_labels(sl(labels))
+    fresh = start + jnp.arange(chunk) >= i * chunk  # False: done by the previous chunk
+    if reduced is not None:
+      counted = sl(reduced.valid) & fresh
     if with_grads:
-      fresh = start + jnp.arange(chunk) >= i * chunk  # False: done by the previous chunk
-      a_c, e_c = (jnp.where(fresh, sl(t), 0.0) for t in (a, e))
+      if reduced is not None:
+        a_c = jnp.where(counted, reduced.scale, 0.0)
+        e_c = jnp.zeros_like(a_c)
+      else:
+        a_c, e_c = (jnp.where(fresh, sl(t), 0.0) for t in (a, e))
       into = {"dx_into": Rows(dx, i, chunk)} if "dx" in rows and need_dx else {}
       chunk_stats, dx_c, dw, db = backend.grads(
-          x_c, w, bias, sl(labels), a_c, e_c, None if lse is None else sl(lse),
+          x_c, w, bias, labels_c, a_c, e_c, None if lse is None else sl(lse),
           dw, db, (need_dx, need_dw, need_db), **into)
       if into:
         dx = dx_c
@@ -134,14 +159,22 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
         dx_c = jnp.where(fresh[:, None], dx_c.astype(dx.dtype), sl(dx))
         dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, axis=0)
     else:
-      chunk_stats = backend.stats(x_c, w, bias, sl(labels))
-    stats = Stats(*(jax.lax.dynamic_update_slice_in_dim(s, c, start, axis=0)
-                    for s, c in zip(stats, chunk_stats)))
+      chunk_stats = backend.stats(x_c, w, bias, labels_c)
+    if reduced is not None:
+      per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts)
+      stats = stats + _common.reduced_sum(per_token, counted, reduced.scale)
+    else:
+      stats = Stats(*(jax.lax.dynamic_update_slice_in_dim(s, c, start, axis=0)
+                      for s, c in zip(stats, chunk_stats)))
     return stats, dx, dw, db
 
   if peel:
     carry = body(0, carry)
   return jax.lax.fori_loop(int(peel), n_chunks, body, carry)
+
+
+def _reduced_in_loop(opts: LossOptions) -> bool:
+  return opts.reduction != "none" and not opts.aux_outputs
 
 
 def _value(p):
@@ -158,9 +191,15 @@ def _nonzero(ct):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def chunked_loss(static: Static, x, w, bias, labels, valid):
-  """(loss, lse, z-loss term) of the chunked computation; see module docstring."""
+  """(loss, lse, z-loss term) of the chunked computation; see module docstring. With a
+  loss reduced in the loop (`_reduced_in_loop`) the last two are None."""
+  if _reduced_in_loop(static.opts):
+    scale = _common.valid_scale(valid, static.opts.reduction)
+    loss, *_ = run_chunks(static, x, w, bias, labels,
+                          reduced=Reduced(valid, scale, grads=False))
+    return loss, None, None
   stats, *_ = run_chunks(static, x, w, bias, labels)
-  return _common.finish(stats, labels, valid, static.opts)
+  return _common.finish(stats, _common.int32_labels(labels), valid, static.opts)
 
 
 def _fwd(static: Static, x, w, bias, labels, valid):
@@ -170,11 +209,16 @@ def _fwd(static: Static, x, w, bias, labels, valid):
   if opts.reduction == "none":
     stats, *_ = run_chunks(static, x, w, bias, labels)
     grads = (None, None, None)
+  elif _reduced_in_loop(opts):  # scalar loss, gradients for a unit cotangent, no [N] stats
+    scale = _common.valid_scale(valid, opts.reduction)
+    loss, *grads = run_chunks(static, x, w, bias, labels,
+                              reduced=Reduced(valid, scale, grads=True), need=need)
+    return (loss, None, None), Residuals(x, w, bias, labels, valid, None, *grads)
   else:  # scalar loss: gradients now, for a unit cotangent.
     r = _common.token_scale(valid, opts.reduction)
     stats, *grads = run_chunks(static, x, w, bias, labels, a=r, e=jnp.zeros_like(r),
                                need=need)
-  out = _common.finish(stats, labels, valid, opts)
+  out = _common.finish(stats, _common.int32_labels(labels), valid, opts)
   return out, Residuals(x, w, bias, labels, valid, stats.lse, *grads)
 
 

@@ -41,6 +41,10 @@ class LossOptions:
   label_smoothing: float = 0.0
   z_loss: float = 0.0
   logit_softcap: float | None = None
+  # Whether the per-token log-sum-exp and z-loss term (return_aux) are wanted. Without them
+  # the chunked implementations reduce a mean/sum loss inside their chunk loop and hold no
+  # [N] statistics.
+  aux_outputs: bool = True
 
 
 class Stats(NamedTuple):
@@ -49,6 +53,17 @@ class Stats(NamedTuple):
   lse: jax.Array  # log-sum-exp
   label_logit: jax.Array  # ẑ[n, y_n]; 0 where y_n is outside [0, V)
   logit_sum: jax.Array  # Σ_v ẑ[n, v]; only meaningful with label smoothing
+
+
+def int32_labels(labels: jax.Array) -> jax.Array:
+  """Class ids as int32 from labels as implementations receive them: [N] int32 as they are,
+  or [N, 2] int32 words (low, high) of int64 ids (api.Int64Labels), where an id outside the
+  int32 range becomes INT32_MIN: outside [0, V), so that token's loss is NaN as for any
+  other out-of-range label (which tokens are ignored was decided on all 64 bits)."""
+  if labels.ndim == 1:
+    return labels
+  low, high = labels[:, 0], labels[:, 1]
+  return jnp.where(high == (low >> 31), low, jnp.iinfo(jnp.int32).min)
 
 
 # ----------------------------------------------------------------------------------------
@@ -149,16 +164,20 @@ def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions, *, padded: bool =
 # ----------------------------------------------------------------------------------------
 
 
+def valid_scale(valid: jax.Array, reduction: str) -> jax.Array:
+  """d(reduced loss) / d(loss[n]) of a counted token: 1 / count for mean, else 1 (float32)."""
+  if reduction == "mean":
+    return 1.0 / jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
+  return jnp.float32(1.0)
+
+
 def token_scale(valid: jax.Array, reduction: str) -> jax.Array:
   """r[n]: d(reduced loss) / d(loss[n]): valid/count for mean, valid otherwise (float32)."""
-  r = valid.astype(jnp.float32)
-  if reduction == "mean":
-    r = r / jnp.maximum(jnp.sum(r), 1.0)
-  return r
+  return valid.astype(jnp.float32) * valid_scale(valid, reduction)
 
 
-def finish(stats: Stats, labels, valid, opts: LossOptions):
-  """(loss, lse, z-loss term) from per-token statistics, reduced as `opts.reduction` says."""
+def token_loss(stats: Stats, labels, valid, opts: LossOptions):
+  """(loss[n], z-loss term[n]) from per-token statistics; 0 where a token is not counted."""
   in_range = (labels >= 0) & (labels < opts.vocab_size)
   label_logit = jnp.where(in_range, stats.label_logit, jnp.nan)  # optax: NaN, never finite
   eps = opts.label_smoothing
@@ -166,13 +185,22 @@ def finish(stats: Stats, labels, valid, opts: LossOptions):
   if eps:
     ce = ce - eps / opts.vocab_size * stats.logit_sum
   zterm = opts.z_loss * jnp.square(stats.lse)
-  per_token = jnp.where(valid, ce + zterm, 0.0)
-  zterm = jnp.where(valid, zterm, 0.0)
+  return jnp.where(valid, ce + zterm, 0.0), jnp.where(valid, zterm, 0.0)
+
+
+def reduced_sum(per_token, valid, scale):
+  """Σ over counted tokens of scale · per_token (scale a scalar, or r of token_scale)."""
+  # Σ r·loss rather than sum()/count: uncounted tokens hold 0, so this is the same number.
+  return jnp.sum(jnp.where(valid, per_token * scale, 0.0))
+
+
+def finish(stats: Stats, labels, valid, opts: LossOptions):
+  """(loss, lse, z-loss term) from per-token statistics, reduced as `opts.reduction` says."""
+  per_token, zterm = token_loss(stats, labels, valid, opts)
   if opts.reduction == "none":
     return per_token, stats.lse, zterm
-  r = token_scale(valid, opts.reduction)
-  # Σ r·loss rather than sum()/count: ignored tokens hold 0, so this is the same number.
-  return jnp.sum(jnp.where(valid, per_token * r, 0.0)), stats.lse, jnp.sum(zterm * r)
+  r = valid_scale(valid, opts.reduction)
+  return reduced_sum(per_token, valid, r), stats.lse, jnp.sum(zterm * r)
 
 
 def coefficients(valid, lse, g_loss, g_lse, g_z, opts: LossOptions):

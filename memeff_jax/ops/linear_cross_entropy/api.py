@@ -30,6 +30,37 @@ class Aux(NamedTuple):
   z_loss: jax.Array  # the z-loss term λ·lse², reduced like the loss (already in the loss)
 
 
+class Int64Labels(NamedTuple):
+  """64-bit class ids as int32 words, for JAX without x64 (which cannot hold int64 arrays).
+
+  `words` is [..., 2], int32 or uint32: each id's (low, high) halves, little-endian. That is
+  what a contiguous torch int64 tensor `t` gives as `t.view(torch.int32).view(*t.shape, 2)`,
+  zero-copy, so torch's labels reach the loss without an int32 copy (the torch bridge passes
+  them this way). Which tokens are `ignore_index` is decided on all 64 bits; an id outside
+  the int32 range is outside [0, V) and gives NaN like any other out-of-range label.
+  """
+
+  words: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(jnp.shape(self.words)[:-1])
+
+
+def _int64_words(labels: Int64Labels, ignore_index: int):
+  """([N, 2] int32 words, [N] valid) of Int64Labels, after checking them."""
+  words = jnp.asarray(labels.words)
+  if words.ndim < 1 or words.shape[-1] != 2 or words.dtype not in (jnp.int32, jnp.uint32):
+    raise TypeError(f"Int64Labels.words must be [..., 2] int32 or uint32 (the low and high "
+                    f"words of each id), got shape {words.shape} and dtype {words.dtype}")
+  if not -2**63 <= ignore_index < 2**63:
+    raise ValueError(f"ignore_index={ignore_index} is outside the int64 range")
+  words = jax.lax.bitcast_convert_type(words, jnp.int32).reshape(-1, 2)
+  low = (ignore_index & 0xFFFFFFFF) - (2**32 if ignore_index & 0x80000000 else 0)
+  ignored = (words[:, 0] == low) & (words[:, 1] == ignore_index >> 32)
+  return words, ~ignored
+
+
 def _check_float(name, a):
   if a.dtype not in _FLOAT_DTYPES:
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {name}.dtype={a.dtype}")
@@ -69,7 +100,8 @@ def linear_cross_entropy(
     x: [..., D] activations.
     weight: [D, V] (`weight_layout="dv"`, as `flax.linen.Dense`) or [V, D] (`"vd"`, a tied
       embedding table or a `torch.nn.Linear` weight).
-    labels: [...] integer labels, the leading shape of x.
+    labels: [...] integer labels, the leading shape of x; or `Int64Labels` (64-bit ids as
+      int32 words, e.g. torch's int64 labels without a copy).
     bias: optional [V].
     weight_layout: "dv" or "vd".
     ignore_index: label value that marks a token to skip.
@@ -106,7 +138,11 @@ def linear_cross_entropy(
   >>> loss.shape, loss.dtype
   ((), dtype('float32'))
   """
-  x, weight, labels = jnp.asarray(x), jnp.asarray(weight), jnp.asarray(labels)
+  x, weight = jnp.asarray(x), jnp.asarray(weight)
+  if isinstance(labels, Int64Labels):  # read as words chunk by chunk: no int32 copy
+    words, valid = _int64_words(labels, ignore_index)
+  else:
+    labels = jnp.asarray(labels)
   if weight_layout not in _common.WEIGHT_LAYOUTS:
     raise ValueError(f"weight_layout must be 'dv' ([D, V]) or 'vd' ([V, D]), got "
                      f"{weight_layout!r}")
@@ -123,7 +159,7 @@ def linear_cross_entropy(
   if x.shape[-1] != d:
     raise ValueError(f"x.shape={x.shape} has D={x.shape[-1]} but weight.shape="
                      f"{weight.shape} with weight_layout={weight_layout!r} has D={d}")
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
+  if not isinstance(labels, Int64Labels) and not jnp.issubdtype(labels.dtype, jnp.integer):
     raise TypeError(f"labels must be integers (class ids), got labels.dtype={labels.dtype}")
   if labels.shape != x.shape[:-1]:
     raise ValueError(f"labels.shape={labels.shape} must equal x.shape[:-1]="
@@ -156,13 +192,17 @@ def linear_cross_entropy(
 
   opts = LossOptions(vocab_size=int(vocab), weight_layout=weight_layout, reduction=reduction,
                      label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                     logit_softcap=None if logit_softcap is None else float(logit_softcap))
+                     logit_softcap=None if logit_softcap is None else float(logit_softcap),
+                     aux_outputs=bool(return_aux))
   lead = labels.shape
   dtype = jnp.result_type(x.dtype, weight.dtype)
   x2 = x.reshape(-1, d).astype(dtype)
   weight = weight.astype(dtype)
-  labels2 = labels.reshape(-1).astype(jnp.int32)
-  valid = labels2 != ignore_index
+  if isinstance(labels, Int64Labels):
+    labels2 = words
+  else:
+    labels2 = labels.reshape(-1).astype(jnp.int32)
+    valid = labels2 != ignore_index
   if where is not None:
     valid = valid & where.reshape(-1)
 
@@ -172,7 +212,8 @@ def linear_cross_entropy(
       lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))
 
   if reduction == "none":
-    loss, zterm = loss.reshape(lead), zterm.reshape(lead)
-  if return_aux:
-    return loss, Aux(lse=lse.reshape(lead), z_loss=zterm)
+    loss = loss.reshape(lead)
+  if return_aux:  # (without it, chunked implementations may return None for lse and zterm)
+    return loss, Aux(lse=lse.reshape(lead), z_loss=zterm.reshape(lead) if reduction == "none"
+                     else zterm)
   return loss

@@ -37,5 +37,6 @@ class Reference:
 
   def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
     del chunk_size  # the reference holds everything at once
+    labels = _common.int32_labels(labels)
     stats = reference_stats(x, weight, bias, labels, opts)
     return _common.finish(stats, labels, valid, opts)

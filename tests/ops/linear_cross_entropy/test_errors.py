@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import memeff_jax
+from memeff_jax.ops.linear_cross_entropy import Int64Labels
 from memeff_jax.ops.linear_cross_entropy import PallasGpu
 
 X = jnp.ones((2, 5, 8))
@@ -29,6 +30,14 @@ Y = jnp.zeros((2, 5), jnp.int32)
     (dict(z_loss=-1.0), ValueError, r"z_loss must be ≥ 0"),
     (dict(logit_softcap=0.0), ValueError, r"logit_softcap must be None or > 0"),
     (dict(chunk_size=0), ValueError, r"chunk_size must be a positive int"),
+    (dict(labels=Int64Labels(jnp.zeros((2, 5, 2)))), TypeError,
+     r"Int64Labels.words must be \[..., 2\] int32 or uint32.*float32"),
+    (dict(labels=Int64Labels(jnp.zeros((2, 5, 3), jnp.int32))), TypeError,
+     r"Int64Labels.words must be .*shape \(2, 5, 3\)"),
+    (dict(labels=Int64Labels(jnp.zeros((2, 4, 2), jnp.int32))), ValueError,
+     r"labels.shape=\(2, 4\) must equal"),
+    (dict(labels=Int64Labels(jnp.zeros((2, 5, 2), jnp.int32)), ignore_index=2**63), ValueError,
+     r"ignore_index=9223372036854775808 is outside the int64 range"),
 ])
 def test_bad_input(kwargs, error, match):
   args = dict(x=X, weight=W, labels=Y)

@@ -12,6 +12,7 @@ import pytest
 
 import memeff_jax
 from memeff_jax.ops.linear_cross_entropy import ChunkedXla
+from memeff_jax.ops.linear_cross_entropy import Int64Labels
 from memeff_jax.ops.linear_cross_entropy import KernelConfig
 from memeff_jax.ops.linear_cross_entropy import PallasGpu
 from memeff_jax.ops.linear_cross_entropy import _common
@@ -166,6 +167,30 @@ class _LinearCrossEntropyTest:
     assert nan.tolist() == [i in (3, 5) for i in range(9)]
     mean = memeff_jax.linear_cross_entropy(x, w, labels, implementation=self.impl)
     assert np.isnan(float(mean))
+
+  def test_int64_label_words(self):
+    """Int64Labels (ids as int32 words, as torch's int64 labels arrive): the loss and
+    gradients of the same ids as int32, bit for bit; ignore_index is matched on all 64 bits
+    (-100 + 2³² is not ignored) and an id past the int32 range is out of range: NaN."""
+    x, w, labels, _, _ = make_problem(jax.random.key(11), self.lead, 16, 300, jnp.float32)
+    as_words = lambda y: Int64Labels(jnp.asarray(
+        np.asarray(y, np.int64).view(np.int32).reshape(*y.shape, 2)))
+
+    def run(y, reduction="mean"):
+      f = lambda x, w: memeff_jax.linear_cross_entropy(
+          x, w, y, reduction=reduction, implementation=self.impl, chunk_size=self.chunk_size)
+      return jax.value_and_grad(f, argnums=(0, 1))(x, w) if reduction == "mean" else f(x, w)
+
+    (got, got_g), (want, want_g) = run(as_words(labels)), run(labels)
+    assert float(got) == float(want)
+    for a, b in zip(got_g, want_g):
+      np.testing.assert_array_equal(a, b)
+    wide = np.asarray(labels, np.int64).reshape(-1)
+    wide[:3] = (-100 + 2**32, 2**33 + 5, -100)
+    per_token = np.asarray(run(as_words(wide.reshape(labels.shape)), "none")).reshape(-1)
+    plain = np.asarray(run(labels, "none")).reshape(-1)
+    assert np.isnan(per_token[:2]).all() and per_token[2] == 0.0
+    np.testing.assert_array_equal(per_token[3:], plain[3:])
 
   def test_under_jit_with_default_chunking(self):
     x, w, labels, _, _ = make_problem(jax.random.key(6), self.lead, 16, 500, jnp.float32)

@@ -41,6 +41,24 @@ def test_chunked_xla_holds_under_ten_percent_of_the_logits():
   assert _temp_bytes(naive, x, w, y) >= logits_bytes
 
 
+def test_mean_loss_without_aux_holds_no_per_token_statistics():
+  """Without return_aux a mean loss is summed inside the chunk loop: no [N] float32 log-sum-
+  exp, label logit, Σẑ or gradient coefficients. 131,072 tokens of a small head, so those
+  [N] buffers (512 KiB each) stand out against the 1,024-token chunk's work."""
+  n, d, v = 2**17, 16, 256
+  x, w, y = _shapes(n, d, v, jnp.float32)
+
+  def loss(aux):
+    def f(x, w, y):
+      out = memeff_jax.linear_cross_entropy(x, w, y, implementation="chunked_xla",
+                                            chunk_size=1024, return_aux=aux)
+      return out[0] if aux else out  # the aux outputs are computed, not differentiated
+    return f
+
+  reduced, with_stats = _temp_bytes(loss(False), x, w, y), _temp_bytes(loss(True), x, w, y)
+  assert reduced <= with_stats - 2 * n * 4, (reduced, with_stats)
+
+
 @pytest.mark.gpu
 def test_pallas_gpu_temporaries_at_llama3_8b_shape():
   """The default implementation at N=16384, D=4096, V=128256 in bf16 (4 GiB of logits)."""
