@@ -175,10 +175,15 @@ def _cluster_layout(config: GemmConfig):
 
 
 def shape_error(m: int, n: int, k: int, config: GemmConfig) -> str | None:
-  """Why (m, n, k) cannot run with `config`, or None when it can."""
+  """Why (m, n, k) cannot run with `config`, or None when it can.
+
+  The "pingpong" and "ring" schedules take any N: the last column of tiles reaches past the
+  end, where TMA loads zeros and stores nothing (so a tile width need not divide N, e.g.
+  144-wide tiles for an N whose tile count should fill the GPU's waves)."""
   cm, cn = config.cluster_tile()
+  ragged_n = config.schedule != "cooperative"
   for name, size, tile in (("M", m, cm), ("N", n, cn), ("K", k, config.tile_k)):
-    if size % tile:
+    if size % tile and not (name == "N" and ragged_n):
       return f"{name}={size} is not a multiple of the tile {tile}"
   return None
 
@@ -331,7 +336,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   cm, cn = config.cta_tile()
   stages = config.max_concurrent_steps
   clm, cln = config.cluster_tile()
-  m_tiles, n_tiles = m // clm, n // cln
+  m_tiles, n_tiles = m // clm, -(-n // cln)  # the last column of tiles may be partial
   k_steps = k // tk
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   div, rem = _mosaic.div, _mosaic.rem

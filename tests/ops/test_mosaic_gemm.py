@@ -118,6 +118,48 @@ def test_matches_float32_reference(trans_a, trans_b, split):
   np.testing.assert_allclose(out.astype(np.float32), want, rtol=1e-2, atol=0.5)
 
 
+RAGGED_CONFIGS = {  # N = 448 or 512 against CTA tiles of 128, 144, 256 and 384 columns
+    "pingpong-128": (448, mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule="pingpong",
+                                        num_sms=2)),
+    "pingpong-144": (512, mg.GemmConfig(tile_n=144, max_concurrent_steps=3, schedule="pingpong",
+                                        num_sms=2)),
+    "ringE-n-256": (448, mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule="ring",
+                                       num_sms=2, epilogue_rows=64)),
+    "ring-n-96/cluster-n": (512, mg.GemmConfig(tile_n=96, max_concurrent_steps=3,
+                                               schedule="ring", num_sms=2, cluster="n")),
+}
+
+
+def _ragged_case(name, trans_a, seed=5):
+  n, cfg = RAGGED_CONFIGS[name]
+  k = jax.random.split(jax.random.key(seed), 2)
+  a = jax.random.normal(k[0], (K, M) if trans_a else (M, K), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(k[1], (n, K), jnp.float32).astype(jnp.bfloat16)  # trans_b: [N, K]
+  ref = (a.T if trans_a else a).astype(jnp.float32) @ b.T.astype(jnp.float32)
+  return a, b, cfg, ref
+
+
+def test_ragged_n_is_allowed_only_where_tma_clips_it():
+  assert mg.shape_error(512, 128256, 4096, RAGGED_CONFIGS["pingpong-144"][1]) is None
+  assert "N=448 is not a multiple" in mg.shape_error(256, 448, 256, mg.GemmConfig(tile_n=128))
+  a, b, cfg, _ = _ragged_case("pingpong-144", False)
+  f = lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg)
+  text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(RAGGED_CONFIGS))
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_ragged_n_matches_reference(name, trans_a):
+  """N not a multiple of the tile: the last column of tiles reads TMA's zeros past the end
+  of B and stores only its columns inside the output."""
+  a, b, cfg, ref = _ragged_case(name, trans_a)
+  out = jax.jit(lambda a, b: mg.gemm(a, b, trans_a=trans_a, trans_b=True, config=cfg))(a, b)
+  np.testing.assert_allclose(out.astype(np.float32), ref.astype(jnp.bfloat16).astype(np.float32),
+                             rtol=1e-2, atol=0.5)
+
+
 @pytest.mark.parametrize("schedule", ["cooperative", "pingpong", "ring"])
 def test_row_windows_lower_for_cuda(schedule):
   """Rows windows (a traced block index) lower on a CPU host for every schedule."""
