@@ -9,7 +9,8 @@ them (gemm: logits, dx, dw; values parsed as Python literals), or impl.field=val
 PallasGpu field (impl.dw_accumulation="tma_add"), or kernel.field=value for the softmax
 kernel's KernelConfig. Session 11 timed a
 `memory_warp` GemmConfig option this way (the memory warpgroup's work in one warp): no
-change (96.50 against 96.54 ms), so the option was not kept.
+change (96.50 against 96.54 ms), so the option was not kept. Each line also gives the
+compiled temporaries (memory_analysis) of its loss.
 """
 
 import ast
@@ -66,9 +67,9 @@ def main():
   shape = (v, d) if layout == "vd" else (d, v)
   w = (jax.random.normal(k[1], shape, jnp.float32) / d**0.5).astype(jnp.bfloat16)
   y = jax.random.randint(k[2], (n,), 0, v)
-  timers, losses = {}, {}
+  timers, losses, temps = {}, {}, {}
   for name in names:
-    impl = Variant(mosaic_gemms=pallas_gpu.GEMMS, variant=name, **parse(name)[1])
+    impl = Variant(variant=name, **{"mosaic_gemms": pallas_gpu.GEMMS, **parse(name)[1]})
     fn = jax.jit(jax.value_and_grad(lambda x, w, impl=impl: memeff_jax.linear_cross_entropy(
         x, w, y, weight_layout=layout, implementation=impl, chunk_size=chunk), argnums=(0, 1)))
     try:
@@ -78,6 +79,7 @@ def main():
       continue
     losses[name] = (float(loss), float(jnp.abs(dx.astype(jnp.float32)).sum()),
                     float(jnp.abs(dw.astype(jnp.float32)).sum()))
+    temps[name] = fn.lower(x, w).compile().memory_analysis().temp_size_in_bytes
     timers[name] = lambda fn=fn: _harness.time_jax(fn, x, w, reps=10)
   times = _harness.interleaved(timers, rounds)
   names = [name for name in names if name in timers]
@@ -85,7 +87,8 @@ def main():
   for name in names:
     med = statistics.median(times[name])
     print(f"{name:8s} {med:8.2f} ms  ×{med / base:.4f} vs {names[0]}   rounds "
-          + " ".join(f"{t:.2f}" for t in times[name]) + f"   loss/|dx|/|dW| {losses[name]}")
+          + " ".join(f"{t:.2f}" for t in times[name]) + f"   temp {temps[name]:,} B"
+          + f"   loss/|dx|/|dW| {losses[name]}")
 
 
 if __name__ == "__main__":
