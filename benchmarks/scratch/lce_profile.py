@@ -5,7 +5,9 @@ three matmuls, for ncu's per-kernel durations.
 
 REPS=n makes n calls (default 2); TRACE=path.json traces the last n - 2 with torch's profiler
 (kernel durations under sustained load, JAX's included; benchmarks/scratch/dev_lce_trace.sh).
-LCE_GEMMS=logits+dx+dw puts those GEMMs on ops.mosaic_gemm; LCE_LAYOUT=vd stores W as [V, D].
+LCE_GEMMS=logits+dx+dw puts those GEMMs on ops.mosaic_gemm; LCE_LAYOUT=vd stores W as [V, D];
+LCE_DW=tma_add sets dw_accumulation. Mode "bridge" runs the all-Mosaic loss ("vd", LCE_DW
+default tma_add) through memeff_jax.interop.torch on torch tensors, backward included.
 """
 import os
 import sys
@@ -67,6 +69,25 @@ if sys.argv[1] == "liger":  # Liger-Kernel's fused loss on the same shapes (W as
 
   run(call)
   sys.exit(0)
+if sys.argv[1] == "bridge":  # the all-Mosaic loss through the torch bridge ("vd": W [V, D])
+  import torch  # pylint: disable=import-outside-toplevel
+  from memeff_jax.interop import torch as mt  # pylint: disable=import-outside-toplevel
+  from memeff_jax.ops import linear_cross_entropy as lce  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(0)
+  xt = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+  wt = (torch.randn(V, D, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+  yt = torch.randint(0, V, (N,), device="cuda")
+  impl = lce.PallasGpu(mosaic_gemms=("logits", "dx", "dw"),
+                       dw_accumulation=os.environ.get("LCE_DW", "tma_add"))
+  chunk = int(sys.argv[2]) if len(sys.argv) > 2 else None
+
+  def call():
+    xt.grad = wt.grad = None
+    mt.linear_cross_entropy(xt, wt, yt, chunk_size=chunk, implementation=impl).backward()
+    torch.cuda.synchronize()
+
+  run(call)
+  sys.exit(0)
 if sys.argv[1] == "floor":
   g = (jax.random.normal(kg, (N, V), jnp.float32) * 1e-3).astype(jnp.bfloat16)
   fn, args = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g)), (x, w, g)
@@ -81,6 +102,8 @@ else:
       kw["kernel"] = lce.KernelConfig(**fields)
     if os.environ.get("LCE_GEMMS"):
       kw["mosaic_gemms"] = tuple(os.environ["LCE_GEMMS"].split("+"))
+    if os.environ.get("LCE_DW"):
+      kw["dw_accumulation"] = os.environ["LCE_DW"]
     impl = lce.PallasGpu(**kw)
   fn = jax.jit(jax.value_and_grad(
       lambda x, w: memeff_jax.linear_cross_entropy(x, w, y, chunk_size=chunk, weight_layout=LAYOUT,
