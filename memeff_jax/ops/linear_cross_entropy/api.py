@@ -53,6 +53,7 @@ def _int64_words(labels: Int64Labels, ignore_index: int):
   if words.ndim < 1 or words.shape[-1] != 2 or words.dtype not in (jnp.int32, jnp.uint32):
     raise TypeError(f"Int64Labels.words must be [..., 2] int32 or uint32 (the low and high "
                     f"words of each id), got shape {words.shape} and dtype {words.dtype}")
+  ignore_index = int(ignore_index)
   if not -2**63 <= ignore_index < 2**63:
     raise ValueError(f"ignore_index={ignore_index} is outside the int64 range")
   words = jax.lax.bitcast_convert_type(words, jnp.int32).reshape(-1, 2)
