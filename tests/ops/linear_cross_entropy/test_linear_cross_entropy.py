@@ -316,6 +316,10 @@ class TestPallasGpuFloat32DwInterpret(_LinearCrossEntropyTest):
   def test_large_vocab_matches_optax(self):
     pass
 
+  @pytest.mark.skip(reason="labels are decoded before dW is accumulated: as TestPallasGpuInterpret")
+  def test_int64_label_words(self):
+    pass
+
 
 @pytest.mark.gpu
 class TestChunkedXlaGpu(TestChunkedXla):
