@@ -168,6 +168,8 @@ def parse_memeff(provider: str):
       kw["dw_accumulation"] = opts.pop("dw")
     if "gemms" in opts:  # e.g. gemms=dw or gemms=logits+dx+dw: those on ops.mosaic_gemm
       kw["mosaic_gemms"] = tuple(opts.pop("gemms").split("+"))
+    if "fused_lse" in opts:  # fused_lse=1: partial log-sum-exps from the logits GEMM
+      kw["fused_lse"] = bool(int(opts.pop("fused_lse")))
     for key in ("block_rows", "block_v", "num_warps", "num_stages"):
       if key in opts:
         kernel[key] = int(opts.pop(key))

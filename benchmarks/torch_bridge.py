@@ -9,6 +9,8 @@ Loss (llama3-8b shape, N=16384, D=4096, V=128256, bf16; forward+backward):
                               the three GEMMs off cuBLAS (no 32 MiB workspace)
                      :tma     with :mosaic, dw_accumulation="tma_add" (dW added by TMA
                               reduce stores)
+                     :lse     with :mosaic, fused_lse=True (partial log-sum-exps from the
+                              logits GEMM's epilogue; one read of the logits, not two)
                      :async   JAX's XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async instead of its
                               BFC allocator (whose peak counts ~22 MiB of its own slack)
   jax_direct         the same JAX function called on JAX arrays: what the bridge adds
@@ -89,7 +91,8 @@ def loss_worker(provider: str, reps: int) -> dict:
     mods = _modifiers(provider)
     chunk = next((int(m.split("=")[1]) for m in mods if m.startswith("chunk=")), None)
     impl = (lce.PallasGpu(mosaic_gemms=("logits", "dx", "dw"),
-                          dw_accumulation="tma_add" if "tma" in mods else "weight")
+                          dw_accumulation="tma_add" if "tma" in mods else "weight",
+                          fused_lse="lse" in mods)
             if "mosaic" in mods else None)
     loss_fn = lambda x, w, y: mt.linear_cross_entropy(x, w, y, chunk_size=chunk,
                                                       implementation=impl)

@@ -312,7 +312,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
 
 
 def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
-                 trans_b: bool, sms: int, reduce: bool = False):
+                 trans_b: bool, sms: int, reduce: bool = False, stats_gmem=None,
+                 stats_cols: int | None = None):
   """The schedules with one ring of A/B slots across all of a CTA's tiles ("pingpong",
   "ring"): the CTA walks its tiles j = 0, 1, 2, ..., and the memory warpgroup streams their K
   steps in walk order through `max_concurrent_steps` slots, so the next tile's first steps
@@ -329,6 +330,12 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   barrier in order, and a slot is refilled once both have passed it. C is requested when a
   tile's main loop starts and lands in shared memory while it runs. With `reduce` (c_gmem is
   then None) each tile is stored by a TMA reduce-add into what out_gmem holds.
+
+  With `stats_gmem` ("ring" only, see gemm's row_stats) every CTA keeps to one row block:
+  CTA w takes row block w mod m_tiles and every (walkers / m_tiles)-th column tile from
+  w div m_tiles (the CTAs of one column tile still run side by side, sharing B's block in
+  L2), so that each compute warpgroup can carry its rows' running maximum and sum of
+  exponentials from tile to tile, and store them once at the end as one log-sum-exp.
   """
   m, n = out_gmem.shape
   k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
@@ -343,17 +350,40 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   pingpong = config.schedule == "pingpong"
   split = None if pingpong else config.wg_split  # ping-pong: each warpgroup owns whole tiles
   walker, walkers = lax.axis_index("sm"), sms // config.cluster_size()  # clusters (or CTAs)
-  n_local = div(m_tiles * n_tiles - walker + walkers - 1, walkers)  # walker, walker + walkers, ...
   cta_origin, a_shared, b_shared = _cluster_layout(config)
+  stats = stats_gmem is not None
+  if stats:  # one row block per CTA: walker = col0 · m_tiles + row_block
+    per_row = walkers // m_tiles
+    row_block, col0 = rem(walker, m_tiles), div(walker, m_tiles)
+    active = walker < per_row * m_tiles
+    n_local = jnp.where(active, div(jnp.maximum(n_tiles - col0, 0) + per_row - 1, per_row), 0)
 
-  def origin(j):
-    return cta_origin(*plgpu.planar_snake(walker + j * walkers, (m_tiles, n_tiles),
-                                          0 if config.minor == "m" else 1, config.band))
+    def origin(j):
+      return cta_origin(row_block, col0 + j * per_row)
+  else:
+    n_local = div(m_tiles * n_tiles - walker + walkers - 1, walkers)  # walker, + walkers, ...
+
+    def origin(j):
+      return cta_origin(*plgpu.planar_snake(walker + j * walkers, (m_tiles, n_tiles),
+                                            0 if config.minor == "m" else 1, config.band))
 
   a_block = (tk, cm) if trans_a else (cm, tk)
   b_block = (cn, tk) if trans_b else (tk, cn)
   er = config.epilogue_rows or tm
   in_flight = 1 if config.in_flight is None else config.in_flight
+
+  def _row_stats(carry, out, cols):
+    """The running (max, Σ exp) of this warpgroup's rows, in the exp2 domain, after a tile
+    of the rounded output (the logits the caller will read)."""
+    m, s = carry
+    y = out.astype(jnp.float32) * _mosaic.LOG2E
+    if stats_cols % tn or stats_cols < n:  # columns past stats_cols count for nothing
+      col = plgpu.broadcasted_iota(jnp.int32, (tm, tn), 1, layout=plgpu.Layout.WGMMA)
+      y = jnp.where(col < stats_cols - cols, y, -jnp.inf)
+    m_new = jnp.maximum(m, y.max(axis=1))
+    m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no column yet
+    p = jnp.exp2(y - lax.broadcast_in_dim(m_sub, y.shape, [0]))
+    return m_new, s * jnp.exp2(m - m_sub) + p.sum(axis=1)
 
   def body(a_smem, b_smem, c_smem, ready, free, c_ready):
     wg = lax.axis_index("wg")
@@ -362,7 +392,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
     def _compute():
       plgpu.set_max_registers(232, action="increase")
 
-      def tile(j, _):
+      def tile(j, carry):
         first = j * k_steps  # this tile's first step in the ring's sequence
         rows, cols = origin(j)
         if not pingpong:
@@ -407,10 +437,10 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             plgpu.copy_smem_to_gmem(c_smem.at[wg],
                                     out_gmem.at[pl.ds(rows + r0, er), pl.ds(cols, tn)],
                                     reduction_op="add" if reduce else None)
+          return _row_stats(carry, acc.astype(out_dtype), cols) if stats else carry
 
         if not pingpong:
-          own()
-          return
+          return own()
 
         @pl.when(rem(j, 2) != wg)
         def _pass():  # the other warpgroup's tile: release each slot once it has landed
@@ -422,8 +452,23 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
 
         pl.when(rem(j, 2) == wg)(own)
 
-      lax.fori_loop(0, n_local, tile, None)
+      if not stats:
+        lax.fori_loop(0, n_local, tile, None)
+        plgpu.wait_smem_to_gmem(0)
+        return
+      row_vector = lambda value: plgpu.layout_cast(jnp.full((tm,), value, jnp.float32),
+                                                   plgpu.Layout.WGMMA.reduce(1))
+      m, s = lax.fori_loop(0, n_local, tile, (row_vector(-jnp.inf), row_vector(0.0)))
+      lse = m * _mosaic.LN2 + jnp.log(s)  # -inf where no column was seen
+      two = split == "n"  # both warpgroups saw these rows, each its own columns
+      dst = stats_gmem.at[col0 * (2 if two else 1) + (wg if two else 0)]
+      rows = row_block * cm + (wg * tm if split == "m" else 0)
       plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(active)
+      def _():  # straight from registers: shared memory has no 1 KiB to spare
+        dst.at[pl.ds(rows, tm)][...] = lse
+
 
     @pl.when(wg == 2)
     def _memory():
@@ -498,16 +543,28 @@ class Rows(NamedTuple):
     return self.array.dtype
 
 
+def _sms(config: GemmConfig) -> int:
+  sms = config.num_sms if config.num_sms is not None else jax.devices()[0].core_count
+  return sms - sms % config.cluster_size()
+
+
+def row_stats_rows(m: int, config: GemmConfig) -> int:
+  """How many partial log-sum-exps per output row `gemm(..., row_stats=...)` returns: one
+  per (CTA, warpgroup) that visits the row."""
+  per_row = _sms(config) // (m // config.cta_tile()[0])
+  return per_row * (2 if config.wg_split == "n" else 1)
+
+
 def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: bool,
             into: bool, accumulate: bool = True, add: str = "epilogue",
-            name: str = "mosaic_gemm"):
+            name: str = "mosaic_gemm", stats_cols: int | None = None):
   """A persistent launch: one CTA per SM, two compute and one memory warpgroup. With `into`
   the last operand is C, which the kernel updates in place (out_type is then ()): C plus
   the product with `accumulate` (added as `add` says, see gemm_into), the product alone
-  without. Operands may be `Rows`. The kernel is named after `name` in profiles (Mosaic GPU
-  names it after the body function)."""
-  sms = config.num_sms if config.num_sms is not None else jax.devices()[0].core_count
-  sms -= sms % config.cluster_size()
+  without. With `stats_cols` out_type is (product, partial log-sum-exps) (see gemm).
+  Operands may be `Rows`. The kernel is named after `name` in profiles (Mosaic GPU names it
+  after the body function)."""
+  sms = _sms(config)
   windows = [op if isinstance(op, Rows) else None for op in operands]
   blocks = [jnp.asarray(w.block, jnp.int32) for w in windows if w is not None]
 
@@ -516,12 +573,14 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
     op_refs = [ref if w is None else ref.at[pl.ds(next(block_refs)[...] * w.size, w.size)]
                for ref, w in zip(refs, windows)]
     a_ref, b_ref = op_refs[:2]
-    out_ref = op_refs[2] if into else refs[-1]
+    stats_ref = refs[-1] if stats_cols is not None else None
+    out_ref = op_refs[2] if into else refs[-2 if stats_cols is not None else -1]
     reduce = into and accumulate and add == "tma"
     c_ref = out_ref if into and accumulate and not reduce else None
     if config.schedule in ("pingpong", "ring"):
       _ring_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
-                   trans_b=trans_b, sms=sms, reduce=reduce)
+                   trans_b=trans_b, sms=sms, reduce=reduce, stats_gmem=stats_ref,
+                   stats_cols=stats_cols)
     else:
       _kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a, trans_b=trans_b,
               reduce=reduce)
@@ -565,13 +624,33 @@ def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue"):
 
 
 def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
-         config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm"):
+         config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm",
+         row_stats: int | None = None):
   """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype).
-  a and b are arrays or `Rows` of arrays; `name` names the kernel in profiles."""
+  a and b are arrays or `Rows` of arrays; `name` names the kernel in profiles.
+
+  With `row_stats=c` it returns (out, partials) instead: partials [P, M] float32 holds, for
+  P = row_stats_rows(M, config) visitors of each row, the log-sum-exp of that row's entries
+  among the first c columns, as rounded into `out`, over the tiles one warpgroup visited
+  (-inf where it saw none), so logsumexp(partials, axis=0) is each row's log-sum-exp over
+  those c columns. The epilogue computes them while the tile is in registers: a softmax
+  over the rows of `out` then reads `out` once instead of twice ("ring" schedule, no CTA
+  clusters)."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
-  return _launch((a, b), jax.ShapeDtypeStruct((m, n), out_dtype), config, trans_a=trans_a,
-                 trans_b=trans_b, into=False, name=name)
+  out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
+  if row_stats is None:
+    return _launch((a, b), out_type, config, trans_a=trans_a, trans_b=trans_b, into=False,
+                   name=name)
+  if config.schedule != "ring" or config.cluster:
+    raise ValueError(f"row_stats needs the 'ring' schedule without clusters, got {config}")
+  if not 0 < row_stats <= n:
+    raise ValueError(f"row_stats must count columns in [1, {n}], got {row_stats}")
+  if m // config.cta_tile()[0] > _sms(config):
+    raise ValueError(f"row_stats: M={m} has more row blocks than the {_sms(config)} CTAs")
+  stats_type = jax.ShapeDtypeStruct((row_stats_rows(m, config), m), jnp.float32)
+  return tuple(_launch((a, b), (out_type, stats_type), config, trans_a=trans_a,
+                       trans_b=trans_b, into=False, name=name, stats_cols=row_stats))
 
 
 def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,

@@ -267,3 +267,57 @@ def test_accumulates_in_place():
   m = jax.jit(into, donate_argnums=0).lower(c, a, b).compile().memory_analysis()
   assert m.temp_size_in_bytes < c.nbytes // 4
   assert m.alias_size_in_bytes >= c.nbytes
+
+
+ROW_STATS_CONFIGS = {  # (M, N, columns counted, config): CTA tiles of 128 × 256 and 256 × 128
+    "ring-n": (256, 1024, 1024, mg.GemmConfig(tile_n=128, schedule="ring",
+                                              max_concurrent_steps=3, num_sms=6)),
+    "ringE-n, ragged, 1,000 columns": (
+        256, 1088, 1000, mg.GemmConfig(tile_n=128, schedule="ring", num_sms=8, epilogue_rows=64)),
+    "ring-m, 64-row warpgroup tiles": (
+        256, 768, 700, mg.GemmConfig(tile_m=64, tile_n=256, wg_split="m", schedule="ring",
+                                     max_concurrent_steps=3, num_sms=4)),
+    "ring-m, idle CTAs": (256, 512, 512, mg.GemmConfig(wg_split="m", tile_n=128,
+                                                       schedule="ring", max_concurrent_steps=3,
+                                                       num_sms=7)),
+}
+
+
+def _row_stats_case(name, seed=7):
+  m, n, cols, cfg = ROW_STATS_CONFIGS[name]
+  k = jax.random.split(jax.random.key(seed), 2)
+  a = jax.random.normal(k[0], (m, K), jnp.float32).astype(jnp.bfloat16)
+  b = (3 * jax.random.normal(k[1], (n, K), jnp.float32)).astype(jnp.bfloat16)  # [N, K]
+  return a, b, cols, cfg
+
+
+def test_row_stats_lower_for_cuda_and_check_their_arguments():
+  a, b, cols, cfg = _row_stats_case("ringE-n, ragged, 1,000 columns")
+  f = lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols)
+  out, parts = jax.eval_shape(f, a, b)
+  assert out.shape == (256, 1088) and parts.shape == (2 * 4, 256)  # 8 CTAs on 2 row blocks
+  assert mg.row_stats_rows(256, cfg) == 8
+  text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  with pytest.raises(ValueError, match="'ring' schedule without clusters"):
+    mg.gemm(a, b, trans_b=True, config=mg.GemmConfig(schedule="pingpong", tile_n=128),
+            row_stats=cols)
+  with pytest.raises(ValueError, match=r"row_stats must count columns in \[1, 1088\], got 0"):
+    mg.gemm(a, b, trans_b=True, config=cfg, row_stats=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(ROW_STATS_CONFIGS))
+def test_row_stats_match_the_rounded_output(name):
+  """logsumexp over the partials is each row's log-sum-exp of the first `cols` columns of
+  the bf16 output; a CTA with no tile (or a column range past `cols`) adds -inf."""
+  a, b, cols, cfg = _row_stats_case(name)
+  out, parts = jax.jit(lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg,
+                                            row_stats=cols))(a, b)
+  ref = a.astype(jnp.float32) @ b.T.astype(jnp.float32)
+  np.testing.assert_allclose(out.astype(np.float32), ref.astype(jnp.bfloat16).astype(np.float32),
+                             rtol=1e-2, atol=0.5)
+  want = jax.nn.logsumexp(out[:, :cols].astype(jnp.float32), axis=1)
+  assert parts.shape == (mg.row_stats_rows(a.shape[0], cfg), a.shape[0])
+  assert not np.isnan(np.asarray(parts)).any()
+  np.testing.assert_allclose(jax.nn.logsumexp(parts, axis=0), want, rtol=1e-6, atol=1e-4)

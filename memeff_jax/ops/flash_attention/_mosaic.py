@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover
 
 SMEM_BYTES = 232_448  # shared memory per CTA on sm90
 LOG2E = math.log2(math.e)  # the kernels' exponentials are exp2: e^x = 2^(x·log2 e)
+LN2 = math.log(2.0)  # and back: log x = log2(x) · ln 2
 
 
 def dtype_error(dtype) -> str | None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +61,6 @@ try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
-
-_LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,9 +337,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
 
     if may_be_empty:  # no visible key: output 0, log-sum-exp -inf
       inv = jnp.where(l > 0, 1.0 / l, 0.0)
-      lse = jnp.where(l > 0, m * _LN2 + jnp.log(l), -jnp.inf)
+      lse = jnp.where(l > 0, m * _mosaic.LN2 + jnp.log(l), -jnp.inf)
     else:
-      inv, lse = 1.0 / l, m * _LN2 + jnp.log(l)
+      inv, lse = 1.0 / l, m * _mosaic.LN2 + jnp.log(l)
     acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
     q_tile[...] = acc.astype(dtype)
     lse_smem.at[wg][...] = lse

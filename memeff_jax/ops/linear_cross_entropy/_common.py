@@ -106,7 +106,7 @@ def cap_logits(z: jax.Array, cap: float | None) -> jax.Array:
 
 
 def block_stats(zc, cols, labels, vocab_size: int, *, padded: bool = True,
-                logit_sum: bool = True):
+                logit_sum: bool = True, extremes: bool = True):
   """Partial statistics of one block of capped logits.
 
   Args:
@@ -115,15 +115,19 @@ def block_stats(zc, cols, labels, vocab_size: int, *, padded: bool = True,
     labels: [R] int32, or None where no row's label is among `cols` (label logit 0).
     padded: whether `cols` may hold padding ids; False skips masking them.
     logit_sum: whether to sum ẑ (label smoothing needs it); else that output is 0.
+    extremes: whether to find the max and Σ exp (else both are None: the log-sum-exp is
+      known from elsewhere).
 
   Returns:
     (max, sum of exp(ẑ - max), label logit, sum of ẑ), each [R] float32.
   """
   in_vocab = (cols < vocab_size)[None, :] if padded else None
-  masked = zc if in_vocab is None else jnp.where(in_vocab, zc, -jnp.inf)
-  m = jnp.max(masked, axis=1)
-  s = jnp.sum(jnp.exp(masked - m[:, None]), axis=1)
-  label_logit = logit_total = jnp.zeros_like(m)
+  m = s = None
+  if extremes:
+    masked = zc if in_vocab is None else jnp.where(in_vocab, zc, -jnp.inf)
+    m = jnp.max(masked, axis=1)
+    s = jnp.sum(jnp.exp(masked - m[:, None]), axis=1)
+  label_logit = logit_total = jnp.zeros((zc.shape[0],), jnp.float32)
   if labels is not None:
     label_logit = jnp.sum(jnp.where(cols[None, :] == labels[:, None], zc, 0.0), axis=1)
   if logit_sum:

@@ -85,6 +85,10 @@ class PallasGpu:
       dw_accumulation="tma_add" are `dw_tma_<layout>`). Needs a Hopper GPU, 16-bit
       x and weight, and shapes that are multiples of the tiles; a call that cannot have them
       raises NotImplementedError.
+    fused_lse: with "logits" in mosaic_gemms, the logits GEMM's epilogue also reduces each
+      row of its tiles to partial log-sum-exps (mosaic_gemm.gemm's row_stats), so the
+      softmax pass of the gradients reads the chunk's logits once instead of twice (no
+      sweep 1). Calls with a bias or a logit softcap raise NotImplementedError.
   """
 
   memory_budget_bytes: int = 256 * 2**20
@@ -93,6 +97,7 @@ class PallasGpu:
   kernel: KernelConfig | None = None
   interpret: bool = False
   mosaic_gemms: tuple[str, ...] = ()
+  fused_lse: bool = False
   name: str = "pallas_gpu"
 
   def __post_init__(self):
@@ -105,6 +110,9 @@ class PallasGpu:
     if isinstance(self.mosaic_gemms, str) or not set(self.mosaic_gemms) <= set(GEMMS):
       raise ValueError(f"mosaic_gemms must be a tuple of names from {GEMMS}, got "
                        f"{self.mosaic_gemms!r}")
+    if self.fused_lse and "logits" not in self.mosaic_gemms:
+      raise ValueError("fused_lse is done by the Mosaic logits GEMM's epilogue; it needs "
+                       f"'logits' in mosaic_gemms, got {self.mosaic_gemms!r}")
     if "dw" in self.mosaic_gemms and self.dw_accumulation == "float32":
       raise ValueError("mosaic_gemms with 'dw' accumulates dW in the weight's 16-bit dtype; "
                        "it excludes dw_accumulation='float32'")
@@ -172,8 +180,12 @@ class PallasGpu:
                        chunk_size)
     gemms = self.gemm_configs(tokens, x.shape[1], opts.vocab_size + pad, x.dtype, weight.dtype,
                               opts.weight_layout)
+    if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
+      raise NotImplementedError("pallas_gpu fused_lse: the logits GEMM's epilogue adds no "
+                                "bias and applies no logit_softcap")
     backend = PallasChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
-                                 dw_accumulation=self.dw_accumulation, gemms=gemms)
+                                 dw_accumulation=self.dw_accumulation, gemms=gemms,
+                                 fused_lse=self.fused_lse)
     # Zero columns give zero logits, which the kernel never overwrites: G is 0 there, so
     # they add nothing to dx and their dW columns are sliced away by pad's transpose.
     if pad:
@@ -193,6 +205,7 @@ class PallasChunkBackend:
   interpret: bool
   dw_accumulation: str
   gemms: tuple[tuple[str, mosaic_gemm.GemmConfig], ...] = ()  # those on ops.mosaic_gemm
+  fused_lse: bool = False  # partial log-sum-exps from the logits GEMM (PallasGpu.fused_lse)
 
   def dw_dtype(self, w):
     return jnp.float32 if self.dw_accumulation == "float32" else w.dtype
@@ -207,8 +220,12 @@ class PallasChunkBackend:
       return ()
     return ("x", "dx") if self._mosaic("dx") is not None else ("x",)
 
-  def _logits(self, x_c, w, bias):
+  def _logits(self, x_c, w, bias, partials: bool = False):
+    """The chunk's logits; with `partials` (fused_lse) also their partial log-sum-exps."""
     layout = self.opts.weight_layout
+    if partials:
+      return mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=self._mosaic("logits"),
+                              name="lce_logits_gemm", row_stats=self.opts.vocab_size)
     if (config := self._mosaic("logits")) is not None:
       z = mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=config,
                            name="lce_logits_gemm")
@@ -233,9 +250,13 @@ class PallasChunkBackend:
             dx_into=None):
     need_dx, need_dw, need_db = need
     layout = self.opts.weight_layout
+    if self.fused_lse and lse_c is None:
+      z, partials = self._logits(x_c, w, bias, partials=True)
+    else:
+      z, partials = self._logits(x_c, w, bias), None
     g, lse, label_logit, logit_sum = softmax_pass(
-        self._logits(x_c, w, bias), labels_c, a_c, e_c, lse_c, opts=self.opts,
-        config=self.kernel, interpret=self.interpret)
+        z, labels_c, a_c, e_c, lse_c, opts=self.opts, config=self.kernel,
+        interpret=self.interpret, partials=partials)
     dx_c = None
     if need_dx and (config := self._mosaic("dx")) is not None:
       if dx_into is not None:  # straight into dx's rows: no [C, D] buffer
@@ -275,7 +296,7 @@ def _sliced(x_c):
   return x_c
 
 
-def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref,
+def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, logits_ref,
                          grad_ref, lse_ref, label_logit_ref, logit_sum_ref,
                          *, opts: LossOptions, block_rows: int, block_v: int,
                          l2_hints: bool):
@@ -285,7 +306,9 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref,
   ragged last block (and of rows past the end) are masked.
   a/e/lse_in/grad refs are None when the call only wants statistics, lse_in is None when
   sweep 1 must find the log-sum-exp itself. Follows FlashAttention's online softmax
-  (Dao et al. 2022, Alg. 1) for sweep 1.
+  (Dao et al. 2022, Alg. 1) for sweep 1. With partials_ref ([P, rows] partial log-sum-exps
+  from the logits GEMM's epilogue) there is no sweep 1: the log-sum-exp is theirs, and
+  sweep 2 also gathers the label logit and Σ ẑ.
   """
   n_rows = logits_ref.shape[0]
   vocab = opts.vocab_size
@@ -322,7 +345,18 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref,
     """compute(labels) in a block that holds a label, compute(None) elsewhere."""
     return jax.lax.cond(holds_label(j), lambda: compute(labels), lambda: compute(None))
 
-  if lse_in_ref is None:
+  from_partials = partials_ref is not None
+  if from_partials:
+    n_parts = partials_ref.shape[0]
+    parts = jnp.arange(pl.next_power_of_2(n_parts), dtype=jnp.int32)
+    start = pl.program_id(0) * 0  # traced: the load may reach past the partials' end
+    p = plgpu.load(partials_ref.at[pl.ds(start, parts.shape[0]), row_slice],
+                   mask=(parts < n_parts)[:, None] & row_ok[None, :], other=-jnp.inf)
+    m = jnp.max(p, axis=0)
+    m = jnp.where(row_ok, m, 0.0)  # rows past the end: no -inf - -inf
+    lse = m + jnp.log(jnp.sum(jnp.exp(p - m[None, :]), axis=0))
+    label_logit = logit_sum = jnp.zeros((block_rows,), jnp.float32)
+  elif lse_in_ref is None:
     def sweep1(j, acc, padded=False):
       cols, _, zc = load(j, "evict_last" if l2_hints else None, padded)  # sweep 2 rereads it
       stats = by_label(j, lambda lab: _common.block_stats(zc, cols, lab, vocab, padded=padded,
@@ -346,16 +380,29 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref,
 
     def sweep2(j, carry, padded=False):
       cols, mask, zc = load(j, "evict_first" if l2_hints else None, padded)
-      g = by_label(j, lambda lab: _common.block_grad(zc, cols, lab, lse, a, e, opts,
-                                                     padded=padded))
+
+      def grad(lab):
+        g = _common.block_grad(zc, cols, lab, lse, a, e, opts, padded=padded)
+        if not from_partials:
+          return g
+        _, _, y, t = _common.block_stats(zc, cols, lab, vocab, padded=padded,
+                                         logit_sum=smoothing, extremes=False)
+        return g, (carry[0] + y, carry[1] + t)
+
+      if from_partials:
+        g, carry = by_label(j, grad)
+      else:
+        g = by_label(j, grad)
       kw = {} if mask is None else dict(mask=mask)
       plgpu.store(grad_ref.at[row_slice, pl.ds(j * block_v, block_v)],
                   g.astype(grad_ref.dtype), **kw)
       return carry
 
-    jax.lax.fori_loop(0, n_full, sweep2, 0)
+    carry = jax.lax.fori_loop(0, n_full, sweep2, (label_logit, logit_sum))
     if ragged:
-      sweep2(jnp.int32(n_full), 0, padded=True)
+      carry = sweep2(jnp.int32(n_full), carry, padded=True)
+    if from_partials:
+      label_logit, logit_sum = carry
 
   plgpu.store(lse_ref.at[row_slice], lse, mask=row_ok)
   plgpu.store(label_logit_ref.at[row_slice], label_logit, mask=row_ok)
@@ -363,7 +410,7 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref,
 
 
 def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
-                 config: KernelConfig, interpret: bool = False):
+                 config: KernelConfig, interpret: bool = False, partials=None):
   """Runs the kernel over one chunk's logits.
 
   Args:
@@ -371,6 +418,9 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     labels: [C] int32.
     a, e: [C] float32 gradient coefficients (see _common); None for statistics only.
     lse: [C] float32 known log-sum-exp (the backward pass), or None to compute it.
+    partials: [P, C] float32 partial log-sum-exps of the logits over disjoint column sets
+      (mosaic_gemm.gemm's row_stats; only with a and e, without lse and softcap): the
+      kernel then reads the logits once.
 
   Returns:
     Without a/e: (lse, label_logit, logit_sum). With them: (G, lse, label_logit,
@@ -378,6 +428,9 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
   """
   n_rows, vocab = logits.shape
   with_grad = a is not None
+  if partials is not None and (not with_grad or lse is not None or opts.logit_softcap):
+    raise ValueError("partials serve the gradient pass of uncapped logits whose log-sum-exp "
+                     "is not given")
   block_v = min(config.block_v, pl.next_power_of_2(vocab))
   f32 = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   out_shape = ([jax.ShapeDtypeStruct(logits.shape, logits.dtype)] if with_grad else []) + [f32] * 3
@@ -386,6 +439,8 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     inputs += [a.astype(jnp.float32), e.astype(jnp.float32)]
   if lse is not None:
     inputs.append(lse.astype(jnp.float32))
+  if partials is not None:
+    inputs.append(partials.astype(jnp.float32))
   inputs.append(logits)
   n_in = len(inputs)
 
@@ -394,9 +449,11 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     labels_ref = ins.pop(0)
     a_ref, e_ref = (ins.pop(0), ins.pop(0)) if with_grad else (None, None)
     lse_in_ref = ins.pop(0) if lse is not None else None
+    partials_ref = ins.pop(0) if partials is not None else None
     logits_ref = ins.pop(0)
     grad_ref = outs.pop(0) if with_grad else None
-    _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, logits_ref, grad_ref, *outs,
+    _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, logits_ref,
+                         grad_ref, *outs,
                          opts=opts, block_rows=config.block_rows, block_v=block_v,
                          l2_hints=config.l2_hints)
 

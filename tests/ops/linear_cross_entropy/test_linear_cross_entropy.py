@@ -291,6 +291,34 @@ class TestPallasGpuInterpret(_LinearCrossEntropyTest):
         assert rel_err(got, want) < 1e-5, options
 
 
+@pytest.mark.parametrize("smoothing,vocab", [(0.0, 1000), (0.1, 1000), (0.0, 936)])
+def test_softmax_pass_from_partial_log_sum_exps(smoothing, vocab):
+  """Given partial log-sum-exps over disjoint column sets (as the Mosaic logits GEMM's
+  epilogue makes them), the kernel skips its first sweep: G, the log-sum-exp, the label
+  logit and Σ ẑ are those of the two-sweep kernel. 1,000 columns, of which the last 64 are
+  padding in the 936 case; 37 rows; five uneven column sets, one of them empty (-inf)."""
+  opts = _common.LossOptions(vocab_size=vocab, label_smoothing=smoothing, z_loss=1e-3)
+  k = jax.random.split(jax.random.key(21), 4)
+  z = (4 * jax.random.normal(k[0], (37, 1000), jnp.float32)).astype(jnp.bfloat16)
+  z = z.at[:, vocab:].set(0)  # padding columns hold zero logits
+  labels = jax.random.randint(k[1], (37,), 0, vocab).at[3].set(-100)
+  a = jax.random.uniform(k[2], (37,), jnp.float32)
+  e = jax.random.uniform(k[3], (37,), jnp.float32)
+  bounds = [0, 120, 500, 500, 730, vocab]
+  zf = z.astype(jnp.float32)
+  partials = jnp.stack([jax.nn.logsumexp(zf[:, lo:hi], axis=1) if hi > lo
+                        else jnp.full((37,), -jnp.inf) for lo, hi in zip(bounds, bounds[1:])])
+  config = KernelConfig(block_v=256)
+  want = pallas_gpu.softmax_pass(z, labels, a, e, opts=opts, config=config, interpret=True)
+  got = pallas_gpu.softmax_pass(z, labels, a, e, opts=opts, config=config, interpret=True,
+                                partials=partials)
+  for name, g, w in zip(("G", "lse", "label logit", "logit sum"), got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               rtol=2e-6, atol=1e-5, err_msg=name)
+  with pytest.raises(ValueError, match="partials serve the gradient pass"):
+    pallas_gpu.softmax_pass(z, labels, opts=opts, config=config, partials=partials)
+
+
 def test_pallas_gpu_kernel_lowers_for_cuda():
   """The softmax kernel lowers to Triton on a CPU host (what the GPU would compile): catches
   operations Pallas Triton has no lowering for, which interpret mode runs happily."""
@@ -299,10 +327,14 @@ def test_pallas_gpu_kernel_lowers_for_cuda():
     logits = jax.ShapeDtypeStruct((64, vocab + (-vocab % 64)), jnp.bfloat16)
     labels = jax.ShapeDtypeStruct((64,), jnp.int32)
     coef = jax.ShapeDtypeStruct((64,), jnp.float32)
+    parts = jnp.zeros((33, 64), jnp.float32)
     for fn in (lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, opts=opts,
                                                           config=KernelConfig()),
                lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, a, e, opts=opts,
-                                                          config=KernelConfig())):
+                                                          config=KernelConfig()),
+               lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, a, e, opts=opts,
+                                                          config=KernelConfig(),
+                                                          partials=parts)):
       text = jax.jit(fn).trace(logits, labels, coef, coef).lower(
           lowering_platforms=("cuda",)).as_text()
       assert "triton" in text.lower()
@@ -355,6 +387,33 @@ def test_mosaic_gemms_match_reference(layout, reduction, gemms, dw_accumulation)
   for gg, rg, arg in zip(got_g, ref_g, "xw"):
     assert gg.dtype == jnp.bfloat16, (arg, gg.dtype)
     assert rel_err(gg, rg) < TOL[jnp.bfloat16], (arg, rel_err(gg, rg))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_fused_lse_matches_reference(layout, smoothing):
+  """fused_lse: the logits GEMM's epilogue gives the log-sum-exp (its 48 padding columns of
+  V = 2,000 left out), the softmax pass reads the logits once; mean over three chunks."""
+  options = dict(weight_layout=layout, label_smoothing=smoothing, z_loss=1e-3)
+  x, w, labels, _, _ = make_problem(jax.random.key(13), (3, 256), 256, 2000, jnp.bfloat16,
+                                    **options)
+  impl = PallasGpu(mosaic_gemms=pallas_gpu.GEMMS, dw_accumulation="tma_add", fused_lse=True)
+  got, got_g = value_and_grads(loss_fn(impl, labels, options, 256), x, w, None, None, "mean")
+  up = lambda t: t.astype(jnp.float32)
+  ref, ref_g = value_and_grads(loss_fn("reference", labels, options), up(x), up(w), None, None,
+                               "mean")
+  assert rel_err(got, ref) < TOL[jnp.bfloat16]
+  for gg, rg, arg in zip(got_g, ref_g, "xw"):
+    assert rel_err(gg, rg) < TOL[jnp.bfloat16], (arg, rel_err(gg, rg))
+  with pytest.raises(NotImplementedError, match="fused_lse.*no bias and applies no logit_softcap"):
+    memeff_jax.linear_cross_entropy(x, w, labels, weight_layout=layout, logit_softcap=30.0,
+                                    implementation=impl, chunk_size=256)
+
+
+def test_fused_lse_needs_the_mosaic_logits_gemm():
+  with pytest.raises(ValueError, match="fused_lse.*needs 'logits' in mosaic_gemms"):
+    PallasGpu(mosaic_gemms=("dx", "dw"), fused_lse=True)
 
 
 @pytest.mark.gpu
