@@ -6,7 +6,7 @@ three matmuls, for ncu's per-kernel durations.
 REPS=n makes n calls (default 2); TRACE=path.json traces the last n - 2 with torch's profiler
 (kernel durations under sustained load, JAX's included; benchmarks/scratch/dev_lce_trace.sh).
 LCE_GEMMS=logits+dx+dw puts those GEMMs on ops.mosaic_gemm; LCE_LAYOUT=vd stores W as [V, D];
-LCE_DW=tma_add sets dw_accumulation. Mode "bridge" runs the all-Mosaic loss ("vd", LCE_DW
+LCE_DW=tma_add sets dw_accumulation; LCE_FUSED_LSE=1 sets fused_lse. Mode "bridge" runs the all-Mosaic loss ("vd", LCE_DW
 default tma_add) through memeff_jax.interop.torch on torch tensors, backward included.
 """
 import os
@@ -78,7 +78,8 @@ if sys.argv[1] == "bridge":  # the all-Mosaic loss through the torch bridge ("vd
   wt = (torch.randn(V, D, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
   yt = torch.randint(0, V, (N,), device="cuda")
   impl = lce.PallasGpu(mosaic_gemms=("logits", "dx", "dw"),
-                       dw_accumulation=os.environ.get("LCE_DW", "tma_add"))
+                       dw_accumulation=os.environ.get("LCE_DW", "tma_add"),
+                       fused_lse=os.environ.get("LCE_FUSED_LSE") == "1")
   chunk = int(sys.argv[2]) if len(sys.argv) > 2 else None
 
   def call():
@@ -104,6 +105,7 @@ else:
       kw["mosaic_gemms"] = tuple(os.environ["LCE_GEMMS"].split("+"))
     if os.environ.get("LCE_DW"):
       kw["dw_accumulation"] = os.environ["LCE_DW"]
+    kw["fused_lse"] = os.environ.get("LCE_FUSED_LSE") == "1"
     impl = lce.PallasGpu(**kw)
   fn = jax.jit(jax.value_and_grad(
       lambda x, w: memeff_jax.linear_cross_entropy(x, w, y, chunk_size=chunk, weight_layout=LAYOUT,
