@@ -331,7 +331,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   tile's main loop starts and lands in shared memory while it runs. With `reduce` (c_gmem is
   then None) each tile is stored by a TMA reduce-add into what out_gmem holds.
 
-  With `stats_gmem` ("ring" only, see gemm's row_stats) every CTA keeps to one row block:
+  With `stats_gmem` (see gemm's row_stats) every CTA keeps to one row block:
   CTA w takes row block w mod m_tiles and every (walkers / m_tiles)-th column tile from
   w div m_tiles (the CTAs of one column tile still run side by side, sharing B's block in
   L2), so that each compute warpgroup can carry its rows' running maximum and sum of
@@ -450,6 +450,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             plgpu.barrier_wait(ready.at[slot])
             plgpu.barrier_arrive(free.at[slot])
 
+        if stats:  # the owner's rows' running statistics go on, the other's stay
+          return lax.cond(rem(j, 2) == wg, own, lambda: carry)
         pl.when(rem(j, 2) == wg)(own)
 
       if not stats:
@@ -460,7 +462,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
                                                    plgpu.Layout.WGMMA.reduce(1))
       m, s = lax.fori_loop(0, n_local, tile, (row_vector(-jnp.inf), row_vector(0.0)))
       lse = m * _mosaic.LN2 + jnp.log(s)  # -inf where no column was seen
-      two = split == "n"  # both warpgroups saw these rows, each its own columns
+      two = split != "m"  # both warpgroups saw these rows, each its own columns (or tiles)
       dst = stats_gmem.at[col0 * (2 if two else 1) + (wg if two else 0)]
       rows = row_block * cm + (wg * tm if split == "m" else 0)
       plgpu.wait_smem_to_gmem(0)
@@ -634,16 +636,18 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   among the first c columns, as rounded into `out`, over the tiles one warpgroup visited
   (-inf where it saw none), so logsumexp(partials, axis=0) is each row's log-sum-exp over
   those c columns. The epilogue computes them while the tile is in registers: a softmax
-  over the rows of `out` then reads `out` once instead of twice ("ring" schedule, no CTA
-  clusters)."""
+  over the rows of `out` then reads `out` once instead of twice ("ring" or "pingpong"
+  schedule, no CTA clusters; in ping-pong each warpgroup's epilogue, statistics included,
+  runs under the other's main loop)."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
   if row_stats is None:
     return _launch((a, b), out_type, config, trans_a=trans_a, trans_b=trans_b, into=False,
                    name=name)
-  if config.schedule != "ring" or config.cluster:
-    raise ValueError(f"row_stats needs the 'ring' schedule without clusters, got {config}")
+  if config.schedule == "cooperative" or config.cluster:
+    raise ValueError("row_stats needs the 'ring' or 'pingpong' schedule without clusters, "
+                     f"got {config}")
   if not 0 < row_stats <= n:
     raise ValueError(f"row_stats must count columns in [1, {n}], got {row_stats}")
   if m // config.cta_tile()[0] > _sms(config):

@@ -277,6 +277,9 @@ ROW_STATS_CONFIGS = {  # (M, N, columns counted, config): CTA tiles of 128 × 25
     "ring-m, 64-row warpgroup tiles": (
         256, 768, 700, mg.GemmConfig(tile_m=64, tile_n=256, wg_split="m", schedule="ring",
                                      max_concurrent_steps=3, num_sms=4)),
+    "pingpong, ragged, 1,000 columns": (
+        256, 1088, 1000, mg.GemmConfig(tile_n=128, schedule="pingpong", max_concurrent_steps=4,
+                                       num_sms=6, epilogue_rows=64)),
     "ring-m, idle CTAs": (256, 512, 512, mg.GemmConfig(wg_split="m", tile_n=128,
                                                        schedule="ring", max_concurrent_steps=3,
                                                        num_sms=7)),
@@ -299,9 +302,12 @@ def test_row_stats_lower_for_cuda_and_check_their_arguments():
   assert mg.row_stats_rows(256, cfg) == 8
   text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
-  with pytest.raises(ValueError, match="'ring' schedule without clusters"):
-    mg.gemm(a, b, trans_b=True, config=mg.GemmConfig(schedule="pingpong", tile_n=128),
-            row_stats=cols)
+  with pytest.raises(ValueError, match="'ring' or 'pingpong' schedule without clusters"):
+    mg.gemm(a, b[:1024], trans_b=True, config=mg.GemmConfig(tile_n=128), row_stats=cols)
+  ping = ROW_STATS_CONFIGS["pingpong, ragged, 1,000 columns"][3]
+  assert mg.row_stats_rows(256, ping) == 6  # 3 CTAs per row block, each warpgroup its own
+  f = lambda a, b: mg.gemm(a, b, trans_b=True, config=ping, row_stats=cols)
+  assert "mosaic_gpu" in jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
   with pytest.raises(ValueError, match=r"row_stats must count columns in \[1, 1088\], got 0"):
     mg.gemm(a, b, trans_b=True, config=cfg, row_stats=0)
 
