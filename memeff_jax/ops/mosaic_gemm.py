@@ -43,6 +43,9 @@ between machines and rank tiles differently):
   dx     G W     [512,128256] @ [128256,4096]   ping-pong, pairs along M (B shared)  706     654
   dW += Gᵀ x_c   [128256,512] @ [512,4096]      cooperative, pairs along M           937     877
 
+`gemm(..., row_stats=c)` also returns each row's partial log-sum-exps over the first c
+columns of the output, reduced in the epilogue (linear_cross_entropy's fused_lse).
+
 CTA pairs took dW += from 1,013 µs (ping-pong, session 7) to 937; the ring schedule took
 the logits GEMM from 730 µs (cooperative, 3 slots) to 715. benchmarks/NOTES.md (sessions 7
 to 9) has the rest.

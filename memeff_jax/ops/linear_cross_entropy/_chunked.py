@@ -127,9 +127,11 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
     raise ValueError(f"takes_rows needs chunks that divide the tokens, got {n} and {chunk}")
   stats0 = (jnp.zeros((), jnp.float32) if reduced is not None
             else Stats(*(jnp.zeros((n,), jnp.float32) for _ in range(3))))
+  # Written in place chunk by chunk, every row once (the chunks tile the tokens): no fill.
+  dx0 = (jax.lax.empty if "dx" in rows else jnp.zeros)((n, d), x.dtype)
   carry = (
       stats0,
-      jnp.zeros((n, d), x.dtype) if with_grads and need_dx else None,
+      dx0 if with_grads and need_dx else None,
       jnp.zeros(w.shape, backend.dw_dtype(w)) if with_grads and need_dw and not peel else None,
       jnp.zeros(bias.shape, jnp.float32) if with_grads and need_db else None,
   )

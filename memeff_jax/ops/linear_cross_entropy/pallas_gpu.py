@@ -21,6 +21,8 @@ of the sum fetched while the tile's main loop runs, and no GEMM holds cuBLAS's 3
 workspace. Where the chunk divides the tokens, x's chunk is read and dx's rows are written
 where they lie in x and dx (mosaic_gemm.Rows): with all three GEMMs there, the chunk's
 logits are the only chunk-sized buffer (0.245 GiB at Llama-3-8B's 1,024-token chunks).
+With `fused_lse` the Mosaic logits GEMM also hands over each row's partial log-sum-exps,
+computed in its epilogue, and step 2 skips sweep 1: one read and one write of the logits.
 """
 
 from __future__ import annotations
