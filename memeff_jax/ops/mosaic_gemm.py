@@ -465,15 +465,14 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
                                                    plgpu.Layout.WGMMA.reduce(1))
       m, s = lax.fori_loop(0, n_local, tile, (row_vector(-jnp.inf), row_vector(0.0)))
       lse = m * _mosaic.LN2 + jnp.log(s)  # -inf where no column was seen
-      two = split != "m"  # both warpgroups saw these rows, each its own columns (or tiles)
-      dst = stats_gmem.at[col0 * (2 if two else 1) + (wg if two else 0)]
+      per_cta = _stats_per_cta(config)
+      dst = stats_gmem.at[col0 * per_cta + (wg if per_cta == 2 else 0)]
       rows = row_block * cm + (wg * tm if split == "m" else 0)
       plgpu.wait_smem_to_gmem(0)
 
       @pl.when(active)
       def _():  # straight from registers: shared memory has no 1 KiB to spare
         dst.at[pl.ds(rows, tm)][...] = lse
-
 
     @pl.when(wg == 2)
     def _memory():
@@ -553,11 +552,18 @@ def _sms(config: GemmConfig) -> int:
   return sms - sms % config.cluster_size()
 
 
+def _stats_per_cta(config: GemmConfig) -> int:
+  """Partial log-sum-exps one CTA stores per row of its row block: one per compute
+  warpgroup (each saw its own columns, or its own tiles in ping-pong), or one where the
+  ring schedule splits the CTA tile along M (each warpgroup has rows of its own)."""
+  return 1 if config.schedule == "ring" and config.wg_split == "m" else 2
+
+
 def row_stats_rows(m: int, config: GemmConfig) -> int:
   """How many partial log-sum-exps per output row `gemm(..., row_stats=...)` returns: one
   per (CTA, warpgroup) that visits the row."""
   per_row = _sms(config) // (m // config.cta_tile()[0])
-  return per_row * (2 if config.wg_split == "n" else 1)
+  return per_row * _stats_per_cta(config)
 
 
 def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: bool,
