@@ -107,6 +107,15 @@ class GemmConfig:
     epilogue_rows: "pingpong" and "ring", GEMMs without C only: store each warpgroup's
       tile through a buffer of this many rows (a divisor of tile_m), in pieces; the shared
       memory saved makes room for another slot (None: the whole tile at once).
+    tail_n: "pingpong" and "ring" without clusters: fill the last wave. Each CTA keeps to
+      one row block (as with row_stats); the whole CTA tiles of a row block are dealt out
+      in equal numbers to its CTAs, and the columns left over go in narrower tiles (each
+      warpgroup's tail_n wide, a multiple of 32 dividing tile_n, of 64 unless trans_b), so
+      that no CTA runs a whole tile more than another. At Llama-3's logits ([512, 4,096] @
+      [4,096, 128,256], CTA tiles 128 × 256, 132 SMs) 33 CTAs share a row block's 501
+      tiles: 15 each and 6 left, which without a tail are a 16th wave of 6 CTAs in 33; with
+      tail_n=64 they are 12 tiles of 128 columns, half a wave, with 32 24 tiles of 64, a
+      quarter. None: no tail, the walk as `minor`/`band` say.
   """
 
   tile_m: int = 128
@@ -121,6 +130,7 @@ class GemmConfig:
   cluster: str | None = None
   in_flight: int | None = None
   epilogue_rows: int | None = None
+  tail_n: int | None = None
 
   def __post_init__(self):
     if self.schedule not in ("cooperative", "pingpong", "ring"):
@@ -143,6 +153,11 @@ class GemmConfig:
                                            or self.tile_m % self.epilogue_rows):
       raise ValueError(f"epilogue_rows must be a multiple of 64 dividing tile_m={self.tile_m}, "
                        f"got {self.epilogue_rows}")
+    if self.tail_n is not None and (self.schedule == "cooperative" or self.cluster
+                                    or self.tail_n % 32 or self.tile_n % self.tail_n
+                                    or self.tail_n == self.tile_n):
+      raise ValueError("tail_n is a multiple of 32 dividing tile_n (and below it), for the "
+                       f"'pingpong' and 'ring' schedules without clusters, got {self}")
     if self.cluster and self.num_sms is not None and self.num_sms % 2:
       raise ValueError(f"a cluster of two needs an even num_sms, got {self.num_sms}")
 
@@ -334,11 +349,13 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   tile's main loop starts and lands in shared memory while it runs. With `reduce` (c_gmem is
   then None) each tile is stored by a TMA reduce-add into what out_gmem holds.
 
-  With `stats_gmem` (see gemm's row_stats) every CTA keeps to one row block:
-  CTA w takes row block w mod m_tiles and every (walkers / m_tiles)-th column tile from
-  w div m_tiles (the CTAs of one column tile still run side by side, sharing B's block in
-  L2), so that each compute warpgroup can carry its rows' running maximum and sum of
-  exponentials from tile to tile, and store them once at the end as one log-sum-exp.
+  With `stats_gmem` (see gemm's row_stats) or `config.tail_n` every CTA keeps to one row
+  block: CTA w takes row block w mod m_tiles and every (walkers / m_tiles)-th column tile
+  from w div m_tiles (the CTAs of one column tile still run side by side, sharing B's block
+  in L2), so that each compute warpgroup can carry its rows' running maximum and sum of
+  exponentials from tile to tile, and store them once at the end as one log-sum-exp. With
+  tail_n the walk has two phases: the whole tiles that divide evenly among a row block's
+  CTAs, then the columns left over in tiles tail_n wide per warpgroup (see GemmConfig).
   """
   m, n = out_gmem.shape
   k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
@@ -355,66 +372,112 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   walker, walkers = lax.axis_index("sm"), sms // config.cluster_size()  # clusters (or CTAs)
   cta_origin, a_shared, b_shared = _cluster_layout(config)
   stats = stats_gmem is not None
-  if stats:  # one row block per CTA: walker = col0 · m_tiles + row_block
+
+  class Phase(NamedTuple):
+    """A run of the CTA's walk: `count` tiles (traced), each warpgroup's `width` columns
+    wide, tile j's first row and column at origin(j); no tile reaches column `end` or
+    past it."""
+    width: int
+    count: jax.Array
+    origin: object
+    end: int
+
+  if stats or config.tail_n is not None:  # one row block per CTA
+    # walker = col0 · m_tiles + row_block
     per_row = walkers // m_tiles
     row_block, col0 = rem(walker, m_tiles), div(walker, m_tiles)
     active = walker < per_row * m_tiles
-    n_local = jnp.where(active, div(jnp.maximum(n_tiles - col0, 0) + per_row - 1, per_row), 0)
 
-    def origin(j):
-      return cta_origin(row_block, col0 + j * per_row)
+    def share(tiles):  # this CTA's part of `tiles` dealt round-robin to the row block's CTAs
+      return jnp.where(active, div(jnp.maximum(tiles - col0, 0) + per_row - 1, per_row), 0)
+
+    whole = n_tiles if config.tail_n is None else n // cn // per_row * per_row
+    phases = [Phase(tn, share(whole), lambda j: cta_origin(row_block, col0 + j * per_row),
+                    whole * cn)]
+    if config.tail_n is not None:
+      tail_cn = cn // tn * config.tail_n
+      tail_tiles = -(-(n - whole * cn) // tail_cn)
+      phases.append(Phase(config.tail_n, share(tail_tiles),
+                          lambda j: (row_block * cm, whole * cn + (col0 + j * per_row) * tail_cn),
+                          whole * cn + tail_tiles * tail_cn))
   else:
-    n_local = div(m_tiles * n_tiles - walker + walkers - 1, walkers)  # walker, + walkers, ...
+    tiles = m_tiles * n_tiles  # walker, walker + walkers, ...
+    phases = [Phase(tn, div(tiles - walker + walkers - 1, walkers),
+                    lambda j: cta_origin(*plgpu.planar_snake(
+                        walker + j * walkers, (m_tiles, n_tiles), 0 if config.minor == "m" else 1,
+                        config.band)),
+                    n_tiles * cn)]
 
-    def origin(j):
-      return cta_origin(*plgpu.planar_snake(walker + j * walkers, (m_tiles, n_tiles),
-                                            0 if config.minor == "m" else 1, config.band))
+  def walk(tile, carry):
+    """Runs tile(phase, j, i, carry) over the CTA's tiles, i counting across phases."""
+    start = 0
+    for phase in phases:
+      carry = lax.fori_loop(0, phase.count,
+                            lambda j, c, p=phase, s=start: tile(p, j, s + j, c), carry)
+      start = start + phase.count
+    return carry
 
   a_block = (tk, cm) if trans_a else (cm, tk)
   b_block = (cn, tk) if trans_b else (tk, cn)
   er = config.epilogue_rows or tm
   in_flight = 1 if config.in_flight is None else config.in_flight
 
-  def _row_stats(carry, out, cols):
+  def _row_stats(carry, out, cols, phase):
     """The running (max, Σ exp) of this warpgroup's rows, in the exp2 domain, after a tile
     of the rounded output (the logits the caller will read)."""
     m, s = carry
-    y = out.astype(jnp.float32) * _mosaic.LOG2E
-    if stats_cols % tn or stats_cols < n:  # columns past stats_cols count for nothing
-      col = plgpu.broadcasted_iota(jnp.int32, (tm, tn), 1, layout=plgpu.Layout.WGMMA)
+    y = out.astype(jnp.float32)
+    if stats_cols < phase.end:  # columns from stats_cols on count for nothing
+      col = plgpu.broadcasted_iota(jnp.int32, (tm, phase.width), 1, layout=plgpu.Layout.WGMMA)
       y = jnp.where(col < stats_cols - cols, y, -jnp.inf)
-    m_new = jnp.maximum(m, y.max(axis=1))
+    m_new = jnp.maximum(m, y.max(axis=1) * _mosaic.LOG2E)  # (LOG2E > 0 keeps the maximum)
     m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no column yet
-    p = jnp.exp2(y - lax.broadcast_in_dim(m_sub, y.shape, [0]))
+    p = jnp.exp2(y * _mosaic.LOG2E - lax.broadcast_in_dim(m_sub, y.shape, [0]))
     return m_new, s * jnp.exp2(m - m_sub) + p.sum(axis=1)
 
   def body(a_smem, b_smem, c_smem, ready, free, c_ready):
     wg = lax.axis_index("wg")
+    c_tail = b_tail = None
+    if config.tail_n is not None:  # two views of one buffer: whole tiles' and the tail's
+      c_smem, c_tail = c_smem
+      if not trans_b:
+        b_smem, b_tail = b_smem
+
+    def b_part(slot, width):
+      """The B block in `slot` of a tile `width` wide per warpgroup (a prefix of the slot)."""
+      if width == tn:
+        return b_smem.at[slot]
+      if trans_b:  # [cn, tk]: its first rows
+        return b_smem.at[slot].at[pl.ds(0, cn // tn * width)]
+      return b_tail.at[slot].at[pl.ds(0, tk)]  # [tk, cn]: columns, through the other view
 
     @pl.when(wg < 2)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
 
-      def tile(j, carry):
-        first = j * k_steps  # this tile's first step in the ring's sequence
-        rows, cols = origin(j)
+      def tile(phase, j, i, carry):
+        width = phase.width
+        first = i * k_steps  # this tile's first step in the ring's sequence
+        rows, cols = phase.origin(j)
         if not pingpong:
           rows += wg * tm if config.wg_split == "m" else 0
-          cols += wg * tn if config.wg_split == "n" else 0
-        out_tile = (pl.ds(rows, tm), pl.ds(cols, tn))
+          cols += wg * width if config.wg_split == "n" else 0
+        out_tile = (pl.ds(rows, tm), pl.ds(cols, width))
+        buf = c_smem.at[wg] if width == tn else c_tail.at[wg].at[pl.ds(0, er)]
+        wg_config = dataclasses.replace(config, tile_n=width, tail_n=None)
 
         def own():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read c_smem
           if c_gmem is not None:
-            plgpu.copy_gmem_to_smem(c_gmem.at[out_tile], c_smem.at[wg], c_ready.at[wg])
+            plgpu.copy_gmem_to_smem(c_gmem.at[out_tile], buf, c_ready.at[wg])
 
           def main_loop(acc_ref):
             @pl.loop(0, k_steps)
             def _(kk):
               slot = rem(first + kk, stages)
               plgpu.barrier_wait(ready.at[slot])
-              plgpu.wgmma(acc_ref, *_wg_operands(a_smem.at[slot], b_smem.at[slot], wg, split,
-                                                 config, trans_a, trans_b))
+              plgpu.wgmma(acc_ref, *_wg_operands(a_smem.at[slot], b_part(slot, width),
+                                                 wg, split, wg_config, trans_a, trans_b))
               plgpu.wgmma_wait(in_flight)
               if in_flight:  # the step before has been read: release its slot
                 @pl.when(kk > 0)
@@ -428,24 +491,24 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
               plgpu.barrier_arrive(free.at[rem(first + k_steps - 1, stages)])
             return acc_ref[...]
 
-          acc = pl.run_scoped(main_loop, plgpu.ACC((tm, tn), jnp.float32))
+          acc = pl.run_scoped(main_loop, plgpu.ACC((tm, width), jnp.float32))
           if c_gmem is not None:
             plgpu.barrier_wait(c_ready.at[wg])
-            acc = acc + c_smem.at[wg][...].astype(jnp.float32)
+            acc = acc + buf[...].astype(jnp.float32)
+          out = acc.astype(out_dtype)  # rounded once, for the stores and the statistics
           for r0 in range(0, tm, er):  # through a buffer of er rows
             if r0:
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            c_smem.at[wg][...] = acc[r0:r0 + er].astype(out_dtype)
+            buf[...] = out if er == tm else out[r0:r0 + er]
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(c_smem.at[wg],
-                                    out_gmem.at[pl.ds(rows + r0, er), pl.ds(cols, tn)],
+            plgpu.copy_smem_to_gmem(buf, out_gmem.at[pl.ds(rows + r0, er), pl.ds(cols, width)],
                                     reduction_op="add" if reduce else None)
-          return _row_stats(carry, acc.astype(out_dtype), cols) if stats else carry
+          return _row_stats(carry, out, cols, phase) if stats else carry
 
         if not pingpong:
           return own()
 
-        @pl.when(rem(j, 2) != wg)
+        @pl.when(rem(i, 2) != wg)
         def _pass():  # the other warpgroup's tile: release each slot once it has landed
           @pl.loop(0, k_steps)
           def _(kk):
@@ -454,16 +517,17 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             plgpu.barrier_arrive(free.at[slot])
 
         if stats:  # the owner's rows' running statistics go on, the other's stay
-          return lax.cond(rem(j, 2) == wg, own, lambda: carry)
-        pl.when(rem(j, 2) == wg)(own)
+          return lax.cond(rem(i, 2) == wg, own, lambda: carry)
+        pl.when(rem(i, 2) == wg)(own)
+        return carry
 
       if not stats:
-        lax.fori_loop(0, n_local, tile, None)
+        walk(tile, None)
         plgpu.wait_smem_to_gmem(0)
         return
       row_vector = lambda value: plgpu.layout_cast(jnp.full((tm,), value, jnp.float32),
                                                    plgpu.Layout.WGMMA.reduce(1))
-      m, s = lax.fori_loop(0, n_local, tile, (row_vector(-jnp.inf), row_vector(0.0)))
+      m, s = walk(tile, (row_vector(-jnp.inf), row_vector(0.0)))
       lse = m * _mosaic.LN2 + jnp.log(s)  # -inf where no column was seen
       per_cta = _stats_per_cta(config)
       dst = stats_gmem.at[col0 * per_cta + (wg if per_cta == 2 else 0)]
@@ -478,12 +542,13 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
-      def tile(j, _):
-        rows, cols = origin(j)
+      def tile(phase, j, i, _):
+        rows, cols = phase.origin(j)
+        width = cn // tn * phase.width  # the B block's columns
 
         @pl.loop(0, k_steps)
         def _(kk):
-          step = j * k_steps + kk
+          step = i * k_steps + kk
           slot = rem(step, stages)
 
           @pl.when(step >= stages)
@@ -492,25 +557,42 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
 
           ks = pl.ds(kk * tk, tk)
           a_src = a_gmem.at[ks, pl.ds(rows, cm)] if trans_a else a_gmem.at[pl.ds(rows, cm), ks]
-          b_src = b_gmem.at[pl.ds(cols, cn), ks] if trans_b else b_gmem.at[ks, pl.ds(cols, cn)]
+          b_src = (b_gmem.at[pl.ds(cols, width), ks] if trans_b
+                   else b_gmem.at[ks, pl.ds(cols, width)])
           plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], ready.at[slot],
                                   collective_axes=a_shared)
-          plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], ready.at[slot],
+          plgpu.copy_gmem_to_smem(b_src, b_part(slot, phase.width), ready.at[slot],
                                   collective_axes=b_shared)
 
-      lax.fori_loop(0, n_local, tile, None)
+      walk(tile, None)
       if config.cluster:  # the other CTA arrives on this one's slots until its last release:
-        total = n_local * k_steps  # stay until every slot's last phase has completed
+        total = sum(p.count for p in phases) * k_steps  # stay until every slot's last
+        # phase has completed
 
         @pl.loop(jnp.maximum(total - stages, 0), total)
         def _(step):
           plgpu.barrier_wait(free.at[rem(step, stages)])
 
+  # Each warpgroup's epilogue buffer. With a tail, a second view of the same bytes, each
+  # warpgroup's part [er · tn / tail_n, tail_n] (a tail tile's rows are its first er): a
+  # TMA store needs its tile contiguous in shared memory, which a column slice of the first
+  # view is not. Each warpgroup keeps to its own bytes in both views.
+  # B's slots stored [tk, cn] likewise (a tail block [tk, tail_cn] is then a slot's prefix).
+  c_buffer = plgpu.SMEM((2, er, tn), out_dtype, transforms=_swizzled(tn, out_dtype))
+  b_slots = plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype))
+  if config.tail_n is not None:
+    c_buffer = plgpu.RefUnion(c_buffer, plgpu.SMEM(
+        (2, er * tn // config.tail_n, config.tail_n), out_dtype,
+        transforms=_swizzled(config.tail_n, out_dtype)))
+    if not trans_b:
+      tail_cn = cn // tn * config.tail_n
+      b_slots = plgpu.RefUnion(b_slots, plgpu.SMEM(
+          (stages, tk * cn // tail_cn, tail_cn), dtype, transforms=_swizzled(tail_cn, dtype)))
   pl.run_scoped(
       body,
       plgpu.SMEM((stages, *a_block), dtype, transforms=_swizzled(a_block[1], dtype)),
-      plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype)),
-      plgpu.SMEM((2, er, tn), out_dtype, transforms=_swizzled(tn, out_dtype)),
+      b_slots,
+      c_buffer,
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # ready: A and B landed
       # free: both warpgroups (of both CTAs of a cluster) passed
       (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=stages)
@@ -576,6 +658,10 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
   Operands may be `Rows`. The kernel is named after `name` in profiles (Mosaic GPU names it
   after the body function)."""
   sms = _sms(config)
+  if ((stats_cols is not None or config.tail_n is not None)
+      and operands[0].shape[1 if trans_a else 0] // config.cta_tile()[0] > sms):
+    raise ValueError(f"row_stats and tail_n keep each CTA to one row block: M has more row "
+                     f"blocks than the {sms} CTAs ({config})")
   windows = [op if isinstance(op, Rows) else None for op in operands]
   blocks = [jnp.asarray(w.block, jnp.int32) for w in windows if w is not None]
 
@@ -603,7 +689,8 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
       out_type=out_type,
       grid=(sms // config.cluster_size(),), grid_names=("sm",), **cluster,
       num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=plgpu.CompilerParams(  # approx_math: row_stats' exp2 and log (MUFU)
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
   )(*[op.array if isinstance(op, Rows) else op for op in operands], *blocks)
 
 
@@ -629,6 +716,9 @@ def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue"):
       and config.epilogue_rows not in (None, config.tile_m)):
     raise ValueError(f"epilogue_rows={config.epilogue_rows} serves GEMMs that read no C "
                      "(gemm, or gemm_into with accumulate=False or add='tma')")
+  if config.tail_n is not None and config.tail_n % 64 and not trans_b:
+    raise ValueError(f"tail_n={config.tail_n} (not a multiple of 64) needs B stored [N, K] "
+                     "(trans_b=True): a [K, N] block is cut into columns 64 at a time")
   if (why := shape_error(m, n, k, config)) is not None:
     raise ValueError(f"mosaic gemm: {why} ({config})")
   return m, n, k
@@ -659,8 +749,6 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
                      f"got {config}")
   if not 0 < row_stats <= n:
     raise ValueError(f"row_stats must count columns in [1, {n}], got {row_stats}")
-  if m // config.cta_tile()[0] > _sms(config):
-    raise ValueError(f"row_stats: M={m} has more row blocks than the {_sms(config)} CTAs")
   stats_type = jax.ShapeDtypeStruct((row_stats_rows(m, config), m), jnp.float32)
   return tuple(_launch((a, b), (out_type, stats_type), config, trans_a=trans_a,
                        trans_b=trans_b, into=False, name=name, stats_cols=row_stats))

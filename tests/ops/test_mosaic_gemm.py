@@ -327,3 +327,73 @@ def test_row_stats_match_the_rounded_output(name):
   assert parts.shape == (mg.row_stats_rows(a.shape[0], cfg), a.shape[0])
   assert not np.isnan(np.asarray(parts)).any()
   np.testing.assert_allclose(jax.nn.logsumexp(parts, axis=0), want, rtol=1e-6, atol=1e-4)
+
+
+TAIL_CONFIGS = {  # M = 256, N = 1,088: whole CTA tiles dealt evenly, the rest in tail tiles
+    # 2 row blocks × 3 CTAs: one 128 × 256 tile each, then 320 columns in 128-wide tiles
+    "ring-n": mg.GemmConfig(tile_n=128, schedule="ring", max_concurrent_steps=3, num_sms=6,
+                            tail_n=64),
+    "ringE-n": mg.GemmConfig(tile_n=128, schedule="ring", max_concurrent_steps=3, num_sms=6,
+                             epilogue_rows=64, tail_n=64),
+    # 1 row block × 4 CTAs: two 256 × 128 tiles each, then one tile 64 wide
+    "ring-m": mg.GemmConfig(tile_n=128, wg_split="m", schedule="ring", max_concurrent_steps=3,
+                            num_sms=4, tail_n=64),
+    # 2 row blocks × 3 CTAs: two 128 × 128 tiles each, then 5 tiles 64 wide (2, 2, 1)
+    "pingpong": mg.GemmConfig(tile_n=128, schedule="pingpong", max_concurrent_steps=4,
+                              num_sms=6, tail_n=64),
+}
+
+
+def test_tail_tiles_are_checked_and_lower_for_cuda():
+  for bad in (dict(tail_n=64), dict(tail_n=64, schedule="ring", cluster="m"),
+              dict(tail_n=48, tile_n=192, schedule="ring"), dict(tail_n=64, tile_n=64,
+                                                                  schedule="ring")):
+    with pytest.raises(ValueError, match="tail_n is a multiple of 32 dividing tile_n"):
+      mg.GemmConfig(**bad)
+  with pytest.raises(ValueError, match=r"tail_n=32 \(not a multiple of 64\) needs B stored"):
+    mg.gemm(jnp.zeros((M, K), jnp.bfloat16), jnp.zeros((K, 1088), jnp.bfloat16),
+            config=mg.GemmConfig(tile_n=128, schedule="ring", tail_n=32))
+  with pytest.raises(ValueError, match="M has more row blocks than the 6 CTAs"):
+    mg.gemm(jnp.zeros((1024, K), jnp.bfloat16), jnp.zeros((K, 1088), jnp.bfloat16),
+            config=mg.GemmConfig(tile_m=64, tile_n=128, schedule="ring", num_sms=6, tail_n=64))
+  for name, cfg in TAIL_CONFIGS.items():
+    for tb, stats in ((True, None), (False, 1000)):
+      a = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
+      b = jax.ShapeDtypeStruct((1088, K) if tb else (K, 1088), jnp.bfloat16)
+      f = lambda a, b, tb=tb, stats=stats, cfg=cfg: mg.gemm(a, b, trans_b=tb, config=cfg,
+                                                            row_stats=stats)
+      text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+      assert "mosaic_gpu" in text, (name, tb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(TAIL_CONFIGS))
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_tail_tiles_match_reference(name, trans_b):
+  """The product, the product added to C, and row statistics over 1,000 of the 1,088
+  columns, with the last columns in tail tiles (the last one ragged in ring-n)."""
+  cfg, n, cols = TAIL_CONFIGS[name], 1088, 1000
+  k = jax.random.split(jax.random.key(11), 3)
+  a = jax.random.normal(k[0], (M, K), jnp.float32).astype(jnp.bfloat16)
+  b = (2 * jax.random.normal(k[1], (n, K) if trans_b else (K, n), jnp.float32)
+       ).astype(jnp.bfloat16)
+  c = jax.random.normal(k[2], (M, n), jnp.float32).astype(jnp.bfloat16)
+  ref = a.astype(jnp.float32) @ (b.T if trans_b else b).astype(jnp.float32)
+  out, parts = jax.jit(lambda a, b: mg.gemm(a, b, trans_b=trans_b, config=cfg,
+                                            row_stats=cols))(a, b)
+  np.testing.assert_allclose(out.astype(np.float32), ref.astype(jnp.bfloat16).astype(np.float32),
+                             rtol=1e-2, atol=0.5)
+  want = jax.nn.logsumexp(out[:, :cols].astype(jnp.float32), axis=1)
+  np.testing.assert_allclose(jax.nn.logsumexp(parts, axis=0), want, rtol=1e-6, atol=1e-4)
+  if cfg.epilogue_rows:
+    return
+
+  def into(c, a, b):
+    r = jax.new_ref(c)
+    mg.gemm_into(r, a, b, trans_b=trans_b, config=cfg)
+    return r[...]
+
+  out = jax.jit(into, donate_argnums=0)(jnp.copy(c), a, b)
+  want = (c.astype(jnp.float32) + ref).astype(jnp.bfloat16).astype(np.float32)
+  np.testing.assert_allclose(out.astype(np.float32), want, rtol=1e-2, atol=0.5)
+
