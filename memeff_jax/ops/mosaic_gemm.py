@@ -331,7 +331,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
 
 def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
                  trans_b: bool, sms: int, reduce: bool = False, stats_gmem=None,
-                 stats_cols: int | None = None):
+                 stats_cols: int | None = None, stats_words: bool = False):
   """The schedules with one ring of A/B slots across all of a CTA's tiles ("pingpong",
   "ring"): the CTA walks its tiles j = 0, 1, 2, ..., and the memory warpgroup streams their K
   steps in walk order through `max_concurrent_steps` slots, so the next tile's first steps
@@ -527,16 +527,28 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
         return
       row_vector = lambda value: plgpu.layout_cast(jnp.full((tm,), value, jnp.float32),
                                                    plgpu.Layout.WGMMA.reduce(1))
-      m, s = walk(tile, (row_vector(-jnp.inf), row_vector(0.0)))
-      lse = m * _mosaic.LN2 + jnp.log(s)  # -inf where no column was seen
+      run_max, run_sum = walk(tile, (row_vector(-jnp.inf), row_vector(0.0)))
+      lse = run_max * _mosaic.LN2 + jnp.log(run_sum)  # -inf where no column was seen
       per_cta = _stats_per_cta(config)
-      dst = stats_gmem.at[col0 * per_cta + (wg if per_cta == 2 else 0)]
+      part = col0 * per_cta + (wg if per_cta == 2 else 0)
       rows = row_block * cm + (wg * tm if split == "m" else 0)
       plgpu.wait_smem_to_gmem(0)
 
       @pl.when(active)
       def _():  # straight from registers: shared memory has no 1 KiB to spare
-        dst.at[pl.ds(rows, tm)][...] = lse
+        if not stats_words:
+          stats_gmem.at[part, pl.ds(rows, tm)][...] = lse
+          return
+        # Three bfloat16 words that sum to lse exactly (see StatsWords), at flat positions
+        # (k · P + part) · M + rows of the window.
+        parts, d = per_row * per_cta, stats_gmem.shape[1]
+        hi = lse.astype(jnp.bfloat16)
+        rest = jnp.where(lse == -jnp.inf, 0.0, lse - hi.astype(jnp.float32))
+        mid = rest.astype(jnp.bfloat16)
+        lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+        for k, word in enumerate((hi, mid, lo)):
+          flat = (k * parts + part) * m + rows
+          stats_gmem.at[div(flat, d), pl.ds(rem(flat, d), tm)][...] = word
 
     @pl.when(wg == 2)
     def _memory():
@@ -650,12 +662,14 @@ def row_stats_rows(m: int, config: GemmConfig) -> int:
 
 def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: bool,
             into: bool, accumulate: bool = True, add: str = "epilogue",
-            name: str = "mosaic_gemm", stats_cols: int | None = None):
+            name: str = "mosaic_gemm", stats_cols: int | None = None,
+            stats_into: bool = False):
   """A persistent launch: one CTA per SM, two compute and one memory warpgroup. With `into`
   the last operand is C, which the kernel updates in place (out_type is then ()): C plus
   the product with `accumulate` (added as `add` says, see gemm_into), the product alone
-  without. With `stats_cols` out_type is (product, partial log-sum-exps) (see gemm).
-  Operands may be `Rows`. The kernel is named after `name` in profiles (Mosaic GPU names it
+  without. With `stats_cols` out_type is (product, partial log-sum-exps) (see gemm), or,
+  with `stats_into`, the product alone, the partials going into the last operand's window
+  as words (gemm's row_stats_into). Operands may be `Rows`. The kernel is named after `name` in profiles (Mosaic GPU names it
   after the body function)."""
   sms = _sms(config)
   if ((stats_cols is not None or config.tail_n is not None)
@@ -670,14 +684,15 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
     op_refs = [ref if w is None else ref.at[pl.ds(next(block_refs)[...] * w.size, w.size)]
                for ref, w in zip(refs, windows)]
     a_ref, b_ref = op_refs[:2]
-    stats_ref = refs[-1] if stats_cols is not None else None
-    out_ref = op_refs[2] if into else refs[-2 if stats_cols is not None else -1]
+    stats_out = stats_cols is not None and not stats_into  # partials as an output
+    stats_ref = op_refs[2] if stats_into else refs[-1] if stats_out else None
+    out_ref = op_refs[2] if into else refs[-2 if stats_out else -1]
     reduce = into and accumulate and add == "tma"
     c_ref = out_ref if into and accumulate and not reduce else None
     if config.schedule in ("pingpong", "ring"):
       _ring_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
                    trans_b=trans_b, sms=sms, reduce=reduce, stats_gmem=stats_ref,
-                   stats_cols=stats_cols)
+                   stats_cols=stats_cols, stats_words=stats_into)
     else:
       _kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a, trans_b=trans_b,
               reduce=reduce)
@@ -726,7 +741,7 @@ def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue"):
 
 def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
          config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm",
-         row_stats: int | None = None):
+         row_stats: int | None = None, row_stats_into: Rows | None = None):
   """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype).
   a and b are arrays or `Rows` of arrays; `name` names the kernel in profiles.
 
@@ -737,7 +752,13 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   those c columns. The epilogue computes them while the tile is in registers: a softmax
   over the rows of `out` then reads `out` once instead of twice ("ring" or "pingpong"
   schedule, no CTA clusters; in ping-pong each warpgroup's epilogue, statistics included,
-  runs under the other's main loop)."""
+  runs under the other's main loop).
+
+  With `row_stats_into`, a `Rows` window [M, D] of a bfloat16 `jax.Ref` (D a multiple or a
+  divisor of M), the partials are not returned but stored in the window as words
+  (`StatsWords`), so that they take no memory of their own where the window is scratch (in
+  linear_cross_entropy, dx's rows of the chunk, which its dx GEMM writes afterwards); gemm
+  then returns `out` alone. Read them back with `stats_words`."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
@@ -749,9 +770,50 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
                      f"got {config}")
   if not 0 < row_stats <= n:
     raise ValueError(f"row_stats must count columns in [1, {n}], got {row_stats}")
+  if row_stats_into is not None:
+    if (why := stats_window_error(row_stats_into, m, config)) is not None:
+      raise ValueError(why)
+    return _launch((a, b, row_stats_into), out_type, config, trans_a=trans_a,
+                   trans_b=trans_b, into=False, name=name, stats_cols=row_stats,
+                   stats_into=True)
   stats_type = jax.ShapeDtypeStruct((row_stats_rows(m, config), m), jnp.float32)
   return tuple(_launch((a, b), (out_type, stats_type), config, trans_a=trans_a,
                        trans_b=trans_b, into=False, name=name, stats_cols=row_stats))
+
+
+class StatsWords(NamedTuple):
+  """Partial log-sum-exps that gemm(row_stats_into=...) stored as bfloat16 words.
+
+  Partial p of row r is words[start + p, r] + words[start + count + p, r] +
+  words[start + 2·count + p, r], summed in float32: exactly the float32 value (hi, then what
+  hi leaves, then what both leave: 3 × 8 significant bits; 0 words below a -inf).
+  """
+
+  words: jax.Array  # [R, M] bfloat16: the window's whole array reshaped (no copy)
+  start: jax.Array  # int32 scalar: the window's first row of words
+  count: int  # P = row_stats_rows(M, config)
+
+
+def stats_window_error(window, m: int, config: GemmConfig) -> str | None:
+  """Why `window` cannot take gemm's row_stats_into for M=m, or None when it can."""
+  if not isinstance(window, Rows) or window.array.dtype != jnp.bfloat16:
+    return (f"row_stats_into must be Rows of a bfloat16 array or jax.Ref, got "
+            f"{type(window).__name__} of {getattr(window, 'dtype', None)}")
+  size, d = window.shape
+  words = 3 * row_stats_rows(m, config) * m
+  if (d % m and m % d) or d % config.tile_m or words > size * d:
+    return (f"row_stats_into: a window [{size}, {d}] cannot hold the partials' {words} words "
+            f"in rows of {m} (its width must be a multiple or a divisor of M={m} and a "
+            f"multiple of tile_m={config.tile_m})")
+  return None
+
+
+def stats_words(array, block, size: int, m: int, config: GemmConfig) -> StatsWords:
+  """The words that gemm(..., row_stats_into=Rows(ref, block, size)) stored, read from the
+  window's array (`ref[...]` after that gemm) as a [R, M] view of it (a reshape, no copy)."""
+  d = array.shape[1]
+  return StatsWords(array.reshape(-1, m), jnp.asarray(block, jnp.int32) * (size * d // m),
+                    row_stats_rows(m, config))
 
 
 def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,

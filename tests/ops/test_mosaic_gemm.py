@@ -397,3 +397,49 @@ def test_tail_tiles_match_reference(name, trans_b):
   want = (c.astype(jnp.float32) + ref).astype(jnp.bfloat16).astype(np.float32)
   np.testing.assert_allclose(out.astype(np.float32), want, rtol=1e-2, atol=0.5)
 
+
+
+def test_stats_window_is_checked():
+  cfg = TAIL_CONFIGS["ring-n"]  # 2 row blocks × 3 CTAs × 2 warpgroups: P = 6
+  rows = lambda shape, dtype=jnp.bfloat16: mg.Rows(jnp.zeros(shape, dtype), 1, shape[0] // 2)
+  assert mg.stats_window_error(rows((512, 512)), 256, cfg) is None  # 3 · 6 · 256 words
+  assert "cannot hold the partials' 4608 words" in mg.stats_window_error(rows((32, 128)), 256,
+                                                                          cfg)
+  assert "multiple or a divisor of M=256" in mg.stats_window_error(rows((512, 384)), 256, cfg)
+  assert "Rows of a bfloat16 array" in mg.stats_window_error(rows((512, 512), jnp.float16),
+                                                             256, cfg)
+  with pytest.raises(ValueError, match="cannot hold"):
+    mg.gemm(jnp.zeros((M, K), jnp.bfloat16), jnp.zeros((1088, K), jnp.bfloat16), trans_b=True,
+            config=cfg, row_stats=1000, row_stats_into=rows((32, 128)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ring-n", "pingpong"])
+def test_row_stats_into_a_window_as_words(name):
+  """row_stats_into stores the partials as bf16 words in rows 256-511 of a [768, 512] array
+  (the rest untouched): summed, they are row_stats' float32 partials bit for bit."""
+  cfg, cols = TAIL_CONFIGS[name], 1000
+  k = jax.random.split(jax.random.key(17), 2)
+  a = jax.random.normal(k[0], (M, K), jnp.float32).astype(jnp.bfloat16)
+  b = (2 * jax.random.normal(k[1], (1088, K), jnp.float32)).astype(jnp.bfloat16)
+  fill = jnp.full((768, 512), 7.0, jnp.bfloat16)
+
+  @jax.jit
+  def run(a, b, fill):
+    ref = jax.new_ref(fill)
+    out = mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols,
+                  row_stats_into=mg.Rows(ref, 1, 256))
+    words = mg.stats_words(ref[...], 1, 256, M, cfg)
+    return out, words, ref[...]
+
+  out, words, after = run(a, b, fill)
+  want_out, want = jax.jit(lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg,
+                                                row_stats=cols))(a, b)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+  p = words.count
+  got = sum(words.words[words.start + i * p:words.start + (i + 1) * p].astype(jnp.float32)
+            for i in range(3))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  used = 3 * p * M // 512  # rows of the window the words fill
+  np.testing.assert_array_equal(np.asarray(after[:256], np.float32), 7.0)
+  np.testing.assert_array_equal(np.asarray(after[256 + used:], np.float32), 7.0)

@@ -23,6 +23,8 @@ where they lie in x and dx (mosaic_gemm.Rows): with all three GEMMs there, the c
 logits are the only chunk-sized buffer (0.245 GiB at Llama-3-8B's 1,024-token chunks).
 With `fused_lse` the Mosaic logits GEMM also hands over each row's partial log-sum-exps,
 computed in its epilogue, and step 2 skips sweep 1: one read and one write of the logits.
+Where the Mosaic dx GEMM writes dx's rows in place, the partials are stored in those rows
+before it does (as bfloat16 words, mosaic_gemm.StatsWords), so they hold no memory.
 """
 
 from __future__ import annotations
@@ -252,8 +254,22 @@ class PallasChunkBackend:
             dx_into=None):
     need_dx, need_dw, need_db = need
     layout = self.opts.weight_layout
+    # dx's rows of the chunk, which the Mosaic dx GEMM writes straight into (no [C, D]
+    # buffer); until then they are scratch, where fused_lse's partials go.
+    dx_rows = None
+    if need_dx and dx_into is not None and self._mosaic("dx") is not None:
+      dx_rows = dx_into._replace(array=jax.new_ref(dx_into.array))
     if self.fused_lse and lse_c is None:
-      z, partials = self._logits(x_c, w, bias, partials=True)
+      logits_config = self._mosaic("logits")
+      if dx_rows is not None and mosaic_gemm.stats_window_error(
+          dx_rows, x_c.shape[0], logits_config) is None:
+        z = mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=logits_config,
+                             name="lce_logits_gemm", row_stats=self.opts.vocab_size,
+                             row_stats_into=dx_rows)
+        partials = mosaic_gemm.stats_words(dx_rows.array[...], dx_rows.block, dx_rows.size,
+                                           x_c.shape[0], logits_config)
+      else:
+        z, partials = self._logits(x_c, w, bias, partials=True)
     else:
       z, partials = self._logits(x_c, w, bias), None
     g, lse, label_logit, logit_sum = softmax_pass(
@@ -261,11 +277,10 @@ class PallasChunkBackend:
         interpret=self.interpret, partials=partials)
     dx_c = None
     if need_dx and (config := self._mosaic("dx")) is not None:
-      if dx_into is not None:  # straight into dx's rows: no [C, D] buffer
-        ref = jax.new_ref(dx_into.array)
-        mosaic_gemm.gemm_into(dx_into._replace(array=ref), g, w, trans_b=layout == "dv",
-                              accumulate=False, config=config, name="lce_dx_gemm")
-        dx_c = ref[...]
+      if dx_rows is not None:
+        mosaic_gemm.gemm_into(dx_rows, g, w, trans_b=layout == "dv", accumulate=False,
+                              config=config, name="lce_dx_gemm")
+        dx_c = dx_rows.array[...]
       else:
         dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config,
                                 name="lce_dx_gemm")
@@ -349,11 +364,17 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, log
 
   from_partials = partials_ref is not None
   if from_partials:
-    n_parts = partials_ref.shape[0]
+    if isinstance(partials_ref, tuple):  # mosaic_gemm.StatsWords: three bf16 words each
+      words_ref, start_ref, n_parts = partials_ref
+      pieces = [(words_ref, start_ref[0] + k * n_parts, -jnp.inf if k == 0 else 0.0)
+                for k in range(3)]
+    else:  # traced start: the load may reach past the partials' end
+      n_parts = partials_ref.shape[0]
+      pieces = [(partials_ref, pl.program_id(0) * 0, -jnp.inf)]
     parts = jnp.arange(pl.next_power_of_2(n_parts), dtype=jnp.int32)
-    start = pl.program_id(0) * 0  # traced: the load may reach past the partials' end
-    p = plgpu.load(partials_ref.at[pl.ds(start, parts.shape[0]), row_slice],
-                   mask=(parts < n_parts)[:, None] & row_ok[None, :], other=-jnp.inf)
+    mask = (parts < n_parts)[:, None] & row_ok[None, :]
+    p = sum(plgpu.load(ref.at[pl.ds(start, parts.shape[0]), row_slice], mask=mask,
+                       other=other).astype(jnp.float32) for ref, start, other in pieces)
     m = jnp.max(p, axis=0)
     m = jnp.where(row_ok, m, 0.0)  # rows past the end: no -inf - -inf
     lse = m + jnp.log(jnp.sum(jnp.exp(p - m[None, :]), axis=0))
@@ -421,8 +442,9 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     a, e: [C] float32 gradient coefficients (see _common); None for statistics only.
     lse: [C] float32 known log-sum-exp (the backward pass), or None to compute it.
     partials: [P, C] float32 partial log-sum-exps of the logits over disjoint column sets
-      (mosaic_gemm.gemm's row_stats; only with a and e, without lse and softcap): the
-      kernel then reads the logits once.
+      (mosaic_gemm.gemm's row_stats; only with a and e, without lse and softcap), or the
+      same as mosaic_gemm.StatsWords (row_stats_into): the kernel then reads the logits
+      once.
 
   Returns:
     Without a/e: (lse, label_logit, logit_sum). With them: (G, lse, label_logit,
@@ -441,7 +463,10 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     inputs += [a.astype(jnp.float32), e.astype(jnp.float32)]
   if lse is not None:
     inputs.append(lse.astype(jnp.float32))
-  if partials is not None:
+  words = isinstance(partials, mosaic_gemm.StatsWords)
+  if words:
+    inputs += [partials.words, jnp.reshape(partials.start, (1,)).astype(jnp.int32)]
+  elif partials is not None:
     inputs.append(partials.astype(jnp.float32))
   inputs.append(logits)
   n_in = len(inputs)
@@ -452,6 +477,8 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     a_ref, e_ref = (ins.pop(0), ins.pop(0)) if with_grad else (None, None)
     lse_in_ref = ins.pop(0) if lse is not None else None
     partials_ref = ins.pop(0) if partials is not None else None
+    if words:
+      partials_ref = (partials_ref, ins.pop(0), partials.count)
     logits_ref = ins.pop(0)
     grad_ref = outs.pop(0) if with_grad else None
     _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, logits_ref,

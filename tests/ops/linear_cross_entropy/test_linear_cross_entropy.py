@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import memeff_jax
+from memeff_jax.ops import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy import ChunkedXla
 from memeff_jax.ops.linear_cross_entropy import Int64Labels
 from memeff_jax.ops.linear_cross_entropy import KernelConfig
@@ -318,6 +319,28 @@ def test_softmax_pass_from_partial_log_sum_exps(smoothing, vocab):
   with pytest.raises(ValueError, match="partials serve the gradient pass"):
     pallas_gpu.softmax_pass(z, labels, opts=opts, config=config, partials=partials)
 
+  # The same partials as three bfloat16 words each (mosaic_gemm.StatsWords, what the
+  # logits GEMM stores in dx's rows), rows 7 on of a larger array: the same bits.
+  words = _split_words(partials)
+  assert (sum(w.astype(jnp.float32) for w in words) == partials).all()
+  rows = jnp.concatenate([jnp.full((7, 37), 3.0, jnp.bfloat16), *words,
+                          jnp.full((5, 37), 3.0, jnp.bfloat16)])
+  stored = mosaic_gemm.StatsWords(rows, jnp.int32(7), partials.shape[0])
+  from_words = pallas_gpu.softmax_pass(z, labels, a, e, opts=opts, config=config,
+                                       interpret=True, partials=stored)
+  for name, g, w in zip(("G", "lse", "label logit", "logit sum"), from_words, got):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                  err_msg=name)
+
+
+def _split_words(x):
+  """float32 -> three bfloat16 arrays summing to it exactly (as mosaic_gemm's epilogue
+  splits row_stats_into's partials; -inf stays in the first)."""
+  hi = x.astype(jnp.bfloat16)
+  rest = jnp.where(x == -jnp.inf, 0.0, x - hi.astype(jnp.float32))
+  mid = rest.astype(jnp.bfloat16)
+  return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+
 
 def test_pallas_gpu_kernel_lowers_for_cuda():
   """The softmax kernel lowers to Triton on a CPU host (what the GPU would compile): catches
@@ -328,13 +351,17 @@ def test_pallas_gpu_kernel_lowers_for_cuda():
     labels = jax.ShapeDtypeStruct((64,), jnp.int32)
     coef = jax.ShapeDtypeStruct((64,), jnp.float32)
     parts = jnp.zeros((33, 64), jnp.float32)
+    words = jnp.zeros((4 * 33 + 5, 64), jnp.bfloat16)
     for fn in (lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, opts=opts,
                                                           config=KernelConfig()),
                lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, a, e, opts=opts,
                                                           config=KernelConfig()),
                lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, a, e, opts=opts,
                                                           config=KernelConfig(),
-                                                          partials=parts)):
+                                                          partials=parts),
+               lambda z, y, a, e: pallas_gpu.softmax_pass(
+                   z, y, a, e, opts=opts, config=KernelConfig(),
+                   partials=mosaic_gemm.StatsWords(words, jnp.int32(5), 33))):
       text = jax.jit(fn).trace(logits, labels, coef, coef).lower(
           lowering_platforms=("cuda",)).as_text()
       assert "triton" in text.lower()
@@ -392,11 +419,14 @@ def test_mosaic_gemms_match_reference(layout, reduction, gemms, dw_accumulation)
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["dv", "vd"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_fused_lse_matches_reference(layout, smoothing):
+@pytest.mark.parametrize("d", [256, 512])
+def test_fused_lse_matches_reference(layout, smoothing, d):
   """fused_lse: the logits GEMM's epilogue gives the log-sum-exp (its 48 padding columns of
-  V = 2,000 left out), the softmax pass reads the logits once; mean over three chunks."""
+  V = 2,000 left out), the softmax pass reads the logits once; mean over three chunks. At
+  D = 512 the partials go into dx's rows of the chunk as words (132 SMs: 3 · 132 · 256
+  words fit in 256 × 512), at 256 they do not fit and are an array of their own."""
   options = dict(weight_layout=layout, label_smoothing=smoothing, z_loss=1e-3)
-  x, w, labels, _, _ = make_problem(jax.random.key(13), (3, 256), 256, 2000, jnp.bfloat16,
+  x, w, labels, _, _ = make_problem(jax.random.key(13), (3, 256), d, 2000, jnp.bfloat16,
                                     **options)
   impl = PallasGpu(mosaic_gemms=pallas_gpu.GEMMS, dw_accumulation="tma_add", fused_lse=True)
   got, got_g = value_and_grads(loss_fn(impl, labels, options, 256), x, w, None, None, "mean")
