@@ -672,8 +672,8 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
   the product with `accumulate` (added as `add` says, see gemm_into), the product alone
   without. With `stats_cols` out_type is (product, partial log-sum-exps) (see gemm), or,
   with `stats_into`, the product alone, the partials going into the last operand's window
-  as words (gemm's row_stats_into). Operands may be `Rows`. The kernel is named after `name` in profiles (Mosaic GPU names it
-  after the body function)."""
+  as words (gemm's row_stats_into). Operands may be `Rows`. The kernel is named after
+  `name` in profiles (Mosaic GPU names it after the body function)."""
   sms = _sms(config)
   if ((stats_cols is not None or config.tail_n is not None)
       and operands[0].shape[1 if trans_a else 0] // config.cta_tile()[0] > sms):
@@ -758,10 +758,10 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   runs under the other's main loop).
 
   With `row_stats_into`, a `Rows` window [M, D] of a bfloat16 `jax.Ref` (D a multiple or a
-  divisor of M), the partials are not returned but stored in the window as words
-  (`StatsWords`), so that they take no memory of their own where the window is scratch (in
-  linear_cross_entropy, dx's rows of the chunk, which its dx GEMM writes afterwards); gemm
-  then returns `out` alone. Read them back with `stats_words`."""
+  divisor of M), the partials are stored in the window as words, so that they take no
+  memory of their own where the window is scratch (in linear_cross_entropy, dx's rows of
+  the chunk, which its dx GEMM writes afterwards); gemm then returns (out, StatsWords), the
+  words as a view of the window's array."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
@@ -776,16 +776,18 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   if row_stats_into is not None:
     if (why := stats_window_error(row_stats_into, m, config)) is not None:
       raise ValueError(why)
-    return _launch((a, b, row_stats_into), out_type, config, trans_a=trans_a,
-                   trans_b=trans_b, into=False, name=name, stats_cols=row_stats,
-                   stats_into=True)
+    out = _launch((a, b, row_stats_into), out_type, config, trans_a=trans_a,
+                  trans_b=trans_b, into=False, name=name, stats_cols=row_stats,
+                  stats_into=True)
+    return out, _stats_words(row_stats_into, m, config)
   stats_type = jax.ShapeDtypeStruct((row_stats_rows(m, config), m), jnp.float32)
   return tuple(_launch((a, b), (out_type, stats_type), config, trans_a=trans_a,
                        trans_b=trans_b, into=False, name=name, stats_cols=row_stats))
 
 
 class StatsWords(NamedTuple):
-  """Partial log-sum-exps that gemm(row_stats_into=...) stored as bfloat16 words.
+  """Partial log-sum-exps that gemm(row_stats_into=...) stored as bfloat16 words (and
+  returns as this view of them).
 
   Partial p of row r is words[start + p, r] + words[start + count + p, r] +
   words[start + 2·count + p, r], summed in float32: exactly the float32 value (hi, then what
@@ -811,11 +813,12 @@ def stats_window_error(window, m: int, config: GemmConfig) -> str | None:
   return None
 
 
-def stats_words(array, block, size: int, m: int, config: GemmConfig) -> StatsWords:
-  """The words that gemm(..., row_stats_into=Rows(ref, block, size)) stored, read from the
-  window's array (`ref[...]` after that gemm) as a [R, M] view of it (a reshape, no copy)."""
-  d = array.shape[1]
-  return StatsWords(array.reshape(-1, m), jnp.asarray(block, jnp.int32) * (size * d // m),
+def _stats_words(window: Rows, m: int, config: GemmConfig) -> StatsWords:
+  """The words that the kernel stored in `window`, read after it from the window's array
+  as a [R, M] view of it (a reshape, no copy)."""
+  array = window.array[...]
+  size, d = window.shape
+  return StatsWords(array.reshape(-1, m), jnp.asarray(window.block, jnp.int32) * (size * d // m),
                     row_stats_rows(m, config))
 
 

@@ -427,9 +427,8 @@ def test_row_stats_into_a_window_as_words(name):
   @jax.jit
   def run(a, b, fill):
     ref = jax.new_ref(fill)
-    out = mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols,
-                  row_stats_into=mg.Rows(ref, 1, 256))
-    words = mg.stats_words(ref[...], 1, 256, M, cfg)
+    out, words = mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols,
+                         row_stats_into=mg.Rows(ref, 1, 256))
     return out, words, ref[...]
 
   out, words, after = run(a, b, fill)

@@ -224,12 +224,14 @@ class PallasChunkBackend:
       return ()
     return ("x", "dx") if self._mosaic("dx") is not None else ("x",)
 
-  def _logits(self, x_c, w, bias, partials: bool = False):
-    """The chunk's logits; with `partials` (fused_lse) also their partial log-sum-exps."""
+  def _logits(self, x_c, w, bias, partials: bool = False, partials_into=None):
+    """The chunk's logits; with `partials` (fused_lse) also their partial log-sum-exps,
+    as an array or, stored in the `partials_into` window, as mosaic_gemm.StatsWords."""
     layout = self.opts.weight_layout
     if partials:
       return mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=self._mosaic("logits"),
-                              name="lce_logits_gemm", row_stats=self.opts.vocab_size)
+                              name="lce_logits_gemm", row_stats=self.opts.vocab_size,
+                              row_stats_into=partials_into)
     if (config := self._mosaic("logits")) is not None:
       z = mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=config,
                            name="lce_logits_gemm")
@@ -260,16 +262,10 @@ class PallasChunkBackend:
     if need_dx and dx_into is not None and self._mosaic("dx") is not None:
       dx_rows = dx_into._replace(array=jax.new_ref(dx_into.array))
     if self.fused_lse and lse_c is None:
-      logits_config = self._mosaic("logits")
-      if dx_rows is not None and mosaic_gemm.stats_window_error(
-          dx_rows, x_c.shape[0], logits_config) is None:
-        z = mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=logits_config,
-                             name="lce_logits_gemm", row_stats=self.opts.vocab_size,
-                             row_stats_into=dx_rows)
-        partials = mosaic_gemm.stats_words(dx_rows.array[...], dx_rows.block, dx_rows.size,
-                                           x_c.shape[0], logits_config)
-      else:
-        z, partials = self._logits(x_c, w, bias, partials=True)
+      fits = dx_rows is not None and mosaic_gemm.stats_window_error(
+          dx_rows, x_c.shape[0], self._mosaic("logits")) is None
+      z, partials = self._logits(x_c, w, bias, partials=True,
+                                 partials_into=dx_rows if fits else None)
     else:
       z, partials = self._logits(x_c, w, bias), None
     g, lse, label_logit, logit_sum = softmax_pass(
