@@ -1,6 +1,11 @@
-"""Test setup: float32 matmuls on CPU, `gpu` tests skipped without a GPU."""
+"""Test setup: `gpu` tests skipped without a GPU; JAX allocating GPU memory on demand, so
+that the README's `pytest -n 2` workers (pytest-xdist) can share one GPU."""
 
-import jax
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402  (after the allocator setting)
 import pytest
 
 

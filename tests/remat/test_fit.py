@@ -28,11 +28,20 @@ def _make_step(name):
                                rngs=nnx.Rngs(0)))[1]
 
 
-def test_fit_trades_recomputation_for_memory(step_args):
-  _, candidates = remat.fit(_make_step, *step_args, budget_bytes=2**40,
-                            policies=CANDIDATES, verbose=False)
+@pytest.fixture(scope="module")
+def fitted(step_args):
+  """remat.fit under a budget every policy fits: (its pick, the candidates). Each policy is
+  compiled once for the module; the tests below choose among the candidates."""
+  return remat.fit(_make_step, *step_args, budget_bytes=2**40, policies=CANDIDATES,
+                   verbose=False)
+
+
+def test_fit_trades_recomputation_for_memory(fitted):
+  best, candidates = fitted
   by_name = {c.name: c for c in candidates}
+  assert [c.name for c in candidates] == list(CANDIDATES)
   assert all(c.fits for c in candidates)
+  assert by_name[best].flops == min(c.flops for c in candidates)
   # Keeping nothing holds the least and recomputes the most; keeping everything the reverse.
   assert by_name["nothing"].peak_bytes < by_name["everything"].peak_bytes
   assert by_name["nothing"].flops > by_name["everything"].flops
@@ -42,8 +51,7 @@ def test_fit_trades_recomputation_for_memory(step_args):
   assert by_name["everything"].flops <= by_name["attention_projections"].flops
 
   budgets = sorted({by_name["nothing"].peak_bytes, by_name["everything"].peak_bytes})
-  picked = [remat.fit(_make_step, *step_args, budget_bytes=b, policies=CANDIDATES,
-                      verbose=False)[0] for b in budgets]
+  picked = [remat.choose(candidates, b) for b in budgets]
   flops = [by_name[p].flops for p in picked]
   assert flops == sorted(flops, reverse=True)  # more budget, never more recomputation
   for b, p in zip(budgets, picked):
@@ -51,9 +59,9 @@ def test_fit_trades_recomputation_for_memory(step_args):
   assert by_name[picked[-1]].flops == min(c.flops for c in candidates)
 
 
-def test_fit_says_when_nothing_fits(step_args):
+def test_fit_says_when_nothing_fits(fitted):
   with pytest.raises(ValueError, match="no remat policy fits budget_bytes=1,024"):
-    remat.fit(_make_step, *step_args, budget_bytes=1024, policies=CANDIDATES, verbose=False)
+    remat.choose(fitted[1], 1024)
 
 
 def test_unknown_policy():
