@@ -1,7 +1,7 @@
 # Session 16: GemmConfig.b_resident (B's column block, all of K, held in shared memory; the
-# Needs benchmarks/scratch/patches/b_resident.diff applied (not merged).
 # ring carries A alone). Its GPU tests, then the light setting's loss ("vd" 512, tma_add,
 # fused_lse) with the dW GEMM resident, in interleaved rounds; then the other GEMM tests.
+# Needs benchmarks/scratch/patches/b_resident.diff applied (not merged).
 . "$(dirname "$0")/../device_env.sh"
 timeout 150 python3 -m pytest -q -x -m gpu tests/ops/test_mosaic_gemm.py -k resident 2>&1 \
   | tail -15 | tee $OUT/resident-tests.log
