@@ -41,9 +41,11 @@ _LOAD_TAKES_INDEX = plgpu is not None and getattr(
 ) is inspect.Parameter.empty
 
 
-def swizzled_tiles():
-  """64-element (128-byte) swizzled tiles: what TMA writes and WGMMA reads."""
-  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+def swizzled_tiles(swizzle: int = 128):
+  """Swizzled tiles of `swizzle` bytes (64 16-bit elements by default): what TMA writes and
+  WGMMA reads. A WGMMA whose B operand is such a tile contracts over a multiple of
+  swizzle / 2 of the tile's rows (Mosaic GPU issues its K steps per swizzle group)."""
+  return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
 def div(x, n):

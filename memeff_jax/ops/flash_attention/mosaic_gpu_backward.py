@@ -54,7 +54,7 @@ try:
 except ImportError:  # pragma: no cover
   plgpu = None
 
-BLOCK_Q = 64  # query rows per pipeline step
+BLOCK_Q = 64  # query rows per pipeline step (MosaicBackwardConfig.block_q may widen it)
 BLOCK_KV = 64  # keys per compute warpgroup; a CTA holds two such blocks
 # Registers per thread of the compute and memory warpgroups (2·128·240 + 128·24 = 63Ki of
 # the SM's 64Ki). At (232, 40) ptxas spilled about twice as much and the kernel ran 1–3% slower.
@@ -66,11 +66,15 @@ _SMEM_RESERVE = 1_024  # barriers and alignment
 class MosaicBackwardConfig:
   """Settings of the backward kernel.
 
-  The tiles are fixed at 64 query rows per step and 64 keys per compute warpgroup: WGMMA's
-  M is 64, and the dK and dV accumulators (64 × D float32 each) leave no registers for
-  larger score tiles.
+  Each compute warpgroup owns 64 keys (WGMMA's M), and the dK and dV accumulators (64 × D
+  float32 each) leave few registers for the score tiles, which are 64 keys × block_q queries.
 
   Attributes:
+    block_q: query rows per pipeline step: 64, or 80 or 96 without dq (dQ = dS K has block_q
+      rows, and WGMMA's M is 64). Wider steps give the Sᵀ and dPᵀ WGMMAs a larger N and the
+      dV and dK WGMMAs a longer K for the same per-step waits and turns (FlashAttention-3's
+      backward takes 80 at D = 128); T need not be a multiple of it: the last step's rows
+      past T load as zeros, which add nothing to dK or dV.
     stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split or without dq,
       4 without dq).
     dq_split: the two compute warpgroups each compute half of dQ's columns (D = 128 only).
@@ -92,6 +96,7 @@ class MosaicBackwardConfig:
   """
 
   stages: int = 2
+  block_q: int = BLOCK_Q
   dq_split: bool = True
   pingpong: bool = False
   gqa_per_query_head: bool = False
@@ -116,12 +121,14 @@ class MosaicBackwardConfig:
     (without `_gqa` where that has none), else dq_split where it applies (D = 128).
 
     with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
-    (`d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is one, else the section above
-    without dq_split and gqa_per_query_head (which only the kernel with dq serves)."""
+    (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
+    one, else the section above without dq_split and gqa_per_query_head (which only the
+    kernel with dq serves)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     section = f"d{d}_causal" if causal else f"d{d}"
     if not with_dq:
-      found = table.get(section + "_dkv") or table.get(f"d{d}_dkv")
+      found = ((gqa and table.get(section + "_gqa_dkv")) or table.get(section + "_dkv")
+               or table.get(f"d{d}_dkv"))
       if found:
         return cls(**found, with_dq=False)
       return dataclasses.replace(cls.tuned(d, causal, gqa), dq_split=False,
@@ -159,6 +166,10 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return "with_dq=False excludes dq_split and gqa_per_query_head"
   if config.stages < 1:
     return f"needs at least one stage, got {config}"
+  if config.block_q not in (64, 80, 96):
+    return f"block_q must be 64, 80 or 96, got {config.block_q}"
+  if config.with_dq and config.block_q != BLOCK_Q:
+    return f"block_q={config.block_q} needs with_dq=False (dQ's WGMMA takes {BLOCK_Q} rows)"
   if t % BLOCK_Q:
     return f"backward needs T a multiple of {BLOCK_Q}, got T={t}"
   if s % config.cta_keys():
@@ -185,9 +196,22 @@ def _dq_tile_shape(config: MosaicBackwardConfig, d: int) -> tuple[int, int, int]
   return (2, BLOCK_Q, config.dq_cols(d)) if config.with_dq else (2, 8, 8)
 
 
+def _q_swizzle(block_q: int) -> int:
+  """The widest swizzle (bytes) of the Q and dO tiles whose group of rows divides block_q:
+  dV = Pᵀ dO and dK = dSᵀ Q contract over the tile's block_q rows, in swizzle / 2 steps."""
+  return next(sw for sw in (128, 64, 32) if block_q % (sw // 2) == 0)
+
+
+def _seg_len(block_q: int) -> int:
+  """Query segment ids loaded per step: block_q rounded up to 32 (a copy moves a multiple
+  of 128 bytes); the ids past the block are not read."""
+  return -(-block_q // 32) * 32
+
+
 def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int) -> int:
+  bq = config.block_q
   return (2 * config.cta_keys() * d * itemsize  # K, V
-          + config.stages * (2 * BLOCK_Q * d * itemsize + 2 * BLOCK_Q * 4)  # Q, dO, lse₂, Δ
+          + config.stages * (2 * bq * d * itemsize + 2 * bq * 4)  # Q, dO, lse₂, Δ
           + math.prod(_ds_shape(config)) * itemsize
           + math.prod(_dq_tile_shape(config, d)) * 4
           + _SMEM_RESERVE)
@@ -201,7 +225,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
                      softcap: float | None, group: int):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head."""
-  bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
+  bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -210,7 +234,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
   cta_keys = config.cta_keys()
   cta_key = kvi * cta_keys
   split = config.column_split
-  n_q = t // bq
+  n_q = -(-t // bq)  # the last block may reach past T (see MosaicBackwardConfig.block_q)
   segments = mask.segments
   if mask.is_dense:  # every query block, none masked
     first, per_head, full_lo, full_hi = 0, n_q, 0, n_q
@@ -266,7 +290,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       query_ids = None
       if segments:
         plgpu.barrier_wait(q_seg_ready.at[slot])
-        query_ids = _mosaic.load(q_seg_smem.at[slot], col_layout)
+        query_ids = _mosaic.load(q_seg_smem.at[slot, pl.ds(0, bq)], col_layout)
       return _mosaic.visible(mask, shape, 0, my_key - qb * bq,
                              key_ids if segments else None, query_ids)
 
@@ -406,7 +430,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows], stats_smem.at[slot],
                               stats_ready.at[slot])
       if segments:
-        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, rows], seg_scratch[1].at[slot],
+        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(qb * bq, _seg_len(bq))],
+                                seg_scratch[1].at[slot],
                                 seg_scratch[3].at[slot])
 
     _mosaic.fill_ring(load, n_steps, stages, (q_free, do_free))
@@ -429,15 +454,18 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   q, k, v = res.q, res.k, res.v
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
-  bq, bkv, stages = BLOCK_Q, BLOCK_KV, config.stages
+  bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   mask = opts.mask
   if stats is None:
     stats = row_stats(opts, res, _common.softmax_delta(res.out, d_out, d_lse))
   if mask.segments:
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
-    ranges = _mosaic.segment_block_ranges(kv_seg, q_seg, config.cta_keys(), bq)
+    # Query blocks reaching past T take the last id there: they add nothing (zero rows),
+    # and the ranges of the blocks before them stay exact.
+    ranges = _mosaic.segment_block_ranges(
+        kv_seg, jnp.pad(q_seg, ((0, 0), (0, -t % bq)), mode="edge"), config.cta_keys(), bq)
     seg_args = (q_seg, kv_seg, ranges)
-    seg_scratch = (plgpu.SMEM((config.cta_keys(),), jnp.int32), plgpu.SMEM((stages, bq), jnp.int32),
+    seg_scratch = (plgpu.SMEM((config.cta_keys(),), jnp.int32), plgpu.SMEM((stages, _seg_len(bq)), jnp.int32),
                    plgpu.Barrier(), plgpu.Barrier(num_barriers=stages))
   else:
     seg_args, seg_scratch = (), ()
@@ -451,6 +479,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     dkv_acc = ()
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   tiles = _mosaic.swizzled_tiles()
+  q_tiles = _mosaic.swizzled_tiles(_q_swizzle(bq))
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
@@ -464,10 +493,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
 
     pl.run_scoped(
         kernel,
-        plgpu.SMEM((config.cta_keys(), d), k.dtype, transforms=tiles),
-        plgpu.SMEM((config.cta_keys(), d), v.dtype, transforms=tiles),
-        plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiles),
-        plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiles),
+        plgpu.SMEM((config.cta_keys(), d), k.dtype, transforms=q_tiles),
+        plgpu.SMEM((config.cta_keys(), d), v.dtype, transforms=q_tiles),
+        plgpu.SMEM((stages, bq, d), q.dtype, transforms=q_tiles),
+        plgpu.SMEM((stages, bq, d), q.dtype, transforms=q_tiles),
         plgpu.SMEM((stages, 2, bq), jnp.float32),
         plgpu.SMEM(_ds_shape(config), q.dtype, transforms=tiles),
         plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32),

@@ -281,10 +281,40 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
      "one stage"),
     ((1, 256, 4, 128), (1, 256, 2, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(gqa_per_query_head=True), "exclude"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, block_q=80), "block_q=80 needs with_dq=False"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, block_q=72, with_dq=False), "64, 80 or 96"),
 ])
 def test_backward_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config,
                                                          match):
   assert re.search(match, mb.support_error(q_shape, k_shape, dtype, opts, config))
+
+
+@pytest.mark.parametrize("causal, window, segments, softcap, pingpong, block_q, t, s, hkv", [
+    (False, None, False, None, True, 80, 256, 384, 2),   # 256 = 3·80 + 16: a ragged last step
+    (True, None, False, 30.0, False, 80, 384, 256, 4),
+    (False, (100, 7), True, None, True, 80, 192, 256, 1),
+    (True, 200, True, None, False, 96, 256, 384, 2),
+    (False, None, False, None, False, 96, 384, 256, 1)])
+def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap, pingpong, block_q,
+                                              t, s, hkv):
+  """The dK/dV-only kernel with block_q query rows per step, T not a multiple of it."""
+  config = mb.MosaicBackwardConfig(dq_split=False, pingpong=pingpong, block_q=block_q,
+                                   with_dq=False)
+  assert mb.support_error((2, t, 4, 128), (2, s, hkv, 128), BF16, _opts(causal), config) is None
+  q = jax.ShapeDtypeStruct((2, t, 4, 128), BF16)
+  k = jax.ShapeDtypeStruct((2, s, hkv, 128), BF16)
+  lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
+  opts = _opts(causal, window, segments, softcap)
+
+  def bwd(q, k, v, out, lse, d_out, d_lse, q_seg, kv_seg):
+    res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
+    return mb.backward(opts, config, res, (d_out, d_lse))[1:3]
+
+  text = jax.jit(bwd).trace(q, k, k, q, lse, q, lse, *_segment_structs(segments, t, s)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert _MOSAIC_CALL.search(text)
 
 
 def test_tuned_backward_configs_serve_their_calls():
@@ -307,6 +337,10 @@ def test_tuned_backward_configs_serve_their_calls():
         assert mb.support_error((2, 256, 8, d), (2, 256, 2, d), BF16, _opts(causal),
                                 config) is None
   assert mb.MosaicBackwardConfig.tuned(256, True, with_dq=False).stages == 2  # d256_dkv
+  assert mb.MosaicBackwardConfig.tuned(128, False, with_dq=False).block_q == 80  # d128_dkv
+  assert mb.MosaicBackwardConfig.tuned(128, False, gqa=True, with_dq=False).block_q == 80
+  assert mb.MosaicBackwardConfig.tuned(128, True, with_dq=False).block_q == 64  # d128_causal_dkv
+  assert mb.MosaicBackwardConfig.tuned(128, True, gqa=True, with_dq=False).pingpong  # _gqa_dkv
 
 
 def test_remat_counts_the_kernel_cost():
@@ -435,6 +469,28 @@ class TestMosaicGpu:
     """The deterministic backward: the dK/dV-only Mosaic kernel beside mosaic_gpu_dq's."""
     _assert_grads_match_reference(PallasMosaicGpu(dq_config=dq_config),
                                   jax.random.key(t + 5 * s + d), (b, t, s, hq, hkv, d), opts)
+
+  @pytest.mark.parametrize("block_q, pingpong", [(80, True), (80, False), (96, False)])
+  @pytest.mark.parametrize("opts, segments", [
+      (dict(causal=False), False), (dict(causal=True), False),
+      (dict(sliding_window=(100, 30)), False), (dict(causal=True, logit_softcap=3.0), False),
+      (dict(causal=True), True)])
+  @pytest.mark.parametrize("b, t, s, hq, hkv", [
+      (2, 256, 384, 8, 2),    # T = 3·80 + 16 (2·96 + 64): the last step reaches past T
+      (1, 384, 256, 4, 1)])   # T > S, MQA
+  def test_wide_step_dkv_kernel_matches_reference(self, block_q, pingpong, opts, segments, b, t,
+                                                  s, hq, hkv):
+    """The deterministic pair with block_q query rows per step of the dK/dV kernel."""
+    backward = mb.MosaicBackwardConfig(dq_split=False, pingpong=pingpong, block_q=block_q,
+                                       with_dq=False)
+    impl = PallasMosaicGpu(backward_config=backward)
+    q, k, v, seg, ct = make_problem(jax.random.key(t + s + block_q), b, t, s, hq, hkv, 128, BF16,
+                                    segments=segments)
+    _, _, grads = run(impl, q, k, v, seg, ct, opts)
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), seg, ct, opts)
+    for name, g, rg in zip("qkv", grads, r_grads):
+      assert rel_err(g, rg) < 3e-2, name
 
   @pytest.mark.parametrize("dq_config", [MosaicDqConfig(block_kv=64, stages=1),
                                          MosaicDqConfig(block_kv=64, stages=2, v_stages=1)])
