@@ -10,7 +10,6 @@ POWER=1 also runs each dK/dV kernel alone for 3 s while nvidia-smi samples power
 """
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -18,6 +17,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "benchmarks/scratch")
+from _power import power  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import _common  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
@@ -43,28 +44,6 @@ def per_call(f, *args, reps=20):
     r = f(*args)
   jax.block_until_ready(r)
   return (time.perf_counter() - t0) / reps
-
-
-def power(f, *args, seconds=3.0):
-  """Median power (W) and SM clock (MHz) while f runs back to back for `seconds`."""
-  jax.block_until_ready(f(*args))
-  smi = subprocess.Popen(["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,"
-                          "nounits", "-lms", "50"], stdout=subprocess.PIPE, text=True)
-  t0 = time.perf_counter()
-  n = 0
-  while time.perf_counter() - t0 < seconds:
-    r = f(*args)
-    n += 1
-    if n % 20 == 0:
-      jax.block_until_ready(r)
-  jax.block_until_ready(r)
-  sec = (time.perf_counter() - t0) / n
-  smi.terminate()
-  rows = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.strip()]
-  busy = [(float(p), float(c)) for p, c in rows if float(p) > 300]
-  if not busy:
-    return sec, float("nan"), float("nan")
-  return sec, statistics.median(p for p, _ in busy), statistics.median(c for _, c in busy)
 
 
 for causal in CAUSAL:
