@@ -4,7 +4,9 @@
     CAUSAL=0,1 python benchmarks/scratch/attn_energy.py
 
 Pieces: the forward; the backward alone (the vjp function of saved residuals); for ours also
-the dK/dV kernel and the dq kernel alone. Both GPUs' kernels run at the 700 W cap on an H200,
+the dK/dV kernel and the dq kernel alone. ONEPASS=1 instead: our one-pass backward
+(deterministic=False) as is, and with its dq TMA reductions skipped (wrong gradients: what
+the reductions cost; bwd_ablate.py's patch). Both GPUs' kernels run at the 700 W cap on an H200,
 so time there is energy; this says which piece spends the difference.
 """
 import os
@@ -21,6 +23,7 @@ from memeff_jax.ops.flash_attention import _common  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_dq as mdq  # noqa: E402
 from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
+from bwd_ablate import without_reductions  # noqa: E402
 
 B, T, H, D = 4, 4096, 32, 128
 ks = jax.random.split(jax.random.key(0), 4)
@@ -30,6 +33,19 @@ for causal in [c == "1" for c in os.environ.get("CAUSAL", "0,1").split(",")]:
   ours = lambda q, k, v: fa.flash_attention(q, k, v, causal=causal)
   cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                        implementation="cudnn")
+  if os.environ.get("ONEPASS") == "1":
+    onepass = lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, deterministic=False)
+    _, vjp = jax.vjp(onepass, q, k, v)
+    for name, patched in (("one-pass bwd", False), ("without reductions", True)):
+      f = jax.jit(lambda vjp, ct: vjp(ct))  # a fresh function: traced with or without
+      mb.plgpu = without_reductions() if patched else mb.plgpu
+      try:
+        sec, watts, mhz = power(f, vjp, ct)
+      finally:
+        mb.plgpu = mdq.plgpu
+      print(f"causal={causal!s:5} {name:18} {sec * 1e3:7.3f} ms at {watts:5.1f} W, {mhz:.0f} "
+            f"MHz: {watts * sec * 1e3:7.1f} mJ per call", flush=True)
+    continue
   pieces = {}
   for name, f in (("ours", ours), ("cudnn", cudnn)):
     pieces[f"{name} fwd"] = (jax.jit(f), (q, k, v))
