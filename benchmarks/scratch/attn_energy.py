@@ -6,7 +6,7 @@
 Pieces: the forward; the backward alone (the vjp function of saved residuals); for ours also
 the dK/dV kernel and the dq kernel alone. ONEPASS=1 instead: our one-pass backward
 (deterministic=False) as is, and with its dq TMA reductions skipped (wrong gradients: what
-the reductions cost; bwd_ablate.py's patch). Both GPUs' kernels run at the 700 W cap on an H200,
+the reductions cost; bwd_ablate.py's patch); SPLIT=1 with dq_split for every mask. Both GPUs' kernels run at the 700 W cap on an H200,
 so time there is energy; this says which piece spends the difference.
 """
 import os
@@ -34,7 +34,11 @@ for causal in [c == "1" for c in os.environ.get("CAUSAL", "0,1").split(",")]:
   cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                        implementation="cudnn")
   if os.environ.get("ONEPASS") == "1":
-    onepass = lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, deterministic=False)
+    # SPLIT=1: the one-pass kernel with dq_split (the causal default) whatever the mask.
+    impl = (fa.PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(dq_split=True))
+            if os.environ.get("SPLIT") == "1" else None)
+    onepass = lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, deterministic=False,
+                                                 implementation=impl)
     _, vjp = jax.vjp(onepass, q, k, v)
     for name, patched in (("one-pass bwd", False), ("without reductions", True)):
       f = jax.jit(lambda vjp, ct: vjp(ct))  # a fresh function: traced with or without
