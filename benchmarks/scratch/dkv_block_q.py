@@ -11,14 +11,13 @@ POWER=1 also runs each dK/dV kernel alone for 3 s while nvidia-smi samples power
 import os
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
-from _power import power  # noqa: E402
+from _measure import per_call, power  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import _common  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
@@ -35,15 +34,6 @@ q, k, v, ct = (jax.random.normal(kk, (B, T, H, D), jnp.float32).astype(jnp.bfloa
 def config(name):
   return mb.MosaicBackwardConfig(dq_split=False, with_dq=False, pingpong=name.endswith("pp"),
                                  block_q=int(name.rstrip("p")))
-
-
-def per_call(f, *args, reps=20):
-  jax.block_until_ready(f(*args))
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    r = f(*args)
-  jax.block_until_ready(r)
-  return (time.perf_counter() - t0) / reps
 
 
 for causal in CAUSAL:

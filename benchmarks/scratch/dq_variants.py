@@ -9,12 +9,13 @@ Per variant: the worst gradient error against the float32 reference at a small G
 """
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "benchmarks/scratch")
+from _measure import per_call  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import _common  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
@@ -51,15 +52,6 @@ names = sys.argv[1].split(",") if len(sys.argv) > 1 else (
     ["triton"] + list(VARIANTS) + ["nondeterministic", "cudnn"])
 ks = jax.random.split(jax.random.key(0), 4)
 q, k, v, ct = (jax.random.normal(kk, (B, T, H, D), jnp.float32).astype(jnp.bfloat16) for kk in ks)
-
-
-def timed(f, *args, reps=20):
-  jax.block_until_ready(f(*args))
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    r = f(*args)
-  jax.block_until_ready(r)
-  return (time.perf_counter() - t0) / reps
 
 
 def check(impl):
@@ -99,7 +91,7 @@ for causal in (False, True):
           print(f"{name}: worst gradient rel err "
                 f"{check(fa.PallasMosaicGpu(backward_config=cfg)):.2e}", flush=True)
         print(f"causal={causal!s:5} {name:18} dk/dv alone "
-              f"{timed(alone, res, ct, stats) * 1e3:7.3f} ms", flush=True)
+              f"{per_call(alone, res, ct, stats) * 1e3:7.3f} ms", flush=True)
       except Exception as e:  # pylint: disable=broad-except
         print(f"{name} FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
         continue
@@ -116,7 +108,7 @@ for causal in (False, True):
         impl = fa.PallasMosaicGpu(dq_config=cfg)
         alone = jax.jit(lambda res, ct, delta: pallas_triton.dq_pass(
             pallas_triton.PallasTriton()._static(q, opts), res, ct, delta))  # pylint: disable=protected-access
-        print(f"causal={causal!s:5} {name:18} dq alone {timed(alone, res, ct, delta) * 1e3:7.3f} ms",
+        print(f"causal={causal!s:5} {name:18} dq alone {per_call(alone, res, ct, delta) * 1e3:7.3f} ms",
               flush=True)
       else:
         impl = fa.PallasMosaicGpu(dq_config=VARIANTS[name])
@@ -125,7 +117,7 @@ for causal in (False, True):
             print(f"{name}: worst gradient rel err {check(impl):.2e}", flush=True)
           alone = jax.jit(lambda res, ct, stats, c=VARIANTS[name]: mdq.dq(opts, c, res, ct, stats))
           print(f"causal={causal!s:5} {name:18} dq alone "
-                f"{timed(alone, res, ct, stats) * 1e3:7.3f} ms", flush=True)
+                f"{per_call(alone, res, ct, stats) * 1e3:7.3f} ms", flush=True)
         except Exception as e:  # pylint: disable=broad-except
           print(f"{name} FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
           continue
@@ -138,7 +130,7 @@ for causal in (False, True):
       return out, vjp(ct)
 
     try:
-      sec = timed(step, q, k, v, ct)
+      sec = per_call(step, q, k, v, ct)
       print(f"causal={causal!s:5} {name:18} fwd+bwd {sec * 1e3:7.3f} ms "
             f"{flops / sec / 1e12:6.1f} TFLOP/s", flush=True)
     except Exception as e:  # pylint: disable=broad-except

@@ -196,9 +196,10 @@ def _dq_tile_shape(config: MosaicBackwardConfig, d: int) -> tuple[int, int, int]
   return (2, BLOCK_Q, config.dq_cols(d)) if config.with_dq else (2, 8, 8)
 
 
-def _q_swizzle(block_q: int) -> int:
-  """The widest swizzle (bytes) of the Q and dO tiles whose group of rows divides block_q:
-  dV = Pᵀ dO and dK = dSᵀ Q contract over the tile's block_q rows, in swizzle / 2 steps."""
+def _operand_swizzle(block_q: int) -> int:
+  """The widest swizzle (bytes) whose group of rows divides block_q, for the K, V, Q and dO
+  tiles: dV = Pᵀ dO and dK = dSᵀ Q contract over the Q/dO tiles' block_q rows in swizzle / 2
+  steps, and the Sᵀ = K Qᵀ and dPᵀ = V dOᵀ WGMMAs need K and V in the same swizzle."""
   return next(sw for sw in (128, 64, 32) if block_q % (sw // 2) == 0)
 
 
@@ -465,7 +466,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     ranges = _mosaic.segment_block_ranges(
         kv_seg, jnp.pad(q_seg, ((0, 0), (0, -t % bq)), mode="edge"), config.cta_keys(), bq)
     seg_args = (q_seg, kv_seg, ranges)
-    seg_scratch = (plgpu.SMEM((config.cta_keys(),), jnp.int32), plgpu.SMEM((stages, _seg_len(bq)), jnp.int32),
+    seg_scratch = (plgpu.SMEM((config.cta_keys(),), jnp.int32),
+                   plgpu.SMEM((stages, _seg_len(bq)), jnp.int32),
                    plgpu.Barrier(), plgpu.Barrier(num_barriers=stages))
   else:
     seg_args, seg_scratch = (), ()
@@ -479,7 +481,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     dkv_acc = ()
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   tiles = _mosaic.swizzled_tiles()
-  q_tiles = _mosaic.swizzled_tiles(_q_swizzle(bq))
+  operand_tiles = _mosaic.swizzled_tiles(_operand_swizzle(bq))
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
@@ -493,10 +495,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
 
     pl.run_scoped(
         kernel,
-        plgpu.SMEM((config.cta_keys(), d), k.dtype, transforms=q_tiles),
-        plgpu.SMEM((config.cta_keys(), d), v.dtype, transforms=q_tiles),
-        plgpu.SMEM((stages, bq, d), q.dtype, transforms=q_tiles),
-        plgpu.SMEM((stages, bq, d), q.dtype, transforms=q_tiles),
+        plgpu.SMEM((config.cta_keys(), d), k.dtype, transforms=operand_tiles),
+        plgpu.SMEM((config.cta_keys(), d), v.dtype, transforms=operand_tiles),
+        plgpu.SMEM((stages, bq, d), q.dtype, transforms=operand_tiles),
+        plgpu.SMEM((stages, bq, d), q.dtype, transforms=operand_tiles),
         plgpu.SMEM((stages, 2, bq), jnp.float32),
         plgpu.SMEM(_ds_shape(config), q.dtype, transforms=tiles),
         plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32),

@@ -1,10 +1,20 @@
-"""power(f, *args): a JAX function's median power and SM clock while it runs back to back
-(nvidia-smi sampled every 50 ms), for the scratch energy diagnostics."""
+"""Timing and power of a JAX function run back to back, for the scratch diagnostics:
+per_call (seconds per call) and power (median power and SM clock, nvidia-smi every 50 ms)."""
 import statistics
 import subprocess
 import time
 
 import jax
+
+
+def per_call(f, *args, reps=20):
+  """Seconds per call of f(*args), compiled and run once first, over `reps` calls."""
+  jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    r = f(*args)
+  jax.block_until_ready(r)
+  return (time.perf_counter() - t0) / reps
 
 
 def power(f, *args, seconds=3.0):
