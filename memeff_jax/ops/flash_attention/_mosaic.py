@@ -41,11 +41,12 @@ _LOAD_TAKES_INDEX = plgpu is not None and getattr(
 ) is inspect.Parameter.empty
 
 
-def swizzled_tiles(swizzle: int = 128):
+def swizzled_tiles(swizzle: int = 128, dtype=jnp.bfloat16):
   """Swizzled tiles of `swizzle` bytes (64 16-bit elements by default): what TMA writes and
   WGMMA reads. A WGMMA whose B operand is such a tile contracts over a multiple of
   swizzle / 2 of the tile's rows (Mosaic GPU issues its K steps per swizzle group)."""
-  return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
 
 
 def div(x, n):
