@@ -252,15 +252,19 @@ def torch_bridge_section() -> list[str]:
          "`python benchmarks/torch_bridge.py`: every provider in a fresh process; extra memory "
          "= torch's max_memory_allocated over the inputs + JAX's peak_bytes_in_use over its "
          "start − the gradient outputs. jax_direct is the same JAX function on JAX arrays "
-         "(its extra memory: XLA temporaries).", ""]
+         "(its extra memory: XLA temporaries). ms: each step from an idle GPU; queued ms "
+         "(where measured): the step queued behind 20 ms of matmuls, as behind a model's "
+         "forward, which hides the host's latency to the first kernel.", ""]
   for (op, device, stamp), group in _by_run(rows, "op", "device", "timestamp"):
     attention = op.endswith("attention")
+    queued = not attention and any("queued_ms" in r for r in group)
     head = ("| provider | causal | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |"
-            if attention else "| provider | ms | × floor | TFLOP/s |")
+            if attention else "| provider | ms | × floor | TFLOP/s |"
+            + (" queued ms |" if queued else ""))
     out += [f"**{op}** on {device}, {stamp} (jax {group[0]['jax']}, torch "
             f"{group[0].get('torch', '?')})", "",
             head + " torch peak (GiB) | JAX peak (GiB) | extra (GiB) |",
-            "|---" * (9 if attention else 7) + "|"]
+            "|---" * (9 if attention else 7 + queued) + "|"]
     for r in group:
       if "error" in r:
         out.append(f"| {r['provider']} | error: {r['error'][:60]} |")
@@ -271,6 +275,8 @@ def torch_bridge_section() -> list[str]:
       else:
         ratio = r.get("ratio_to_floor")
         cells = f"{r['ms']:.2f} | {'—' if ratio is None else f'{ratio:.3f}'} | {r['tflops']:.0f}"
+        if queued:
+          cells += f" | {r['queued_ms']:.2f}" if "queued_ms" in r else " | —"
       out.append(f"| {r['provider']} | {cells} | {_gib(r.get('torch_peak_bytes'))} | "
                  f"{_gib(r.get('jax_peak_bytes'))} | {_gib(r.get('extra_bytes'))} |")
     for r in group:
