@@ -197,10 +197,10 @@ def _dq_tile_shape(config: MosaicBackwardConfig, d: int) -> tuple[int, int, int]
 
 
 def _dq_tile_transforms(config: MosaicBackwardConfig) -> tuple:
-  """The float32 dQ tiles in 128-byte swizzled tiles of 8 × 32. A WGMMA accumulator stored
-  row-major to a 64- or 128-column float32 tile puts a warp's eight rows in the same banks
-  (8-way conflicts, which Mosaic GPU cannot plan around without a swizzle); swizzled, the
-  stores are conflict-free, and the TMA reductions read the tiles as they are."""
+  """The float32 dQ tiles in 128-byte swizzled tiles of 8 × 32. Row-major, a WGMMA
+  accumulator's stores to a 64- or 128-column float32 tile put a warp's rows in the same
+  shared-memory banks (Mosaic GPU finds no conflict-free plan without a swizzle); swizzled
+  they are conflict-free, and the TMA reductions read the tiles as they are."""
   return _mosaic.swizzled_tiles(128, jnp.float32) if config.with_dq else ()
 
 
@@ -509,7 +509,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         plgpu.SMEM((stages, bq, d), q.dtype, transforms=operand_tiles),
         plgpu.SMEM((stages, 2, bq), jnp.float32),
         plgpu.SMEM(_ds_shape(config), q.dtype, transforms=tiles),
-        plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32, transforms=_dq_tile_transforms(config)),
+        plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32,
+                   transforms=_dq_tile_transforms(config)),
         plgpu.Barrier(),
         plgpu.Barrier(),
         plgpu.Barrier(num_barriers=stages),
