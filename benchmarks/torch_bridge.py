@@ -77,9 +77,9 @@ def loss_worker(provider: str, reps: int) -> dict:
   if provider == "floor":
     g = (torch.randn(N, V, device="cuda") * 1e-3).to(torch.bfloat16)
     x, w = xt.detach(), wt.detach()
-    floor = lambda: (x @ w.T, g @ w, g.T @ x)
-    return dict(ms=_harness.time_torch(floor, reps=reps),
-                queued_ms=_harness.time_torch(floor, reps=reps, lead_ms=20.0))
+    matmuls = lambda: (x @ w.T, g @ w, g.T @ x)
+    return dict(ms=_harness.time_torch(matmuls, reps=reps),
+                queued_ms=_harness.time_torch(matmuls, reps=reps, lead_ms=20.0))
   if provider == "jax_direct":
     import jax  # pylint: disable=import-outside-toplevel
 

@@ -9,21 +9,15 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "benchmarks/scratch")
 import jax  # noqa: E402
 import memeff_jax.interop.torch as mt  # noqa: E402
-from memeff_jax.ops import linear_cross_entropy as lce  # noqa: E402
+from _measure import CHUNK, bridge_loss_problem  # noqa: E402
 
-N, D, V, CHUNK = 16384, 4096, 128256, 512
-torch.manual_seed(0)
-xt = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
-wt = (torch.randn(V, D, device="cuda") / np.sqrt(D)).to(torch.bfloat16).requires_grad_()
-yt = torch.randint(0, V, (N,), device="cuda")
-impl = lce.PallasGpu(mosaic_gemms=("logits", "dx", "dw"), dw_accumulation="tma_add",
-                     fused_lse=True)
+xt, wt, yt, impl = bridge_loss_problem()
 key = mt._lce_key("mean", -100, 0.0, 0.0, None, None, CHUNK, mt._implementation_key(impl))
 vg = mt._lce_fns(*key)[1]
 

@@ -19,23 +19,17 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "benchmarks/scratch")
 import jax  # noqa: E402
 import memeff_jax.interop.torch as mt  # noqa: E402
+from _measure import CHUNK, bridge_loss_problem  # noqa: E402
+from benchmarks import _harness  # noqa: E402
 from memeff_jax import linear_cross_entropy  # noqa: E402
-from memeff_jax.ops import linear_cross_entropy as lce  # noqa: E402
 
-N, D, V, CHUNK = 16384, 4096, 128256, 512
-torch.manual_seed(0)
-xt = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
-wt = (torch.randn(V, D, device="cuda") / np.sqrt(D)).to(torch.bfloat16).requires_grad_()
-yt = torch.randint(0, V, (N,), device="cuda")
-impl = lce.PallasGpu(mosaic_gemms=("logits", "dx", "dw"), dw_accumulation="tma_add",
-                     fused_lse=True)
-busy_a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+xt, wt, yt, impl = bridge_loss_problem()
 
 
 def bridge():
@@ -101,18 +95,9 @@ def wall(fn):
 
 
 def busy(fn):
-  """CUDA-event time of fn on torch's stream once ~20 ms of matmuls ahead of it have run."""
-  def timer():
-    torch.cuda.synchronize()
-    for _ in range(16):
-      busy_a @ busy_a
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-  return timer
+  """CUDA-event time of fn on torch's stream queued behind ~20 ms of matmuls (torch_bridge's
+  queued_ms)."""
+  return lambda: _harness.time_torch(fn, warmup=0, reps=1, lead_ms=20.0)
 
 
 timers = {
