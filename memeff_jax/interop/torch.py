@@ -10,7 +10,9 @@ Conventions are torch's: the weight is [V, D] as in nn.Linear, labels are intege
 F.cross_entropy where they overlap.
 
 Both ops are `torch.library.custom_op`s with `register_fake` and `register_autograd`, so
-`torch.compile(fullgraph=True)` traces a model that calls them without graph breaks.
+`torch.compile(fullgraph=True)` traces a model that calls them without graph breaks. An
+eager call of the loss on plain tensors runs the same forward and backward as a plain
+autograd.Function, without torch.library's dispatch (host time the GPU would wait for).
 Residuals are torch tensors (zero-copy views of the JAX buffers) saved with
 `ctx.save_for_backward`, so they are freed right after backward and pass through
 `torch.autograd.graph.saved_tensors_hooks` (e.g. CPU offload). None is kept on ctx attributes.
@@ -40,6 +42,7 @@ if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
 
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import _len_torch_dispatch_stack  # noqa: E402
 
 from memeff_jax.ops import _dispatch  # noqa: E402
 from memeff_jax.ops import flash_attention as _fa  # noqa: E402
@@ -58,6 +61,14 @@ _WIDE = (torch.int64, torch.float64, torch.complex128)
 # ----------------------------------------------------------------------------------------
 
 
+def _check_wide(t: torch.Tensor):
+  if not isinstance(t, torch.Tensor):
+    raise TypeError(f"to_jax expects a torch.Tensor, got {type(t).__name__}")
+  if t.dtype in _WIDE and not jax.config.jax_enable_x64:
+    raise TypeError(f"to_jax got a {t.dtype} tensor; with jax_enable_x64 off JAX would "
+                    "narrow it, so convert explicitly, e.g. t.to(torch.int32)")
+
+
 def to_jax(t: torch.Tensor) -> jax.Array:
   """A torch tensor as a jax.Array on the same device, sharing its memory.
 
@@ -68,11 +79,7 @@ def to_jax(t: torch.Tensor) -> jax.Array:
   narrow them silently; convert explicitly (`t.to(torch.int32)`). A tensor that requires
   grad is detached (autograd goes through the ops below, not through this function).
   """
-  if not isinstance(t, torch.Tensor):
-    raise TypeError(f"to_jax expects a torch.Tensor, got {type(t).__name__}")
-  if t.dtype in _WIDE and not jax.config.jax_enable_x64:
-    raise TypeError(f"to_jax got a {t.dtype} tensor; with jax_enable_x64 off JAX would "
-                    "narrow it, so convert explicitly, e.g. t.to(torch.int32)")
+  _check_wide(t)
   t = t.detach()
   if not t.is_contiguous():
     t = t.contiguous()
@@ -88,18 +95,63 @@ def to_torch(a: jax.Array) -> torch.Tensor:
   return torch.from_dlpack(a)
 
 
-def _opt(t):
-  return None if t is None else to_jax(t)
+class _Ordered:
+  """A CUDA tensor exported without torch's stream handshake (DLPack stream -1), for the
+  inputs of one call after the first: importing the first made JAX's stream wait for
+  torch's, and the call's computation waits for every input's import, so the later ones
+  are ordered after the same torch work. Saves one event, wait and stream object each."""
+
+  __slots__ = ("tensor",)
+
+  def __init__(self, tensor: torch.Tensor):
+    self.tensor = tensor
+
+  def __dlpack_device__(self):
+    return self.tensor.__dlpack_device__()
+
+  def __dlpack__(self, *, stream=None, **kwargs):
+    del stream
+    return self.tensor.__dlpack__(stream=-1, **kwargs)
+
+
+def _to_jax_call(*tensors):
+  """to_jax of one call's inputs (None stays None), with one stream handshake on CUDA: the
+  first tensor's import synchronizes JAX with torch's current stream, the rest are
+  `_Ordered` after it."""
+  out, synced = [], False
+  for t in tensors:
+    if t is None:
+      out.append(None)
+      continue
+    if synced and t.is_cuda:
+      _check_wide(t)
+      t = t.detach()
+      out.append(jax.dlpack.from_dlpack(_Ordered(t if t.is_contiguous() else t.contiguous())))
+    else:
+      out.append(to_jax(t))
+      synced = synced or t.is_cuda
+  return out
+
+
+def _label_words(labels: torch.Tensor) -> torch.Tensor:
+  """int64 labels as their int32 words [..., 2] (a view; non-contiguous labels are made
+  contiguous first, one copy); other integer dtypes as they are."""
+  if labels.dtype != torch.int64:
+    return labels
+  labels = labels.contiguous()
+  return labels.reshape(-1).view(torch.int32).view(*labels.shape, 2)
+
+
+def _labels_from(labels: torch.Tensor, imported: jax.Array):
+  """The JAX loss's labels from the import of `_label_words(labels)`: int64 ids as
+  `Int64Labels` (JAX without x64 holds no int64), others as they are."""
+  return Int64Labels(imported) if labels.dtype == torch.int64 else imported
 
 
 def _labels_to_jax(labels: torch.Tensor):
   """Class ids for the JAX loss without a copy: int64 as `Int64Labels`, the int32 words of
-  the same memory (JAX without x64 holds no int64), other integer dtypes as they are.
-  Non-contiguous int64 labels are made contiguous first (one copy)."""
-  if labels.dtype != torch.int64:
-    return to_jax(labels)
-  labels = labels.contiguous()
-  return Int64Labels(to_jax(labels.reshape(-1).view(torch.int32).view(*labels.shape, 2)))
+  the same memory, other integer dtypes as they are."""
+  return _labels_from(labels, to_jax(_label_words(labels)))
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -174,23 +226,27 @@ def _lce_key(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, bi
           None if chunk_size is None else int(chunk_size), implementation)
 
 
-@torch.library.custom_op("memeff::linear_cross_entropy", mutates_args=())
-def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-            bias: torch.Tensor | None, ignore_index: int, reduction: str,
-            label_smoothing: float, z_loss: float, logit_softcap: float | None,
-            chunk_size: int | None, implementation: str, with_grads: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _lce_forward(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 bias: torch.Tensor | None, ignore_index: int, reduction: str,
+                 label_smoothing: float, z_loss: float, logit_softcap: float | None,
+                 chunk_size: int | None, implementation: str, with_grads: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
   """(loss, dx, dW, db) with the gradients of a unit cotangent when with_grads (mean/sum)."""
   value, value_and_grads, _ = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing,
                                                  z_loss, logit_softcap, bias, chunk_size,
                                                  implementation))
-  args = (to_jax(x), to_jax(weight), _opt(bias), _labels_to_jax(labels))
+  jx, jw, jb, jy = _to_jax_call(x, weight, bias, _label_words(labels))
+  args = (jx, jw, jb, _labels_from(labels, jy))
   with _on(x):
     if not with_grads:
       return to_torch(value(*args)), _empty(x), _empty(x), _empty(x)
     loss, grads = value_and_grads(*args)
   db = to_torch(grads[2]) if bias is not None else _empty(x)
   return to_torch(loss), to_torch(grads[0]), to_torch(grads[1]), db
+
+
+_lce_op = torch.library.custom_op("memeff::linear_cross_entropy", _lce_forward,
+                                  mutates_args=())
 
 
 @_lce_op.register_fake
@@ -212,8 +268,9 @@ def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
   """(dx, dW, db) for a per-token cotangent (reduction "none"): recomputes the chunks."""
   _, _, vjp = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing, z_loss,
                                  logit_softcap, bias, chunk_size, implementation))
+  jx, jw, jb, jy, jg = _to_jax_call(x, weight, bias, _label_words(labels), grad)
   with _on(x):
-    grads = vjp(to_jax(x), to_jax(weight), _opt(bias), _labels_to_jax(labels), to_jax(grad))
+    grads = vjp(jx, jw, jb, _labels_from(labels, jy), jg)
   db = to_torch(grads[2]) if bias is not None else _empty(x)
   return to_torch(grads[0]), to_torch(grads[1]), db
 
@@ -248,6 +305,57 @@ def _tracing(t: torch.Tensor) -> bool:
   return torch.compiler.is_compiling() or type(t) is not torch.Tensor  # pylint: disable=unidiomatic-typecheck
 
 
+@functools.lru_cache(maxsize=None)
+def _scale_kernel():
+  """A Triton kernel (torch's CUDA builds ship Triton) that multiplies a flat tensor by the
+  scalar at g_ptr in place, unless that scalar is 1: then each program reads it and returns.
+  None where Triton is not importable."""
+  try:
+    import triton  # pylint: disable=import-outside-toplevel
+    import triton.language as tl  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+
+  @triton.jit
+  def scale_unless_one(ptr, n, g_ptr, BLOCK: tl.constexpr):
+    g = tl.load(g_ptr).to(tl.float32)
+    if g != 1.0:
+      for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < n
+        v = tl.load(ptr + offsets, mask=mask)
+        tl.store(ptr + offsets, (v.to(tl.float32) * g).to(v.dtype), mask=mask)
+
+  return scale_unless_one
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+  return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _scale_unless_one(tensors, g: torch.Tensor):
+  """t *= g for each tensor (the unit gradients, ours alone), skipped when g is 1, as it is
+  from loss.backward(). On CUDA the test is made on the GPU by `_scale_kernel`, so the
+  backward does not wait for the forward to finish: a host sync there leaves the GPU idle
+  while the host runs the rest of the backward (about 1 ms per step at llama3-8b). Without
+  Triton, on CPU, or for a g that is not one element: reading g (one sync), as Liger-Kernel
+  does, is still cheaper than a pass over dW."""
+  kernel = _scale_kernel() if g.is_cuda else None
+  if g.numel() != 1:
+    for t in tensors:
+      t.mul_(g)
+  elif kernel is None or any(not t.is_contiguous() or t.numel() >= 2**31 for t in tensors):
+    if g.item() != 1.0:
+      for t in tensors:
+        t.mul_(g)
+  else:
+    block, programs = 4096, 4 * _multiprocessors(g.device.index or 0)
+    for t in tensors:
+      if t.numel():
+        kernel[(min(programs, -(-t.numel() // block)),)](t, t.numel(), g, BLOCK=block)
+
+
 def _lce_backward(ctx, g_loss, *unused):
   del unused
   if g_loss is None:  # nothing flowed into the loss
@@ -266,14 +374,42 @@ def _lce_backward(ctx, g_loss, *unused):
                          "scaled in place by the first. Call the loss again instead.")
     ctx.scaled = True
     dx, dw, db = ctx.saved_tensors
-    # loss.backward() passes exactly 1: then the unit gradients are the gradients, and
-    # reading that scalar (one sync) is cheaper than a pass over dW. As Liger-Kernel does.
-    if g_loss.numel() != 1 or g_loss.item() != 1.0:
-      dx, dw, db = (t.mul_(g_loss) for t in (dx, dw, db))
+    _scale_unless_one((dx, dw, db), g_loss)
   return (dx, dw, None, db if ctx.has_bias else None) + (None,) * 8
 
 
 _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+class _LceFunction(torch.autograd.Function):
+  """The custom op's forward and backward as a plain autograd.Function, for eager calls on
+  plain tensors: the same functions and residuals without torch.library's dispatch around
+  them (a few hundred microseconds of host time per call, which a GPU that has nothing else
+  queued waits through). torch.compile, fake tensors, tensor subclasses and functorch
+  transforms take the custom op."""
+
+  @staticmethod
+  def forward(ctx, *inputs):  # pylint: disable=arguments-differ
+    outputs = _lce_forward(*inputs)
+    _lce_setup(ctx, inputs, outputs)
+    return outputs[0]
+
+  @staticmethod
+  def backward(ctx, g_loss):  # pylint: disable=arguments-differ
+    return _lce_backward(ctx, g_loss)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_eager(*tensors) -> bool:
+  """True for an eager call on plain tensors: no compilation, no tensor subclass, no torch
+  function or dispatch mode, no functorch transform."""
+  return (not torch.compiler.is_compiling()
+          and all(t is None or type(t) in _PLAIN for t in tensors)  # pylint: disable=unidiomatic-typecheck
+          and _len_torch_dispatch_stack() == 0
+          and not torch._C._is_torch_function_mode_enabled()  # pylint: disable=protected-access
+          and not torch._C._are_functorch_transforms_active())  # pylint: disable=protected-access
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -306,12 +442,13 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
       t is not None and t.requires_grad for t in (x, weight, bias))
   if labels.dtype not in (torch.int64, torch.int32):
     labels = labels.to(torch.int32)
-  loss, *_ = _lce_op(x, weight, labels, bias, int(ignore_index), reduction,
-                     float(label_smoothing), float(z_loss),
-                     None if logit_softcap is None else float(logit_softcap),
-                     None if chunk_size is None else int(chunk_size),
-                     _implementation_key(implementation), needs_grad and reduction != "none")
-  return loss
+  inputs = (x, weight, labels, bias, int(ignore_index), reduction, float(label_smoothing),
+            float(z_loss), None if logit_softcap is None else float(logit_softcap),
+            None if chunk_size is None else int(chunk_size),
+            _implementation_key(implementation), needs_grad and reduction != "none")
+  if not _plain_eager(x, weight, labels, bias):
+    return _lce_op(*inputs)[0]
+  return _LceFunction.apply(*inputs) if needs_grad else _lce_forward(*inputs)[0]
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
@@ -355,9 +492,9 @@ def _fa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            causal: bool, scale: float | None, window_left: int, window_right: int,
            logit_softcap: float | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
   """(out [B, T, Hq, D], lse [B, T, Hq] float32), BTHD layout."""
+  args = _to_jax_call(q, k, v, q_segment_ids, kv_segment_ids)
   with _on(q):
-    out, lse = _fa_fwd(to_jax(q), to_jax(k), to_jax(v), _opt(q_segment_ids),
-                       _opt(kv_segment_ids), causal=causal, scale=scale,
+    out, lse = _fa_fwd(*args, causal=causal, scale=scale,
                        sliding_window=_window(window_left, window_right),
                        logit_softcap=logit_softcap, deterministic=deterministic)
   return to_torch(out), to_torch(lse)
@@ -376,10 +513,9 @@ def _fa_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
                causal: bool, scale: float | None, window_left: int, window_right: int,
                logit_softcap: float | None,
                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+  args = _to_jax_call(q, k, v, out, lse, d_out, d_lse, q_segment_ids, kv_segment_ids)
   with _on(q):
-    grads = _fa_bwd(to_jax(q), to_jax(k), to_jax(v), to_jax(out), to_jax(lse),
-                    to_jax(d_out), to_jax(d_lse), _opt(q_segment_ids), _opt(kv_segment_ids),
-                    causal=causal, scale=scale,
+    grads = _fa_bwd(*args, causal=causal, scale=scale,
                     sliding_window=_window(window_left, window_right),
                     logit_softcap=logit_softcap, deterministic=deterministic)
   return tuple(to_torch(g) for g in grads)

@@ -1,5 +1,6 @@
 """The PyTorch bridge: torch semantics, autograd, torch.compile, residual lifetime, zero-copy."""
 
+import contextlib
 import gc
 import weakref
 
@@ -83,12 +84,61 @@ def test_lce_scaled_loss_gradients(scale, device):
   _close(got[1], w.grad)
 
 
+@pytest.mark.parametrize("g", [1.0, -2.5, float("nan")])
+def test_scale_unless_one_equals_mul(g, device):
+  """The backward's in-place scaling (a Triton kernel on CUDA that skips g = 1 without a host
+  sync) equals t.mul_(g) bit for bit, over sizes that leave partial blocks and programs
+  that loop, in float32 and bfloat16."""
+  gt = torch.tensor(g, device=device)
+  for dtype in (torch.float32, torch.bfloat16):
+    tensors = [torch.randn(n, device=device).to(dtype) for n in (1, 4097, 3 * 4096 * 700 + 5)]
+    want = [t.clone().mul_(gt) for t in tensors]
+    mt._scale_unless_one(tensors, gt)  # pylint: disable=protected-access
+    for t, w in zip(tensors, want):
+      torch.testing.assert_close(t, w, rtol=0, atol=0, equal_nan=True)
+
+
 def test_lce_second_backward_is_refused(device):
   x, w, _, y = _lce_inputs(device=device)
   loss = mt.linear_cross_entropy(x, w, y)
   loss.backward(retain_graph=True)
   with pytest.raises(RuntimeError, match="second backward"):
     loss.backward()
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+  """A torch function mode that changes nothing: with it active the loss takes the custom op."""
+
+  def __torch_function__(self, func, types, args=(), kwargs=None):
+    return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_lce_eager_function_equals_custom_op(reduction, device):
+  """Eager calls on plain tensors run the custom op's forward and backward as a plain
+  autograd.Function; with a torch function mode (as under torch.compile, fake tensors or
+  subclasses) the call goes through the custom op. Both give the same loss and gradients."""
+  x, w, b, y = _lce_inputs(device=device, bias=True)
+  results = []
+  for mode in (None, _PassThrough()):
+    with mode or contextlib.nullcontext():
+      loss = mt.linear_cross_entropy(x, w, y, bias=b, reduction=reduction)
+    results.append((type(loss.grad_fn).__name__, loss,
+                    torch.autograd.grad(loss.sum() * 1.7, (x, w, b))))
+  (eager_fn, *eager), (op_fn, *op) = results
+  assert "_LceFunction" in eager_fn and "_LceFunction" not in op_fn, (eager_fn, op_fn)
+  _close(eager[0], op[0], 1e-6)
+  for a, r in zip(eager[1], op[1]):
+    _close(a, r, 1e-6)
+
+
+def test_one_call_imports_zero_copy_with_none_kept(device):
+  """_to_jax_call: the inputs of one call are views of the tensors, in order, None kept."""
+  a, b = torch.randn(8, 4, device=device), torch.randn(6, device=device)
+  got = mt._to_jax_call(a, None, b.to(torch.bfloat16), torch.randn(4, 8, device=device).t())  # pylint: disable=protected-access
+  assert got[0].unsafe_buffer_pointer() == a.data_ptr() and got[1] is None
+  np.testing.assert_array_equal(np.asarray(got[0]), a.cpu().numpy())
+  assert got[2].dtype == jnp.bfloat16 and got[3].shape == (8, 4)
 
 
 def test_lce_chunk_size_is_used(device):
