@@ -3,7 +3,7 @@ op path, the backward with a host sync on g (as before the Triton scale kernel),
 Liger-Kernel, interleaved in one process (rounds of each), so that host-latency differences
 are not lost in the power-capped run-to-run spread.
 
-    python benchmarks/scratch/bridge_ab.py [--rounds 5] [--reps 8]
+    python benchmarks/scratch/bridge_ab.py [--rounds 5] [--reps 8] [--variants function,liger]
 """
 import argparse
 import statistics
@@ -21,6 +21,7 @@ from benchmarks.linear_cross_entropy import torch_loss_fn, torch_step  # noqa: E
 parser = argparse.ArgumentParser()
 parser.add_argument("--rounds", type=int, default=5)
 parser.add_argument("--reps", type=int, default=8)
+parser.add_argument("--variants", default="function,custom_op,host_sync,liger")
 args = parser.parse_args()
 
 xt, wt, yt, impl = bridge_loss_problem()
@@ -57,6 +58,7 @@ def restore(step):
 steps = {"function": torch_step(light, xt, wt, yt)[0], "custom_op": torch_step(via_op, xt, wt, yt)[0],
          "host_sync": restore(torch_step(via_sync, xt, wt, yt)[0]),
          "liger": torch_step(torch_loss_fn("liger"), xt, wt, yt)[0]}
+steps = {k: steps[k] for k in args.variants.split(",")}
 times = {k: [] for k in steps}
 for r in range(args.rounds):
   for name, step in steps.items():

@@ -11,7 +11,7 @@ F.cross_entropy where they overlap.
 
 Both ops are `torch.library.custom_op`s with `register_fake` and `register_autograd`, so
 `torch.compile(fullgraph=True)` traces a model that calls them without graph breaks. An
-eager call of the loss on plain tensors runs the same forward and backward as a plain
+eager call on plain tensors runs the same forward and backward as a plain
 autograd.Function, without torch.library's dispatch (host time the GPU would wait for).
 Residuals are torch tensors (zero-copy views of the JAX buffers) saved with
 `ctx.save_for_backward`, so they are freed right after backward and pass through
@@ -486,11 +486,11 @@ def _window(left: int, right: int):
   return None if left < 0 else (left, right)
 
 
-@torch.library.custom_op("memeff::flash_attention", mutates_args=())
-def _fa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
-           causal: bool, scale: float | None, window_left: int, window_right: int,
-           logit_softcap: float | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _fa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
+                causal: bool, scale: float | None, window_left: int, window_right: int,
+                logit_softcap: float | None, deterministic: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
   """(out [B, T, Hq, D], lse [B, T, Hq] float32), BTHD layout."""
   args = _to_jax_call(q, k, v, q_segment_ids, kv_segment_ids)
   with _on(q):
@@ -500,25 +500,31 @@ def _fa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
   return to_torch(out), to_torch(lse)
 
 
+_fa_op = torch.library.custom_op("memeff::flash_attention", _fa_forward, mutates_args=())
+
+
 @_fa_op.register_fake
 def _(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window_left, window_right,
       logit_softcap, deterministic):
   return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("memeff::flash_attention_backward", mutates_args=())
-def _fa_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor,
-               q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
-               causal: bool, scale: float | None, window_left: int, window_right: int,
-               logit_softcap: float | None,
-               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fa_backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor,
+                      q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
+                      causal: bool, scale: float | None, window_left: int, window_right: int,
+                      logit_softcap: float | None,
+                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
   args = _to_jax_call(q, k, v, out, lse, d_out, d_lse, q_segment_ids, kv_segment_ids)
   with _on(q):
     grads = _fa_bwd(*args, causal=causal, scale=scale,
                     sliding_window=_window(window_left, window_right),
                     logit_softcap=logit_softcap, deterministic=deterministic)
   return tuple(to_torch(g) for g in grads)
+
+
+_fa_bwd_op = torch.library.custom_op("memeff::flash_attention_backward", _fa_backward_impl,
+                                     mutates_args=())
 
 
 @_fa_bwd_op.register_fake
@@ -554,18 +560,36 @@ def _fa_setup(ctx, inputs, output):
   out, lse = output
   ctx.save_for_backward(q, k, v, out, lse, q_seg, kv_seg)
   ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
+  ctx.eager = False
 
 
 def _fa_backward(ctx, d_out, d_lse):
   q, k, v, out, lse, q_seg, kv_seg = ctx.saved_tensors
   d_out = torch.zeros_like(out) if d_out is None else d_out
   d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
-  dq, dk, dv = _fa_bwd_op(q, k, v, out, lse, d_out.contiguous(), d_lse.contiguous(), q_seg,
-                          kv_seg, *ctx.options)
+  backward = _fa_backward_impl if ctx.eager else _fa_bwd_op
+  dq, dk, dv = backward(q, k, v, out, lse, d_out.contiguous(), d_lse.contiguous(), q_seg,
+                        kv_seg, *ctx.options)
   return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _fa_op.register_autograd(_fa_backward, setup_context=_fa_setup)
+
+
+class _FaFunction(torch.autograd.Function):
+  """The attention custom op's forward and backward as a plain autograd.Function, for eager
+  calls on plain tensors (see _LceFunction)."""
+
+  @staticmethod
+  def forward(ctx, *inputs):  # pylint: disable=arguments-differ
+    outputs = _fa_forward(*inputs)
+    _fa_setup(ctx, inputs, outputs)
+    ctx.eager = True
+    return outputs
+
+  @staticmethod
+  def backward(ctx, d_out, d_lse):  # pylint: disable=arguments-differ
+    return _fa_backward(ctx, d_out, d_lse)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -600,11 +624,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
   if q_segment_ids is not None:
     q_segment_ids = q_segment_ids.to(torch.int32)
     kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids.to(torch.int32)
-  out, lse = _fa_op(q.contiguous(), k.contiguous(), v.contiguous(), q_segment_ids,
-                    kv_segment_ids, bool(causal), None if scale is None else float(scale),
-                    int(left), int(right),
-                    None if logit_softcap is None else float(logit_softcap),
-                    bool(deterministic))
+  inputs = (q.contiguous(), k.contiguous(), v.contiguous(), q_segment_ids, kv_segment_ids,
+            bool(causal), None if scale is None else float(scale), int(left), int(right),
+            None if logit_softcap is None else float(logit_softcap), bool(deterministic))
+  if not _plain_eager(*inputs[:5]):
+    out, lse = _fa_op(*inputs)
+  elif torch.is_grad_enabled() and any(t.requires_grad for t in inputs[:3]):
+    out, lse = _FaFunction.apply(*inputs)
+  else:
+    out, lse = _fa_forward(*inputs)
   if layout == "bhtd":
     out, lse = out.transpose(1, 2), lse.transpose(1, 2)
   return (out, lse) if return_lse else out
