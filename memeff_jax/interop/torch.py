@@ -10,9 +10,7 @@ Conventions are torch's: the weight is [V, D] as in nn.Linear, labels are intege
 F.cross_entropy where they overlap.
 
 Both ops are `torch.library.custom_op`s with `register_fake` and `register_autograd`, so
-`torch.compile(fullgraph=True)` traces a model that calls them without graph breaks. An
-eager call on plain tensors runs the same forward and backward as a plain
-autograd.Function, without torch.library's dispatch (host time the GPU would wait for).
+`torch.compile(fullgraph=True)` traces a model that calls them without graph breaks.
 Residuals are torch tensors (zero-copy views of the JAX buffers) saved with
 `ctx.save_for_backward`, so they are freed right after backward and pass through
 `torch.autograd.graph.saved_tensors_hooks` (e.g. CPU offload). None is kept on ctx attributes.
@@ -42,7 +40,6 @@ if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
 
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
-from torch.utils._python_dispatch import _len_torch_dispatch_stack  # noqa: E402
 
 from memeff_jax.ops import _dispatch  # noqa: E402
 from memeff_jax.ops import flash_attention as _fa  # noqa: E402
@@ -226,11 +223,12 @@ def _lce_key(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, bi
           None if chunk_size is None else int(chunk_size), implementation)
 
 
-def _lce_forward(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                 bias: torch.Tensor | None, ignore_index: int, reduction: str,
-                 label_smoothing: float, z_loss: float, logit_softcap: float | None,
-                 chunk_size: int | None, implementation: str, with_grads: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("memeff::linear_cross_entropy", mutates_args=())
+def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+            bias: torch.Tensor | None, ignore_index: int, reduction: str,
+            label_smoothing: float, z_loss: float, logit_softcap: float | None,
+            chunk_size: int | None, implementation: str, with_grads: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
   """(loss, dx, dW, db) with the gradients of a unit cotangent when with_grads (mean/sum)."""
   value, value_and_grads, _ = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing,
                                                  z_loss, logit_softcap, bias, chunk_size,
@@ -243,10 +241,6 @@ def _lce_forward(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     loss, grads = value_and_grads(*args)
   db = to_torch(grads[2]) if bias is not None else _empty(x)
   return to_torch(loss), to_torch(grads[0]), to_torch(grads[1]), db
-
-
-_lce_op = torch.library.custom_op("memeff::linear_cross_entropy", _lce_forward,
-                                  mutates_args=())
 
 
 @_lce_op.register_fake
@@ -381,37 +375,6 @@ def _lce_backward(ctx, g_loss, *unused):
 _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
 
 
-class _LceFunction(torch.autograd.Function):
-  """The custom op's forward and backward as a plain autograd.Function, for eager calls on
-  plain tensors: the same functions and residuals without torch.library's dispatch around
-  them (a few hundred microseconds of host time per call, which a GPU that has nothing else
-  queued waits through). torch.compile, fake tensors, tensor subclasses and functorch
-  transforms take the custom op."""
-
-  @staticmethod
-  def forward(ctx, *inputs):  # pylint: disable=arguments-differ
-    outputs = _lce_forward(*inputs)
-    _lce_setup(ctx, inputs, outputs)
-    return outputs[0]
-
-  @staticmethod
-  def backward(ctx, g_loss):  # pylint: disable=arguments-differ
-    return _lce_backward(ctx, g_loss)
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _plain_eager(*tensors) -> bool:
-  """True for an eager call on plain tensors: no compilation, no tensor subclass, no torch
-  function or dispatch mode, no functorch transform."""
-  return (not torch.compiler.is_compiling()
-          and all(t is None or type(t) in _PLAIN for t in tensors)  # pylint: disable=unidiomatic-typecheck
-          and _len_torch_dispatch_stack() == 0
-          and not torch._C._is_torch_function_mode_enabled()  # pylint: disable=protected-access
-          and not torch._C._are_functorch_transforms_active())  # pylint: disable=protected-access
-
-
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          bias: torch.Tensor | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
@@ -442,13 +405,12 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
       t is not None and t.requires_grad for t in (x, weight, bias))
   if labels.dtype not in (torch.int64, torch.int32):
     labels = labels.to(torch.int32)
-  inputs = (x, weight, labels, bias, int(ignore_index), reduction, float(label_smoothing),
-            float(z_loss), None if logit_softcap is None else float(logit_softcap),
-            None if chunk_size is None else int(chunk_size),
-            _implementation_key(implementation), needs_grad and reduction != "none")
-  if not _plain_eager(x, weight, labels, bias):
-    return _lce_op(*inputs)[0]
-  return _LceFunction.apply(*inputs) if needs_grad else _lce_forward(*inputs)[0]
+  loss, *_ = _lce_op(x, weight, labels, bias, int(ignore_index), reduction,
+                     float(label_smoothing), float(z_loss),
+                     None if logit_softcap is None else float(logit_softcap),
+                     None if chunk_size is None else int(chunk_size),
+                     _implementation_key(implementation), needs_grad and reduction != "none")
+  return loss
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
@@ -486,11 +448,11 @@ def _window(left: int, right: int):
   return None if left < 0 else (left, right)
 
 
-def _fa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
-                causal: bool, scale: float | None, window_left: int, window_right: int,
-                logit_softcap: float | None, deterministic: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("memeff::flash_attention", mutates_args=())
+def _fa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
+           causal: bool, scale: float | None, window_left: int, window_right: int,
+           logit_softcap: float | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
   """(out [B, T, Hq, D], lse [B, T, Hq] float32), BTHD layout."""
   args = _to_jax_call(q, k, v, q_segment_ids, kv_segment_ids)
   with _on(q):
@@ -500,31 +462,25 @@ def _fa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
   return to_torch(out), to_torch(lse)
 
 
-_fa_op = torch.library.custom_op("memeff::flash_attention", _fa_forward, mutates_args=())
-
-
 @_fa_op.register_fake
 def _(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window_left, window_right,
       logit_softcap, deterministic):
   return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _fa_backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor,
-                      q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
-                      causal: bool, scale: float | None, window_left: int, window_right: int,
-                      logit_softcap: float | None,
-                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("memeff::flash_attention_backward", mutates_args=())
+def _fa_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor,
+               q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
+               causal: bool, scale: float | None, window_left: int, window_right: int,
+               logit_softcap: float | None,
+               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
   args = _to_jax_call(q, k, v, out, lse, d_out, d_lse, q_segment_ids, kv_segment_ids)
   with _on(q):
     grads = _fa_bwd(*args, causal=causal, scale=scale,
                     sliding_window=_window(window_left, window_right),
                     logit_softcap=logit_softcap, deterministic=deterministic)
   return tuple(to_torch(g) for g in grads)
-
-
-_fa_bwd_op = torch.library.custom_op("memeff::flash_attention_backward", _fa_backward_impl,
-                                     mutates_args=())
 
 
 @_fa_bwd_op.register_fake
@@ -560,36 +516,18 @@ def _fa_setup(ctx, inputs, output):
   out, lse = output
   ctx.save_for_backward(q, k, v, out, lse, q_seg, kv_seg)
   ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
-  ctx.eager = False
 
 
 def _fa_backward(ctx, d_out, d_lse):
   q, k, v, out, lse, q_seg, kv_seg = ctx.saved_tensors
   d_out = torch.zeros_like(out) if d_out is None else d_out
   d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
-  backward = _fa_backward_impl if ctx.eager else _fa_bwd_op
-  dq, dk, dv = backward(q, k, v, out, lse, d_out.contiguous(), d_lse.contiguous(), q_seg,
-                        kv_seg, *ctx.options)
+  dq, dk, dv = _fa_bwd_op(q, k, v, out, lse, d_out.contiguous(), d_lse.contiguous(), q_seg,
+                          kv_seg, *ctx.options)
   return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _fa_op.register_autograd(_fa_backward, setup_context=_fa_setup)
-
-
-class _FaFunction(torch.autograd.Function):
-  """The attention custom op's forward and backward as a plain autograd.Function, for eager
-  calls on plain tensors (see _LceFunction)."""
-
-  @staticmethod
-  def forward(ctx, *inputs):  # pylint: disable=arguments-differ
-    outputs = _fa_forward(*inputs)
-    _fa_setup(ctx, inputs, outputs)
-    ctx.eager = True
-    return outputs
-
-  @staticmethod
-  def backward(ctx, d_out, d_lse):  # pylint: disable=arguments-differ
-    return _fa_backward(ctx, d_out, d_lse)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -624,15 +562,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
   if q_segment_ids is not None:
     q_segment_ids = q_segment_ids.to(torch.int32)
     kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids.to(torch.int32)
-  inputs = (q.contiguous(), k.contiguous(), v.contiguous(), q_segment_ids, kv_segment_ids,
-            bool(causal), None if scale is None else float(scale), int(left), int(right),
-            None if logit_softcap is None else float(logit_softcap), bool(deterministic))
-  if not _plain_eager(*inputs[:5]):
-    out, lse = _fa_op(*inputs)
-  elif torch.is_grad_enabled() and any(t.requires_grad for t in inputs[:3]):
-    out, lse = _FaFunction.apply(*inputs)
-  else:
-    out, lse = _fa_forward(*inputs)
+  out, lse = _fa_op(q.contiguous(), k.contiguous(), v.contiguous(), q_segment_ids,
+                    kv_segment_ids, bool(causal), None if scale is None else float(scale),
+                    int(left), int(right),
+                    None if logit_softcap is None else float(logit_softcap),
+                    bool(deterministic))
   if layout == "bhtd":
     out, lse = out.transpose(1, 2), lse.transpose(1, 2)
   return (out, lse) if return_lse else out

@@ -1,6 +1,5 @@
 """The PyTorch bridge: torch semantics, autograd, torch.compile, residual lifetime, zero-copy."""
 
-import contextlib
 import gc
 import weakref
 
@@ -104,40 +103,6 @@ def test_lce_second_backward_is_refused(device):
   loss.backward(retain_graph=True)
   with pytest.raises(RuntimeError, match="second backward"):
     loss.backward()
-
-
-class _PassThrough(torch.overrides.TorchFunctionMode):
-  """A torch function mode that changes nothing: with it active the loss takes the custom op."""
-
-  def __torch_function__(self, func, types, args=(), kwargs=None):
-    return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("op", ["lce_mean", "lce_none", "attention"])
-def test_eager_function_equals_custom_op(op, device):
-  """Eager calls on plain tensors run the custom op's forward and backward as a plain
-  autograd.Function; with a torch function mode (as under torch.compile, fake tensors or
-  subclasses) the call goes through the custom op. Both give the same values and gradients."""
-  if op == "attention":
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, 20, h, 32, generator=g).to(device).requires_grad_()
-               for h in (4, 2, 2))
-    inputs, name = (q, k, v), "_FaFunction"
-    call = lambda: mt.flash_attention(q, k, v, causal=True, return_lse=True)
-  else:
-    x, w, b, y = _lce_inputs(device=device, bias=True)
-    inputs, name = (x, w, b), "_LceFunction"
-    call = lambda: (mt.linear_cross_entropy(x, w, y, bias=b, reduction=op[4:]),)
-  results = []
-  for mode in (None, _PassThrough()):
-    with mode or contextlib.nullcontext():
-      outs = call()
-    total = sum((o * (1.7 + i)).sum() for i, o in enumerate(outs))
-    results.append((type(outs[0].grad_fn).__name__, outs, torch.autograd.grad(total, inputs)))
-  (eager_fn, *eager), (op_fn, *via_op) = results
-  assert name in eager_fn and name not in op_fn, (eager_fn, op_fn)
-  for a, r in zip((*eager[0], *eager[1]), (*via_op[0], *via_op[1])):
-    _close(a, r, 1e-6)
 
 
 def test_one_call_imports_zero_copy_with_none_kept(device):
