@@ -58,12 +58,15 @@ _WIDE = (torch.int64, torch.float64, torch.complex128)
 # ----------------------------------------------------------------------------------------
 
 
-def _check_wide(t: torch.Tensor):
+def _exportable(t: torch.Tensor) -> torch.Tensor:
+  """t checked and made ready for a DLPack export: detached, contiguous (a copy if not)."""
   if not isinstance(t, torch.Tensor):
     raise TypeError(f"to_jax expects a torch.Tensor, got {type(t).__name__}")
   if t.dtype in _WIDE and not jax.config.jax_enable_x64:
     raise TypeError(f"to_jax got a {t.dtype} tensor; with jax_enable_x64 off JAX would "
                     "narrow it, so convert explicitly, e.g. t.to(torch.int32)")
+  t = t.detach()
+  return t if t.is_contiguous() else t.contiguous()
 
 
 def to_jax(t: torch.Tensor) -> jax.Array:
@@ -76,11 +79,7 @@ def to_jax(t: torch.Tensor) -> jax.Array:
   narrow them silently; convert explicitly (`t.to(torch.int32)`). A tensor that requires
   grad is detached (autograd goes through the ops below, not through this function).
   """
-  _check_wide(t)
-  t = t.detach()
-  if not t.is_contiguous():
-    t = t.contiguous()
-  return jax.dlpack.from_dlpack(t)
+  return jax.dlpack.from_dlpack(_exportable(t))
 
 
 def to_torch(a: jax.Array) -> torch.Tensor:
@@ -120,13 +119,9 @@ def _to_jax_call(*tensors):
     if t is None:
       out.append(None)
       continue
-    if synced and t.is_cuda:
-      _check_wide(t)
-      t = t.detach()
-      out.append(jax.dlpack.from_dlpack(_Ordered(t if t.is_contiguous() else t.contiguous())))
-    else:
-      out.append(to_jax(t))
-      synced = synced or t.is_cuda
+    t = _exportable(t)
+    out.append(jax.dlpack.from_dlpack(_Ordered(t) if synced and t.is_cuda else t))
+    synced = synced or t.is_cuda
   return out
 
 
