@@ -196,8 +196,9 @@ def main(argv=None):
            attention_worker(provider, bool(args.causal), args.reps))
     print(json.dumps(row), flush=True)
     # The row is out: skip the interpreter's teardown, where JAX's and torch's C++ state are
-    # destroyed in no fixed order (a worker that ran the bridged attention sometimes aborted
-    # there with "terminate called without an active exception", after its results).
+    # destroyed in no fixed order (in session 19 an eager autograd.Function path of the
+    # bridge, since removed, made workers abort there with "terminate called without an
+    # active exception" after their results; the custom ops did not, in 12 processes).
     sys.stderr.flush()
     os._exit(0)
   from benchmarks import _harness  # pylint: disable=import-outside-toplevel

@@ -4,8 +4,10 @@ runs, when the first kernel starts, where the GPU idles, relative to the step's 
 
     python benchmarks/scratch/bridge_trace.py [light|default|liger] [--reps 4]
 
-The bridge's pieces are annotated by wrapping mt.to_jax, mt._labels_to_jax, mt.to_torch and
-the jitted functions with torch.profiler.record_function (a scratch script may monkeypatch).
+The bridge's pieces are annotated by wrapping mt._to_jax_call (the call's imports),
+mt.to_torch and the jitted functions with torch.profiler.record_function (a scratch script
+may monkeypatch). Its session-19 logs (-trace-*.log) predate _to_jax_call: they show the
+three to_jax imports of that time one by one.
 """
 import argparse
 import json
@@ -34,8 +36,7 @@ def annotated(name, fn):
   return wrapper
 
 
-mt.to_jax = annotated("to_jax", mt.to_jax)
-mt._labels_to_jax = annotated("labels_to_jax", mt._labels_to_jax)
+mt._to_jax_call = annotated("imports", mt._to_jax_call)
 mt.to_torch = annotated("to_torch", mt.to_torch)
 _fns = mt._lce_fns
 

@@ -146,6 +146,12 @@ def _labels_to_jax(labels: torch.Tensor):
   return _labels_from(labels, to_jax(_label_words(labels)))
 
 
+def _lce_arrays(x, weight, bias, labels, *more):
+  """The loss's JAX inputs (x, W, bias, labels, *more) for one call, by `_to_jax_call`."""
+  jx, jw, jb, jy, *rest = _to_jax_call(x, weight, bias, _label_words(labels), *more)
+  return (jx, jw, jb, _labels_from(labels, jy), *rest)
+
+
 def _empty(like: torch.Tensor) -> torch.Tensor:
   return like.new_empty(0)
 
@@ -228,8 +234,7 @@ def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
   value, value_and_grads, _ = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing,
                                                  z_loss, logit_softcap, bias, chunk_size,
                                                  implementation))
-  jx, jw, jb, jy = _to_jax_call(x, weight, bias, _label_words(labels))
-  args = (jx, jw, jb, _labels_from(labels, jy))
+  args = _lce_arrays(x, weight, bias, labels)
   with _on(x):
     if not with_grads:
       return to_torch(value(*args)), _empty(x), _empty(x), _empty(x)
@@ -257,9 +262,9 @@ def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
   """(dx, dW, db) for a per-token cotangent (reduction "none"): recomputes the chunks."""
   _, _, vjp = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing, z_loss,
                                  logit_softcap, bias, chunk_size, implementation))
-  jx, jw, jb, jy, jg = _to_jax_call(x, weight, bias, _label_words(labels), grad)
+  args = _lce_arrays(x, weight, bias, labels, grad)
   with _on(x):
-    grads = vjp(jx, jw, jb, _labels_from(labels, jy), jg)
+    grads = vjp(*args)
   db = to_torch(grads[2]) if bias is not None else _empty(x)
   return to_torch(grads[0]), to_torch(grads[1]), db
 
