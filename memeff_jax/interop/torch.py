@@ -470,7 +470,7 @@ def _(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window_left, window
 
 @torch.library.custom_op("memeff::flash_attention_backward", mutates_args=())
 def _fa_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor,
+               lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor | None,
                q_segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None,
                causal: bool, scale: float | None, window_left: int, window_right: int,
                logit_softcap: float | None,
@@ -521,9 +521,10 @@ def _fa_setup(ctx, inputs, output):
 def _fa_backward(ctx, d_out, d_lse):
   q, k, v, out, lse, q_seg, kv_seg = ctx.saved_tensors
   d_out = torch.zeros_like(out) if d_out is None else d_out
-  d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
-  dq, dk, dv = _fa_bwd_op(q, k, v, out, lse, d_out.contiguous(), d_lse.contiguous(), q_seg,
-                          kv_seg, *ctx.options)
+  # An lse that was not used gets no zero-filled gradient in torch: JAX's backward takes None.
+  d_lse = None if d_lse is None else d_lse.contiguous()
+  dq, dk, dv = _fa_bwd_op(q, k, v, out, lse, d_out.contiguous(), d_lse, q_seg, kv_seg,
+                          *ctx.options)
   return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
