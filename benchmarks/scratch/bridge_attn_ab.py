@@ -32,13 +32,6 @@ import memeff_jax.interop.torch as mt  # noqa: E402
 from memeff_jax import flash_attention  # noqa: E402
 from benchmarks import _harness  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--causal", default="0,1")
-parser.add_argument("--rounds", type=int, default=5)
-parser.add_argument("--reps", type=int, default=10)
-parser.add_argument("--variants", default="bridge,nocb,lean,lean_nocb,jax_direct,sdpa_cudnn")
-args = parser.parse_args()
-
 B, H, T, HD = 4, 32, 4096, 128
 ORIG = dict(fwd=mt._fa_fwd, bwd=mt._fa_bwd, call=mt._to_jax_call)
 NOCB = {"xla_gpu_enable_command_buffer": ""}
@@ -76,82 +69,90 @@ def use(variant):
   mt._to_jax_call = lean_call if "lean" in variant else ORIG["call"]
 
 
-torch.manual_seed(0)
-q, k, v = (torch.randn(B, T, H, HD, device="cuda", dtype=torch.bfloat16).requires_grad_()
-           for _ in range(3))
-do = torch.randn(B, T, H, HD, device="cuda", dtype=torch.bfloat16)
-qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-doh = do.transpose(1, 2).contiguous()
-lead = _harness._lead_work(20.0)
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--causal", default="0,1")
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--variants", default="bridge,nocb,lean,lean_nocb,jax_direct,sdpa_cudnn")
+  args = parser.parse_args()
+  torch.manual_seed(0)
+  q, k, v = (torch.randn(B, T, H, HD, device="cuda", dtype=torch.bfloat16).requires_grad_()
+             for _ in range(3))
+  do = torch.randn(B, T, H, HD, device="cuda", dtype=torch.bfloat16)
+  qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+  doh = do.transpose(1, 2).contiguous()
+  lead = _harness._lead_work(20.0)
+
+  def bridged(variant, causal):
+    def step():
+      use(variant)
+      q.grad = k.grad = v.grad = None
+      mt.flash_attention(q, k, v, causal=causal).backward(do)
+
+    def host():
+      """(forward, backward) host ms while the GPU is busy."""
+      use(variant)
+      q.grad = k.grad = v.grad = None
+      lead()
+      t0 = time.perf_counter()
+      out = mt.flash_attention(q, k, v, causal=causal)
+      t1 = time.perf_counter()
+      out.backward(do)
+      t2 = time.perf_counter()
+      torch.cuda.synchronize()
+      return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    return step, host
+
+  def check(causal):
+    """The variants' gradients equal the bridge's bit for bit."""
+    grads = {}
+    for variant in ("bridge", "nocb", "lean", "lean_nocb"):
+      use(variant)
+      q.grad = k.grad = v.grad = None
+      mt.flash_attention(q, k, v, causal=causal).backward(do)
+      grads[variant] = [t.grad.clone() for t in (q, k, v)]
+    base = grads.pop("bridge")
+    for name, g in grads.items():
+      same = all(torch.equal(a, b) for a, b in zip(g, base))
+      print(f"  {name}: grads {'bitwise equal' if same else 'DIFFER'} to the bridge's")
+
+  for causal in (bool(int(c)) for c in args.causal.split(",")):
+    print(f"causal={causal}", flush=True)
+    check(causal)
+    variants = args.variants.split(",")
+    timers, hosts = {}, {}
+    for variant in variants:
+      if variant == "jax_direct":
+        qj, kj, vj, doj = (mt.to_jax(t) for t in (q, k, v, do))
+        fb = jax.jit(lambda q_, k_, v_, do_, c=causal: jax.vjp(
+            lambda *a: flash_attention(*a, causal=c), q_, k_, v_)[1](do_))
+        timers[variant] = functools.partial(_harness.time_jax, fb, qj, kj, vj, doj, reps=args.reps)
+      elif variant == "sdpa_cudnn":
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # pylint: disable=import-outside-toplevel
+
+        def sdpa_step(c=causal):
+          qh.grad = kh.grad = vh.grad = None
+          with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(qh, kh, vh, is_causal=c).backward(doh)
+        timers[variant] = functools.partial(_harness.time_torch, sdpa_step, reps=args.reps)
+      else:
+        step, host = bridged(variant, causal)
+        timers[variant] = functools.partial(_harness.time_torch, step, reps=args.reps)
+        hosts[variant] = host
+    times = _harness.interleaved(timers, args.rounds)
+    print("  fwd+bwd ms from an idle GPU, medians of rounds: " + "  ".join(
+        f"{name} {statistics.median(ts):.3f}" for name, ts in times.items()))
+    for name, ts in times.items():
+      print(f"    {name}: " + " ".join(f"{x:.3f}" for x in ts))
+    for variant, host in hosts.items():
+      host()
+      runs = [host() for _ in range(args.reps)]
+      print(f"  host ms while queued, {variant}: forward "
+            f"{statistics.median(r[0] for r in runs):.3f}, backward "
+            f"{statistics.median(r[1] for r in runs):.3f}", flush=True)
+  use("bridge")
 
 
-def bridged(variant, causal):
-  def step():
-    use(variant)
-    q.grad = k.grad = v.grad = None
-    mt.flash_attention(q, k, v, causal=causal).backward(do)
-
-  def host():
-    """(forward, backward) host ms while the GPU is busy."""
-    use(variant)
-    q.grad = k.grad = v.grad = None
-    lead()
-    t0 = time.perf_counter()
-    out = mt.flash_attention(q, k, v, causal=causal)
-    t1 = time.perf_counter()
-    out.backward(do)
-    t2 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
-  return step, host
-
-
-def check(causal):
-  """The variants' gradients equal the bridge's bit for bit."""
-  grads = {}
-  for variant in ("bridge", "nocb", "lean", "lean_nocb"):
-    use(variant)
-    q.grad = k.grad = v.grad = None
-    mt.flash_attention(q, k, v, causal=causal).backward(do)
-    grads[variant] = [t.grad.clone() for t in (q, k, v)]
-  base = grads.pop("bridge")
-  for name, g in grads.items():
-    same = all(torch.equal(a, b) for a, b in zip(g, base))
-    print(f"  {name}: grads {'bitwise equal' if same else 'DIFFER'} to the bridge's")
-
-
-for causal in (bool(int(c)) for c in args.causal.split(",")):
-  print(f"causal={causal}", flush=True)
-  check(causal)
-  variants = args.variants.split(",")
-  timers, hosts = {}, {}
-  for variant in variants:
-    if variant == "jax_direct":
-      qj, kj, vj, doj = (mt.to_jax(t) for t in (q, k, v, do))
-      fb = jax.jit(lambda q_, k_, v_, do_, c=causal: jax.vjp(
-          lambda *a: flash_attention(*a, causal=c), q_, k_, v_)[1](do_))
-      timers[variant] = functools.partial(_harness.time_jax, fb, qj, kj, vj, doj, reps=args.reps)
-    elif variant == "sdpa_cudnn":
-      from torch.nn.attention import SDPBackend, sdpa_kernel  # pylint: disable=import-outside-toplevel
-
-      def sdpa_step(c=causal):
-        qh.grad = kh.grad = vh.grad = None
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-          F.scaled_dot_product_attention(qh, kh, vh, is_causal=c).backward(doh)
-      timers[variant] = functools.partial(_harness.time_torch, sdpa_step, reps=args.reps)
-    else:
-      step, host = bridged(variant, causal)
-      timers[variant] = functools.partial(_harness.time_torch, step, reps=args.reps)
-      hosts[variant] = host
-  times = _harness.interleaved(timers, args.rounds)
-  print("  fwd+bwd ms from an idle GPU, medians of rounds: " + "  ".join(
-      f"{k} {statistics.median(v):.3f}" for k, v in times.items()))
-  for k, v in times.items():
-    print(f"    {k}: " + " ".join(f"{x:.3f}" for x in v))
-  for variant, host in hosts.items():
-    host()
-    runs = [host() for _ in range(args.reps)]
-    print(f"  host ms while queued, {variant}: forward "
-          f"{statistics.median(r[0] for r in runs):.3f}, backward "
-          f"{statistics.median(r[1] for r in runs):.3f}", flush=True)
-use("bridge")
+if __name__ == "__main__":
+  main()
