@@ -263,6 +263,21 @@ def test_zero_copy_by_data_pointers(device):
   np.testing.assert_array_equal(np.asarray(mt.to_jax(t)), t.cpu().numpy())
 
 
+def test_imports_skip_from_dlpacks_python_and_equal_it(device):
+  """With the jaxlibs this package runs on, imports call jaxlib's DLPack import directly (no
+  silent fallback); the arrays equal jax.dlpack.from_dlpack's in value, dtype, device and
+  commitment."""
+  assert mt._fast_import is not None  # pylint: disable=protected-access
+  for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8,
+                torch.bool):
+    t = (torch.randn(5, 7) * 50).to(device, dtype)
+    got, want = mt.to_jax(t), jax.dlpack.from_dlpack(t)
+    assert (got.dtype, got.shape, got.devices(), got.committed) == (
+        want.dtype, want.shape, want.devices(), want.committed)
+    assert got.unsafe_buffer_pointer() == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_int64_labels_reach_jax_without_a_copy(device):
   """The loss reads torch's int64 labels in place, as int32 words (Int64Labels), and keeps
   64-bit meaning: -100 + 2³² is not ignore_index, an id past int32 is out of range (NaN)."""
@@ -283,6 +298,8 @@ def test_no_silent_64_bit_narrowing():
     pytest.skip("x64 enabled: 64-bit tensors convert as they are")
   with pytest.raises(TypeError, match="int64 tensor.*convert explicitly"):
     mt.to_jax(torch.arange(4))
+  with pytest.raises(TypeError, match="uint64 tensor.*convert explicitly"):
+    mt.to_jax(torch.arange(4).to(torch.uint64))
 
 
 def _fresh_python(code):
