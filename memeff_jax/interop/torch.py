@@ -639,7 +639,7 @@ def wrap(jax_fn):
     @staticmethod
     def forward(ctx, out_tree_box, *tensors):
       with _on(tensors[0]):
-        outs, vjp_fn = jax.vjp(jax_fn, *(to_jax(t) for t in tensors))
+        outs, vjp_fn = jax.vjp(jax_fn, *_to_jax_call(*tensors))
       leaves, ctx.vjp_tree = jax.tree.flatten(vjp_fn)
       ctx.is_array = [isinstance(leaf, jax.Array) for leaf in leaves]
       ctx.others = [leaf for leaf, a in zip(leaves, ctx.is_array) if not a]
@@ -654,12 +654,14 @@ def wrap(jax_fn):
     def backward(ctx, *cts):
       saved = ctx.saved_tensors
       where = next(t for t in (*saved, *cts) if t is not None)
-      saved, others = iter(saved), iter(ctx.others)
-      leaves = [to_jax(next(saved)) if a else next(others) for a in ctx.is_array]
+      imported = _to_jax_call(*saved, *cts)  # one stream handshake for all of them
+      saved, imported_cts = iter(imported[:len(saved)]), imported[len(saved):]
+      others = iter(ctx.others)
+      leaves = [next(saved) if a else next(others) for a in ctx.is_array]
       vjp_fn = jax.tree.unflatten(ctx.vjp_tree, leaves)
       with _on(where):
-        cts = [jnp.zeros(shape, dtype) if ct is None else to_jax(ct)
-               for ct, (shape, dtype) in zip(cts, ctx.out_avals)]
+        cts = [jnp.zeros(shape, dtype) if ct is None else ct
+               for ct, (shape, dtype) in zip(imported_cts, ctx.out_avals)]
         grads = vjp_fn(jax.tree.unflatten(ctx.out_tree, cts))
       return (None,) + tuple(to_torch(g) for g in grads)
 

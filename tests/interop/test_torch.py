@@ -219,6 +219,27 @@ def test_torch_compile_fullgraph_matches_eager(device):
     _close(a, r, 1e-5)
 
 
+def test_wrap_equals_torch(device):
+  """wrap(f) of a JAX function of three arrays returning a pytree: torch's values and
+  gradients, with one output left out of the loss (cotangent None) and one input that does
+  not require grad."""
+  g = torch.Generator().manual_seed(1)
+  a = torch.randn(5, 7, generator=g).to(device).requires_grad_()
+  b = torch.randn(7, 3, generator=g).to(device).requires_grad_()
+  c = torch.randn(5, 3, generator=g).to(device)
+  weights = torch.cos(torch.arange(15.0)).reshape(5, 3).to(device)
+  f = mt.wrap(lambda a, b, c: {"y": jnp.tanh(a @ b) * c, "s": (jnp.sum(a**2), a.T)})
+  out = f(a, b, c)
+  want = torch.tanh(a @ b) * c
+  _close(out["y"], want)
+  _close(out["s"][0], (a**2).sum())
+  _close(out["s"][1], a.t())
+  got = torch.autograd.grad((out["y"] * weights).sum() + 3 * out["s"][0], (a, b))
+  ref = torch.autograd.grad((want * weights).sum() + 3 * (a**2).sum(), (a, b))
+  for x, r in zip(got, ref):
+    _close(x, r)
+
+
 @pytest.mark.parametrize("op", ["lce", "attention", "wrap"])
 def test_residuals_are_saved_tensors_and_freed_after_backward(op, device):
   """Residuals pass through saved_tensors_hooks (so offloading works) and die after backward."""
