@@ -94,25 +94,27 @@ def to_torch(a: jax.Array) -> torch.Tensor:
   return torch.from_dlpack(a)
 
 
+_DL_CPU, _DL_CUDA = 1, 2  # DLPack device types
+
+
 @functools.lru_cache(maxsize=None)
-def _jax_device(kind: str, index: int):
-  """(JAX device, DLPack device type) of torch's device (kind, index)."""
-  dl_type, dl_id = torch.empty(0, device=torch.device(kind, index)).__dlpack_device__()
-  backend = _xla_bridge.get_backend("cuda" if kind == "cuda" else "cpu")
-  return backend.device_from_local_hardware_id(dl_id), int(dl_type)
+def _jax_device(dl_type: int, dl_id: int):
+  """The JAX device of a DLPack (device type, id): CPU or CUDA."""
+  backend = _xla_bridge.get_backend("cpu" if dl_type == _DL_CPU else "cuda")
+  return backend.device_from_local_hardware_id(dl_id)
 
 
 def _ready_stream(t: torch.Tensor):
   """JAX's stream for the ready events of buffers imported on t's CUDA device (None on CPU)."""
   if not t.is_cuda:
     return None
-  return _jax_device("cuda", t.device.index or 0)[0].get_stream_for_external_ready_events()
+  return _jax_device(_DL_CUDA, t.device.index or 0).get_stream_for_external_ready_events()
 
 
 # jaxlib's DLPack import as jax.dlpack.from_dlpack calls it (jaxlib extension 467 and later),
-# without that function's Python around it (a device lookup per call, and jnp.asarray to
-# canonicalize the dtype, which is a no-op here: _exportable lets no 64-bit dtype through
-# without x64). That Python costs ~0.1 ms per tensor on a GPU host (H200, session 20).
+# without that function's Python around it (a backend and device lookup per call, and
+# jnp.asarray to canonicalize the dtype, a no-op here: _exportable lets no 64-bit dtype
+# through without x64). That Python costs ~0.1 ms per tensor on a GPU host (H200, session 20).
 _fast_import = (getattr(_jax_lib._jax, "dlpack_managed_tensor_to_buffer", None)
                 if _jax_lib.jaxlib_extension_version >= 467 else None)
 
@@ -120,17 +122,15 @@ _fast_import = (getattr(_jax_lib._jax, "dlpack_managed_tensor_to_buffer", None)
 def _import(t: torch.Tensor, stream, synced: bool) -> jax.Array:
   """An exportable tensor as a jax.Array. On CUDA, `stream` is `_ready_stream(t)`; the export
   makes it wait for torch's current stream unless `synced` (an earlier input of the same
-  call did)."""
+  call did). Tensors on other DLPack devices (pinned host memory) take the public path."""
   global _fast_import
-  if _fast_import is not None:
-    device, dl_type = _jax_device(t.device.type, t.device.index or 0)
+  dl_type, dl_id = (int(i) for i in t.__dlpack_device__())
+  if _fast_import is not None and dl_type in (_DL_CPU, _DL_CUDA):
     capsule = t.__dlpack__(stream=-1 if synced else stream) if t.is_cuda else t.__dlpack__()
     try:
-      a = _fast_import(capsule, device, stream, None, dl_type)
+      return _fast_import(capsule, _jax_device(dl_type, dl_id), stream, None, dl_type)
     except TypeError:  # a jaxlib whose signature moved on: the public path from now on
       _fast_import = None
-    else:
-      return a
   return jax.dlpack.from_dlpack(_Ordered(t) if synced else t)
 
 
