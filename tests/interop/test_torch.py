@@ -299,6 +299,23 @@ def test_imports_skip_from_dlpacks_python_and_equal_it(device):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_import_falls_back_to_from_dlpack_for_good(device, monkeypatch):
+  """A jaxlib whose direct import takes other arguments (TypeError) leaves the bridge on
+  jax.dlpack.from_dlpack, still zero-copy and ordered, and it does not try again."""
+  calls = []
+
+  def moved_on(*args):
+    calls.append(args)
+    raise TypeError("dlpack_managed_tensor_to_buffer(): incompatible function arguments")
+
+  monkeypatch.setattr(mt, "_fast_import", moved_on)
+  a, b = torch.randn(6, 5, device=device), torch.randn(3, device=device)
+  got = mt._to_jax_call(a, b)  # pylint: disable=protected-access
+  assert len(calls) == 1 and mt._fast_import is None  # pylint: disable=protected-access
+  assert [g.unsafe_buffer_pointer() for g in got] == [a.data_ptr(), b.data_ptr()]
+  np.testing.assert_array_equal(np.asarray(got[1]), b.cpu().numpy())
+
+
 def test_int64_labels_reach_jax_without_a_copy(device):
   """The loss reads torch's int64 labels in place, as int32 words (Int64Labels), and keeps
   64-bit meaning: -100 + 2³² is not ignore_index, an id past int32 is out of range (NaN)."""
