@@ -257,14 +257,14 @@ def torch_bridge_section() -> list[str]:
          "forward, which hides the host's latency to the first kernel.", ""]
   for (op, device, stamp), group in _by_run(rows, "op", "device", "timestamp"):
     attention = op.endswith("attention")
-    queued = not attention and any("queued_ms" in r for r in group)
+    queued = any("queued_ms" in r for r in group)
     head = ("| provider | causal | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |"
-            if attention else "| provider | ms | × floor | TFLOP/s |"
-            + (" queued ms |" if queued else ""))
+            if attention else "| provider | ms | × floor | TFLOP/s |") + (
+                " queued ms |" if queued else "")
     out += [f"**{op}** on {device}, {stamp} (jax {group[0]['jax']}, torch "
             f"{group[0].get('torch', '?')})", "",
             head + " torch peak (GiB) | JAX peak (GiB) | extra (GiB) |",
-            "|---" * (9 if attention else 7 + queued) + "|"]
+            "|---" * ((9 if attention else 7) + queued) + "|"]
     for r in group:
       if "error" in r:
         out.append(f"| {r['provider']} | error: {r['error'][:60]} |")
@@ -275,8 +275,8 @@ def torch_bridge_section() -> list[str]:
       else:
         ratio = r.get("ratio_to_floor")
         cells = f"{r['ms']:.2f} | {'—' if ratio is None else f'{ratio:.3f}'} | {r['tflops']:.0f}"
-        if queued:
-          cells += f" | {r['queued_ms']:.2f}" if "queued_ms" in r else " | —"
+      if queued:
+        cells += f" | {r['queued_ms']:.2f}" if r.get("queued_ms") is not None else " | —"
       out.append(f"| {r['provider']} | {cells} | {_gib(r.get('torch_peak_bytes'))} | "
                  f"{_gib(r.get('jax_peak_bytes'))} | {_gib(r.get('extra_bytes'))} |")
     for r in group:

@@ -26,7 +26,7 @@ Every provider runs in a fresh process, so its peak memory is its own: extra byt
 torch.cuda.max_memory_allocated over the inputs plus JAX's peak_bytes_in_use over its
 start, less the gradient outputs (which every provider must return). Times are CUDA-event
 medians on torch's stream (JAX's work is ordered into it by DLPack): `ms` from an idle
-GPU (the host's latency to the first kernel included), and for the loss's torch-driven
+GPU (the host's latency to the first kernel included), and for the torch-driven
 providers also `queued_ms`, the step queued behind 20 ms of matmuls as behind a model's
 forward (that latency hidden; waits inside the step, such as a .item(), still count).
 Rows are appended to benchmarks/results/torch_bridge.jsonl.
@@ -177,8 +177,9 @@ def attention_worker(provider: str, causal: bool, reps: int) -> dict:
   ms = _harness.time_torch(fwd_bwd, reps=reps)
   torch_extra = torch.cuda.max_memory_allocated() - base
   jax_extra = max(0, _jax_bytes()[1] - jax_base) if provider == "memeff" else 0
-  return dict(fwd_ms=fwd_ms, ms=ms, torch_peak_bytes=int(torch_extra),
-              jax_peak_bytes=int(jax_extra), extra_bytes=int(torch_extra + jax_extra - grads))
+  queued_ms = _harness.time_torch(fwd_bwd, reps=reps, lead_ms=20.0)
+  return dict(fwd_ms=fwd_ms, ms=ms, queued_ms=queued_ms, torch_peak_bytes=int(torch_extra), jax_peak_bytes=int(jax_extra),
+              extra_bytes=int(torch_extra + jax_extra - grads))
 
 
 def main(argv=None):
