@@ -254,7 +254,9 @@ def torch_bridge_section() -> list[str]:
          "start − the gradient outputs. jax_direct is the same JAX function on JAX arrays "
          "(its extra memory: XLA temporaries). ms: each step from an idle GPU; queued ms "
          "(where measured): the step queued behind 20 ms of matmuls, as behind a model's "
-         "forward, which hides the host's latency to the first kernel.", ""]
+         "forward, which hides the host's latency to the first kernel; for attention, a few "
+         "ms long, those matmuls also leave the GPU at a lower clock (power cap), so every "
+         "provider's queued time is longer than its idle one there.", ""]
   for (op, device, stamp), group in _by_run(rows, "op", "device", "timestamp"):
     attention = op.endswith("attention")
     queued = any("queued_ms" in r for r in group)
