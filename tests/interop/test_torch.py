@@ -358,3 +358,81 @@ def test_import_sets_on_demand_allocation_before_jax_starts():
 def test_import_after_jax_started_warns():
   run = _fresh_python("import jax; jax.devices(); import memeff_jax.interop.torch")
   assert "set XLA_PYTHON_CLIENT_PREALLOCATE=false before importing JAX" in run.stderr
+
+
+def _cuda_or_skip():
+  if not torch.cuda.is_available():
+    pytest.skip("needs a GPU (torch with CUDA)")
+
+
+def _slow_work(n=24):
+  """~50 ms of float32 matmuls queued on torch's current stream (so that a write after it
+  is still pending when the host moves on)."""
+  a = torch.randn(4096, 4096, device="cuda") / 64
+  out = torch.empty_like(a)
+  for _ in range(n):
+    torch.mm(a, a, out=out)
+
+
+@pytest.mark.gpu
+def test_torch_writes_on_a_side_stream_are_seen_by_jax():
+  """to_jax, and the one-handshake imports of a call (later tensors exported without their
+  own stream wait), see what torch wrote on its current (side) stream just before, behind
+  slow work: JAX's stream waits for torch's."""
+  _cuda_or_skip()
+  side = torch.cuda.Stream()
+  with torch.cuda.stream(side):
+    a, b, c = (torch.zeros(1 << 20, device="cuda") for _ in range(3))
+    torch.cuda.synchronize()
+    _slow_work()
+    a.fill_(1.0)
+    b.fill_(2.0)
+    c.fill_(4.0)
+    single = mt.to_jax(a)
+    call = mt._to_jax_call(b, None, c)  # pylint: disable=protected-access
+    total = jax.jit(lambda x, y, z: (jnp.sum(x), jnp.sum(y), jnp.sum(z)))(single, call[0],
+                                                                           call[2])
+  assert [float(t) for t in total] == [1 << 20, 2 << 20, 4 << 20]
+
+
+@pytest.mark.gpu
+def test_jax_results_are_seen_by_torch_on_a_side_stream():
+  """to_torch makes torch's current (side) stream wait for the JAX computation that produced
+  the array, however long it runs."""
+  _cuda_or_skip()
+  x = jax.device_put(jnp.full((4096, 4096), 1 / 64, jnp.float32), jax.devices("gpu")[0])
+
+  @jax.jit
+  def slow_then_42(x):
+    y = x
+    for _ in range(24):
+      y = y @ x
+    return y * 0 + 42.0
+
+  side = torch.cuda.Stream()
+  with torch.cuda.stream(side):
+    got = mt.to_torch(slow_then_42(x))
+    ok = bool(torch.all(got == 42.0))  # ordered on `side` after JAX's work
+  assert ok
+
+
+@pytest.mark.gpu
+def test_ops_on_a_side_stream_read_fresh_inputs_and_return_ordered_outputs():
+  """The bridged loss and attention on a side stream, their inputs written there behind slow
+  work, equal the same calls on inputs made ready beforehand."""
+  _cuda_or_skip()
+  x0, w, _, y = _lce_inputs(device=torch.device("cuda"))
+  q0 = torch.randn(2, 64, 4, 32, device="cuda")
+  want_loss = mt.linear_cross_entropy(x0, w, y).detach()
+  want_out = mt.flash_attention(q0, q0, q0, causal=True)
+  side = torch.cuda.Stream()
+  with torch.cuda.stream(side):
+    x, q = torch.zeros_like(x0), torch.zeros_like(q0)
+    torch.cuda.synchronize()
+    _slow_work()
+    x.copy_(x0.detach())
+    q.copy_(q0)
+    loss = mt.linear_cross_entropy(x, w, y).detach().clone()
+    out = mt.flash_attention(q, q, q, causal=True).clone()
+  side.synchronize()
+  assert torch.equal(loss, want_loss) and torch.equal(out, want_out)
