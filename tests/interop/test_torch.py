@@ -400,13 +400,13 @@ def test_jax_results_are_seen_by_torch_on_a_side_stream():
   """to_torch makes torch's current (side) stream wait for the JAX computation that produced
   the array, however long it runs."""
   _cuda_or_skip()
-  x = jax.device_put(jnp.full((4096, 4096), 1 / 64, jnp.float32), jax.devices("gpu")[0])
+  x = jax.device_put(jnp.full((4096, 4096), 1 / 4096, jnp.float32), jax.devices("gpu")[0])
 
   @jax.jit
   def slow_then_42(x):
     y = x
     for _ in range(24):
-      y = y @ x
+      y = y @ x  # stays x (x @ x == x): finite, so y * 0 is 0
     return y * 0 + 42.0
 
   side = torch.cuda.Stream()
