@@ -240,6 +240,18 @@ def test_wrap_equals_torch(device):
     _close(x, r)
 
 
+def test_wrap_without_jit_takes_value_dependent_python_control_flow():
+  """jit=False runs jax.vjp eagerly, so f may branch on array values; jitted (the default)
+  such an f fails in JAX's tracing with its own error."""
+  f = lambda a: jnp.sum(a * 2 if jnp.sum(a) > 0 else -a)  # noqa: E731
+  for sign in (1.0, -1.0):
+    a = (sign * torch.rand(6) + sign).requires_grad_()
+    mt.wrap(f, jit=False)(a).backward()
+    _close(a.grad, torch.full((6,), 2.0 if sign > 0 else -1.0))
+  with pytest.raises(jax.errors.TracerBoolConversionError):
+    mt.wrap(f)(a)
+
+
 @pytest.mark.parametrize("op", ["lce", "attention", "wrap"])
 def test_residuals_are_saved_tensors_and_freed_after_backward(op, device):
   """Residuals pass through saved_tensors_hooks (so offloading works) and die after backward."""
