@@ -5,7 +5,4 @@
 timeout 200 python3 -m pytest -q -m gpu tests/interop -x 2>&1 | tail -3 | tee $OUT/interop-gpu-tests.log
 XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async timeout 200 python3 benchmarks/scratch/bridge_ab.py \
   --rounds ${ROUNDS:-5} 2>&1 | grep -v -i warn | tee $OUT/bridge-ab.log
-P=memeff:chunk=512:mosaic:tma:lse:async
-timeout ${BENCH_S:-330} python3 benchmarks/torch_bridge.py --op loss \
-  --providers ${PROVIDERS:-floor,memeff,jax_direct,$P,liger,$P,liger,$P,liger} \
-  --out $OUT/bridge.jsonl 2>&1 | grep -v -i warning | tee $OUT/bridge.log
+LOG=bridge.log . "$(dirname "$0")/bridge_loss_vs_liger.sh"

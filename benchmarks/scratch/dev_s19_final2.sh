@@ -5,7 +5,5 @@
 timeout 200 python3 -m pytest -q -m gpu tests/interop -x 2>&1 | tail -3 | tee $OUT/interop-gpu-tests.log
 timeout 200 python3 benchmarks/torch_bridge.py --op attention --out $OUT/bridge.jsonl 2>&1 \
   | grep -v -i warning | tee $OUT/bridge-attention.log
-P=memeff:chunk=512:mosaic:tma:lse:async
-timeout 330 python3 benchmarks/torch_bridge.py --op loss \
-  --providers ${PROVIDERS:-liger,$P,liger,$P,liger,$P,liger,$P} \
-  --out $OUT/bridge.jsonl 2>&1 | grep -v -i warning | tee $OUT/bridge-loss.log
+LIGHT=memeff:chunk=512:mosaic:tma:lse:async
+PROVIDERS=${PROVIDERS:-liger,$LIGHT,liger,$LIGHT,liger,$LIGHT,liger,$LIGHT} . "$(dirname "$0")/bridge_loss_vs_liger.sh"

@@ -6,7 +6,4 @@ MODES="op lce-op" bash benchmarks/scratch/bridge_exit_loop.sh 2>&1 | grep -E "^ 
 timeout 200 python3 -m pytest -q -m gpu tests/interop -x 2>&1 | tail -1 | tee $OUT/interop-gpu-tests.log
 timeout 150 python3 benchmarks/torch_bridge.py --op attention --out $OUT/bridge.jsonl 2>&1 \
   | grep -v -i warning | tee $OUT/bridge-attention.log
-P=memeff:chunk=512:mosaic:tma:lse:async
-timeout 300 python3 benchmarks/torch_bridge.py --op loss \
-  --providers ${PROVIDERS:-floor,memeff,jax_direct,$P,liger,$P,liger,$P,liger} \
-  --out $OUT/bridge.jsonl 2>&1 | grep -v -i warning | tee $OUT/bridge-loss.log
+BENCH_S=${BENCH_S:-300} . "$(dirname "$0")/bridge_loss_vs_liger.sh"

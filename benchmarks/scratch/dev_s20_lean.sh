@@ -8,7 +8,4 @@ timeout 240 python3 benchmarks/scratch/bridge_attn_ab.py --rounds 7 \
   --variants bridge,nocb,jax_direct,sdpa_cudnn 2>&1 | grep -v -i warning | tee $OUT/bridge-attn-ab.log
 timeout 150 python3 benchmarks/torch_bridge.py --op attention --out $OUT/bridge.jsonl 2>&1 \
   | grep -v -i warning | tee $OUT/bridge-attention.log
-P=memeff:chunk=512:mosaic:tma:lse:async
-timeout 330 python3 benchmarks/torch_bridge.py --op loss \
-  --providers ${PROVIDERS:-floor,memeff,jax_direct,$P,liger,$P,liger,$P,liger} \
-  --out $OUT/bridge.jsonl 2>&1 | grep -v -i warning | tee $OUT/bridge-loss.log
+. "$(dirname "$0")/bridge_loss_vs_liger.sh"
