@@ -1,6 +1,6 @@
 """Where the chunked loss's time goes beyond the floor, at llama3-8b ("dv", bf16), at the cap.
 
-    python benchmarks/scratch/lce_decompose.py [--rounds 3] [--chunks 1024,2048]
+    python benchmarks/scratch/lce_decompose.py [--rounds 3] [--chunks 1024,2048] [--seconds 3]
 
 Each variant is one jitted function; all are timed in interleaved rounds, then each runs
 back to back for 3 s while nvidia-smi samples power (energy per call = power × time):
@@ -13,8 +13,8 @@ back to back for 3 s while nvidia-smi samples power (energy per call = power × 
                    reading the running dW back costs)
   gemms+pass C     the same with one elementwise pass over the chunk's logits between the
                    logits GEMM and the other two (one read and one write of [C, V], behind
-                   optimization barriers so that XLA fuses it into no GEMM): the least
-                   softmax pass there can be (fused_lse's single sweep)
+                   optimization barriers so that XLA fuses it into no GEMM): the bytes the
+                   least softmax pass moves (fused_lse's single sweep)
   memeff C         linear_cross_entropy's value_and_grad with chunk_size=C (the default
                    implementation: cuBLAS GEMMs and the two-sweep Pallas softmax pass)
 
@@ -27,7 +27,6 @@ So memeff − floor splits into the chunking of the GEMMs (gemms − floor), the
 its arithmetic, the statistics, the small fusions per chunk).
 """
 import argparse
-import os
 import statistics
 import sys
 
