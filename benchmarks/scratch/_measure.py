@@ -1,6 +1,8 @@
 """Timing and power of a JAX function run back to back, for the scratch diagnostics:
-per_call (seconds per call) and power (median power and SM clock, nvidia-smi every 50 ms);
-and the bridge diagnostics' problem, bridge_loss_problem."""
+per_call (seconds per call), power (median power and SM clock, nvidia-smi every 50 ms) and
+rounds_then_power (interleaved rounds, then power, printed per variant); the attention
+backward's problem at the headline, attention_backward_problem; and the bridge diagnostics'
+problem, bridge_loss_problem."""
 import statistics
 import subprocess
 import time
@@ -38,6 +40,48 @@ def power(f, *args, seconds=3.0):
   if not busy:
     return sec, float("nan"), float("nan")
   return sec, statistics.median(p for p, _ in busy), statistics.median(c for _, c in busy)
+
+
+def rounds_then_power(fns, rounds: int, *, width: int = 20, reps: int = 20, note=None):
+  """fns: {name: (f, args)}. Prints each variant's median ms over `rounds` interleaved rounds
+  (benchmarks/_harness.interleaved), then its time, power, clock and energy per call while it
+  runs back to back for 2 s. note(name, ms) may add text to a variant's line (e.g. TFLOP/s)."""
+  from benchmarks import _harness  # pylint: disable=import-outside-toplevel
+  times = _harness.interleaved(
+      {name: (lambda f=f, a=a: _harness.time_jax(f, *a, reps=reps))
+       for name, (f, a) in fns.items()}, rounds)
+  for name, ts in times.items():
+    med = statistics.median(ts)
+    extra = note(name, med) if note else ""
+    print(f"{name:{width}} {med:7.3f} ms{extra}   rounds " + " ".join(f"{t:.3f}" for t in ts),
+          flush=True)
+  for name, (f, a) in fns.items():
+    sec, watts, mhz = power(f, *a, seconds=2.0)
+    print(f"{name:{width}} {sec * 1e3:7.3f} ms at {watts:5.1f} W, {mhz:.0f} MHz: "
+          f"{watts * sec * 1e3:7.1f} mJ per call", flush=True)
+
+
+# The attention headline: B=4 T=4096 H=32 D=128 bf16.
+ATTN_SHAPE = (4, 4096, 32, 128)
+
+
+def attention_backward_problem(causal: bool, shape=ATTN_SHAPE):
+  """(q, k, v, ct, opts, res, stats): random bf16 q, k, v and output cotangent ct at `shape`
+  ([B, T, H, D]), and what the Mosaic backward kernels take for them: the options, the
+  forward's residuals (its out and lse) and mosaic_gpu_backward.row_stats (lse₂ and Δ)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from memeff_jax.ops.flash_attention import _common  # pylint: disable=import-outside-toplevel
+  from memeff_jax.ops.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
+  from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # pylint: disable=import-outside-toplevel
+  from memeff_jax.ops.flash_attention.masks import MaskSpec  # pylint: disable=import-outside-toplevel
+  q, k, v, ct = (jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
+                 for kk in jax.random.split(jax.random.key(0), 4))
+  opts = _common.AttentionOptions(mask=MaskSpec.make(causal, None, False),
+                                  scale=shape[-1] ** -0.5)
+  out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+  res = _common.Residuals(q, k, v, None, None, out, jnp.swapaxes(lse, 1, 2))
+  stats = mb.row_stats(opts, res, _common.softmax_delta(out, ct, jnp.zeros_like(res.lse)))
+  return q, k, v, ct, opts, res, stats
 
 
 # llama3-8b's LM head, and the bridge's lowest-memory setting's token chunk.

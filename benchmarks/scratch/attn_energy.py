@@ -17,12 +17,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
-from _measure import power  # noqa: E402
+from _measure import attention_backward_problem, power  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
-from memeff_jax.ops.flash_attention import _common  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_dq as mdq  # noqa: E402
-from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
 from bwd_ablate import without_reductions  # noqa: E402
 
 B, T, H, D = 4, 4096, 32, 128
@@ -55,10 +53,7 @@ for causal in [c == "1" for c in os.environ.get("CAUSAL", "0,1").split(",")]:
     pieces[f"{name} fwd"] = (jax.jit(f), (q, k, v))
     _, vjp = jax.vjp(f, q, k, v)
     pieces[f"{name} bwd"] = (jax.jit(lambda vjp, ct: vjp(ct)), (vjp, ct))
-  opts = _common.AttentionOptions(mask=MaskSpec.make(causal, None, False), scale=D ** -0.5)
-  out, lse = fa.flash_attention(q, k, v, causal=causal, return_lse=True)
-  res = _common.Residuals(q, k, v, None, None, out, jnp.swapaxes(lse, 1, 2))
-  stats = mb.row_stats(opts, res, _common.softmax_delta(out, ct, jnp.zeros_like(res.lse)))
+  *_, opts, res, stats = attention_backward_problem(causal, (B, T, H, D))
   dkv = mb.MosaicBackwardConfig.tuned(D, causal, with_dq=False)
   pieces["ours dK/dV kernel"] = (jax.jit(lambda res, ct, stats: mb.backward(
       opts, dkv, res, (ct, jnp.zeros_like(res.lse)), stats=stats)[1:3]), (res, ct, stats))

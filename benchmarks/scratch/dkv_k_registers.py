@@ -11,7 +11,6 @@ dK and dV are compared bit for bit with the same block_q's shared-memory variant
 """
 import argparse
 import dataclasses
-import statistics
 import sys
 
 import jax
@@ -19,14 +18,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
-from _measure import power  # noqa: E402
-from benchmarks import _harness  # noqa: E402
-from memeff_jax.ops.flash_attention import _common  # noqa: E402
-from memeff_jax.ops.flash_attention import flash_attention  # noqa: E402
+from _measure import attention_backward_problem, rounds_then_power  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
-from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
 
-B, T, H, D = 4, 4096, 32, 128
+D = 128
 
 
 def main():
@@ -34,13 +29,7 @@ def main():
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--causal", action="store_true")
   args = parser.parse_args()
-  ks = jax.random.split(jax.random.key(0), 4)
-  q, k, v, ct = (jax.random.normal(kk, (B, T, H, D), jnp.float32).astype(jnp.bfloat16)
-                 for kk in ks)
-  opts = _common.AttentionOptions(mask=MaskSpec.make(args.causal, None, False), scale=D ** -0.5)
-  out, lse = flash_attention(q, k, v, causal=args.causal, return_lse=True)
-  res = _common.Residuals(q, k, v, None, None, out, jnp.swapaxes(lse, 1, 2))
-  stats = mb.row_stats(opts, res, _common.softmax_delta(out, ct, jnp.zeros_like(res.lse)))
+  *_, ct, opts, res, stats = attention_backward_problem(args.causal)
   tuned = mb.MosaicBackwardConfig.tuned(D, args.causal, with_dq=False)
   variants = {"tuned": tuned}
   for block_q in (64, 80):
@@ -60,23 +49,14 @@ def main():
     except Exception as err:  # pylint: disable=broad-except
       print(f"{name}: {type(err).__name__}: {str(err)[:300]}", flush=True)
       continue
-    fns[name] = f
+    fns[name] = (f, (res, ct, stats))
   for name in fns:
     if name.endswith(" K regs"):
       twin = name[:-len(" K regs")]
       twin = twin if twin in outs else "tuned"
       same = [bool(jnp.array_equal(a, b)) for a, b in zip(outs[name], outs[twin])]
       print(f"{name}: dK, dV bitwise equal to {twin}: {same}", flush=True)
-  times = _harness.interleaved(
-      {name: (lambda f=f: _harness.time_jax(f, res, ct, stats, reps=20)) for name, f in fns.items()},
-      args.rounds)
-  for name, ts in times.items():
-    print(f"{name:18} {statistics.median(ts):7.3f} ms   rounds " + " ".join(f"{t:.3f}" for t in ts),
-          flush=True)
-  for name, f in fns.items():
-    sec, watts, mhz = power(f, res, ct, stats, seconds=2.0)
-    print(f"{name:18} {sec * 1e3:7.3f} ms at {watts:5.1f} W, {mhz:.0f} MHz: "
-          f"{watts * sec * 1e3:7.1f} mJ per call", flush=True)
+  rounds_then_power(fns, args.rounds, width=18)
 
 
 if __name__ == "__main__":

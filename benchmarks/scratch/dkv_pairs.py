@@ -12,7 +12,6 @@ kernel back to back for 2 s under nvidia-smi. dK and dV are compared bit for bit
 """
 import argparse
 import dataclasses
-import statistics
 import sys
 
 import jax
@@ -20,38 +19,29 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
-from _measure import power  # noqa: E402
-from benchmarks import _harness  # noqa: E402
+from _measure import ATTN_SHAPE, attention_backward_problem, rounds_then_power  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
-from memeff_jax.ops.flash_attention import _common  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
-from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
 
-B, T, H, D = 4, 4096, 32, 128
+B, T, H, D = ATTN_SHAPE
 
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--rounds", type=int, default=7)
   args = parser.parse_args()
-  ks = jax.random.split(jax.random.key(0), 4)
-  q, k, v, ct = (jax.random.normal(kk, (B, T, H, D), jnp.float32).astype(jnp.bfloat16)
-                 for kk in ks)
-  opts = _common.AttentionOptions(mask=MaskSpec.make(False, None, False), scale=D ** -0.5)
-  out, lse = fa.flash_attention(q, k, v, return_lse=True)
-  res = _common.Residuals(q, k, v, None, None, out, jnp.swapaxes(lse, 1, 2))
-  stats = mb.row_stats(opts, res, _common.softmax_delta(out, ct, jnp.zeros_like(res.lse)))
+  q, k, v, ct, opts, res, stats = attention_backward_problem(False)
   tuned = mb.MosaicBackwardConfig.tuned(D, False, with_dq=False)
   configs = {"dK/dV tuned": tuned,
              "dK/dV tuned pairs": dataclasses.replace(tuned, kv_pairs=True),
              "dK/dV pp": dataclasses.replace(tuned, pingpong=True),
              "dK/dV pp pairs": dataclasses.replace(tuned, pingpong=True, kv_pairs=True)}
-  fns, outs, args_of = {}, {}, {}
+  fns, outs = {}, {}
   for name, cfg in configs.items():
     f = jax.jit(lambda res, ct, stats, cfg=cfg: mb.backward(
         opts, cfg, res, (ct, jnp.zeros_like(res.lse)), stats=stats)[1:3])
     outs[name] = jax.block_until_ready(f(res, ct, stats))
-    fns[name], args_of[name] = f, (res, ct, stats)
+    fns[name] = (f, (res, ct, stats))
   for name in configs:
     if name.endswith(" pairs"):
       twin = name[:-len(" pairs")]
@@ -63,23 +53,12 @@ def main():
                          q, k, v, implementation=paired)),
                      ("fwd+bwd cudnn", lambda q, k, v: jax.nn.dot_product_attention(
                          q, k, v, implementation="cudnn"))):
-    fns[name] = jax.jit(lambda q, k, v, attn=attn: jax.vjp(attn, q, k, v)[1](
-        jnp.ones_like(q)))
-    args_of[name] = (q, k, v)
-    jax.block_until_ready(fns[name](q, k, v))
-  times = _harness.interleaved(
-      {name: (lambda f=f, a=args_of[name]: _harness.time_jax(f, *a, reps=20))
-       for name, f in fns.items()}, args.rounds)
+    f = jax.jit(lambda q, k, v, attn=attn: jax.vjp(attn, q, k, v)[1](jnp.ones_like(q)))
+    fns[name] = (f, (q, k, v))
+    jax.block_until_ready(f(q, k, v))
   flops = 3.5 * 4 * B * H * T * T * D
-  for name, ts in times.items():
-    med = statistics.median(ts)
-    extra = f"  {flops / med / 1e9:.0f} TFLOP/s" if name.startswith("fwd+bwd") else ""
-    print(f"{name:20} {med:7.3f} ms{extra}   rounds " + " ".join(f"{t:.3f}" for t in ts),
-          flush=True)
-  for name, f in fns.items():
-    sec, watts, mhz = power(f, *args_of[name], seconds=2.0)
-    print(f"{name:20} {sec * 1e3:7.3f} ms at {watts:5.1f} W, {mhz:.0f} MHz: "
-          f"{watts * sec * 1e3:7.1f} mJ per call", flush=True)
+  rounds_then_power(fns, args.rounds, note=lambda name, ms: (
+      f"  {flops / ms / 1e9:.0f} TFLOP/s" if name.startswith("fwd+bwd") else ""))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Each kernel alone, base and halved, in interleaved rounds, then 2 s back to back
 nvidia-smi (energy per call).
 """
 import argparse
-import statistics
 import sys
 import types
 
@@ -21,16 +20,12 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
-from _measure import power  # noqa: E402
-from benchmarks import _harness  # noqa: E402
-from memeff_jax.ops.flash_attention import _common  # noqa: E402
+from _measure import attention_backward_problem, rounds_then_power  # noqa: E402
 from memeff_jax.ops.flash_attention import _mosaic  # noqa: E402
-from memeff_jax.ops.flash_attention import flash_attention  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_dq as mdq  # noqa: E402
-from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
 
-B, T, H, D = 4, 4096, 32, 128
+D = 128
 real = mb.plgpu
 
 
@@ -60,13 +55,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--rounds", type=int, default=7)
   args = parser.parse_args()
-  ks = jax.random.split(jax.random.key(0), 4)
-  q, k, v, ct = (jax.random.normal(kk, (B, T, H, D), jnp.float32).astype(jnp.bfloat16)
-                 for kk in ks)
-  opts = _common.AttentionOptions(mask=MaskSpec.make(False, None, False), scale=D ** -0.5)
-  out, lse = flash_attention(q, k, v, return_lse=True)
-  res = _common.Residuals(q, k, v, None, None, out, jnp.swapaxes(lse, 1, 2))
-  stats = mb.row_stats(opts, res, _common.softmax_delta(out, ct, jnp.zeros_like(res.lse)))
+  *_, ct, opts, res, stats = attention_backward_problem(False)
   dkv_cfg = mb.MosaicBackwardConfig.tuned(D, False, with_dq=False)
   dq_cfg = mdq.MosaicDqConfig.for_head_dim(D)
   print(f"dK/dV config {dkv_cfg}\ndq config {dq_cfg}", flush=True)
@@ -85,18 +74,9 @@ def main():
       compiled = f.lower(res, ct, stats).compile()  # traced now, with the patch in place
     finally:
       module.plgpu = _mosaic.plgpu = real
-    fns[name] = compiled
+    fns[name] = (compiled, (res, ct, stats))
     jax.block_until_ready(compiled(res, ct, stats))
-  times = _harness.interleaved(
-      {name: (lambda f=f: _harness.time_jax(f, res, ct, stats, reps=20)) for name, f in fns.items()},
-      args.rounds)
-  for name, ts in times.items():
-    print(f"{name:20} {statistics.median(ts):7.3f} ms   rounds " + " ".join(f"{t:.3f}" for t in ts),
-          flush=True)
-  for name, f in fns.items():
-    sec, watts, mhz = power(f, res, ct, stats, seconds=2.0)
-    print(f"{name:20} {sec * 1e3:7.3f} ms at {watts:5.1f} W, {mhz:.0f} MHz: "
-          f"{watts * sec * 1e3:7.1f} mJ per call", flush=True)
+  rounds_then_power(fns, args.rounds)
 
 
 if __name__ == "__main__":
