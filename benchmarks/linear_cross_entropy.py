@@ -170,6 +170,8 @@ def parse_memeff(provider: str):
       kw["mosaic_gemms"] = tuple(opts.pop("gemms").split("+"))
     if "fused_lse" in opts:  # fused_lse=1: partial log-sum-exps from the logits GEMM
       kw["fused_lse"] = bool(int(opts.pop("fused_lse")))
+    if "exp_logits" in opts:  # exp_logits=1: no softmax pass (PallasGpu.exp_logits)
+      kw["exp_logits"] = bool(int(opts.pop("exp_logits")))
     for key in ("block_rows", "block_v", "num_warps", "num_stages"):
       if key in opts:
         kernel[key] = int(opts.pop(key))

@@ -6,7 +6,9 @@ three matmuls, for ncu's per-kernel durations.
 REPS=n makes n calls (default 2); TRACE=path.json traces the last n - 2 with torch's profiler
 (kernel durations under sustained load, JAX's included; benchmarks/scratch/dev_lce_trace.sh).
 LCE_GEMMS=logits+dx+dw puts those GEMMs on ops.mosaic_gemm; LCE_LAYOUT=vd stores W as [V, D];
-LCE_DW=tma_add sets dw_accumulation; LCE_FUSED_LSE=1 sets fused_lse. Mode "bridge" runs the all-Mosaic loss ("vd", LCE_DW
+LCE_DW=tma_add sets dw_accumulation; LCE_FUSED_LSE=1 sets fused_lse; LCE_EXP=1 sets
+exp_logits; HLO=path writes the optimized program there and prints its temporaries and the
+copies, scatters and conditionals of [C, V] arrays. Mode "bridge" runs the all-Mosaic loss ("vd", LCE_DW
 default tma_add) through memeff_jax.interop.torch on torch tensors, backward included.
 """
 import os
@@ -95,7 +97,7 @@ if sys.argv[1] == "floor":
 else:
   chunk = int(sys.argv[2]) if len(sys.argv) > 2 else None
   impl = None
-  if os.environ.get("LCE_KERNEL") or os.environ.get("LCE_GEMMS"):
+  if os.environ.get("LCE_KERNEL") or os.environ.get("LCE_GEMMS") or os.environ.get("LCE_EXP"):
     from memeff_jax.ops import linear_cross_entropy as lce  # pylint: disable=import-outside-toplevel
     kw = {}
     if os.environ.get("LCE_KERNEL"):
@@ -106,10 +108,20 @@ else:
     if os.environ.get("LCE_DW"):
       kw["dw_accumulation"] = os.environ["LCE_DW"]
     kw["fused_lse"] = os.environ.get("LCE_FUSED_LSE") == "1"
+    kw["exp_logits"] = os.environ.get("LCE_EXP") == "1"
     impl = lce.PallasGpu(**kw)
   fn = jax.jit(jax.value_and_grad(
       lambda x, w: memeff_jax.linear_cross_entropy(x, w, y, chunk_size=chunk, weight_layout=LAYOUT,
                                                    implementation=impl), argnums=(0, 1)))
   args = (x, w)
 jax.block_until_ready(args)
+if os.environ.get("HLO"):  # temporaries, and the optimized program's [C, V]-sized copies
+  compiled = fn.lower(*args).compile()
+  print(f"temp bytes {compiled.memory_analysis().temp_size_in_bytes:,}")
+  hlo = compiled.as_text()
+  open(os.environ["HLO"], "w").write(hlo)
+  for line in hlo.splitlines():
+    if f",{V}]" in line and (" copy(" in line or "copy-start" in line or " scatter(" in line
+                             or "conditional(" in line or "dynamic-update-slice(" in line):
+      print("  ", line.strip()[:200])
 run(lambda: jax.block_until_ready(fn(*args)))

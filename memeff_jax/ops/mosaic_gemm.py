@@ -74,6 +74,11 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 
+# gemm(..., exp_out=True) stores exp(min(product, EXP_CLAMP)): e^64 and a vocabulary's sum
+# of them stay far inside float32 and bfloat16 (whose range reaches e^88).
+EXP_CLAMP = 64.0
+
+
 def unavailable() -> str | None:
   """Why the kernel cannot run on the default device, or None when it can."""
   if plgpu is None:
@@ -334,7 +339,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
 
 def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
                  trans_b: bool, sms: int, reduce: bool = False, stats_gmem=None,
-                 stats_cols: int | None = None, stats_words: bool = False):
+                 stats_cols: int | None = None, stats_words: bool = False,
+                 exp_out: bool = False, enabled=None):
   """The schedules with one ring of A/B slots across all of a CTA's tiles ("pingpong",
   "ring"): the CTA walks its tiles j = 0, 1, 2, ..., and the memory warpgroup streams their K
   steps in walk order through `max_concurrent_steps` slots, so the next tile's first steps
@@ -359,6 +365,11 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   exponentials from tile to tile, and store them once at the end as one log-sum-exp. With
   tail_n the walk has two phases: the whole tiles that divide evenly among a row block's
   CTAs, then the columns left over in tiles tail_n wide per warpgroup (see GemmConfig).
+  With `exp_out` (and stats) the tiles stored are exp(min(product, EXP_CLAMP)), and each
+  warpgroup tile stores the log of its rows' sums of those float32 exponentials at once, in
+  the row of stats_gmem that is its column strip (cols // tile_n): no running statistics,
+  so the walk is the ordinary one over all CTAs (see gemm). `enabled` (a traced int32, or
+  None) multiplies every CTA's tile count: 0 makes the launch a no-op.
   """
   m, n = out_gmem.shape
   k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
@@ -374,7 +385,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   split = None if pingpong else config.wg_split  # ping-pong: each warpgroup owns whole tiles
   walker, walkers = lax.axis_index("sm"), sms // config.cluster_size()  # clusters (or CTAs)
   cta_origin, a_shared, b_shared = _cluster_layout(config)
-  stats = stats_gmem is not None
+  per_tile = stats_gmem is not None and exp_out  # each tile's sums stored as they come
+  stats = stats_gmem is not None and not per_tile  # statistics carried across the walk
 
   class Phase(NamedTuple):
     """A run of the CTA's walk: `count` tiles (traced), each warpgroup's `width` columns
@@ -411,6 +423,9 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
                         config.band)),
                     n_tiles * cn)]
 
+  if enabled is not None:
+    phases = [p._replace(count=p.count * enabled) for p in phases]
+
   def walk(tile, carry):
     """Runs tile(phase, j, i, carry) over the CTA's tiles, i counting across phases."""
     start = 0
@@ -425,14 +440,18 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   er = config.epilogue_rows or tm
   in_flight = 1 if config.in_flight is None else config.in_flight
 
-  def _row_stats(carry, out, cols, phase):
-    """The running (max, Σ exp) of this warpgroup's rows, in the exp2 domain, after a tile
-    of the rounded output (the logits the caller will read)."""
-    m, s = carry
-    y = out.astype(jnp.float32)
-    if stats_cols < phase.end:  # columns from stats_cols on count for nothing
+  def _counted(y, cols, phase, other):
+    """y with the columns from stats_cols on set to `other`."""
+    if stats_cols < phase.end:
       col = plgpu.broadcasted_iota(jnp.int32, (tm, phase.width), 1, layout=plgpu.Layout.WGMMA)
-      y = jnp.where(col < stats_cols - cols, y, -jnp.inf)
+      y = jnp.where(col < stats_cols - cols, y, other)
+    return y
+
+  def _row_stats(carry, y, cols, phase):
+    """The running (max, Σ exp) of this warpgroup's rows, in the exp2 domain, after a tile
+    y of the rounded output (the logits the caller will read), in float32."""
+    m, s = carry
+    y = _counted(y, cols, phase, -jnp.inf)
     m_new = jnp.maximum(m, y.max(axis=1) * _mosaic.LOG2E)  # (LOG2E > 0 keeps the maximum)
     m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no column yet
     p = jnp.exp2(y * _mosaic.LOG2E - lax.broadcast_in_dim(m_sub, y.shape, [0]))
@@ -498,7 +517,12 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
           if c_gmem is not None:
             plgpu.barrier_wait(c_ready.at[wg])
             acc = acc + buf[...].astype(jnp.float32)
-          out = acc.astype(out_dtype)  # rounded once, for the stores and the statistics
+          if exp_out:  # float32 exponentials for the statistics, rounded for the stores
+            y = jnp.exp2(jnp.minimum(acc, EXP_CLAMP) * _mosaic.LOG2E)
+            out = y.astype(out_dtype)
+          else:
+            out = acc.astype(out_dtype)  # rounded once, for the stores and the statistics
+            y = out.astype(jnp.float32)
           for r0 in range(0, tm, er):  # through a buffer of er rows
             if r0:
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -506,7 +530,10 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(buf, out_gmem.at[pl.ds(rows + r0, er), pl.ds(cols, width)],
                                     reduction_op="add" if reduce else None)
-          return _row_stats(carry, out, cols, phase) if stats else carry
+          if per_tile:  # straight from registers, as the statistics below
+            s = _counted(y, cols, phase, 0.0).sum(axis=1)
+            stats_gmem.at[div(cols, tn), pl.ds(rows, tm)][...] = jnp.log(s)
+          return _row_stats(carry, y, cols, phase) if stats else carry
 
         if not pingpong:
           return own()
@@ -666,23 +693,29 @@ def row_stats_rows(m: int, config: GemmConfig) -> int:
 def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: bool,
             into: bool, accumulate: bool = True, add: str = "epilogue",
             name: str = "mosaic_gemm", stats_cols: int | None = None,
-            stats_into: bool = False):
+            stats_into: bool = False, exp_out: bool = False, enabled=None):
   """A persistent launch: one CTA per SM, two compute and one memory warpgroup. With `into`
   the last operand is C, which the kernel updates in place (out_type is then ()): C plus
   the product with `accumulate` (added as `add` says, see gemm_into), the product alone
   without. With `stats_cols` out_type is (product, partial log-sum-exps) (see gemm), or,
   with `stats_into`, the product alone, the partials going into the last operand's window
-  as words (gemm's row_stats_into). Operands may be `Rows`. The kernel is named after
+  as words (gemm's row_stats_into). Operands may be `Rows`. `enabled` (a traced scalar,
+  ring schedules) makes the launch do nothing where it is 0. The kernel is named after
   `name` in profiles (Mosaic GPU names it after the body function)."""
   sms = _sms(config)
-  if ((stats_cols is not None or config.tail_n is not None)
+  if (((stats_cols is not None and not exp_out) or config.tail_n is not None)
       and operands[0].shape[1 if trans_a else 0] // config.cta_tile()[0] > sms):
     raise ValueError(f"row_stats and tail_n keep each CTA to one row block: M has more row "
                      f"blocks than the {sms} CTAs ({config})")
   windows = [op if isinstance(op, Rows) else None for op in operands]
   blocks = [jnp.asarray(w.block, jnp.int32) for w in windows if w is not None]
+  if enabled is not None:
+    if config.schedule not in ("pingpong", "ring"):
+      raise ValueError(f"enabled needs the 'pingpong' or 'ring' schedule, got {config}")
+    blocks.append(jnp.asarray(enabled, jnp.int32))
 
-  def body(*refs):  # the operands' refs, the windows' block indices (0-d), the output's
+  def body(*refs):  # the operands' refs, the windows' block indices (0-d), then enabled
+    # (0-d), the output's
     block_refs = iter(refs[len(operands):len(operands) + len(blocks)])
     op_refs = [ref if w is None else ref.at[pl.ds(next(block_refs)[...] * w.size, w.size)]
                for ref, w in zip(refs, windows)]
@@ -695,7 +728,8 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
     if config.schedule in ("pingpong", "ring"):
       _ring_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
                    trans_b=trans_b, sms=sms, reduce=reduce, stats_gmem=stats_ref,
-                   stats_cols=stats_cols, stats_words=stats_into)
+                   stats_cols=stats_cols, stats_words=stats_into, exp_out=exp_out,
+                   enabled=None if enabled is None else next(block_refs)[...])
     else:
       _kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a, trans_b=trans_b,
               reduce=reduce)
@@ -744,7 +778,8 @@ def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue"):
 
 def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
          config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm",
-         row_stats: int | None = None, row_stats_into: Rows | None = None):
+         row_stats: int | None = None, row_stats_into: Rows | None = None,
+         exp_out: bool = False):
   """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype).
   a and b are arrays or `Rows` of arrays; `name` names the kernel in profiles.
 
@@ -761,11 +796,20 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   divisor of M), the partials are stored in the window as words, so that they take no
   memory of their own where the window is scratch (in linear_cross_entropy, dx's rows of
   the chunk, which its dx GEMM writes afterwards); gemm then returns (out, StatsWords), the
-  words as a view of the window's array."""
+  words as a view of the window's array.
+
+  With `exp_out` (row_stats only, no tail_n, no row_stats_into) `out` holds
+  exp(min(product, EXP_CLAMP)) instead of the product, and partials [cdiv(N, tile_n), M]
+  hold the log of each row's sum of those float32 exponentials over each strip of tile_n
+  columns: log-sum-exps of the clamped product, stored by each tile as it is done, so
+  that the tiles are walked as without row_stats, by every CTA (linear_cross_entropy's
+  exp_logits, which checks that no row it uses came near the clamp)."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
   if row_stats is None:
+    if exp_out:
+      raise ValueError("exp_out is an option of row_stats")
     return _launch((a, b), out_type, config, trans_a=trans_a, trans_b=trans_b, into=False,
                    name=name)
   if config.schedule == "cooperative" or config.cluster:
@@ -773,16 +817,21 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
                      f"got {config}")
   if not 0 < row_stats <= n:
     raise ValueError(f"row_stats must count columns in [1, {n}], got {row_stats}")
+  if exp_out and (row_stats_into is not None or config.tail_n is not None):
+    raise ValueError("exp_out stores its partials per tile, as an array: it takes neither "
+                     f"row_stats_into nor tail_n (got {config})")
   if row_stats_into is not None:
     if (why := stats_window_error(row_stats_into, m, config)) is not None:
       raise ValueError(why)
     out = _launch((a, b, row_stats_into), out_type, config, trans_a=trans_a,
                   trans_b=trans_b, into=False, name=name, stats_cols=row_stats,
-                  stats_into=True)
+                  stats_into=True, exp_out=exp_out)
     return out, _stats_words(row_stats_into, m, config)
-  stats_type = jax.ShapeDtypeStruct((row_stats_rows(m, config), m), jnp.float32)
+  parts = -(-n // config.tile_n) if exp_out else row_stats_rows(m, config)
+  stats_type = jax.ShapeDtypeStruct((parts, m), jnp.float32)
   return tuple(_launch((a, b), (out_type, stats_type), config, trans_a=trans_a,
-                       trans_b=trans_b, into=False, name=name, stats_cols=row_stats))
+                       trans_b=trans_b, into=False, name=name, stats_cols=row_stats,
+                       exp_out=exp_out))
 
 
 class StatsWords(NamedTuple):
@@ -824,7 +873,8 @@ def _stats_words(window: Rows, m: int, config: GemmConfig) -> StatsWords:
 
 def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
               accumulate: bool = True, add: str = "epilogue",
-              config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm") -> None:
+              config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm",
+              enabled=None) -> None:
   """c_ref[...] += op(a) @ op(b), in place. `add` says how C is added:
 
     "epilogue"  C's tile is read into shared memory while the tile's main loop runs, summed
@@ -835,9 +885,11 @@ def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
 
   With accumulate=False, c_ref[...] = op(a) @ op(b) (C is not read). `c_ref` is a
   `jax.Ref` (jax.new_ref) or `Rows` of one; a and b arrays or `Rows`; `name` names the
-  kernel in profiles."""
+  kernel in profiles. `enabled`, a traced bool or int scalar ("pingpong" and "ring"
+  schedules), leaves C as it is where false: the kernel runs no tile (a conditional update
+  without lax.cond, which would copy C)."""
   _check(a, b, c_ref, trans_a, trans_b, config, accumulate, add)
   if jnp.dtype(c_ref.dtype).itemsize != 2:
     raise TypeError(f"c must be 16-bit, got {c_ref.dtype}")
   _launch((a, b, c_ref), (), config, trans_a=trans_a, trans_b=trans_b, into=True,
-          accumulate=accumulate, add=add, name=name)
+          accumulate=accumulate, add=add, name=name, enabled=enabled)

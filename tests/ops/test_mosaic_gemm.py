@@ -310,6 +310,13 @@ def test_row_stats_lower_for_cuda_and_check_their_arguments():
   assert "mosaic_gpu" in jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
   with pytest.raises(ValueError, match=r"row_stats must count columns in \[1, 1088\], got 0"):
     mg.gemm(a, b, trans_b=True, config=cfg, row_stats=0)
+  f = lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols, exp_out=True)
+  assert "mosaic_gpu" in jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  assert jax.eval_shape(f, a, b)[1].shape == (1088 // 128 + 1, 256)  # one per column strip
+  with pytest.raises(ValueError, match="exp_out is an option of row_stats"):
+    mg.gemm(a, b, trans_b=True, config=cfg, exp_out=True)
+  with pytest.raises(ValueError, match="exp_out.*neither row_stats_into nor tail_n"):
+    mg.gemm(a, b, trans_b=True, config=TAIL_CONFIGS["ring-n"], row_stats=cols, exp_out=True)
 
 
 @pytest.mark.gpu
@@ -327,6 +334,22 @@ def test_row_stats_match_the_rounded_output(name):
   assert parts.shape == (mg.row_stats_rows(a.shape[0], cfg), a.shape[0])
   assert not np.isnan(np.asarray(parts)).any()
   np.testing.assert_allclose(jax.nn.logsumexp(parts, axis=0), want, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(ROW_STATS_CONFIGS))
+def test_exp_out_matches_reference(name):
+  """exp_out: the output is exp(min(product, 64)) and logsumexp over the per-strip partials
+  is each row's log-sum-exp of the clamped product over the first `cols` columns; every
+  schedule, ragged N, idle CTAs."""
+  a, b, cols, cfg = _row_stats_case(name)
+  out, parts = jax.jit(lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols,
+                                            exp_out=True))(a, b)
+  ref = jnp.minimum(a.astype(jnp.float32) @ b.T.astype(jnp.float32), mg.EXP_CLAMP)
+  assert parts.shape == (-(-b.shape[0] // cfg.tile_n), a.shape[0])
+  np.testing.assert_allclose(out.astype(np.float32), np.exp(ref), rtol=1e-2, atol=1e-30)
+  want = jax.nn.logsumexp(ref[:, :cols], axis=1)
+  np.testing.assert_allclose(jax.nn.logsumexp(parts, axis=0), want, rtol=1e-5, atol=1e-4)
 
 
 TAIL_CONFIGS = {  # M = 256, N = 1,088: whole CTA tiles dealt evenly, the rest in tail tiles

@@ -30,6 +30,7 @@ before it does (as bfloat16 words, mosaic_gemm.StatsWords), so they hold no memo
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,13 @@ class PallasGpu:
       row of its tiles to partial log-sum-exps (mosaic_gemm.gemm's row_stats), so the
       softmax pass of the gradients reads the chunk's logits once instead of twice (no
       sweep 1). Calls with a bias or a logit softcap raise NotImplementedError.
+    exp_logits: no softmax pass at all where the gradients are made in the loop (see
+      `_exp_chunk`): the logits GEMM (on ops.mosaic_gemm, whatever mosaic_gemms says; in
+      interpret mode its XLA equivalent) stores exp(z) and its rows' sums, the label
+      entries are patched, and the softmax's per-row factor is applied to dx's rows and to
+      x's rows before the dW GEMM. A chunk whose exponentials left the safe range falls
+      back to the softmax pass. Calls with a bias, a logit softcap or label smoothing, and
+      the backward pass of reduction="none", use the softmax pass throughout.
   """
 
   memory_budget_bytes: int = 256 * 2**20
@@ -102,6 +110,7 @@ class PallasGpu:
   interpret: bool = False
   mosaic_gemms: tuple[str, ...] = ()
   fused_lse: bool = False
+  exp_logits: bool = False
   name: str = "pallas_gpu"
 
   def __post_init__(self):
@@ -122,9 +131,14 @@ class PallasGpu:
                        "it excludes dw_accumulation='float32'")
 
   def gemm_configs(self, tokens: int, d: int, vocab: int, dtype, weight_dtype,
-                   layout: str) -> tuple[tuple[str, mosaic_gemm.GemmConfig], ...]:
-    """(name, tiles) of each GEMM in mosaic_gemms; NotImplementedError when one cannot run."""
-    if not self.mosaic_gemms:
+                   layout: str, exp_logits: bool = False
+                   ) -> tuple[tuple[str, mosaic_gemm.GemmConfig], ...]:
+    """(name, tiles) of each GEMM in mosaic_gemms, and of the logits GEMM where
+    `exp_logits` runs it; NotImplementedError when one cannot run."""
+    names = self.mosaic_gemms
+    if exp_logits and not self.interpret and "logits" not in names:
+      names = ("logits",) + names
+    if not names:
       return ()
     why = ("interpret mode runs no Mosaic GPU kernel" if self.interpret
            else mosaic_gemm.unavailable())
@@ -133,13 +147,13 @@ class PallasGpu:
       why = (f"needs x and weight in one 16-bit dtype, got {jnp.dtype(dtype)} and "
              f"{jnp.dtype(weight_dtype)}")
     if why is not None:
-      raise NotImplementedError(f"pallas_gpu mosaic_gemms={self.mosaic_gemms}: {why}")
+      raise NotImplementedError(f"pallas_gpu mosaic_gemms={names}: {why}")
     tuned = _tuning.lookup("linear_cross_entropy", "mosaic_gemm")
     shapes = dict(logits=(tokens, vocab, d), dx=(tokens, d, vocab),
                   dw=(d, vocab, tokens) if layout == "dv" else (vocab, d, tokens))
     configs = []
     for name in GEMMS:
-      if name in self.mosaic_gemms:
+      if name in names:
         # dW added by TMA reads no C: its tiles have their own sections ("dw_tma_<layout>").
         key = "dw_tma" if name == "dw" and self.dw_accumulation == "tma_add" else name
         config = mosaic_gemm.GemmConfig(**tuned.get(f"{key}_{layout}", tuned.get(key, {})))
@@ -182,14 +196,16 @@ class PallasGpu:
     pad = -opts.vocab_size % self.vocab_multiple
     tokens = self.plan(x.shape[0], opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize,
                        chunk_size)
+    exp_logits = self.exp_logits and bias is None and not (
+        opts.logit_softcap is not None or opts.label_smoothing)
     gemms = self.gemm_configs(tokens, x.shape[1], opts.vocab_size + pad, x.dtype, weight.dtype,
-                              opts.weight_layout)
+                              opts.weight_layout, exp_logits)
     if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
       raise NotImplementedError("pallas_gpu fused_lse: the logits GEMM's epilogue adds no "
                                 "bias and applies no logit_softcap")
     backend = PallasChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
                                  dw_accumulation=self.dw_accumulation, gemms=gemms,
-                                 fused_lse=self.fused_lse)
+                                 fused_lse=self.fused_lse, exp_logits=exp_logits)
     # Zero columns give zero logits, which the kernel never overwrites: G is 0 there, so
     # they add nothing to dx and their dW columns are sliced away by pad's transpose.
     if pad:
@@ -210,6 +226,7 @@ class PallasChunkBackend:
   dw_accumulation: str
   gemms: tuple[tuple[str, mosaic_gemm.GemmConfig], ...] = ()  # those on ops.mosaic_gemm
   fused_lse: bool = False  # partial log-sum-exps from the logits GEMM (PallasGpu.fused_lse)
+  exp_logits: bool = False  # no softmax pass where grads makes G (PallasGpu.exp_logits)
 
   def dw_dtype(self, w):
     return jnp.float32 if self.dw_accumulation == "float32" else w.dtype
@@ -222,7 +239,9 @@ class PallasChunkBackend:
     written in place (see _chunked)."""
     if not self.gemms or n_tokens % chunk:
       return ()
-    return ("x", "dx") if self._mosaic("dx") is not None else ("x",)
+    # exp_logits scales dx's rows after its GEMM: they come back as a [C, D] product.
+    in_place_dx = self._mosaic("dx") is not None and not self.exp_logits
+    return ("x", "dx") if in_place_dx else ("x",)
 
   def _logits(self, x_c, w, bias, partials: bool = False, partials_into=None):
     """The chunk's logits; with `partials` (fused_lse) also their partial log-sum-exps,
@@ -255,22 +274,36 @@ class PallasChunkBackend:
   def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
             dx_into=None):
     need_dx, need_dw, need_db = need
-    layout = self.opts.weight_layout
     # dx's rows of the chunk, which the Mosaic dx GEMM writes straight into (no [C, D]
     # buffer); until then they are scratch, where fused_lse's partials go.
     dx_rows = None
     if need_dx and dx_into is not None and self._mosaic("dx") is not None:
       dx_rows = dx_into._replace(array=jax.new_ref(dx_into.array))
-    if self.fused_lse and lse_c is None:
-      fits = dx_rows is not None and mosaic_gemm.stats_window_error(
-          dx_rows, x_c.shape[0], self._mosaic("logits")) is None
-      z, partials = self._logits(x_c, w, bias, partials=True,
-                                 partials_into=dx_rows if fits else None)
+    scale = None  # exp_logits: the per-row factor of G that the buffer does not hold
+    if self.exp_logits and lse_c is None:
+      g, scale, stats = self._exp_chunk(x_c, w, labels_c, a_c, e_c)
     else:
-      z, partials = self._logits(x_c, w, bias), None
-    g, lse, label_logit, logit_sum = softmax_pass(
-        z, labels_c, a_c, e_c, lse_c, opts=self.opts, config=self.kernel,
-        interpret=self.interpret, partials=partials)
+      if self.fused_lse and lse_c is None:
+        fits = dx_rows is not None and mosaic_gemm.stats_window_error(
+            dx_rows, x_c.shape[0], self._mosaic("logits")) is None
+        z, partials = self._logits(x_c, w, bias, partials=True,
+                                   partials_into=dx_rows if fits else None)
+      else:
+        z, partials = self._logits(x_c, w, bias), None
+      g, *stats = softmax_pass(
+          z, labels_c, a_c, e_c, lse_c, opts=self.opts, config=self.kernel,
+          interpret=self.interpret, partials=partials)
+      stats = Stats(*stats)
+    dx_c, dw_acc = self._apply(g, x_c, w, dw_acc, (need_dx, need_dw), dx_rows, scale)
+    if need_db:
+      db_acc = db_acc + jnp.sum(g, axis=0, dtype=jnp.float32)
+    return stats, dx_c, dw_acc, db_acc
+
+  def _apply(self, g, x_c, w, dw_acc, need, dx_rows, scale):
+    """dx_c = diag(scale) G Wᵀ and dW += (diag(scale) x_c)ᵀ G, G the chunk's buffer
+    (scale None: 1)."""
+    need_dx, need_dw = need
+    layout = self.opts.weight_layout
     dx_c = None
     if need_dx and (config := self._mosaic("dx")) is not None:
       if dx_rows is not None:
@@ -281,7 +314,11 @@ class PallasChunkBackend:
         dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config,
                                 name="lce_dx_gemm")
     elif need_dx:
-      dx_c = _common.dx_dot(g, w, layout, x_c.dtype)
+      dx_c = _common.dx_dot(g, w, layout, g.dtype)
+    if dx_c is not None and scale is not None:
+      dx_c = scale[:, None] * dx_c.astype(jnp.float32)
+    if need_dw and scale is not None:  # x's rows scaled: a [C, D] operand of its own
+      x_c = (scale[:, None] * _sliced(x_c).astype(jnp.float32)).astype(w.dtype)
     if need_dw and (config := self._mosaic("dw")) is not None:
       # op(A) = Aᵀ: dW = x_cᵀ G ("dv") or Gᵀ x_c ("vd"), both operands as stored.
       a, b = (x_c, g) if layout == "dv" else (g, x_c)
@@ -297,9 +334,83 @@ class PallasChunkBackend:
       dw_c = _common.dw_dot(_sliced(x_c), g, layout, self.dw_dtype(w))
       # Same dtype on both sides of the add, so XLA fuses it into the GEMM (beta = 1).
       dw_acc = dw_c if dw_acc is None else dw_acc + dw_c
-    if need_db:
-      db_acc = db_acc + jnp.sum(g, axis=0, dtype=jnp.float32)
-    return Stats(lse, label_logit, logit_sum), dx_c, dw_acc, db_acc
+    return dx_c, dw_acc
+
+  def _exp_logits(self, x_c, w):
+    """(E, partials): E [C, V] = exp(min(z, EXP_CLAMP)) in x's dtype, partials [P, C] the
+    log-sum-exps of E's rows over disjoint column sets (mosaic_gemm.gemm's exp_out, or the
+    same in XLA in interpret mode)."""
+    layout, vocab = self.opts.weight_layout, self.opts.vocab_size
+    if (config := self._mosaic("logits")) is not None:  # per-tile sums: no tail tiles
+      return mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd",
+                              config=dataclasses.replace(config, tail_n=None),
+                              name="lce_exp_logits_gemm", row_stats=vocab, exp_out=True)
+    x_c = _sliced(x_c)
+    e = jnp.exp(jnp.minimum(_common.logits_dot(x_c, w, layout, jnp.float32),
+                            mosaic_gemm.EXP_CLAMP))
+    in_vocab = jnp.arange(e.shape[1]) < vocab
+    return e.astype(x_c.dtype), jnp.log(jnp.sum(jnp.where(in_vocab, e, 0.0), axis=1))[None]
+
+  def _exp_chunk(self, x_c, w, labels_c, a_c, e_c):
+    """G of the chunk without a softmax pass: (buffer, scale, Stats) with G = diag(scale)
+    buffer.
+
+    With E = exp(z) from the logits GEMM and lse from its row sums, G = b·p − a·onehot
+    (block_grad without cap or smoothing; b = a (1 + 2λ lse) + e) is diag(b e^-lse) E with
+    each row's label entry replaced by e^lse (p_y − a/b): one scattered write per row. The
+    label logit is log E[n, y]. Exact up to E's rounding (the softmax pass rounds G and the
+    logits), provided every row that counts has lse in LSE_RANGE (so nothing it needs was
+    clamped or flushed to zero), b ≠ 0 where a ≠ 0, and E[n, y] ≥ e^MIN_LABEL_LOGIT. When
+    a row does not, the chunk takes the softmax pass instead (a second logits GEMM written
+    over E, then the pass over it) and the scale is 1. That choice is made by the kernels
+    themselves (their `enabled`, and the patch's indices dropped), not by lax.cond, whose
+    branches would each copy the [C, V] buffer.
+    """
+    opts = self.opts
+    rows = jnp.arange(labels_c.shape[0])
+    e, partials = self._exp_logits(x_c, w)
+    lse = jax.nn.logsumexp(partials.astype(jnp.float32), axis=0)
+    in_range = (labels_c >= 0) & (labels_c < opts.vocab_size)
+    col = jnp.where(in_range, labels_c, 0)
+    # The barrier keeps XLA from gathering E[n, y] again inside later fusions, after the
+    # fallback may have written over E (which would make it copy E to keep it).
+    e_y, e = jax.lax.optimization_barrier((e[rows, col].astype(jnp.float32), e))
+    b = a_c * (1.0 + 2.0 * opts.z_loss * lse) + e_c
+    counts, patch = (a_c != 0) | (b != 0), in_range & (a_c != 0)
+    lo, hi = LSE_RANGE
+    ok = (jnp.all(~counts | ((lse >= lo) & (lse <= hi)))
+          & jnp.all(~patch | ((b != 0) & (e_y >= math.exp(MIN_LABEL_LOGIT)))))
+
+    # Fallback: the logits over E (every kernel a no-op where ok), then the softmax pass.
+    if (config := self._mosaic("logits")) is not None:
+      ref = jax.new_ref(e)
+      mosaic_gemm.gemm_into(ref, x_c, w, trans_b=opts.weight_layout == "vd",
+                            accumulate=False, config=config, name="lce_logits_gemm",
+                            enabled=~ok)
+      e = ref[...]
+    else:  # interpret mode: XLA, which has no in-place conditional GEMM
+      e = jnp.where(ok, e, self._logits(x_c, w, None))
+    e, *slow = softmax_pass(e, labels_c, a_c, e_c, opts=opts, config=self.kernel,
+                            interpret=self.interpret, enabled=~ok)
+
+    z_y = jnp.log(e_y)
+    safe_b = jnp.where(b != 0, b, 1.0)
+    entry = jnp.exp(lse) * (jnp.expm1(z_y - lse) + (1.0 - a_c / safe_b))
+    target = jnp.where(ok, rows, rows + rows.shape[0])  # out of bounds: dropped
+    e = e.at[target, col].set(jnp.where(patch, entry, e_y).astype(e.dtype), mode="drop",
+                              unique_indices=True, indices_are_sorted=True)
+    scale = jnp.where(counts, b * jnp.exp(-jnp.where(counts, lse, 0.0)), 0.0)
+    fast = Stats(lse, jnp.where(in_range, z_y, 0.0), jnp.zeros_like(lse))
+    stats = Stats(*(jnp.where(ok, f, s) for f, s in zip(fast, slow)))
+    return e, jnp.where(ok, scale, 1.0), stats
+
+
+# exp_logits' safe range (see PallasChunkBackend._exp_chunk). A row's largest logit is at
+# most its lse, so lse ≤ 60 keeps every entry below the clamp (mosaic_gemm.EXP_CLAMP = 64);
+# and at least lse − log V, so lse ≥ -25 keeps it above -37 at V up to 10^6: what E loses to
+# zero (z < -87) then has p < e^-50.
+LSE_RANGE = (-25.0, 60.0)
+MIN_LABEL_LOGIT = -80.0
 
 
 def _sliced(x_c):
@@ -312,8 +423,9 @@ def _sliced(x_c):
 def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, logits_ref,
                          grad_ref, lse_ref, label_logit_ref, logit_sum_ref,
                          *, opts: LossOptions, block_rows: int, block_v: int,
-                         l2_hints: bool):
-  """One program: `block_rows` tokens, all V vocabulary entries, two sweeps of block_v.
+                         l2_hints: bool, program):
+  """One program (number `program`): `block_rows` tokens, all V vocabulary entries, two
+  sweeps of block_v.
 
   Refs are whole arrays (no BlockSpecs: V need not be a power of two); the loads of a
   ragged last block (and of rows past the end) are masked.
@@ -325,7 +437,7 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, log
   """
   n_rows = logits_ref.shape[0]
   vocab = opts.vocab_size
-  row0 = pl.program_id(0) * block_rows
+  row0 = program * block_rows
   rows = row0 + jnp.arange(block_rows, dtype=jnp.int32)
   row_ok = rows < n_rows
   row_slice = pl.ds(row0, block_rows)
@@ -366,7 +478,7 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, log
                 for k in range(3)]
     else:  # traced start: the load may reach past the partials' end
       n_parts = partials_ref.shape[0]
-      pieces = [(partials_ref, pl.program_id(0) * 0, -jnp.inf)]
+      pieces = [(partials_ref, program * 0, -jnp.inf)]
     parts = jnp.arange(pl.next_power_of_2(n_parts), dtype=jnp.int32)
     mask = (parts < n_parts)[:, None] & row_ok[None, :]
     p = sum(plgpu.load(ref.at[pl.ds(start, parts.shape[0]), row_slice], mask=mask,
@@ -429,7 +541,8 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, log
 
 
 def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
-                 config: KernelConfig, interpret: bool = False, partials=None):
+                 config: KernelConfig, interpret: bool = False, partials=None,
+                 enabled=None):
   """Runs the kernel over one chunk's logits.
 
   Args:
@@ -441,6 +554,9 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
       (mosaic_gemm.gemm's row_stats; only with a and e, without lse and softcap), or the
       same as mosaic_gemm.StatsWords (row_stats_into): the kernel then reads the logits
       once.
+    enabled: a traced bool; where false the kernel does nothing: the buffer keeps what it
+      held and the statistics are undefined (a conditional pass without lax.cond, which
+      would copy the buffer).
 
   Returns:
     Without a/e: (lse, label_logit, logit_sum). With them: (G, lse, label_logit,
@@ -464,11 +580,21 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     inputs += [partials.words, jnp.reshape(partials.start, (1,)).astype(jnp.int32)]
   elif partials is not None:
     inputs.append(partials.astype(jnp.float32))
+  if enabled is not None:
+    inputs.append(jnp.reshape(enabled, (1,)).astype(jnp.int32))
   inputs.append(logits)
   n_in = len(inputs)
 
   def kernel(*refs):
     ins, outs = list(refs[:n_in]), list(refs[n_in:])
+    program = pl.program_id(0)  # read outside the `when` (interpret mode needs that)
+    if enabled is not None:
+      enabled_ref = ins.pop(-2)
+      pl.when(enabled_ref[0] != 0)(lambda: body(ins, outs, program))
+    else:
+      body(ins, outs, program)
+
+  def body(ins, outs, program):
     labels_ref = ins.pop(0)
     a_ref, e_ref = (ins.pop(0), ins.pop(0)) if with_grad else (None, None)
     lse_in_ref = ins.pop(0) if lse is not None else None
@@ -480,7 +606,7 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, logits_ref,
                          grad_ref, *outs,
                          opts=opts, block_rows=config.block_rows, block_v=block_v,
-                         l2_hints=config.l2_hints)
+                         l2_hints=config.l2_hints, program=program)
 
   call = pl.pallas_call(
       kernel,

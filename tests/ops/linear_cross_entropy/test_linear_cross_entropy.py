@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import memeff_jax
+from memeff_jax import _tuning
 from memeff_jax.ops import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy import ChunkedXla
 from memeff_jax.ops.linear_cross_entropy import Int64Labels
@@ -367,6 +368,62 @@ def test_pallas_gpu_kernel_lowers_for_cuda():
       assert "triton" in text.lower()
 
 
+class TestPallasGpuExpLogitsInterpret(_LinearCrossEntropyTest):
+  """exp_logits with the logits GEMM's XLA equivalent: every option set, those it does not
+  take (bias, softcap, smoothing) through the softmax pass."""
+
+  impl = PallasGpu(interpret=True, exp_logits=True)
+
+
+def _exp_chunk(x, w, labels, a, e, opts):
+  backend = pallas_gpu.PallasChunkBackend(opts=opts, kernel=KernelConfig(), interpret=True,
+                                          dw_accumulation="weight", exp_logits=True)
+  return jax.jit(backend._exp_chunk)(x, w, labels, a, e)
+
+
+@pytest.mark.parametrize("shift,fast", [(0.0, True), (30.0, True), (-15.0, True),
+                                        (80.0, False), (-60.0, False)])
+def test_exp_chunk_against_softmax_pass(shift, fast):
+  """One chunk's G as exp_logits makes it (diag(scale) buffer) against the softmax pass's,
+  with logits shifted by `shift` (x's last feature is 1, w's last row the shift): inside
+  the safe range the buffer holds exponentials (scale ≠ 1), outside it the chunk falls back
+  to the softmax pass (scale = 1). Rows with ignored and out-of-range labels, a z-loss, and
+  coefficients e as a differentiated log-sum-exp gives them."""
+  opts = _common.LossOptions(vocab_size=1000, z_loss=1e-3)
+  x, w, labels, _, _ = make_problem(jax.random.key(21), (48,), 32, 1000, jnp.float32)
+  x = x.at[:, -1].set(1.0)
+  w = w.at[-1].set(shift)
+  labels = labels.at[5].set(1000).at[6].set(-7)
+  a = jnp.where(labels == -100, 0.0, 1.0 / 48) * (1.0 + jnp.sin(jnp.arange(48.0)))
+  e = 0.01 * jnp.cos(jnp.arange(48.0))
+  buf, scale, stats = _exp_chunk(x, w, labels, a, e, opts)
+  assert bool(jnp.any(scale != 1.0)) == fast
+  g = scale[:, None] * buf
+  z = x @ w
+  want_g, *want = pallas_gpu.softmax_pass(z, labels, a, e, opts=opts, config=KernelConfig(),
+                                          interpret=True)
+  assert rel_err(g, want_g) < 1e-5
+  in_range = (labels >= 0) & (labels < 1000)
+  for got, ref in zip(stats[:2], want[:2]):  # lse, label logit (logit_sum: smoothing only)
+    assert rel_err(jnp.where(in_range, got, 0), jnp.where(in_range, ref, 0)) < 1e-6
+
+
+def test_exp_chunk_rows_that_do_not_count_may_leave_the_range():
+  """A row with a = e = 0 (an ignored token) whose logits would overflow exp is clamped
+  and scaled by 0: the chunk stays on the fast path and that row's G is exactly 0."""
+  opts = _common.LossOptions(vocab_size=1000)
+  x, w, labels, _, _ = make_problem(jax.random.key(22), (48,), 32, 1000, jnp.float32,
+                                    ignore_frac=0.0)
+  x = x.at[3].multiply(400.0)  # logits in the hundreds
+  a = jnp.full((48,), 1.0 / 47).at[3].set(0.0)
+  buf, scale, _ = _exp_chunk(x, w, labels, a, jnp.zeros(48), opts)
+  assert bool(jnp.all(jnp.isfinite(buf))) and float(scale[3]) == 0.0
+  assert bool(jnp.any(scale != 1.0))
+  want_g, *_ = pallas_gpu.softmax_pass(x @ w, labels, a, jnp.zeros(48), opts=opts,
+                                       config=KernelConfig(), interpret=True)
+  assert rel_err(scale[:, None] * buf, want_g) < 1e-5
+
+
 class TestPallasGpuFloat32DwInterpret(_LinearCrossEntropyTest):
   impl = PallasGpu(interpret=True, dw_accumulation="float32")
   dtypes = (jnp.bfloat16,)
@@ -439,6 +496,56 @@ def test_fused_lse_matches_reference(layout, smoothing, d):
   with pytest.raises(NotImplementedError, match="fused_lse.*no bias and applies no logit_softcap"):
     memeff_jax.linear_cross_entropy(x, w, labels, weight_layout=layout, logit_softcap=30.0,
                                     implementation=impl, chunk_size=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+@pytest.mark.parametrize("gemms,dw_accumulation", [((), "weight"),
+                                                   (pallas_gpu.GEMMS, "tma_add")])
+@pytest.mark.parametrize("shift", [0.0, 70.0])
+def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
+  """exp_logits on the GPU: the Mosaic logits GEMM stores exp(z) and its rows' sums (V =
+  2,000 padded to 2,048), three chunks of 256 tokens, a z-loss and `where`. With every
+  logit shifted by 70 (x's last feature 1, w's last row 70) every chunk falls back to the
+  softmax pass, through the same buffer."""
+  options = dict(weight_layout=layout, z_loss=1e-3, where=True)
+  x, w, labels, _, where = make_problem(jax.random.key(14), (3, 256), 256, 2000, jnp.bfloat16,
+                                        **options)
+  x = x.at[:, -1].set(1.0)
+  w = w.at[-1].set(shift) if layout == "dv" else w.at[:, -1].set(shift)
+  impl = PallasGpu(mosaic_gemms=gemms, dw_accumulation=dw_accumulation, exp_logits=True)
+  got, got_g = value_and_grads(loss_fn(impl, labels, options, 256), x, w, None, where, "mean")
+  if shift:  # bf16 logits near 70 are 0.5 apart: against the same kernels' softmax pass
+    tol, same = 1e-3, PallasGpu(mosaic_gemms=tuple(sorted(set(gemms) | {"logits"})),
+                                dw_accumulation=dw_accumulation)
+    ref, ref_g = value_and_grads(loss_fn(same, labels, options, 256), x, w, None, where,
+                                 "mean")
+  else:
+    up = lambda t: t.astype(jnp.float32)
+    tol, (ref, ref_g) = TOL[jnp.bfloat16], value_and_grads(
+        loss_fn("reference", labels, options), up(x), up(w), None, where, "mean")
+  assert rel_err(got, ref) < tol
+  for gg, rg, arg in zip(got_g, ref_g, "xw"):
+    assert rel_err(gg, rg) < tol, (arg, rel_err(gg, rg))
+
+
+@pytest.mark.gpu
+def test_exp_logits_gemm_against_xla():
+  """mosaic_gemm.gemm(exp_out=True): exp(min(x W, 64)) and its rows' log-sum-exps (over the
+  first 2,000 of 2,048 columns) against XLA in float32, logits up to ~±90 so that some are
+  clamped."""
+  kx, kw = jax.random.split(jax.random.key(15))
+  x = jax.random.normal(kx, (256, 256), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (256, 2048), jnp.float32) * 1.2).astype(jnp.bfloat16)
+  config = mosaic_gemm.GemmConfig(**_tuning.lookup("linear_cross_entropy",
+                                                   "mosaic_gemm").get("logits", {}))
+  e, parts = mosaic_gemm.gemm(x, w, config=config, row_stats=2000, exp_out=True)
+  z = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
+  want = jnp.exp(jnp.minimum(z, mosaic_gemm.EXP_CLAMP))
+  assert float(jnp.max(jnp.abs(z))) > mosaic_gemm.EXP_CLAMP
+  assert rel_err(e.astype(jnp.float32), want) < 1e-2
+  assert rel_err(jax.nn.logsumexp(parts, axis=0),
+                 jnp.log(jnp.sum(want[:, :2000], axis=1))) < 1e-5
 
 
 def test_fused_lse_needs_the_mosaic_logits_gemm():
