@@ -17,6 +17,8 @@ back to back for 3 s while nvidia-smi samples power (energy per call = power × 
                    least softmax pass moves (fused_lse's single sweep)
   memeff C         linear_cross_entropy's value_and_grad with chunk_size=C (the default
                    implementation: cuBLAS GEMMs and the two-sweep Pallas softmax pass)
+  exp C            (--exp exp) the same with PallasGpu(exp_logits=True): no softmax pass
+  exp-dwtma C      (--exp exp-dwtma) and its dW GEMM on ops.mosaic_gemm, by TMA adds
 
 --autotune0 adds each variant again compiled with `xla_gpu_autotune_level=0` (cuBLAS's own
 heuristic pick instead of XLA's autotuner, which times algorithms in short bursts, not at the
@@ -38,6 +40,7 @@ sys.path.insert(0, "benchmarks/scratch")
 from _measure import power  # noqa: E402
 from benchmarks import _harness  # noqa: E402
 import memeff_jax  # noqa: E402
+from memeff_jax.ops import linear_cross_entropy as lce  # noqa: E402
 
 N, D, V = 16384, 4096, 128256
 
@@ -79,6 +82,7 @@ def main():
   parser.add_argument("--chunks", default="1024,2048")
   parser.add_argument("--seconds", type=float, default=3.0)
   parser.add_argument("--autotune0", action="store_true")
+  parser.add_argument("--exp", default="", help="exp,exp-dwtma: the exp_logits variants too")
   args = parser.parse_args()
   k = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(k[0], (N, D), jnp.float32).astype(jnp.bfloat16)
@@ -90,9 +94,14 @@ def main():
     variants[f"gemms {c}"] = (jax.jit(chunked_gemms(c, False)), (x, w))
     variants[f"gemms-noacc {c}"] = (jax.jit(chunked_gemms(c, False, False)), (x, w))
     variants[f"gemms+pass {c}"] = (jax.jit(chunked_gemms(c, True)), (x, w))
-    variants[f"memeff {c}"] = (jax.jit(jax.value_and_grad(
-        lambda x, w, c=c: memeff_jax.linear_cross_entropy(x, w, y, chunk_size=c),
-        argnums=(0, 1))), (x, w))
+    impls = {"memeff": None, "exp": lce.PallasGpu(exp_logits=True),
+             "exp-dwtma": lce.PallasGpu(exp_logits=True, mosaic_gemms=("dw",),
+                                        dw_accumulation="tma_add")}
+    for name, impl in impls.items():
+      if name == "memeff" or name in args.exp.split(","):
+        variants[f"{name} {c}"] = (jax.jit(jax.value_and_grad(
+            lambda x, w, c=c, impl=impl: memeff_jax.linear_cross_entropy(
+                x, w, y, chunk_size=c, implementation=impl), argnums=(0, 1))), (x, w))
   compiled = {}
   for name, (f, a) in variants.items():
     for suffix, options in [("", None)] + ([(" at0", {"xla_gpu_autotune_level": 0})]

@@ -95,12 +95,17 @@ class PallasGpu:
       softmax pass of the gradients reads the chunk's logits once instead of twice (no
       sweep 1). Calls with a bias or a logit softcap raise NotImplementedError.
     exp_logits: no softmax pass at all where the gradients are made in the loop (see
-      `_exp_chunk`): the logits GEMM (on ops.mosaic_gemm, whatever mosaic_gemms says; in
-      interpret mode its XLA equivalent) stores exp(z) and its rows' sums, the label
-      entries are patched, and the softmax's per-row factor is applied to dx's rows and to
-      x's rows before the dW GEMM. A chunk whose exponentials left the safe range falls
-      back to the softmax pass. Calls with a bias, a logit softcap or label smoothing, and
-      the backward pass of reduction="none", use the softmax pass throughout.
+      PallasChunkBackend._exp_chunk): a logits GEMM on ops.mosaic_gemm (whatever
+      mosaic_gemms says; in interpret mode its XLA equivalent) stores exp(z) and its rows'
+      sums, the label entries are patched, and the softmax's per-row factor is applied to
+      dx's rows and to x's rows before the dW GEMM. A chunk whose exponentials leave the
+      safe range falls back to the softmax pass. Calls with a bias, a logit softcap or
+      label smoothing, and the backward pass of reduction="none", use the softmax pass
+      throughout. None (the default): wherever that GEMM can run (a Hopper GPU, x and
+      weight in one 16-bit dtype, a chunk that fits its tiles; never in interpret mode),
+      unless "dx" is in mosaic_gemms (exp_logits gives up the Mosaic dx GEMM's writing in
+      place, which the lowest-memory setting is for); True: always, NotImplementedError
+      where it cannot run; False: never.
   """
 
   memory_budget_bytes: int = 256 * 2**20
@@ -110,7 +115,7 @@ class PallasGpu:
   interpret: bool = False
   mosaic_gemms: tuple[str, ...] = ()
   fused_lse: bool = False
-  exp_logits: bool = False
+  exp_logits: bool | None = None
   name: str = "pallas_gpu"
 
   def __post_init__(self):
@@ -131,13 +136,11 @@ class PallasGpu:
                        "it excludes dw_accumulation='float32'")
 
   def gemm_configs(self, tokens: int, d: int, vocab: int, dtype, weight_dtype,
-                   layout: str, exp_logits: bool = False
+                   layout: str, names: tuple[str, ...] | None = None
                    ) -> tuple[tuple[str, mosaic_gemm.GemmConfig], ...]:
-    """(name, tiles) of each GEMM in mosaic_gemms, and of the logits GEMM where
-    `exp_logits` runs it; NotImplementedError when one cannot run."""
-    names = self.mosaic_gemms
-    if exp_logits and not self.interpret and "logits" not in names:
-      names = ("logits",) + names
+    """(name, tiles) of each GEMM in `names` (default mosaic_gemms); NotImplementedError
+    when one cannot run."""
+    names = self.mosaic_gemms if names is None else names
     if not names:
       return ()
     why = ("interpret mode runs no Mosaic GPU kernel" if self.interpret
@@ -196,16 +199,29 @@ class PallasGpu:
     pad = -opts.vocab_size % self.vocab_multiple
     tokens = self.plan(x.shape[0], opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize,
                        chunk_size)
-    exp_logits = self.exp_logits and bias is None and not (
-        opts.logit_softcap is not None or opts.label_smoothing)
-    gemms = self.gemm_configs(tokens, x.shape[1], opts.vocab_size + pad, x.dtype, weight.dtype,
-                              opts.weight_layout, exp_logits)
+    shapes = (tokens, x.shape[1], opts.vocab_size + pad, x.dtype, weight.dtype,
+              opts.weight_layout)
+    gemms = self.gemm_configs(*shapes)
+    exp_logits, exp_gemm = False, None
+    wanted = self.exp_logits or (self.exp_logits is None and "dx" not in self.mosaic_gemms)
+    if wanted and bias is None and not (opts.logit_softcap is not None
+                                        or opts.label_smoothing):
+      if self.interpret:  # the GEMM's XLA equivalent, when asked for
+        exp_logits = bool(self.exp_logits)
+      else:
+        try:
+          (_, exp_gemm), = self.gemm_configs(*shapes, names=("logits",))
+          exp_logits = True
+        except NotImplementedError:
+          if self.exp_logits:
+            raise
     if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
       raise NotImplementedError("pallas_gpu fused_lse: the logits GEMM's epilogue adds no "
                                 "bias and applies no logit_softcap")
     backend = PallasChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
                                  dw_accumulation=self.dw_accumulation, gemms=gemms,
-                                 fused_lse=self.fused_lse, exp_logits=exp_logits)
+                                 fused_lse=self.fused_lse, exp_logits=exp_logits,
+                                 exp_gemm=exp_gemm)
     # Zero columns give zero logits, which the kernel never overwrites: G is 0 there, so
     # they add nothing to dx and their dW columns are sliced away by pad's transpose.
     if pad:
@@ -227,6 +243,7 @@ class PallasChunkBackend:
   gemms: tuple[tuple[str, mosaic_gemm.GemmConfig], ...] = ()  # those on ops.mosaic_gemm
   fused_lse: bool = False  # partial log-sum-exps from the logits GEMM (PallasGpu.fused_lse)
   exp_logits: bool = False  # no softmax pass where grads makes G (PallasGpu.exp_logits)
+  exp_gemm: mosaic_gemm.GemmConfig | None = None  # its logits GEMM's; None: XLA's
 
   def dw_dtype(self, w):
     return jnp.float32 if self.dw_accumulation == "float32" else w.dtype
@@ -237,7 +254,7 @@ class PallasChunkBackend:
   def takes_rows(self, n_tokens: int, chunk: int) -> tuple[str, ...]:
     """With Mosaic GEMMs, x's chunk is read in place, and with dx's on Mosaic dx's rows are
     written in place (see _chunked)."""
-    if not self.gemms or n_tokens % chunk:
+    if not (self.gemms or self.exp_gemm) or n_tokens % chunk:
       return ()
     # exp_logits scales dx's rows after its GEMM: they come back as a [C, D] product.
     in_place_dx = self._mosaic("dx") is not None and not self.exp_logits
@@ -341,7 +358,7 @@ class PallasChunkBackend:
     log-sum-exps of E's rows over disjoint column sets (mosaic_gemm.gemm's exp_out, or the
     same in XLA in interpret mode)."""
     layout, vocab = self.opts.weight_layout, self.opts.vocab_size
-    if (config := self._mosaic("logits")) is not None:  # per-tile sums: no tail tiles
+    if (config := self.exp_gemm) is not None:  # per-tile sums: no tail tiles
       return mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd",
                               config=dataclasses.replace(config, tail_n=None),
                               name="lce_exp_logits_gemm", row_stats=vocab, exp_out=True)
@@ -382,7 +399,7 @@ class PallasChunkBackend:
           & jnp.all(~patch | ((b != 0) & (e_y >= math.exp(MIN_LABEL_LOGIT)))))
 
     # Fallback: the logits over E (every kernel a no-op where ok), then the softmax pass.
-    if (config := self._mosaic("logits")) is not None:
+    if (config := self.exp_gemm) is not None:
       ref = jax.new_ref(e)
       mosaic_gemm.gemm_into(ref, x_c, w, trans_b=opts.weight_layout == "vd",
                             accumulate=False, config=config, name="lce_logits_gemm",

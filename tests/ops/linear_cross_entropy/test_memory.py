@@ -80,7 +80,7 @@ def test_mosaic_gemms_hold_only_the_chunk_logits(layout, chunk, dw_accumulation)
   x, w, y = _shapes(n, d, v, jnp.bfloat16)
   if layout == "vd":
     w = jax.ShapeDtypeStruct((v, d), jnp.bfloat16)
-  impl = PallasGpu(mosaic_gemms=GEMMS, dw_accumulation=dw_accumulation)
+  impl = PallasGpu(mosaic_gemms=GEMMS, dw_accumulation=dw_accumulation)  # (no exp_logits)
   temp = _temp_bytes(lambda x, w, y: memeff_jax.linear_cross_entropy(
       x, w, y, weight_layout=layout, implementation=impl, chunk_size=chunk), x, w, y)
   logits = chunk * v * 2
