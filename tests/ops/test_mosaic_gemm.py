@@ -302,7 +302,7 @@ def test_row_stats_lower_for_cuda_and_check_their_arguments():
   assert mg.row_stats_rows(256, cfg) == 8
   text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
-  with pytest.raises(ValueError, match="'ring' or 'pingpong' schedule without clusters"):
+  with pytest.raises(ValueError, match="'ring' or 'pingpong' schedule, without clusters"):
     mg.gemm(a, b[:1024], trans_b=True, config=mg.GemmConfig(tile_n=128), row_stats=cols)
   ping = ROW_STATS_CONFIGS["pingpong, ragged, 1,000 columns"][3]
   assert mg.row_stats_rows(256, ping) == 6  # 3 CTAs per row block, each warpgroup its own

@@ -1,4 +1,4 @@
-"""Linear cross-entropy with a Pallas GPU kernel for the per-chunk softmax work.
+"""Linear cross-entropy with GPU kernels for the per-chunk softmax work.
 
 Per token chunk (see _chunked for the loop and the custom_vjp):
 
@@ -25,6 +25,12 @@ With `fused_lse` the Mosaic logits GEMM also hands over each row's partial log-s
 computed in its epilogue, and step 2 skips sweep 1: one read and one write of the logits.
 Where the Mosaic dx GEMM writes dx's rows in place, the partials are stored in those rows
 before it does (as bfloat16 words, mosaic_gemm.StatsWords), so they hold no memory.
+
+`exp_logits` (the default on Hopper) has no step 2 where the gradients are made in the
+loop: step 1 is a Mosaic GEMM that stores E = exp(z) and its rows' sums, one scatter
+patches each row's label entry, and step 3 runs on E with the softmax's per-row factor
+applied to dx's rows and to x's rows (PallasChunkBackend._exp_chunk). No pass reads or
+writes the chunk's logits between the GEMMs.
 """
 
 from __future__ import annotations
