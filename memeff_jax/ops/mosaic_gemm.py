@@ -34,9 +34,10 @@ lowering is checked on the CPU).
 Status: correct for every transpose combination, every schedule and both cluster axes
 (tests/ops/test_mosaic_gemm.py). `linear_cross_entropy` runs it where asked
 (`PallasGpu(mosaic_gemms=...)`), which drops cuBLAS's 32 MiB workspace, but it does not beat
-cuBLAS; by default only for exp_out (below). One 512-token chunk of Llama-3-8B on an H200, µs per GEMM inside the loss's chunk
-loop under ncu (benchmarks/scratch/lce_tiles_insitu.py; isolated timings move by ±10%
-between machines and rank tiles differently):
+cuBLAS; by default it runs only the exp_out GEMM (below). One 512-token chunk of Llama-3-8B
+on an H200, µs per GEMM inside the loss's chunk loop under ncu
+(benchmarks/scratch/lce_tiles_insitu.py; isolated timings move by ±10% between machines
+and rank tiles differently):
 
   GEMM, [M, K] @ [K, N]                        best tiles                          ours  cuBLAS
   logits x_c Wᵀ  [512,4096] @ [4096,128256]     ring 128×256, 4 slots, 1 in flight   715     678

@@ -217,10 +217,14 @@ class PallasGpu:
       else:
         try:
           (_, exp_gemm), = self.gemm_configs(*shapes, names=("logits",))
+          if exp_gemm.schedule == "cooperative":  # no row_stats, no `enabled`
+            raise NotImplementedError("pallas_gpu exp_logits needs the logits GEMM's tiles "
+                                      f"on the 'ring' or 'pingpong' schedule, got {exp_gemm}")
           exp_logits = True
         except NotImplementedError:
           if self.exp_logits:
             raise
+          exp_gemm = None
     if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
       raise NotImplementedError("pallas_gpu fused_lse: the logits GEMM's epilogue adds no "
                                 "bias and applies no logit_softcap")

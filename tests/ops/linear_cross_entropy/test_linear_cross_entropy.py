@@ -530,6 +530,27 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
 
 
 @pytest.mark.gpu
+def test_exp_logits_is_the_default_where_it_serves():
+  """The default pallas_gpu runs the exp GEMM for a bf16 mean loss, and the softmax pass
+  (no exp GEMM) with a bias, label smoothing, float32 inputs, or dx on ops.mosaic_gemm."""
+  x, w, labels, b, _ = make_problem(jax.random.key(16), (512,), 256, 2000, jnp.bfloat16,
+                                    bias=True)
+
+  def uses_exp(impl="pallas_gpu", dtype=jnp.bfloat16, **kw):
+    f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, labels, implementation=impl,
+                                                     chunk_size=256, **kw)
+    text = jax.jit(jax.grad(f, argnums=(0, 1))).lower(x.astype(dtype), w.astype(dtype))
+    return "lce_exp_logits_gemm" in text.as_text()
+
+  assert uses_exp()
+  assert not uses_exp(bias=b)
+  assert not uses_exp(label_smoothing=0.1)
+  assert not uses_exp(dtype=jnp.float32)
+  assert not uses_exp(PallasGpu(mosaic_gemms=("logits", "dx", "dw")))
+  assert uses_exp(PallasGpu(mosaic_gemms=("logits", "dx", "dw"), exp_logits=True))
+
+
+@pytest.mark.gpu
 def test_exp_logits_gemm_against_xla():
   """mosaic_gemm.gemm(exp_out=True): exp(min(x W, 64)) and its rows' log-sum-exps (over the
   first 2,000 of 2,048 columns) against XLA in float32, logits up to ~±90 so that some are
