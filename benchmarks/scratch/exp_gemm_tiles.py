@@ -1,6 +1,7 @@
 """The exp_logits GEMM (mosaic_gemm.gemm(exp_out=True)) at llama3-8b's 1,024-token chunk,
 [1024, 4096] @ [4096, 128256] bf16, in several tile settings, beside cuBLAS's plain x @ W
-(XLA), in interleaved rounds; then the best settings inside the whole loss.
+(XLA) and the same Mosaic kernel without the exponentials (plain, and with fused_lse's
+carried statistics), in interleaved rounds; then chosen settings inside the whole loss.
 
     python benchmarks/scratch/exp_gemm_tiles.py [--rounds 5] [--loss a,b]
 """
@@ -41,7 +42,12 @@ def main():
   k = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(k[0], (C, D), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(k[1], (D, V), jnp.float32) * D ** -0.5).astype(jnp.bfloat16)
-  timers = {"cublas x@W": (jax.jit(lambda x, w: x @ w), (x, w))}
+  timers = {"cublas x@W": (jax.jit(lambda x, w: x @ w), (x, w)),
+            # the same kernel without the exponentials / without any statistics: what the
+            # exp epilogue costs
+            "plain (no exp)": (jax.jit(lambda x, w: mg.gemm(x, w, config=BASE)), (x, w)),
+            "no exp, sums only": (jax.jit(lambda x, w: mg.gemm(x, w, config=BASE,
+                                                               row_stats=V)), (x, w))}
   for name, kw in VARIANTS.items():
     config = dataclasses.replace(BASE, **kw)
     fn = jax.jit(lambda x, w, config=config: mg.gemm(x, w, config=config, row_stats=V,
