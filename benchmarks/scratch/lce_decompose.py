@@ -16,7 +16,8 @@ back to back for 3 s while nvidia-smi samples power (energy per call = power × 
                    optimization barriers so that XLA fuses it into no GEMM): the bytes the
                    least softmax pass moves (fused_lse's single sweep)
   memeff C         linear_cross_entropy's value_and_grad with chunk_size=C (the default
-                   implementation: cuBLAS GEMMs and the two-sweep Pallas softmax pass)
+                   implementation: until session 22 cuBLAS GEMMs and the two-sweep Pallas
+                   softmax pass, since then exp_logits on Hopper, as "exp C")
   exp C            (--exp exp) the same with PallasGpu(exp_logits=True): no softmax pass
   exp-dwtma C      (--exp exp-dwtma) and its dW GEMM on ops.mosaic_gemm, by TMA adds
 
