@@ -178,8 +178,8 @@ def attention_worker(provider: str, causal: bool, reps: int) -> dict:
   torch_extra = torch.cuda.max_memory_allocated() - base
   jax_extra = max(0, _jax_bytes()[1] - jax_base) if provider == "memeff" else 0
   queued_ms = _harness.time_torch(fwd_bwd, reps=reps, lead_ms=20.0)
-  return dict(fwd_ms=fwd_ms, ms=ms, queued_ms=queued_ms, torch_peak_bytes=int(torch_extra), jax_peak_bytes=int(jax_extra),
-              extra_bytes=int(torch_extra + jax_extra - grads))
+  return dict(fwd_ms=fwd_ms, ms=ms, queued_ms=queued_ms, torch_peak_bytes=int(torch_extra),
+              jax_peak_bytes=int(jax_extra), extra_bytes=int(torch_extra + jax_extra - grads))
 
 
 def main(argv=None):

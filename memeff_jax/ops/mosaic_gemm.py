@@ -720,8 +720,8 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
       raise ValueError(f"enabled needs the 'pingpong' or 'ring' schedule, got {config}")
     blocks.append(jnp.asarray(enabled, jnp.int32))
 
-  def body(*refs):  # the operands' refs, the windows' block indices (0-d), then enabled
-    # (0-d), the output's
+  # body's refs: the operands', the windows' block indices and enabled (0-d), the outputs'
+  def body(*refs):
     block_refs = iter(refs[len(operands):len(operands) + len(blocks)])
     op_refs = [ref if w is None else ref.at[pl.ds(next(block_refs)[...] * w.size, w.size)]
                for ref, w in zip(refs, windows)]
@@ -831,7 +831,7 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
       raise ValueError(why)
     out = _launch((a, b, row_stats_into), out_type, config, trans_a=trans_a,
                   trans_b=trans_b, into=False, name=name, stats_cols=row_stats,
-                  stats_into=True, exp_out=exp_out)
+                  stats_into=True)
     return out, _stats_words(row_stats_into, m, config)
   parts = -(-n // config.tile_n) if exp_out else row_stats_rows(m, config)
   stats_type = jax.ShapeDtypeStruct((parts, m), jnp.float32)
