@@ -108,8 +108,8 @@ class PallasGpu:
       safe range falls back to the softmax pass. Calls with a bias, a logit softcap or
       label smoothing, and the backward pass of reduction="none", use the softmax pass
       throughout. None (the default): wherever that GEMM can run (a Hopper GPU, x and
-      weight in one 16-bit dtype, a chunk that fits its tiles; never in interpret mode),
-      unless "dx" is in mosaic_gemms (exp_logits gives up the Mosaic dx GEMM's writing in
+      weight both bfloat16, as float16 cannot hold E's range; a chunk that fits its
+      tiles; never in interpret mode), unless "dx" is in mosaic_gemms (exp_logits gives up the Mosaic dx GEMM's writing in
       place, which the lowest-memory setting is for); True: always, NotImplementedError
       where it cannot run; False: never.
   """
@@ -210,6 +210,11 @@ class PallasGpu:
     gemms = self.gemm_configs(*shapes)
     exp_logits, exp_gemm = False, None
     wanted = self.exp_logits or (self.exp_logits is None and "dx" not in self.mosaic_gemms)
+    if wanted and jnp.dtype(x.dtype) == jnp.float16:  # E's entries reach e^64 > 65,504
+      if self.exp_logits:
+        raise NotImplementedError("pallas_gpu exp_logits stores exp(z) up to e^64 in x's "
+                                  "dtype, which float16 cannot hold; got float16 x")
+      wanted = False
     if wanted and bias is None and not (opts.logit_softcap is not None
                                         or opts.label_smoothing):
       if self.interpret:  # the GEMM's XLA equivalent, when asked for

@@ -375,6 +375,15 @@ class TestPallasGpuExpLogitsInterpret(_LinearCrossEntropyTest):
   impl = PallasGpu(interpret=True, exp_logits=True)
 
 
+def test_exp_logits_refuses_float16():
+  """E = exp(z) is stored in x's dtype up to e^64: float16 (largest 65,504) cannot hold it,
+  so exp_logits=True refuses float16 instead of overflowing (the default leaves it off)."""
+  x, w, labels, _, _ = make_problem(jax.random.key(23), (64,), 32, 300, jnp.float16)
+  with pytest.raises(NotImplementedError, match="exp_logits.*float16"):
+    jax.grad(loss_fn(PallasGpu(interpret=True, exp_logits=True), labels, {}, 32))(
+        x, w, None, None)
+
+
 def _exp_chunk(x, w, labels, a, e, opts):
   backend = pallas_gpu.PallasChunkBackend(opts=opts, kernel=KernelConfig(), interpret=True,
                                           dw_accumulation="weight", exp_logits=True)
@@ -546,6 +555,7 @@ def test_exp_logits_is_the_default_where_it_serves():
   assert not uses_exp(bias=b)
   assert not uses_exp(label_smoothing=0.1)
   assert not uses_exp(dtype=jnp.float32)
+  assert not uses_exp(dtype=jnp.float16)  # E's range is beyond float16's
   assert not uses_exp(PallasGpu(mosaic_gemms=("logits", "dx", "dw")))
   assert uses_exp(PallasGpu(mosaic_gemms=("logits", "dx", "dw"), exp_logits=True))
 
