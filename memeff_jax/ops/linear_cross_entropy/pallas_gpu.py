@@ -267,13 +267,14 @@ class PallasChunkBackend:
     return dict(self.gemms).get(name)
 
   def takes_rows(self, n_tokens: int, chunk: int) -> tuple[str, ...]:
-    """With Mosaic GEMMs, x's chunk is read in place, and with dx's on Mosaic dx's rows are
-    written in place (see _chunked)."""
+    """With Mosaic GEMMs, x's chunk is read in place, and dx's rows are written in place
+    where a Mosaic GEMM uses them: the dx GEMM writes them, or (exp_logits) the dW GEMM
+    reads x's scaled rows from them before dx's land there (see _chunked)."""
     if not (self.gemms or self.exp_gemm) or n_tokens % chunk:
       return ()
-    # exp_logits scales dx's rows after its GEMM: they come back as a [C, D] product.
-    in_place_dx = self._mosaic("dx") is not None and not self.exp_logits
-    return ("x", "dx") if in_place_dx else ("x",)
+    if self._mosaic("dx") is not None or (self.exp_logits and self._mosaic("dw") is not None):
+      return ("x", "dx")
+    return ("x",)
 
   def _logits(self, x_c, w, bias, partials: bool = False, partials_into=None):
     """The chunk's logits; with `partials` (fused_lse) also their partial log-sum-exps,
@@ -306,17 +307,18 @@ class PallasChunkBackend:
   def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
             dx_into=None):
     need_dx, need_dw, need_db = need
-    # dx's rows of the chunk, which the Mosaic dx GEMM writes straight into (no [C, D]
-    # buffer); until then they are scratch, where fused_lse's partials go.
+    # dx's rows of the chunk, written in place (no [C, D] buffer where the dx GEMM is
+    # Mosaic's); until then they are scratch, where fused_lse's partials or exp_logits'
+    # scaled rows of x go.
     dx_rows = None
-    if need_dx and dx_into is not None and self._mosaic("dx") is not None:
+    if need_dx and dx_into is not None:
       dx_rows = dx_into._replace(array=jax.new_ref(dx_into.array))
     scale = None  # exp_logits: the per-row factor of G that the buffer does not hold
     if self.exp_logits and lse_c is None:
       g, scale, stats = self._exp_chunk(x_c, w, labels_c, a_c, e_c)
     else:
       if self.fused_lse and lse_c is None:
-        fits = dx_rows is not None and mosaic_gemm.stats_window_error(
+        fits = self._mosaic("dx") is not None and mosaic_gemm.stats_window_error(
             dx_rows, x_c.shape[0], self._mosaic("logits")) is None
         z, partials = self._logits(x_c, w, bias, partials=True,
                                    partials_into=dx_rows if fits else None)
@@ -332,41 +334,65 @@ class PallasChunkBackend:
     return stats, dx_c, dw_acc, db_acc
 
   def _apply(self, g, x_c, w, dw_acc, need, dx_rows, scale):
-    """dx_c = diag(scale) G Wᵀ and dW += (diag(scale) x_c)ᵀ G, G the chunk's buffer
-    (scale None: 1)."""
+    """(dx_c, dW) with dx_c = diag(scale) G Wᵀ and dW += (diag(scale) x_c)ᵀ G, G the
+    chunk's buffer (scale None: 1). With dx_rows (a Rows window of a jax.Ref of dx) dx_c is
+    all of dx, the chunk's rows written in place; where the dW GEMM is Mosaic's, x's
+    scaled rows wait in them for it (no [C, D] operand of their own), so dW comes first."""
     need_dx, need_dw = need
-    layout = self.opts.weight_layout
-    dx_c = None
-    if need_dx and (config := self._mosaic("dx")) is not None:
-      if dx_rows is not None:
-        mosaic_gemm.gemm_into(dx_rows, g, w, trans_b=layout == "dv", accumulate=False,
-                              config=config, name="lce_dx_gemm")
-        dx_c = dx_rows.array[...]
-      else:
-        dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config,
-                                name="lce_dx_gemm")
-    elif need_dx:
-      dx_c = _common.dx_dot(g, w, layout, g.dtype)
-    if dx_c is not None and scale is not None:
-      dx_c = scale[:, None] * dx_c.astype(jnp.float32)
-    if need_dw and scale is not None:  # x's rows scaled: a [C, D] operand of its own
+    scratch = (need_dw and scale is not None and dx_rows is not None
+               and self._mosaic("dw") is not None)
+    if need_dw and scale is not None:
       x_c = (scale[:, None] * _sliced(x_c).astype(jnp.float32)).astype(w.dtype)
-    if need_dw and (config := self._mosaic("dw")) is not None:
+      if scratch:
+        dx_rows.array[_window(dx_rows)] = x_c
+        x_c = dx_rows
+    dx_c = None
+    if need_dx and not scratch:
+      dx_c = self._dx(g, w, dx_rows, scale)
+    if need_dw:
+      dw_acc = self._dw(g, x_c, w, dw_acc)
+    if need_dx and scratch:
+      dx_c = self._dx(g, w, dx_rows, scale)
+    return dx_c, dw_acc
+
+  def _dx(self, g, w, dx_rows, scale):
+    """diag(scale) G Wᵀ; with dx_rows written into them, returning all of dx."""
+    layout = self.opts.weight_layout
+    if (config := self._mosaic("dx")) is not None and dx_rows is not None:
+      mosaic_gemm.gemm_into(dx_rows, g, w, trans_b=layout == "dv", accumulate=False,
+                            config=config, name="lce_dx_gemm")
+      if scale is not None:  # in place: the rows are read and written by one XLA fusion
+        rows = dx_rows.array[_window(dx_rows)]
+        dx_rows.array[_window(dx_rows)] = (
+            scale[:, None] * rows.astype(jnp.float32)).astype(rows.dtype)
+      return dx_rows.array[...]
+    if (config := self._mosaic("dx")) is not None:
+      dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config, name="lce_dx_gemm")
+    else:
+      dx_c = _common.dx_dot(g, w, layout, g.dtype)
+    if scale is not None:
+      dx_c = scale[:, None] * dx_c.astype(jnp.float32)
+    if dx_rows is None:
+      return dx_c
+    dx_rows.array[_window(dx_rows)] = dx_c.astype(dx_rows.dtype)
+    return dx_rows.array[...]
+
+  def _dw(self, g, x_c, w, dw_acc):
+    """dW += x_cᵀ G (dW = x_cᵀ G where dw_acc is None); x_c an array or Rows."""
+    layout = self.opts.weight_layout
+    if (config := self._mosaic("dw")) is not None:
       # op(A) = Aᵀ: dW = x_cᵀ G ("dv") or Gᵀ x_c ("vd"), both operands as stored.
       a, b = (x_c, g) if layout == "dv" else (g, x_c)
       if dw_acc is None:
-        dw_acc = mosaic_gemm.gemm(a, b, trans_a=True, out_dtype=w.dtype, config=config,
-                                  name="lce_dw_gemm")
-      else:
-        ref = jax.new_ref(dw_acc)
-        mosaic_gemm.gemm_into(ref, a, b, trans_a=True, config=config, name="lce_dw_gemm",
-                              add="tma" if self.dw_accumulation == "tma_add" else "epilogue")
-        dw_acc = ref[...]
-    elif need_dw:
-      dw_c = _common.dw_dot(_sliced(x_c), g, layout, self.dw_dtype(w))
-      # Same dtype on both sides of the add, so XLA fuses it into the GEMM (beta = 1).
-      dw_acc = dw_c if dw_acc is None else dw_acc + dw_c
-    return dx_c, dw_acc
+        return mosaic_gemm.gemm(a, b, trans_a=True, out_dtype=w.dtype, config=config,
+                                name="lce_dw_gemm")
+      ref = jax.new_ref(dw_acc)
+      mosaic_gemm.gemm_into(ref, a, b, trans_a=True, config=config, name="lce_dw_gemm",
+                            add="tma" if self.dw_accumulation == "tma_add" else "epilogue")
+      return ref[...]
+    dw_c = _common.dw_dot(_sliced(x_c), g, layout, self.dw_dtype(w))
+    # Same dtype on both sides of the add, so XLA fuses it into the GEMM (beta = 1).
+    return dw_c if dw_acc is None else dw_acc + dw_c
 
   def _exp_logits(self, x_c, w):
     """(E, partials): E [C, V] = exp(min(z, EXP_CLAMP)) in x's dtype, partials [P, C] the
@@ -443,6 +469,11 @@ class PallasChunkBackend:
 # zero (z < -87) then has p < e^-50.
 LSE_RANGE = (-25.0, 60.0)
 MIN_LABEL_LOGIT = -80.0
+
+
+def _window(rows: mosaic_gemm.Rows):
+  """The index of a Rows window's rows in its array (or jax.Ref)."""
+  return pl.ds(rows.block * rows.size, rows.size)
 
 
 def _sliced(x_c):

@@ -510,13 +510,16 @@ def test_fused_lse_matches_reference(layout, smoothing, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["dv", "vd"])
 @pytest.mark.parametrize("gemms,dw_accumulation", [((), "weight"),
+                                                   (("dw",), "tma_add"),
+                                                   (("dx",), "weight"),
                                                    (pallas_gpu.GEMMS, "tma_add")])
 @pytest.mark.parametrize("shift", [0.0, 70.0])
 def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
   """exp_logits on the GPU: the Mosaic logits GEMM stores exp(z) and its rows' sums (V =
   2,000 padded to 2,048), three chunks of 256 tokens, a z-loss and `where`. With every
   logit shifted by 70 (x's last feature 1, w's last row 70) every chunk falls back to the
-  softmax pass, through the same buffer."""
+  softmax pass, through the same buffer. A Mosaic dW GEMM reads x's scaled rows from dx's
+  rows, which a Mosaic dx GEMM then writes in place and scales there."""
   options = dict(weight_layout=layout, z_loss=1e-3, where=True)
   x, w, labels, _, where = make_problem(jax.random.key(14), (3, 256), 256, 2000, jnp.bfloat16,
                                         **options)
