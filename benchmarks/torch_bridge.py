@@ -6,7 +6,8 @@ Loss (llama3-8b shape, N=16384, D=4096, V=128256, bf16; forward+backward):
   memeff             memeff_jax.interop.torch.linear_cross_entropy (default chunking)
   memeff:chunk=C     the same with chunk_size=C tokens; modifiers (after more colons):
                      :mosaic  implementation=PallasGpu(mosaic_gemms=("logits", "dx", "dw")),
-                              the three GEMMs off cuBLAS (no 32 MiB workspace)
+                              the three GEMMs off cuBLAS (no 32 MiB workspace; exp_logits
+                              unless :lse)
                      :tma     with :mosaic, dw_accumulation="tma_add" (dW added by TMA
                               reduce stores)
                      :lse     with :mosaic, fused_lse=True (partial log-sum-exps from the

@@ -30,7 +30,9 @@ before it does (as bfloat16 words, mosaic_gemm.StatsWords), so they hold no memo
 loop: step 1 is a Mosaic GEMM that stores E = exp(z) and its rows' sums, one scatter
 patches each row's label entry, and step 3 runs on E with the softmax's per-row factor
 applied to dx's rows and to x's rows (PallasChunkBackend._exp_chunk). No pass reads or
-writes the chunk's logits between the GEMMs.
+writes the chunk's logits between the GEMMs. With the dx and dW GEMMs on Mosaic as well,
+x's scaled rows wait in dx's rows for the dW GEMM, and the dx GEMM then writes those rows
+in place, where they are scaled: E and its rows' sums are the only chunk-sized buffers.
 """
 
 from __future__ import annotations
@@ -104,14 +106,16 @@ class PallasGpu:
       PallasChunkBackend._exp_chunk): a logits GEMM on ops.mosaic_gemm (whatever
       mosaic_gemms says; in interpret mode its XLA equivalent) stores exp(z) and its rows'
       sums, the label entries are patched, and the softmax's per-row factor is applied to
-      dx's rows and to x's rows before the dW GEMM. A chunk whose exponentials leave the
-      safe range falls back to the softmax pass. Calls with a bias, a logit softcap or
-      label smoothing, and the backward pass of reduction="none", use the softmax pass
-      throughout. None (the default): wherever that GEMM can run (a Hopper GPU, x and
-      weight both bfloat16, as float16 cannot hold E's range; a chunk that fits its
-      tiles; never in interpret mode), unless "dx" is in mosaic_gemms (exp_logits gives up the Mosaic dx GEMM's writing in
-      place, which the lowest-memory setting is for); True: always, NotImplementedError
-      where it cannot run; False: never.
+      dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
+      scaled rows wait in dx's rows; where dx's is, it writes them in place and they are
+      scaled there). A chunk whose exponentials leave the safe range falls back to the
+      softmax pass. Calls with a bias, a logit softcap or label smoothing, and the
+      backward pass of reduction="none", use the softmax pass throughout. None (the
+      default): wherever that GEMM can run (a Hopper GPU, x and weight both bfloat16, as
+      float16 cannot hold E's range; a chunk that fits its tiles; never in interpret
+      mode), unless fused_lse is set (the softmax pass whose partials take no memory:
+      the lowest-memory setting); True: always, NotImplementedError where it cannot run;
+      False: never.
   """
 
   memory_budget_bytes: int = 256 * 2**20
@@ -209,7 +213,7 @@ class PallasGpu:
               opts.weight_layout)
     gemms = self.gemm_configs(*shapes)
     exp_logits, exp_gemm = False, None
-    wanted = self.exp_logits or (self.exp_logits is None and "dx" not in self.mosaic_gemms)
+    wanted = self.exp_logits or (self.exp_logits is None and not self.fused_lse)
     if wanted and jnp.dtype(x.dtype) == jnp.float16:  # E's entries reach e^64 > 65,504
       if self.exp_logits:
         raise NotImplementedError("pallas_gpu exp_logits stores exp(z) up to e^64 in x's "
@@ -361,11 +365,16 @@ class PallasChunkBackend:
     if (config := self._mosaic("dx")) is not None and dx_rows is not None:
       mosaic_gemm.gemm_into(dx_rows, g, w, trans_b=layout == "dv", accumulate=False,
                             config=config, name="lce_dx_gemm")
+      dx = dx_rows.array[...]
       if scale is not None:  # in place: the rows are read and written by one XLA fusion
-        rows = dx_rows.array[_window(dx_rows)]
-        dx_rows.array[_window(dx_rows)] = (
-            scale[:, None] * rows.astype(jnp.float32)).astype(rows.dtype)
-      return dx_rows.array[...]
+        # The barrier hides the kernel from XLA's dynamic-slice fusion, which otherwise
+        # takes the kernel's output as the update's target and fails to compile.
+        dx = jax.lax.optimization_barrier(dx)
+        start = dx_rows.block * dx_rows.size
+        rows = jax.lax.dynamic_slice_in_dim(dx, start, dx_rows.size, axis=0)
+        dx = jax.lax.dynamic_update_slice_in_dim(
+            dx, (scale[:, None] * rows.astype(jnp.float32)).astype(dx.dtype), start, axis=0)
+      return dx
     if (config := self._mosaic("dx")) is not None:
       dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config, name="lce_dx_gemm")
     else:
@@ -427,7 +436,7 @@ class PallasChunkBackend:
     opts = self.opts
     rows = jnp.arange(labels_c.shape[0])
     e, partials = self._exp_logits(x_c, w)
-    lse = jax.nn.logsumexp(partials.astype(jnp.float32), axis=0)
+    lse = _logsumexp_rows(partials.astype(jnp.float32))
     in_range = (labels_c >= 0) & (labels_c < opts.vocab_size)
     col = jnp.where(in_range, labels_c, 0)
     # The barrier keeps XLA from gathering E[n, y] again inside later fusions, after the
@@ -469,6 +478,18 @@ class PallasChunkBackend:
 # zero (z < -87) then has p < e^-50.
 LSE_RANGE = (-25.0, 60.0)
 MIN_LABEL_LOGIT = -80.0
+
+
+def _logsumexp_rows(partials):
+  """logsumexp over axis 0 of [P, C] float32, as one reduction whose combiner adds in log
+  space: jnp.max then Σ exp(partials − max) has XLA on a GPU materialize the
+  exponentials (a [P, C] buffer next to the chunk's, 3.9 MiB at Llama-3-8B, beyond what
+  0.25 GiB leaves beside a 1,024-token chunk)."""
+  def log_add(a, b):
+    hi, lo = jnp.maximum(a, b), jnp.minimum(a, b)
+    return hi + jnp.log1p(jnp.exp(jnp.where(hi > -jnp.inf, lo - hi, -jnp.inf)))
+
+  return jax.lax.reduce(partials, jnp.float32(-jnp.inf), log_add, (0,))
 
 
 def _window(rows: mosaic_gemm.Rows):

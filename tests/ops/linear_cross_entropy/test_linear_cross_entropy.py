@@ -4,6 +4,7 @@ One parameterized base (`_LinearCrossEntropyTest`) takes the implementation; sub
 it as chunked_xla, as pallas_gpu in the Pallas interpreter (CPU), and on the GPU.
 """
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -543,8 +544,9 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
 
 @pytest.mark.gpu
 def test_exp_logits_is_the_default_where_it_serves():
-  """The default pallas_gpu runs the exp GEMM for a bf16 mean loss, and the softmax pass
-  (no exp GEMM) with a bias, label smoothing, float32 inputs, or dx on ops.mosaic_gemm."""
+  """The default pallas_gpu runs the exp GEMM for a bf16 mean loss, with or without the
+  other GEMMs on ops.mosaic_gemm, and the softmax pass (no exp GEMM) with a bias, label
+  smoothing, float32 or float16 inputs, or fused_lse."""
   x, w, labels, b, _ = make_problem(jax.random.key(16), (512,), 256, 2000, jnp.bfloat16,
                                     bias=True)
 
@@ -559,8 +561,11 @@ def test_exp_logits_is_the_default_where_it_serves():
   assert not uses_exp(label_smoothing=0.1)
   assert not uses_exp(dtype=jnp.float32)
   assert not uses_exp(dtype=jnp.float16)  # E's range is beyond float16's
-  assert not uses_exp(PallasGpu(mosaic_gemms=("logits", "dx", "dw")))
-  assert uses_exp(PallasGpu(mosaic_gemms=("logits", "dx", "dw"), exp_logits=True))
+  assert uses_exp(PallasGpu(mosaic_gemms=("logits", "dx", "dw")))
+  lowest = PallasGpu(mosaic_gemms=("logits", "dx", "dw"), dw_accumulation="tma_add",
+                     fused_lse=True)
+  assert not uses_exp(lowest)
+  assert uses_exp(dataclasses.replace(lowest, exp_logits=True))
 
 
 @pytest.mark.gpu
