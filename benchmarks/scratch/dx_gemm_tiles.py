@@ -1,0 +1,109 @@
+"""The dx GEMM of llama3-8b's 1,024-token chunk, [1024, 128256] @ [128256, 4096] bf16 (G Wᵀ
+with W stored [D, V]: B as [N, K]), in several tile settings of ops.mosaic_gemm beside
+cuBLAS (XLA), in interleaved rounds; then chosen settings inside the whole all-Mosaic loss
+(exp_logits, the default), which session 23 found 3% slower with this GEMM on Mosaic.
+
+    python benchmarks/scratch/dx_gemm_tiles.py [--rounds 5] [--loss a,b]
+"""
+import argparse
+import dataclasses
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, ".")
+from benchmarks import _harness  # noqa: E402
+import memeff_jax  # noqa: E402
+from memeff_jax import _tuning  # noqa: E402
+from memeff_jax.ops import mosaic_gemm as mg  # noqa: E402
+from memeff_jax.ops.linear_cross_entropy import pallas_gpu  # noqa: E402
+
+C, D, V, N = 1024, 4096, 128256, 16384
+TUNED = _tuning.lookup("linear_cross_entropy", "mosaic_gemm")
+BASE = mg.GemmConfig(**TUNED["dx_dv"])
+VARIANTS = {
+    "base": {},
+    "cluster_m": dict(cluster="m"),
+    "cluster_n": dict(cluster="n"),
+    "steps5": dict(max_concurrent_steps=5),
+    "steps6_ep64": dict(max_concurrent_steps=6, epilogue_rows=64),
+    "band4": dict(band=4),
+    "band16": dict(band=16),
+    "minor_n": dict(minor="n", band=1),
+    "inflight0": dict(in_flight=0),
+    "ring_n": dict(schedule="ring", epilogue_rows=64),
+    "ring_m": dict(schedule="ring", wg_split="m", epilogue_rows=64),
+    "ring_n_cm": dict(schedule="ring", epilogue_rows=64, cluster="m"),
+    "tk128_s2": dict(tile_k=128, max_concurrent_steps=2),
+    "tk128_s3_ep64": dict(tile_k=128, max_concurrent_steps=3, epilogue_rows=64),
+    # round 2, around the ring schedule (ring_n: 1.027x cuBLAS against base's 1.048)
+    "ring_n_s5": dict(schedule="ring", epilogue_rows=64, max_concurrent_steps=5),
+    "ring_n_s3": dict(schedule="ring", epilogue_rows=64, max_concurrent_steps=3),
+    "ring_n_b4": dict(schedule="ring", epilogue_rows=64, band=4),
+    "ring_n_b16": dict(schedule="ring", epilogue_rows=64, band=16),
+    "ring_n_minor_n": dict(schedule="ring", epilogue_rows=64, minor="n", band=1),
+    "ring_n_cn": dict(schedule="ring", epilogue_rows=64, cluster="n"),
+    "ring_m_cm": dict(schedule="ring", wg_split="m", epilogue_rows=64, cluster="m"),
+    "ring_m_cn": dict(schedule="ring", wg_split="m", epilogue_rows=64, cluster="n"),
+    "ring_n_full_ep": dict(schedule="ring"),
+    "ring_n_cm_s5": dict(schedule="ring", epilogue_rows=64, cluster="m", max_concurrent_steps=5),
+}
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--loss", default="", help="variants to time inside the whole loss too")
+  parser.add_argument("--only", default="", help="comma-separated variants (default all)")
+  args = parser.parse_args()
+  k = jax.random.split(jax.random.key(0), 3)
+  g = jax.random.uniform(k[0], (C, V), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(k[1], (D, V), jnp.float32) * D ** -0.5).astype(jnp.bfloat16)
+  timers = {"cublas G@Wt": (jax.jit(lambda g, w: g @ w.T), (g, w))}
+  only = set(args.only.split(",")) if args.only else set(VARIANTS)
+  for name, kw in VARIANTS.items():
+    if name not in only:
+      continue
+    try:
+      config = dataclasses.replace(BASE, **kw)
+      fn = jax.jit(lambda g, w, config=config: mg.gemm(g, w, trans_b=True, config=config))
+      jax.block_until_ready(fn(g, w))
+    except Exception as err:  # pylint: disable=broad-except
+      print(f"{name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+      continue
+    timers[name] = (fn, (g, w))
+  times = _harness.interleaved({n: (lambda f=f, a=a: _harness.time_jax(f, *a, reps=10, inner=5))
+                                for n, (f, a) in timers.items()}, args.rounds)
+  ref = statistics.median(times["cublas G@Wt"])
+  for name, ts in times.items():
+    med = statistics.median(ts)
+    print(f"{name:18} {med * 1e3:8.1f} us  x cuBLAS {med / ref:.3f}  "
+          + " ".join(f"{t * 1e3:.0f}" for t in ts), flush=True)
+  if not args.loss:
+    return
+  x = jax.random.normal(k[2], (N, D), jnp.float32).astype(jnp.bfloat16)
+  y = jax.random.randint(k[0], (N,), 0, V)
+  table = _tuning._table("linear_cross_entropy")["mosaic_gemm"]["default"]  # pylint: disable=protected-access
+  saved = dict(table["dx_dv"])
+  loss_timers = {}
+  for name in ["default", "cublas-dx"] + args.loss.split(","):
+    gemms = ("logits", "dw") if name == "cublas-dx" else pallas_gpu.GEMMS
+    impl = None if name == "default" else pallas_gpu.PallasGpu(
+        mosaic_gemms=gemms, dw_accumulation="tma_add")
+    if name in VARIANTS:  # read when the loss is traced, below
+      table["dx_dv"] = dataclasses.asdict(dataclasses.replace(BASE, **VARIANTS[name]))
+    fn = jax.jit(jax.value_and_grad(lambda x, w, impl=impl: memeff_jax.linear_cross_entropy(
+        x, w, y, implementation=impl, chunk_size=1024), argnums=(0, 1)))
+    jax.block_until_ready(fn(x, w))
+    table["dx_dv"] = saved
+    loss_timers[name] = (lambda f=fn: _harness.time_jax(f, x, w, reps=10))
+  times = _harness.interleaved(loss_timers, args.rounds)
+  for name, ts in times.items():
+    print(f"loss {name:14} {statistics.median(ts):8.2f} ms  " + " ".join(f"{t:.2f}" for t in ts),
+          flush=True)
+
+
+if __name__ == "__main__":
+  main()
