@@ -4,6 +4,10 @@ cuBLAS (XLA), in interleaved rounds; then chosen settings inside the whole all-M
 (exp_logits, the default), which session 23 found 3% slower with this GEMM on Mosaic.
 
     python benchmarks/scratch/dx_gemm_tiles.py [--rounds 5] [--loss a,b]
+    python benchmarks/scratch/dx_gemm_tiles.py --gemm dw_tma_dv --loss a,b  (loss only)
+
+With --gemm dw_tma_dv the variants (DW_VARIANTS) replace the dW GEMM's tiles (TMA adds)
+inside the same loss instead, with no isolated timing.
 """
 import argparse
 import dataclasses
@@ -52,12 +56,27 @@ VARIANTS = {
 }
 
 
+DW_VARIANTS = {
+    "band8": dict(band=8),
+    "band16": dict(band=16),
+    "minor_n": dict(minor="n", band=1),
+    "no_cluster": dict(cluster=None),
+    "cluster_n": dict(cluster="n"),
+    "split_m": dict(wg_split="m"),
+    "steps3": dict(max_concurrent_steps=3),
+    "pingpong": dict(schedule="pingpong", epilogue_rows=None),
+}
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--loss", default="", help="variants to time inside the whole loss too")
   parser.add_argument("--only", default="", help="comma-separated variants (default all)")
+  parser.add_argument("--gemm", default="dx_dv", help="dx_dv or dw_tma_dv (loss only)")
   args = parser.parse_args()
+  if args.gemm != "dx_dv":
+    return time_losses(args, args.gemm, DW_VARIANTS)
   k = jax.random.split(jax.random.key(0), 3)
   g = jax.random.uniform(k[0], (C, V), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(k[1], (D, V), jnp.float32) * D ** -0.5).astype(jnp.bfloat16)
@@ -81,23 +100,36 @@ def main():
     med = statistics.median(ts)
     print(f"{name:18} {med * 1e3:8.1f} us  x cuBLAS {med / ref:.3f}  "
           + " ".join(f"{t * 1e3:.0f}" for t in ts), flush=True)
-  if not args.loss:
-    return
-  x = jax.random.normal(k[2], (N, D), jnp.float32).astype(jnp.bfloat16)
-  y = jax.random.randint(k[0], (N,), 0, V)
+  if args.loss:
+    time_losses(args, "dx_dv", VARIANTS)
+
+
+def time_losses(args, key, variants):
+  """The all-Mosaic exp_logits loss at 1,024-token chunks with `key`'s tiles replaced by
+  each of args.loss's variants (beside the default and with dx on cuBLAS)."""
+  k = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(k[0], (N, D), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(k[1], (D, V), jnp.float32) * D ** -0.5).astype(jnp.bfloat16)
+  y = jax.random.randint(k[2], (N,), 0, V)
   table = _tuning._table("linear_cross_entropy")["mosaic_gemm"]["default"]  # pylint: disable=protected-access
-  saved = dict(table["dx_dv"])
+  saved = dict(table[key])
+  base = mg.GemmConfig(**saved)
   loss_timers = {}
-  for name in ["default", "cublas-dx"] + args.loss.split(","):
+  for name in ["default", "cublas-dx", "base"] + args.loss.split(","):
     gemms = ("logits", "dw") if name == "cublas-dx" else pallas_gpu.GEMMS
     impl = None if name == "default" else pallas_gpu.PallasGpu(
         mosaic_gemms=gemms, dw_accumulation="tma_add")
-    if name in VARIANTS:  # read when the loss is traced, below
-      table["dx_dv"] = dataclasses.asdict(dataclasses.replace(BASE, **VARIANTS[name]))
+    if name in variants:  # read when the loss is traced, below
+      table[key] = dataclasses.asdict(dataclasses.replace(base, **variants[name]))
     fn = jax.jit(jax.value_and_grad(lambda x, w, impl=impl: memeff_jax.linear_cross_entropy(
         x, w, y, implementation=impl, chunk_size=1024), argnums=(0, 1)))
-    jax.block_until_ready(fn(x, w))
-    table["dx_dv"] = saved
+    try:
+      jax.block_until_ready(fn(x, w))
+    except Exception as err:  # pylint: disable=broad-except
+      print(f"loss {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+      continue
+    finally:
+      table[key] = saved
     loss_timers[name] = (lambda f=fn: _harness.time_jax(f, x, w, reps=10))
   times = _harness.interleaved(loss_timers, args.rounds)
   for name, ts in times.items():
