@@ -447,6 +447,25 @@ class TestPallasGpuFloat32DwInterpret(_LinearCrossEntropyTest):
     pass
 
 
+def assert_matches(impl, x, w, labels, options, where=None, reduction="mean", ref_impl=None,
+                   tol=TOL[jnp.bfloat16]):
+  """The loss and gradients of `impl` (chunks of 256 tokens) within `tol` of the float32
+  reference's, or of `ref_impl` on the same bf16 inputs; gradients in x's dtype."""
+  got, got_g = value_and_grads(loss_fn(impl, labels, options, 256), x, w, None, where,
+                               reduction)
+  if ref_impl is None:
+    up = lambda t: t.astype(jnp.float32)
+    ref, ref_g = value_and_grads(loss_fn("reference", labels, options), up(x), up(w), None,
+                                 where, reduction)
+  else:
+    ref, ref_g = value_and_grads(loss_fn(ref_impl, labels, options, 256), x, w, None, where,
+                                 reduction)
+  assert rel_err(got, ref) < tol
+  for gg, rg, arg in zip(got_g, ref_g, "xw"):
+    assert gg.dtype == x.dtype, (arg, gg.dtype)
+    assert rel_err(gg, rg) < tol, (arg, rel_err(gg, rg))
+
+
 @pytest.mark.gpu
 class TestChunkedXlaGpu(TestChunkedXla):
   lead = (4, 250)
@@ -473,14 +492,7 @@ def test_mosaic_gemms_match_reference(layout, reduction, gemms, dw_accumulation)
   x, w, labels, _, _ = make_problem(jax.random.key(11), (3, 256), 256, 2000, jnp.bfloat16,
                                     **options)
   impl = PallasGpu(mosaic_gemms=gemms, dw_accumulation=dw_accumulation)
-  got, got_g = value_and_grads(loss_fn(impl, labels, options, 256), x, w, None, None, reduction)
-  up = lambda t: t.astype(jnp.float32)
-  ref, ref_g = value_and_grads(loss_fn("reference", labels, options), up(x), up(w), None, None,
-                               reduction)
-  assert rel_err(got, ref) < TOL[jnp.bfloat16]
-  for gg, rg, arg in zip(got_g, ref_g, "xw"):
-    assert gg.dtype == jnp.bfloat16, (arg, gg.dtype)
-    assert rel_err(gg, rg) < TOL[jnp.bfloat16], (arg, rel_err(gg, rg))
+  assert_matches(impl, x, w, labels, options, reduction=reduction)
 
 
 @pytest.mark.gpu
@@ -496,13 +508,7 @@ def test_fused_lse_matches_reference(layout, smoothing, d):
   x, w, labels, _, _ = make_problem(jax.random.key(13), (3, 256), d, 2000, jnp.bfloat16,
                                     **options)
   impl = PallasGpu(mosaic_gemms=pallas_gpu.GEMMS, dw_accumulation="tma_add", fused_lse=True)
-  got, got_g = value_and_grads(loss_fn(impl, labels, options, 256), x, w, None, None, "mean")
-  up = lambda t: t.astype(jnp.float32)
-  ref, ref_g = value_and_grads(loss_fn("reference", labels, options), up(x), up(w), None, None,
-                               "mean")
-  assert rel_err(got, ref) < TOL[jnp.bfloat16]
-  for gg, rg, arg in zip(got_g, ref_g, "xw"):
-    assert rel_err(gg, rg) < TOL[jnp.bfloat16], (arg, rel_err(gg, rg))
+  assert_matches(impl, x, w, labels, options)
   with pytest.raises(NotImplementedError, match="fused_lse.*no bias and applies no logit_softcap"):
     memeff_jax.linear_cross_entropy(x, w, labels, weight_layout=layout, logit_softcap=30.0,
                                     implementation=impl, chunk_size=256)
@@ -527,19 +533,12 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
   x = x.at[:, -1].set(1.0)
   w = w.at[-1].set(shift) if layout == "dv" else w.at[:, -1].set(shift)
   impl = PallasGpu(mosaic_gemms=gemms, dw_accumulation=dw_accumulation, exp_logits=True)
-  got, got_g = value_and_grads(loss_fn(impl, labels, options, 256), x, w, None, where, "mean")
   if shift:  # bf16 logits near 70 are 0.5 apart: against the same kernels' softmax pass
-    tol, same = 1e-3, PallasGpu(mosaic_gemms=tuple(sorted(set(gemms) | {"logits"})),
-                                dw_accumulation=dw_accumulation)
-    ref, ref_g = value_and_grads(loss_fn(same, labels, options, 256), x, w, None, where,
-                                 "mean")
+    same = PallasGpu(mosaic_gemms=tuple(sorted(set(gemms) | {"logits"})),
+                     dw_accumulation=dw_accumulation, exp_logits=False)
+    assert_matches(impl, x, w, labels, options, where, ref_impl=same, tol=1e-3)
   else:
-    up = lambda t: t.astype(jnp.float32)
-    tol, (ref, ref_g) = TOL[jnp.bfloat16], value_and_grads(
-        loss_fn("reference", labels, options), up(x), up(w), None, where, "mean")
-  assert rel_err(got, ref) < tol
-  for gg, rg, arg in zip(got_g, ref_g, "xw"):
-    assert rel_err(gg, rg) < tol, (arg, rel_err(gg, rg))
+    assert_matches(impl, x, w, labels, options, where)
 
 
 @pytest.mark.gpu
