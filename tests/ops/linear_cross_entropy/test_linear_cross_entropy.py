@@ -418,6 +418,19 @@ def test_exp_chunk_against_softmax_pass(shift, fast):
     assert rel_err(jnp.where(in_range, got, 0), jnp.where(in_range, ref, 0)) < 1e-6
 
 
+def test_strips_logsumexp_matches_jax():
+  """exp_logits' log-sum-exp of the exp GEMM's per-strip partials (one reduction with a
+  log-space combiner, which holds no [P, C] buffer) against jax.nn.logsumexp: partials
+  spread over ±40, strips of -inf (all underflowed), and a row of nothing but -inf."""
+  p = 20.0 * jax.random.normal(jax.random.key(24), (1002, 64), jnp.float32)
+  p = p.at[::7, :].set(-jnp.inf).at[:, 5].set(-jnp.inf)
+  got = jax.jit(pallas_gpu._logsumexp_rows)(p)  # pylint: disable=protected-access
+  want = jax.nn.logsumexp(p, axis=0)
+  assert bool(jnp.isneginf(got[5])) and bool(jnp.all(jnp.isfinite(jnp.delete(got, 5))))
+  np.testing.assert_allclose(np.delete(np.asarray(got), 5), np.delete(np.asarray(want), 5),
+                             rtol=1e-6)
+
+
 def test_exp_chunk_rows_that_do_not_count_may_leave_the_range():
   """A row with a = e = 0 (an ignored token) whose logits would overflow exp is clamped
   and scaled by 0: the chunk stays on the fast path and that row's G is exactly 0."""
