@@ -1,6 +1,7 @@
 """Timing and power of a JAX function run back to back, for the scratch diagnostics:
 per_call (seconds per call), power (median power and SM clock, nvidia-smi every 50 ms) and
-rounds_then_power (interleaved rounds, then power, printed per variant); the attention
+rounds_then_power (interleaved rounds, then power, printed per variant), against
+(short kernels in interleaved rounds, printed against a reference among them); the attention
 backward's problem at the headline, attention_backward_problem; and the bridge diagnostics'
 problem, bridge_loss_problem."""
 import statistics
@@ -63,6 +64,19 @@ def rounds_then_power(fns, rounds: int, *, width: int = 20, reps: int = 20, note
 
 # The attention headline: B=4 T=4096 H=32 D=128 bf16.
 ATTN_SHAPE = (4, 4096, 32, 128)
+
+
+def against(timers, ref: str, rounds: int):
+  """Interleaved rounds of {name: (jitted f, args)} (calls of a few milliseconds: 5 per
+  timed batch), printed per name in µs with the ratio to `ref`'s median."""
+  from benchmarks import _harness  # pylint: disable=import-outside-toplevel
+  times = _harness.interleaved({n: (lambda f=f, a=a: _harness.time_jax(f, *a, reps=10, inner=5))
+                                for n, (f, a) in timers.items()}, rounds)
+  base = statistics.median(times[ref])
+  for name, ts in times.items():
+    med = statistics.median(ts)
+    print(f"{name:18} {med * 1e3:8.1f} us  x {ref} {med / base:.3f}  "
+          + " ".join(f"{t * 1e3:.0f}" for t in ts), flush=True)
 
 
 def attention_backward_problem(causal: bool, shape=ATTN_SHAPE):

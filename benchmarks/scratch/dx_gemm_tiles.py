@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, ".")
+from _measure import against  # noqa: E402
 from benchmarks import _harness  # noqa: E402
 import memeff_jax  # noqa: E402
 from memeff_jax import _tuning  # noqa: E402
@@ -93,13 +94,7 @@ def main():
       print(f"{name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
       continue
     timers[name] = (fn, (g, w))
-  times = _harness.interleaved({n: (lambda f=f, a=a: _harness.time_jax(f, *a, reps=10, inner=5))
-                                for n, (f, a) in timers.items()}, args.rounds)
-  ref = statistics.median(times["cublas G@Wt"])
-  for name, ts in times.items():
-    med = statistics.median(ts)
-    print(f"{name:18} {med * 1e3:8.1f} us  x cuBLAS {med / ref:.3f}  "
-          + " ".join(f"{t * 1e3:.0f}" for t in ts), flush=True)
+  against(timers, "cublas G@Wt", args.rounds)
   if args.loss:
     time_losses(args, "dx_dv", VARIANTS)
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, ".")
+from _measure import against  # noqa: E402
 from benchmarks import _harness  # noqa: E402
 import memeff_jax  # noqa: E402
 from memeff_jax import _tuning  # noqa: E402
@@ -58,13 +59,7 @@ def main():
       print(f"{name}: {type(err).__name__}: {str(err)[:200]}")
       continue
     timers[name] = (fn, (x, w))
-  times = _harness.interleaved({n: (lambda f=f, a=a: _harness.time_jax(f, *a, reps=10, inner=5))
-                                for n, (f, a) in timers.items()}, args.rounds)
-  ref = statistics.median(times["cublas x@W"])
-  for name, ts in times.items():
-    med = statistics.median(ts)
-    print(f"{name:18} {med * 1e3:8.1f} us  x cuBLAS {med / ref:.3f}  "
-          + " ".join(f"{t * 1e3:.0f}" for t in ts), flush=True)
+  against(timers, "cublas x@W", args.rounds)
   if not args.loss:
     return
   xs = jax.random.normal(k[2], (N, D), jnp.float32).astype(jnp.bfloat16)
