@@ -3,7 +3,8 @@
 (XLA) and the same Mosaic kernel without the exponentials (plain, and with fused_lse's
 carried statistics), in interleaved rounds; then chosen settings inside the whole loss.
 
-    python benchmarks/scratch/exp_gemm_tiles.py [--rounds 5] [--loss a,b]
+    python benchmarks/scratch/exp_gemm_tiles.py [--rounds 5] [--variants a,b] [--loss a,b]
+        [--all-mosaic]
 """
 import argparse
 import dataclasses
@@ -32,6 +33,14 @@ VARIANTS = {
     "inflight0": dict(in_flight=0),
     "split_m": dict(wg_split="m"),
     "cluster_m_band4": dict(cluster="m", band=4),
+    # ping-pong (session 24): each warpgroup's epilogue, exponentials included, under the
+    # other's main loop; one 128 x 128 tile per warpgroup
+    "pp4": dict(schedule="pingpong"),
+    "pp5": dict(schedule="pingpong", max_concurrent_steps=5),
+    "pp6": dict(schedule="pingpong", max_concurrent_steps=6),
+    "pp5_cluster_m": dict(schedule="pingpong", max_concurrent_steps=5, cluster="m"),
+    "pp5_minor_m_band8": dict(schedule="pingpong", max_concurrent_steps=5, minor="m", band=8),
+    "pp5_inflight0": dict(schedule="pingpong", max_concurrent_steps=5, in_flight=0),
 }
 
 
@@ -39,6 +48,9 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--loss", default="", help="variants to time inside the whole loss too")
+  parser.add_argument("--variants", default=None, help="comma-separated subset of VARIANTS")
+  parser.add_argument("--all-mosaic", action="store_true",
+                      help="time the loss with every GEMM on Mosaic (dW by TMA adds)")
   args = parser.parse_args()
   k = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(k[0], (C, D), jnp.float32).astype(jnp.bfloat16)
@@ -49,7 +61,8 @@ def main():
             "plain (no exp)": (jax.jit(lambda x, w: mg.gemm(x, w, config=BASE)), (x, w)),
             "no exp, sums only": (jax.jit(lambda x, w: mg.gemm(x, w, config=BASE,
                                                                row_stats=V)), (x, w))}
-  for name, kw in VARIANTS.items():
+  chosen = args.variants.split(",") if args.variants else list(VARIANTS)
+  for name, kw in ((n, VARIANTS[n]) for n in chosen):
     config = dataclasses.replace(BASE, **kw)
     fn = jax.jit(lambda x, w, config=config: mg.gemm(x, w, config=config, row_stats=V,
                                                      exp_out=True))
@@ -65,10 +78,12 @@ def main():
   xs = jax.random.normal(k[2], (N, D), jnp.float32).astype(jnp.bfloat16)
   y = jax.random.randint(k[0], (N,), 0, V)
   loss_timers = {}
+  more = (dict(mosaic_gemms=pallas_gpu.GEMMS, dw_accumulation="tma_add") if args.all_mosaic
+          else {})
   for name in ["default"] + args.loss.split(","):
-    impl = None
+    impl = pallas_gpu.PallasGpu(exp_logits=True, **more) if more else None
     if name != "default":
-      impl = pallas_gpu.PallasGpu(exp_logits=True)
+      impl = pallas_gpu.PallasGpu(exp_logits=True, **more)
       tuned = dataclasses.replace(BASE, **VARIANTS[name])
       impl = _Tiled(impl, tuned)
     fn = jax.jit(jax.value_and_grad(lambda x, w, impl=impl: memeff_jax.linear_cross_entropy(
