@@ -66,6 +66,13 @@ DW_VARIANTS = {
     "split_m": dict(wg_split="m"),
     "steps3": dict(max_concurrent_steps=3),
     "pingpong": dict(schedule="pingpong", epilogue_rows=None),
+    # session 24: narrower CTA tiles, as cuBLAS's first-chunk store (nvjet 128x160, 5 stages)
+    "n64_s6": dict(tile_n=64, max_concurrent_steps=6),
+    "m64_n160_s5": dict(tile_m=64, tile_n=160, wg_split="m", max_concurrent_steps=5),
+    "m64_n192_s4": dict(tile_m=64, tile_n=192, wg_split="m"),
+    "m64_n256_s3": dict(tile_m=64, tile_n=256, wg_split="m", max_concurrent_steps=3),
+    "splitm_n160_s3": dict(tile_n=160, wg_split="m", max_concurrent_steps=3),
+    "n80_s5": dict(tile_n=80, max_concurrent_steps=5),
 }
 
 

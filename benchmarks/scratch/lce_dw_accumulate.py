@@ -15,7 +15,10 @@ G (as the loss's chunk buffer) and x's chunks:
   mosaic tma         gemm_into(add="tma") with dw_tma_dv's tiles: the product stored by TMA
                      reduce-adds, so L2 adds it to dW (dw_accumulation="tma_add")
 
-So "add − store" is what the read of the running dW costs each GEMM kind.
+So "add − store" is what the read of the running dW costs each GEMM kind. `--flag NAME`
+(session 24) adds "mosaic tma NAME=0/1": the TMA variant traced with the ops.mosaic_gemm
+switch NAME off and on (an experiment's patch adds it); `--variants` picks variants,
+`--no-power` skips the nvidia-smi pass.
 """
 import argparse
 import statistics
@@ -72,6 +75,9 @@ def mosaic(config, add: str | None):
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--flag", default=None)
+  parser.add_argument("--variants", default=None)
+  parser.add_argument("--no-power", action="store_true")
   args = parser.parse_args()
   k = jax.random.split(jax.random.key(0), 2)
   x = jax.random.normal(k[0], (N, D), jnp.float32).astype(jnp.bfloat16)
@@ -85,8 +91,17 @@ def main():
       "mosaic tma store": loop(mosaic(tma_cfg, None)),
       "mosaic tma": loop(mosaic(tma_cfg, "tma")),
   }
+  flags = {}
+  if args.flag:
+    for on in (0, 1):
+      variants[f"mosaic tma {args.flag}={on}"] = loop(mosaic(tma_cfg, "tma"))
+      flags[f"mosaic tma {args.flag}={on}"] = bool(on)
+  if args.variants:
+    variants = {n: f for n, f in variants.items() if n in args.variants.split(",") or n in flags}
   fns = {}
   for name, f in variants.items():
+    if name in flags:  # read when the GEMM is traced, at the first call below
+      setattr(mosaic_gemm, args.flag, flags[name])
     fns[name] = jax.jit(f)
     out = jax.block_until_ready(fns[name](x, g))
     print(f"compiled {name}: |dW| {float(jnp.abs(out.astype(jnp.float32)).sum()):.6g}", flush=True)
@@ -97,6 +112,8 @@ def main():
   for name, ts in times.items():
     print(f"{name:18} {statistics.median(ts):7.2f}  " + " ".join(f"{t:.2f}" for t in ts),
           flush=True)
+  if args.no_power:
+    return
   print(f"\n{'variant':18} {'ms':>7} {'W':>6} {'MHz':>5} {'J/call':>7}")
   for name, f in fns.items():
     sec, watts, mhz = power(f, x, g, seconds=2.0)

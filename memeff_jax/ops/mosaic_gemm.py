@@ -593,6 +593,12 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
       def tile(phase, j, i, _):
         rows, cols = phase.origin(j)
         width = cn // tn * phase.width  # the B block's columns
+        if reduce:
+          # The running sum's tile, into L2 while the tile's main loop runs, so that the
+          # epilogue's TMA reduce-add finds it there: the dW GEMM of a 1,024-token chunk
+          # of Llama-3-8B 0.56 ms faster over 16 chunks, the whole loss 1.5% (H200,
+          # benchmarks/NOTES.md, session 24; the next tile's instead was slower).
+          plgpu.async_prefetch(out_gmem.at[pl.ds(rows, cm), pl.ds(cols, width)])
 
         @pl.loop(0, k_steps)
         def _(kk):
