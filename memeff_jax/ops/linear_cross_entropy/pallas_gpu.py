@@ -33,6 +33,7 @@ applied to dx's rows and to x's rows (PallasChunkBackend._exp_chunk). No pass re
 writes the chunk's logits between the GEMMs. With the dx and dW GEMMs on Mosaic as well,
 x's scaled rows wait in dx's rows for the dW GEMM, and the dx GEMM then writes those rows
 in place, where they are scaled: E and its rows' sums are the only chunk-sized buffers.
+PallasGpu() does that where it was measured as fast as cuBLAS (PallasGpu.auto_gemms).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class PallasGpu:
       (a float32 [D, V] accumulator, cast once at the end) or "tma_add" (in the weight's
       dtype, with "dw" in mosaic_gemms: each chunk's product is rounded to the weight's
       dtype and added to the running dW by TMA reduce-add stores in L2, so the GEMM never
-      reads dW into the SMs; two roundings per chunk instead of one).
+      reads dW into the SMs; two roundings per chunk instead of one). None (the default):
+      "tma_add" where the dW GEMM is Mosaic's, else "weight".
     kernel: tile config; None looks up configs/tuning for the device, else the default.
     vocab_multiple: pad the vocabulary of W (with zero columns) to a multiple of this, so
       that GEMM rows are 16-byte aligned (V = 50,257 otherwise leaves cuBLAS on slow
@@ -97,7 +99,11 @@ class PallasGpu:
       [mosaic_gemm] sections (`<gemm>_<layout>`, else `<gemm>`; the dW GEMM's under
       dw_accumulation="tma_add" are `dw_tma_<layout>`). Needs a Hopper GPU, 16-bit
       x and weight, and shapes that are multiples of the tiles; a call that cannot have them
-      raises NotImplementedError.
+      raises NotImplementedError. None (the default, with dw_accumulation None too): all
+      three where they are as fast as cuBLAS and hold less memory, else none (see
+      auto_gemms: on Hopper with bfloat16 inputs, at Llama-3-8B's shape in the default
+      layout, the chunk's exponentials and their rows' sums are then the only temporaries,
+      0.248 GiB against 0.29 with cuBLAS's workspace and [C, D] products).
     fused_lse: with "logits" in mosaic_gemms, the logits GEMM's epilogue also reduces each
       row of its tiles to partial log-sum-exps (mosaic_gemm.gemm's row_stats), so the
       softmax pass of the gradients reads the chunk's logits once instead of twice (no
@@ -119,29 +125,31 @@ class PallasGpu:
   """
 
   memory_budget_bytes: int = 256 * 2**20
-  dw_accumulation: str = "weight"
+  dw_accumulation: str | None = None
   vocab_multiple: int = 64
   kernel: KernelConfig | None = None
   interpret: bool = False
-  mosaic_gemms: tuple[str, ...] = ()
+  mosaic_gemms: tuple[str, ...] | None = None
   fused_lse: bool = False
   exp_logits: bool | None = None
   name: str = "pallas_gpu"
 
   def __post_init__(self):
-    if self.dw_accumulation not in ("weight", "float32", "tma_add"):
-      raise ValueError(f"dw_accumulation must be 'weight', 'float32' or 'tma_add', got "
-                       f"{self.dw_accumulation!r}")
-    if self.dw_accumulation == "tma_add" and "dw" not in self.mosaic_gemms:
+    if self.dw_accumulation not in (None, "weight", "float32", "tma_add"):
+      raise ValueError(f"dw_accumulation must be 'weight', 'float32' or 'tma_add' (or None), "
+                       f"got {self.dw_accumulation!r}")
+    if self.mosaic_gemms is not None and (isinstance(self.mosaic_gemms, str)
+                                          or not set(self.mosaic_gemms) <= set(GEMMS)):
+      raise ValueError(f"mosaic_gemms must be a tuple of names from {GEMMS} (or None), got "
+                       f"{self.mosaic_gemms!r}")
+    gemms = self.mosaic_gemms or ()
+    if self.dw_accumulation == "tma_add" and "dw" not in gemms:
       raise ValueError("dw_accumulation='tma_add' is done by the Mosaic dW GEMM's stores; "
                        f"it needs 'dw' in mosaic_gemms, got {self.mosaic_gemms!r}")
-    if isinstance(self.mosaic_gemms, str) or not set(self.mosaic_gemms) <= set(GEMMS):
-      raise ValueError(f"mosaic_gemms must be a tuple of names from {GEMMS}, got "
-                       f"{self.mosaic_gemms!r}")
-    if self.fused_lse and "logits" not in self.mosaic_gemms:
+    if self.fused_lse and "logits" not in gemms:
       raise ValueError("fused_lse is done by the Mosaic logits GEMM's epilogue; it needs "
                        f"'logits' in mosaic_gemms, got {self.mosaic_gemms!r}")
-    if "dw" in self.mosaic_gemms and self.dw_accumulation == "float32":
+    if "dw" in gemms and self.dw_accumulation == "float32":
       raise ValueError("mosaic_gemms with 'dw' accumulates dW in the weight's 16-bit dtype; "
                        "it excludes dw_accumulation='float32'")
 
@@ -177,6 +185,41 @@ class PallasGpu:
         configs.append((name, config))
     return tuple(configs)
 
+  def auto_gemms(self, n_tokens: int, shapes: tuple, *, exp: bool, sms: int | None = None
+                 ) -> tuple[tuple[str, ...], str]:
+    """(mosaic_gemms, dw_accumulation) where either is None (see the class docstring).
+
+    All three GEMMs go on ops.mosaic_gemm, dW added by TMA, where that is as fast as cuBLAS
+    and holds less memory: the exp_logits path (`exp`, on Hopper), a weight layout listed in
+    configs/tuning's [mosaic_default] `layouts` (those whose Mosaic tiles were measured level
+    with cuBLAS at 1,024-token chunks), a chunk that divides the tokens (so x's chunk and
+    dx's rows are used where they lie), every GEMM within its tiles, and a dx GEMM whose
+    tiles fill the GPU's SMs in whole waves to `min_wave_fill` (it has no split-K: a
+    [C, D] output of a few tiles would leave most SMs idle). Elsewhere cuBLAS, with dW
+    added in the weight's dtype ("weight"). `shapes` as gemm_configs takes them; `sms`: the
+    GPU's SM count (default: the default device's)."""
+    tokens, d = shapes[0], shapes[1]
+    if self.mosaic_gemms is not None:  # only the accumulation is open
+      return self.mosaic_gemms, "tma_add" if "dw" in self.mosaic_gemms else "weight"
+    if self.dw_accumulation is not None:
+      return (), self.dw_accumulation
+    rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
+    cublas = ((), "weight")
+    if (not exp or self.interpret or self.fused_lse or n_tokens % tokens
+        or shapes[-1] not in rule.get("layouts", ())):
+      return cublas
+    auto = dataclasses.replace(self, mosaic_gemms=GEMMS, dw_accumulation="tma_add")
+    try:
+      configs = dict(auto.gemm_configs(*shapes))
+    except NotImplementedError:
+      return cublas
+    cm, cn = configs["dx"].cta_tile()
+    tiles = (tokens // cm) * -(-d // cn)
+    sms = sms or jax.devices()[0].core_count
+    if tiles / (-(-tiles // sms) * sms) < rule.get("min_wave_fill", 1.0):
+      return cublas
+    return GEMMS, "tma_add"
+
   def plan(self, n_tokens: int, vocab: int, itemsize: int, chunk_size) -> int:
     if chunk_size is not None:
       if not isinstance(chunk_size, int):
@@ -211,16 +254,21 @@ class PallasGpu:
                        chunk_size)
     shapes = (tokens, x.shape[1], opts.vocab_size + pad, x.dtype, weight.dtype,
               opts.weight_layout)
-    gemms = self.gemm_configs(*shapes)
-    exp_logits, exp_gemm = False, None
     wanted = self.exp_logits or (self.exp_logits is None and not self.fused_lse)
     if wanted and jnp.dtype(x.dtype) == jnp.float16:  # E's entries reach e^64 > 65,504
       if self.exp_logits:
         raise NotImplementedError("pallas_gpu exp_logits stores exp(z) up to e^64 in x's "
                                   "dtype, which float16 cannot hold; got float16 x")
       wanted = False
-    if wanted and bias is None and not (opts.logit_softcap is not None
-                                        or opts.label_smoothing):
+    wanted = wanted and bias is None and not (opts.logit_softcap is not None
+                                              or opts.label_smoothing)
+    if self.mosaic_gemms is None or self.dw_accumulation is None:
+      gemms, accumulation = self.auto_gemms(x.shape[0], shapes, exp=wanted)
+      return dataclasses.replace(self, mosaic_gemms=gemms, dw_accumulation=accumulation)(
+          x, weight, bias, labels, valid, opts=opts, chunk_size=chunk_size)
+    gemms = self.gemm_configs(*shapes)
+    exp_logits, exp_gemm = False, None
+    if wanted:
       if self.interpret:  # the GEMM's XLA equivalent, when asked for
         exp_logits = bool(self.exp_logits)
       else:

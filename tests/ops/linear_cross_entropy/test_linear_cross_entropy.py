@@ -610,3 +610,32 @@ def test_mosaic_gemms_refuse_shapes_off_their_tiles():
   impl = PallasGpu(mosaic_gemms=("logits",))
   with pytest.raises(NotImplementedError, match=r"logits GEMM.*\[200, 2048, 256\].*M=200"):
     memeff_jax.linear_cross_entropy(x, w, labels, implementation=impl, chunk_size=200)
+
+
+def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
+  """PallasGpu()'s choice of GEMMs (auto_gemms), decided on any host as on a Hopper GPU:
+  all three on ops.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
+  (the dx GEMM's 128 tiles fill 132 SMs to 97%); cuBLAS in the "vd" layout, without the
+  exp GEMM, with a chunk that does not divide the tokens, at Gemma-2's shape (36 dx tiles),
+  in interpret mode, and wherever either option is set."""
+  monkeypatch.setattr(mosaic_gemm, "unavailable", lambda: None)
+  bf16 = jnp.bfloat16
+
+  def auto(impl=PallasGpu(), n=16384, tokens=1024, d=4096, v=128256, layout="dv", exp=True):
+    return impl.auto_gemms(n, (tokens, d, v, bf16, bf16, layout), exp=exp, sms=132)
+
+  cublas = ((), "weight")
+  assert auto() == (pallas_gpu.GEMMS, "tma_add")
+  assert auto(layout="vd") == cublas
+  assert auto(exp=False) == cublas
+  assert auto(n=16000) == cublas
+  assert auto(tokens=512, d=2304, v=256000) == cublas
+  assert auto(PallasGpu(interpret=True)) == cublas
+  assert auto(PallasGpu(dw_accumulation="weight")) == cublas
+  assert auto(PallasGpu(dw_accumulation="float32")) == ((), "float32")
+  assert auto(PallasGpu(mosaic_gemms=("dw",))) == (("dw",), "tma_add")
+  assert auto(PallasGpu(mosaic_gemms=("logits", "dx"))) == (("logits", "dx"), "weight")
+  assert auto(PallasGpu(mosaic_gemms=pallas_gpu.GEMMS, fused_lse=True)) == (
+      pallas_gpu.GEMMS, "tma_add")
+  # Off the tiles (a chunk of 1,000 tokens): cuBLAS, not an error.
+  assert auto(n=16000, tokens=1000) == cublas

@@ -6,6 +6,7 @@ import optax
 import pytest
 
 import memeff_jax
+from memeff_jax.ops import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy.pallas_gpu import GEMMS, PallasGpu
 
 
@@ -61,11 +62,15 @@ def test_mean_loss_without_aux_holds_no_per_token_statistics():
 
 @pytest.mark.gpu
 def test_pallas_gpu_temporaries_at_llama3_8b_shape():
-  """The default implementation at N=16384, D=4096, V=128256 in bf16 (4 GiB of logits)."""
+  """The default implementation at N=16384, D=4096, V=128256 in bf16 (4 GiB of logits). On
+  Hopper it puts all three GEMMs on ops.mosaic_gemm (PallasGpu.auto_gemms): issue 2's
+  0.25 GiB."""
   n, d, v = 16384, 4096, 128256
   x, w, y = _shapes(n, d, v, jnp.bfloat16)
   temp = _temp_bytes(lambda x, w, y: memeff_jax.linear_cross_entropy(x, w, y), x, w, y)
   assert temp < 0.10 * n * v * 2, f"{temp / 2**30:.3f} GiB of temporaries"
+  if mosaic_gemm.unavailable() is None:
+    assert temp < 2**28, f"{temp / 2**30:.4f} GiB of temporaries"
 
 
 @pytest.mark.gpu
