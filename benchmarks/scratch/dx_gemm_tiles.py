@@ -73,6 +73,10 @@ DW_VARIANTS = {
     "m64_n256_s3": dict(tile_m=64, tile_n=256, wg_split="m", max_concurrent_steps=3),
     "splitm_n160_s3": dict(tile_n=160, wg_split="m", max_concurrent_steps=3),
     "n80_s5": dict(tile_n=80, max_concurrent_steps=5),
+    # the whole tile in one epilogue buffer: no wait for the TMA store between its halves
+    "s3_fullep": dict(max_concurrent_steps=3, epilogue_rows=None),
+    "tk32_s6_fullep": dict(tile_k=32, max_concurrent_steps=6, epilogue_rows=None),
+    "tk32_s8": dict(tile_k=32, max_concurrent_steps=8),
 }
 
 
