@@ -77,6 +77,10 @@ DW_VARIANTS = {
     "s3_fullep": dict(max_concurrent_steps=3, epilogue_rows=None),
     "tk32_s6_fullep": dict(tile_k=32, max_concurrent_steps=6, epilogue_rows=None),
     "tk32_s8": dict(tile_k=32, max_concurrent_steps=8),
+    # ping-pong (one warpgroup's epilogue under the other's main loop) with deeper rings
+    "pp_s5_ep64": dict(schedule="pingpong", max_concurrent_steps=5),
+    "pp_s6_ep64": dict(schedule="pingpong", max_concurrent_steps=6),
+    "pp_s6_ep64_nocl": dict(schedule="pingpong", max_concurrent_steps=6, cluster=None),
 }
 
 

@@ -187,7 +187,7 @@ class PallasGpu:
 
   def auto_gemms(self, n_tokens: int, shapes: tuple, *, exp: bool, sms: int | None = None
                  ) -> tuple[tuple[str, ...], str]:
-    """(mosaic_gemms, dw_accumulation) where either is None (see the class docstring).
+    """The (mosaic_gemms, dw_accumulation) that a call runs with where either is None.
 
     All three GEMMs go on ops.mosaic_gemm, dW added by TMA, where that is as fast as cuBLAS
     and holds less memory: the exp_logits path (`exp`, on Hopper), a weight layout listed in
