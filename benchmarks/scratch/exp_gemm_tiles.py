@@ -83,9 +83,8 @@ def main():
   for name in ["default"] + args.loss.split(","):
     impl = pallas_gpu.PallasGpu(exp_logits=True, **more) if more else None
     if name != "default":
-      impl = pallas_gpu.PallasGpu(exp_logits=True, **more)
-      tuned = dataclasses.replace(BASE, **VARIANTS[name])
-      impl = _Tiled(impl, tuned)
+      impl = _Tiled(impl or pallas_gpu.PallasGpu(exp_logits=True),
+                    dataclasses.replace(BASE, **VARIANTS[name]))
     fn = jax.jit(jax.value_and_grad(lambda x, w, impl=impl: memeff_jax.linear_cross_entropy(
         x, w, y, implementation=impl), argnums=(0, 1)))
     jax.block_until_ready(fn(xs, w))
