@@ -55,7 +55,9 @@ tile's row sums of it (linear_cross_entropy's exp_logits, its default on Hopper:
 the plain x @ W, benchmarks/scratch/exp_gemm_tiles.py). `GemmConfig.tail_n` fills the last
 wave of tiles with narrower ones (the logits GEMM at 512-token chunks: 0.6-0.8% off the
 loss). `gemm_into(..., enabled=flag)` runs no tile where the traced flag is false: an
-in-place conditional update that lax.cond would make a copy of.
+in-place conditional update that lax.cond would make a copy of. `row_scale` multiplies each
+row of the float32 product by a factor before it is rounded (exp_logits' dx GEMM: the
+softmax's per-row factor, applied where no pass over dx's rows is needed).
 
 CTA pairs took dW += from 1,013 µs (ping-pong, session 7) to 937; the ring schedule took
 the logits GEMM from 730 µs (cooperative, 3 slots) to 715. benchmarks/NOTES.md (sessions 7
@@ -348,7 +350,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
 def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
                  trans_b: bool, sms: int, reduce: bool = False, stats_gmem=None,
                  stats_cols: int | None = None, stats_words: bool = False,
-                 exp_out: bool = False, enabled=None):
+                 exp_out: bool = False, enabled=None, scale_gmem=None):
   """The schedules with one ring of A/B slots across all of a CTA's tiles ("pingpong",
   "ring"): the CTA walks its tiles j = 0, 1, 2, ..., and the memory warpgroup streams their K
   steps in walk order through `max_concurrent_steps` slots, so the next tile's first steps
@@ -377,7 +379,9 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   warpgroup tile stores the log of its rows' sums of those float32 exponentials at once, in
   the row of stats_gmem that is its column strip (cols // tile_n): no running statistics,
   so the walk is the ordinary one over all CTAs (see gemm). `enabled` (a traced int32, or
-  None) multiplies every CTA's tile count: 0 makes the launch a no-op.
+  None) multiplies every CTA's tile count: 0 makes the launch a no-op. With `scale_gmem`
+  (float32 [M], see gemm's row_scale) each row of the product is multiplied by its entry
+  in the epilogue, in float32, before C is added and the tile rounded.
   """
   m, n = out_gmem.shape
   k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
@@ -500,6 +504,9 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read c_smem
           if c_gmem is not None:
             plgpu.copy_gmem_to_smem(c_gmem.at[out_tile], buf, c_ready.at[wg])
+          if scale_gmem is not None:  # loaded now, used after the main loop
+            scale = _mosaic.load(scale_gmem.at[pl.ds(rows, tm)], plgpu.Layout.WGMMA.reduce(1),
+                                 optimized=False)
 
           def main_loop(acc_ref):
             @pl.loop(0, k_steps)
@@ -522,6 +529,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             return acc_ref[...]
 
           acc = pl.run_scoped(main_loop, plgpu.ACC((tm, width), jnp.float32))
+          if scale_gmem is not None:
+            acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
           if c_gmem is not None:
             plgpu.barrier_wait(c_ready.at[wg])
             acc = acc + buf[...].astype(jnp.float32)
@@ -707,14 +716,15 @@ def row_stats_rows(m: int, config: GemmConfig) -> int:
 def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: bool,
             into: bool, accumulate: bool = True, add: str = "epilogue",
             name: str = "mosaic_gemm", stats_cols: int | None = None,
-            stats_into: bool = False, exp_out: bool = False, enabled=None):
+            stats_into: bool = False, exp_out: bool = False, enabled=None, row_scale=None):
   """A persistent launch: one CTA per SM, two compute and one memory warpgroup. With `into`
   the last operand is C, which the kernel updates in place (out_type is then ()): C plus
   the product with `accumulate` (added as `add` says, see gemm_into), the product alone
   without. With `stats_cols` out_type is (product, partial log-sum-exps) (see gemm), or,
   with `stats_into`, the product alone, the partials going into the last operand's window
   as words (gemm's row_stats_into). Operands may be `Rows`. `enabled` (a traced scalar,
-  ring schedules) makes the launch do nothing where it is 0. The kernel is named after
+  ring schedules) makes the launch do nothing where it is 0; `row_scale` (float32 [M], ring
+  schedules) scales the product's rows (see gemm). The kernel is named after
   `name` in profiles (Mosaic GPU names it after the body function)."""
   sms = _sms(config)
   if (((stats_cols is not None and not exp_out) or config.tail_n is not None)
@@ -727,10 +737,13 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
     if config.schedule not in ("pingpong", "ring"):
       raise ValueError(f"enabled needs the 'pingpong' or 'ring' schedule, got {config}")
     blocks.append(jnp.asarray(enabled, jnp.int32))
+  scales = () if row_scale is None else (row_scale,)
 
-  # body's refs: the operands', the windows' block indices and enabled (0-d), the outputs'
+  # body's refs: the operands', row_scale's, the windows' block indices and enabled (0-d),
+  # the outputs'
   def body(*refs):
-    block_refs = iter(refs[len(operands):len(operands) + len(blocks)])
+    first_block = len(operands) + len(scales)
+    block_refs = iter(refs[first_block:first_block + len(blocks)])
     op_refs = [ref if w is None else ref.at[pl.ds(next(block_refs)[...] * w.size, w.size)]
                for ref, w in zip(refs, windows)]
     a_ref, b_ref = op_refs[:2]
@@ -743,7 +756,8 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
       _ring_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
                    trans_b=trans_b, sms=sms, reduce=reduce, stats_gmem=stats_ref,
                    stats_cols=stats_cols, stats_words=stats_into, exp_out=exp_out,
-                   enabled=None if enabled is None else next(block_refs)[...])
+                   enabled=None if enabled is None else next(block_refs)[...],
+                   scale_gmem=refs[len(operands)] if scales else None)
     else:
       _kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a, trans_b=trans_b,
               reduce=reduce)
@@ -757,7 +771,7 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(  # approx_math: row_stats' exp2 and log (MUFU)
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-  )(*[op.array if isinstance(op, Rows) else op for op in operands], *blocks)
+  )(*[op.array if isinstance(op, Rows) else op for op in operands], *scales, *blocks)
 
 
 def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue"):
@@ -790,10 +804,24 @@ def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue"):
   return m, n, k
 
 
+def _check_scale(row_scale, m: int, config: GemmConfig):
+  """row_scale as the kernel takes it: float32 [M]."""
+  if row_scale is None:
+    return None
+  if config.schedule not in ("pingpong", "ring"):
+    raise ValueError(f"row_scale needs the 'pingpong' or 'ring' schedule, got {config}")
+  if tuple(row_scale.shape) != (m,):
+    raise ValueError(f"row_scale must be [{m}] (one factor per output row), got "
+                     f"{tuple(row_scale.shape)}")
+  if not jnp.issubdtype(row_scale.dtype, jnp.floating):
+    raise TypeError(f"row_scale must be floating point, got {row_scale.dtype}")
+  return jnp.asarray(row_scale, jnp.float32)
+
+
 def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
          config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm",
          row_stats: int | None = None, row_stats_into: Rows | None = None,
-         exp_out: bool = False):
+         exp_out: bool = False, row_scale=None):
   """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype).
   a and b are arrays or `Rows` of arrays; `name` names the kernel in profiles.
 
@@ -817,15 +845,23 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   hold the log of each row's sum of those float32 exponentials over each strip of tile_n
   columns: log-sum-exps of the clamped product, stored by each tile as it is done, so
   that the tiles are walked as without row_stats, by every CTA (linear_cross_entropy's
-  exp_logits, which checks that no row it uses came near the clamp)."""
+  exp_logits, which checks that no row it uses came near the clamp).
+
+  With `row_scale` (float [M], without row_stats) it returns diag(row_scale) op(a) @ op(b):
+  each row of the float32 product times its factor, then rounded once ("ring" and
+  "pingpong" schedules)."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
+  row_scale = _check_scale(row_scale, m, config)
   if row_stats is None:
     if exp_out:
       raise ValueError("exp_out is an option of row_stats")
     return _launch((a, b), out_type, config, trans_a=trans_a, trans_b=trans_b, into=False,
-                   name=name)
+                   name=name, row_scale=row_scale)
+  if row_scale is not None:
+    raise ValueError("row_scale and row_stats do not combine: the statistics would be of "
+                     "the unscaled product")
   if config.schedule == "cooperative" or (config.cluster and not exp_out):
     raise ValueError("row_stats needs the 'ring' or 'pingpong' schedule, without clusters "
                      f"unless exp_out, got {config}")
@@ -888,7 +924,7 @@ def _stats_words(window: Rows, m: int, config: GemmConfig) -> StatsWords:
 def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
               accumulate: bool = True, add: str = "epilogue",
               config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm",
-              enabled=None) -> None:
+              enabled=None, row_scale=None) -> None:
   """c_ref[...] += op(a) @ op(b), in place. `add` says how C is added:
 
     "epilogue"  C's tile is read into shared memory while the tile's main loop runs, summed
@@ -901,9 +937,12 @@ def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
   `jax.Ref` (jax.new_ref) or `Rows` of one; a and b arrays or `Rows`; `name` names the
   kernel in profiles. `enabled`, a traced bool or int scalar ("pingpong" and "ring"
   schedules), leaves C as it is where false: the kernel runs no tile (a conditional update
-  without lax.cond, which would copy C)."""
-  _check(a, b, c_ref, trans_a, trans_b, config, accumulate, add)
+  without lax.cond, which would copy C). `row_scale` (float [M], "pingpong" and "ring")
+  multiplies the product's rows before C is added: c_ref[...] (+)= diag(row_scale) op(a)
+  @ op(b), in float32 before the product is rounded."""
+  m, _, _ = _check(a, b, c_ref, trans_a, trans_b, config, accumulate, add)
   if jnp.dtype(c_ref.dtype).itemsize != 2:
     raise TypeError(f"c must be 16-bit, got {c_ref.dtype}")
   _launch((a, b, c_ref), (), config, trans_a=trans_a, trans_b=trans_b, into=True,
-          accumulate=accumulate, add=add, name=name, enabled=enabled)
+          accumulate=accumulate, add=add, name=name, enabled=enabled,
+          row_scale=_check_scale(row_scale, m, config))

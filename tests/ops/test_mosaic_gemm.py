@@ -1,5 +1,6 @@
 """ops.mosaic_gemm: the Hopper GEMM with an in-place C accumulate (kernel tests need a GPU)."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -267,6 +268,76 @@ def test_accumulates_in_place():
   m = jax.jit(into, donate_argnums=0).lower(c, a, b).compile().memory_analysis()
   assert m.temp_size_in_bytes < c.nbytes // 4
   assert m.alias_size_in_bytes >= c.nbytes
+
+
+ROW_SCALE_CONFIGS = {
+    "ring-m, 64-row epilogue": mg.GemmConfig(wg_split="m", tile_n=128, schedule="ring",
+                                              max_concurrent_steps=3, num_sms=3,
+                                              epilogue_rows=64),
+    "ring-n": mg.GemmConfig(tile_n=128, schedule="ring", max_concurrent_steps=3, num_sms=2),
+    "pingpong/cluster-m": mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule="pingpong",
+                                        num_sms=2, cluster="m"),
+}
+
+
+def test_row_scale_is_checked_and_lowers_for_cuda():
+  a = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((K, N), jnp.bfloat16)
+  cfg = ROW_SCALE_CONFIGS["ring-n"]
+  s = jax.ShapeDtypeStruct((M,), jnp.float32)
+  text = jax.jit(lambda a, b, s: mg.gemm(a, b, config=cfg, row_scale=s)).trace(a, b, s).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  za, zb = jnp.zeros((M, K), jnp.bfloat16), jnp.zeros((K, N), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"row_scale must be \[256\].*got \(512,\)"):
+    mg.gemm(za, zb, config=cfg, row_scale=jnp.ones((512,)))
+  with pytest.raises(TypeError, match="row_scale must be floating point, got int32"):
+    mg.gemm(za, zb, config=cfg, row_scale=jnp.ones((M,), jnp.int32))
+  with pytest.raises(ValueError, match="row_scale needs the 'pingpong' or 'ring' schedule"):
+    mg.gemm(za, zb, row_scale=jnp.ones((M,)))
+  with pytest.raises(ValueError, match="row_scale and row_stats do not combine"):
+    mg.gemm(za, zb, config=cfg, row_scale=jnp.ones((M,)), row_stats=N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(ROW_SCALE_CONFIGS))
+@pytest.mark.parametrize("trans_a,trans_b", [(False, True), (True, False)])
+def test_row_scale_scales_the_float32_product(name, trans_a, trans_b):
+  """diag(s) op(A) op(B), rounded once: as gemm returns it, written into a window of C
+  (accumulate=False), and added to C in the epilogue and by TMA (the scaled product
+  rounded first there)."""
+  cfg = ROW_SCALE_CONFIGS[name]
+  m = 512 if "cluster" in name else M
+  a, b, c, ref = _operands(trans_a, trans_b, seed=11, m=m)
+  s = jnp.exp(jax.random.normal(jax.random.key(12), (m,), jnp.float32) * 3)  # 1e-4..1e4
+  want = s[:, None] * ref
+  bf = lambda v: np.asarray(jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32))
+  # A bf16 ulp of the result, plus one of a typical entry of its row (|ref| ~ 16): where
+  # the float32 sums of kernel and XLA differ in their last bits and cancel.
+  typical = np.asarray(s)[:, None] * 16.0
+
+  def check(got, expect, ulps, what):
+    off = np.abs(got - expect) > ulps * 2.0**-7 * (np.abs(expect) + typical)
+    assert not off.any(), f"{what}: {off.sum()} elements off, e.g. {np.argwhere(off)[:3]}"
+
+  out = jax.jit(lambda a, b, s: mg.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg,
+                                        row_scale=s))(a, b, s)
+  check(np.asarray(out.astype(jnp.float32)), bf(want), 1, "gemm")
+
+  def into(c, a, b, s, accumulate, add):
+    r = jax.new_ref(c)
+    mg.gemm_into(r, a, b, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate, add=add,
+                 config=cfg if add == "tma" or not accumulate
+                 else dataclasses.replace(cfg, epilogue_rows=None), row_scale=s)
+    return r[...]
+
+  into = jax.jit(into, static_argnums=(4, 5))
+  cf = c.astype(jnp.float32)
+  for accumulate, add, expect, ulps in ((False, "epilogue", bf(want), 1),
+                                        (True, "epilogue", bf(cf + want), 1),
+                                        (True, "tma", bf(cf + bf(want)), 2)):
+    got = np.asarray(into(c, a, b, s, accumulate, add).astype(jnp.float32))
+    check(got, expect, ulps, f"gemm_into accumulate={accumulate} add={add}")
 
 
 ROW_STATS_CONFIGS = {  # (M, N, columns counted, config): CTA tiles of 128 × 256 and 256 × 128

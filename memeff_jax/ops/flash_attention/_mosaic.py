@@ -28,12 +28,13 @@ def dtype_error(dtype) -> str | None:
   return None
 
 
-def load(ref, layout):
-  """A whole shared-memory ref into registers with `layout`. jax 0.11 deprecates the index
-  argument of plgpu.load that 0.10 requires."""
+def load(ref, layout, optimized: bool = True):
+  """A whole ref into registers with `layout`. jax 0.11 deprecates the index argument of
+  plgpu.load that 0.10 requires. Mosaic GPU has optimized transfers for shared memory only:
+  a global-memory ref needs optimized=False (plain per-thread loads)."""
   if _LOAD_TAKES_INDEX:
-    return plgpu.load(ref, (), layout=layout)
-  return plgpu.load(ref, layout=layout)
+    return plgpu.load(ref, (), layout=layout, optimized=optimized)
+  return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
 _LOAD_TAKES_INDEX = plgpu is not None and getattr(

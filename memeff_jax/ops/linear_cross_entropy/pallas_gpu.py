@@ -113,8 +113,8 @@ class PallasGpu:
       mosaic_gemms says; in interpret mode its XLA equivalent) stores exp(z) and its rows'
       sums, the label entries are patched, and the softmax's per-row factor is applied to
       dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
-      scaled rows wait in dx's rows; where dx's is, it writes them in place and they are
-      scaled there). A chunk whose exponentials leave the safe range falls back to the
+      scaled rows wait in dx's rows; where dx's is, it writes them in place and scales
+      them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the safe range falls back to the
       softmax pass. Calls with a bias, a logit softcap or label smoothing, and the
       backward pass of reduction="none", use the softmax pass throughout. None (the
       default): wherever that GEMM can run (a Hopper GPU, x and weight both bfloat16, as
@@ -408,11 +408,16 @@ class PallasChunkBackend:
     return dx_c, dw_acc
 
   def _dx(self, g, w, dx_rows, scale):
-    """diag(scale) G Wᵀ; with dx_rows written into them, returning all of dx."""
+    """diag(scale) G Wᵀ; with dx_rows written into them, returning all of dx. A Mosaic dx
+    GEMM on a ring or ping-pong schedule applies the scale in its epilogue, to the float32
+    product (one rounding, no pass over the rows)."""
     layout = self.opts.weight_layout
-    if (config := self._mosaic("dx")) is not None and dx_rows is not None:
+    config = self._mosaic("dx")
+    in_epilogue = config is not None and scale is not None and config.schedule != "cooperative"
+    row_scale, scale = (scale, None) if in_epilogue else (None, scale)
+    if config is not None and dx_rows is not None:
       mosaic_gemm.gemm_into(dx_rows, g, w, trans_b=layout == "dv", accumulate=False,
-                            config=config, name="lce_dx_gemm")
+                            config=config, name="lce_dx_gemm", row_scale=row_scale)
       dx = dx_rows.array[...]
       if scale is not None:  # in place: the rows are read and written by one XLA fusion
         # The barrier hides the kernel from XLA's dynamic-slice fusion, which otherwise
@@ -423,8 +428,9 @@ class PallasChunkBackend:
         dx = jax.lax.dynamic_update_slice_in_dim(
             dx, (scale[:, None] * rows.astype(jnp.float32)).astype(dx.dtype), start, axis=0)
       return dx
-    if (config := self._mosaic("dx")) is not None:
-      dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config, name="lce_dx_gemm")
+    if config is not None:
+      dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config, name="lce_dx_gemm",
+                              row_scale=row_scale)
     else:
       dx_c = _common.dx_dot(g, w, layout, g.dtype)
     if scale is not None:
