@@ -18,6 +18,7 @@ import jax.numpy as jnp
 sys.path.insert(0, ".")
 from benchmarks import _harness  # noqa: E402
 import memeff_jax  # noqa: E402
+from memeff_jax.ops import mosaic_gemm as mg  # noqa: E402
 from memeff_jax.ops.linear_cross_entropy import pallas_gpu  # noqa: E402
 
 N, D, V = 16384, 4096, 128256
@@ -28,10 +29,11 @@ def main():
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--flags", required=True, help="comma-separated pallas_gpu switches")
   args = parser.parse_args()
-  flags = args.flags.split(",")
-  missing = [f for f in flags if not hasattr(pallas_gpu, f)]
+  flags = args.flags.split(",")  # pallas_gpu's, or mosaic_gemm's as "mg.NAME"
+  owner = lambda f: (mg, f[3:]) if f.startswith("mg.") else (pallas_gpu, f)
+  missing = [f for f in flags if not hasattr(*owner(f))]
   if missing:
-    sys.exit(f"pallas_gpu has no {missing}: apply the experiment's patch first")
+    sys.exit(f"no switch {missing}: apply the experiment's patch first")
   k = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(k[0], (N, D), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(k[1], (D, V), jnp.float32) * D ** -0.5).astype(jnp.bfloat16)
@@ -41,7 +43,7 @@ def main():
   timers = {"floor": lambda: _harness.time_jax(floor, x, w, g, reps=10)}
   for values in itertools.product((False, True), repeat=len(flags)):
     for flag, on in zip(flags, values):
-      setattr(pallas_gpu, flag, on)
+      setattr(*owner(flag), on)
     name = " ".join(f"{f}={int(v)}" for f, v in zip(flags, values))
     fn = jax.jit(jax.value_and_grad(
         lambda x, w: memeff_jax.linear_cross_entropy(x, w, y), argnums=(0, 1)))

@@ -376,7 +376,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   tail_n the walk has two phases: the whole tiles that divide evenly among a row block's
   CTAs, then the columns left over in tiles tail_n wide per warpgroup (see GemmConfig).
   With `exp_out` (and stats) the tiles stored are exp(min(product, EXP_CLAMP)), and each
-  warpgroup tile stores the log of its rows' sums of those float32 exponentials at once, in
+  warpgroup tile stores its rows' sums of those float32 exponentials at once, in
   the row of stats_gmem that is its column strip (cols // tile_n): no running statistics,
   so the walk is the ordinary one over all CTAs (see gemm). `enabled` (a traced int32, or
   None) multiplies every CTA's tile count: 0 makes the launch a no-op. With `scale_gmem`
@@ -549,7 +549,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
                                     reduction_op="add" if reduce else None)
           if per_tile:  # straight from registers, as the statistics below
             s = _counted(y, cols, phase, 0.0).sum(axis=1)
-            stats_gmem.at[div(cols, tn), pl.ds(rows, tm)][...] = jnp.log(s)
+            stats_gmem.at[div(cols, tn), pl.ds(rows, tm)][...] = s
           return _row_stats(carry, y, cols, phase) if stats else carry
 
         if not pingpong:
@@ -842,10 +842,11 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
 
   With `exp_out` (row_stats only, no tail_n, no row_stats_into) `out` holds
   exp(min(product, EXP_CLAMP)) instead of the product, and partials [cdiv(N, tile_n), M]
-  hold the log of each row's sum of those float32 exponentials over each strip of tile_n
-  columns: log-sum-exps of the clamped product, stored by each tile as it is done, so
-  that the tiles are walked as without row_stats, by every CTA (linear_cross_entropy's
-  exp_logits, which checks that no row it uses came near the clamp).
+  hold each row's sum of those float32 exponentials over each strip of tile_n columns
+  (not their logs: a plain sum over the strips then gives the row's sum, which EXP_CLAMP
+  keeps far inside float32), stored by each tile as it is done, so that the tiles are
+  walked as without row_stats, by every CTA (linear_cross_entropy's exp_logits, which
+  checks that no row it uses came near the clamp).
 
   With `row_scale` (float [M], without row_stats) it returns diag(row_scale) op(a) @ op(b):
   each row of the float32 product times its factor, then rounded once ("ring" and
