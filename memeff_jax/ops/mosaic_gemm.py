@@ -694,9 +694,18 @@ class Rows(NamedTuple):
     return self.array.dtype
 
 
-def _sms(config: GemmConfig) -> int:
-  sms = config.num_sms if config.num_sms is not None else jax.devices()[0].core_count
+def ctas(config: GemmConfig, sms: int | None = None) -> int:
+  """The CTAs a persistent launch of `config` runs (one per SM): config.num_sms, else
+  `sms`, else the default device's SM count, rounded down to whole clusters."""
+  if config.num_sms is not None:
+    sms = config.num_sms
+  elif sms is None:
+    sms = jax.devices()[0].core_count
   return sms - sms % config.cluster_size()
+
+
+def _sms(config: GemmConfig) -> int:
+  return ctas(config)
 
 
 def _stats_per_cta(config: GemmConfig) -> int:

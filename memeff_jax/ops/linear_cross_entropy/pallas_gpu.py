@@ -197,7 +197,8 @@ class PallasGpu:
     tiles fill the GPU's SMs in whole waves to `min_wave_fill` (it has no split-K: a
     [C, D] output of a few tiles would leave most SMs idle). Elsewhere cuBLAS, with dW
     added in the weight's dtype ("weight"). `shapes` as gemm_configs takes them; `sms`: the
-    GPU's SM count (default: the default device's)."""
+    GPU's SM count (default: the default device's), which mosaic_gemm.ctas turns into the
+    dx launch's CTAs."""
     tokens, d = shapes[0], shapes[1]
     if self.mosaic_gemms is not None:  # only the accumulation is open
       return self.mosaic_gemms, "tma_add" if "dw" in self.mosaic_gemms else "weight"
@@ -215,7 +216,7 @@ class PallasGpu:
       return cublas
     cm, cn = configs["dx"].cta_tile()
     tiles = (tokens // cm) * -(-d // cn)
-    sms = sms or jax.devices()[0].core_count
+    sms = mosaic_gemm.ctas(configs["dx"], sms)  # as the dx GEMM's launch will have them
     if tiles / (-(-tiles // sms) * sms) < rule.get("min_wave_fill", 1.0):
       return cublas
     return GEMMS, "tma_add"
