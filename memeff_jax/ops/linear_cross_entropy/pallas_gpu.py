@@ -114,14 +114,14 @@ class PallasGpu:
       sums, the label entries are patched, and the softmax's per-row factor is applied to
       dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
       scaled rows wait in dx's rows; where dx's is, it writes them in place and scales
-      them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the safe range falls back to the
-      softmax pass. Calls with a bias, a logit softcap or label smoothing, and the
-      backward pass of reduction="none", use the softmax pass throughout. None (the
-      default): wherever that GEMM can run (a Hopper GPU, x and weight both bfloat16, as
-      float16 cannot hold E's range; a chunk that fits its tiles; never in interpret
-      mode), unless fused_lse is set (the softmax pass whose partials take no memory:
-      the lowest-memory setting); True: always, NotImplementedError where it cannot run;
-      False: never.
+      them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the
+      safe range falls back to the softmax pass. Calls with a bias, a logit softcap or
+      label smoothing, and the backward pass of reduction="none", use the softmax pass
+      throughout. None (the default): wherever that GEMM can run (a Hopper GPU, x and
+      weight both bfloat16, as float16 cannot hold E's range; a chunk that fits its
+      tiles; never in interpret mode), unless fused_lse is set (the softmax pass whose
+      partials take no memory: the lowest-memory setting); True: always,
+      NotImplementedError where it cannot run; False: never.
   """
 
   memory_budget_bytes: int = 256 * 2**20
