@@ -704,10 +704,6 @@ def ctas(config: GemmConfig, sms: int | None = None) -> int:
   return sms - sms % config.cluster_size()
 
 
-def _sms(config: GemmConfig) -> int:
-  return ctas(config)
-
-
 def _stats_per_cta(config: GemmConfig) -> int:
   """Partial log-sum-exps one CTA stores per row of its row block: one per compute
   warpgroup (each saw its own columns, or its own tiles in ping-pong), or one where the
@@ -718,7 +714,7 @@ def _stats_per_cta(config: GemmConfig) -> int:
 def row_stats_rows(m: int, config: GemmConfig) -> int:
   """How many partial log-sum-exps per output row `gemm(..., row_stats=...)` returns: one
   per (CTA, warpgroup) that visits the row."""
-  per_row = _sms(config) // (m // config.cta_tile()[0])
+  per_row = ctas(config) // (m // config.cta_tile()[0])
   return per_row * _stats_per_cta(config)
 
 
@@ -735,7 +731,7 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
   ring schedules) makes the launch do nothing where it is 0; `row_scale` (float32 [M], ring
   schedules) scales the product's rows (see gemm). The kernel is named after
   `name` in profiles (Mosaic GPU names it after the body function)."""
-  sms = _sms(config)
+  sms = ctas(config)
   if (((stats_cols is not None and not exp_out) or config.tail_n is not None)
       and operands[0].shape[1 if trans_a else 0] // config.cta_tile()[0] > sms):
     raise ValueError(f"row_stats and tail_n keep each CTA to one row block: M has more row "
