@@ -18,9 +18,11 @@ G (as the loss's chunk buffer) and x's chunks:
 So "add − store" is what the read of the running dW costs each GEMM kind. `--flag NAME`
 (session 24) adds "mosaic tma NAME=0/1": the TMA variant traced with the ops.mosaic_gemm
 switch NAME off and on (an experiment's patch adds it); `--variants` picks variants,
-`--no-power` skips the nvidia-smi pass.
+`--no-power` skips the nvidia-smi pass, `--skew 1,2` adds the TMA variant with
+GemmConfig(skew=...) (session 26; needs benchmarks/scratch/patches/skew.diff, not kept).
 """
 import argparse
+import dataclasses
 import statistics
 import sys
 
@@ -78,6 +80,7 @@ def main():
   parser.add_argument("--flag", default=None)
   parser.add_argument("--variants", default=None)
   parser.add_argument("--no-power", action="store_true")
+  parser.add_argument("--skew", default="", help="e.g. 1,2,3: the TMA variant with that skew")
   args = parser.parse_args()
   k = jax.random.split(jax.random.key(0), 2)
   x = jax.random.normal(k[0], (N, D), jnp.float32).astype(jnp.bfloat16)
@@ -91,6 +94,8 @@ def main():
       "mosaic tma store": loop(mosaic(tma_cfg, None)),
       "mosaic tma": loop(mosaic(tma_cfg, "tma")),
   }
+  for s in filter(None, args.skew.split(",")):
+    variants[f"mosaic tma skew{s}"] = loop(mosaic(dataclasses.replace(tma_cfg, skew=int(s)), "tma"))
   flags = {}
   if args.flag:
     for on in (0, 1):
