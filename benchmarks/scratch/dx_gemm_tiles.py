@@ -89,6 +89,32 @@ DW_VARIANTS = {
 SKEW_VARIANTS = {f"skew{s}": dict(skew=s) for s in (1, 2, 3)}
 VARIANTS.update(SKEW_VARIANTS)
 DW_VARIANTS.update(SKEW_VARIANTS)
+# Session 26: ping-pong where each warpgroup keeps to its own tiles' slots (K steps a multiple
+# of twice the slots: mosaic_gemm's own_slots), so one's epilogue holds up none of the
+# other's main loop. For --gemm dw_tma_dv and logits.
+PP_VARIANTS = {
+    "pp128_s4_ep64": dict(schedule="pingpong", tile_n=128, max_concurrent_steps=4,
+                          epilogue_rows=64),
+    "pp128_s4": dict(schedule="pingpong", tile_n=128, max_concurrent_steps=4, epilogue_rows=None),
+    "pp192_s4_ep64": dict(schedule="pingpong", tile_n=192, max_concurrent_steps=4,
+                          epilogue_rows=64),
+    "pp128_s4_nocl": dict(schedule="pingpong", tile_n=128, max_concurrent_steps=4,
+                          epilogue_rows=64, cluster=None),
+    "pp128_s4_b8": dict(schedule="pingpong", tile_n=128, max_concurrent_steps=4,
+                        epilogue_rows=64, band=8),
+}
+# round 2, around the 192-wide ping-pong tiles (dW alone 26.98 against the ring's 29.27 ms)
+PP192 = dict(schedule="pingpong", tile_n=192, max_concurrent_steps=4, epilogue_rows=64)
+PP_VARIANTS.update({
+    "pp192_nocl": dict(PP192, cluster=None),
+    "pp192_cn": dict(PP192, cluster="n"),
+    "pp192_b8": dict(PP192, band=8),
+    "pp192_minor_n": dict(PP192, minor="n", band=1),
+    "pp64x256": dict(schedule="pingpong", tile_m=64, tile_n=256, max_concurrent_steps=4,
+                     epilogue_rows=64),
+})
+DW_VARIANTS.update(PP_VARIANTS)
+LOGITS_VARIANTS = {**SKEW_VARIANTS, **PP_VARIANTS}
 
 
 def main():
@@ -100,7 +126,7 @@ def main():
                       help="dx_dv, or dw_tma_dv or logits (loss only)")
   args = parser.parse_args()
   if args.gemm == "logits":
-    return time_losses(args, args.gemm, SKEW_VARIANTS)
+    return time_losses(args, args.gemm, LOGITS_VARIANTS)
   if args.gemm != "dx_dv":
     return time_losses(args, args.gemm, DW_VARIANTS)
   k = jax.random.split(jax.random.key(0), 3)

@@ -19,7 +19,8 @@ So "add − store" is what the read of the running dW costs each GEMM kind. `--f
 (session 24) adds "mosaic tma NAME=0/1": the TMA variant traced with the ops.mosaic_gemm
 switch NAME off and on (an experiment's patch adds it); `--variants` picks variants,
 `--no-power` skips the nvidia-smi pass, `--skew 1,2` adds the TMA variant with
-GemmConfig(skew=...) (session 26; needs benchmarks/scratch/patches/skew.diff, not kept).
+GemmConfig(skew=...) (session 26; needs benchmarks/scratch/patches/skew.diff, not kept),
+`--tiles pp128_s4,...` adds "tma NAME", the TMA variant with dx_gemm_tiles.DW_VARIANTS' tiles.
 """
 import argparse
 import dataclasses
@@ -81,6 +82,8 @@ def main():
   parser.add_argument("--variants", default=None)
   parser.add_argument("--no-power", action="store_true")
   parser.add_argument("--skew", default="", help="e.g. 1,2,3: the TMA variant with that skew")
+  parser.add_argument("--tiles", default="",
+                      help="dx_gemm_tiles.DW_VARIANTS names: the TMA variant with those tiles")
   args = parser.parse_args()
   k = jax.random.split(jax.random.key(0), 2)
   x = jax.random.normal(k[0], (N, D), jnp.float32).astype(jnp.bfloat16)
@@ -96,13 +99,19 @@ def main():
   }
   for s in filter(None, args.skew.split(",")):
     variants[f"mosaic tma skew{s}"] = loop(mosaic(dataclasses.replace(tma_cfg, skew=int(s)), "tma"))
+  if args.tiles:
+    from dx_gemm_tiles import DW_VARIANTS  # pylint: disable=import-outside-toplevel
+    for t in args.tiles.split(","):
+      variants[f"tma {t}"] = loop(mosaic(dataclasses.replace(tma_cfg, **DW_VARIANTS[t]),
+                                                "tma"))
   flags = {}
   if args.flag:
     for on in (0, 1):
       variants[f"mosaic tma {args.flag}={on}"] = loop(mosaic(tma_cfg, "tma"))
       flags[f"mosaic tma {args.flag}={on}"] = bool(on)
   if args.variants:
-    variants = {n: f for n, f in variants.items() if n in args.variants.split(",") or n in flags}
+    variants = {n: f for n, f in variants.items()
+                if n in args.variants.split(",") or n in flags or n.startswith("tma ")}
   fns = {}
   for name, f in variants.items():
     if name in flags:  # read when the GEMM is traced, at the first call below

@@ -257,6 +257,39 @@ def test_tma_add_matches_reference(name, trans_a, trans_b):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [None, "m", "n"])
+@pytest.mark.parametrize("trans_a,trans_b", [(True, False), (False, True)])
+@pytest.mark.parametrize("slots,num_sms", [(2, 3), (4, 2)])
+def test_pingpong_on_own_slots_matches_reference(slots, num_sms, trans_a, trans_b, cluster):
+  """Ping-pong with K a multiple of twice the slots (K = 512: 8 steps of 64): each
+  warpgroup waits on and releases its own tiles' slots only. 2 slots: 3 CTAs over 12
+  tiles of 128 × 128; 4 slots: 2 CTAs over 8 tiles of 128 × 192 (some CTAs run an odd
+  number, so the warpgroups own different numbers of tiles; pairs along M or N when
+  clustered); stored, added by TMA and (128 wide) added in the epilogue."""
+  k = jax.random.split(jax.random.key(7), 3)
+  kk, m, n = 512, 512, 384
+  a = jax.random.normal(k[0], (kk, m) if trans_a else (m, kk), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(k[1], (n, kk) if trans_b else (kk, n), jnp.float32).astype(jnp.bfloat16)
+  c = jax.random.normal(k[2], (m, n), jnp.float32).astype(jnp.bfloat16)
+  ref = (a.T if trans_a else a).astype(jnp.float32) @ (b.T if trans_b else b).astype(jnp.float32)
+  wide = slots == 4  # 192 wide: the epilogue through 64-row pieces, so no C tile fits
+  cfg = mg.GemmConfig(tile_n=192 if wide else 128, max_concurrent_steps=slots,
+                      schedule="pingpong", num_sms=2 if cluster else num_sms, cluster=cluster,
+                      epilogue_rows=64 if wide else None)
+  out = jax.jit(lambda a, b: mg.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg))(a, b)
+  np.testing.assert_allclose(out.astype(np.float32), ref.astype(jnp.bfloat16).astype(np.float32),
+                             rtol=1e-2, atol=0.5)
+  want = (c.astype(jnp.float32) + ref).astype(jnp.bfloat16).astype(np.float32)
+  for add in ("tma",) if wide else ("epilogue", "tma"):
+    def into(c, a, b, add=add):
+      r = jax.new_ref(c)
+      mg.gemm_into(r, a, b, trans_a=trans_a, trans_b=trans_b, config=cfg, add=add)
+      return r[...]
+    out = jax.jit(into, donate_argnums=0)(jnp.copy(c), a, b)
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=1e-2, atol=0.5)
+
+
+@pytest.mark.gpu
 def test_accumulates_in_place():
   a, b, c, _ = _operands(True, False)
 
@@ -351,6 +384,9 @@ ROW_STATS_CONFIGS = {  # (M, N, columns counted, config): CTA tiles of 128 × 25
     "pingpong, ragged, 1,000 columns": (
         256, 1088, 1000, mg.GemmConfig(tile_n=128, schedule="pingpong", max_concurrent_steps=4,
                                        num_sms=6, epilogue_rows=64)),
+    "pingpong on own slots, 192 wide, ragged": (  # K's 4 steps: twice the 2 slots
+        256, 1088, 1000, mg.GemmConfig(tile_n=192, schedule="pingpong", max_concurrent_steps=2,
+                                       num_sms=5, epilogue_rows=64)),
     "ring-m, idle CTAs": (256, 512, 512, mg.GemmConfig(wg_split="m", tile_n=128,
                                                        schedule="ring", max_concurrent_steps=3,
                                                        num_sms=7)),
