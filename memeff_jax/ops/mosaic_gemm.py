@@ -194,6 +194,14 @@ class GemmConfig:
     return 2 if self.cluster else 1
 
 
+def own_slots(config: GemmConfig, k: int) -> bool:
+  """Whether a GEMM with K = k runs `config` as ping-pong on each warpgroup's own slots
+  (see _ring_kernel): K's steps a multiple of twice the slots. Other ping-pong GEMMs pass
+  the other warpgroup's slots too, whose epilogue then holds up the other's main loop."""
+  return (config.schedule == "pingpong"
+          and (k // config.tile_k) % (2 * config.max_concurrent_steps) == 0)
+
+
 def _cluster_layout(config: GemmConfig):
   """(cta_origin, a_axes, b_axes): cta_origin(mi, ni) is the first row and column of this
   CTA's tile in cluster tile (mi, ni); a_axes / b_axes are the collective axes of A's and B's
@@ -365,7 +373,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   In the ring schedule both compute warpgroups wait on every slot's arrival and release
   every slot once their WGMMA has read it, and a slot is refilled once both have passed it.
   In ping-pong, where K's steps are a multiple of twice the slots, each warpgroup waits on
-  and releases only its own tiles' slots (see own_slots below): its epilogue then holds up
+  and releases only its own tiles' slots (`turns`, below): its epilogue then holds up
   none of the other's main loop (the dW GEMM of a 1,024-token chunk of Llama-3-8B, 128 ×
   192 tiles: 27.0 against the ring's 29.2 ms over 16 chunks; H200, session 26). Otherwise
   the non-owner passes every slot of the other's tiles (waits on it and releases it at
@@ -406,7 +414,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   # owner's arrival alone), and its epilogue holds up no slot of the other's main loop.
   # A parity names a phase only up to two, so a warpgroup starts waiting on its tile's
   # slots once the other has seen the last of its own tile's land (`turn`).
-  own_slots = pingpong and k_steps % (2 * stages) == 0
+  turns = own_slots(config, k)
   walker, walkers = lax.axis_index("sm"), sms // config.cluster_size()  # clusters (or CTAs)
   cta_origin, a_shared, b_shared = _cluster_layout(config)
   per_tile = stats_gmem is not None and exp_out  # each tile's sums stored as they come
@@ -522,7 +530,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
                                  optimized=False)
 
           def main_loop(acc_ref):
-            if own_slots:  # the other's last tile has seen all its slots land (none first)
+            if turns:  # the other's last tile has seen all its slots land (none first)
               pl.when(i > 0)(lambda: plgpu.barrier_wait(turn.at[wg]))
 
             @pl.loop(0, k_steps)
@@ -539,7 +547,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
               else:
                 plgpu.barrier_arrive(free.at[slot])
 
-            if own_slots:
+            if turns:
               plgpu.barrier_arrive(turn.at[1 - wg])
             if in_flight:
               plgpu.wgmma_wait(0)
@@ -573,7 +581,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
         if not pingpong:
           return own()
 
-        if not own_slots:
+        if not turns:
           @pl.when(rem(i, 2) != wg)
           def _pass():  # the other warpgroup's tile: release each slot once it has landed
             @pl.loop(0, k_steps)
@@ -662,7 +670,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   # TMA store needs its tile contiguous in shared memory, which a column slice of the first
   # view is not. Each warpgroup keeps to its own bytes in both views.
   # B's slots stored [tk, cn] likewise (a tail block [tk, tail_cn] is then a slot's prefix).
-  arrivals = 1 if own_slots else 2  # per CTA, on each slot's `free`
+  arrivals = 1 if turns else 2  # per CTA, on each slot's `free`
   c_buffer = plgpu.SMEM((2, er, tn), out_dtype, transforms=_swizzled(tn, out_dtype))
   b_slots = plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype))
   if config.tail_n is not None:
@@ -684,7 +692,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
                             num_barriers=stages)
        if config.cluster else plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages)),
       plgpu.Barrier(num_barriers=2),  # C landed, per warpgroup
-      *([plgpu.Barrier(num_barriers=2)] if own_slots else []),  # turn: this one's to wait
+      *([plgpu.Barrier(num_barriers=2)] if turns else []),  # turn: this one's to wait
       collective_axes="wg",
   )
 

@@ -76,6 +76,21 @@ class KernelConfig:
   l2_hints: bool = True
 
 
+def tuned_gemm_config(key: str, layout: str, k: int) -> mosaic_gemm.GemmConfig:
+  """The tuned tiles (configs/tuning, [mosaic_gemm]) of the loss's GEMM `key` ("logits",
+  "dx", "dw" or "dw_tma") for a weight `layout` and contraction size k: the section
+  `<key>_<layout>`, else `<key>`. Ping-pong tiles tuned for each warpgroup on its own slots
+  name in `fallback` the section to run where k's steps do not allow that
+  (mosaic_gemm.own_slots)."""
+  tuned = _tuning.lookup("linear_cross_entropy", "mosaic_gemm")
+  section = dict(tuned.get(f"{key}_{layout}", tuned.get(key, {})))
+  fallback = section.pop("fallback", None)
+  config = mosaic_gemm.GemmConfig(**section)
+  if fallback is not None and not mosaic_gemm.own_slots(config, k):
+    config = mosaic_gemm.GemmConfig(**tuned[fallback])
+  return config
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasGpu:
   """Chunked implementation whose per-chunk softmax pass is a Pallas GPU kernel.
@@ -169,7 +184,6 @@ class PallasGpu:
              f"{jnp.dtype(weight_dtype)}")
     if why is not None:
       raise NotImplementedError(f"pallas_gpu mosaic_gemms={names}: {why}")
-    tuned = _tuning.lookup("linear_cross_entropy", "mosaic_gemm")
     shapes = dict(logits=(tokens, vocab, d), dx=(tokens, d, vocab),
                   dw=(d, vocab, tokens) if layout == "dv" else (vocab, d, tokens))
     configs = []
@@ -177,7 +191,7 @@ class PallasGpu:
       if name in names:
         # dW added by TMA reads no C: its tiles have their own sections ("dw_tma_<layout>").
         key = "dw_tma" if name == "dw" and self.dw_accumulation == "tma_add" else name
-        config = mosaic_gemm.GemmConfig(**tuned.get(f"{key}_{layout}", tuned.get(key, {})))
+        config = tuned_gemm_config(key, layout, shapes[name][2])
         if (why := mosaic_gemm.shape_error(*shapes[name], config)) is not None:
           raise NotImplementedError(
               f"pallas_gpu's {name} GEMM on ops.mosaic_gemm, [M, N, K] = {list(shapes[name])} "

@@ -599,6 +599,22 @@ def test_mosaic_gemms_refuse_shapes_off_their_tiles():
     memeff_jax.linear_cross_entropy(x, w, labels, implementation=impl, chunk_size=200)
 
 
+def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
+  """The "dv" exp and dW GEMMs' tuned ping-pong tiles need K's steps of 64 to be a multiple
+  of twice their 4 slots (each warpgroup on its own slots); elsewhere their `fallback`
+  sections, the ring's tiles, run."""
+  tiles = pallas_gpu.tuned_gemm_config
+  for key, k in (("logits", 4096), ("logits", 2048), ("dw_tma", 1024), ("dw_tma", 512)):
+    config = tiles(key, "dv", k)
+    assert (config.schedule, config.tile_n) == ("pingpong", 192), (key, k)
+    assert mosaic_gemm.own_slots(config, k)
+  for key, k in (("logits", 2304), ("logits", 768), ("dw_tma", 256), ("dw_tma", 768)):
+    config = tiles(key, "dv", k)
+    assert (config.schedule, config.tile_n) == ("ring", 128), (key, k)
+  assert tiles("logits", "vd", 4096).schedule == "ring"  # "vd" keeps its own sections
+  assert not mosaic_gemm.own_slots(mosaic_gemm.GemmConfig(schedule="ring"), 4096)
+
+
 def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   """PallasGpu()'s choice of GEMMs (auto_gemms), decided on any host as on a Hopper GPU:
   all three on ops.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
