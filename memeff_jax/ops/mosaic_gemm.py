@@ -839,6 +839,34 @@ def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue"):
   return m, n, k
 
 
+# Shared memory a CTA may hold on Hopper (227 KiB), and what the ring schedules' barriers
+# and Mosaic GPU's own scratch are given beside the buffers.
+SMEM_BYTES = 227 * 1024
+_SMEM_SPARE = 1024
+
+
+def smem_bytes(config: GemmConfig, dtype, out_dtype) -> int | None:
+  """The shared memory of the "pingpong" and "ring" schedules' buffers (None for the
+  cooperative one, whose pipeline helper allocates its own): the A/B slots and the two
+  warpgroups' epilogue buffers."""
+  if config.schedule == "cooperative":
+    return None
+  cm, cn = config.cta_tile()
+  slots = config.max_concurrent_steps * (cm + cn) * config.tile_k * jnp.dtype(dtype).itemsize
+  epilogue = 2 * (config.epilogue_rows or config.tile_m) * config.tile_n
+  return slots + epilogue * jnp.dtype(out_dtype).itemsize
+
+
+def _check_smem(config: GemmConfig, dtype, out_dtype):
+  used = smem_bytes(config, dtype, out_dtype)
+  if used is not None and used + _SMEM_SPARE > SMEM_BYTES:
+    raise ValueError(
+        f"the tiles take {used:,} bytes of shared memory ({config.max_concurrent_steps} A/B "
+        f"slots and a {config.epilogue_rows or config.tile_m}-row epilogue buffer per "
+        f"warpgroup, {jnp.dtype(out_dtype).name} out), over the {SMEM_BYTES - _SMEM_SPARE:,} "
+        f"a CTA can give them: use fewer slots or epilogue_rows ({config})")
+
+
 def _check_scale(row_scale, m: int, config: GemmConfig):
   """row_scale as the kernel takes it: float32 [M]."""
   if row_scale is None:
@@ -888,6 +916,7 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   "pingpong" schedules)."""
   m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
+  _check_smem(config, a.dtype, out_dtype)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
   row_scale = _check_scale(row_scale, m, config)
   if row_stats is None:
@@ -979,6 +1008,7 @@ def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
   m, _, _ = _check(a, b, c_ref, trans_a, trans_b, config, accumulate, add)
   if jnp.dtype(c_ref.dtype).itemsize != 2:
     raise TypeError(f"c must be 16-bit, got {c_ref.dtype}")
+  _check_smem(config, a.dtype, c_ref.dtype)
   _launch((a, b, c_ref), (), config, trans_a=trans_a, trans_b=trans_b, into=True,
           accumulate=accumulate, add=add, name=name, enabled=enabled,
           row_scale=_check_scale(row_scale, m, config))

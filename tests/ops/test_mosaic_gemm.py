@@ -57,6 +57,16 @@ def test_errors_name_the_shapes():
   with pytest.raises(ValueError, match="epilogue_rows=64 serves GEMMs that read no C"):
     mg.gemm_into(jax.new_ref(jnp.zeros((M, N), jnp.bfloat16)), a, jnp.zeros((K, N), jnp.bfloat16),
                  config=mg.GemmConfig(schedule="ring", epilogue_rows=64))
+  deep = mg.GemmConfig(tile_n=128, schedule="ring", max_concurrent_steps=5)  # 5 × 48 KiB
+  with pytest.raises(ValueError, match=r"the tiles take 311,296 bytes of shared memory \(5 A/B"):
+    mg.gemm(a, jnp.zeros((K, N), jnp.bfloat16), config=deep)
+  with pytest.raises(ValueError, match=r"262,144 bytes of shared memory.*float32 out"):
+    mg.gemm(a, jnp.zeros((K, N), jnp.bfloat16), out_dtype=jnp.float32,
+            config=mg.GemmConfig(tile_n=128, schedule="ring", epilogue_rows=64))
+  with pytest.raises(ValueError, match="bytes of shared memory"):
+    mg.gemm_into(jax.new_ref(jnp.zeros((M, N), jnp.bfloat16)), a, jnp.zeros((K, N), jnp.bfloat16),
+                 config=deep)
+  assert mg.smem_bytes(mg.GemmConfig(), jnp.bfloat16, jnp.bfloat16) is None  # cooperative
   with pytest.raises(ValueError, match="add must be 'epilogue' or 'tma', got 'l2'"):
     mg.gemm_into(jax.new_ref(jnp.zeros((M, N), jnp.bfloat16)), a, jnp.zeros((K, N), jnp.bfloat16),
                  add="l2")
