@@ -618,9 +618,9 @@ def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
 def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   """PallasGpu()'s choice of GEMMs (auto_gemms), decided on any host as on a Hopper GPU:
   all three on ops.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
-  (the dx GEMM's 128 tiles fill 132 SMs to 97%); cuBLAS in the "vd" layout, without the
-  exp GEMM, with a chunk that does not divide the tokens, at Gemma-2's shape (36 dx tiles),
-  in interpret mode, and wherever either option is set."""
+  (the dx GEMM's 128 tiles fill 132 SMs to 97%); at Gemma-2's shape (36 dx tiles) dx alone
+  on cuBLAS; cuBLAS in the "vd" layout, without the exp GEMM, with a chunk that does not
+  divide the tokens, in interpret mode, and wherever either option is set."""
   monkeypatch.setattr(mosaic_gemm, "unavailable", lambda: None)
   bf16 = jnp.bfloat16
 
@@ -632,7 +632,8 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   assert auto(layout="vd") == cublas
   assert auto(exp=False) == cublas
   assert auto(n=16000) == cublas
-  assert auto(tokens=512, d=2304, v=256000) == cublas
+  # Gemma-2's 36 dx tiles: dx on cuBLAS, the dW GEMM's 8 K steps on ping-pong's own slots.
+  assert auto(tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
   assert auto(PallasGpu(interpret=True)) == cublas
   assert auto(PallasGpu(dw_accumulation="weight")) == cublas
   assert auto(PallasGpu(dw_accumulation="float32")) == ((), "float32")
