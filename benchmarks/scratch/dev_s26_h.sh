@@ -1,6 +1,7 @@
 # Session 26: auto_gemms puts dx alone on cuBLAS where its tiles fill the waves poorly and
 # the dW GEMM runs ping-pong on its own slots (Gemma-2-2b, GPT-2): those sets beside the
 # old default (all cuBLAS, dw=weight), then the loss's exp_logits / default GPU tests.
+# Not run in session 26: the device time was spent (the next session should).
 . "$(dirname "$0")/../device_env.sh"
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/gpu.txt
 for set in gemma2-2b gpt2; do
