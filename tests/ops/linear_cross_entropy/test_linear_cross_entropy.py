@@ -448,18 +448,18 @@ class TestPallasGpuFloat32DwInterpret(_LinearCrossEntropyTest):
 
 
 def assert_matches(impl, x, w, labels, options, where=None, reduction="mean", ref_impl=None,
-                   tol=TOL[jnp.bfloat16]):
-  """The loss and gradients of `impl` (chunks of 256 tokens) within `tol` of the float32
+                   tol=TOL[jnp.bfloat16], chunk=256):
+  """The loss and gradients of `impl` (chunks of `chunk` tokens) within `tol` of the float32
   reference's, or of `ref_impl` on the same bf16 inputs; gradients in x's dtype."""
-  got, got_g = value_and_grads(loss_fn(impl, labels, options, 256), x, w, None, where,
+  got, got_g = value_and_grads(loss_fn(impl, labels, options, chunk), x, w, None, where,
                                reduction)
   if ref_impl is None:
     up = lambda t: t.astype(jnp.float32)
     ref, ref_g = value_and_grads(loss_fn("reference", labels, options), up(x), up(w), None,
                                  where, reduction)
   else:
-    ref, ref_g = value_and_grads(loss_fn(ref_impl, labels, options, 256), x, w, None, where,
-                                 reduction)
+    ref, ref_g = value_and_grads(loss_fn(ref_impl, labels, options, chunk), x, w, None,
+                                 where, reduction)
   assert rel_err(got, ref) < tol
   for gg, rg, arg in zip(got_g, ref_g, "xw"):
     assert gg.dtype == x.dtype, (arg, gg.dtype)
@@ -539,6 +539,23 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
     assert_matches(impl, x, w, labels, options, where, ref_impl=same, tol=1e-3)
   else:
     assert_matches(impl, x, w, labels, options, where)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemms", [pallas_gpu.GEMMS, ("logits", "dw")])
+def test_own_slot_ping_pong_gemms_match_reference(gemms):
+  """Two chunks of 512 tokens at D = 512: the exp GEMM's 8 K steps and the dW GEMM's 8 run
+  the tuned "dv" ping-pong tiles on each warpgroup's own slots (mosaic_gemm.own_slots), as
+  at Llama-3-8B's shape (the other tests' 256-token chunks take the ring's fallback); the
+  second chunk adds into dW by TMA. With ("logits", "dw") dx is cuBLAS's, as the default
+  at Gemma-2's shape."""
+  for key in ("logits", "dw_tma"):
+    assert mosaic_gemm.own_slots(pallas_gpu.tuned_gemm_config(key, "dv", 512), 512)
+  options = dict(weight_layout="dv", z_loss=1e-3)
+  x, w, labels, _, _ = make_problem(jax.random.key(17), (2, 512), 512, 2000, jnp.bfloat16,
+                                    **options)
+  impl = PallasGpu(mosaic_gemms=gemms, dw_accumulation="tma_add", exp_logits=True)
+  assert_matches(impl, x, w, labels, options, chunk=512)
 
 
 @pytest.mark.gpu
