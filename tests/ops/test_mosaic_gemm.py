@@ -13,11 +13,11 @@ from memeff_jax.ops import mosaic_gemm as mg
 M, N, K = 256, 512, 256
 
 
-def _operands(trans_a, trans_b, seed=0, m=M):
-  k = jax.random.split(jax.random.key(seed), 3)
-  a = jax.random.normal(k[0], (K, m) if trans_a else (m, K), jnp.float32).astype(jnp.bfloat16)
-  b = jax.random.normal(k[1], (N, K) if trans_b else (K, N), jnp.float32).astype(jnp.bfloat16)
-  c = jax.random.normal(k[2], (m, N), jnp.float32).astype(jnp.bfloat16)
+def _operands(trans_a, trans_b, seed=0, m=M, k=K, n=N):
+  key = jax.random.split(jax.random.key(seed), 3)
+  a = jax.random.normal(key[0], (k, m) if trans_a else (m, k), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(key[1], (n, k) if trans_b else (k, n), jnp.float32).astype(jnp.bfloat16)
+  c = jax.random.normal(key[2], (m, n), jnp.float32).astype(jnp.bfloat16)
   ref = (a.T if trans_a else a).astype(jnp.float32) @ (b.T if trans_b else b).astype(jnp.float32)
   return a, b, c, ref
 
@@ -276,12 +276,7 @@ def test_pingpong_on_own_slots_matches_reference(slots, num_sms, trans_a, trans_
   tiles of 128 × 128; 4 slots: 2 CTAs over 8 tiles of 128 × 192 (some CTAs run an odd
   number, so the warpgroups own different numbers of tiles; pairs along M or N when
   clustered); stored, added by TMA and (128 wide) added in the epilogue."""
-  k = jax.random.split(jax.random.key(7), 3)
-  kk, m, n = 512, 512, 384
-  a = jax.random.normal(k[0], (kk, m) if trans_a else (m, kk), jnp.float32).astype(jnp.bfloat16)
-  b = jax.random.normal(k[1], (n, kk) if trans_b else (kk, n), jnp.float32).astype(jnp.bfloat16)
-  c = jax.random.normal(k[2], (m, n), jnp.float32).astype(jnp.bfloat16)
-  ref = (a.T if trans_a else a).astype(jnp.float32) @ (b.T if trans_b else b).astype(jnp.float32)
+  a, b, c, ref = _operands(trans_a, trans_b, seed=7, m=512, k=512, n=384)
   wide = slots == 4  # 192 wide: the epilogue through 64-row pieces, so no C tile fits
   cfg = mg.GemmConfig(tile_n=192 if wide else 128, max_concurrent_steps=slots,
                       schedule="pingpong", num_sms=2 if cluster else num_sms, cluster=cluster,
