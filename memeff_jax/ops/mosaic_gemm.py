@@ -809,7 +809,9 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
   )(*[op.array if isinstance(op, Rows) else op for op in operands], *scales, *blocks)
 
 
-def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue"):
+def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue", out_dtype=None):
+  """(m, n, k) of op(a) @ op(b), after checking the operands, C (or the output's dtype,
+  `out_dtype`, where there is no C) and that the config's buffers fit shared memory."""
   for name, op in (("a", a), ("b", b), ("c", c)):
     if isinstance(op, Rows) and (op.array.ndim != 2 or op.array.shape[0] % op.size):
       raise ValueError(f"{name}: Rows of size {op.size} must tile the first axis of a 2-D "
@@ -836,6 +838,9 @@ def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue"):
                      "(trans_b=True): a [K, N] block is cut into columns 64 at a time")
   if (why := shape_error(m, n, k, config)) is not None:
     raise ValueError(f"mosaic gemm: {why} ({config})")
+  if c is not None and jnp.dtype(c.dtype).itemsize != 2:
+    raise TypeError(f"c must be 16-bit, got {c.dtype}")
+  _check_smem(config, a.dtype, c.dtype if c is not None else out_dtype)
   return m, n, k
 
 
@@ -914,9 +919,8 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   With `row_scale` (float [M], without row_stats) it returns diag(row_scale) op(a) @ op(b):
   each row of the float32 product times its factor, then rounded once ("ring" and
   "pingpong" schedules)."""
-  m, n, _ = _check(a, b, None, trans_a, trans_b, config)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
-  _check_smem(config, a.dtype, out_dtype)
+  m, n, _ = _check(a, b, None, trans_a, trans_b, config, out_dtype=out_dtype)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
   row_scale = _check_scale(row_scale, m, config)
   if row_stats is None:
@@ -1006,9 +1010,6 @@ def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
   multiplies the product's rows before C is added: c_ref[...] (+)= diag(row_scale) op(a)
   @ op(b), in float32 before the product is rounded."""
   m, _, _ = _check(a, b, c_ref, trans_a, trans_b, config, accumulate, add)
-  if jnp.dtype(c_ref.dtype).itemsize != 2:
-    raise TypeError(f"c must be 16-bit, got {c_ref.dtype}")
-  _check_smem(config, a.dtype, c_ref.dtype)
   _launch((a, b, c_ref), (), config, trans_a=trans_a, trans_b=trans_b, into=True,
           accumulate=accumulate, add=add, name=name, enabled=enabled,
           row_scale=_check_scale(row_scale, m, config))
