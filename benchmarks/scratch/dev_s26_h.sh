@@ -2,7 +2,7 @@
 # the dW GEMM runs ping-pong on its own slots (Gemma-2-2b, GPT-2): those sets beside the
 # old default (all cuBLAS, dw=weight), then the loss's exp_logits, default and own-slot
 # (512-token chunks) GPU tests.
-# Not run in session 26: the device time was spent (the next session should).
+# Run in session 27 on an H100 (logs 2026-11-24-h100-s27-lce*.log): 22 tests pass.
 . "$(dirname "$0")/../device_env.sh"
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/gpu.txt
 for set in gemma2-2b gpt2; do
