@@ -19,7 +19,9 @@ Warpgroups:
                       for dQ = dS K. With `dq_split` (D = 128) the two warpgroups share
                       their dSᵀ and each computes half of dQ's columns over all 128 keys,
                       which halves the float32 traffic of the reduction; without it each
-                      adds the dQ of its own keys. With `pingpong` they take turns issuing
+                      adds the dQ of its own keys. With `dq_pipelined` (dq_split only) dSᵀ
+                      is exchanged first and dQ issued with dV and dK, its store and
+                      reduction running under them. With `pingpong` they take turns issuing
                       WGMMAs, as in the forward.
 
 The softmax scale is applied once at the end (to dK, and to dq when it is cast back to the
@@ -93,6 +95,9 @@ class MosaicBackwardConfig:
       reductions): each key block has one CTA, so the result is deterministic, and dq comes
       from elsewhere (pallas_mosaic_gpu's deterministic backward: mosaic_gpu_dq's kernel, or
       pallas_triton's).
+    dq_pipelined: (dq_split only) a step exchanges dSᵀ first, then issues dQ = dS K with dV
+      and dK and stores dQ while those two run. Otherwise it issues dV and dK, exchanges
+      dSᵀ, and waits for dQ on its own before storing it, the tensor cores idle meanwhile.
   """
 
   stages: int = 2
@@ -102,6 +107,7 @@ class MosaicBackwardConfig:
   gqa_per_query_head: bool = False
   column_split: bool = False
   with_dq: bool = True
+  dq_pipelined: bool = False
 
   def cta_keys(self) -> int:
     return BLOCK_KV if self.column_split else 2 * BLOCK_KV
@@ -122,8 +128,8 @@ class MosaicBackwardConfig:
 
     with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
     (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
-    one, else the section above without dq_split and gqa_per_query_head (which only the
-    kernel with dq serves)."""
+    one, else the section above without dq_split, gqa_per_query_head and dq_pipelined
+    (which only the kernel with dq serves)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     section = f"d{d}_causal" if causal else f"d{d}"
     if not with_dq:
@@ -132,7 +138,7 @@ class MosaicBackwardConfig:
       if found:
         return cls(**found, with_dq=False)
       return dataclasses.replace(cls.tuned(d, causal, gqa), dq_split=False,
-                                 gqa_per_query_head=False, with_dq=False)
+                                 gqa_per_query_head=False, dq_pipelined=False, with_dq=False)
     found = (gqa and table.get(section + "_gqa")) or table.get(section)
     if found:
       return cls(**found)
@@ -164,6 +170,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return "gqa_per_query_head and dq_split exclude each other"
   if not config.with_dq and (config.dq_split or config.gqa_per_query_head):
     return "with_dq=False excludes dq_split and gqa_per_query_head"
+  if config.dq_pipelined and not (config.dq_split and config.with_dq):
+    return "dq_pipelined needs dq_split (and with_dq)"
   if config.stages < 1:
     return f"needs at least one stage, got {config}"
   if config.block_q not in (64, 80, 96):
@@ -303,23 +311,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       return _mosaic.visible(mask, shape, 0, my_key - qb * bq,
                              key_ids if segments else None, query_ids)
 
-    def step(i, carry, *, masked):
-      dk, dv = carry
-      slot = _mosaic.rem(i, stages)
-      head, qb = step_block(i)
-      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-      plgpu.barrier_wait(q_ready.at[slot])
-      plgpu.barrier_wait(do_ready.at[slot])
-      plgpu.barrier_wait(stats_ready.at[slot])
-
-      def scores(refs):
-        s_ref, dp_ref = refs
-        plgpu.wgmma(s_ref, k_mine, q_tile.T)
-        plgpu.wgmma(dp_ref, v_mine, do_tile.T)
-        take_turn()
-
-      st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
-                                      plgpu.ACC.init(zeros((bkv, bq)))))
+    def probabilities(st, dpt, slot, qb, masked):
+      """Pᵀ and dSᵀ in the input dtype from Sᵀ and dPᵀ (float32) of the step in `slot`."""
       if softcap is None:
         zt = st * c
       else:  # z = cap·tanh(s/cap) in the exp2 domain; dz/ds = 1 − tanh²
@@ -334,7 +327,72 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
       pt = pt.astype(dtype)  # dV's operand
       delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
-      dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
+      return pt, (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
+
+    half = d // 2
+
+    def store_dq(i, dq, cols):
+      """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
+      dq_smem.at[wg][...] = dq
+      plgpu.commit_smem()
+      head, qb = step_block(i)
+      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(qb * bq, bq), head, cols],
+                              reduction_op="add")
+
+    def pipelined_step(i, slot, qb, q_tile, do_tile, dk, dv, masked):
+      """config.dq_pipelined's step i: Sᵀ and dPᵀ, Pᵀ and dSᵀ; dSᵀ exchanged through shared
+      memory; then dQ, dV and dK issued together, and dQ stored and sent to its reduction
+      while dV and dK run."""
+      def scores(refs):
+        s_ref, dp_ref = refs
+        plgpu.wgmma(s_ref, k_mine, q_tile.T)
+        plgpu.wgmma(dp_ref, v_mine, do_tile.T)
+
+      st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
+                                      plgpu.ACC.init(zeros((bkv, bq)))))
+      pt, dst = probabilities(st, dpt, slot, qb, masked)
+      cur = _mosaic.rem(i, 2)
+      ds_smem.at[cur, pl.ds(wg * bkv, bkv)][...] = dst
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_ready.at[cur])
+      plgpu.barrier_wait(ds_ready.at[cur])
+      col = pl.multiple_of(wg * half, half)  # this warpgroup's columns of dQ and K
+
+      def grads(refs):
+        dq_acc, dv_ref, dk_ref = refs
+        plgpu.wgmma(dq_acc, ds_smem.at[cur].T, k_smem.at[:, pl.ds(col, half)])
+        plgpu.wgmma(dv_ref, pt, do_tile)
+        plgpu.wgmma(dk_ref, dst, q_tile)
+        dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
+        store_dq(i, dq, pl.ds(col, half))
+
+      _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
+                                       plgpu.ACC.init(dk)))
+      plgpu.barrier_arrive(do_free.at[slot])
+      plgpu.barrier_arrive(q_free.at[slot])
+      return dk, dv
+
+    def step(i, carry, *, masked):
+      dk, dv = carry
+      slot = _mosaic.rem(i, stages)
+      _, qb = step_block(i)
+      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(do_ready.at[slot])
+      plgpu.barrier_wait(stats_ready.at[slot])
+      if config.dq_pipelined:
+        return pipelined_step(i, slot, qb, q_tile, do_tile, dk, dv, masked)
+
+      def scores(refs):
+        s_ref, dp_ref = refs
+        plgpu.wgmma(s_ref, k_mine, q_tile.T)
+        plgpu.wgmma(dp_ref, v_mine, do_tile.T)
+        take_turn()
+
+      st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
+                                      plgpu.ACC.init(zeros((bkv, bq)))))
+      pt, dst = probabilities(st, dpt, slot, qb, masked)
 
       def grads(refs):
         dv_ref, dk_ref = refs
@@ -352,11 +410,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       ds_mine = ds_buf.at[pl.ds(wg * bkv, bkv)]  # with column_split, both hold the same dSᵀ
       ds_mine[...] = dst
       plgpu.commit_smem()
-      rows = pl.ds(qb * bq, bq)
       if config.dq_split:  # dQ[:, half] = dS (all 2·bkv keys) K[:, half]
         plgpu.barrier_arrive(ds_ready.at[_mosaic.rem(i, 2)])
         plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
-        half = d // 2
         ds_all = ds_buf.T
 
         def dq_half(col):
@@ -375,10 +431,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
           return acc_ref[...]
         dq = pl.run_scoped(mm, plgpu.ACC((bq, oc), jnp.float32))
         cols = my_cols
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
-      dq_smem.at[wg][...] = dq
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, rows, head, cols], reduction_op="add")
+      store_dq(i, dq, cols)
       return dk, dv
 
     carry = (zeros((bkv, oc)), zeros((bkv, oc)))

@@ -239,13 +239,17 @@ def test_kernel_lowers_for_cuda(causal, window, segments, pingpong, d, t, s, hkv
     (True, None, False, 256, False, False, 1, 256, 320, 2),
     (False, (100, 7), True, 256, False, True, 1, 192, 256, 1)])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-@pytest.mark.parametrize("per_query_head", [False, True])
+@pytest.mark.parametrize("per_query_head, pipelined", [(False, False), (True, False),
+                                                       (False, True)])
 def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, pingpong, stages,
-                                         t, s, hkv, softcap, per_query_head):
+                                         t, s, hkv, softcap, per_query_head, pipelined):
   if per_query_head and dq_split:
     pytest.skip("gqa_per_query_head excludes dq_split")
+  if pipelined and not dq_split:
+    pytest.skip("dq_pipelined needs dq_split")
   config = mb.MosaicBackwardConfig(dq_split=dq_split, pingpong=pingpong, stages=stages,
-                                   gqa_per_query_head=per_query_head, column_split=d == 256)
+                                   gqa_per_query_head=per_query_head, column_split=d == 256,
+                                   dq_pipelined=pipelined)
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
   k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
   lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
@@ -283,6 +287,8 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
      mb.MosaicBackwardConfig(gqa_per_query_head=True), "exclude"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, block_q=80), "block_q=80 needs with_dq=False"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, dq_pipelined=True), "dq_pipelined needs dq_split"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, block_q=72, with_dq=False), "64, 80 or 96"),
 ])
@@ -323,7 +329,8 @@ def test_tuned_backward_configs_serve_their_calls():
     for causal in (False, True):
       config = mb.MosaicBackwardConfig.tuned(d, causal)
       assert mb.support_error((2, 256, 8, d), (2, 256, 2, d), BF16, _opts(causal), config) is None
-  assert mb.MosaicBackwardConfig.tuned(128, False).pingpong
+  assert mb.MosaicBackwardConfig.tuned(128, False).dq_pipelined
+  assert mb.MosaicBackwardConfig.tuned(128, True).dq_pipelined
   gqa = mb.MosaicBackwardConfig.tuned(128, True, gqa=True)
   assert gqa.gqa_per_query_head
   assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(True), gqa) is None
@@ -440,7 +447,9 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=False, stages=1),
       mb.MosaicBackwardConfig(dq_split=False, pingpong=True),
       mb.MosaicBackwardConfig(dq_split=False, gqa_per_query_head=True),
-      mb.MosaicBackwardConfig(dq_split=False, pingpong=True, gqa_per_query_head=True)])
+      mb.MosaicBackwardConfig(dq_split=False, pingpong=True, gqa_per_query_head=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, stages=3)])
   @pytest.mark.parametrize("causal", [False, True])
   @pytest.mark.parametrize("b, t, s, hq, hkv", [
       (2, 256, 384, 8, 2),    # T < S: under causal the last key blocks see no query
@@ -661,6 +670,17 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
                                                      q_segment_ids=seg, deterministic=d)
       text = jax.jit(jax.grad(lambda q, f=f: f(q).astype(jnp.float32).sum())).lower(q).as_text()
       assert "flash_attention_fwd_mosaic" in text and backward in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuPipelinedDq(TestMosaicGpuFeatures):
+  """The features suite through the one-pass backward that issues dQ with dV and dK
+  (dq_pipelined), bf16."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(dq_split=True,
+                                                                 dq_pipelined=True))
+  dtypes = (jnp.bfloat16,)
 
 
 @pytest.mark.gpu
