@@ -311,24 +311,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       return _mosaic.visible(mask, shape, 0, my_key - qb * bq,
                              key_ids if segments else None, query_ids)
 
-    def probabilities(st, dpt, slot, qb, masked):
-      """Pᵀ and dSᵀ in the input dtype from Sᵀ and dPᵀ (float32) of the step in `slot`."""
-      if softcap is None:
-        zt = st * c
-      else:  # z = cap·tanh(s/cap) in the exp2 domain; dz/ds = 1 − tanh²
-        tanh = jnp.tanh(st * (scale / softcap))
-        zt = tanh * (softcap * _mosaic.LOG2E)
-      if masked:
-        zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
-      # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
-      # 16 registers of a column vector decide whether the warpgroup spills.
-      lse2 = _mosaic.load(stats_smem.at[slot, 0], col_layout)
-      pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
-      p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
-      pt = pt.astype(dtype)  # dV's operand
-      delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
-      return pt, (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
-
     half = d // 2
 
     def store_dq(i, dq, cols):
@@ -340,18 +322,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(qb * bq, bq), head, cols],
                               reduction_op="add")
 
-    def pipelined_step(i, slot, qb, q_tile, do_tile, dk, dv, masked):
-      """config.dq_pipelined's step i: Sᵀ and dPᵀ, Pᵀ and dSᵀ; dSᵀ exchanged through shared
-      memory; then dQ, dV and dK issued together, and dQ stored and sent to its reduction
-      while dV and dK run."""
-      def scores(refs):
-        s_ref, dp_ref = refs
-        plgpu.wgmma(s_ref, k_mine, q_tile.T)
-        plgpu.wgmma(dp_ref, v_mine, do_tile.T)
-
-      st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
-                                      plgpu.ACC.init(zeros((bkv, bq)))))
-      pt, dst = probabilities(st, dpt, slot, qb, masked)
+    def pipelined_grads(i, slot, q_tile, do_tile, pt, dst, dk, dv):
+      """The rest of config.dq_pipelined's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
+      shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
+      reduction while dV and dK run."""
       cur = _mosaic.rem(i, 2)
       ds_smem.at[cur, pl.ds(wg * bkv, bkv)][...] = dst
       plgpu.commit_smem()
@@ -381,8 +355,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       plgpu.barrier_wait(q_ready.at[slot])
       plgpu.barrier_wait(do_ready.at[slot])
       plgpu.barrier_wait(stats_ready.at[slot])
-      if config.dq_pipelined:
-        return pipelined_step(i, slot, qb, q_tile, do_tile, dk, dv, masked)
 
       def scores(refs):
         s_ref, dp_ref = refs
@@ -392,7 +364,23 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
 
       st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                       plgpu.ACC.init(zeros((bkv, bq)))))
-      pt, dst = probabilities(st, dpt, slot, qb, masked)
+      if softcap is None:
+        zt = st * c
+      else:  # z = cap·tanh(s/cap) in the exp2 domain; dz/ds = 1 − tanh²
+        tanh = jnp.tanh(st * (scale / softcap))
+        zt = tanh * (softcap * _mosaic.LOG2E)
+      if masked:
+        zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
+      # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
+      # 16 registers of a column vector decide whether the warpgroup spills.
+      lse2 = _mosaic.load(stats_smem.at[slot, 0], col_layout)
+      pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
+      p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
+      pt = pt.astype(dtype)  # dV's operand
+      delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
+      dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
+      if config.dq_pipelined:
+        return pipelined_grads(i, slot, q_tile, do_tile, pt, dst, dk, dv)
 
       def grads(refs):
         dv_ref, dk_ref = refs
