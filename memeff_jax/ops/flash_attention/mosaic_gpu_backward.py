@@ -322,20 +322,27 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(qb * bq, bq), head, cols],
                               reduction_op="add")
 
+    def share_ds(i, dst):
+      """Step i's dSᵀ slot, with this warpgroup's rows written (with column_split, both
+      write the same dSᵀ); with dq_split, once the other warpgroup has written its rows."""
+      ds_buf = ds_smem.at[_mosaic.rem(i, _ds_buffers(config))]
+      ds_buf.at[pl.ds(wg * bkv, bkv)][...] = dst
+      plgpu.commit_smem()
+      if config.dq_split:
+        plgpu.barrier_arrive(ds_ready.at[_mosaic.rem(i, 2)])
+        plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
+      return ds_buf
+
     def pipelined_grads(i, slot, q_tile, do_tile, pt, dst, dk, dv):
       """The rest of config.dq_pipelined's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
       shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
       reduction while dV and dK run."""
-      cur = _mosaic.rem(i, 2)
-      ds_smem.at[cur, pl.ds(wg * bkv, bkv)][...] = dst
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(ds_ready.at[cur])
-      plgpu.barrier_wait(ds_ready.at[cur])
+      ds_buf = share_ds(i, dst)
       col = pl.multiple_of(wg * half, half)  # this warpgroup's columns of dQ and K
 
       def grads(refs):
         dq_acc, dv_ref, dk_ref = refs
-        plgpu.wgmma(dq_acc, ds_smem.at[cur].T, k_smem.at[:, pl.ds(col, half)])
+        plgpu.wgmma(dq_acc, ds_buf.T, k_smem.at[:, pl.ds(col, half)])
         plgpu.wgmma(dv_ref, pt, do_tile)
         plgpu.wgmma(dk_ref, dst, q_tile)
         dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
@@ -394,13 +401,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       if not config.with_dq:
         return dk, dv
 
-      ds_buf = ds_smem.at[_mosaic.rem(i, _ds_buffers(config))]
-      ds_mine = ds_buf.at[pl.ds(wg * bkv, bkv)]  # with column_split, both hold the same dSᵀ
-      ds_mine[...] = dst
-      plgpu.commit_smem()
+      ds_buf = share_ds(i, dst)
       if config.dq_split:  # dQ[:, half] = dS (all 2·bkv keys) K[:, half]
-        plgpu.barrier_arrive(ds_ready.at[_mosaic.rem(i, 2)])
-        plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
         ds_all = ds_buf.T
 
         def dq_half(col):
@@ -413,7 +415,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
         cols = pl.ds(wg * half, half)
       else:  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
         def mm(acc_ref):
-          plgpu.wgmma(acc_ref, ds_mine.T,
+          plgpu.wgmma(acc_ref, ds_buf.at[pl.ds(wg * bkv, bkv)].T,
                       k_mine.at[:, my_cols] if split else k_mine)
           take_turn()
           return acc_ref[...]
