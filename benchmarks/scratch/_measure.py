@@ -1,5 +1,5 @@
 """Timing and power of a JAX function run back to back, for the scratch diagnostics:
-per_call (seconds per call), power (median power and SM clock, nvidia-smi every 50 ms) and
+try_variant (a variant run once, its failure printed rather than raised), per_call (seconds per call), power (median power and SM clock, nvidia-smi every 50 ms) and
 rounds_then_power (interleaved rounds, then power, printed per variant), against
 (short kernels in interleaved rounds, printed against a reference among them); the attention
 backward's problem at the headline, attention_backward_problem; and the bridge diagnostics'
@@ -19,6 +19,17 @@ def per_call(f, *args, reps=20):
     r = f(*args)
   jax.block_until_ready(r)
   return (time.perf_counter() - t0) / reps
+
+
+def try_variant(fns, outs, name, f, *args):
+  """Runs the jitted f(*args) once; where it builds and runs, fns[name] = (f, args) and
+  outs[name] = its output, else the error is printed and the other variants go on."""
+  try:
+    outs[name] = jax.block_until_ready(f(*args))
+  except Exception as err:  # pylint: disable=broad-except
+    print(f"{name}: {type(err).__name__}: {str(err)[:600]}", flush=True)
+    return
+  fns[name] = (f, args)
 
 
 def power(f, *args, seconds=3.0):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
-from _measure import ATTN_SHAPE, attention_backward_problem, rounds_then_power  # noqa: E402
+from _measure import ATTN_SHAPE, attention_backward_problem, rounds_then_power, try_variant  # noqa: E402,E501
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_dq as mdq  # noqa: E402
 from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pmg  # noqa: E402
@@ -34,13 +34,7 @@ def compile_all(variants, make, args):
   fns, outs = {}, {}
   for name, cfg in variants.items():
     print(f"compiling {name}: {cfg}", flush=True)
-    f = jax.jit(make(cfg))
-    try:
-      outs[name] = jax.block_until_ready(f(*args))
-    except Exception as err:  # pylint: disable=broad-except
-      print(f"{name}: {type(err).__name__}: {str(err)[:400]}", flush=True)
-      continue
-    fns[name] = (f, args)
+    try_variant(fns, outs, name, jax.jit(make(cfg)), *args)
   return fns, outs
 
 
@@ -108,12 +102,7 @@ def main():
       f = lambda q, k, v, impl=impl: fa.flash_attention(q, k, v, causal=causal,
                                                         implementation=impl)
       g = jax.jit(lambda q, k, v, ct, f=f: jax.vjp(f, q, k, v)[1](ct))
-      try:
-        jax.block_until_ready(g(q, k, v, ct))
-      except Exception as err:  # pylint: disable=broad-except
-        print(f"{name}: {type(err).__name__}: {str(err)[:400]}", flush=True)
-        continue
-      fns[name] = (g, (q, k, v, ct))
+      try_variant(fns, {}, name, g, q, k, v, ct)
     cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                          implementation="cudnn")
     fns["cudnn"] = (jax.jit(lambda q, k, v, ct: jax.vjp(cudnn, q, k, v)[1](ct)), (q, k, v, ct))

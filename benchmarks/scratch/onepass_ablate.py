@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
-from _measure import attention_backward_problem, rounds_then_power  # noqa: E402
+from _measure import attention_backward_problem, rounds_then_power, try_variant  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
 
 D = 128
@@ -86,12 +86,7 @@ def main():
   def add(name, module, cfg):
     f = jax.jit(lambda res, ct, stats: module.backward(opts, cfg, res, (ct, cts[1]),
                                                        stats=stats)[:3])
-    try:
-      outs[name] = jax.block_until_ready(f(res, ct, stats))
-    except Exception as err:  # pylint: disable=broad-except
-      print(f"{name}: {type(err).__name__}: {str(err)[:400]}", flush=True)
-      return
-    fns[name] = (f, (res, ct, stats))
+    try_variant(fns, outs, name, f, res, ct, stats)
 
   tuned = mb.MosaicBackwardConfig.tuned(D, args.causal)
   configs = {"pp" if tuned.pingpong else "split": tuned}

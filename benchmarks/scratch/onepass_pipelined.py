@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
-from _measure import ATTN_SHAPE, attention_backward_problem, rounds_then_power  # noqa: E402
+from _measure import ATTN_SHAPE, attention_backward_problem, rounds_then_power, try_variant  # noqa: E402,E501
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
 
@@ -48,12 +48,7 @@ def main():
     print(f"compiling {name}: {cfg}", flush=True)
     f = jax.jit(lambda res, ct, stats, cfg=cfg: mb.backward(opts, cfg, res, (ct, cts[1]),
                                                             stats=stats)[:3])
-    try:
-      outs[name] = jax.block_until_ready(f(res, ct, stats))
-    except Exception as err:  # pylint: disable=broad-except
-      print(f"{name}: {type(err).__name__}: {str(err)[:600]}", flush=True)
-      continue
-    fns[name] = (f, (res, ct, stats))
+    try_variant(fns, outs, name, f, res, ct, stats)
   for name in [n for n in outs if "pipelined" in n]:
     err = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
            for a, b in zip(outs[name], outs["split"])]
