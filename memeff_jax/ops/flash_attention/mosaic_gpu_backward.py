@@ -234,14 +234,16 @@ def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int) -> int:
           + _SMEM_RESERVE)
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, dk_ref, dv_ref,
+def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
+                     dq_ref, dk_ref, dv_ref,
                      k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
                      k_ready, v_ready, q_ready, do_ready, stats_ready, q_free, do_free, ds_ready,
                      pair, seg_scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
-  query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head."""
+  query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
+  int32 zeros (see key_tiles)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -313,6 +315,20 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
 
     half = d // 2
 
+    def key_tiles():
+      """This step's view of the warpgroup's K and V rows and its dQ columns of K, at an
+      offset read from global memory (always 0). Taken once, outside the step loop, the
+      WGMMA descriptors of their K-steps are loop-invariant: LLVM hoists them (8 64-bit
+      values per operand, up to 48 registers) and ptxas spills, its local loads the kernel's
+      first stall reason under ncu. An offset the compilers cannot prove constant keeps each
+      operand one base, its K-steps added to it at the WGMMA."""
+      z = zero_ref[0]
+      rows = pl.ds(pl.multiple_of(key_row + z, bkv), bkv)
+      # (wg + z)·half, not a multiple_of hint: Mosaic GPU proves the swizzle alignment of a
+      # column offset from its arithmetic only.
+      dq_cols = pl.ds((wg + z) * half, half)  # with dq_split
+      return k_smem.at[rows], v_smem.at[rows], k_smem.at[:, dq_cols]
+
     def store_dq(i, dq, cols):
       """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction."""
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
@@ -333,16 +349,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
         plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
       return ds_buf
 
-    def pipelined_grads(i, slot, q_tile, do_tile, pt, dst, dk, dv):
+    def pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv):
       """The rest of config.dq_pipelined's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
       shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
-      reduction while dV and dK run."""
+      reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
       ds_buf = share_ds(i, dst)
-      col = pl.multiple_of(wg * half, half)  # this warpgroup's columns of dQ and K
+      col = pl.multiple_of(wg * half, half)  # this warpgroup's columns of dQ
 
       def grads(refs):
         dq_acc, dv_ref, dk_ref = refs
-        plgpu.wgmma(dq_acc, ds_buf.T, k_smem.at[:, pl.ds(col, half)])
+        plgpu.wgmma(dq_acc, ds_buf.T, k_cols)
         plgpu.wgmma(dv_ref, pt, do_tile)
         plgpu.wgmma(dk_ref, dst, q_tile)
         dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
@@ -359,14 +375,15 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       slot = _mosaic.rem(i, stages)
       _, qb = step_block(i)
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+      k_step, v_step, k_cols = key_tiles()
       plgpu.barrier_wait(q_ready.at[slot])
       plgpu.barrier_wait(do_ready.at[slot])
       plgpu.barrier_wait(stats_ready.at[slot])
 
       def scores(refs):
         s_ref, dp_ref = refs
-        plgpu.wgmma(s_ref, k_mine, q_tile.T)
-        plgpu.wgmma(dp_ref, v_mine, do_tile.T)
+        plgpu.wgmma(s_ref, k_step, q_tile.T)
+        plgpu.wgmma(dp_ref, v_step, do_tile.T)
         take_turn()
 
       st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
@@ -387,7 +404,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
       delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
       dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
       if config.dq_pipelined:
-        return pipelined_grads(i, slot, q_tile, do_tile, pt, dst, dk, dv)
+        return pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv)
 
       def grads(refs):
         dv_ref, dk_ref = refs
@@ -403,20 +420,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, d
 
       ds_buf = share_ds(i, dst)
       if config.dq_split:  # dQ[:, half] = dS (all 2·bkv keys) K[:, half]
-        ds_all = ds_buf.T
+        def mm(acc_ref):
+          plgpu.wgmma(acc_ref, ds_buf.T, k_cols)
+          return acc_ref[...]
 
-        def dq_half(col):
-          def mm(acc_ref):
-            plgpu.wgmma(acc_ref, ds_all, k_smem.at[:, pl.ds(col, half)])
-            return acc_ref[...]
-          return pl.run_scoped(mm, plgpu.ACC((bq, half), jnp.float32))
-
-        dq = lax.cond(wg == 0, lambda: dq_half(0), lambda: dq_half(half))
+        dq = pl.run_scoped(mm, plgpu.ACC((bq, half), jnp.float32))
         cols = pl.ds(wg * half, half)
       else:  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
         def mm(acc_ref):
           plgpu.wgmma(acc_ref, ds_buf.at[pl.ds(wg * bkv, bkv)].T,
-                      k_mine.at[:, my_cols] if split else k_mine)
+                      k_step.at[:, my_cols] if split else k_step)
           take_turn()
           return acc_ref[...]
         dq = pl.run_scoped(mm, plgpu.ACC((bq, oc), jnp.float32))
@@ -534,14 +547,14 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   tiles = _mosaic.swizzled_tiles()
   operand_tiles = _mosaic.swizzled_tiles(_operand_swizzle(bq))
 
-  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
     dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
     def kernel(*scratch):
       main, extra = scratch[:16], scratch[16:]
-      _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, dk_ref, dv_ref,
-                       *main, extra or None, config=config, mask=mask, scale=opts.scale,
+      _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
+                       dq_ref, dk_ref, dv_ref, *main, extra or None, config=config, mask=mask, scale=opts.scale,
                        softcap=opts.logit_softcap, group=hq // hkv)
 
     pl.run_scoped(
@@ -576,7 +589,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       compiler_params=plgpu.CompilerParams(approx_math=True),
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
-  )(q, k, v, d_out, stats, *seg_args, *dq_acc, *dkv_acc)
+  )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *seg_args, *dq_acc, *dkv_acc)
   dq = (dq_acc[0][...] * opts.scale).astype(q.dtype) if config.with_dq else None
   if per_query_head:
     dkv = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)
