@@ -3,7 +3,7 @@
 . "$(dirname "$0")/../device_env.sh"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
 if [ "${WHAT:-attention}" = attention ]; then
-  timeout 560 python3 benchmarks/flash_attention.py --set headline --rounds 3 \
+  timeout 560 python3 benchmarks/flash_attention.py --set ${SET:-headline} --rounds 3 \
     --providers memeff,memeff:nondeterministic,cudnn,tokamax:mosaic \
     --out $OUT/flash_attention.jsonl 2>&1 | grep -v -i warn | tee $OUT/headline.log | tail -24
 else
