@@ -8,7 +8,8 @@ recomputed product (two separate dq and dk/dv kernels need seven):
   Sᵀ  = K Qᵀ          Pᵀ = 2^(Sᵀ·c − lse₂)        (the forward's log-sum-exp, log2 domain)
   dPᵀ = V dOᵀ         dSᵀ = Pᵀ ∘ (dPᵀ − Δ)         (Δ = rowsum(dO ∘ O) − d_lse)
   dV += Pᵀ dO         dK += dSᵀ Q                  (Pᵀ, dSᵀ from registers)
-  dQ  = dS K          added into a float32 dq in global memory by a TMA reduction
+  dQ  = dS K          added into a float32 dq in global memory by a TMA reduction (in
+                      arrival order, or in a fixed one with dq_ordered)
 
 Warpgroups:
 
@@ -98,6 +99,12 @@ class MosaicBackwardConfig:
     dq_pipelined: (dq_split only) a step exchanges dSᵀ first, then issues dQ = dS K with dV
       and dK and stores dQ while those two run. Otherwise it issues dV and dK, exchanges
       dSᵀ, and waits for dQ on its own before storing it, the tensor cores idle meanwhile.
+    dq_ordered: (dq_split or column_split) the key CTAs add into each query block's dq in
+      one fixed order, descending key block, so that dq is bitwise reproducible: a
+      warpgroup waits for a counter in global memory (one per query block, head and column
+      half) to reach its rank before its reduction, and adds one to it once the reduction
+      has landed. The CTAs of a key head launch in that same order (last key block first),
+      so a CTA only waits on one launched before it, never on one without an SM.
   """
 
   stages: int = 2
@@ -108,6 +115,19 @@ class MosaicBackwardConfig:
   column_split: bool = False
   with_dq: bool = True
   dq_pipelined: bool = False
+  dq_ordered: bool = False
+
+  @classmethod
+  def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
+    """The Mosaic backward of deterministic calls: the whole kernel with dq_ordered where the
+    tuning table has a `d<D>[_causal][_gqa]_ordered` section, else the dK/dV-only kernel
+    (tuned(with_dq=False)), which runs beside a dq kernel."""
+    table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
+    section = f"d{d}_causal" if causal else f"d{d}"
+    found = (gqa and table.get(section + "_gqa_ordered")) or table.get(section + "_ordered")
+    if found:
+      return cls(**{**found, "dq_ordered": True})
+    return cls.tuned(d, causal, gqa, with_dq=False)
 
   def cta_keys(self) -> int:
     return BLOCK_KV if self.column_split else 2 * BLOCK_KV
@@ -172,6 +192,10 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return "with_dq=False excludes dq_split and gqa_per_query_head"
   if config.dq_pipelined and not (config.dq_split and config.with_dq):
     return "dq_pipelined needs dq_split (and with_dq)"
+  if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)
+                                and not config.gqa_per_query_head):
+    return ("dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split), "
+            "and not gqa_per_query_head (whose dK and dV reductions are unordered)")
   if config.stages < 1:
     return f"needs at least one stage, got {config}"
   if config.block_q not in (64, 80, 96):
@@ -234,16 +258,48 @@ def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int) -> int:
           + _SMEM_RESERVE)
 
 
+def _query_blocks(mask: MaskSpec, cta_key, cta_keys: int, n_q: int, bq: int, seg_range=None):
+  """(first, last, full_lo, full_hi): the query blocks [first, last) that see any of the keys
+  cta_key..cta_key+cta_keys-1, of which [full_lo, full_hi) see all of them (no mask).
+  seg_range: the (lo, hi) query blocks sharing a segment id with those keys. Scalars in the
+  kernel; arrays of key blocks for _reduction_ranks."""
+  if mask.is_dense:
+    return 0, n_q, 0, n_q
+  first, last, full_lo, full_hi = _mosaic.band_blocks(mask.right, mask.left, cta_key, cta_keys,
+                                                      n_q, bq)
+  if seg_range is not None:
+    first = jnp.maximum(first, seg_range[0])
+    last = jnp.maximum(jnp.minimum(last, seg_range[1]), first)
+    full_lo = full_hi = last
+  return first, last, full_lo, full_hi
+
+
+def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
+                     ranges=None):
+  """[B, n_kv, n_q] int32 for dq_ordered: per key block and query block, how many later key
+  blocks add into that query block's dq (those add first). ranges: the backward's
+  segment_block_ranges ([B, n_kv, 2]), with segment ids."""
+  kv = jnp.arange(n_kv, dtype=jnp.int32)
+  seg = None if ranges is None else (ranges[..., 0], ranges[..., 1])
+  first, last, _, _ = _query_blocks(mask, kv * cta_keys, cta_keys, n_q, bq, seg)
+  first, last = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, n_kv))[..., None]
+                 for x in (first, last))
+  qb = jnp.arange(n_q, dtype=jnp.int32)
+  adds = ((first <= qb) & (qb < last)).astype(jnp.int32)  # [B, n_kv, n_q]
+  return jnp.cumsum(adds[:, ::-1], axis=1)[:, ::-1] - adds
+
+
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      dq_ref, dk_ref, dv_ref,
                      k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
                      k_ready, v_ready, q_ready, do_ready, stats_ready, q_free, do_free, ds_ready,
                      pair, seg_scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
-                     softcap: float | None, group: int):
+                     softcap: float | None, group: int, order=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
-  int32 zeros (see key_tiles)."""
+  int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table
+  and the [B · Hq · n_q · 2] counters the reductions wait on."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -251,20 +307,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   b, h, kvi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("kv")
   wg = lax.axis_index("wg")
   cta_keys = config.cta_keys()
+  if config.dq_ordered:  # the last key block launches first (see dq_ordered)
+    kvi = k_ref.shape[1] // cta_keys - 1 - kvi
   cta_key = kvi * cta_keys
   split = config.column_split
   n_q = -(-t // bq)  # the last block may reach past T (see MosaicBackwardConfig.block_q)
   segments = mask.segments
-  if mask.is_dense:  # every query block, none masked
-    first, per_head, full_lo, full_hi = 0, n_q, 0, n_q
-  else:  # the query blocks that see the CTA's keys ([first, last)); [full_lo, full_hi) see all
-    first, last, full_lo, full_hi = _mosaic.band_blocks(mask.right, mask.left, cta_key, cta_keys,
-                                                        n_q, bq)
-    if segments:
-      first = jnp.maximum(first, seg_refs[2][b, kvi, 0])
-      last = jnp.maximum(jnp.minimum(last, seg_refs[2][b, kvi, 1]), first)
-      full_lo = full_hi = last
-    per_head = last - first
+  first, last, full_lo, full_hi = _query_blocks(
+      mask, cta_key, cta_keys, n_q, bq,
+      (seg_refs[2][b, kvi, 0], seg_refs[2][b, kvi, 1]) if segments else None)
+  per_head = last - first
   if per_query_head:  # this CTA's one query head, and its key head
     heads, kv_head = 1, _mosaic.div(h, group)
   else:  # every query head of this key head
@@ -329,14 +381,27 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       dq_cols = pl.ds((wg + z) * half, half)  # with dq_split
       return k_smem.at[rows], v_smem.at[rows], k_smem.at[:, dq_cols]
 
+    def dq_counter(head, qb):
+      """dq_ordered's counter of query block qb of `head`, this warpgroup's column half."""
+      return order[1].at[((b * q_ref.shape[2] + head) * n_q + qb) * 2 + wg]
+
     def store_dq(i, dq, cols):
-      """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction."""
+      """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction; with
+      dq_ordered, once the later key blocks that add into that query block have."""
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
       dq_smem.at[wg][...] = dq
       plgpu.commit_smem()
       head, qb = step_block(i)
+      if config.dq_ordered:
+        rank = order[0][b, kvi, qb]
+        plgpu.semaphore_wait(dq_counter(head, qb), rank, decrement=False, memory_scope="gpu")
       plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(qb * bq, bq), head, cols],
                               reduction_op="add")
+
+    def release_dq(i):
+      """dq_ordered: once step i's reduction has landed, the next key block may add its own."""
+      plgpu.wait_smem_to_gmem(0)
+      plgpu.semaphore_signal(dq_counter(*step_block(i)), 1, memory_scope="gpu")
 
     def share_ds(i, dst):
       """Step i's dSᵀ slot, with this warpgroup's rows written (with column_split, both
@@ -403,6 +468,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       pt = pt.astype(dtype)  # dV's operand
       delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
       dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
+      if config.dq_ordered:  # the last step's reduction, issued a softmax ago, has landed
+        pl.when(i > 0)(lambda: release_dq(i - 1))
       if config.dq_pipelined:
         return pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv)
 
@@ -447,6 +514,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                      start + full_lo, start + full_hi, dense=False)
 
       dk, dv = lax.fori_loop(0, heads, head_steps, carry)
+    if config.dq_ordered:
+      _mosaic.when(n_steps > 0, lambda: release_dq(n_steps - 1))
 
     if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
       pl.when(wg == 0)(take_turn)
@@ -534,7 +603,13 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                    plgpu.SMEM((stages, _seg_len(bq)), jnp.int32),
                    plgpu.Barrier(), plgpu.Barrier(num_barriers=stages))
   else:
-    seg_args, seg_scratch = (), ()
+    seg_args, seg_scratch, ranges = (), (), None
+  n_q = -(-t // bq)
+  if config.dq_ordered:
+    rank_args = (_reduction_ranks(mask, b, s // config.cta_keys(), config.cta_keys(), n_q, bq,
+                                  ranges),)
+  else:
+    rank_args = ()
   dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),) if config.with_dq else ()
   per_query_head = config.gqa_per_query_head and hq > hkv
   if per_query_head:  # dK and dV gather the group's query heads by TMA reductions too
@@ -548,14 +623,18 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   operand_tiles = _mosaic.swizzled_tiles(_operand_swizzle(bq))
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
+    order = None
+    if config.dq_ordered:  # the rank table, and counters that start at zero in every call
+      order = (refs[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q * 2,))))
+      refs = refs[1:]
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
     dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
     def kernel(*scratch):
       main, extra = scratch[:16], scratch[16:]
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
-                       dq_ref, dk_ref, dv_ref, *main, extra or None, config=config, mask=mask, scale=opts.scale,
-                       softcap=opts.logit_softcap, group=hq // hkv)
+                       dq_ref, dk_ref, dv_ref, *main, extra or None, config=config, mask=mask,
+                       scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv, order=order)
 
     pl.run_scoped(
         kernel,
@@ -589,7 +668,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       compiler_params=plgpu.CompilerParams(approx_math=True),
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
-  )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *seg_args, *dq_acc, *dkv_acc)
+  )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *rank_args, *seg_args, *dq_acc,
+    *dkv_acc)
   dq = (dq_acc[0][...] * opts.scale).astype(q.dtype) if config.with_dq else None
   if per_query_head:
     dkv = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)

@@ -27,12 +27,13 @@ every block they leave. Blocks that only the CTA's other query block sees are re
 without compute. A row that sees no key ends with output 0 and log-sum-exp -inf.
 
 Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of
-block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anything else raises NotImplementedError with the reason, and
-`implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's
-one-pass kernel where it serves the call (D 64, 128 and 256): whole for calls with
-deterministic=False (it sums dq by TMA reductions in arrival order), for dK and dV alone
-otherwise, beside mosaic_gpu_dq's dq kernel; else
-pallas_triton's dq and dk/dv kernels. All run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
+block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anything else
+raises NotImplementedError with the reason, and `implementation=None` falls through to
+pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel where it serves the
+call (D 64, 128 and 256): whole for calls with deterministic=False (it sums dq by TMA
+reductions in arrival order) or with its reductions in a fixed order (dq_ordered), for dK
+and dV alone otherwise, beside mosaic_gpu_dq's dq kernel; else pallas_triton's dq and dk/dv
+kernels. All run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
 Mosaic GPU interpreter cannot run `plgpu.kernel` meshes.
 """
 
@@ -467,11 +468,12 @@ class PallasMosaicGpu:
   128 and 256) and pallas_triton's elsewhere.
 
   The Mosaic backward sums dq over key blocks by TMA reductions in the order the CTAs
-  arrive, which is not bitwise reproducible: it runs whole only for calls with
-  deterministic=False. With deterministic=True (flash_attention's default), None means the
-  Mosaic kernel for dK and dV alone (`with_dq=False`: one CTA per key block, no reductions)
-  beside a dq kernel with one CTA per query block; a MosaicBackwardConfig must then have
-  with_dq=False. `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
+  arrive, which is not bitwise reproducible, unless it orders them (dq_ordered): only such
+  a kernel runs whole for calls with deterministic=True (flash_attention's default). For
+  them None means MosaicBackwardConfig.for_deterministic: the ordered kernel where the tuning
+  table names one, else the Mosaic kernel for dK and dV alone (`with_dq=False`: one CTA per
+  key block, no reductions) beside a dq kernel with one CTA per query block; a
+  MosaicBackwardConfig must then have with_dq=False or dq_ordered. `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
   pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the call
   (D 64, 128 and 256), pallas_triton's elsewhere.
   """
@@ -496,17 +498,18 @@ class PallasMosaicGpu:
       raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
     bwd = self.backward_config
     det = opts.deterministic
-    if det and isinstance(bwd, MosaicBackwardConfig) and bwd.with_dq:
+    if det and isinstance(bwd, MosaicBackwardConfig) and bwd.with_dq and not bwd.dq_ordered:
       raise NotImplementedError(
           "pallas_mosaic_gpu: the Mosaic backward with dq (backward_config="
           "MosaicBackwardConfig(with_dq=True)) adds dq by TMA reductions in arrival order and "
-          "is not deterministic; call flash_attention with deterministic=False to run it")
+          "is not deterministic; call flash_attention with deterministic=False to run it, or "
+          "ask for the reductions in a fixed order (dq_ordered=True)")
     if bwd is None or isinstance(bwd, MosaicBackwardConfig):
       mosaic = bwd
       if mosaic is None:
-        # Deterministic calls: dK and dV only (no reductions).
-        mosaic = MosaicBackwardConfig.tuned(q.shape[-1], opts.mask.is_causal,
-                                            gqa=q.shape[2] > k.shape[2], with_dq=not det)
+        # Deterministic calls: dK and dV only (no reductions), or dq's in a fixed order.
+        choose = MosaicBackwardConfig.for_deterministic if det else MosaicBackwardConfig.tuned
+        mosaic = choose(q.shape[-1], opts.mask.is_causal, gqa=q.shape[2] > k.shape[2])
       why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
       if why is None and not mosaic.with_dq:
         return self._with_dq_kernel(q, k, opts, _Static(opts, config, mosaic, None))

@@ -291,6 +291,10 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
      mb.MosaicBackwardConfig(dq_split=False, dq_pipelined=True), "dq_pipelined needs dq_split"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, block_q=72, with_dq=False), "64, 80 or 96"),
+    ((1, 256, 4, 64), (1, 256, 4, 64), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, dq_ordered=True), "dq_ordered needs"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, with_dq=False, dq_ordered=True), "dq_ordered needs"),
 ])
 def test_backward_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config,
                                                          match):
@@ -323,6 +327,66 @@ def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap,
   assert _MOSAIC_CALL.search(text)
 
 
+@pytest.mark.parametrize("causal, window, segments, d, pipelined, t, s, hkv", [
+    (False, None, False, 128, True, 256, 384, 2),
+    (True, None, False, 128, True, 384, 256, 4),
+    (False, (100, 7), True, 128, False, 256, 512, 1),
+    (True, 200, True, 256, False, 256, 384, 2)])
+def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, pipelined, t, s, hkv):
+  """dq_ordered: the reductions wait on counters in global memory and release them."""
+  config = mb.MosaicBackwardConfig(dq_split=d == 128, column_split=d == 256, stages=2 - (d == 256),
+                                   dq_pipelined=pipelined, dq_ordered=True)
+  opts = _opts(causal, window, segments)
+  assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
+  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
+  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
+  lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
+
+  def bwd(q, k, v, out, lse, d_out, d_lse, q_seg, kv_seg):
+    res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
+    return mb.backward(opts, config, res, (d_out, d_lse))[:3]
+
+  text = jax.jit(bwd).trace(q, k, k, q, lse, q, lse, *_segment_structs(segments, t, s)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert _MOSAIC_CALL.search(text)
+  assert "red.release.gpu" in text and "ld.relaxed.gpu" in text  # signal, and wait
+
+
+@pytest.mark.parametrize("causal, window, segments, t, s, cta_keys", [
+    (False, None, None, 256, 384, 128),
+    (True, None, None, 384, 256, 128),
+    (True, None, None, 256, 512, 64),
+    (False, (100, 7), None, 512, 384, 128),
+    (True, 200, "sorted", 512, 512, 128),
+    (False, None, "random", 256, 384, 64)])
+def test_reduction_ranks_order_each_query_blocks_adders(causal, window, segments, t, s, cta_keys):
+  """Per query block, the key blocks that add into its dq (those _query_blocks visits) hold
+  ranks 0, 1, ... in descending key block: each waits only on ones launched before it."""
+  bq, batch = mb.BLOCK_Q, 2
+  n_q, n_kv = t // bq, s // cta_keys
+  mask = MaskSpec.make(causal, window, segments is not None)
+  ranges = None
+  if segments:
+    key = jax.random.key(5)
+    q_seg, kv_seg = (jax.random.randint(k, (batch, n), 0, 4)
+                     for k, n in zip(jax.random.split(key), (t, s)))
+    if segments == "sorted":
+      q_seg, kv_seg = jnp.sort(q_seg, -1), jnp.sort(kv_seg, -1)
+    ranges = pm._mosaic.segment_block_ranges(kv_seg, q_seg, cta_keys, bq)  # pylint: disable=protected-access
+  ranks = np.asarray(mb._reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, ranges))  # pylint: disable=protected-access
+  assert ranks.shape == (batch, n_kv, n_q)
+  for b in range(batch):
+    visits = []
+    for j in range(n_kv):
+      seg = None if ranges is None else tuple(ranges[b, j])
+      first, last, _, _ = mb._query_blocks(mask, j * cta_keys, cta_keys, n_q, bq, seg)  # pylint: disable=protected-access
+      visits.append(range(int(first), int(last)))
+    for qb in range(n_q):
+      adders = [j for j in range(n_kv) if qb in visits[j]]
+      assert [ranks[b, j, qb] for j in adders[::-1]] == list(range(len(adders)))
+  assert ranks.min() >= 0
+
+
 def test_tuned_backward_configs_serve_their_calls():
   """The tuning table's sections name real fields and choices the kernel accepts."""
   for d in (64, 128, 256):
@@ -348,6 +412,36 @@ def test_tuned_backward_configs_serve_their_calls():
   assert mb.MosaicBackwardConfig.tuned(128, False, gqa=True, with_dq=False).block_q == 80
   assert mb.MosaicBackwardConfig.tuned(128, True, with_dq=False).block_q == 64  # d128_causal_dkv
   assert mb.MosaicBackwardConfig.tuned(128, True, gqa=True, with_dq=False).pingpong  # _gqa_dkv
+  for d in (64, 128, 256):  # no _ordered section yet: the dK/dV-only kernel
+    for causal in (False, True):
+      assert (mb.MosaicBackwardConfig.for_deterministic(d, causal)
+              == mb.MosaicBackwardConfig.tuned(d, causal, with_dq=False))
+
+
+def test_deterministic_calls_take_an_ordered_section(monkeypatch, tmp_path):
+  """A `_ordered` section makes deterministic calls run the whole kernel with dq_ordered; an
+  explicit dq_ordered config runs whole for them too."""
+  (tmp_path / "tuning").mkdir()
+  (tmp_path / "tuning" / "flash_attention.toml").write_text(
+      "[pallas_mosaic_gpu_backward.default.d128_ordered]\ndq_split = true\n"
+      "dq_pipelined = true\n")
+  monkeypatch.setenv("MEMEFF_JAX_CONFIG_DIR", str(tmp_path))
+  from memeff_jax import _tuning  # pylint: disable=import-outside-toplevel
+  _tuning._table.cache_clear()  # pylint: disable=protected-access
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
+  try:
+    ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True)
+    assert mb.MosaicBackwardConfig.for_deterministic(128, False) == ordered
+    assert not mb.MosaicBackwardConfig.for_deterministic(128, True).with_dq  # no d128_causal_
+    assert not mb.MosaicBackwardConfig.for_deterministic(64, False).with_dq
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
+    st = PallasMosaicGpu()._static(q, q, _opts())  # pylint: disable=protected-access
+    assert st.backward == ordered and st.dq is None and st.triton is None
+    explicit = PallasMosaicGpu(backward_config=dataclasses.replace(ordered, dq_pipelined=False))
+    assert explicit._static(q, q, _opts()).backward.dq_ordered  # pylint: disable=protected-access
+  finally:
+    _tuning._table.cache_clear()  # pylint: disable=protected-access
 
 
 def test_remat_counts_the_kernel_cost():
@@ -584,6 +678,27 @@ class TestMosaicGpu:
       for g, h in zip(first, step(q, k, v)):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
 
+  @pytest.mark.parametrize("backward", [
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True)])
+  @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
+                                    dict(sliding_window=(300, 100))])
+  def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
+    """dq_ordered: the one-pass kernel (deterministic by default) gives identical bits on
+    every call, and the reference's gradients. 16 key blocks per query row, GQA 4:1."""
+    q, k, v, _, ct = make_problem(jax.random.key(22), 2, 1024, 2048, 8, 2, 128, BF16)
+    impl = PallasMosaicGpu(backward_config=backward)
+    f = lambda q, k, v: flash_attention(q, k, v, implementation=impl, **opts)
+    step = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](ct.astype(BF16)))
+    first = step(q, k, v)
+    for _ in range(3):
+      for g, h in zip(first, step(q, k, v)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
+    for name, g, rg in zip("qkv", first, r_grads):
+      assert rel_err(g, rg) < 3e-2, name
+
   def test_default_picks_mosaic_where_it_serves(self):
     q = jnp.ones((1, 256, 4, 128), BF16)
     assert _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q, q, q).as_text())
@@ -685,6 +800,18 @@ class TestMosaicGpuPipelinedDq(TestMosaicGpuFeatures):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuOrderedDq(TestMosaicGpuFeatures):
+  """The features suite through the one-pass backward with its dq reductions in a fixed
+  order (dq_ordered), which deterministic calls (the default) may run whole, bf16."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+      dq_split=True, dq_pipelined=True, dq_ordered=True))
+  extra = {}
+  dtypes = (jnp.bfloat16,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesD64(TestMosaicGpuFeatures):
   """D = 64 (the Mosaic backward without dq_split), MQA."""
 
@@ -719,4 +846,14 @@ class TestMosaicGpuFeaturesDeterministicD64(TestMosaicGpuFeaturesD64):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesDeterministicD256(TestMosaicGpuFeaturesD256):
+  extra = {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuOrderedDqD256(TestMosaicGpuFeaturesD256):
+  """D = 256: the column-split one-pass backward with dq_ordered, deterministic calls."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+      dq_split=False, column_split=True, stages=1, dq_ordered=True))
   extra = {}

@@ -1,0 +1,30 @@
+# Session 29, for the next device session: dq_ordered (the one-pass backward's dq reductions
+# in a fixed order) on the GPU. WHAT=tests (default): GPU test groups, four pytest processes
+# side by side, each group's summary and failures in $OUT/tests.log (GROUPS overrides the
+# groups, ';'-separated -k expressions). WHAT=time: onepass_ordered.py, both masks.
+. "$(dirname "$0")/../device_env.sh"
+nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/gpu.txt
+f=tests/ops/flash_attention/test_pallas_mosaic_gpu.py
+if [ "${WHAT:-tests}" = tests ]; then
+  IFS=';' read -ra groups <<< "${GROUPS:-ordered_backward_is_bitwise;TestMosaicGpuOrderedDq and not D256;TestMosaicGpuOrderedDqD256;TestMosaicGpuFeaturesDeterministic and not D64 and not D256}"
+  i=0
+  for g in "${groups[@]}"; do
+    timeout ${TEST_S:-300} python3 -m pytest -q -rf -m gpu $f -k "$g" -p no:cacheprovider \
+      > /tmp/t$i.log 2>&1 &
+    i=$((i+1))
+  done
+  wait
+  i=0
+  for g in "${groups[@]}"; do
+    echo "== $g: $(grep -c -E '(PASSED|FAILED)' /tmp/t$i.log) named; $(grep -E 'passed|failed|error' /tmp/t$i.log | tail -1)"
+    head -c 400 /tmp/t$i.log | head -2  # the progress line: one dot per passed test
+    grep -E "^FAILED|^ERROR|Error:|error:" /tmp/t$i.log | head -8
+    i=$((i+1))
+  done | tee $OUT/tests.log
+  cat /tmp/t*.log | grep -v "^E1124\|^external\|^$" | tail -400 > $OUT/tests-full.log
+else
+  for c in "" "--causal"; do
+    timeout 280 python3 benchmarks/scratch/onepass_ordered.py --rounds 5 $c 2>&1 \
+      | grep -v -i warn | tee $OUT/ordered$c.log
+  done
+fi
