@@ -104,7 +104,8 @@ class MosaicBackwardConfig:
       warpgroup waits for a counter in global memory (one per query block, head and column
       half) to reach its rank before its reduction, and adds one to it once the reduction
       has landed. The CTAs of a key head launch in that same order (last key block first),
-      so a CTA only waits on one launched before it, never on one without an SM.
+      so a CTA only waits on one launched before it, never on one without an SM (CUDA
+      starts a grid's CTAs in order). Not yet run on a GPU (benchmarks/NOTES.md).
   """
 
   stages: int = 2
