@@ -386,15 +386,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       """dq_ordered's counter of query block qb of `head`, this warpgroup's column half."""
       return order[1].at[((b * q_ref.shape[2] + head) * n_q + qb) * 2 + wg]
 
-    def store_dq(i, dq, cols):
+    def store_dq(i, dq, cols, rank):
       """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction; with
-      dq_ordered, once the later key blocks that add into that query block have."""
+      dq_ordered, once the `rank` later key blocks that add into that query block have."""
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
       dq_smem.at[wg][...] = dq
       plgpu.commit_smem()
       head, qb = step_block(i)
       if config.dq_ordered:
-        rank = order[0][b, kvi, qb]
         plgpu.semaphore_wait(dq_counter(head, qb), rank, decrement=False, memory_scope="gpu")
       plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(qb * bq, bq), head, cols],
                               reduction_op="add")
@@ -415,7 +414,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
       return ds_buf
 
-    def pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv):
+    def pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, rank):
       """The rest of config.dq_pipelined's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
       shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
       reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
@@ -428,7 +427,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.wgmma(dv_ref, pt, do_tile)
         plgpu.wgmma(dk_ref, dst, q_tile)
         dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
-        store_dq(i, dq, pl.ds(col, half))
+        store_dq(i, dq, pl.ds(col, half), rank)
 
       _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
                                        plgpu.ACC.init(dk)))
@@ -445,6 +444,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       plgpu.barrier_wait(q_ready.at[slot])
       plgpu.barrier_wait(do_ready.at[slot])
       plgpu.barrier_wait(stats_ready.at[slot])
+
+      # dq_ordered: this step's rank, loaded well before the reduction waits on it.
+      rank = order[0][b, kvi, qb] if config.dq_ordered else None
 
       def scores(refs):
         s_ref, dp_ref = refs
@@ -472,7 +474,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       if config.dq_ordered:  # the last step's reduction, issued a softmax ago, has landed
         pl.when(i > 0)(lambda: release_dq(i - 1))
       if config.dq_pipelined:
-        return pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv)
+        return pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, rank)
 
       def grads(refs):
         dv_ref, dk_ref = refs
@@ -502,7 +504,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           return acc_ref[...]
         dq = pl.run_scoped(mm, plgpu.ACC((bq, oc), jnp.float32))
         cols = my_cols
-      store_dq(i, dq, cols)
+      store_dq(i, dq, cols, rank)
       return dk, dv
 
     carry = (zeros((bkv, oc)), zeros((bkv, oc)))
