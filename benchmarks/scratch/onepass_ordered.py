@@ -6,7 +6,7 @@ kernel and mosaic_gpu_dq's), at the headline (device only).
 
 Variants: "arrival" (the tuned one-pass kernel, deterministic=False), "ordered" (the same
 with dq_ordered), "no waits" (ordered without its semaphore waits: launch order and
-releases only), "early release" (EARLY_RELEASE), "ordered dq_split" (dq_ordered without
+releases only), "late release" (LATE_RELEASE), "ordered dq_split" (dq_ordered without
 dq_pipelined), and "pair". Checks
 that "ordered" gives identical bits on three calls, and its distance to "arrival".
 """
@@ -28,12 +28,11 @@ from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E4
 D = 128
 NO_WAITS = (('        plgpu.semaphore_wait(dq_counter(head, qb), rank, decrement=False, '
              'memory_scope="gpu")',), "        pass")
-# The release of the last step's reduction issued under this step's Sᵀ and dPᵀ WGMMAs
-# rather than after the softmax (earlier for the next key block; a branch with WGMMAs in
-# flight, which ptxas may answer by serializing them).
-_RELEASE = "        pl.when(i > 0)(lambda: release_dq(i - 1))"
-_DP = "        plgpu.wgmma(dp_ref, v_step, do_tile.T)"
-EARLY_RELEASE = [((_RELEASE,), "        pass"), ((_DP,), _DP + "\n" + _RELEASE)]
+# The release of the last step's reduction after this step's softmax rather than under its
+# Sᵀ and dPᵀ WGMMAs: later for the next key block, but no wait with WGMMAs in flight.
+_RELEASE = "          release_dq(i - 1)"
+_DST = "      dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)"
+LATE_RELEASE = [((_RELEASE,), "          pass"), ((_DST,), _DST + "\n" + _RELEASE[4:])]
 
 
 def main():
@@ -49,7 +48,7 @@ def main():
   fns, outs = {}, {}
   for name, module, cfg in (("arrival", mb, tuned), ("ordered", mb, ordered),
                             ("no waits", patched([NO_WAITS]), ordered),
-                            ("early release", patched(EARLY_RELEASE), ordered),
+                            ("late release", patched(LATE_RELEASE), ordered),
                             ("ordered dq_split", mb,
                              dataclasses.replace(ordered, dq_pipelined=False))):
     c = module.MosaicBackwardConfig(**dataclasses.asdict(cfg))

@@ -300,7 +300,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
   int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table
-  and the [B · Hq · n_q · 2] counters the reductions wait on."""
+  and the [B · Hq · n_q · 2 + 1] counters the reductions wait on (the last a spare)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -382,6 +382,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       dq_cols = pl.ds((wg + z) * half, half)  # with dq_split
       return k_smem.at[rows], v_smem.at[rows], k_smem.at[:, dq_cols]
 
+    n_counters = q_ref.shape[0] * q_ref.shape[2] * n_q * 2
+
     def dq_counter(head, qb):
       """dq_ordered's counter of query block qb of `head`, this warpgroup's column half."""
       return order[1].at[((b * q_ref.shape[2] + head) * n_q + qb) * 2 + wg]
@@ -399,9 +401,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                               reduction_op="add")
 
     def release_dq(i):
-      """dq_ordered: once step i's reduction has landed, the next key block may add its own."""
+      """dq_ordered: once step i's reduction has landed, the next key block may add its own.
+      Step -1 (before the first) releases a spare counter no one waits on: no branch."""
       plgpu.wait_smem_to_gmem(0)
-      plgpu.semaphore_signal(dq_counter(*step_block(i)), 1, memory_scope="gpu")
+      head, qb = step_block(jnp.maximum(i, 0))
+      index = ((b * q_ref.shape[2] + head) * n_q + qb) * 2 + wg
+      plgpu.semaphore_signal(order[1].at[jnp.where(i < 0, n_counters, index)], 1,
+                             memory_scope="gpu")
 
     def share_ds(i, dst):
       """Step i's dSᵀ slot, with this warpgroup's rows written (with column_split, both
@@ -453,6 +459,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.wgmma(s_ref, k_step, q_tile.T)
         plgpu.wgmma(dp_ref, v_step, do_tile.T)
         take_turn()
+        if config.dq_ordered:  # under Sᵀ and dPᵀ: the last step's reduction has landed
+          release_dq(i - 1)
 
       st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                       plgpu.ACC.init(zeros((bkv, bq)))))
@@ -471,8 +479,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       pt = pt.astype(dtype)  # dV's operand
       delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
       dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
-      if config.dq_ordered:  # the last step's reduction, issued a softmax ago, has landed
-        pl.when(i > 0)(lambda: release_dq(i - 1))
       if config.dq_pipelined:
         return pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, rank)
 
@@ -518,7 +524,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
       dk, dv = lax.fori_loop(0, heads, head_steps, carry)
     if config.dq_ordered:
-      _mosaic.when(n_steps > 0, lambda: release_dq(n_steps - 1))
+      release_dq(n_steps - 1)
 
     if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
       pl.when(wg == 0)(take_turn)
@@ -628,7 +634,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
     order = None
     if config.dq_ordered:  # the rank table, and counters that start at zero in every call
-      order = (refs[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q * 2,))))
+      order = (refs[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q * 2 + 1,))))
       refs = refs[1:]
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
     dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
