@@ -1,7 +1,8 @@
 # Session 29, for the next device session: dq_ordered (the one-pass backward's dq reductions
 # in a fixed order) on the GPU. WHAT=tests (default): GPU test groups, four pytest processes
 # side by side, each group's summary and failures in $OUT/tests.log (GROUPS overrides the
-# groups, ';'-separated -k expressions). WHAT=time: onepass_ordered.py, both masks.
+# groups, ';'-separated -k expressions). WHAT=time: onepass_ordered.py, both masks, with
+# ptxas's reports.
 . "$(dirname "$0")/../device_env.sh"
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/gpu.txt
 f=tests/ops/flash_attention/test_pallas_mosaic_gpu.py
@@ -23,8 +24,11 @@ if [ "${WHAT:-tests}" = tests ]; then
   done | tee $OUT/tests.log
   cat /tmp/t*.log | grep -v "^E1124\|^external\|^$" | tail -400 > $OUT/tests-full.log
 else
-  for c in "" "--causal"; do
-    timeout 280 python3 benchmarks/scratch/onepass_ordered.py --rounds 5 $c 2>&1 \
-      | grep -v -i warn | tee $OUT/ordered$c.log
+  for c in "" "--causal"; do  # ptxas's report per variant (spills, WGMMA serialization)
+    MOSAIC_GPU_DUMP_PTXAS=1 timeout 280 python3 benchmarks/scratch/onepass_ordered.py \
+      --rounds 5 $c > $OUT/raw$c.log 2>&1
+    grep -i -E "bytes stack frame|serializ|C75[0-9][0-9]" $OUT/raw$c.log > $OUT/ptxas$c.log
+    grep -v -i -E "ptxas|warn|spill|registers|^$|bytes stack|Compiling entry|Function properties" \
+      $OUT/raw$c.log | tee $OUT/ordered$c.log
   done
 fi

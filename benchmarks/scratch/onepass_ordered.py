@@ -6,8 +6,9 @@ kernel and mosaic_gpu_dq's), at the headline (device only).
 
 Variants: "arrival" (the tuned one-pass kernel, deterministic=False), "ordered" (the same
 with dq_ordered), "no waits" (ordered without its semaphore waits: launch order and
-releases only), "late release" (LATE_RELEASE), "ordered dq_split" (dq_ordered without
-dq_pipelined), and "pair". Checks
+releases only), "late release" (LATE_RELEASE), "wait first" (WAIT_FIRST), "ordered
+dq_split" (dq_ordered without dq_pipelined), and "pair". Run with MOSAIC_GPU_DUMP_PTXAS=1 to
+see ptxas's spills and any WGMMA serialization per variant. Checks
 that "ordered" gives identical bits on three calls, and its distance to "arrival".
 """
 import argparse
@@ -33,6 +34,11 @@ NO_WAITS = (('        plgpu.semaphore_wait(dq_counter(head, qb), rank, decrement
 _RELEASE = "          release_dq(i - 1)"
 _DST = "      dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)"
 LATE_RELEASE = [((_RELEASE,), "          pass"), ((_DST,), _DST + "\n" + _RELEASE[4:])]
+# The one-pass (dq_pipelined) step's wait for its rank before it issues dQ, dV and dK, not
+# with dV and dK in flight (should ptxas serialize WGMMAs around the polling loop).
+_COL = "      col = pl.multiple_of(wg * half, half)  # this warpgroup's columns of dQ"
+WAIT_FIRST = [NO_WAITS, ((_COL,), _COL + "\n      plgpu.semaphore_wait(dq_counter(*step_block(i)), "
+                         'rank, decrement=False, memory_scope="gpu")')]
 
 
 def main():
@@ -49,6 +55,7 @@ def main():
   for name, module, cfg in (("arrival", mb, tuned), ("ordered", mb, ordered),
                             ("no waits", patched([NO_WAITS]), ordered),
                             ("late release", patched(LATE_RELEASE), ordered),
+                            ("wait first", patched(WAIT_FIRST), ordered),
                             ("ordered dq_split", mb,
                              dataclasses.replace(ordered, dq_pipelined=False))):
     c = module.MosaicBackwardConfig(**dataclasses.asdict(cfg))
