@@ -1,13 +1,13 @@
 # Session 29, for the next device session: dq_ordered (the one-pass backward's dq reductions
 # in a fixed order) on the GPU. WHAT=tests (default): GPU test groups, four pytest processes
-# side by side, each group's summary and failures in $OUT/tests.log (GROUPS overrides the
+# side by side, each group's summary and failures in $OUT/tests.log (TEST_GROUPS overrides the
 # groups, ';'-separated -k expressions). WHAT=time: onepass_ordered.py, both masks, with
 # ptxas's reports.
 . "$(dirname "$0")/../device_env.sh"
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/gpu.txt
 f=tests/ops/flash_attention/test_pallas_mosaic_gpu.py
 if [ "${WHAT:-tests}" = tests ]; then
-  IFS=';' read -ra groups <<< "${GROUPS:-ordered_backward_is_bitwise;TestMosaicGpuOrderedDq and not D256;TestMosaicGpuOrderedDqD256;TestMosaicGpuFeaturesDeterministic and not D64 and not D256}"
+  IFS=';' read -ra groups <<< "${TEST_GROUPS:-ordered_backward_is_bitwise;TestMosaicGpuOrderedDq and not D256;TestMosaicGpuOrderedDqD256;TestMosaicGpuFeaturesDeterministic and not D64 and not D256}"
   i=0
   for g in "${groups[@]}"; do
     timeout ${TEST_S:-300} python3 -m pytest -q -rf -m gpu $f -k "$g" -p no:cacheprovider \
