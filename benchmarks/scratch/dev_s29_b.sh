@@ -17,8 +17,8 @@ if [ "${WHAT:-tests}" = tests ]; then
   wait
   i=0
   for g in "${groups[@]}"; do
-    echo "== $g: $(grep -c -E '(PASSED|FAILED)' /tmp/t$i.log) named; $(grep -E 'passed|failed|error' /tmp/t$i.log | tail -1)"
-    head -c 400 /tmp/t$i.log | head -2  # the progress line: one dot per passed test
+    echo "== $g: $(grep -E ' (passed|failed|error)' /tmp/t$i.log | tail -1 || echo 'no summary')"
+    grep -E '^[.FEsx]+( |$)' /tmp/t$i.log | head -3  # progress: a dot per passed test
     grep -E "^FAILED|^ERROR|Error:|error:" /tmp/t$i.log | head -8
     i=$((i+1))
   done | tee $OUT/tests.log
