@@ -17,7 +17,8 @@ if [ "${WHAT:-tests}" = tests ]; then
   wait
   i=0
   for g in "${groups[@]}"; do
-    echo "== $g: $(grep -E ' (passed|failed|error)' /tmp/t$i.log | tail -1 || echo 'no summary')"
+    summary=$(grep -E ' (passed|failed|error)' /tmp/t$i.log | tail -1)
+    echo "== $g: ${summary:-no summary (timed out)}"
     grep -E '^[.FEsx]+( |$)' /tmp/t$i.log | head -3  # progress: a dot per passed test
     grep -E "^FAILED|^ERROR|Error:|error:" /tmp/t$i.log | head -8
     i=$((i+1))
