@@ -103,7 +103,7 @@ class MosaicBackwardConfig:
       one fixed order, descending key block, so that dq is bitwise reproducible: a
       warpgroup waits for a counter in global memory (one per query block, head and column
       half) to reach its rank before its reduction, and adds one to it once the reduction
-      has landed. The CTAs of a key head launch in that same order (last key block first),
+      has landed. The first adder stores, so the float32 dq needs no zeroing. The CTAs of a key head launch in that same order (last key block first),
       so a CTA only waits on one launched before it, never on one without an SM (CUDA
       starts a grid's CTAs in order). Not yet run on a GPU (benchmarks/NOTES.md).
   """
@@ -277,9 +277,10 @@ def _query_blocks(mask: MaskSpec, cta_key, cta_keys: int, n_q: int, bq: int, seg
 
 def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
                      ranges=None):
-  """[B, n_kv, n_q] int32 for dq_ordered: per key block and query block, how many later key
-  blocks add into that query block's dq (those add first). ranges: the backward's
-  segment_block_ranges ([B, n_kv, 2]), with segment ids."""
+  """(ranks [B, n_kv, n_q], adders [B, n_q]) int32 for dq_ordered: per key block and query
+  block, how many later key blocks add into that query block's dq (those add first), and
+  per query block how many add at all. ranges: the backward's segment_block_ranges
+  ([B, n_kv, 2]), with segment ids."""
   kv = jnp.arange(n_kv, dtype=jnp.int32)
   seg = None if ranges is None else (ranges[..., 0], ranges[..., 1])
   first, last, _, _ = _query_blocks(mask, kv * cta_keys, cta_keys, n_q, bq, seg)
@@ -287,7 +288,7 @@ def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: 
                  for x in (first, last))
   qb = jnp.arange(n_q, dtype=jnp.int32)
   adds = ((first <= qb) & (qb < last)).astype(jnp.int32)  # [B, n_kv, n_q]
-  return jnp.cumsum(adds[:, ::-1], axis=1)[:, ::-1] - adds
+  return jnp.cumsum(adds[:, ::-1], axis=1)[:, ::-1] - adds, adds.sum(axis=1)
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
@@ -395,10 +396,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       dq_smem.at[wg][...] = dq
       plgpu.commit_smem()
       head, qb = step_block(i)
-      if config.dq_ordered:
+      dst = dq_ref.at[b, pl.ds(qb * bq, bq), head, cols]
+      if config.dq_ordered:  # the first adder stores (dq_ref starts uninitialized)
         plgpu.semaphore_wait(dq_counter(head, qb), rank, decrement=False, memory_scope="gpu")
-      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(qb * bq, bq), head, cols],
-                              reduction_op="add")
+        pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst))
+        pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst,
+                                                          reduction_op="add"))
+      else:
+        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
 
     def release_dq(i):
       """dq_ordered: once step i's reduction has landed, the next key block may add its own.
@@ -615,11 +620,11 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     seg_args, seg_scratch, ranges = (), (), None
   n_q = -(-t // bq)
   if config.dq_ordered:
-    rank_args = (_reduction_ranks(mask, b, s // config.cta_keys(), config.cta_keys(), n_q, bq,
-                                  ranges),)
+    ranks, adders = _reduction_ranks(mask, b, s // config.cta_keys(), config.cta_keys(), n_q,
+                                     bq, ranges)
+    rank_args = (ranks,)
   else:
     rank_args = ()
-  dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),) if config.with_dq else ()
   per_query_head = config.gqa_per_query_head and hq > hkv
   if per_query_head:  # dK and dV gather the group's query heads by TMA reductions too
     dkv_acc = (jax.new_ref(jnp.zeros(k.shape, jnp.float32)),
@@ -628,6 +633,13 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   else:
     dkv_acc = ()
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  # The float32 dq: zeros that every key block adds into; with dq_ordered an uninitialized
+  # output, which each query block's first adder stores rather than adds into (no memset).
+  dq_acc = ()
+  if config.dq_ordered:
+    out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type)
+  elif config.with_dq:
+    dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
   tiles = _mosaic.swizzled_tiles()
   operand_tiles = _mosaic.swizzled_tiles(_operand_swizzle(bq))
 
@@ -668,7 +680,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         collective_axes="wg",
     )
 
-  dkv = pl.kernel(
+  outs = pl.kernel(
       body,
       out_type=out_type,
       mesh=plgpu.Mesh(grid=(b, hq if per_query_head else hkv, s // config.cta_keys()),
@@ -679,7 +691,13 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       name="flash_attention_bwd_mosaic",
   )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *rank_args, *seg_args, *dq_acc,
     *dkv_acc)
-  dq = (dq_acc[0][...] * opts.scale).astype(q.dtype) if config.with_dq else None
+  dq = None
+  if config.dq_ordered:  # query blocks that no key block adds into were never written
+    dq_f32, *outs = outs
+    written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
+    dq = (jnp.where(written, dq_f32, 0.0) * opts.scale).astype(q.dtype)
+  elif config.with_dq:
+    dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
   if per_query_head:
-    dkv = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)
-  return dq, *dkv, None, None
+    outs = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)
+  return dq, *outs, None, None

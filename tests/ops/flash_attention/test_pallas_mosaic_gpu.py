@@ -357,11 +357,13 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, pipelined
     (True, None, None, 384, 256, 128),
     (True, None, None, 256, 512, 64),
     (False, (100, 7), None, 512, 384, 128),
+    (False, (2, 2), None, 512, 384, 128),  # the last query block sees no key: no adder
     (True, 200, "sorted", 512, 512, 128),
     (False, None, "random", 256, 384, 64)])
 def test_reduction_ranks_order_each_query_blocks_adders(causal, window, segments, t, s, cta_keys):
   """Per query block, the key blocks that add into its dq (those _query_blocks visits) hold
-  ranks 0, 1, ... in descending key block: each waits only on ones launched before it."""
+  ranks 0, 1, ... in descending key block: each waits only on ones launched before it; and
+  the block's count of adders (none: dq_ordered's output there is never written)."""
   bq, batch = mb.BLOCK_Q, 2
   n_q, n_kv = t // bq, s // cta_keys
   mask = MaskSpec.make(causal, window, segments is not None)
@@ -373,8 +375,9 @@ def test_reduction_ranks_order_each_query_blocks_adders(causal, window, segments
     if segments == "sorted":
       q_seg, kv_seg = jnp.sort(q_seg, -1), jnp.sort(kv_seg, -1)
     ranges = pm._mosaic.segment_block_ranges(kv_seg, q_seg, cta_keys, bq)  # pylint: disable=protected-access
-  ranks = np.asarray(mb._reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, ranges))  # pylint: disable=protected-access
-  assert ranks.shape == (batch, n_kv, n_q)
+  ranks, adders = map(np.asarray, mb._reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq,  # pylint: disable=protected-access
+                                                      ranges))
+  assert ranks.shape == (batch, n_kv, n_q) and adders.shape == (batch, n_q)
   for b in range(batch):
     visits = []
     for j in range(n_kv):
@@ -382,8 +385,9 @@ def test_reduction_ranks_order_each_query_blocks_adders(causal, window, segments
       first, last, _, _ = mb._query_blocks(mask, j * cta_keys, cta_keys, n_q, bq, seg)  # pylint: disable=protected-access
       visits.append(range(int(first), int(last)))
     for qb in range(n_q):
-      adders = [j for j in range(n_kv) if qb in visits[j]]
-      assert [ranks[b, j, qb] for j in adders[::-1]] == list(range(len(adders)))
+      adding = [j for j in range(n_kv) if qb in visits[j]]
+      assert [ranks[b, j, qb] for j in adding[::-1]] == list(range(len(adding)))
+      assert adders[b, qb] == len(adding)
   assert ranks.min() >= 0
 
 
