@@ -1,5 +1,6 @@
 """Test setup: `gpu` tests skipped without a GPU; JAX allocating GPU memory on demand, so
-that the README's `pytest -n 2` workers (pytest-xdist) can share one GPU."""
+that the README's `pytest -n 2` workers (pytest-xdist) can share one GPU; tuning tables of a
+test's own (`tuning_tables`)."""
 
 import os
 
@@ -24,3 +25,20 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture
+def tuning_tables(tmp_path, monkeypatch):
+  """tuning_tables(op=toml_text, ...): memeff_jax._tuning reads these tables, and only
+  these, for the rest of the test."""
+  from memeff_jax import _tuning  # pylint: disable=import-outside-toplevel
+  (tmp_path / "tuning").mkdir()
+  monkeypatch.setenv("MEMEFF_JAX_CONFIG_DIR", str(tmp_path))
+
+  def write(**tables):
+    for op, text in tables.items():
+      (tmp_path / "tuning" / f"{op}.toml").write_text(text)
+    _tuning._table.cache_clear()  # pylint: disable=protected-access
+
+  yield write
+  _tuning._table.cache_clear()  # pylint: disable=protected-access

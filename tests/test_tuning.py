@@ -6,15 +6,9 @@ from memeff_jax import _tuning
 
 
 @pytest.fixture
-def table(tmp_path, monkeypatch):
-  (tmp_path / "tuning").mkdir()
-  (tmp_path / "tuning" / "op.toml").write_text(
-      "[impl.default]\nblock = 64\nwarps = 4\n[impl.default.d128]\nblock_q = 128\n"
-      "[impl.H200]\nwarps = 8\n[impl.H200.d128]\nblock_k = 32\n")
-  monkeypatch.setenv("MEMEFF_JAX_CONFIG_DIR", str(tmp_path))
-  _tuning._table.cache_clear()  # pylint: disable=protected-access
-  yield
-  _tuning._table.cache_clear()  # pylint: disable=protected-access
+def table(tuning_tables):
+  tuning_tables(op="[impl.default]\nblock = 64\nwarps = 4\n[impl.default.d128]\nblock_q = 128\n"
+                   "[impl.H200]\nwarps = 8\n[impl.H200.d128]\nblock_k = 32\n")
 
 
 def test_device_section_overrides_default(table):

@@ -28,8 +28,8 @@ from memeff_jax.ops.flash_attention import PallasMosaicGpu  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
 
 D = 128
-NO_WAITS = (('        plgpu.semaphore_wait(dq_counter(head, qb), rank, decrement=False, '
-             'memory_scope="gpu")',), "        pass")
+NO_WAITS = (('        plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")',),
+            "        pass")
 # The release of the last step's reduction after this step's softmax rather than under its
 # Sᵀ and dPᵀ WGMMAs: later for the next key block, but no wait with WGMMAs in flight.
 _RELEASE = "          release_dq(i - 1)"
@@ -38,8 +38,8 @@ LATE_RELEASE = [((_RELEASE,), "          pass"), ((_DST,), _DST + "\n" + _RELEAS
 # The one-pass (dq_pipelined) step's wait for its rank before it issues dQ, dV and dK, not
 # with dV and dK in flight (should ptxas serialize WGMMAs around the polling loop).
 _COL = "      col = pl.multiple_of(wg * half, half)  # this warpgroup's columns of dQ"
-WAIT_FIRST = [NO_WAITS, ((_COL,), _COL + "\n      plgpu.semaphore_wait(dq_counter(*step_block(i)), "
-                         'rank, decrement=False, memory_scope="gpu")')]
+WAIT_FIRST = [NO_WAITS, ((_COL,), _COL + "\n      plgpu.semaphore_wait(order[1].at[counter_index("
+                         '*step_block(i))], rank, decrement=False, memory_scope="gpu")')]
 
 
 def main():

@@ -103,9 +103,10 @@ class MosaicBackwardConfig:
       one fixed order, descending key block, so that dq is bitwise reproducible: a
       warpgroup waits for a counter in global memory (one per query block, head and column
       half) to reach its rank before its reduction, and adds one to it once the reduction
-      has landed. The first adder stores, so the float32 dq needs no zeroing. The CTAs of a key head launch in that same order (last key block first),
-      so a CTA only waits on one launched before it, never on one without an SM (CUDA
-      starts a grid's CTAs in order). Not yet run on a GPU (benchmarks/NOTES.md).
+      has landed. The first adder stores, so the float32 dq needs no zeroing. The CTAs of a
+      key head launch in that same order (last key block first), so a CTA only waits on one
+      launched before it, never on one without an SM (CUDA starts a grid's CTAs in order).
+      Not yet run on a GPU (benchmarks/NOTES.md).
   """
 
   stages: int = 2
@@ -383,11 +384,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       dq_cols = pl.ds((wg + z) * half, half)  # with dq_split
       return k_smem.at[rows], v_smem.at[rows], k_smem.at[:, dq_cols]
 
-    n_counters = q_ref.shape[0] * q_ref.shape[2] * n_q * 2
-
-    def dq_counter(head, qb):
+    def counter_index(head, qb):
       """dq_ordered's counter of query block qb of `head`, this warpgroup's column half."""
-      return order[1].at[((b * q_ref.shape[2] + head) * n_q + qb) * 2 + wg]
+      return ((b * q_ref.shape[2] + head) * n_q + qb) * 2 + wg
 
     def store_dq(i, dq, cols, rank):
       """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction; with
@@ -398,7 +397,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       head, qb = step_block(i)
       dst = dq_ref.at[b, pl.ds(qb * bq, bq), head, cols]
       if config.dq_ordered:  # the first adder stores (dq_ref starts uninitialized)
-        plgpu.semaphore_wait(dq_counter(head, qb), rank, decrement=False, memory_scope="gpu")
+        counter = order[1].at[counter_index(head, qb)]
+        plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
         pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst))
         pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst,
                                                           reduction_op="add"))
@@ -407,12 +407,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
     def release_dq(i):
       """dq_ordered: once step i's reduction has landed, the next key block may add its own.
-      Step -1 (before the first) releases a spare counter no one waits on: no branch."""
+      Step -1 (before the first) releases the last, spare counter, which no one waits on:
+      no branch."""
       plgpu.wait_smem_to_gmem(0)
-      head, qb = step_block(jnp.maximum(i, 0))
-      index = ((b * q_ref.shape[2] + head) * n_q + qb) * 2 + wg
-      plgpu.semaphore_signal(order[1].at[jnp.where(i < 0, n_counters, index)], 1,
-                             memory_scope="gpu")
+      index = counter_index(*step_block(jnp.maximum(i, 0)))
+      spare = order[1].shape[0] - 1
+      plgpu.semaphore_signal(order[1].at[jnp.where(i < 0, spare, index)], 1, memory_scope="gpu")
 
     def share_ds(i, dst):
       """Step i's dSᵀ slot, with this warpgroup's rows written (with column_split, both

@@ -473,9 +473,10 @@ class PallasMosaicGpu:
   them None means MosaicBackwardConfig.for_deterministic: the ordered kernel where the tuning
   table names one, else the Mosaic kernel for dK and dV alone (`with_dq=False`: one CTA per
   key block, no reductions) beside a dq kernel with one CTA per query block; a
-  MosaicBackwardConfig must then have with_dq=False or dq_ordered. `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
-  pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the call
-  (D 64, 128 and 256), pallas_triton's elsewhere.
+  MosaicBackwardConfig must then have with_dq=False or dq_ordered. `dq_config` picks that dq
+  kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a pallas_triton.BlockConfig
+  pallas_triton's, and None mosaic_gpu_dq's where it serves the call (D 64, 128 and 256),
+  pallas_triton's elsewhere.
   """
 
   config: MosaicConfig | None = None

@@ -205,6 +205,20 @@ def _segment_structs(segments, t, s):
   return jax.ShapeDtypeStruct((2, t), jnp.int32), jax.ShapeDtypeStruct((2, s), jnp.int32)
 
 
+def _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments) -> str:
+  """The StableHLO of mosaic_gpu_backward.backward at B = 2, Hq = 4, lowered for CUDA."""
+  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
+  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
+  lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
+
+  def bwd(q, k, v, out, lse, d_out, d_lse, q_seg, kv_seg):
+    res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
+    return mb.backward(opts, config, res, (d_out, d_lse))[:3]
+
+  return jax.jit(bwd).trace(q, k, k, q, lse, q, lse, *_segment_structs(segments, t, s)).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("causal, window, segments, pingpong, d, t, s, hkv, softcap", [
     (False, None, False, True, 128, 256, 512, 4, None),
     (True, None, False, True, 128, 512, 384, 2, 30.0),
@@ -250,18 +264,8 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
   config = mb.MosaicBackwardConfig(dq_split=dq_split, pingpong=pingpong, stages=stages,
                                    gqa_per_query_head=per_query_head, column_split=d == 256,
                                    dq_pipelined=pipelined)
-  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
-  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
-  lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
   opts = _opts(causal, window, segments, softcap)
-
-  def bwd(q, k, v, out, lse, d_out, d_lse, q_seg, kv_seg):
-    res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
-    return mb.backward(opts, config, res, (d_out, d_lse))[:3]
-
-  text = jax.jit(bwd).trace(q, k, k, q, lse, q, lse, *_segment_structs(segments, t, s)).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert _MOSAIC_CALL.search(text)
+  assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
 
 
 @pytest.mark.parametrize("q_shape, k_shape, dtype, opts, config, match", [
@@ -313,18 +317,8 @@ def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap,
   config = mb.MosaicBackwardConfig(dq_split=False, pingpong=pingpong, block_q=block_q,
                                    with_dq=False)
   assert mb.support_error((2, t, 4, 128), (2, s, hkv, 128), BF16, _opts(causal), config) is None
-  q = jax.ShapeDtypeStruct((2, t, 4, 128), BF16)
-  k = jax.ShapeDtypeStruct((2, s, hkv, 128), BF16)
-  lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
   opts = _opts(causal, window, segments, softcap)
-
-  def bwd(q, k, v, out, lse, d_out, d_lse, q_seg, kv_seg):
-    res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
-    return mb.backward(opts, config, res, (d_out, d_lse))[1:3]
-
-  text = jax.jit(bwd).trace(q, k, k, q, lse, q, lse, *_segment_structs(segments, t, s)).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert _MOSAIC_CALL.search(text)
+  assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, 128, segments))
 
 
 @pytest.mark.parametrize("causal, window, segments, d, pipelined, t, s, hkv", [
@@ -338,16 +332,7 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, pipelined
                                    dq_pipelined=pipelined, dq_ordered=True)
   opts = _opts(causal, window, segments)
   assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
-  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
-  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
-  lse = jax.ShapeDtypeStruct((2, 4, t), jnp.float32)
-
-  def bwd(q, k, v, out, lse, d_out, d_lse, q_seg, kv_seg):
-    res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
-    return mb.backward(opts, config, res, (d_out, d_lse))[:3]
-
-  text = jax.jit(bwd).trace(q, k, k, q, lse, q, lse, *_segment_structs(segments, t, s)).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments)
   assert _MOSAIC_CALL.search(text)
   assert "red.release.gpu" in text and "ld.relaxed.gpu" in text  # signal, and wait
 
@@ -422,30 +407,22 @@ def test_tuned_backward_configs_serve_their_calls():
               == mb.MosaicBackwardConfig.tuned(d, causal, with_dq=False))
 
 
-def test_deterministic_calls_take_an_ordered_section(monkeypatch, tmp_path):
+def test_deterministic_calls_take_an_ordered_section(monkeypatch, tuning_tables):
   """A `_ordered` section makes deterministic calls run the whole kernel with dq_ordered; an
   explicit dq_ordered config runs whole for them too."""
-  (tmp_path / "tuning").mkdir()
-  (tmp_path / "tuning" / "flash_attention.toml").write_text(
-      "[pallas_mosaic_gpu_backward.default.d128_ordered]\ndq_split = true\n"
-      "dq_pipelined = true\n")
-  monkeypatch.setenv("MEMEFF_JAX_CONFIG_DIR", str(tmp_path))
-  from memeff_jax import _tuning  # pylint: disable=import-outside-toplevel
-  _tuning._table.cache_clear()  # pylint: disable=protected-access
+  tuning_tables(flash_attention="[pallas_mosaic_gpu_backward.default.d128_ordered]\n"
+                                "dq_split = true\ndq_pipelined = true\n")
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
-  try:
-    ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True)
-    assert mb.MosaicBackwardConfig.for_deterministic(128, False) == ordered
-    assert not mb.MosaicBackwardConfig.for_deterministic(128, True).with_dq  # no d128_causal_
-    assert not mb.MosaicBackwardConfig.for_deterministic(64, False).with_dq
-    q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
-    st = PallasMosaicGpu()._static(q, q, _opts())  # pylint: disable=protected-access
-    assert st.backward == ordered and st.dq is None and st.triton is None
-    explicit = PallasMosaicGpu(backward_config=dataclasses.replace(ordered, dq_pipelined=False))
-    assert explicit._static(q, q, _opts()).backward.dq_ordered  # pylint: disable=protected-access
-  finally:
-    _tuning._table.cache_clear()  # pylint: disable=protected-access
+  ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True)
+  assert mb.MosaicBackwardConfig.for_deterministic(128, False) == ordered
+  assert not mb.MosaicBackwardConfig.for_deterministic(128, True).with_dq  # no d128_causal_
+  assert not mb.MosaicBackwardConfig.for_deterministic(64, False).with_dq
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
+  st = PallasMosaicGpu()._static(q, q, _opts())  # pylint: disable=protected-access
+  assert st.backward == ordered and st.dq is None and st.triton is None
+  explicit = PallasMosaicGpu(backward_config=dataclasses.replace(ordered, dq_pipelined=False))
+  assert explicit._static(q, q, _opts()).backward.dq_ordered  # pylint: disable=protected-access
 
 
 def test_remat_counts_the_kernel_cost():
