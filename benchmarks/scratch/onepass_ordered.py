@@ -46,7 +46,9 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--variants", default="", help="comma-separated names; default all")
   args = parser.parse_args()
+  wanted = set(args.variants.split(",")) if args.variants else None
   q, k, v, ct, opts, res, _ = attention_backward_problem(args.causal)
   cts = (ct, jnp.zeros_like(res.lse))
   tuned = mb.MosaicBackwardConfig.tuned(D, args.causal)
@@ -59,15 +61,18 @@ def main():
                             ("wait first", patched(WAIT_FIRST), ordered),
                             ("ordered dq_split", mb,
                              dataclasses.replace(ordered, dq_pipelined=False))):
+    if wanted is not None and name not in wanted:
+      continue
     c = module.MosaicBackwardConfig(**dataclasses.asdict(cfg))
     # Δ and the row statistics inside, as the pair computes them: whole backwards alike.
     f = jax.jit(lambda res, ct, m=module, c=c: m.backward(opts, c, res, (ct, cts[1]))[:3])
     try_variant(fns, outs, name, f, res, ct)
-  pair = PallasMosaicGpu()
-  det = dataclasses.replace(opts, deterministic=True)
-  f = jax.jit(lambda res, ct: pair.backward(q, k, v, None, None, res.out, res.lse, ct, cts[1],
-                                            opts=det))
-  try_variant(fns, outs, "pair", f, res, ct)
+  if wanted is None or "pair" in wanted:
+    pair = PallasMosaicGpu()
+    det = dataclasses.replace(opts, deterministic=True)
+    f = jax.jit(lambda res, ct: pair.backward(q, k, v, None, None, res.out, res.lse, ct,
+                                              cts[1], opts=det))
+    try_variant(fns, outs, "pair", f, res, ct)
   if "ordered" in outs:
     f, a = fns["ordered"]
     for _ in range(3):
