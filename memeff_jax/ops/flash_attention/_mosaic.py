@@ -68,10 +68,12 @@ def when(cond, fn) -> None:
     pl.when(cond)(fn)
 
 
-def fill_ring(load, n, stages: int, free) -> None:
+def fill_ring(load, n, stages: int, free, drain=None) -> None:
   """The memory warpgroup's loop: load(i, slot) for steps 0..n-1 into `stages` shared-memory
   slots, refilling a slot once every barrier array in `free` has been arrived on for it.
-  `n` may be traced (causal CTAs need fewer steps); the first fills are then guarded."""
+  `n` may be traced (causal CTAs need fewer steps); the first fills are then guarded.
+  drain(i), if given, runs for every step i after step i + stages's load (the last `stages`
+  after the loop): work on a step's results that should not hold up the loads."""
   for i in range(stages):
     when(i < n, functools.partial(load, i, i))
 
@@ -81,6 +83,11 @@ def fill_ring(load, n, stages: int, free) -> None:
     for barrier in free:
       plgpu.barrier_wait(barrier.at[slot])
     load(i, slot)
+    if drain is not None:
+      drain(i - stages)
+
+  if drain is not None:
+    pl.loop(jnp.maximum(n - stages, 0), n)(drain)
 
 
 def floor_div(x, n):

@@ -100,13 +100,14 @@ class MosaicBackwardConfig:
       and dK and stores dQ while those two run. Otherwise it issues dV and dK, exchanges
       dSᵀ, and waits for dQ on its own before storing it, the tensor cores idle meanwhile.
     dq_ordered: (dq_split or column_split) the key CTAs add into each query block's dq in
-      one fixed order, descending key block, so that dq is bitwise reproducible: a
-      warpgroup waits for a counter in global memory (one per query block, head and column
-      half) to reach its rank before its reduction, and adds one to it once the reduction
-      has landed. The first adder stores, so the float32 dq needs no zeroing. The CTAs of a
-      key head launch in that same order (last key block first), so a CTA only waits on one
-      launched before it, never on one without an SM (CUDA starts a grid's CTAs in order).
-      Not yet run on a GPU (benchmarks/NOTES.md).
+      one fixed order, descending key block, so that dq is bitwise reproducible. The
+      compute warpgroups only leave their dQ tiles in shared memory; the memory warpgroup,
+      between its loads, waits for a counter in global memory (one per query block and
+      head) to reach the CTA's rank, sends both tiles to their reduction, and adds one to
+      the counter once they have landed. The first adder stores, so the float32 dq needs no
+      zeroing. The CTAs of a key head launch in that same order (last key block first), so
+      a CTA only waits on one launched before it, never on one without an SM (CUDA starts
+      a grid's CTAs in order).
   """
 
   stages: int = 2
@@ -301,8 +302,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      softcap: float | None, group: int, order=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
-  int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table
-  and the [B · Hq · n_q · 2 + 1] counters the reductions wait on (the last a spare)."""
+  int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table,
+  the [B · Hq · n_q] counters the reductions wait on, and the barriers dq_full (both
+  compute warpgroups' dQ tiles written) and dq_free (the tiles read by their reductions)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -384,35 +386,21 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       dq_cols = pl.ds((wg + z) * half, half)  # with dq_split
       return k_smem.at[rows], v_smem.at[rows], k_smem.at[:, dq_cols]
 
-    def counter_index(head, qb):
-      """dq_ordered's counter of query block qb of `head`, this warpgroup's column half."""
-      return ((b * q_ref.shape[2] + head) * n_q + qb) * 2 + wg
-
-    def store_dq(i, dq, cols, rank):
+    def store_dq(i, dq, cols):
       """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction; with
-      dq_ordered, once the `rank` later key blocks that add into that query block have."""
+      dq_ordered, leaves it for the memory warpgroup's (see send_dq)."""
+      if config.dq_ordered:
+        plgpu.barrier_wait(order[3])  # the last step's tiles have been read
+        dq_smem.at[wg][...] = dq
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(order[2])
+        return
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
       dq_smem.at[wg][...] = dq
       plgpu.commit_smem()
       head, qb = step_block(i)
-      dst = dq_ref.at[b, pl.ds(qb * bq, bq), head, cols]
-      if config.dq_ordered:  # the first adder stores (dq_ref starts uninitialized)
-        counter = order[1].at[counter_index(head, qb)]
-        plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
-        pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst))
-        pl.when(rank > 0)(lambda: plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst,
-                                                          reduction_op="add"))
-      else:
-        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
-
-    def release_dq(i):
-      """dq_ordered: once step i's reduction has landed, the next key block may add its own.
-      Step -1 (before the first) releases the last, spare counter, which no one waits on:
-      no branch."""
-      plgpu.wait_smem_to_gmem(0)
-      index = counter_index(*step_block(jnp.maximum(i, 0)))
-      spare = order[1].shape[0] - 1
-      plgpu.semaphore_signal(order[1].at[jnp.where(i < 0, spare, index)], 1, memory_scope="gpu")
+      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(qb * bq, bq), head, cols],
+                              reduction_op="add")
 
     def share_ds(i, dst):
       """Step i's dSᵀ slot, with this warpgroup's rows written (with column_split, both
@@ -425,7 +413,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
       return ds_buf
 
-    def pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, rank):
+    def pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv):
       """The rest of config.dq_pipelined's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
       shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
       reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
@@ -438,7 +426,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.wgmma(dv_ref, pt, do_tile)
         plgpu.wgmma(dk_ref, dst, q_tile)
         dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
-        store_dq(i, dq, pl.ds(col, half), rank)
+        store_dq(i, dq, pl.ds(col, half))
 
       _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
                                        plgpu.ACC.init(dk)))
@@ -456,16 +444,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       plgpu.barrier_wait(do_ready.at[slot])
       plgpu.barrier_wait(stats_ready.at[slot])
 
-      # dq_ordered: this step's rank, loaded well before the reduction waits on it.
-      rank = order[0][b, kvi, qb] if config.dq_ordered else None
-
       def scores(refs):
         s_ref, dp_ref = refs
         plgpu.wgmma(s_ref, k_step, q_tile.T)
         plgpu.wgmma(dp_ref, v_step, do_tile.T)
         take_turn()
-        if config.dq_ordered:  # under Sᵀ and dPᵀ: the last step's reduction has landed
-          release_dq(i - 1)
 
       st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                       plgpu.ACC.init(zeros((bkv, bq)))))
@@ -485,7 +468,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
       dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
       if config.dq_pipelined:
-        return pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, rank)
+        return pipelined_grads(i, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv)
 
       def grads(refs):
         dv_ref, dk_ref = refs
@@ -515,7 +498,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           return acc_ref[...]
         dq = pl.run_scoped(mm, plgpu.ACC((bq, oc), jnp.float32))
         cols = my_cols
-      store_dq(i, dq, cols, rank)
+      store_dq(i, dq, cols)
       return dk, dv
 
     carry = (zeros((bkv, oc)), zeros((bkv, oc)))
@@ -528,8 +511,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                      start + full_lo, start + full_hi, dense=False)
 
       dk, dv = lax.fori_loop(0, heads, head_steps, carry)
-    if config.dq_ordered:
-      release_dq(n_steps - 1)
 
     if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
       pl.when(wg == 0)(take_turn)
@@ -582,7 +563,30 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                 seg_scratch[1].at[slot],
                                 seg_scratch[3].at[slot])
 
-    _mosaic.fill_ring(load, n_steps, stages, (q_free, do_free))
+    def send_dq(i):
+      """dq_ordered: step i's dQ tiles, once both compute warpgroups have left them, into
+      dq in rank order: after the `rank` key blocks before this one, the first storing."""
+      head, qb = step_block(i)
+      counter = order[1].at[(b * q_ref.shape[2] + head) * n_q + qb]
+      rank = order[0][b, kvi, qb]
+      plgpu.barrier_wait(order[2])
+      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+      rows, half = pl.ds(qb * bq, bq), d // 2
+      for op, when in ((None, rank == 0), ("add", rank > 0)):
+        @pl.when(when)
+        def _(op=op):
+          for w in range(2):
+            plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[b, rows, head, pl.ds(w * half, half)],
+                                    reduction_op=op)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(order[3])
+      plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
+      plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
+
+    if config.dq_ordered:
+      plgpu.barrier_arrive(order[3])  # the compute warpgroups' first dQ tiles are free
+    _mosaic.fill_ring(load, n_steps, stages, (q_free, do_free),
+                      drain=send_dq if config.dq_ordered else None)
 
 
 def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
@@ -644,15 +648,19 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   operand_tiles = _mosaic.swizzled_tiles(_operand_swizzle(bq))
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
-    order = None
-    if config.dq_ordered:  # the rank table, and counters that start at zero in every call
-      order = (refs[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q * 2 + 1,))))
-      refs = refs[1:]
+    ranks_ref = None
+    if config.dq_ordered:  # the rank table
+      ranks_ref, refs = refs[0], refs[1:]
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
     dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
     def kernel(*scratch):
       main, extra = scratch[:16], scratch[16:]
+      order = None
+      if config.dq_ordered:  # with counters that start at zero in every call
+        *extra, dq_full, dq_free = extra
+        order = (ranks_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))),
+                 dq_full, dq_free)
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                        dq_ref, dk_ref, dv_ref, *main, extra or None, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv, order=order)
@@ -677,6 +685,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         plgpu.Barrier(num_arrivals=2, num_barriers=2),
         plgpu.Barrier(num_arrivals=2),
         *seg_scratch,
+        *((plgpu.Barrier(num_arrivals=2), plgpu.Barrier()) if config.dq_ordered else ()),
         collective_axes="wg",
     )
 
