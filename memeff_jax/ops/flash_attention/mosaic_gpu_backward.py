@@ -123,11 +123,12 @@ class MosaicBackwardConfig:
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
     """The Mosaic backward of deterministic calls: the whole kernel with dq_ordered where the
-    tuning table has a `d<D>[_causal][_gqa]_ordered` section, else the dK/dV-only kernel
-    (tuned(with_dq=False)), which runs beside a dq kernel."""
+    tuning table has a `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA
+    calls, whose schedule differs), else the dK/dV-only kernel (tuned(with_dq=False)),
+    which runs beside a dq kernel."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
-    section = f"d{d}_causal" if causal else f"d{d}"
-    found = (gqa and table.get(section + "_gqa_ordered")) or table.get(section + "_ordered")
+    section = (f"d{d}_causal" if causal else f"d{d}") + ("_gqa" if gqa else "")
+    found = table.get(section + "_ordered")
     if found:
       return cls(**{**found, "dq_ordered": True})
     return cls.tuned(d, causal, gqa, with_dq=False)

@@ -471,12 +471,12 @@ class PallasMosaicGpu:
   arrive, which is not bitwise reproducible, unless it orders them (dq_ordered): only such
   a kernel runs whole for calls with deterministic=True (flash_attention's default). For
   them None means MosaicBackwardConfig.for_deterministic: the ordered kernel where the tuning
-  table names one, else the Mosaic kernel for dK and dV alone (`with_dq=False`: one CTA per
-  key block, no reductions) beside a dq kernel with one CTA per query block; a
-  MosaicBackwardConfig must then have with_dq=False or dq_ordered. `dq_config` picks that dq
-  kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a pallas_triton.BlockConfig
-  pallas_triton's, and None mosaic_gpu_dq's where it serves the call (D 64, 128 and 256),
-  pallas_triton's elsewhere.
+  table names one and no dq_config is given, else the Mosaic kernel for dK and dV alone
+  (`with_dq=False`: one CTA per key block, no reductions) beside a dq kernel with one CTA
+  per query block; a MosaicBackwardConfig must then have with_dq=False or dq_ordered.
+  `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
+  pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the
+  call (D 64, 128 and 256), pallas_triton's elsewhere.
   """
 
   config: MosaicConfig | None = None
@@ -508,13 +508,20 @@ class PallasMosaicGpu:
     if bwd is None or isinstance(bwd, MosaicBackwardConfig):
       mosaic = bwd
       if mosaic is None:
-        # Deterministic calls: dK and dV only (no reductions), or dq's in a fixed order.
-        choose = MosaicBackwardConfig.for_deterministic if det else MosaicBackwardConfig.tuned
-        mosaic = choose(q.shape[-1], opts.mask.is_causal, gqa=q.shape[2] > k.shape[2])
+        # Deterministic calls: dq's reductions in a fixed order, or dK and dV only (no
+        # reductions) beside a dq kernel, always so when one is asked for (dq_config).
+        args = (q.shape[-1], opts.mask.is_causal, q.shape[2] > k.shape[2])
+        if not det:
+          mosaic = MosaicBackwardConfig.tuned(*args)
+        elif self.dq_config is not None:
+          mosaic = MosaicBackwardConfig.tuned(*args, with_dq=False)
+        else:
+          mosaic = MosaicBackwardConfig.for_deterministic(*args)
       why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
       if why is None and not mosaic.with_dq:
         return self._with_dq_kernel(q, k, opts, _Static(opts, config, mosaic, None))
-      self._no_dq_kernel(why or "the Mosaic backward computes dq itself (deterministic=False)")
+      self._no_dq_kernel(why or "the Mosaic backward computes dq itself (" + (
+          "dq_ordered" if mosaic.dq_ordered else "deterministic=False") + ")")
       if why is None:
         return _Static(opts, config, mosaic, None)
       if bwd is not None:

@@ -84,9 +84,11 @@ def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [4, 1])
 def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv):
-  """The Mosaic backward sums dq in arrival order: only deterministic=False may run it whole;
-  deterministic calls get dK, dV from it (with_dq=False) and dq from mosaic_gpu_dq's kernel
-  (pallas_triton's on request, or where that does not serve the call)."""
+  """The Mosaic backward sums dq in arrival order: only deterministic=False may run it whole.
+  Deterministic calls run it with dq_ordered where the table has an `_ordered` section
+  (D = 128 without GQA), else get dK, dV from it (with_dq=False) and dq from
+  mosaic_gpu_dq's kernel (pallas_triton's on request, or where that does not serve the
+  call)."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
   monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
@@ -95,8 +97,12 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   fast = dataclasses.replace(det, deterministic=False)
   assert det.deterministic  # the default
   st = PallasMosaicGpu()._static(q, k, det)  # pylint: disable=protected-access
-  assert not st.backward.with_dq and not st.backward.gqa_per_query_head
-  assert st.dq == MosaicDqConfig() and st.triton is None
+  if hkv == 4:  # d128[_causal]_ordered
+    assert st.backward.with_dq and st.backward.dq_ordered and st.dq is None
+  else:
+    assert not st.backward.with_dq and not st.backward.gqa_per_query_head
+    assert st.dq == MosaicDqConfig()
+  assert st.triton is None
   st = PallasMosaicGpu()._static(q, k, fast)  # pylint: disable=protected-access
   assert st.backward.with_dq and st.triton is None and st.dq is None
   explicit = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig())
@@ -401,10 +407,13 @@ def test_tuned_backward_configs_serve_their_calls():
   assert mb.MosaicBackwardConfig.tuned(128, False, gqa=True, with_dq=False).block_q == 80
   assert mb.MosaicBackwardConfig.tuned(128, True, with_dq=False).block_q == 64  # d128_causal_dkv
   assert mb.MosaicBackwardConfig.tuned(128, True, gqa=True, with_dq=False).pingpong  # _gqa_dkv
-  for d in (64, 128, 256):  # no _ordered section yet: the dK/dV-only kernel
-    for causal in (False, True):
-      assert (mb.MosaicBackwardConfig.for_deterministic(d, causal)
-              == mb.MosaicBackwardConfig.tuned(d, causal, with_dq=False))
+  for causal in (False, True):  # d128[_causal]_ordered: the whole kernel, dq in rank order
+    assert (mb.MosaicBackwardConfig.for_deterministic(128, causal)
+            == dataclasses.replace(mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True))
+  for d, causal, gqa in ((64, False, False), (256, True, False), (128, False, True),
+                         (128, True, True)):  # no _ordered section: the dK/dV-only kernel
+    assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
+            == mb.MosaicBackwardConfig.tuned(d, causal, gqa, with_dq=False))
 
 
 def test_deterministic_calls_take_an_ordered_section(monkeypatch, tuning_tables):
