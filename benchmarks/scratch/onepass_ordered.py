@@ -9,7 +9,8 @@ Variants: "arrival" (the tuned one-pass kernel, deterministic=False), "ordered" 
 with dq_ordered: the memory warpgroup sends dQ in rank order), "no waits" (ordered without
 its semaphore waits: what the hand-off to the memory warpgroup costs by itself), "no
 landing wait" (no waits, and the counter signalled once the tiles are read rather than
-landed), "ordered dq_split" (dq_ordered without dq_pipelined), and "pair". Run with
+landed), "send warp", "two slots" and "send warp+two slots" (dq_send_warp, dq_buffers=2),
+"ordered dq_split" (dq_ordered without dq_pipelined), and "pair". Run with
 MOSAIC_GPU_DUMP_PTXAS=1 to see ptxas's spills and any WGMMA serialization per variant.
 Checks that "ordered" gives identical bits on three calls, and its distance to "arrival".
 """
@@ -51,6 +52,10 @@ def main():
   for name, module, cfg in (("arrival", mb, tuned), ("ordered", mb, ordered),
                             ("no waits", patched([NO_WAITS]), ordered),
                             ("no landing wait", patched(NO_LANDING), ordered),
+                            ("send warp", mb, dataclasses.replace(ordered, dq_send_warp=True)),
+                            ("two slots", mb, dataclasses.replace(ordered, dq_buffers=2)),
+                            ("send warp+two slots", mb,
+                             dataclasses.replace(ordered, dq_send_warp=True, dq_buffers=2)),
                             ("ordered dq_split", mb,
                              dataclasses.replace(ordered, dq_pipelined=False))):
     if wanted is not None and name not in wanted:

@@ -108,6 +108,10 @@ class MosaicBackwardConfig:
       zeroing. The CTAs of a key head launch in that same order (last key block first), so
       a CTA only waits on one launched before it, never on one without an SM (CUDA starts
       a grid's CTAs in order).
+    dq_send_warp: (dq_ordered) the memory warpgroup's warp 1 sends dQ in its own loop, so
+      that a wait for a counter never holds up warp 0's loads. Not yet run on a GPU.
+    dq_buffers: (dq_ordered) dQ tile slots, 1 or 2: with 2 the compute warpgroups may leave
+      a step's tiles while the last step's still wait for their turn. Not yet run on a GPU.
   """
 
   stages: int = 2
@@ -119,6 +123,8 @@ class MosaicBackwardConfig:
   with_dq: bool = True
   dq_pipelined: bool = False
   dq_ordered: bool = False
+  dq_send_warp: bool = False
+  dq_buffers: int = 1
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -200,6 +206,10 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
                                 and not config.gqa_per_query_head):
     return ("dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split), "
             "and not gqa_per_query_head (whose dK and dV reductions are unordered)")
+  if (config.dq_send_warp or config.dq_buffers != 1) and not config.dq_ordered:
+    return "dq_send_warp and dq_buffers belong to dq_ordered"
+  if config.dq_buffers not in (1, 2):
+    return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
     return f"needs at least one stage, got {config}"
   if config.block_q not in (64, 80, 96):
@@ -229,7 +239,7 @@ def _ds_shape(config: MosaicBackwardConfig) -> tuple[int, int, int]:
 def _dq_tile_shape(config: MosaicBackwardConfig, d: int) -> tuple[int, int, int]:
   """The float32 dQ tiles on their way to the reduction (also dK and dV's with
   gqa_per_query_head); a token 8 × 8 without dq."""
-  return (2, BLOCK_Q, config.dq_cols(d)) if config.with_dq else (2, 8, 8)
+  return (2 * config.dq_buffers, BLOCK_Q, config.dq_cols(d)) if config.with_dq else (2, 8, 8)
 
 
 def _dq_tile_transforms(config: MosaicBackwardConfig) -> tuple:
@@ -304,8 +314,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
   int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table,
-  the [B · Hq · n_q] counters the reductions wait on, and the barriers dq_full (both
-  compute warpgroups' dQ tiles written) and dq_free (the tiles read by their reductions)."""
+  the [B · Hq · n_q] counters the reductions wait on, and per dQ tile slot the barriers
+  dq_full (both compute warpgroups' tiles written) and dq_free (read by their reductions)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -391,10 +401,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction; with
       dq_ordered, leaves it for the memory warpgroup's (see send_dq)."""
       if config.dq_ordered:
-        plgpu.barrier_wait(order[3])  # the last step's tiles have been read
-        dq_smem.at[wg][...] = dq
+        slot = _mosaic.rem(i, config.dq_buffers)
+        plgpu.barrier_wait(order[3].at[slot])  # the slot's last tiles have been read
+        dq_smem.at[slot * 2 + wg][...] = dq
         plgpu.commit_smem()
-        plgpu.barrier_arrive(order[2])
+        plgpu.barrier_arrive(order[2].at[slot])
         return
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
       dq_smem.at[wg][...] = dq
@@ -546,23 +557,32 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   @pl.when(wg == 2)
   def _memory():
     plgpu.set_max_registers(_REGISTERS[1], action="decrease")
-    keys = pl.ds(cta_key, cta_keys)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem, k_ready)
-    plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem, v_ready)
-    if segments:
-      plgpu.copy_gmem_to_smem(seg_refs[1].at[b, keys], seg_scratch[0], seg_scratch[2])
 
-    def load(i, slot):
-      head, qb = step_block(i)
-      rows = pl.ds(qb * bq, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot], q_ready.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot], do_ready.at[slot])
-      plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows], stats_smem.at[slot],
-                              stats_ready.at[slot])
+    def loads(drain=None):
+      keys = pl.ds(cta_key, cta_keys)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem, k_ready)
+      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem, v_ready)
       if segments:
-        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(qb * bq, _seg_len(bq))],
-                                seg_scratch[1].at[slot],
-                                seg_scratch[3].at[slot])
+        plgpu.copy_gmem_to_smem(seg_refs[1].at[b, keys], seg_scratch[0], seg_scratch[2])
+
+      def load(i, slot):
+        head, qb = step_block(i)
+        rows = pl.ds(qb * bq, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot], q_ready.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot], do_ready.at[slot])
+        plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows], stats_smem.at[slot],
+                                stats_ready.at[slot])
+        if segments:
+          plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(qb * bq, _seg_len(bq))],
+                                  seg_scratch[1].at[slot],
+                                  seg_scratch[3].at[slot])
+
+      _mosaic.fill_ring(load, n_steps, stages, (q_free, do_free), drain=drain)
+
+    if not config.dq_ordered:
+      loads()
+      return
+    n_bufs = config.dq_buffers
 
     def send_dq(i):
       """dq_ordered: step i's dQ tiles, once both compute warpgroups have left them, into
@@ -570,24 +590,40 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       head, qb = step_block(i)
       counter = order[1].at[(b * q_ref.shape[2] + head) * n_q + qb]
       rank = order[0][b, kvi, qb]
-      plgpu.barrier_wait(order[2])
+      slot = _mosaic.rem(i, n_bufs)
+      plgpu.barrier_wait(order[2].at[slot])
       plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
       rows, half = pl.ds(qb * bq, bq), d // 2
       for op, when in ((None, rank == 0), ("add", rank > 0)):
         @pl.when(when)
         def _(op=op):
           for w in range(2):
-            plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_ref.at[b, rows, head, pl.ds(w * half, half)],
+            plgpu.copy_smem_to_gmem(dq_smem.at[slot * 2 + w],
+                                    dq_ref.at[b, rows, head, pl.ds(w * half, half)],
                                     reduction_op=op)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      plgpu.barrier_arrive(order[3])
+      plgpu.barrier_arrive(order[3].at[slot])
       plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
       plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
-    if config.dq_ordered:
-      plgpu.barrier_arrive(order[3])  # the compute warpgroups' first dQ tiles are free
-    _mosaic.fill_ring(load, n_steps, stages, (q_free, do_free),
-                      drain=send_dq if config.dq_ordered else None)
+    def sends_start():  # the compute warpgroups' first dQ tiles are free
+      for slot in range(n_bufs):
+        plgpu.barrier_arrive(order[3].at[slot])
+
+    if not config.dq_send_warp:  # between the loads
+      sends_start()
+      loads(drain=send_dq)
+      return
+
+    @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+    def _per_warp():
+      warp = lax.axis_index("warp")
+      pl.when(warp == 0)(loads)
+
+      @pl.when(warp == 1)
+      def _():
+        sends_start()
+        pl.loop(0, n_steps)(send_dq)
 
 
 def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
@@ -686,7 +722,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         plgpu.Barrier(num_arrivals=2, num_barriers=2),
         plgpu.Barrier(num_arrivals=2),
         *seg_scratch,
-        *((plgpu.Barrier(num_arrivals=2), plgpu.Barrier()) if config.dq_ordered else ()),
+        *((plgpu.Barrier(num_arrivals=2, num_barriers=config.dq_buffers),
+           plgpu.Barrier(num_barriers=config.dq_buffers)) if config.dq_ordered else ()),
         collective_axes="wg",
     )
 

@@ -305,6 +305,16 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
      mb.MosaicBackwardConfig(dq_split=False, dq_ordered=True), "dq_ordered needs"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, with_dq=False, dq_ordered=True), "dq_ordered needs"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_send_warp=True), "belong to dq_ordered"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_buffers=2), "belong to dq_ordered"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_ordered=True, dq_buffers=3), "dq_buffers must be 1 or 2"),
+    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
+                             dq_buffers=2),
+     "shared memory"),
 ])
 def test_backward_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config,
                                                          match):
@@ -327,15 +337,22 @@ def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap,
   assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, 128, segments))
 
 
-@pytest.mark.parametrize("causal, window, segments, d, pipelined, t, s, hkv", [
-    (False, None, False, 128, True, 256, 384, 2),
-    (True, None, False, 128, True, 384, 256, 4),
-    (False, (100, 7), True, 128, False, 256, 512, 1),
-    (True, 200, True, 256, False, 256, 384, 2)])
-def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, pipelined, t, s, hkv):
-  """dq_ordered: the reductions wait on counters in global memory and release them."""
+@pytest.mark.parametrize("causal, window, segments, d, pipelined, t, s, hkv, warp, buffers", [
+    (False, None, False, 128, True, 256, 384, 2, False, 1),
+    (True, None, False, 128, True, 384, 256, 4, False, 1),
+    (False, (100, 7), True, 128, False, 256, 512, 1, False, 1),
+    (True, 200, True, 256, False, 256, 384, 2, False, 1),
+    (False, None, False, 128, True, 256, 384, 2, True, 2),
+    (True, None, True, 128, True, 384, 256, 4, True, 1),
+    (False, (100, 7), False, 128, False, 256, 512, 1, False, 2),
+    (True, None, False, 256, False, 256, 384, 2, True, 1)])
+def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, pipelined, t, s, hkv, warp,
+                                          buffers):
+  """dq_ordered: the reductions wait on counters in global memory and release them, sent
+  between the loads or by a warp of their own, from one or two dQ tile slots."""
   config = mb.MosaicBackwardConfig(dq_split=d == 128, column_split=d == 256, stages=2 - (d == 256),
-                                   dq_pipelined=pipelined, dq_ordered=True)
+                                   dq_pipelined=pipelined, dq_ordered=True, dq_send_warp=warp,
+                                   dq_buffers=buffers)
   opts = _opts(causal, window, segments)
   assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
   text = _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments)
@@ -670,7 +687,11 @@ class TestMosaicGpu:
 
   @pytest.mark.parametrize("backward", [
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True),
-      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True)])
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                              dq_send_warp=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                              dq_send_warp=True, dq_buffers=2)])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
@@ -798,6 +819,15 @@ class TestMosaicGpuOrderedDq(TestMosaicGpuFeatures):
       dq_split=True, dq_pipelined=True, dq_ordered=True))
   extra = {}
   dtypes = (jnp.bfloat16,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuOrderedDqSendWarp(TestMosaicGpuOrderedDq):
+  """dq_ordered with the dQ tiles sent by a warp of their own, from two slots."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+      dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2))
 
 
 @pytest.mark.gpu
