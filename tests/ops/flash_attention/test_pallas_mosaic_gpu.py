@@ -691,7 +691,8 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
                               dq_send_warp=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                              dq_send_warp=True, dq_buffers=2)])
+                              dq_send_warp=True, dq_buffers=2)],
+      ids=["pipelined", "split", "send_warp", "send_warp_two_slots"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
