@@ -339,6 +339,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     heads, kv_head = group, h
   n_steps = heads * per_head
 
+  def dq_slot(i):
+    """dq_ordered: step i's dQ tile slot, and that slot's dq_full and dq_free barriers."""
+    if config.dq_buffers == 1:
+      return 0, order[2], order[3]
+    slot = _mosaic.rem(i, config.dq_buffers)
+    return slot, order[2].at[slot], order[3].at[slot]
+
   def step_block(i):
     """(query head, query block) of pipeline step i: all blocks of one head, then the next."""
     if per_query_head:
@@ -401,11 +408,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction; with
       dq_ordered, leaves it for the memory warpgroup's (see send_dq)."""
       if config.dq_ordered:
-        slot = _mosaic.rem(i, config.dq_buffers)
-        plgpu.barrier_wait(order[3].at[slot])  # the slot's last tiles have been read
+        slot, full, free = dq_slot(i)
+        plgpu.barrier_wait(free)  # the slot's last tiles have been read
         dq_smem.at[slot * 2 + wg][...] = dq
         plgpu.commit_smem()
-        plgpu.barrier_arrive(order[2].at[slot])
+        plgpu.barrier_arrive(full)
         return
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
       dq_smem.at[wg][...] = dq
@@ -582,16 +589,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     if not config.dq_ordered:
       loads()
       return
-    n_bufs = config.dq_buffers
-
     def send_dq(i):
       """dq_ordered: step i's dQ tiles, once both compute warpgroups have left them, into
       dq in rank order: after the `rank` key blocks before this one, the first storing."""
       head, qb = step_block(i)
       counter = order[1].at[(b * q_ref.shape[2] + head) * n_q + qb]
       rank = order[0][b, kvi, qb]
-      slot = _mosaic.rem(i, n_bufs)
-      plgpu.barrier_wait(order[2].at[slot])
+      slot, full, free = dq_slot(i)
+      plgpu.barrier_wait(full)
       plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
       rows, half = pl.ds(qb * bq, bq), d // 2
       for op, when in ((None, rank == 0), ("add", rank > 0)):
@@ -602,13 +607,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                     dq_ref.at[b, rows, head, pl.ds(w * half, half)],
                                     reduction_op=op)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      plgpu.barrier_arrive(order[3].at[slot])
+      plgpu.barrier_arrive(free)
       plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
       plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
     def sends_start():  # the compute warpgroups' first dQ tiles are free
-      for slot in range(n_bufs):
-        plgpu.barrier_arrive(order[3].at[slot])
+      for i in range(config.dq_buffers):
+        plgpu.barrier_arrive(dq_slot(i)[2])
 
     if not config.dq_send_warp:  # between the loads
       sends_start()
