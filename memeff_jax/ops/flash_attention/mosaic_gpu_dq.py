@@ -1,9 +1,10 @@
-"""Hopper attention dq kernel in Pallas Mosaic GPU: the deterministic backward's dq.
+"""Hopper attention dq kernel in Pallas Mosaic GPU: the deterministic backward's dq where
+the one-pass kernel's ordered reductions do not serve (head dims other than 128, GQA).
 
 The one-pass backward (mosaic_gpu_backward) adds each key block's dQ into a float32 dq by
-TMA reductions in arrival order, which is fast but not reproducible bit for bit. The
-deterministic backward runs that kernel for dK and dV alone (`with_dq=False`) and this one
-for dq: the forward's structure, with the queries' rows resident and the keys streamed, so
+TMA reductions, in arrival order unless dq_ordered. Where no `_ordered` tuning section
+names the ordered kernel, the deterministic backward runs that kernel for dK and dV alone
+(`with_dq=False`) and this one for dq: the forward's structure, with the queries' rows resident and the keys streamed, so
 one CTA owns every dq row it writes and sums the key blocks in a fixed order.
 
 One CTA per (batch, query head, 2·64 query rows) runs three warpgroups:
