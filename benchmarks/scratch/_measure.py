@@ -90,17 +90,20 @@ def against(timers, ref: str, rounds: int):
           + " ".join(f"{t * 1e3:.0f}" for t in ts), flush=True)
 
 
-def attention_backward_problem(causal: bool, shape=ATTN_SHAPE):
+def attention_backward_problem(causal: bool, shape=ATTN_SHAPE, kv_heads=None):
   """(q, k, v, ct, opts, res, stats): random bf16 q, k, v and output cotangent ct at `shape`
-  ([B, T, H, D]), and what the Mosaic backward kernels take for them: the options, the
-  forward's residuals (its out and lse) and mosaic_gpu_backward.row_stats (lse₂ and Δ)."""
+  ([B, T, H, D]; k and v with kv_heads heads if given), and what the Mosaic backward
+  kernels take for them: the options, the forward's residuals (its out and lse) and
+  mosaic_gpu_backward.row_stats (lse₂ and Δ)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.flash_attention import _common  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.flash_attention.masks import MaskSpec  # pylint: disable=import-outside-toplevel
-  q, k, v, ct = (jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
-                 for kk in jax.random.split(jax.random.key(0), 4))
+  kv_shape = (*shape[:2], kv_heads or shape[2], shape[3])
+  q, k, v, ct = (jax.random.normal(kk, sh, jnp.float32).astype(jnp.bfloat16)
+                 for kk, sh in zip(jax.random.split(jax.random.key(0), 4),
+                                   (shape, kv_shape, kv_shape, shape)))
   opts = _common.AttentionOptions(mask=MaskSpec.make(causal, None, False),
                                   scale=shape[-1] ** -0.5)
   out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)

@@ -3,7 +3,8 @@ against the same kernel in arrival order and the deterministic default's pair (d
 kernel and mosaic_gpu_dq's), at the headline (device only): each a whole backward from the
 residuals (Δ, the float32 dq's zeroing where it has one, and the cast included).
 
-    python benchmarks/scratch/onepass_ordered.py [--causal] [--rounds 5]
+    python benchmarks/scratch/onepass_ordered.py [--causal] [--rounds 5] [--kv-heads 8]
+        [--variants arrival,ordered,pair]
 
 Variants: "arrival" (the tuned one-pass kernel, deterministic=False), "ordered" (the same
 with dq_ordered: the memory warpgroup sends dQ in rank order), "no waits" (ordered without
@@ -26,6 +27,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
 from _measure import attention_backward_problem, rounds_then_power, try_variant  # noqa: E402
 from onepass_ablate import patched  # noqa: E402
+from memeff_jax.ops.flash_attention import MosaicDqConfig  # noqa: E402
 from memeff_jax.ops.flash_attention import PallasMosaicGpu  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
 
@@ -41,12 +43,17 @@ def main():
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--variants", default="", help="comma-separated names; default all")
+  parser.add_argument("--kv-heads", type=int, default=None,
+                      help="GQA: key heads (of 32); arrival is then the tuned GQA kernel")
   args = parser.parse_args()
   wanted = set(args.variants.split(",")) if args.variants else None
-  q, k, v, ct, opts, res, _ = attention_backward_problem(args.causal)
+  q, k, v, ct, opts, res, _ = attention_backward_problem(args.causal, kv_heads=args.kv_heads)
   cts = (ct, jnp.zeros_like(res.lse))
-  tuned = mb.MosaicBackwardConfig.tuned(D, args.causal)
-  ordered = dataclasses.replace(tuned, dq_ordered=True)
+  gqa = args.kv_heads is not None and args.kv_heads < q.shape[2]
+  tuned = mb.MosaicBackwardConfig.tuned(D, args.causal, gqa)
+  # With GQA the ordered kernel is the MHA section's (a CTA per key head looping over its
+  # query heads): the GQA one's CTA per query head adds dK and dV in arrival order.
+  ordered = dataclasses.replace(mb.MosaicBackwardConfig.tuned(D, args.causal), dq_ordered=True)
   print(f"arrival: {tuned}", flush=True)
   fns, outs = {}, {}
   for name, module, cfg in (("arrival", mb, tuned), ("ordered", mb, ordered),
@@ -65,7 +72,7 @@ def main():
     f = jax.jit(lambda res, ct, m=module, c=c: m.backward(opts, c, res, (ct, cts[1]))[:3])
     try_variant(fns, outs, name, f, res, ct)
   if wanted is None or "pair" in wanted:
-    pair = PallasMosaicGpu()
+    pair = PallasMosaicGpu(dq_config=MosaicDqConfig())  # the pair even where _ordered serves
     det = dataclasses.replace(opts, deterministic=True)
     f = jax.jit(lambda res, ct: pair.backward(q, k, v, None, None, res.out, res.lse, ct,
                                               cts[1], opts=det))
