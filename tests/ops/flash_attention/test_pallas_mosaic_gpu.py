@@ -791,12 +791,15 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
   def test_packed_documents_take_the_mosaic_kernels(self):
     q = jnp.ones((1, 256, 4, self.shape["d"]), BF16)
     seg = jnp.repeat(jnp.arange(4), 64)[None]
-    for deterministic, backward in ((False, "flash_attention_bwd_mosaic"),
-                                    (True, self.deterministic_dq)):
+    # Deterministic: the ordered one-pass kernel where a `_ordered` section names it (this
+    # mask is not causal alone), else the dK/dV kernel beside the dq kernel.
+    ordered = mb.MosaicBackwardConfig.for_deterministic(self.shape["d"], False).dq_ordered
+    for deterministic in (False, True):
       f = lambda q, d=deterministic: flash_attention(q, q, q, causal=True, sliding_window=100,
                                                      q_segment_ids=seg, deterministic=d)
       text = jax.jit(jax.grad(lambda q, f=f: f(q).astype(jnp.float32).sum())).lower(q).as_text()
-      assert "flash_attention_fwd_mosaic" in text and backward in text
+      assert "flash_attention_fwd_mosaic" in text and "flash_attention_bwd_mosaic" in text
+      assert (self.deterministic_dq in text) == (deterministic and not ordered)
 
 
 @pytest.mark.gpu
@@ -852,7 +855,9 @@ class TestMosaicGpuFeaturesD256(TestMosaicGpuFeatures):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesDeterministic(TestMosaicGpuFeatures):
-  """The default deterministic backward: the dK/dV-only Mosaic kernel and mosaic_gpu_dq's."""
+  """The default deterministic backward, at this suite's GQA 4:1 the dK/dV-only Mosaic
+  kernel and mosaic_gpu_dq's (its MHA calls take the ordered one-pass kernel, as
+  TestMosaicGpuOrderedDq does throughout)."""
 
   extra = {}
   dtypes = (jnp.bfloat16,)
