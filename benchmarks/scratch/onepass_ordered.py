@@ -11,7 +11,8 @@ with dq_ordered: the memory warpgroup sends dQ in rank order), "no waits" (order
 its semaphore waits: what the hand-off to the memory warpgroup costs by itself), "no
 landing wait" (no waits, and the counter signalled once the tiles are read rather than
 landed), "send warp", "two slots" and "send warp+two slots" (dq_send_warp, dq_buffers=2),
-"ordered dq_split" (dq_ordered without dq_pipelined), and "pair". Run with
+"all+rotate" (those and dq_rotate: no effect with a mask), "ordered dq_split" (dq_ordered
+without dq_pipelined), and "pair". Run with
 MOSAIC_GPU_DUMP_PTXAS=1 to see ptxas's spills and any WGMMA serialization per variant.
 Checks that "ordered" gives identical bits on three calls, and its distance to "arrival".
 """
@@ -63,6 +64,8 @@ def main():
                             ("two slots", mb, dataclasses.replace(ordered, dq_buffers=2)),
                             ("send warp+two slots", mb,
                              dataclasses.replace(ordered, dq_send_warp=True, dq_buffers=2)),
+                            ("all+rotate", mb, dataclasses.replace(
+                                ordered, dq_send_warp=True, dq_buffers=2, dq_rotate=True)),
                             ("ordered dq_split", mb,
                              dataclasses.replace(ordered, dq_pipelined=False))):
     if wanted is not None and name not in wanted:

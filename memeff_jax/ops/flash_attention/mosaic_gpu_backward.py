@@ -112,6 +112,14 @@ class MosaicBackwardConfig:
       that a wait for a counter never holds up warp 0's loads. Not yet run on a GPU.
     dq_buffers: (dq_ordered) dQ tile slots, 1 or 2: with 2 the compute warpgroups may leave
       a step's tiles while the last step's still wait for their turn. Not yet run on a GPU.
+    dq_rotate: (dq_ordered) without a mask, key block j starts its walk over the query
+      blocks at block j · (n_q // n_kv) (then wraps around), and a query block's adders take
+      their turns in the order they visit it (then launch order). In lockstep, no two key
+      blocks reach a query block at the same step, so no one waits for the chain of those
+      before it (which in the plain walk grows by a reduction's latency per rank). A CTA
+      may then wait on one launched after it, which must find an SM: rotated walks apply
+      only where a key head has at most ROTATE_MAX_KV CTAs (T ≤ 8,192 at D = 128), and
+      only without a mask (masked walks keep their order). Not yet run on a GPU.
   """
 
   stages: int = 2
@@ -125,6 +133,7 @@ class MosaicBackwardConfig:
   dq_ordered: bool = False
   dq_send_warp: bool = False
   dq_buffers: int = 1
+  dq_rotate: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -206,8 +215,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
                                 and not config.gqa_per_query_head):
     return ("dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split), "
             "and not gqa_per_query_head (whose dK and dV reductions are unordered)")
-  if (config.dq_send_warp or config.dq_buffers != 1) and not config.dq_ordered:
-    return "dq_send_warp and dq_buffers belong to dq_ordered"
+  if (config.dq_send_warp or config.dq_buffers != 1 or config.dq_rotate) and not config.dq_ordered:
+    return "dq_send_warp, dq_buffers and dq_rotate belong to dq_ordered"
   if config.dq_buffers not in (1, 2):
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
@@ -288,18 +297,39 @@ def _query_blocks(mask: MaskSpec, cta_key, cta_keys: int, n_q: int, bq: int, seg
   return first, last, full_lo, full_hi
 
 
+ROTATE_MAX_KV = 64  # dq_rotate's bound on a key head's CTAs: half an H100's SMs
+
+
+def _rotates(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> bool:
+  return config.dq_ordered and config.dq_rotate and mask.is_dense and n_kv <= ROTATE_MAX_KV
+
+
+def _rotation(kv, n_kv: int, n_q: int):
+  """dq_rotate: the query block that key block kv's walk starts at (kv an int32 scalar in
+  the kernel or an array)."""
+  return lax.rem(kv * max(n_q // n_kv, 1), jnp.int32(n_q))
+
+
 def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
-                     ranges=None):
+                     ranges=None, rotate: bool = False):
   """(ranks [B, n_kv, n_q], adders [B, n_q]) int32 for dq_ordered: per key block and query
-  block, how many later key blocks add into that query block's dq (those add first), and
-  per query block how many add at all. ranges: the backward's segment_block_ranges
-  ([B, n_kv, 2]), with segment ids."""
+  block, how many key blocks add into that query block's dq before this one, and per query
+  block how many add at all. In the plain walks later key blocks (launched first) add
+  first; with `rotate` (dq_rotate, no mask), those that visit the block at an earlier step,
+  then those launched first. ranges: the backward's segment_block_ranges ([B, n_kv, 2]),
+  with segment ids."""
   kv = jnp.arange(n_kv, dtype=jnp.int32)
+  qb = jnp.arange(n_q, dtype=jnp.int32)
+  if rotate:
+    visit = lax.rem(qb[None] - _rotation(kv, n_kv, n_q)[:, None] + n_q, jnp.int32(n_q))
+    turn = visit * n_kv + (n_kv - 1 - kv)[:, None]  # [n_kv, n_q], distinct per query block
+    ranks = (turn[None, :, :] < turn[:, None, :]).sum(axis=1, dtype=jnp.int32)
+    return (jnp.broadcast_to(ranks, (batch, n_kv, n_q)),
+            jnp.full((batch, n_q), n_kv, jnp.int32))
   seg = None if ranges is None else (ranges[..., 0], ranges[..., 1])
   first, last, _, _ = _query_blocks(mask, kv * cta_keys, cta_keys, n_q, bq, seg)
   first, last = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, n_kv))[..., None]
                  for x in (first, last))
-  qb = jnp.arange(n_q, dtype=jnp.int32)
   adds = ((first <= qb) & (qb < last)).astype(jnp.int32)  # [B, n_kv, n_q]
   return jnp.cumsum(adds[:, ::-1], axis=1)[:, ::-1] - adds, adds.sum(axis=1)
 
@@ -338,6 +368,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   else:  # every query head of this key head
     heads, kv_head = group, h
   n_steps = heads * per_head
+  # dq_rotate: where this key block's walk starts (per_head = n_q: no mask).
+  rot = (_rotation(kvi, k_ref.shape[1] // cta_keys, n_q)
+         if _rotates(config, mask, k_ref.shape[1] // cta_keys) else None)
 
   def dq_slot(i):
     """dq_ordered: step i's dQ tile slot, and that slot's dq_full and dq_free barriers."""
@@ -347,10 +380,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     return slot, order[2].at[slot], order[3].at[slot]
 
   def step_block(i):
-    """(query head, query block) of pipeline step i: all blocks of one head, then the next."""
+    """(query head, query block) of pipeline step i: all blocks of one head, then the next
+    (with dq_rotate from block `rot` on, wrapping around)."""
+    j = _mosaic.rem(i, per_head)
+    if rot is not None:
+      j = _mosaic.rem(j + rot, per_head)
     if per_query_head:
-      return h, first + _mosaic.rem(i, per_head)
-    return h * group + _mosaic.div(i, per_head), first + _mosaic.rem(i, per_head)
+      return h, first + j
+    return h * group + _mosaic.div(i, per_head), first + j
 
   @pl.when(wg < 2)
   def _compute():
@@ -666,8 +703,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     seg_args, seg_scratch, ranges = (), (), None
   n_q = -(-t // bq)
   if config.dq_ordered:
-    ranks, adders = _reduction_ranks(mask, b, s // config.cta_keys(), config.cta_keys(), n_q,
-                                     bq, ranges)
+    n_kv = s // config.cta_keys()
+    ranks, adders = _reduction_ranks(mask, b, n_kv, config.cta_keys(), n_q, bq, ranges,
+                                     rotate=_rotates(config, mask, n_kv))
     rank_args = (ranks,)
   else:
     rank_args = ()

@@ -1,5 +1,6 @@
 """The Mosaic GPU (Hopper) forward: what it serves, that it builds, and its numbers on the GPU."""
 
+import collections
 import dataclasses
 import functools
 import re
@@ -308,6 +309,8 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_send_warp=True), "belong to dq_ordered"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_rotate=True), "belong to dq_ordered"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_buffers=2), "belong to dq_ordered"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_ordered=True, dq_buffers=3), "dq_buffers must be 1 or 2"),
@@ -360,6 +363,19 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, pipelined
   assert "red.release.gpu" in text and "ld.relaxed.gpu" in text  # signal, and wait
 
 
+@pytest.mark.parametrize("pipelined, warp, buffers", [(True, True, 2), (False, False, 1)])
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_rotated_backward_lowers_for_cuda(pipelined, warp, buffers, hkv):
+  """dq_rotate: the rotated walks (no mask; GQA's CTA loops over its query heads)."""
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=pipelined, dq_ordered=True,
+                                   dq_send_warp=warp, dq_buffers=buffers, dq_rotate=True)
+  opts = _opts()
+  assert mb.support_error((2, 512, 4, 128), (2, 384, hkv, 128), BF16, opts, config) is None
+  assert mb._rotates(config, opts.mask, 3)  # pylint: disable=protected-access
+  text = _backward_lowered_for_cuda(opts, config, 512, 384, hkv, 128, False)
+  assert _MOSAIC_CALL.search(text) and "red.release.gpu" in text
+
+
 @pytest.mark.parametrize("causal, window, segments, t, s, cta_keys", [
     (False, None, None, 256, 384, 128),
     (True, None, None, 384, 256, 128),
@@ -397,6 +413,66 @@ def test_reduction_ranks_order_each_query_blocks_adders(causal, window, segments
       assert [ranks[b, j, qb] for j in adding[::-1]] == list(range(len(adding)))
       assert adders[b, qb] == len(adding)
   assert ranks.min() >= 0
+
+
+def _run_ordered_schedule(ranks, walks, heads: int, sms: int, seed: int):
+  """dq_ordered's protocol, played out: `heads` key heads of CTAs launched in grid order
+  (last key block first) onto `sms` SMs; a CTA adds into its walk's next query block once
+  that block's counter equals its rank there, then counts it up. Resident CTAs move in a
+  random order. Returns each (head, query block)'s adders in the order they added, or None
+  if no CTA can move (deadlock)."""
+  rng = np.random.default_rng(seed)
+  n_kv = len(walks)
+  queue = [(hd, j) for hd in range(heads) for j in reversed(range(n_kv))]
+  resident, done = {}, {}
+  counters = collections.Counter()
+  while queue or resident:
+    while queue and len(resident) < sms:
+      resident[queue.pop(0)] = 0
+    moved = False
+    for cta in rng.permutation(len(resident)):
+      hd, j = cta = list(resident)[cta]
+      qb = walks[j][resident[cta]]
+      if counters[hd, qb] == ranks[j, qb]:
+        counters[hd, qb] += 1
+        done.setdefault((hd, qb), []).append(j)
+        resident[cta] += 1
+        moved = True
+        if resident[cta] == len(walks[j]):
+          del resident[cta]
+        break
+    if not moved:
+      return None
+  return done
+
+
+@pytest.mark.parametrize("t, s", [(4096, 4096), (512, 1024), (256, 768), (1024, 512)])
+def test_rotated_walks_add_in_rank_order_without_deadlock(t, s):
+  """dq_rotate (no mask): key block j walks the query blocks from _rotation(j) on; per query
+  block the ranks order its adders by visit step, then launch order, and the protocol
+  finishes whenever a key head's CTAs fit on the SMs at once (ROTATE_MAX_KV), however the
+  CTAs interleave; with fewer SMs it can deadlock, which is why the bound exists."""
+  cta_keys, bq = 2 * mb.BLOCK_KV, mb.BLOCK_Q
+  n_kv, n_q = s // cta_keys, t // bq
+  mask = MaskSpec.make(False, None, False)
+  ranks, adders = map(np.asarray, mb._reduction_ranks(mask, 2, n_kv, cta_keys, n_q, bq,  # pylint: disable=protected-access
+                                                      rotate=True))
+  assert ranks.shape == (2, n_kv, n_q) and (adders == n_kv).all()
+  ranks = ranks[1]
+  starts = np.asarray(mb._rotation(jnp.arange(n_kv, dtype=jnp.int32), n_kv, n_q))  # pylint: disable=protected-access
+  walks = [[(int(r) + i) % n_q for i in range(n_q)] for r in starts]
+  for qb in range(n_q):  # by visit step, then launch order (last key block first)
+    turns = sorted(range(n_kv), key=lambda j, qb=qb: (walks[j].index(qb), n_kv - 1 - j))
+    assert [ranks[j, qb] for j in turns] == list(range(n_kv))
+  if n_kv <= 8:  # the schedule plays out at small heads only (CPU time)
+    for seed in range(3):
+      done = _run_ordered_schedule(ranks, walks, heads=3, sms=n_kv + 1, seed=seed)
+      assert done is not None and len(done) == 3 * n_q
+      assert all(len(order) == n_kv for order in done.values())
+    # Fewer SMs than a head's CTAs: the first launched wait on ones that never start.
+    assert _run_ordered_schedule(ranks, walks, heads=1, sms=n_kv // 2, seed=0) is None
+    # Turns against the walks (latest visitor first) deadlock even with the SMs to spare.
+    assert _run_ordered_schedule(n_kv - 1 - ranks, walks, heads=3, sms=n_kv + 1, seed=0) is None
 
 
 def test_tuned_backward_configs_serve_their_calls():
@@ -691,8 +767,10 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
                               dq_send_warp=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                              dq_send_warp=True, dq_buffers=2)],
-      ids=["pipelined", "split", "send_warp", "send_warp_two_slots"])
+                              dq_send_warp=True, dq_buffers=2),
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                              dq_send_warp=True, dq_buffers=2, dq_rotate=True)],
+      ids=["pipelined", "split", "send_warp", "send_warp_two_slots", "send_warp_rotate"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
@@ -828,10 +906,12 @@ class TestMosaicGpuOrderedDq(TestMosaicGpuFeatures):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuOrderedDqSendWarp(TestMosaicGpuOrderedDq):
-  """dq_ordered with the dQ tiles sent by a warp of their own, from two slots."""
+  """dq_ordered with the dQ tiles sent by a warp of their own, from two slots, and the
+  walks rotated where there is no mask."""
 
   impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
-      dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2))
+      dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
+      dq_rotate=True))
 
 
 @pytest.mark.gpu
