@@ -3,23 +3,9 @@
 # the time; the GPU is shared); one log per group, then each group's summary line.
 . "$(dirname "$0")/../device_env.sh"
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/gpu.txt
-f=tests/ops/flash_attention/test_pallas_mosaic_gpu.py
 groups=("TestMosaicGpuFeaturesDeterministic and not D64 and not D256" "TestMosaicGpuPipelinedDq"
   "TestMosaicGpuFeaturesDeterministicD64" "TestMosaicGpuFeaturesDeterministicD256"
   "TestMosaicGpuFeaturesD64 and not Deterministic" "TestMosaicGpuFeaturesD256 and not Deterministic"
   "wide_step_dkv_kernel_matches and 2-256-384" "wide_step_dkv_kernel_matches and 1-384-256"
   "bitwise_reproducible or d64_and_lse or d256_column_split")
-i=0
-for g in "${groups[@]}"; do
-  timeout ${TEST_S:-230} python3 -m pytest -q -m gpu $f -k "$g" -p no:cacheprovider \
-    > /tmp/t$i.log 2>&1 &
-  i=$((i+1))
-done
-wait
-i=0
-for g in "${groups[@]}"; do
-  echo "== $g: $(grep -E "passed|failed|error" /tmp/t$i.log | tail -1)"
-  grep -E "^FAILED|^ERROR" /tmp/t$i.log | head -5
-  i=$((i+1))
-done | tee $OUT/tests.log
-cat /tmp/t*.log | grep -v "^E1124\|^external\|^$" > $OUT/tests-full.log
+gpu_test_groups ${TEST_S:-230} "${groups[@]}"

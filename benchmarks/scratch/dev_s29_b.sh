@@ -5,25 +5,9 @@
 # ptxas's reports.
 . "$(dirname "$0")/../device_env.sh"
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/gpu.txt
-f=tests/ops/flash_attention/test_pallas_mosaic_gpu.py
 if [ "${WHAT:-tests}" = tests ]; then
   IFS=';' read -ra groups <<< "${TEST_GROUPS:-ordered_backward_is_bitwise;TestMosaicGpuOrderedDq and not D256;TestMosaicGpuOrderedDqD256;TestMosaicGpuFeaturesDeterministic and not D64 and not D256}"
-  i=0
-  for g in "${groups[@]}"; do
-    timeout ${TEST_S:-300} python3 -m pytest -q -rf -m gpu $f -k "$g" -p no:cacheprovider \
-      > /tmp/t$i.log 2>&1 &
-    i=$((i+1))
-  done
-  wait
-  i=0
-  for g in "${groups[@]}"; do
-    summary=$(grep -E ' (passed|failed|error)' /tmp/t$i.log | tail -1)
-    echo "== $g: ${summary:-no summary (timed out)}"
-    grep -E '^[.FEsx]+( |$)' /tmp/t$i.log | head -3  # progress: a dot per passed test
-    grep -E "^FAILED|^ERROR|Error:|error:" /tmp/t$i.log | head -8
-    i=$((i+1))
-  done | tee $OUT/tests.log
-  cat /tmp/t*.log | grep -v "^E1124\|^external\|^$" | tail -400 > $OUT/tests-full.log
+  gpu_test_groups ${TEST_S:-300} "${groups[@]}"
 else
   for c in "" "--causal"; do  # ptxas's report per variant (spills, WGMMA serialization)
     MOSAIC_GPU_DUMP_PTXAS=1 timeout 280 python3 benchmarks/scratch/onepass_ordered.py \

@@ -1,36 +1,8 @@
 # Session 30, first device call: dq_ordered's first GPU run. Its bitwise test and features
 # suite (two pytest processes), then onepass_ordered.py at the headline, both masks; the
-# ordered variants are timed only if the bitwise test finished (a hang would eat the call).
-. "$(dirname "$0")/../device_env.sh"
-nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/gpu.txt
-f=tests/ops/flash_attention/test_pallas_mosaic_gpu.py
-groups=("ordered_backward_is_bitwise" "TestMosaicGpuOrderedDq and not D256")
-i=0
-for g in "${groups[@]}"; do
-  timeout -k 5 ${TEST_S:-190} python3 -m pytest -q -rf -m gpu $f -k "$g" -p no:cacheprovider \
-    > /tmp/t$i.log 2>&1 &
-  i=$((i+1))
-done
-wait
-i=0
-for g in "${groups[@]}"; do
-  summary=$(grep -E ' (passed|failed|error)' /tmp/t$i.log | tail -1)
-  echo "== $g: ${summary:-no summary (timed out)}"
-  grep -E '^[.FEsx]+( |$)' /tmp/t$i.log | head -3
-  grep -E "^FAILED|^ERROR|Error:|error:" /tmp/t$i.log | head -8
-  i=$((i+1))
-done | tee $OUT/tests.log
-cat /tmp/t*.log | grep -v "^E1124\|^external\|^$" | tail -300 > $OUT/tests-full.log
-if grep -q "ordered_backward_is_bitwise: .*passed" $OUT/tests.log; then
-  nc="arrival,ordered,wait first,late release,pair"; ca="arrival,ordered,pair"
-else
-  nc="arrival,no waits,pair"; ca="arrival,pair"
-fi
-for c in "" "--causal"; do
-  if [ -z "$c" ]; then vs=$nc; lim=200; else vs=$ca; lim=160; fi
-  MOSAIC_GPU_DUMP_PTXAS=1 timeout -k 5 $lim python3 benchmarks/scratch/onepass_ordered.py \
-    --rounds 3 --variants "$vs" $c > /tmp/raw$c.log 2>&1
-  grep -i -E "bytes stack frame|serializ|C75[0-9][0-9]" /tmp/raw$c.log > $OUT/ptxas$c.log
-  grep -v -i -E "ptxas|warn|spill|registers|^$|bytes stack|Compiling entry|Function properties" \
-    /tmp/raw$c.log | tee $OUT/ordered$c.log
-done
+# ordered variants are timed only if the bitwise test passed (a hang would eat the call).
+TEST_GROUPS="ordered_backward_is_bitwise;TestMosaicGpuOrderedDq and not D256" TEST_S=${TEST_S:-190} \
+  GATE="ordered_backward_is_bitwise: .*passed" \
+  NC="arrival,ordered,wait first,late release,pair" CA="arrival,ordered,pair" \
+  SAFE_NC="arrival,no waits,pair" SAFE_CA="arrival,pair" NC_S=200 CA_S=160 \
+  bash "$(dirname "$0")/ordered_tests_then_time.sh"

@@ -1,36 +1,8 @@
 # Session 30, second device call: dq_ordered with the memory warpgroup sending dQ (its bitwise
 # test fixed to the reference's cotangents, and its features suite), then onepass_ordered.py at
 # the headline, both masks; the ordered variants only if the bitwise test finished.
-. "$(dirname "$0")/../device_env.sh"
-nvidia-smi --query-gpu=name,power.limit --format=csv,noheader | tee $OUT/gpu.txt
-f=tests/ops/flash_attention/test_pallas_mosaic_gpu.py
-groups=("ordered_backward_is_bitwise" "TestMosaicGpuOrderedDq and not D256")
-i=0
-for g in "${groups[@]}"; do
-  timeout -k 5 ${TEST_S:-170} python3 -m pytest -q -rf -m gpu $f -k "$g" -p no:cacheprovider \
-    > /tmp/t$i.log 2>&1 &
-  i=$((i+1))
-done
-wait
-i=0
-for g in "${groups[@]}"; do
-  summary=$(grep -E ' (passed|failed|error)' /tmp/t$i.log | tail -1)
-  echo "== $g: ${summary:-no summary (timed out)}"
-  grep -E '^[.FEsx]+( |$)' /tmp/t$i.log | head -3
-  grep -E "^FAILED|^ERROR|Error:|error:" /tmp/t$i.log | head -8
-  i=$((i+1))
-done | tee $OUT/tests.log
-cat /tmp/t*.log | grep -v "^E1124\|^external\|^$" | tail -300 > $OUT/tests-full.log
-if grep -q "ordered_backward_is_bitwise: .*in [0-9.]*s" $OUT/tests.log; then
-  nc="arrival,ordered,no waits,no landing wait,pair"; ca="arrival,ordered,pair"
-else
-  nc="arrival,pair"; ca="arrival,pair"
-fi
-for c in "" "--causal"; do
-  if [ -z "$c" ]; then vs=$nc; lim=210; else vs=$ca; lim=150; fi
-  MOSAIC_GPU_DUMP_PTXAS=1 timeout -k 5 $lim python3 benchmarks/scratch/onepass_ordered.py \
-    --rounds 3 --variants "$vs" $c > /tmp/raw$c.log 2>&1
-  grep -i -E "bytes stack frame|serializ|C75[0-9][0-9]" /tmp/raw$c.log > $OUT/ptxas$c.log
-  grep -v -i -E "ptxas|warn|spill|registers|^$|bytes stack|Compiling entry|Function properties" \
-    /tmp/raw$c.log | tee $OUT/ordered$c.log
-done
+TEST_GROUPS="ordered_backward_is_bitwise;TestMosaicGpuOrderedDq and not D256" TEST_S=${TEST_S:-170} \
+  GATE="ordered_backward_is_bitwise: .*in [0-9.]*s" \
+  NC="arrival,ordered,no waits,no landing wait,pair" CA="arrival,ordered,pair" \
+  SAFE_NC="arrival,pair" SAFE_CA="arrival,pair" NC_S=210 CA_S=150 \
+  bash "$(dirname "$0")/ordered_tests_then_time.sh"
