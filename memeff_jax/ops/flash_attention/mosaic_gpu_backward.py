@@ -353,8 +353,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   b, h, kvi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("kv")
   wg = lax.axis_index("wg")
   cta_keys = config.cta_keys()
+  n_kv = k_ref.shape[1] // cta_keys
   if config.dq_ordered:  # the last key block launches first (see dq_ordered)
-    kvi = k_ref.shape[1] // cta_keys - 1 - kvi
+    kvi = n_kv - 1 - kvi
   cta_key = kvi * cta_keys
   split = config.column_split
   n_q = -(-t // bq)  # the last block may reach past T (see MosaicBackwardConfig.block_q)
@@ -369,8 +370,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     heads, kv_head = group, h
   n_steps = heads * per_head
   # dq_rotate: where this key block's walk starts (per_head = n_q: no mask).
-  rot = (_rotation(kvi, k_ref.shape[1] // cta_keys, n_q)
-         if _rotates(config, mask, k_ref.shape[1] // cta_keys) else None)
+  rot = _rotation(kvi, n_kv, n_q) if _rotates(config, mask, n_kv) else None
 
   def dq_slot(i):
     """dq_ordered: step i's dQ tile slot, and that slot's dq_full and dq_free barriers."""
