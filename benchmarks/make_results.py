@@ -58,7 +58,7 @@ def fa_table(rows: list[dict]) -> str:
     if "error" in r:
       out.append(f"| {r['provider']} | {r['causal']} | error: {r['error'][:60]} | | | | | |")
       continue
-    ratio = (f"{r['fwd_bwd_tflops'] / best[r['causal']]:.2f}×" if r["causal"] in best else "—")
+    ratio = (f"{r['fwd_bwd_tflops'] / best[r['causal']]:.3f}×" if r["causal"] in best else "—")
     out.append(f"| {r['provider']} | {r['causal']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
                f"{r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_tflops']:.0f} | {ratio} | "
                f"{_gib(r.get('extra_bytes'))} |")

@@ -517,6 +517,9 @@ class PallasMosaicGpu:
           mosaic = MosaicBackwardConfig.tuned(*args, with_dq=False)
         else:
           mosaic = MosaicBackwardConfig.for_deterministic(*args)
+      # dq_buffers is a most: one dQ slot where two do not fit beside the segment ids.
+      mosaic = mosaic_gpu_backward.fit_shared_memory(mosaic, q.shape[-1], q.dtype,
+                                                     opts.mask.segments)
       why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
       if why is None and not mosaic.with_dq:
         return self._with_dq_kernel(q, k, opts, _Static(opts, config, mosaic, None))

@@ -87,7 +87,7 @@ def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap
 def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv):
   """The Mosaic backward sums dq in arrival order: only deterministic=False may run it whole.
   Deterministic calls run it with dq_ordered where the table has an `_ordered` section
-  (D = 128 without GQA), else get dK, dV from it (with_dq=False) and dq from
+  (D = 128, save causal GQA), else get dK, dV from it (with_dq=False) and dq from
   mosaic_gpu_dq's kernel (pallas_triton's on request, or where that does not serve the
   call)."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
@@ -98,7 +98,7 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   fast = dataclasses.replace(det, deterministic=False)
   assert det.deterministic  # the default
   st = PallasMosaicGpu()._static(q, k, det)  # pylint: disable=protected-access
-  if hkv == 4:  # d128[_causal]_ordered
+  if hkv == 4 or not causal:  # d128[_causal][_gqa]_ordered
     assert st.backward.with_dq and st.backward.dq_ordered and st.dq is None
   else:
     assert not st.backward.with_dq and not st.backward.gqa_per_query_head
@@ -500,10 +500,13 @@ def test_tuned_backward_configs_serve_their_calls():
   assert mb.MosaicBackwardConfig.tuned(128, False, gqa=True, with_dq=False).block_q == 80
   assert mb.MosaicBackwardConfig.tuned(128, True, with_dq=False).block_q == 64  # d128_causal_dkv
   assert mb.MosaicBackwardConfig.tuned(128, True, gqa=True, with_dq=False).pingpong  # _gqa_dkv
-  for causal in (False, True):  # d128[_causal]_ordered: the whole kernel, dq in rank order
-    assert (mb.MosaicBackwardConfig.for_deterministic(128, causal)
-            == dataclasses.replace(mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True))
-  for d, causal, gqa in ((64, False, False), (256, True, False), (128, False, True),
+  # d128[_causal][_gqa]_ordered: the whole kernel, dq in rank order
+  for causal, gqa in ((False, False), (True, False), (False, True)):
+    ordered = mb.MosaicBackwardConfig.for_deterministic(128, causal, gqa)
+    assert ordered == dataclasses.replace(
+        mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True, dq_send_warp=True,
+        dq_buffers=2, dq_rotate=not causal)
+  for d, causal, gqa in ((64, False, False), (256, True, False),
                          (128, True, True)):  # no _ordered section: the dK/dV-only kernel
     assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
             == mb.MosaicBackwardConfig.tuned(d, causal, gqa, with_dq=False))
@@ -525,6 +528,27 @@ def test_deterministic_calls_take_an_ordered_section(monkeypatch, tuning_tables)
   assert st.backward == ordered and st.dq is None and st.triton is None
   explicit = PallasMosaicGpu(backward_config=dataclasses.replace(ordered, dq_pipelined=False))
   assert explicit._static(q, q, _opts()).backward.dq_ordered  # pylint: disable=protected-access
+
+
+def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
+  """At D = 128, dq_buffers=2 fits in shared memory without segment ids, not beside them
+  (a GPU run found 232,624 bytes needed of 232,448): such calls get one dQ slot."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  two = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                                dq_send_warp=True, dq_buffers=2)
+  shape = (1, 256, 4, 128)
+  assert mb.support_error(shape, shape, BF16, _opts(), two) is None
+  segments = _opts(segments=True)
+  why = mb.support_error(shape, shape, BF16, segments, two)
+  assert "with segment ids" in why and "shared memory" in why
+  assert mb.fit_shared_memory(two, 128, BF16, segments=False) == two
+  one = mb.fit_shared_memory(two, 128, BF16, segments=True)
+  assert one == dataclasses.replace(two, dq_buffers=1)
+  assert mb.support_error(shape, shape, BF16, segments, one) is None
+  q = jax.ShapeDtypeStruct(shape, BF16)
+  st = PallasMosaicGpu(backward_config=two)._static(q, q, segments)  # pylint: disable=protected-access
+  assert st.backward == one
+  assert PallasMosaicGpu(backward_config=two)._static(q, q, _opts()).backward == two  # pylint: disable=protected-access
 
 
 def test_remat_counts_the_kernel_cost():
@@ -935,9 +959,9 @@ class TestMosaicGpuFeaturesD256(TestMosaicGpuFeatures):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesDeterministic(TestMosaicGpuFeatures):
-  """The default deterministic backward, at this suite's GQA 4:1 the dK/dV-only Mosaic
-  kernel and mosaic_gpu_dq's (its MHA calls take the ordered one-pass kernel, as
-  TestMosaicGpuOrderedDq does throughout)."""
+  """The default deterministic backward: at this suite's GQA 4:1 the ordered one-pass
+  kernel (d128_gqa_ordered) unless the mask is causal alone, which takes the dK/dV-only
+  Mosaic kernel beside mosaic_gpu_dq's."""
 
   extra = {}
   dtypes = (jnp.bfloat16,)
