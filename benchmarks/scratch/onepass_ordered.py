@@ -11,7 +11,9 @@ with dq_ordered: the memory warpgroup sends dQ in rank order), "no waits" (order
 its semaphore waits: what the hand-off to the memory warpgroup costs by itself), "no
 landing wait" (no waits, and the counter signalled once the tiles are read rather than
 landed), "send warp", "two slots" and "send warp+two slots" (dq_send_warp, dq_buffers=2),
-"all+rotate" (those and dq_rotate: no effect with a mask), "ordered dq_split" (dq_ordered
+"all+rotate" (those and dq_rotate: no effect with a mask), "send warp+rotate" (one slot),
+"all+rotate+convert" and "send warp+rotate+convert" (dq_convert: the last adders write
+dq in bf16; checked against the same variant without it, bit for bit), "ordered dq_split" (dq_ordered
 without dq_pipelined), and "pair". Run with
 MOSAIC_GPU_DUMP_PTXAS=1 to see ptxas's spills and any WGMMA serialization per variant.
 Checks that "ordered" gives identical bits on three calls, and its distance to "arrival".
@@ -66,6 +68,13 @@ def main():
                              dataclasses.replace(ordered, dq_send_warp=True, dq_buffers=2)),
                             ("all+rotate", mb, dataclasses.replace(
                                 ordered, dq_send_warp=True, dq_buffers=2, dq_rotate=True)),
+                            ("all+rotate+convert", mb, dataclasses.replace(
+                                ordered, dq_send_warp=True, dq_buffers=2, dq_rotate=True,
+                                dq_convert=True)),
+                            ("send warp+rotate", mb, dataclasses.replace(
+                                ordered, dq_send_warp=True, dq_rotate=True)),
+                            ("send warp+rotate+convert", mb, dataclasses.replace(
+                                ordered, dq_send_warp=True, dq_rotate=True, dq_convert=True)),
                             ("ordered dq_split", mb,
                              dataclasses.replace(ordered, dq_pipelined=False))):
     if wanted is not None and name not in wanted:
@@ -80,18 +89,24 @@ def main():
     f = jax.jit(lambda res, ct: pair.backward(q, k, v, None, None, res.out, res.lse, ct,
                                               cts[1], opts=det))
     try_variant(fns, outs, "pair", f, res, ct)
-  if "ordered" in outs:
-    f, a = fns["ordered"]
-    for _ in range(3):
+  same_bits = lambda xs, ys: [bool(np.array_equal(np.asarray(x, np.float32),
+                                                 np.asarray(y, np.float32)))
+                              for x, y in zip(xs, ys)]
+  max_diff = lambda xs, ys: [float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+                             for x, y in zip(xs, ys)]
+  # A converted variant: reproducible, and the same bits as the variant it converts for
+  # (the same float32 sum, scaled and rounded alike).
+  for name in [n for n in outs if n == "ordered" or "convert" in n]:
+    f, a = fns[name]
+    for _ in range(2 if name == "ordered" else 1):
       again = jax.block_until_ready(f(*a))
-      same = [bool(np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32)))
-              for x, y in zip(outs["ordered"], again)]
-      print(f"ordered: identical bits on another call (dq, dk, dv): {same}", flush=True)
-    for other in ("arrival", "pair"):
+      print(f"{name}: identical bits on another call (dq, dk, dv): "
+            f"{same_bits(outs[name], again)}", flush=True)
+    others = ("arrival", "pair") if name == "ordered" else (name.replace("+convert", ""),)
+    for other in others:
       if other in outs:
-        err = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
-               for x, y in zip(outs["ordered"], outs[other])]
-        print(f"ordered: max |diff| to {other} (dq, dk, dv) {err}", flush=True)
+        print(f"{name}: identical bits to {other} {same_bits(outs[name], outs[other])}, "
+              f"max |diff| (dq, dk, dv) {max_diff(outs[name], outs[other])}", flush=True)
   rounds_then_power(fns, args.rounds, width=18)
 
 

@@ -123,6 +123,12 @@ class MosaicBackwardConfig:
       only where a key head has at most ROTATE_MAX_KV CTAs (T ≤ 8,192 at D = 128), and
       only without a mask (masked walks keep their order). At the headline (B=4 H=32 T=4096)
       it takes the ordered backward from 5.98 to 5.69 ms, level with arrival order.
+    dq_convert: (dq_ordered) each query block's last adder writes dq in the input dtype
+      itself: its memory warpgroup loads the sum of the adders before it into the dQ tile
+      slot, and its compute warpgroups add their tile to it, scale and convert it, and
+      leave it there for the memory warpgroup to store. No pass over the float32 dq
+      follows the kernel, and the last adder neither reduces into it nor waits for a
+      landing. Not yet run on a GPU.
   """
 
   stages: int = 2
@@ -137,6 +143,7 @@ class MosaicBackwardConfig:
   dq_send_warp: bool = False
   dq_buffers: int = 1
   dq_rotate: bool = False
+  dq_convert: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -218,8 +225,9 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
                                 and not config.gqa_per_query_head):
     return ("dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split), "
             "and not gqa_per_query_head (whose dK and dV reductions are unordered)")
-  if (config.dq_send_warp or config.dq_buffers != 1 or config.dq_rotate) and not config.dq_ordered:
-    return "dq_send_warp, dq_buffers and dq_rotate belong to dq_ordered"
+  if (config.dq_send_warp or config.dq_buffers != 1 or config.dq_rotate
+      or config.dq_convert) and not config.dq_ordered:
+    return "dq_send_warp, dq_buffers, dq_rotate and dq_convert belong to dq_ordered"
   if config.dq_buffers not in (1, 2):
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
@@ -272,6 +280,20 @@ def _dq_tile_transforms(config: MosaicBackwardConfig) -> tuple:
   shared-memory banks (Mosaic GPU finds no conflict-free plan without a swizzle); swizzled
   they are conflict-free, and the TMA reductions read the tiles as they are."""
   return _mosaic.swizzled_tiles(128, jnp.float32) if config.with_dq else ()
+
+
+def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
+  """The dQ tile slots in shared memory. With dq_convert a union of two views of the same
+  bytes: the float32 tiles (sent to their reductions; on a last adder's step, the sum of
+  the adders before it) and, on a last adder's step, the converted tile in the input dtype
+  (rows 0..BLOCK_Q of a slot twice as tall), each read only through the view it was
+  written through."""
+  f32 = plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32, transforms=_dq_tile_transforms(config))
+  if not config.dq_convert:
+    return f32
+  slots, rows, cols = _dq_tile_shape(config, d)
+  return plgpu.RefUnion(f32, plgpu.SMEM((slots, 2 * rows, cols), dtype,
+                                        transforms=_mosaic.swizzled_tiles(128, dtype)))
 
 
 def _operand_swizzle(block_q: int) -> int:
@@ -362,7 +384,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
   int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table,
   the [B · Hq · n_q] counters the reductions wait on, and per dQ tile slot the barriers
-  dq_full (both compute warpgroups' tiles written) and dq_free (read by their reductions)."""
+  dq_full (both compute warpgroups' tiles written) and dq_free (read by their reductions);
+  with dq_convert then the last adders' table (1 where this key block adds last), per dQ
+  tile the barrier p_ready (the earlier adders' sum loaded), the tile slots' view in the
+  input dtype, and the output dq in that dtype."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -388,6 +413,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   n_steps = heads * per_head
   # dq_rotate: where this key block's walk starts (per_head = n_q: no mask).
   rot = _rotation(kvi, n_kv, n_q) if _rotates(config, mask, n_kv) else None
+
+  def turn(qb):
+    """dq_ordered: (this key block's rank among query block qb's adders, whether it adds
+    last (dq_convert))."""
+    last_adder = order[4][b, kvi, qb] == 1 if config.dq_convert else False
+    return order[0][b, kvi, qb], last_adder
 
   def dq_slot(i):
     """dq_ordered: step i's dQ tile slot, and that slot's dq_full and dq_free barriers."""
@@ -463,8 +494,27 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       dq_ordered, leaves it for the memory warpgroup's (see send_dq)."""
       if config.dq_ordered:
         slot, full, free = dq_slot(i)
+        tile = slot * 2 + wg
         plgpu.barrier_wait(free)  # the slot's last tiles have been read
-        dq_smem.at[slot * 2 + wg][...] = dq
+        if not config.dq_convert:
+          dq_smem.at[tile][...] = dq
+        else:
+          rank, last_adder = turn(step_block(i)[1])
+          p_ready, dq_conv = order[5], order[6]
+
+          def converted(total):
+            dq_conv.at[tile, pl.ds(0, BLOCK_Q)][...] = (total * scale).astype(dtype)
+
+          @pl.when(last_adder & (rank > 0))
+          def _():  # the earlier adders' sum, loaded into the slot
+            plgpu.barrier_wait(p_ready.at[tile])
+            converted(dq + _mosaic.load(dq_smem.at[tile], plgpu.Layout.WGMMA))
+
+          pl.when(last_adder & (rank == 0))(lambda: converted(dq))
+
+          @pl.when(jnp.logical_not(last_adder))
+          def _():
+            dq_smem.at[tile][...] = dq
         plgpu.commit_smem()
         plgpu.barrier_arrive(full)
         return
@@ -645,25 +695,50 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       return
     def send_dq(i):
       """dq_ordered: step i's dQ tiles, once both compute warpgroups have left them, into
-      dq in rank order: after the `rank` key blocks before this one, the first storing."""
+      dq in rank order: after the `rank` key blocks before this one, the first storing.
+      With dq_convert the last adder instead loads the sum of those before it for the
+      compute warpgroups, and stores the dq they convert."""
       head, qb = step_block(i)
       counter = order[1].at[(b * q_ref.shape[2] + head) * n_q + qb]
-      rank = order[0][b, kvi, qb]
+      rank, last_adder = turn(qb)
       slot, full, free = dq_slot(i)
-      plgpu.barrier_wait(full)
-      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
       rows, half = pl.ds(qb * bq, bq), d // 2
-      for op, when in ((None, rank == 0), ("add", rank > 0)):
-        @pl.when(when)
-        def _(op=op):
+      cols = lambda w: pl.ds(w * half, half)
+
+      def reduce():
+        plgpu.barrier_wait(full)
+        plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+        for op, when in ((None, rank == 0), ("add", rank > 0)):
+          @pl.when(when)
+          def _(op=op):
+            for w in range(2):
+              plgpu.copy_smem_to_gmem(dq_smem.at[slot * 2 + w], dq_ref.at[b, rows, head, cols(w)],
+                                      reduction_op=op)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(free)
+        plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
+        plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
+
+      if not config.dq_convert:
+        reduce()
+      else:
+        p_ready, dq_conv, dq_out = order[5:]
+        pl.when(jnp.logical_not(last_adder))(reduce)
+
+        @pl.when(last_adder)
+        def _():
+          @pl.when(rank > 0)
+          def _():  # the slot is free: its last tiles were read before it was freed
+            plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+            for w in range(2):
+              plgpu.copy_gmem_to_smem(dq_ref.at[b, rows, head, cols(w)], dq_smem.at[slot * 2 + w],
+                                      p_ready.at[slot * 2 + w])
+          plgpu.barrier_wait(full)  # converted
           for w in range(2):
-            plgpu.copy_smem_to_gmem(dq_smem.at[slot * 2 + w],
-                                    dq_ref.at[b, rows, head, pl.ds(w * half, half)],
-                                    reduction_op=op)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      plgpu.barrier_arrive(free)
-      plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
-      plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
+            plgpu.copy_smem_to_gmem(dq_conv.at[slot * 2 + w, pl.ds(0, BLOCK_Q)],
+                                    dq_out.at[b, rows, head, cols(w)])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          plgpu.barrier_arrive(free)
 
     def sends_start():  # the compute warpgroups' first dQ tiles are free
       for i in range(config.dq_buffers):
@@ -672,6 +747,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     if not config.dq_send_warp:  # between the loads
       sends_start()
       loads(drain=send_dq)
+      plgpu.wait_smem_to_gmem(0)  # dq_convert's last stores have landed
       return
 
     @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
@@ -683,6 +759,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       def _():
         sends_start()
         pl.loop(0, n_steps)(send_dq)
+        plgpu.wait_smem_to_gmem(0)  # dq_convert's last stores have landed
 
 
 def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
@@ -723,7 +800,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     n_kv = s // config.cta_keys()
     ranks, adders = _reduction_ranks(mask, b, n_kv, config.cta_keys(), n_q, bq, ranges,
                                      rotate=_rotates(config, mask, n_kv))
-    rank_args = (ranks,)
+    # dq_convert: 1 where the key block is the query block's last adder.
+    rank_args = (ranks,) + (((ranks == adders[:, None] - 1).astype(jnp.int32),)
+                            if config.dq_convert else ())
   else:
     rank_args = ()
   per_query_head = config.gqa_per_query_head and hq > hkv
@@ -738,26 +817,37 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   # output, which each query block's first adder stores rather than adds into (no memset).
   dq_acc = ()
   if config.dq_ordered:
-    out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type)
+    out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                *((jax.ShapeDtypeStruct(q.shape, q.dtype),) if config.dq_convert else ()),
+                *out_type)
   elif config.with_dq:
     dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
   tiles = _mosaic.swizzled_tiles()
   operand_tiles = _mosaic.swizzled_tiles(_operand_swizzle(bq))
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
-    ranks_ref = None
-    if config.dq_ordered:  # the rank table
-      ranks_ref, refs = refs[0], refs[1:]
+    tables = ()
+    if config.dq_ordered:  # the rank table, and with dq_convert the last adders'
+      tables, refs = refs[:len(rank_args)], refs[len(rank_args):]
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
+    dq_out = None
+    if config.dq_convert:  # the float32 dq, then dq in the input dtype
+      dq_out, refs = refs[1], refs[:1] + refs[2:]
     dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
     def kernel(*scratch):
       main, extra = scratch[:16], scratch[16:]
       order = None
       if config.dq_ordered:  # with counters that start at zero in every call
+        convert = ()
+        if config.dq_convert:
+          *extra, p_ready = extra
+          dq_f32, dq_conv = main[6]
+          main = (*main[:6], dq_f32, *main[7:])
+          convert = (tables[1], p_ready, dq_conv, dq_out)
         *extra, dq_full, dq_free = extra
-        order = (ranks_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))),
-                 dq_full, dq_free)
+        order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))),
+                 dq_full, dq_free, *convert)
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                        dq_ref, dk_ref, dv_ref, *main, extra or None, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv, order=order)
@@ -770,8 +860,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         plgpu.SMEM((stages, bq, d), q.dtype, transforms=operand_tiles),
         plgpu.SMEM((stages, 2, bq), jnp.float32),
         plgpu.SMEM(_ds_shape(config), q.dtype, transforms=tiles),
-        plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32,
-                   transforms=_dq_tile_transforms(config)),
+        _dq_scratch(config, d, q.dtype),
         plgpu.Barrier(),
         plgpu.Barrier(),
         plgpu.Barrier(num_barriers=stages),
@@ -784,6 +873,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         *seg_scratch,
         *((plgpu.Barrier(num_arrivals=2, num_barriers=config.dq_buffers),
            plgpu.Barrier(num_barriers=config.dq_buffers)) if config.dq_ordered else ()),
+        # dq_convert: a dQ tile's float32 sum of the earlier adders has landed.
+        *((plgpu.Barrier(num_barriers=2 * config.dq_buffers),) if config.dq_convert else ()),
         collective_axes="wg",
     )
 
@@ -800,9 +891,14 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     *dkv_acc)
   dq = None
   if config.dq_ordered:  # query blocks that no key block adds into were never written
-    dq_f32, *outs = outs
     written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
-    dq = (jnp.where(written, dq_f32, 0.0) * opts.scale).astype(q.dtype)
+    if config.dq_convert:  # scaled and converted by the last adders
+      _, dq, *outs = outs
+      if not (mask.is_dense or mask.is_causal):  # every query block sees key 0 otherwise
+        dq = jnp.where(written, dq, jnp.zeros((), dq.dtype))
+    else:
+      dq_f32, *outs = outs
+      dq = (jnp.where(written, dq_f32, 0.0) * opts.scale).astype(q.dtype)
   elif config.with_dq:
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
   if per_query_head:

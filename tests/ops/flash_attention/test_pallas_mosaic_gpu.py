@@ -376,6 +376,30 @@ def test_rotated_backward_lowers_for_cuda(pipelined, warp, buffers, hkv):
   assert _MOSAIC_CALL.search(text) and "red.release.gpu" in text
 
 
+@pytest.mark.parametrize("causal, window, segments, d, warp, buffers, rotate", [
+    (False, None, False, 128, True, 2, True),
+    (True, None, False, 128, True, 2, False),
+    (False, (100, 7), True, 128, False, 1, False),
+    (True, 200, True, 256, False, 1, False)])
+def test_converted_backward_lowers_for_cuda(causal, window, segments, d, warp, buffers, rotate):
+  """dq_convert: the last adders load the earlier adders' sum (a TMA load after the counter
+  wait) and store dq in the input dtype; the others reduce as before."""
+  config = mb.MosaicBackwardConfig(dq_split=d == 128, column_split=d == 256,
+                                   stages=2 - (d == 256), dq_pipelined=d == 128,
+                                   dq_ordered=True, dq_send_warp=warp, dq_buffers=buffers,
+                                   dq_rotate=rotate, dq_convert=True)
+  opts = _opts(causal, window, segments)
+  assert mb.support_error((2, 512, 4, d), (2, 384, 2, d), BF16, opts, config) is None
+  text = _backward_lowered_for_cuda(opts, config, 512, 384, 2, d, segments)
+  assert _MOSAIC_CALL.search(text) and "red.release.gpu" in text
+
+
+def test_dq_convert_belongs_to_dq_ordered():
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_convert=True)
+  why = mb.support_error((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), config)
+  assert "dq_convert" in why and "dq_ordered" in why
+
+
 @pytest.mark.parametrize("causal, window, segments, t, s, cta_keys", [
     (False, None, None, 256, 384, 128),
     (True, None, None, 384, 256, 128),
@@ -793,8 +817,12 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
                               dq_send_warp=True, dq_buffers=2),
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                              dq_send_warp=True, dq_buffers=2, dq_rotate=True)],
-      ids=["pipelined", "split", "send_warp", "send_warp_two_slots", "send_warp_rotate"])
+                              dq_send_warp=True, dq_buffers=2, dq_rotate=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                              dq_send_warp=True, dq_buffers=2, dq_rotate=True, dq_convert=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_convert=True)],
+      ids=["pipelined", "split", "send_warp", "send_warp_two_slots", "send_warp_rotate",
+           "send_warp_rotate_convert", "convert"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
@@ -812,6 +840,22 @@ class TestMosaicGpu:
     _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
     for name, g, rg in zip("qkv", first, r_grads):
       assert rel_err(g, rg) < 3e-2, name
+
+  @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
+                                    dict(sliding_window=(300, 100))])
+  @pytest.mark.parametrize("buffers, warp", [(2, True), (1, False)])
+  def test_converted_dq_is_the_float32_sums_rounding(self, opts, buffers, warp):
+    """dq_convert: the last adder's sum, scaled and rounded in the kernel, is bit for bit
+    the float32 dq scaled and rounded after it (the same additions, in the same order); dK
+    and dV are untouched."""
+    q, k, v, _, ct = make_problem(jax.random.key(23), 2, 1024, 2048, 8, 2, 128, BF16)
+    ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                                      dq_send_warp=warp, dq_buffers=buffers, dq_rotate=True)
+    grads = [jax.jit(lambda q, k, v, c=c: run(PallasMosaicGpu(backward_config=c), q, k, v,
+                                               None, ct, opts)[2])(q, k, v)
+             for c in (ordered, dataclasses.replace(ordered, dq_convert=True))]
+    for g, h in zip(*grads):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
 
   def test_default_picks_mosaic_where_it_serves(self):
     q = jnp.ones((1, 256, 4, 128), BF16)
@@ -936,6 +980,17 @@ class TestMosaicGpuOrderedDqSendWarp(TestMosaicGpuOrderedDq):
   impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
       dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
       dq_rotate=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuOrderedDqConvert(TestMosaicGpuOrderedDq):
+  """dq_ordered with the send warp, two slots, rotated walks, and dq written in bf16 by
+  each query block's last adder."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+      dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
+      dq_rotate=True, dq_convert=True))
 
 
 @pytest.mark.gpu
