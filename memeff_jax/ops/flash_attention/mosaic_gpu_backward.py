@@ -123,10 +123,10 @@ class MosaicBackwardConfig:
       only where a key head has at most ROTATE_MAX_KV CTAs (T ≤ 8,192 at D = 128), and
       only without a mask (masked walks keep their order). At the headline (B=4 H=32 T=4096)
       it takes the ordered backward from 5.98 to 5.69 ms, level with arrival order.
-    dq_convert: (dq_ordered) each query block's last adder writes dq in the input dtype
-      itself: its memory warpgroup loads the sum of the adders before it into the dQ tile
-      slot, and its compute warpgroups add their tile to it, scale and convert it, and
-      leave it there for the memory warpgroup to store. No pass over the float32 dq
+    dq_convert: (dq_ordered, dq_send_warp) each query block's last adder writes dq in the
+      input dtype itself: its send warp loads the sum of the adders before it into the dQ
+      tile slot, and its compute warpgroups add their tile to it, scale and convert it, and
+      leave it there for the send warp to store. No pass over the float32 dq
       follows the kernel, and the last adder neither reduces into it nor waits for a
       landing. Not yet run on a GPU.
   """
@@ -228,6 +228,11 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if (config.dq_send_warp or config.dq_buffers != 1 or config.dq_rotate
       or config.dq_convert) and not config.dq_ordered:
     return "dq_send_warp, dq_buffers, dq_rotate and dq_convert belong to dq_ordered"
+  if config.dq_convert and not config.dq_send_warp:
+    # Between the loads, the load that follows a step waits for the compute warpgroups to
+    # free its Q and dO, which they do after storing dQ: a last adder's sum, loaded after
+    # that load, would never reach them.
+    return "dq_convert needs dq_send_warp (the sum a last adder waits for is loaded by it)"
   if config.dq_buffers not in (1, 2):
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
@@ -747,7 +752,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     if not config.dq_send_warp:  # between the loads
       sends_start()
       loads(drain=send_dq)
-      plgpu.wait_smem_to_gmem(0)  # dq_convert's last stores have landed
       return
 
     @pl.core_map(plgpu.WarpMesh(axis_name="warp"))

@@ -379,8 +379,8 @@ def test_rotated_backward_lowers_for_cuda(pipelined, warp, buffers, hkv):
 @pytest.mark.parametrize("causal, window, segments, d, warp, buffers, rotate", [
     (False, None, False, 128, True, 2, True),
     (True, None, False, 128, True, 2, False),
-    (False, (100, 7), True, 128, False, 1, False),
-    (True, 200, True, 256, False, 1, False)])
+    (False, (100, 7), True, 128, True, 1, False),
+    (True, 200, True, 256, True, 1, False)])
 def test_converted_backward_lowers_for_cuda(causal, window, segments, d, warp, buffers, rotate):
   """dq_convert: the last adders load the earlier adders' sum (a TMA load after the counter
   wait) and store dq in the input dtype; the others reduce as before."""
@@ -394,10 +394,13 @@ def test_converted_backward_lowers_for_cuda(causal, window, segments, d, warp, b
   assert _MOSAIC_CALL.search(text) and "red.release.gpu" in text
 
 
-def test_dq_convert_belongs_to_dq_ordered():
+def test_dq_convert_belongs_to_dq_ordered_with_a_send_warp():
+  shape = (1, 256, 4, 128)
   config = mb.MosaicBackwardConfig(dq_split=True, dq_convert=True)
-  why = mb.support_error((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), config)
+  why = mb.support_error(shape, shape, BF16, _opts(), config)
   assert "dq_convert" in why and "dq_ordered" in why
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_convert=True)
+  assert "dq_send_warp" in mb.support_error(shape, shape, BF16, _opts(), config)
 
 
 @pytest.mark.parametrize("causal, window, segments, t, s, cta_keys", [
@@ -820,9 +823,10 @@ class TestMosaicGpu:
                               dq_send_warp=True, dq_buffers=2, dq_rotate=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
                               dq_send_warp=True, dq_buffers=2, dq_rotate=True, dq_convert=True),
-      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_convert=True)],
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_send_warp=True,
+                              dq_convert=True)],
       ids=["pipelined", "split", "send_warp", "send_warp_two_slots", "send_warp_rotate",
-           "send_warp_rotate_convert", "convert"])
+           "send_warp_rotate_convert", "send_warp_convert"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
@@ -843,14 +847,14 @@ class TestMosaicGpu:
 
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
-  @pytest.mark.parametrize("buffers, warp", [(2, True), (1, False)])
-  def test_converted_dq_is_the_float32_sums_rounding(self, opts, buffers, warp):
+  @pytest.mark.parametrize("buffers, rotate", [(2, True), (1, False)])
+  def test_converted_dq_is_the_float32_sums_rounding(self, opts, buffers, rotate):
     """dq_convert: the last adder's sum, scaled and rounded in the kernel, is bit for bit
     the float32 dq scaled and rounded after it (the same additions, in the same order); dK
     and dV are untouched."""
     q, k, v, _, ct = make_problem(jax.random.key(23), 2, 1024, 2048, 8, 2, 128, BF16)
     ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                                      dq_send_warp=warp, dq_buffers=buffers, dq_rotate=True)
+                                      dq_send_warp=True, dq_buffers=buffers, dq_rotate=rotate)
     grads = [jax.jit(lambda q, k, v, c=c: run(PallasMosaicGpu(backward_config=c), q, k, v,
                                                None, ct, opts)[2])(q, k, v)
              for c in (ordered, dataclasses.replace(ordered, dq_convert=True))]
