@@ -168,10 +168,11 @@ def visible(mask, shape, key_axis: int, key_minus_query, row_ids=None, col_ids=N
 def query_cta_index(mask, n_ctas: int):
   """This CTA's query-CTA index along grid axis "q", heaviest first under a causal mask.
 
-  CUDA starts CTAs in grid order, and "q" is the grid's slowest axis: under a causal mask the
-  CTAs of the last query rows (which see the most keys) would start last and make the
-  final wave the longest. Walking the query rows backwards starts them first, and the light
-  CTAs fill the tail: the causal forward at the headline shape took 1.095 against 1.117 ms
+  CUDA starts CTAs in grid order, and "q", the grid's last axis, is its fastest (Pallas
+  makes the last axis CUDA's x): a head's query CTAs start together, and under a causal
+  mask those of the last query rows (which see the most keys) would start last and make
+  the final wave the longest. Walking the query rows backwards starts them first, and the
+  light CTAs fill the tail: the causal forward at the headline shape took 1.095 against 1.117 ms
   on an H200 (benchmarks/NOTES.md, session 11). The dq kernel keeps grid order (no gain
   measured there).
   """

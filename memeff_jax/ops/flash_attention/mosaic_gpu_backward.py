@@ -783,7 +783,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   q, k, v = res.q, res.k, res.v
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
-  bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
+  bq, stages = config.block_q, config.stages
   mask = opts.mask
   if stats is None:
     stats = row_stats(opts, res, _common.softmax_delta(res.out, d_out, d_lse))
