@@ -139,7 +139,7 @@ def flash_attention(
       default). pallas_mosaic_gpu's one-pass backward adds dq (and, for GQA with
       gqa_per_query_head, dk and dv) into float32 buffers by TMA reductions. With
       deterministic=False they land in whatever order the CTAs arrive; with True, at D = 128
-      without GQA, in a fixed order (1–3% slower non-causal on an H100, as fast causal), and
+      (save causal GQA), in a fixed order (as fast as arrival order on an H100), and
       elsewhere its kernel computes dk and dv alone and a Mosaic dq kernel dq (1.2× slower
       forward+backward at D = 256, no float32 dq buffer). Every other implementation is
       deterministic either way.

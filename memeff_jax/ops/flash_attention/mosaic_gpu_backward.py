@@ -895,14 +895,14 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     *dkv_acc)
   dq = None
   if config.dq_ordered:  # query blocks that no key block adds into were never written
-    written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
+    written = lambda: jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
     if config.dq_convert:  # scaled and converted by the last adders
       _, dq, *outs = outs
-      if not (mask.is_dense or mask.is_causal):  # every query block sees key 0 otherwise
-        dq = jnp.where(written, dq, jnp.zeros((), dq.dtype))
+      if not (mask.is_dense or mask.is_causal):  # else every query block sees key 0
+        dq = jnp.where(written(), dq, jnp.zeros((), dq.dtype))
     else:
       dq_f32, *outs = outs
-      dq = (jnp.where(written, dq_f32, 0.0) * opts.scale).astype(q.dtype)
+      dq = (jnp.where(written(), dq_f32, 0.0) * opts.scale).astype(q.dtype)
   elif config.with_dq:
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
   if per_query_head:
