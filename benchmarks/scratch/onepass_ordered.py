@@ -35,8 +35,9 @@ from memeff_jax.ops.flash_attention import PallasMosaicGpu  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
 
 D = 128
-_WAIT = '      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")'
-NO_WAITS = ((_WAIT,), "      pass")
+_FULL = "        plgpu.barrier_wait(full)\n"
+_WAIT = _FULL + '        plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")'
+NO_WAITS = ((_WAIT,), _FULL + "        pass")
 NO_LANDING = ((("      plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add",),
                "      pass"), NO_WAITS)
 
@@ -60,8 +61,8 @@ def main():
   print(f"arrival: {tuned}", flush=True)
   fns, outs = {}, {}
   for name, module, cfg in (("arrival", mb, tuned), ("ordered", mb, ordered),
-                            ("no waits", patched([NO_WAITS]), ordered),
-                            ("no landing wait", patched(NO_LANDING), ordered),
+                            ("no waits", lambda: patched([NO_WAITS]), ordered),
+                            ("no landing wait", lambda: patched(NO_LANDING), ordered),
                             ("send warp", mb, dataclasses.replace(ordered, dq_send_warp=True)),
                             ("two slots", mb, dataclasses.replace(ordered, dq_buffers=2)),
                             ("send warp+two slots", mb,
@@ -76,9 +77,13 @@ def main():
                             ("send warp+rotate+convert", mb, dataclasses.replace(
                                 ordered, dq_send_warp=True, dq_rotate=True, dq_convert=True)),
                             ("ordered dq_split", mb,
-                             dataclasses.replace(ordered, dq_pipelined=False))):
+                             dataclasses.replace(ordered, dq_pipelined=False)),
+                            *((f"send warp+two slots+interleave {g}", mb, dataclasses.replace(
+                                ordered, dq_send_warp=True, dq_buffers=2, dq_interleave=g))
+                              for g in (2, 4, 8, 16))):
     if wanted is not None and name not in wanted:
       continue
+    module = module() if callable(module) else module  # a patched copy, built when wanted
     c = module.MosaicBackwardConfig(**dataclasses.asdict(cfg))
     # Δ and the row statistics inside, as the pair computes them: whole backwards alike.
     f = jax.jit(lambda res, ct, m=module, c=c: m.backward(opts, c, res, (ct, cts[1]))[:3])
