@@ -49,9 +49,13 @@ def main():
   parser.add_argument("--variants", default="", help="comma-separated names; default all")
   parser.add_argument("--kv-heads", type=int, default=None,
                       help="GQA: key heads (of 32); arrival is then the tuned GQA kernel")
+  parser.add_argument("--shape", default=None,
+                      help="B,T,H (D = 128); default the headline's 4,4096,32")
   args = parser.parse_args()
   wanted = set(args.variants.split(",")) if args.variants else None
-  q, k, v, ct, opts, res, _ = attention_backward_problem(args.causal, kv_heads=args.kv_heads)
+  q, k, v, ct, opts, res, _ = attention_backward_problem(
+      args.causal, kv_heads=args.kv_heads,
+      **({} if args.shape is None else dict(shape=(*map(int, args.shape.split(",")), D))))
   cts = (ct, jnp.zeros_like(res.lse))
   gqa = args.kv_heads is not None and args.kv_heads < q.shape[2]
   tuned = mb.MosaicBackwardConfig.tuned(D, args.causal, gqa)
@@ -77,10 +81,7 @@ def main():
                             ("send warp+rotate+convert", mb, dataclasses.replace(
                                 ordered, dq_send_warp=True, dq_rotate=True, dq_convert=True)),
                             ("ordered dq_split", mb,
-                             dataclasses.replace(ordered, dq_pipelined=False)),
-                            *((f"send warp+two slots+interleave {g}", mb, dataclasses.replace(
-                                ordered, dq_send_warp=True, dq_buffers=2, dq_interleave=g))
-                              for g in (2, 4, 8, 16))):
+                             dataclasses.replace(ordered, dq_pipelined=False))):
     if wanted is not None and name not in wanted:
       continue
     module = module() if callable(module) else module  # a patched copy, built when wanted

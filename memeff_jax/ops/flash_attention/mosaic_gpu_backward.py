@@ -131,12 +131,6 @@ class MosaicBackwardConfig:
       landing. The same bits as without it, but no faster: at the headline (H100) the
       whole backward took 5.83–5.90 ms against 5.79–5.81 without, causal 3.29 against 3.24
       (the last adder's load of the sum sits on its path; the pass it saves is ~30 µs).
-    dq_interleave: (dq_ordered, not dq_rotate) the grid's CTAs start `dq_interleave` key
-      heads at a time, their key blocks alternating (each head's still last block first),
-      rather than head by head. Under a causal mask a head's CTAs run from shortest to
-      longest, so head by head the grid ends on a few heads' longest CTAs; alternating the
-      last heads' blocks ends it on a wave of long CTAs that start together. A list-schedule
-      model of the headline's causal backward gives 1.031× the ideal against 1.041×.
   """
 
   stages: int = 2
@@ -152,7 +146,6 @@ class MosaicBackwardConfig:
   dq_buffers: int = 1
   dq_rotate: bool = False
   dq_convert: bool = False
-  dq_interleave: int = 1
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -237,13 +230,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if (config.dq_send_warp or config.dq_buffers != 1 or config.dq_rotate
       or config.dq_convert) and not config.dq_ordered:
     return "dq_send_warp, dq_buffers, dq_rotate and dq_convert belong to dq_ordered"
-  if config.dq_interleave < 1:
-    return f"dq_interleave must be at least 1, got {config.dq_interleave}"
-  if config.dq_interleave > 1 and not config.dq_ordered:
-    return "dq_interleave belongs to dq_ordered (whose CTAs launch last key block first)"
-  if config.dq_interleave > 1 and config.dq_rotate:
-    # Rotated walks may wait on a CTA launched after them, within ROTATE_MAX_KV of it.
-    return "dq_interleave and dq_rotate exclude each other"
   if config.dq_convert and not config.dq_send_warp:
     # Between the loads, the load that follows a step waits for the compute warpgroups to
     # free its Q and dO, which they do after storing dQ: a last adder's sum, loaded after
@@ -370,17 +356,6 @@ def _rotation(kv, n_kv: int, n_q: int):
   return lax.rem(kv * max(n_q // n_kv, 1), jnp.int32(n_q))
 
 
-def _interleaved(h, kv, n_heads: int, n_kv: int, group: int):
-  """dq_interleave: the (head, key-block position) of the CTA at grid position (h, kv),
-  where the grid's heads go `group` at a time (the last group may be smaller) and a group's
-  CTAs alternate between its heads. Works on int32 scalars in the kernel, or arrays."""
-  x = _mosaic.rem(h, group)
-  base = h - x
-  size = jnp.minimum(jnp.int32(group), n_heads - base)
-  p = x * n_kv + kv  # launch position within the group
-  return base + _mosaic.rem(p, size), _mosaic.div(p, size)
-
-
 def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
                      ranges=None, rotate: bool = False):
   """(ranks [B, n_kv, n_q], adders [B, n_q]) int32 for dq_ordered: per key block and query
@@ -428,8 +403,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   wg = lax.axis_index("wg")
   cta_keys = config.cta_keys()
   n_kv = k_ref.shape[1] // cta_keys
-  if config.dq_interleave > 1:
-    h, kvi = _interleaved(h, kvi, k_ref.shape[2], n_kv, config.dq_interleave)
   if config.dq_ordered:  # the last key block launches first (see dq_ordered)
     kvi = n_kv - 1 - kvi
   cta_key = kvi * cta_keys

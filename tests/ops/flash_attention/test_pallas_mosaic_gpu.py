@@ -394,49 +394,6 @@ def test_converted_backward_lowers_for_cuda(causal, window, segments, d, warp, b
   assert _MOSAIC_CALL.search(text) and "red.release.gpu" in text
 
 
-@pytest.mark.parametrize("heads, n_kv, group", [(32, 32, 8), (6, 5, 4), (3, 7, 1), (5, 3, 8),
-                                                 (7, 2, 3)])
-def test_interleaved_launch_waits_only_on_earlier_ctas(heads, n_kv, group):
-  """dq_interleave: every (head, key block) has one grid position; each head's later key
-  blocks (on which its earlier ones wait) launch before them; the heads go `group` at a
-  time, and within a group every head starts before any head's second block."""
-  h, kv = np.meshgrid(np.arange(heads), np.arange(n_kv), indexing="ij")
-  head, pos = (np.asarray(x) for x in mb._interleaved(  # pylint: disable=protected-access
-      jnp.asarray(h, jnp.int32), jnp.asarray(kv, jnp.int32), heads, n_kv, group))
-  launch = h * n_kv + kv  # CUDA's order: the grid's last axis fastest
-  assert sorted(zip(head.ravel(), pos.ravel())) == sorted(zip(h.ravel(), kv.ravel()))
-  at = {(a, c): int(l) for a, c, l in zip(head.ravel(), pos.ravel(), launch.ravel())}
-  for a in range(heads):  # key block n_kv - 1 - c launches c-th: later blocks first
-    assert all(at[a, c] < at[a, c + 1] for c in range(n_kv - 1))
-  for a in range(heads):
-    mates = range(a - a % group, min(a - a % group + group, heads))
-    assert max(at[m, 0] for m in mates) < min(at[m, 1] for m in mates) if n_kv > 1 else True
-
-
-@pytest.mark.parametrize("causal, segments, hkv, group", [(True, False, 4, 3),
-                                                          (True, True, 2, 2),
-                                                          (False, False, 1, 8)])
-def test_interleaved_backward_lowers_for_cuda(causal, segments, hkv, group):
-  """dq_interleave: the CTA's head and key block from its grid position."""
-  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                                   dq_send_warp=True, dq_buffers=1 + (not segments),
-                                   dq_interleave=group)
-  opts = _opts(causal, None, segments)
-  assert mb.support_error((2, 384, 4, 128), (2, 256, hkv, 128), BF16, opts, config) is None
-  text = _backward_lowered_for_cuda(opts, config, 384, 256, hkv, 128, segments)
-  assert _MOSAIC_CALL.search(text) and "red.release.gpu" in text
-
-
-def test_dq_interleave_belongs_to_dq_ordered_without_rotation():
-  shape = (1, 256, 4, 128)
-  why = lambda **kw: mb.support_error(shape, shape, BF16, _opts(),
-                                      mb.MosaicBackwardConfig(dq_split=True, **kw))
-  assert "dq_ordered" in why(dq_interleave=2)
-  assert "exclude" in why(dq_ordered=True, dq_rotate=True, dq_interleave=2)
-  assert "at least 1" in why(dq_ordered=True, dq_interleave=0)
-  assert why(dq_ordered=True, dq_interleave=2) is None
-
-
 def test_dq_convert_belongs_to_dq_ordered_with_a_send_warp():
   shape = (1, 256, 4, 128)
   config = mb.MosaicBackwardConfig(dq_split=True, dq_convert=True)
@@ -867,12 +824,9 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
                               dq_send_warp=True, dq_buffers=2, dq_rotate=True, dq_convert=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_send_warp=True,
-                              dq_convert=True),
-      # Three heads a group, of two key heads: the one group is the grid's two.
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                              dq_send_warp=True, dq_buffers=2, dq_interleave=3)],
+                              dq_convert=True)],
       ids=["pipelined", "split", "send_warp", "send_warp_two_slots", "send_warp_rotate",
-           "send_warp_rotate_convert", "send_warp_convert", "send_warp_interleave"])
+           "send_warp_rotate_convert", "send_warp_convert"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
