@@ -81,7 +81,14 @@ def main():
                             ("send warp+rotate+convert", mb, dataclasses.replace(
                                 ordered, dq_send_warp=True, dq_rotate=True, dq_convert=True)),
                             ("ordered dq_split", mb,
-                             dataclasses.replace(ordered, dq_pipelined=False))):
+                             dataclasses.replace(ordered, dq_pipelined=False)),
+                            ("arrival+persistent", mb,
+                             dataclasses.replace(tuned, persistent=True)),
+                            ("send warp+two slots+persistent", mb, dataclasses.replace(
+                                ordered, dq_send_warp=True, dq_buffers=2, persistent=True)),
+                            ("all+rotate+persistent", mb, dataclasses.replace(
+                                ordered, dq_send_warp=True, dq_buffers=2, dq_rotate=True,
+                                persistent=True))):
     if wanted is not None and name not in wanted:
       continue
     module = module() if callable(module) else module  # a patched copy, built when wanted
@@ -101,14 +108,17 @@ def main():
   max_diff = lambda xs, ys: [float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
                              for x, y in zip(xs, ys)]
   # A converted variant: reproducible, and the same bits as the variant it converts for
-  # (the same float32 sum, scaled and rounded alike).
-  for name in [n for n in outs if n == "ordered" or "convert" in n]:
+  # (the same float32 sum, scaled and rounded alike); a persistent ordered one the same bits
+  # as the grid it replaces (the same additions in the same order).
+  for name in [n for n in outs if n == "ordered" or "convert" in n
+               or (n.endswith("+persistent") and "arrival" not in n)]:
     f, a = fns[name]
     for _ in range(2 if name == "ordered" else 1):
       again = jax.block_until_ready(f(*a))
       print(f"{name}: identical bits on another call (dq, dk, dv): "
             f"{same_bits(outs[name], again)}", flush=True)
-    others = ("arrival", "pair") if name == "ordered" else (name.replace("+convert", ""),)
+    others = (("arrival", "pair") if name == "ordered"
+              else (name.replace("+convert", "").replace("+persistent", ""),))
     for other in others:
       if other in outs:
         print(f"{name}: identical bits to {other} {same_bits(outs[name], outs[other])}, "

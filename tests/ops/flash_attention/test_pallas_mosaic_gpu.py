@@ -394,6 +394,56 @@ def test_converted_backward_lowers_for_cuda(causal, window, segments, d, warp, b
   assert _MOSAIC_CALL.search(text) and "red.release.gpu" in text
 
 
+@pytest.mark.parametrize("causal, window, segments, d, ordered, rotate, num_sms, hkv", [
+    (False, None, False, 128, False, False, 5, 2),
+    (True, None, False, 128, True, False, 3, 4),
+    (False, None, False, 128, True, True, None, 2),
+    (False, (100, 7), True, 128, True, False, 4, 1),
+    (True, 200, True, 256, False, False, 2, 2),
+    (True, None, False, 64, False, False, 7, 1)])
+def test_persistent_backward_lowers_for_cuda(causal, window, segments, d, ordered, rotate,
+                                             num_sms, hkv):
+  """persistent: a CTA per SM looping over the key blocks _persistent_schedule deals it."""
+  config = mb.MosaicBackwardConfig(
+      dq_split=d == 128, column_split=d == 256, stages=2 - (d == 256), pingpong=d == 64,
+      dq_pipelined=d == 128, dq_ordered=ordered, dq_send_warp=ordered,
+      dq_buffers=1 + (ordered and not segments), dq_rotate=rotate, persistent=True,
+      num_sms=num_sms)
+  opts = _opts(causal, window, segments)
+  assert mb.support_error((2, 512, 4, d), (2, 384, hkv, d), BF16, opts, config) is None
+  text = _backward_lowered_for_cuda(opts, config, 512, 384, hkv, d, segments)
+  assert _MOSAIC_CALL.search(text)
+  assert ("red.release.gpu" in text) == ordered
+
+
+@pytest.mark.parametrize("steps, ctas", [([5] * 12, 5), ([64 - 2 * j for j in range(32)] * 8, 13),
+                                         ([3, 0, 9, 1, 1, 7, 2], 3), ([4, 4], 2)])
+def test_persistent_schedule_deals_each_block_once_in_launch_order(steps, ctas):
+  """Every key block goes to one CTA; each CTA's blocks come in launch order (a block only
+  waits on earlier ones); no CTA's estimate ends a block later than another CTA could have
+  started it (greedy list scheduling)."""
+  table, counts = (np.asarray(x) for x in mb._persistent_schedule(  # pylint: disable=protected-access
+      steps, ctas))
+  assert table.shape[0] == ctas and counts.sum() == len(steps)
+  dealt = [list(table[c, :counts[c]]) for c in range(ctas)]
+  assert sorted(i for x in dealt for i in x) == list(range(len(steps)))
+  assert all(x == sorted(x) for x in dealt)
+  cost = lambda x: sum(steps[i] + mb._ITEM_OVERHEAD for i in x)  # pylint: disable=protected-access
+  ends = [cost(x) for x in dealt]
+  assert max(ends) - min(ends) <= max(steps) + mb._ITEM_OVERHEAD  # pylint: disable=protected-access
+
+
+def test_persistent_support_errors():
+  shape = (1, 256, 4, 128)
+  why = lambda **kw: mb.support_error(shape, shape, BF16, _opts(),
+                                      mb.MosaicBackwardConfig(**kw))
+  assert "num_sms" in why(dq_split=True, num_sms=4)
+  assert "num_sms" in why(dq_split=True, persistent=True, num_sms=0)
+  assert "gqa_per_query_head" in why(dq_split=False, persistent=True, gqa_per_query_head=True)
+  assert "dq_send_warp" in why(dq_split=True, persistent=True, dq_ordered=True)
+  assert why(dq_split=True, persistent=True, dq_ordered=True, dq_send_warp=True) is None
+
+
 def test_dq_convert_belongs_to_dq_ordered_with_a_send_warp():
   shape = (1, 256, 4, 128)
   config = mb.MosaicBackwardConfig(dq_split=True, dq_convert=True)
@@ -824,9 +874,16 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
                               dq_send_warp=True, dq_buffers=2, dq_rotate=True, dq_convert=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_send_warp=True,
-                              dq_convert=True)],
+                              dq_convert=True),
+      # Several key blocks per CTA; with rotation a key head's 16 blocks on 16 CTAs.
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                              dq_send_warp=True, dq_buffers=2, persistent=True, num_sms=5),
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                              dq_send_warp=True, dq_buffers=2, dq_rotate=True, persistent=True,
+                              num_sms=16)],
       ids=["pipelined", "split", "send_warp", "send_warp_two_slots", "send_warp_rotate",
-           "send_warp_rotate_convert", "send_warp_convert"])
+           "send_warp_rotate_convert", "send_warp_convert", "persistent_send_warp",
+           "persistent_rotate"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
@@ -995,6 +1052,26 @@ class TestMosaicGpuOrderedDqConvert(TestMosaicGpuOrderedDq):
   impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
       dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
       dq_rotate=True, dq_convert=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuPersistent(TestMosaicGpuOrderedDq):
+  """persistent: seven CTAs, each looping over its share of the key blocks, with the
+  ordered defaults' send warp, two slots and rotated walks."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+      dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
+      dq_rotate=True, persistent=True, num_sms=7))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuPersistentArrival(TestMosaicGpuPipelinedDq):
+  """persistent, dq reduced in arrival order (deterministic=False's kernel)."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+      dq_split=True, dq_pipelined=True, persistent=True, num_sms=7))
 
 
 @pytest.mark.gpu
