@@ -463,8 +463,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   with dq_convert then the last adders' table (1 where this key block adds last), per dQ
   tile the barrier p_ready (the earlier adders' sum loaded), the tile slots' view in the
   input dtype, and the output dq in that dtype. schedule: with config.persistent, the
-  _persistent_schedule tables (each CTA's key blocks, and how many) and the barrier kv_free
-  (both compute warpgroups are done with K and V); the grid is then one axis, "cta"."""
+  _persistent_schedule tables (each CTA's key blocks, and how many), each key block's
+  _query_blocks without segment ids ([n_kv, 4]) and the barrier kv_free (both compute
+  warpgroups are done with K and V); the grid is then one axis, "cta"."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -475,19 +476,25 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   split = config.column_split
   n_q = -(-t // bq)  # the last block may reach past T (see MosaicBackwardConfig.block_q)
   segments = mask.segments
-  # The grid position (read here: inside the memory warpgroup's per-warp code only the warp
-  # axis may be named).
-  if config.persistent:
-    cta = lax.axis_index("cta")
-  else:
-    grid_pos = tuple(lax.axis_index(a) for a in ("b", "h", "kv"))
+  # The grid position, read here: inside the memory warpgroup's per-warp code only the warp
+  # axis may be named.
+  cta = lax.axis_index("cta") if config.persistent else None
 
   def item_at(b, h, kvi):
     """The work of grid position (b, h, kvi)."""
     if config.dq_ordered:  # the last key block launches first (see dq_ordered)
       kvi = n_kv - 1 - kvi
-    bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq,
-                           (seg_refs[2][b, kvi, 0], seg_refs[2][b, kvi, 1]) if segments else None)
+    seg_range = (seg_refs[2][b, kvi, 0], seg_refs[2][b, kvi, 1]) if segments else None
+    if config.persistent and not mask.is_dense:
+      # The band's blocks from a table: the memory warpgroup's warps (which run this too)
+      # have no lowering for the selects and clamps that compute them.
+      bounds = tuple(schedule[2][kvi, j] for j in range(4))
+      if seg_range is not None:
+        first = jnp.maximum(bounds[0], seg_range[0])
+        last = jnp.maximum(jnp.minimum(bounds[1], seg_range[1]), first)
+        bounds = (first, last, last, last)
+    else:
+      bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
     if per_query_head:  # this CTA's one query head, and its key head
       heads, kv_head = 1, _mosaic.div(h, group)
     else:  # every query head of this key head
@@ -495,6 +502,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     # dq_rotate: where this key block's walk starts (per_head = n_q: no mask).
     rot = _rotation(kvi, n_kv, n_q) if rotate else None
     return _Item(b, h, kvi, *bounds, heads, kv_head, rot)
+
+  # Without persistent, the CTA's one item, computed here: the warps' code (with jax 0.11's
+  # warpgroup lowering) has no selects or clamps for the band's bounds.
+  grid_item = None if config.persistent else item_at(
+      *(lax.axis_index(a) for a in ("b", "h", "kv")))
 
   def scheduled(r):
     """config.persistent: this CTA's r-th key block."""
@@ -507,7 +519,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     """fn(item, carry) for this CTA's key blocks in order: its grid position's one, or with
     config.persistent its schedule's (carry: the global step its pipeline has reached)."""
     if not config.persistent:
-      return fn(item_at(*grid_pos), carry)
+      return fn(grid_item, carry)
     count = schedule[1][cta]
     return lax.fori_loop(0, count, lambda r, c: fn(scheduled(r), c), carry)
 
@@ -770,7 +782,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[it.b, keys, it.h])
       if config.persistent:  # K and V's shared memory may take the next key block's
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(schedule[2])
+        plgpu.barrier_arrive(schedule[3])
       plgpu.wait_smem_to_gmem(0)
       return base + it.n_steps
 
@@ -800,7 +812,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
     def loads(drain=None):
       if not config.persistent:
-        it = item_at(*grid_pos)
+        it = grid_item
         load_keys(it)
         _mosaic.fill_ring(functools.partial(load, it), it.n_steps, stages, (q_free, do_free),
                           drain=drain)
@@ -823,7 +835,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         ahead = 0 if first else jnp.minimum(stages, it.n_steps)
         if not first:
           pl.loop(0, ahead)(step)
-          plgpu.barrier_wait(schedule[2])
+          plgpu.barrier_wait(schedule[3])
         load_keys(it)
         pl.loop(ahead, it.n_steps)(step)
         return base + it.n_steps
@@ -889,8 +901,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
     if not config.dq_send_warp:  # between the loads (not persistent: support_error)
       sends_start()
-      it = item_at(*grid_pos)
-      loads(drain=lambda i: send_dq(it, i, i))
+      loads(drain=lambda i: send_dq(grid_item, i, i))
       return
 
     def item_sends(it, base):
@@ -953,16 +964,16 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     # A rotated walk may wait on a key block launched after it: on a CTA that has, before
     # it, only other heads' blocks while a head's blocks are at most the CTAs.
     rotate = rotate and n_kv <= ctas
-    with jax.ensure_compile_time_eval():
+    with jax.ensure_compile_time_eval():  # per key block: its band's query blocks
       kv = jnp.arange(n_kv, dtype=jnp.int32)
-      if config.dq_ordered:
-        kv = n_kv - 1 - kv
-      # With segment ids, the band's blocks (the ids' ranges are not known here).
-      first, last, _, _ = _query_blocks(mask, kv * config.cta_keys(), config.cta_keys(), n_q,
-                                        bq)
-      per_item = jnp.broadcast_to(jnp.asarray(last) - jnp.asarray(first), (n_kv,))
-      per_item = [int(x) * (1 if per_query_head else hq // hkv) for x in per_item]
-    schedule_args = _persistent_schedule(per_item * (b * grid_heads), ctas)
+      bounds = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n_kv,)) for x in
+                          _query_blocks(mask, kv * config.cta_keys(), config.cta_keys(), n_q,
+                                        bq)], axis=1)
+      steps = [int(x) * (1 if per_query_head else hq // hkv) for x in bounds[:, 1] - bounds[:, 0]]
+    if config.dq_ordered:  # launch position j is key block n_kv - 1 - j
+      steps = steps[::-1]
+    # With segment ids the estimate is the band's (the ids' ranges are not known here).
+    schedule_args = (*_persistent_schedule(steps * (b * grid_heads), ctas), bounds)
   if config.dq_ordered:
     ranks, adders = _reduction_ranks(mask, b, n_kv, config.cta_keys(), n_q, bq, ranges,
                                      rotate=rotate)

@@ -416,6 +416,28 @@ def test_persistent_backward_lowers_for_cuda(causal, window, segments, d, ordere
   assert ("red.release.gpu" in text) == ordered
 
 
+@pytest.mark.parametrize("causal, window, segments, persistent, convert, rotate", [
+    (True, None, True, False, False, False),
+    (False, (100, 7), False, False, True, False),
+    (True, 200, True, True, False, False),
+    (False, None, False, True, True, True)])
+def test_warps_lower_under_warpgroup_semantics(monkeypatch, causal, window, segments,
+                                               persistent, convert, rotate):
+  """The memory warpgroup's per-warp code (loads, dq sends) under the warpgroup lowering
+  that the GPU image's jax (0.11) runs: its warps have no lowering for selects, clamps,
+  negations or boolean nots, which the lane lowering (this jax's default) accepts."""
+  semantics = mb.plgpu.LoweringSemantics.Warpgroup
+  monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
+      mb.plgpu.CompilerParams, lowering_semantics=semantics))
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                                   dq_send_warp=True, dq_buffers=1 + (not segments),
+                                   dq_rotate=rotate, dq_convert=convert, persistent=persistent,
+                                   num_sms=3 if persistent else None)
+  opts = _opts(causal, window, segments)
+  assert mb.support_error((2, 512, 4, 128), (2, 384, 2, 128), BF16, opts, config) is None
+  assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, 512, 384, 2, 128, segments))
+
+
 @pytest.mark.parametrize("steps, ctas", [([5] * 12, 5), ([64 - 2 * j for j in range(32)] * 8, 13),
                                          ([3, 0, 9, 1, 1, 7, 2], 3), ([4, 4], 2)])
 def test_persistent_schedule_deals_each_block_once_in_launch_order(steps, ctas):
