@@ -961,9 +961,12 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   schedule_args = ()
   if config.persistent:
     ctas = _ctas(config, b * grid_heads * n_kv)
-    # A rotated walk may wait on a key block launched after it: on a CTA that has, before
-    # it, only other heads' blocks while a head's blocks are at most the CTAs.
+    # A rotated walk may wait on any key block of its head: persistent CTAs then take whole
+    # heads a round (at the headline 128 of 132: with 132, the heads that straddle two
+    # rounds waited a round for their turns, and the backward gained nothing).
     rotate = rotate and n_kv <= ctas
+    if rotate:
+      ctas -= ctas % n_kv
     with jax.ensure_compile_time_eval():  # per key block: its band's query blocks
       kv = jnp.arange(n_kv, dtype=jnp.int32)
       bounds = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n_kv,)) for x in
