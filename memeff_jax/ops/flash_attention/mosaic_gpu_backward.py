@@ -135,11 +135,17 @@ class MosaicBackwardConfig:
       (the last adder's load of the sum sits on its path; the pass it saves is ~30 µs).
     persistent: one CTA per SM (num_sms, else the device's count), each taking its share of
       the key blocks in turn (dealt in launch order to whichever CTA an estimate of the
-      steps frees first: _persistent_schedule). A key block's first Q and dO loads go out
-      while the one before it finishes, and no CTA is launched, set up and drained per
-      block: at the headline each cost its SM ~12 µs, 6.5% of the non-causal backward and
-      12% of the causal one. Not with gqa_per_query_head; with dq_ordered only with
-      dq_send_warp. All CTAs must be resident at once (dq_ordered's waits cross them).
+      steps frees first: _persistent_schedule); with dq_rotate whole key heads a round.
+      A key block's first Q and dO loads go out while the one before it finishes, and no
+      CTA is launched, set up and drained per block (at the headline a block costs its SM
+      ~12 µs beyond its steps). The same bits as the grid. Measured at the headline (H100,
+      whole backward at the cap): arrival order 2% faster without a mask (5.60 against
+      5.71 ms, 5.68 against 5.79); no gain for the ordered defaults (5.67–5.74 against
+      5.67–5.71), nor in arrival order under a causal mask (3.24 both); and the ordered
+      causal kernel 1.8× slower (5.60 against 3.17: the static deal drifts from the real
+      finish times, and a block may start before the one it waits on; it also spills).
+      Not with gqa_per_query_head; with dq_ordered only with dq_send_warp. All CTAs must
+      be resident at once (dq_ordered's waits cross them).
     num_sms: (persistent) the CTAs to launch; None reads the device's SM count.
   """
 
