@@ -20,6 +20,7 @@ Checks that "ordered" gives identical bits on three calls, and its distance to "
 """
 import argparse
 import dataclasses
+import inspect
 import sys
 
 import jax
@@ -40,6 +41,13 @@ _WAIT = _FULL + '        plgpu.semaphore_wait(counter, rank, decrement=False, me
 NO_WAITS = ((_WAIT,), _FULL + "        pass")
 NO_LANDING = ((("      plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add",),
                "      pass"), NO_WAITS)
+
+
+def landing_exit():
+  """mosaic_gpu_backward with its CTAs' last waits for their stores to land (before
+  session 32), not only to have read shared memory."""
+  src = inspect.getsource(mb).replace("_mosaic.wait_stores_read()", "plgpu.wait_smem_to_gmem(0)")
+  return patched([], src=src)
 
 
 def main():
@@ -88,7 +96,12 @@ def main():
                                 ordered, dq_send_warp=True, dq_buffers=2, persistent=True)),
                             ("all+rotate+persistent", mb, dataclasses.replace(
                                 ordered, dq_send_warp=True, dq_buffers=2, dq_rotate=True,
-                                persistent=True))):
+                                persistent=True)),
+                            ("arrival (landing exit)", landing_exit, tuned),
+                            ("all+rotate (landing exit)", landing_exit, dataclasses.replace(
+                                ordered, dq_send_warp=True, dq_buffers=2, dq_rotate=True)),
+                            ("send warp+two slots (landing exit)", landing_exit,
+                             dataclasses.replace(ordered, dq_send_warp=True, dq_buffers=2))):
     if wanted is not None and name not in wanted:
       continue
     module = module() if callable(module) else module  # a patched copy, built when wanted

@@ -59,6 +59,14 @@ def rem(x, n):
   return lax.rem(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
 
 
+def wait_stores_read() -> None:
+  """A CTA's last wait on its TMA stores: until they have read their shared memory, not
+  until they land. The kernel's end makes its global writes visible to what follows (JAX's
+  Hopper matmul and CUTLASS's epilogues end so too); waiting for the landing would keep the
+  SM from its next CTA."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def when(cond, fn) -> None:
   """fn() where cond holds: a Python bool (static shapes) or a traced one."""
   if isinstance(cond, bool):

@@ -768,7 +768,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(dq_smem.at[wg], acc_ref.at[it.b, keys, it.kv_head, my_cols],
                                   reduction_op="add")
-        plgpu.wait_smem_to_gmem(0)
+        _mosaic.wait_stores_read()
         return base + it.n_steps
       plgpu.barrier_arrive(pair)  # the other warpgroup has finished reading all of K
       plgpu.barrier_wait(pair)
@@ -786,10 +786,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[it.b, keys, it.h])
         plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[it.b, keys, it.h])
-      if config.persistent:  # K and V's shared memory may take the next key block's
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      _mosaic.wait_stores_read()  # with persistent, then the next key block's K and V
+      if config.persistent:
         plgpu.barrier_arrive(schedule[3])
-      plgpu.wait_smem_to_gmem(0)
       return base + it.n_steps
 
     each_item(run_item, jnp.int32(0))
@@ -923,7 +922,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       def _():
         sends_start()
         each_item(item_sends, jnp.int32(0))
-        plgpu.wait_smem_to_gmem(0)  # dq_convert's last stores have landed
+        _mosaic.wait_stores_read()  # dq_convert's last stores
 
 
 def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):

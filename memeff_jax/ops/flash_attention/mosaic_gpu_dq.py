@@ -234,7 +234,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
     q_tile[...] = (dq * scale).astype(dtype)  # every WGMMA reading Q has completed
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, rows, h])
-    plgpu.wait_smem_to_gmem(0)
+    _mosaic.wait_stores_read()
 
   @pl.when(wg == 2)
   def _memory():

@@ -347,7 +347,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, pl.ds(row, bq), h])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row, bq)])
-    plgpu.wait_smem_to_gmem(0)
+    _mosaic.wait_stores_read()
 
   @pl.when(wg == 2)
   def _memory():

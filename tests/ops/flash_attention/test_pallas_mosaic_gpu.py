@@ -438,6 +438,41 @@ def test_warps_lower_under_warpgroup_semantics(monkeypatch, causal, window, segm
   assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, 512, 384, 2, 128, segments))
 
 
+def test_ctas_end_once_their_stores_have_read_shared_memory(monkeypatch):
+  """The forward, the dq kernel and the backward in arrival order wait on their TMA stores
+  only until those have read shared memory (the kernel's end makes the writes visible):
+  a wait for the landing would hold the SM from its next CTA. Only dq_ordered's
+  reductions, which the next key block's must follow, wait for theirs to land."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
+  waits = []
+  real = mb.plgpu.wait_smem_to_gmem
+  monkeypatch.setattr(mb.plgpu, "wait_smem_to_gmem", lambda n, wait_read_only=False: (
+      waits.append(wait_read_only), real(n, wait_read_only=wait_read_only))[1])
+  opts = _opts(True)
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
+  k = jax.ShapeDtypeStruct((1, 256, 2, 128), BF16)
+  lower = lambda f, *args: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  st = pm._Static(opts, MosaicConfig.for_head_dim(128), None, None)  # pylint: disable=protected-access
+  lower(functools.partial(pm._forward, st), q, k, k, None, None)  # pylint: disable=protected-access
+  res = Residuals(q, k, k, None, None, q, jax.ShapeDtypeStruct((1, 4, 256), jnp.float32))
+  for config in (mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True),
+                 mb.MosaicBackwardConfig(dq_split=False, pingpong=True, with_dq=False)):
+    lower(lambda res, d_out, d_lse, c=config: mb.backward(opts, c, res, (d_out, d_lse))[:3],
+          res, q, res.lse)
+  det = dataclasses.replace(opts, deterministic=True)
+  pair = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+      dq_split=False, pingpong=True, with_dq=False), dq_config=MosaicDqConfig())
+  st = pair._static(q, k, det)  # pylint: disable=protected-access
+  lower(lambda res, d_out, d_lse: pm._backward(st, res, (d_out, d_lse))[:3], res, q, res.lse)  # pylint: disable=protected-access
+  assert waits and all(waits), waits
+  waits.clear()
+  ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                                    dq_send_warp=True)
+  lower(lambda res, d_out, d_lse: mb.backward(opts, ordered, res, (d_out, d_lse))[:3],
+        res, q, res.lse)
+  assert waits.count(False) == 1, waits  # the reductions' landing, before the counter
+
+
 @pytest.mark.parametrize("steps, ctas", [([5] * 12, 5), ([64 - 2 * j for j in range(32)] * 8, 13),
                                          ([3, 0, 9, 1, 1, 7, 2], 3), ([4, 4], 2)])
 def test_persistent_schedule_deals_each_block_once_in_launch_order(steps, ctas):
