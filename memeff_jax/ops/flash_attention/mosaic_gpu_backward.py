@@ -146,7 +146,8 @@ class MosaicBackwardConfig:
       finish times, and a block may start before the one it waits on; it also spills).
       Not with gqa_per_query_head; with dq_ordered only with dq_send_warp. All CTAs must
       be resident at once (dq_ordered's waits cross them).
-    num_sms: (persistent) the CTAs to launch; None reads the device's SM count.
+    num_sms: (persistent) the CTAs to launch; None reads the device's SM count (132, an
+      H100's, where the default device has none, as when lowering on a CPU).
   """
 
   stages: int = 2
