@@ -59,6 +59,15 @@ def rem(x, n):
   return lax.rem(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
 
 
+def exp2_scores(s, scale: float, softcap: float | None):
+  """(z, tanh) for the backward kernels: the scores s·scale in the exp2 domain, or with a
+  cap z = cap·tanh(s·scale/cap)·log2 e and tanh for dz/ds = 1 − tanh² (None without)."""
+  if softcap is None:
+    return s * (scale * LOG2E), None
+  tanh = jnp.tanh(s * (scale / softcap))
+  return tanh * (softcap * LOG2E), tanh
+
+
 def wait_stores_read() -> None:
   """A CTA's last wait on its TMA stores: until they have read their shared memory, not
   until they land. The kernel's end makes its global writes visible to what follows (JAX's

@@ -566,7 +566,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     oc = config.out_cols(d)
     my_cols = pl.ds(wg * oc, oc) if split else pl.ds(0, d)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along Sᵀ's columns (queries)
-    c = scale * _mosaic.LOG2E
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     half = d // 2
 
@@ -698,11 +697,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                         plgpu.ACC.init(zeros((bkv, bq)))))
-        if softcap is None:
-          zt = st * c
-        else:  # z = cap·tanh(s/cap) in the exp2 domain; dz/ds = 1 − tanh²
-          tanh = jnp.tanh(st * (scale / softcap))
-          zt = tanh * (softcap * _mosaic.LOG2E)
+        zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
         if masked:
           zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
         # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the

@@ -166,7 +166,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
     delta = _mosaic.load(stats_smem.at[wg, 1], row_layout)
     plgpu.barrier_wait(q_ready.at[wg])
     plgpu.barrier_wait(do_ready.at[wg])
-    c = scale * _mosaic.LOG2E
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
     if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
@@ -191,11 +190,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
       st, dp = pl.run_state(scores)((plgpu.ACC.init(zeros((bq, bkv))),
                                      plgpu.ACC.init(zeros((bq, bkv)))))
       plgpu.barrier_arrive(v_free.at[v_slot])
-      if softcap is None:
-        z = st * c
-      else:  # z = cap·tanh(s/cap) in the exp2 domain; dz/ds = 1 − tanh²
-        tanh = jnp.tanh(st * (scale / softcap))
-        z = tanh * (softcap * _mosaic.LOG2E)
+      z, tanh = _mosaic.exp2_scores(st, scale, softcap)
       if masked:
         kv_ids = None
         if segments:
