@@ -518,7 +518,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   def scheduled(r):
     """config.persistent: this CTA's r-th key block."""
     idx = schedule[0][cta, r]
-    n_h = k_ref.shape[2] if not per_query_head else q_ref.shape[2]
+    n_h = k_ref.shape[2]  # the grid's key heads (persistent excludes gqa_per_query_head)
     return item_at(_mosaic.div(idx, n_h * n_kv), _mosaic.rem(_mosaic.div(idx, n_kv), n_h),
                    _mosaic.rem(idx, n_kv))
 
