@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import heapq
 import inspect
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -74,6 +76,32 @@ def wait_stores_read() -> None:
   Hopper matmul and CUTLASS's epilogues end so too); waiting for the landing would keep the
   SM from its next CTA."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def persistent_ctas(num_sms: int | None, n_items: int) -> int:
+  """A persistent kernel's CTAs: one per SM (num_sms, else the default device's count; 132,
+  an H100's, where it has none, as when lowering on a CPU), at most one per work item."""
+  sms = num_sms or getattr(jax.devices()[0], "core_count", None) or 132
+  return min(sms, n_items)
+
+
+def greedy_schedule(costs, ctas: int, overhead: int):
+  """(table [ctas, rounds], counts [ctas]) int32 for a persistent kernel: the work items
+  (costs[i] for the one at launch position i, in any unit) dealt in launch order, each to
+  the CTA that an estimate (its costs plus `overhead` per item) frees first, as the
+  hardware's dispatcher would deal CTAs of a grid. Each CTA takes its items in launch
+  order, so an item that waits on others (the ordered dq reduction) waits only on earlier
+  ones, which the other CTAs reach first: no deadlock while all CTAs are resident."""
+  free = [(0, c) for c in range(ctas)]
+  lists = [[] for _ in range(ctas)]
+  for i, n in enumerate(costs):
+    at, c = heapq.heappop(free)
+    lists[c].append(i)
+    heapq.heappush(free, (at + int(n) + overhead, c))
+  rounds = max(len(x) for x in lists)
+  table = [x + [0] * (rounds - len(x)) for x in lists]
+  return (jnp.asarray(table, jnp.int32).reshape(ctas, rounds),
+          jnp.asarray([len(x) for x in lists], jnp.int32))
 
 
 def when(cond, fn) -> None:
@@ -182,8 +210,9 @@ def visible(mask, shape, key_axis: int, key_minus_query, row_ids=None, col_ids=N
   return ok
 
 
-def query_cta_index(mask, n_ctas: int):
-  """This CTA's query-CTA index along grid axis "q", heaviest first under a causal mask.
+def query_cta_index(mask, n_ctas: int, launch):
+  """The query-CTA index of a head's CTA at launch position `launch` (grid axis "q", or a
+  persistent kernel's tile order), heaviest first under a causal mask.
 
   CUDA starts CTAs in grid order, and "q", the grid's last axis, is its fastest (Pallas
   makes the last axis CUDA's x): a head's query CTAs start together, and under a causal
@@ -193,8 +222,7 @@ def query_cta_index(mask, n_ctas: int):
   on an H200 (benchmarks/NOTES.md, session 11). The dq kernel keeps grid order (no gain
   measured there).
   """
-  qi = lax.axis_index("q")
-  return n_ctas - 1 - qi if mask.is_causal else qi
+  return n_ctas - 1 - launch if mask.is_causal else launch
 
 
 def query_cta_key_blocks(mask, ranges_ref, b, qi, block_q: int, block_kv: int, n_blocks: int):
@@ -265,7 +293,8 @@ def visit_key_blocks(step, skip, carry, bounds, cta_lo, cta_hi, *, dense: bool, 
 
 
 def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, block_kv: int,
-                      stages, smem, ready, free, *, separate_rings: bool = False) -> None:
+                      stages, smem, ready, free, *, separate_rings: bool = False,
+                      base=None) -> None:
   """The memory warpgroup of the kernels that stream keys past resident queries: key blocks
   [cta_lo, cta_hi) of K, V (and the key segment ids, when kv_seg_ref is given) into the
   `smem` = (k, v[, ids]) ring with barriers `ready` (the same order), refilling a slot once
@@ -273,7 +302,11 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
 
   `stages`: the ring's slots, or (K's, V's) for two rings of different depths, each refilled
   once its own free barrier is passed (the ids share K's slots). `separate_rings`: two rings
-  even of equal depths, for kernels that release a block's K long before its V."""
+  even of equal depths, for kernels that release a block's K long before its V.
+
+  `base`: (persistent kernels) the blocks the ring took before these, which it continues:
+  block i goes into the slot of global position base + i, after the block that position −
+  depth held has been freed."""
   k_stages, v_stages = stages if isinstance(stages, tuple) else (stages, stages)
   k_free, v_free = free
   n = cta_hi - cta_lo
@@ -286,6 +319,24 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
     for w in which:
       plgpu.copy_gmem_to_smem(srcs[w], smem[w].at[slot], ready[w].at[slot])
 
+  if base is not None:
+    if k_stages == v_stages and not separate_rings:
+      rings = [(k_stages, range(len(smem)), free)]
+    else:  # the ids ride in K's slots
+      rings = [(k_stages, [0] + ([2] if kv_seg_ref is not None else []), (k_free,)),
+               (v_stages, [1], (v_free,))]
+
+    @pl.loop(0, n)
+    def _(i):
+      for depth, which, barriers in rings:
+        slot = rem(base + i, depth)
+
+        @pl.when(base + i >= depth)
+        def _(barriers=barriers, slot=slot):
+          for barrier in barriers:
+            plgpu.barrier_wait(barrier.at[slot])
+        copies(i, slot, which)
+    return
   if k_stages == v_stages and not separate_rings:
     fill_ring(functools.partial(copies, which=range(len(smem))), n, k_stages, free)
     return

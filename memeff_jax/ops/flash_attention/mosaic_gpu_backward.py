@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 import math
 from typing import NamedTuple
 
@@ -135,7 +134,7 @@ class MosaicBackwardConfig:
       (the last adder's load of the sum sits on its path; the pass it saves is ~30 µs).
     persistent: one CTA per SM (num_sms, else the device's count), each taking its share of
       the key blocks in turn (dealt in launch order to whichever CTA an estimate of the
-      steps frees first: _persistent_schedule); with dq_rotate whole key heads a round.
+      steps frees first: _mosaic.greedy_schedule); with dq_rotate whole key heads a round.
       A key block's first Q and dO loads go out while the one before it finishes, and no
       CTA is launched, set up and drained per block (at the headline a block costs its SM
       ~12 µs beyond its steps). The same bits as the grid. Measured at the headline (H100,
@@ -381,31 +380,7 @@ def _rotation(kv, n_kv: int, n_q: int):
   return lax.rem(kv * max(n_q // n_kv, 1), jnp.int32(n_q))
 
 
-def _ctas(config: MosaicBackwardConfig, n_items: int) -> int:
-  """config.persistent: the CTAs to launch, at most one per key block."""
-  sms = config.num_sms or getattr(jax.devices()[0], "core_count", None) or 132
-  return min(sms, n_items)
-
-
 _ITEM_OVERHEAD = 4  # a key block's cost beyond its steps, in steps (~12 µs at the headline)
-
-
-def _persistent_schedule(steps, ctas: int):
-  """(table [ctas, rounds], counts [ctas]) int32: config.persistent's key blocks (`steps[i]`
-  steps for the one at launch position i) dealt in launch order, each to the CTA that an
-  estimate (its steps + _ITEM_OVERHEAD) frees first. Each CTA takes its blocks in launch
-  order, so a block waits (dq_ordered) only on blocks before it, which the other CTAs reach
-  first: no deadlock while all CTAs are resident."""
-  free = [(0, c) for c in range(ctas)]
-  lists = [[] for _ in range(ctas)]
-  for i, n in enumerate(steps):
-    at, c = heapq.heappop(free)
-    lists[c].append(i)
-    heapq.heappush(free, (at + int(n) + _ITEM_OVERHEAD, c))
-  rounds = max(len(x) for x in lists)
-  table = [x + [0] * (rounds - len(x)) for x in lists]
-  return (jnp.asarray(table, jnp.int32).reshape(ctas, rounds),
-          jnp.asarray([len(x) for x in lists], jnp.int32))
 
 
 def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
@@ -470,7 +445,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   with dq_convert then the last adders' table (1 where this key block adds last), per dQ
   tile the barrier p_ready (the earlier adders' sum loaded), the tile slots' view in the
   input dtype, and the output dq in that dtype. schedule: with config.persistent, the
-  _persistent_schedule tables (each CTA's key blocks, and how many), each key block's
+  _mosaic.greedy_schedule tables (each CTA's key blocks, and how many), each key block's
   _query_blocks without segment ids ([n_kv, 4]) and the barrier kv_free (both compute
   warpgroups are done with K and V); the grid is then one axis, "cta"."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
@@ -961,7 +936,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   rotate = _rotates(config, mask, n_kv)
   schedule_args = ()
   if config.persistent:
-    ctas = _ctas(config, b * grid_heads * n_kv)
+    ctas = _mosaic.persistent_ctas(config.num_sms, b * grid_heads * n_kv)
     # A rotated walk may wait on any key block of its head: persistent CTAs then take whole
     # heads a round (at the headline 128 of 132: with 132, the heads that straddle two
     # rounds waited a round for their turns, and the backward gained nothing).
@@ -977,7 +952,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     if config.dq_ordered:  # launch position j is key block n_kv - 1 - j
       steps = steps[::-1]
     # With segment ids the estimate is the band's (the ids' ranges are not known here).
-    schedule_args = (*_persistent_schedule(steps * (b * grid_heads), ctas), bounds)
+    schedule_args = (*_mosaic.greedy_schedule(steps * (b * grid_heads), ctas, _ITEM_OVERHEAD),
+                     bounds)
   if config.dq_ordered:
     ranks, adders = _reduction_ranks(mask, b, n_kv, config.cta_keys(), n_q, bq, ranges,
                                      rotate=rotate)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,12 @@ class MosaicConfig:
       previous block is carried in registers). K and V then stream through separate rings,
       since a block's V is released a step after its K. Excludes pingpong (which measured
       slower with it: the turns hold back the warpgroup whose PV is in flight).
+    persistent: one CTA per SM (num_sms, else the device's count), each looping over its
+      share of the query tiles (dealt in launch order by their key blocks:
+      _mosaic.greedy_schedule). The K/V ring runs on across tiles, the next tile's Q loads
+      during the epilogue, and the output leaves through a buffer of its own
+      (2·block_q·D more shared memory, which may cost a K/V stage at D > 128).
+    num_sms: (persistent) the CTAs to launch; None reads the device's SM count.
   """
 
   block_q: int = 64
@@ -85,6 +92,8 @@ class MosaicConfig:
   stages: int = 2
   pingpong: bool = True
   overlap: bool = False
+  persistent: bool = False
+  num_sms: int | None = None
 
   @classmethod
   def for_head_dim(cls, d: int) -> "MosaicConfig":
@@ -121,6 +130,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"needs scale > 0, got {opts.scale}"
   if config.overlap and config.pingpong:
     return "overlap and pingpong exclude each other"
+  if config.num_sms is not None and not (config.persistent and config.num_sms >= 1):
+    return f"num_sms={config.num_sms} needs persistent and at least one CTA"
   return None
 
 
@@ -128,23 +139,41 @@ _SMEM_RESERVE = 4_096  # barriers, reduction scratch, alignment
 
 
 def _fitting_stages(cfg: MosaicConfig, d: int, itemsize: int) -> int:
-  """The most K/V stages that fit in shared memory beside Q and the log-sum-exp."""
-  fixed = 2 * cfg.block_q * d * itemsize + 2 * cfg.block_q * 4 + _SMEM_RESERVE
+  """The most K/V stages that fit in shared memory beside Q (and with persistent the
+  output's buffer) and the log-sum-exp."""
+  fixed = (2 + 2 * cfg.persistent) * cfg.block_q * d * itemsize + 2 * cfg.block_q * 4
+  fixed += _SMEM_RESERVE
   return (_mosaic.SMEM_BYTES - fixed) // (2 * cfg.block_kv * d * itemsize)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_smem, v_smem,
-                    lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, seg_scratch, *,
-                    config: MosaicConfig, mask: MaskSpec, scale: float,
+class _Tile(NamedTuple):
+  """One CTA's work: two query blocks (rows qi·2·block_q ..) of head h of batch row b, and
+  the key blocks they visit (query_cta_key_blocks)."""
+  b: jax.Array
+  h: jax.Array
+  qi: jax.Array
+  per_block: list
+  cta_lo: jax.Array
+  cta_hi: jax.Array
+
+  @property
+  def n_blocks(self):
+    return self.cta_hi - self.cta_lo
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_smem, k_smem,
+                    v_smem, lse_smem, o_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
+                    seg_scratch, *, config: MosaicConfig, mask: MaskSpec, scale: float,
                     softcap: float | None, group: int):
+  """schedule: with config.persistent, the _mosaic.greedy_schedule tables (each CTA's tiles
+  by launch position, and how many), and o_smem the output's own buffer (else the output
+  leaves through Q's); the grid is then one axis, "cta"."""
   bq, bkv = config.block_q, config.block_kv
   s = k_ref.shape[1]
   d = q_ref.shape[-1]
   dtype = q_ref.dtype
-  b, h = lax.axis_index("b"), lax.axis_index("h")
-  qi = _mosaic.query_cta_index(mask, q_ref.shape[1] // (2 * bq))
+  n_q_ctas = q_ref.shape[1] // (2 * bq)
   wg = lax.axis_index("wg")
-  cta_row = qi * (2 * bq)
   stages = config.stages
   segments = mask.segments
   # Rows that see no key at all (window, segments) end with l = 0: guard the exponents.
@@ -152,211 +181,275 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, q_smem, k_sme
 
   n_blocks = s // bkv
   static_range = mask.is_dense  # every CTA reads every key block: static loop bounds
-  per_block, cta_lo, cta_hi = _mosaic.query_cta_key_blocks(
-      mask, seg_refs[2] if segments else None, b, qi, bq, bkv, n_blocks)
   ready = (k_ready, v_ready) + ((seg_scratch[3],) if segments else ())  # a key block's loads
 
   take_turn = functools.partial(_mosaic.take_turn, turn)
 
+  def position(b, h, launch):
+    """(b, h, qi) of a head's query CTA at launch position `launch` (query_cta_index)."""
+    return b, h, _mosaic.query_cta_index(mask, n_q_ctas, launch)
+
+  def tile_at(b, h, qi):
+    return _Tile(b, h, qi, *_mosaic.query_cta_key_blocks(
+        mask, seg_refs[2] if segments else None, b, qi, bq, bkv, n_blocks))
+
+  # The grid position, read before the warpgroups split.
+  cta = lax.axis_index("cta") if config.persistent else None
+  grid_position = None if config.persistent else position(
+      *(lax.axis_index(a) for a in ("b", "h", "q")))
+
+  def scheduled(r):
+    """config.persistent: (b, h, qi) of this CTA's r-th tile."""
+    idx = schedule[0][cta, r]
+    n_h = q_ref.shape[2]
+    return position(_mosaic.div(idx, n_h * n_q_ctas), _mosaic.rem(_mosaic.div(idx, n_q_ctas), n_h),
+                    _mosaic.rem(idx, n_q_ctas))
+
+  def each_tile(fn):
+    """fn(r, tile, base) → base' for this CTA's tiles in order: its grid position's one, or
+    with config.persistent its schedule's. base: the key blocks streamed before the tile
+    (the K/V ring's global position)."""
+    if not config.persistent:
+      fn(0, tile_at(*grid_position), jnp.int32(0))
+      return
+    lax.fori_loop(0, schedule[1][cta], lambda r, base: fn(r, tile_at(*scheduled(r)), base),
+                  jnp.int32(0))
+
   @pl.when(wg < 2)
   def _compute():
     plgpu.set_max_registers(232, action="increase")
-    row = cta_row + wg * bq
-    bounds = _mosaic.my_key_blocks(per_block, cta_lo, cta_hi, wg)
-    hi = bounds[1]
     q_tile = q_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row, bq), h], q_tile, q_ready.at[wg])
-    if segments:
-      q_seg_smem, kv_seg_smem, q_seg_ready, kv_seg_ready = seg_scratch
-      plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(row, bq)], q_seg_smem.at[wg],
-                              q_seg_ready.at[wg])
-      plgpu.barrier_wait(q_seg_ready.at[wg])
-      q_ids = _mosaic.load(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
-    plgpu.barrier_wait(q_ready.at[wg])
+    # The output leaves through its own buffer when persistent (Q's then takes the next
+    # tile's rows while this one's epilogue runs), else through Q's.
+    o_tile = o_smem.at[wg] if config.persistent else q_tile
 
-    c = scale * _mosaic.LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
-    m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
-                          plgpu.Layout.WGMMA.reduce(1))
-    l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+    def load_q(b, h, qi):
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((2 * qi + wg) * bq, bq), h], q_tile,
+                              q_ready.at[wg])
 
-    if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
-      pl.when(wg == 1)(take_turn)
+    if config.persistent:
+      pl.when(schedule[1][cta] > 0)(lambda: load_q(*scheduled(0)))
 
-    def visible(j, scores):
-      """Key block j's scores on this warpgroup's rows, -inf where the mask hides them."""
-      kv_ids = None
+    def run_tile(r, tile: _Tile, base):
+      b, h, cta_lo, cta_hi = tile.b, tile.h, tile.cta_lo, tile.cta_hi
+      row = (2 * tile.qi + wg) * bq
+      bounds = _mosaic.my_key_blocks(tile.per_block, cta_lo, cta_hi, wg)
+      hi = bounds[1]
+      if not config.persistent:
+        load_q(b, h, tile.qi)
       if segments:
-        slot = _mosaic.rem(j - cta_lo, stages)
-        plgpu.barrier_wait(kv_seg_ready.at[slot])
-        kv_ids = _mosaic.load(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-      ok = _mosaic.visible(mask, scores.shape, 1, j * bkv - row,
-                           q_ids if segments else None, kv_ids)
-      return jnp.where(ok, scores, -jnp.inf)
+        q_seg_smem, kv_seg_smem, q_seg_ready, kv_seg_ready = seg_scratch
+        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(row, bq)], q_seg_smem.at[wg],
+                                q_seg_ready.at[wg])
+        plgpu.barrier_wait(q_seg_ready.at[wg])
+        q_ids = _mosaic.load(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+      plgpu.barrier_wait(q_ready.at[wg])
 
-    def online_softmax(j, slot, scores, m, l, *, masked):
-      """Block j's P (input dtype) on the running maximum m → m_new, the new row sums, and
-      α = 2^(m − m_new) for the accumulator; releases K's slot once its scores (and key
-      ids) have been read."""
-      if not segments:
-        plgpu.barrier_arrive(k_free.at[slot])
-      if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
-        scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _mosaic.LOG2E)
-      if masked:
-        scores = visible(j, scores)
-      if segments:  # the slot's key ids have been read too
-        plgpu.barrier_arrive(k_free.at[slot])
-      if softcap is None:  # scale the row maximum, not the whole tile
-        m_new = jnp.maximum(m, scores.max(axis=1) * c)
-        z = scores * c
-      else:
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        z = scores
-      # A row with no visible key yet has m_new = -inf: subtract 0 instead (p = 0, α = 0).
-      m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
-      p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
-      alpha = jnp.exp2(m - m_sub)
-      return p.astype(dtype), m_new, l * alpha + p.sum(axis=1), alpha
+      c = scale * _mosaic.LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
+      m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+      l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
 
-    def rescale(acc, alpha):
-      return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
+        pl.when(wg == 1)(take_turn)
 
-    def block_scores(slot):
-      """QKᵀ of the key block in `slot` (then the ping-pong turn), waited for."""
-      def qk(s_ref):
-        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-        if config.pingpong:
-          take_turn()
-        return s_ref[...]
+      def slot_of(j):
+        """Key block j's slot in the ring (global position base + j − cta_lo)."""
+        return _mosaic.rem(base + j - cta_lo, stages)
 
-      return pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+      def visible(j, scores):
+        """Key block j's scores on this warpgroup's rows, -inf where the mask hides them."""
+        kv_ids = None
+        if segments:
+          plgpu.barrier_wait(kv_seg_ready.at[slot_of(j)])
+          kv_ids = _mosaic.load(kv_seg_smem.at[slot_of(j)], plgpu.Layout.WGMMA.reduce(0))
+        ok = _mosaic.visible(mask, scores.shape, 1, j * bkv - row,
+                             q_ids if segments else None, kv_ids)
+        return jnp.where(ok, scores, -jnp.inf)
 
-    def step(j, carry, *, masked):
-      acc, m, l = carry
-      slot = _mosaic.rem(j - cta_lo, stages)
-      scores = block_scores(slot)
-      p, m_new, l, alpha = online_softmax(j, slot, scores, m, l, masked=masked)
-      acc = rescale(acc, alpha)
-      if config.pingpong:
-        plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may issue
-      plgpu.barrier_wait(v_ready.at[slot])
-      if config.pingpong:
-        plgpu.barrier_wait(turn)  # and now it is our turn on the tensor cores
+      def online_softmax(j, slot, scores, m, l, *, masked):
+        """Block j's P (input dtype) on the running maximum m → m_new, the new row sums,
+        and α = 2^(m − m_new) for the accumulator; releases K's slot once its scores (and
+        key ids) have been read."""
+        if not segments:
+          plgpu.barrier_arrive(k_free.at[slot])
+        if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
+          scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _mosaic.LOG2E)
+        if masked:
+          scores = visible(j, scores)
+        if segments:  # the slot's key ids have been read too
+          plgpu.barrier_arrive(k_free.at[slot])
+        if softcap is None:  # scale the row maximum, not the whole tile
+          m_new = jnp.maximum(m, scores.max(axis=1) * c)
+          z = scores * c
+        else:
+          m_new = jnp.maximum(m, scores.max(axis=1))
+          z = scores
+        # A row with no visible key yet has m_new = -inf: subtract 0 instead (p = 0, α = 0).
+        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
+        p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
+        alpha = jnp.exp2(m - m_sub)
+        return p.astype(dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+      def rescale(acc, alpha):
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-        @pl.when(j + 1 < hi)  # the next K lands while this WGMMA runs
-        def _():
-          plgpu.barrier_wait(k_ready.at[_mosaic.rem(j + 1 - cta_lo, stages)])
+      def block_scores(slot):
+        """QKᵀ of the key block in `slot` (then the ping-pong turn), waited for."""
+        def qk(s_ref):
+          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+          if config.pingpong:
+            take_turn()
+          return s_ref[...]
 
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l
-
-    def skip(j, _):
-      slot = _mosaic.rem(j - cta_lo, stages)
-      _mosaic.release_key_block([r.at[slot] for r in ready], [k_free.at[slot], v_free.at[slot]],
-                                take_turn if config.pingpong else None)
-
-    def first_k():
-      plgpu.barrier_wait(k_ready.at[_mosaic.rem(bounds[0] - cta_lo, stages)])
-
-    def overlapped_blocks(acc, m, l):
-      """visit_key_blocks with FlashAttention-3's intra-warpgroup overlap (config.overlap):
-      block lo's QKᵀ and softmax, then per block j QKᵀ_j and PV_{j−1} issued together and
-      block j's softmax computed while PV_{j−1} runs, then block hi−1's PV."""
-      lo, hi, full_lo, full_hi = bounds
-      slot_of = lambda j: _mosaic.rem(j - cta_lo, stages)
-      zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-
-      def first(masked):
-        def run():
-          slot = slot_of(lo)
-          plgpu.barrier_wait(k_ready.at[slot])
-          return online_softmax(lo, slot, block_scores(slot), m, l, masked=masked)[:3]
-        return run
-
-      def no_blocks():
-        return zeros((bq, bkv)).astype(dtype), m, l
+        return pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
 
       def step(j, carry, *, masked):
-        acc, m, l, p_prev = carry
-        slot, prev = slot_of(j), slot_of(j - 1)
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_wait(v_ready.at[prev])
+        acc, m, l = carry
+        slot = slot_of(j)
+        scores = block_scores(slot)
+        p, m_new, l, alpha = online_softmax(j, slot, scores, m, l, masked=masked)
+        acc = rescale(acc, alpha)
+        if config.pingpong:
+          plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may issue
+        plgpu.barrier_wait(v_ready.at[slot])
+        if config.pingpong:
+          plgpu.barrier_wait(turn)  # and now it is our turn on the tensor cores
 
-        def issue_both(refs):
-          s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-          plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
-          # PV_{j−1} may still run, except on a masked block: the mask's registers then made
-          # ptxas serialize every WGMMA of the kernel (C7513, benchmarks/NOTES.md).
-          scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if masked else 1)
-          p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = online_softmax(
-              j, slot, scores, m, l, masked=masked)
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
 
-        _, acc, p, m, l, alpha = pl.run_state(issue_both)(
-            (plgpu.ACC.init(zeros((bq, bkv))), plgpu.ACC.init(acc), p_prev, m, l, m))
-        plgpu.barrier_arrive(v_free.at[prev])
-        return rescale(acc, alpha), m, l, p
+          @pl.when(j + 1 < hi)  # the next K lands while this WGMMA runs
+          def _():
+            plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
 
-      def last(acc, p):
-        def run():
-          prev = slot_of(hi - 1)
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      def skip(j, _):
+        slot = slot_of(j)
+        _mosaic.release_key_block([r.at[slot] for r in ready],
+                                  [k_free.at[slot], v_free.at[slot]],
+                                  take_turn if config.pingpong else None)
+
+      def first_k():
+        plgpu.barrier_wait(k_ready.at[slot_of(bounds[0])])
+
+      def overlapped_blocks(acc, m, l):
+        """visit_key_blocks with FlashAttention-3's intra-warpgroup overlap
+        (config.overlap): block lo's QKᵀ and softmax, then per block j QKᵀ_j and PV_{j−1}
+        issued together and block j's softmax computed while PV_{j−1} runs, then block
+        hi−1's PV."""
+        lo, hi, full_lo, full_hi = bounds
+        zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
+                                                plgpu.Layout.WGMMA)
+
+        def first(masked):
+          def run():
+            slot = slot_of(lo)
+            plgpu.barrier_wait(k_ready.at[slot])
+            return online_softmax(lo, slot, block_scores(slot), m, l, masked=masked)[:3]
+          return run
+
+        def no_blocks():
+          return zeros((bq, bkv)).astype(dtype), m, l
+
+        def step(j, carry, *, masked):
+          acc, m, l, p_prev = carry
+          slot, prev = slot_of(j), slot_of(j - 1)
+          plgpu.barrier_wait(k_ready.at[slot])
           plgpu.barrier_wait(v_ready.at[prev])
 
-          def pv(o_ref):
-            plgpu.wgmma(o_ref, p, v_smem.at[prev])
+          def issue_both(refs):
+            s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+            plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+            plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+            # PV_{j−1} may still run, except on a masked block: the mask's registers then
+            # made ptxas serialize every WGMMA of the kernel (C7513, benchmarks/NOTES.md).
+            scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if masked else 1)
+            p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = online_softmax(
+                j, slot, scores, m, l, masked=masked)
 
-          out = pl.run_state(pv)(plgpu.ACC.init(acc))
+          _, acc, p, m, l, alpha = pl.run_state(issue_both)(
+              (plgpu.ACC.init(zeros((bq, bkv))), plgpu.ACC.init(acc), p_prev, m, l, m))
           plgpu.barrier_arrive(v_free.at[prev])
-          return out
-        return run
+          return rescale(acc, alpha), m, l, p
 
-      lax.fori_loop(cta_lo, lo, skip, None)
-      # Under a window or segment ids a warpgroup may own no block: its first and last
-      # blocks then go under a lax.cond (every causal row sees key 0).
-      if may_be_empty:
-        p, m, l = lax.cond(lo < hi, first(masked=True), no_blocks)
+        def last(acc, p):
+          def run():
+            prev = slot_of(hi - 1)
+            plgpu.barrier_wait(v_ready.at[prev])
+
+            def pv(o_ref):
+              plgpu.wgmma(o_ref, p, v_smem.at[prev])
+
+            out = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[prev])
+            return out
+          return run
+
+        lax.fori_loop(cta_lo, lo, skip, None)
+        # Under a window or segment ids a warpgroup may own no block: its first and last
+        # blocks then go under a lax.cond (every causal row sees key 0).
+        if may_be_empty:
+          p, m, l = lax.cond(lo < hi, first(masked=True), no_blocks)
+        else:
+          p, m, l = first(masked=not static_range)()
+        # Blocks lo+1.. (none when lo == hi), each masked where visit_key_blocks masks it.
+        acc, m, l, p = _mosaic.masked_ranges(step, (acc, m, l, p), lo + 1, hi, full_lo,
+                                             full_hi, dense=static_range)
+        acc = lax.cond(lo < hi, last(acc, p), lambda: acc) if may_be_empty else last(acc, p)()
+        lax.fori_loop(hi, cta_hi, skip, None)
+        return acc, m, l
+
+      if config.overlap:
+        acc, m, l = overlapped_blocks(acc, m, l)
       else:
-        p, m, l = first(masked=not static_range)()
-      # Blocks lo+1.. (none when lo == hi), each masked where visit_key_blocks masks it.
-      acc, m, l, p = _mosaic.masked_ranges(step, (acc, m, l, p), lo + 1, hi, full_lo, full_hi,
-                                           dense=static_range)
-      acc = lax.cond(lo < hi, last(acc, p), lambda: acc) if may_be_empty else last(acc, p)()
-      lax.fori_loop(hi, cta_hi, skip, None)
-      return acc, m, l
+        acc, m, l = _mosaic.visit_key_blocks(step, skip, (acc, m, l), bounds, cta_lo, cta_hi,
+                                             dense=static_range, start=first_k)
+      if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
+        pl.when(wg == 0)(take_turn)
+      if config.persistent:  # Q is read: the next tile's rows land during the epilogue
+        pl.when(r + 1 < schedule[1][cta])(lambda: load_q(*scheduled(r + 1)))
 
-    if config.overlap:
-      acc, m, l = overlapped_blocks(acc, m, l)
-    else:
-      acc, m, l = _mosaic.visit_key_blocks(step, skip, (acc, m, l), bounds, cta_lo, cta_hi,
-                                           dense=static_range, start=first_k)
-    if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
-      pl.when(wg == 0)(take_turn)
+      if may_be_empty:  # no visible key: output 0, log-sum-exp -inf
+        inv = jnp.where(l > 0, 1.0 / l, 0.0)
+        lse = jnp.where(l > 0, m * _mosaic.LN2 + jnp.log(l), -jnp.inf)
+      else:
+        inv, lse = 1.0 / l, m * _mosaic.LN2 + jnp.log(l)
+      acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      if config.persistent:  # the last tile's stores have read the buffers
+        _mosaic.wait_stores_read()
+      o_tile[...] = acc.astype(dtype)
+      lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, pl.ds(row, bq), h])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row, bq)])
+      return base + tile.n_blocks
 
-    if may_be_empty:  # no visible key: output 0, log-sum-exp -inf
-      inv = jnp.where(l > 0, 1.0 / l, 0.0)
-      lse = jnp.where(l > 0, m * _mosaic.LN2 + jnp.log(l), -jnp.inf)
-    else:
-      inv, lse = 1.0 / l, m * _mosaic.LN2 + jnp.log(l)
-    acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-    q_tile[...] = acc.astype(dtype)
-    lse_smem.at[wg][...] = lse
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, pl.ds(row, bq), h])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row, bq)])
+    each_tile(run_tile)
     _mosaic.wait_stores_read()
 
   @pl.when(wg == 2)
   def _memory():
     plgpu.set_max_registers(40, action="decrease")
-    # Masked CTAs may stream fewer blocks.
-    _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, b,
-                              _mosaic.div(h, group), cta_lo, cta_hi, bkv, stages,
-                              (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
-                              ready, (k_free, v_free), separate_rings=config.overlap)
+
+    def stream(r, tile: _Tile, base):
+      # Masked CTAs may stream fewer blocks.
+      _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, tile.b,
+                                _mosaic.div(tile.h, group), tile.cta_lo, tile.cta_hi, bkv,
+                                stages,
+                                (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
+                                ready, (k_free, v_free), separate_rings=config.overlap,
+                                base=base if config.persistent else None)
+      return base + tile.n_blocks
+
+    each_tile(stream)
+
+
+_TILE_OVERHEAD = 2  # a forward tile's cost beyond its key blocks, in key blocks (a guess)
 
 
 def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
@@ -367,7 +460,8 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
                       _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
   cfg = dataclasses.replace(cfg, stages=stages)
   layout = _mosaic.swizzled_tiles()
-  segments = st.opts.mask.segments
+  mask = st.opts.mask
+  segments = mask.segments
   if segments:
     ranges = _mosaic.segment_block_ranges(q_seg, kv_seg, cfg.block_q, cfg.block_kv)
     seg_args = (q_seg, kv_seg, ranges)
@@ -376,14 +470,36 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
                    plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
   else:
     seg_args, seg_scratch = (), ()
+  n_q_ctas = t // (2 * cfg.block_q)
+  if cfg.persistent:
+    # Tiles in launch order (head by head, each head's query CTAs in query_cta_index's
+    # order), dealt by their key blocks (the band's: segment ids are not known here).
+    with jax.ensure_compile_time_eval():
+      band = dataclasses.replace(mask, segments=False)
+      qi = _mosaic.query_cta_index(mask, n_q_ctas, jnp.arange(n_q_ctas, dtype=jnp.int32))
+      _, lo, hi = _mosaic.query_cta_key_blocks(band, None, 0, qi, cfg.block_q, cfg.block_kv,
+                                               s // cfg.block_kv)
+      costs = [int(x) for x in jnp.broadcast_to(jnp.asarray(hi) - jnp.asarray(lo), (n_q_ctas,))]
+    ctas = _mosaic.persistent_ctas(cfg.num_sms, b * hq * n_q_ctas)
+    schedule_args = _mosaic.greedy_schedule(costs * (b * hq), ctas, _TILE_OVERHEAD)
+    grid, grid_names = (ctas,), ("cta",)
+  else:
+    schedule_args = ()
+    grid, grid_names = (b, hq, n_q_ctas), ("b", "h", "q")
 
   def body(q_ref, k_ref, v_ref, *refs):
-    seg_refs, (o_ref, lse_ref) = (refs[:3], refs[3:]) if segments else (None, refs)
+    n_seg = 3 if segments else 0
+    n_sched = len(schedule_args)
+    seg_refs = refs[:n_seg] if segments else None
+    schedule = refs[n_seg:n_seg + n_sched] or None
+    o_ref, lse_ref = refs[n_seg + n_sched:]
 
     def kernel(*scratch):
-      main, extra = scratch[:10], scratch[10:]
-      _forward_kernel(q_ref, k_ref, v_ref, seg_refs, o_ref, lse_ref, *main, extra or None,
-                      config=cfg, mask=st.opts.mask, scale=st.opts.scale,
+      if not cfg.persistent:  # no output buffer
+        scratch = scratch[:4] + (None,) + scratch[4:]
+      main, extra = scratch[:11], scratch[11:]
+      _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, *main,
+                      extra or None, config=cfg, mask=mask, scale=st.opts.scale,
                       softcap=st.opts.logit_softcap, group=hq // hkv)
 
     pl.run_scoped(
@@ -392,6 +508,8 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
         plgpu.SMEM((stages, cfg.block_kv, d), k.dtype, transforms=layout),
         plgpu.SMEM((stages, cfg.block_kv, d), v.dtype, transforms=layout),
         plgpu.SMEM((2, cfg.block_q), jnp.float32),
+        *([plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout)]  # the output's
+          if cfg.persistent else []),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
@@ -407,12 +525,11 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
       body,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
-      mesh=plgpu.Mesh(grid=(b, hq, t // (2 * cfg.block_q)), grid_names=("b", "h", "q"),
-                      num_threads=3, thread_name="wg"),
+      mesh=plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       cost_estimate=_common.cost_estimate(st.opts, q, k, 2),
       name="flash_attention_fwd_mosaic",
-  )(q, k, v, *seg_args)
+  )(q, k, v, *seg_args, *schedule_args)
   return out, lse
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from memeff_jax.ops.flash_attention import flash_attention
+from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import MosaicConfig
 from memeff_jax.ops.flash_attention import PallasMosaicGpu
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb
@@ -43,6 +44,10 @@ def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(scale=-1.0), MosaicConfig(), "scale > 0"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(overlap=True),
      "overlap and pingpong"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(num_sms=8),
+     "num_sms=8 needs persistent"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(persistent=True, num_sms=0),
+     "num_sms=0 needs persistent and at least one CTA"),
 ])
 def test_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config, match):
   assert re.search(match, pm.support_error(q_shape, k_shape, dtype, opts, config))
@@ -249,6 +254,34 @@ def test_kernel_lowers_for_cuda(causal, window, segments, pingpong, d, t, s, hkv
   assert _MOSAIC_CALL.search(text)
 
 
+@pytest.mark.parametrize("causal, window, segments, d, overlap, num_sms, t, s, hkv", [
+    (False, None, False, 128, True, None, 256, 512, 4),
+    (True, None, False, 128, True, 5, 512, 384, 2),
+    (True, None, False, 64, False, 3, 256, 256, 1),
+    (False, (100, 7), False, 128, False, 7, 512, 384, 2),
+    (True, 300, True, 128, True, 4, 512, 512, 4),
+    (False, None, True, 256, False, 2, 256, 384, 1)])
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+def test_persistent_forward_lowers_for_cuda(monkeypatch, causal, window, segments, d, overlap,
+                                            num_sms, t, s, hkv, semantics):
+  """MosaicConfig(persistent=True): a CTA per SM looping over the query tiles its schedule
+  deals it, under both lowerings (the GPU image's jax 0.11 lowers with warpgroup
+  semantics)."""
+  monkeypatch.setattr(pm.plgpu, "CompilerParams", functools.partial(
+      pm.plgpu.CompilerParams, lowering_semantics=getattr(pm.plgpu.LoweringSemantics, semantics)))
+  config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=not overlap,
+                               overlap=overlap, persistent=True, num_sms=num_sms)
+  opts = _opts(causal, window, segments)
+  assert pm.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
+  st = pm._Static(opts, config, None, None)  # pylint: disable=protected-access
+  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
+  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
+  fwd = functools.partial(pm._forward, st)  # pylint: disable=protected-access
+  text = jax.jit(fwd).trace(q, k, k, *_segment_structs(segments, t, s)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert _MOSAIC_CALL.search(text)
+
+
 @pytest.mark.parametrize("causal, window, segments, d, dq_split, pingpong, stages, t, s, hkv", [
     (False, None, False, 128, True, False, 2, 256, 384, 2),
     (True, None, False, 128, True, False, 2, 384, 256, 4),
@@ -403,7 +436,7 @@ def test_converted_backward_lowers_for_cuda(causal, window, segments, d, warp, b
     (True, None, False, 64, False, False, 7, 1)])
 def test_persistent_backward_lowers_for_cuda(causal, window, segments, d, ordered, rotate,
                                              num_sms, hkv):
-  """persistent: a CTA per SM looping over the key blocks _persistent_schedule deals it."""
+  """persistent: a CTA per SM looping over the key blocks _mosaic.greedy_schedule deals it."""
   config = mb.MosaicBackwardConfig(
       dq_split=d == 128, column_split=d == 256, stages=2 - (d == 256), pingpong=d == 64,
       dq_pipelined=d == 128, dq_ordered=ordered, dq_send_warp=ordered,
@@ -479,15 +512,15 @@ def test_persistent_schedule_deals_each_block_once_in_launch_order(steps, ctas):
   """Every key block goes to one CTA; each CTA's blocks come in launch order (a block only
   waits on earlier ones); no CTA's estimate ends a block later than another CTA could have
   started it (greedy list scheduling)."""
-  table, counts = (np.asarray(x) for x in mb._persistent_schedule(  # pylint: disable=protected-access
-      steps, ctas))
+  overhead = mb._ITEM_OVERHEAD  # pylint: disable=protected-access
+  table, counts = (np.asarray(x) for x in _mosaic.greedy_schedule(steps, ctas, overhead))
   assert table.shape[0] == ctas and counts.sum() == len(steps)
   dealt = [list(table[c, :counts[c]]) for c in range(ctas)]
   assert sorted(i for x in dealt for i in x) == list(range(len(steps)))
   assert all(x == sorted(x) for x in dealt)
-  cost = lambda x: sum(steps[i] + mb._ITEM_OVERHEAD for i in x)  # pylint: disable=protected-access
+  cost = lambda x: sum(steps[i] + overhead for i in x)
   ends = [cost(x) for x in dealt]
-  assert max(ends) - min(ends) <= max(steps) + mb._ITEM_OVERHEAD  # pylint: disable=protected-access
+  assert max(ends) - min(ends) <= max(steps) + overhead
 
 
 def test_persistent_support_errors():
@@ -760,9 +793,12 @@ class TestMosaicGpu:
       dict(sliding_window=5),  # narrower than a block: rows of the first block see none
       dict(causal=True, segments=True), dict(sliding_window=(100, 30), segments=True)])
   @pytest.mark.parametrize("d", [64, 128, 256])
-  def test_overlapped_forward_matches_reference(self, opts, d):
-    """MosaicConfig(overlap=True): PV of the previous block in flight during the softmax."""
-    config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=False, overlap=True)
+  @pytest.mark.parametrize("persistent", [False, True])
+  def test_overlapped_forward_matches_reference(self, opts, d, persistent):
+    """MosaicConfig(overlap=True): PV of the previous block in flight during the softmax
+    (and with persistent five CTAs looping over the query tiles)."""
+    config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=False, overlap=True,
+                                 persistent=persistent, num_sms=5 if persistent else None)
     impl = PallasMosaicGpu(config=config)
     q, k, v, seg, ct = make_problem(jax.random.key(d + 3), 2, 384, 512, 8, 2, d, BF16,
                                     segments=opts.get("segments", False))
@@ -775,6 +811,27 @@ class TestMosaicGpu:
     assert rel_err(jnp.where(finite, lse, 0.0), jnp.where(finite, r_lse, 0.0)) < 1e-4
     for g, rg in zip(grads, r_grads):
       assert rel_err(g, rg) < 3e-2
+
+  @pytest.mark.parametrize("opts", [
+      dict(causal=False), dict(causal=True), dict(causal=True, logit_softcap=30.0),
+      dict(sliding_window=(100, 30)), dict(causal=True, segments=True)])
+  @pytest.mark.parametrize("overlap", [False, True])
+  @pytest.mark.parametrize("num_sms", [3, None])
+  def test_persistent_forward_gives_the_grids_bits(self, opts, overlap, num_sms):
+    """A persistent CTA's tile runs the grid CTA's arithmetic: the same output and
+    log-sum-exp, bit for bit (3 CTAs: each loops over many tiles)."""
+    config = dataclasses.replace(MosaicConfig(), pingpong=not overlap, overlap=overlap)
+    q, k, v, seg, _ = make_problem(jax.random.key(11), 2, 512, 640, 8, 2, 128, BF16,
+                                   segments=opts.get("segments", False))
+    kw = {key: val for key, val in opts.items() if key != "segments"}
+    if seg is not None:
+      kw.update(q_segment_ids=seg[0], kv_segment_ids=seg[1])
+    outs = [flash_attention(q, k, v, implementation=PallasMosaicGpu(config=c), return_lse=True,
+                            **kw)
+            for c in (config, dataclasses.replace(config, persistent=True, num_sms=num_sms))]
+    for grid, persistent in zip(*outs):
+      np.testing.assert_array_equal(np.asarray(persistent, np.float32),
+                                    np.asarray(grid, np.float32))
 
   @pytest.mark.parametrize("backward", [
       mb.MosaicBackwardConfig(dq_split=True), mb.MosaicBackwardConfig(dq_split=False),
@@ -1129,6 +1186,14 @@ class TestMosaicGpuPersistentArrival(TestMosaicGpuPipelinedDq):
 
   impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
       dq_split=True, dq_pipelined=True, persistent=True, num_sms=7))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuPersistentForward(TestMosaicGpuFeatures):
+  """The forward with persistent (seven CTAs looping over the query tiles, ping-pong)."""
+
+  impl = PallasMosaicGpu(config=MosaicConfig(persistent=True, num_sms=7))
 
 
 @pytest.mark.gpu
