@@ -208,9 +208,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
   def each_tile(fn):
     """fn(r, tile, base) → base' for this CTA's tiles in order: its grid position's one, or
     with config.persistent its schedule's. base: the key blocks streamed before the tile
-    (the K/V ring's global position)."""
-    if not config.persistent:
-      fn(0, tile_at(*grid_position), jnp.int32(0))
+    (the K/V ring's global position), a loop carry; None on the grid. A concrete 0 would
+    not do: closed over by a WGMMA's run_state, a constant scalar has no lowering under
+    jax 0.11's warpgroup semantics."""
+    if not config.persistent:  # base None: the ring starts at the CTA's first block
+      fn(0, tile_at(*grid_position), None)
       return
     lax.fori_loop(0, schedule[1][cta], lambda r, base: fn(r, tile_at(*scheduled(r)), base),
                   jnp.int32(0))
@@ -256,7 +258,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
       def slot_of(j):
         """Key block j's slot in the ring (global position base + j − cta_lo)."""
-        return _mosaic.rem(base + j - cta_lo, stages)
+        return _mosaic.rem(j - cta_lo if base is None else base + j - cta_lo, stages)
 
       def visible(j, scores):
         """Key block j's scores on this warpgroup's rows, -inf where the mask hides them."""
@@ -427,7 +429,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, pl.ds(row, bq), h])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row, bq)])
-      return base + tile.n_blocks
+      return None if base is None else base + tile.n_blocks
 
     each_tile(run_tile)
     _mosaic.wait_stores_read()
@@ -443,8 +445,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
                                 stages,
                                 (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
                                 ready, (k_free, v_free), separate_rings=config.overlap,
-                                base=base if config.persistent else None)
-      return base + tile.n_blocks
+                                base=base)
+      return None if base is None else base + tile.n_blocks
 
     each_tile(stream)
 

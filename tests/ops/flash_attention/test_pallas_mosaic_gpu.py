@@ -217,6 +217,13 @@ def _segment_structs(segments, t, s):
   return jax.ShapeDtypeStruct((2, t), jnp.int32), jax.ShapeDtypeStruct((2, s), jnp.int32)
 
 
+def _lower_with(monkeypatch, semantics: str) -> None:
+  """Mosaic GPU kernels lowered with `semantics` ("Lane", this jax's default, or
+  "Warpgroup", the GPU image's jax 0.11's)."""
+  monkeypatch.setattr(pm.plgpu, "CompilerParams", functools.partial(
+      pm.plgpu.CompilerParams, lowering_semantics=getattr(pm.plgpu.LoweringSemantics, semantics)))
+
+
 def _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments) -> str:
   """The StableHLO of mosaic_gpu_backward.backward at B = 2, Hq = 4, lowered for CUDA."""
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
@@ -240,9 +247,12 @@ def _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments) -> str:
     (True, 300, True, True, 128, 512, 512, 4, 20.0),
     (False, None, True, False, 64, 256, 384, 1, None)])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_kernel_lowers_for_cuda(causal, window, segments, pingpong, d, t, s, hkv, softcap,
-                                overlap):
-  """Builds the Mosaic GPU kernel (no GPU needed): catches API drift between jax releases."""
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+def test_kernel_lowers_for_cuda(monkeypatch, causal, window, segments, pingpong, d, t, s, hkv,
+                                softcap, overlap, semantics):
+  """Builds the Mosaic GPU kernel (no GPU needed): catches API drift between jax releases,
+  under both lowerings (the GPU image's jax 0.11 lowers with warpgroup semantics)."""
+  _lower_with(monkeypatch, semantics)
   config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=pingpong and not overlap,
                                overlap=overlap)
   st = pm._Static(_opts(causal, window, segments, softcap), config, None, None)  # pylint: disable=protected-access
@@ -267,8 +277,7 @@ def test_persistent_forward_lowers_for_cuda(monkeypatch, causal, window, segment
   """MosaicConfig(persistent=True): a CTA per SM looping over the query tiles its schedule
   deals it, under both lowerings (the GPU image's jax 0.11 lowers with warpgroup
   semantics)."""
-  monkeypatch.setattr(pm.plgpu, "CompilerParams", functools.partial(
-      pm.plgpu.CompilerParams, lowering_semantics=getattr(pm.plgpu.LoweringSemantics, semantics)))
+  _lower_with(monkeypatch, semantics)
   config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=not overlap,
                                overlap=overlap, persistent=True, num_sms=num_sms)
   opts = _opts(causal, window, segments)
