@@ -27,7 +27,7 @@ def impl(causal, d, **changes):
 
 
 PROVIDERS = {
-    "grid": lambda causal, d: impl(causal, d),
+    "grid": lambda causal, d: impl(causal, d, persistent=False),
     "persistent": lambda causal, d: impl(causal, d, persistent=True),
     "persistent 128": lambda causal, d: impl(causal, d, persistent=True, num_sms=128),
     "cudnn": None,

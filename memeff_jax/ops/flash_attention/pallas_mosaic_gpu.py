@@ -106,10 +106,16 @@ class MosaicConfig:
     or a causal one. There it measured 1.05× / 1.13× cuDNN's forward non-causal and 1.02× /
     1.09× causal, against 0.98× / 0.95× and 1.01× / 0.98× with ping-pong (H200, one
     process, benchmarks/NOTES.md); not at D = 64 (no faster). Masked blocks run without the
-    overlap, so windows and segment ids keep ping-pong."""
+    overlap, so windows and segment ids keep ping-pong.
+
+    Persistent at D = 128 without a mask: the headline's forward took 1.830 against 1.916
+    ms on the grid (H100, 5 interleaved rounds, benchmarks/NOTES.md, session 33); causal
+    it took 1.089 against 1.068 (the static deal of unequal tiles does worse than the
+    hardware's dispatcher), and at D = 256 the output's buffer would cost a K/V stage."""
     config = cls.for_head_dim(d)
     if d in (128, 256) and (mask.is_dense or mask.is_causal):
-      config = dataclasses.replace(config, overlap=True, pingpong=False)
+      config = dataclasses.replace(config, overlap=True, pingpong=False,
+                                   persistent=d == 128 and mask.is_dense)
     return config
 
 

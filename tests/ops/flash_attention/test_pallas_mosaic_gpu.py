@@ -70,18 +70,22 @@ def test_explicit_mosaic_on_cpu_says_why():
     flash_attention(q, q, q, implementation="pallas_mosaic_gpu")
 
 
-@pytest.mark.parametrize("d, opts, overlap", [
-    (128, _opts(), True), (128, _opts(causal=True), True), (256, _opts(causal=True), True),
-    (64, _opts(), False), (192, _opts(), False),
-    (128, _opts(window=(100, 7)), False), (128, _opts(causal=True, segments=True), False)])
-def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap):
+@pytest.mark.parametrize("d, opts, overlap, persistent", [
+    (128, _opts(), True, True), (128, _opts(causal=True), True, False),
+    (256, _opts(), True, False), (256, _opts(causal=True), True, False),
+    (64, _opts(), False, False), (192, _opts(), False, False),
+    (128, _opts(window=(100, 7)), False, False),
+    (128, _opts(causal=True, segments=True), False, False)])
+def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap, persistent):
   """The default forward: intra-warpgroup overlap at D = 128 and 256 with no mask or a causal
-  one, ping-pong elsewhere (masked blocks run without the overlap); an explicit config wins."""
+  one, ping-pong elsewhere (masked blocks run without the overlap); persistent at D = 128
+  without a mask; an explicit config wins."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
   q = jax.ShapeDtypeStruct((1, 256, 4, d), BF16)
   st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   assert (st.config.overlap, st.config.pingpong) == (overlap, not overlap)
+  assert st.config.persistent == persistent
   assert st.config.block_kv == MosaicConfig.for_head_dim(d).block_kv
   explicit = PallasMosaicGpu(config=MosaicConfig())._static(q, q, opts)  # pylint: disable=protected-access
   assert explicit.config == MosaicConfig()
