@@ -380,6 +380,19 @@ def _rotation(kv, n_kv: int, n_q: int):
   return lax.rem(kv * max(n_q // n_kv, 1), jnp.int32(n_q))
 
 
+_SKIP_UNSEEN = True  # (benchmarks/scratch patch it off for an A/B)
+
+
+def _skips_unseen(config: MosaicBackwardConfig, mask: MaskSpec) -> bool:
+  """Whether masked steps check that the band hides a compute warpgroup's keys from the
+  query block entirely (under a causal mask, the second warpgroup's on its key block's
+  diagonal query block: one step in 33 at the headline) and then skip Sᵀ, dPᵀ, dV and dK.
+  Where dq_pipelined and dq_split share dSᵀ and split dQ by columns; not with ping-pong
+  (whose turns the full step takes)."""
+  return (_SKIP_UNSEEN and config.dq_pipelined and config.dq_split and not config.pingpong
+          and (mask.left is not None or mask.right is not None))
+
+
 _ITEM_OVERHEAD = 4  # a key block's cost beyond its steps, in steps (~12 µs at the headline)
 
 
@@ -654,6 +667,42 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         return dk, dv
 
       def step(i, carry, *, masked):
+        """Step i; a masked step whose query block sees none of this warpgroup's keys
+        (where that can happen: see _skips_unseen) only takes part in dQ."""
+        if not (masked and _skips_unseen(config, mask)):
+          return full_step(i, carry, masked=masked)
+        _, qb = step_block(it, i)
+        return lax.cond(_mosaic.band_misses(mask, qb * bq, bq, my_key, bkv),
+                        functools.partial(unseen_step, i),
+                        functools.partial(full_step, i, masked=True), carry)
+
+      def unseen_step(i, carry):
+        """config.dq_pipelined's step i where the band hides all of this warpgroup's keys
+        from the query block: Pᵀ and dSᵀ are zero, so dV and dK gain nothing and Sᵀ and dPᵀ
+        need not be computed. The warpgroup still shares its (zero) dSᵀ rows and computes
+        its columns of dQ, which the other warpgroup's keys reach; it passes every barrier
+        the full step passes."""
+        gi = base + i
+        slot = _mosaic.rem(gi, stages)
+        _, _, k_cols = key_tiles()
+        for ready in (q_ready, do_ready, stats_ready):
+          plgpu.barrier_wait(ready.at[slot])
+        if segments:  # the query ids the full step's mask reads
+          plgpu.barrier_wait(seg_scratch[3].at[slot])
+        ds_buf = share_ds(gi, zeros((bkv, bq)).astype(dtype))
+        col = pl.multiple_of(wg * half, half)
+
+        def dq_only(dq_acc):
+          plgpu.wgmma(dq_acc, ds_buf.T, k_cols)
+          return dq_acc[...]
+
+        store_dq(i, gi, pl.run_scoped(dq_only, plgpu.ACC((bq, half), jnp.float32)),
+                 pl.ds(col, half))
+        plgpu.barrier_arrive(do_free.at[slot])
+        plgpu.barrier_arrive(q_free.at[slot])
+        return carry
+
+      def full_step(i, carry, *, masked):
         dk, dv = carry
         gi = base + i  # the step's place in the CTA's pipeline: its slots
         slot = _mosaic.rem(gi, stages)
