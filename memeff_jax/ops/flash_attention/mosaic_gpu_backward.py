@@ -384,11 +384,11 @@ _SKIP_UNSEEN = True  # (benchmarks/scratch patch it off for an A/B)
 
 
 def _skips_unseen(config: MosaicBackwardConfig, mask: MaskSpec) -> bool:
-  """Whether masked steps check that the band hides a compute warpgroup's keys from the
-  query block entirely (under a causal mask, the second warpgroup's on its key block's
-  diagonal query block: one step in 33 at the headline) and then skip Sᵀ, dPᵀ, dV and dK.
+  """Whether a key block's walk checks that the band hides a compute warpgroup's keys from
+  its first query block entirely (under a causal mask, the second warpgroup's on the
+  diagonal: one step in 33 at the headline) and then skips Sᵀ, dPᵀ, dV and dK there.
   Where dq_pipelined and dq_split share dSᵀ and split dQ by columns; not with ping-pong
-  (whose turns the full step takes)."""
+  (whose turns the full step takes). The kernel checks only a walk of one query head."""
   return (_SKIP_UNSEEN and config.dq_pipelined and config.dq_split and not config.pingpong
           and (mask.left is not None or mask.right is not None))
 
@@ -666,17 +666,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_arrive(q_free.at[slot])
         return dk, dv
 
-      def step(i, carry, *, masked):
-        """Step i; a masked step whose query block sees none of this warpgroup's keys
-        (where that can happen: see _skips_unseen) only takes part in dQ."""
-        if not (masked and _skips_unseen(config, mask)):
-          return full_step(i, carry, masked=masked)
-        _, qb = step_block(it, i)
-        return lax.cond(_mosaic.band_misses(mask, qb * bq, bq, my_key, bkv),
-                        functools.partial(unseen_step, i),
-                        functools.partial(full_step, i, masked=True), carry)
-
-      def unseen_step(i, carry):
+      def unseen_step(i):
         """config.dq_pipelined's step i where the band hides all of this warpgroup's keys
         from the query block: Pᵀ and dSᵀ are zero, so dV and dK gain nothing and Sᵀ and dPᵀ
         need not be computed. The warpgroup still shares its (zero) dSᵀ rows and computes
@@ -700,9 +690,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                  pl.ds(col, half))
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
-        return carry
 
-      def full_step(i, carry, *, masked):
+      def step(i, carry, *, masked):
         dk, dv = carry
         gi = base + i  # the step's place in the CTA's pipeline: its slots
         slot = _mosaic.rem(gi, stages)
@@ -772,9 +761,18 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       else:  # per head: the masked blocks before full_lo, the unmasked ones, the masked rest
         def head_steps(g, carry):
           start = g * it.per_head - it.first  # step i of this head visits query block i - start
-          return _mosaic.masked_ranges(step, carry, start + it.first,
-                                       start + it.first + it.per_head, start + it.full_lo,
-                                       start + it.full_hi, dense=False)
+          lo = start + it.first
+          if _skips_unseen(config, mask) and it.heads == 1:
+            # Under a causal mask the second warpgroup's keys are all after the first query
+            # block's rows. That step runs apart, before dK and dV hold anything: a branch
+            # around the full step, whose dV and dK run on into the next step, had ptxas
+            # serialize the kernel's WGMMAs (the ordered causal backward 18% slower).
+            unseen = (it.per_head > 0) & _mosaic.band_misses(mask, it.first * bq, bq, my_key,
+                                                             bkv)
+            pl.when(unseen)(lambda: unseen_step(lo))
+            lo = lo + unseen.astype(jnp.int32)
+          return _mosaic.masked_ranges(step, carry, lo, start + it.first + it.per_head,
+                                       start + it.full_lo, start + it.full_hi, dense=False)
 
         dk, dv = lax.fori_loop(0, it.heads, head_steps, carry)
 
