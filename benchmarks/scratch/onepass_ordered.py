@@ -14,8 +14,7 @@ landed), "send warp", "two slots" and "send warp+two slots" (dq_send_warp, dq_bu
 "all+rotate" (those and dq_rotate: no effect with a mask), "send warp+rotate" (one slot),
 "all+rotate+convert" and "send warp+rotate+convert" (dq_convert: the last adders write
 dq in bf16; checked against the same variant without it, bit for bit), "ordered dq_split" (dq_ordered
-without dq_pipelined), "(landing exit)" and "(no skip)" variants (the kernel before two
-session 33 changes), and "pair". Run with
+without dq_pipelined), and "pair". Run with
 MOSAIC_GPU_DUMP_PTXAS=1 to see ptxas's spills and any WGMMA serialization per variant.
 Checks that "ordered" gives identical bits on three calls, and its distance to "arrival".
 """
@@ -49,12 +48,6 @@ def landing_exit():
   session 32), not only to have read shared memory."""
   src = inspect.getsource(mb).replace("_mosaic.wait_stores_read()", "plgpu.wait_smem_to_gmem(0)")
   return patched([], src=src)
-
-
-def no_skip():
-  """mosaic_gpu_backward computing every masked step in full (before session 33), even where
-  the band hides a warpgroup's keys from the query block."""
-  return patched([(("_SKIP_UNSEEN = True",), "_SKIP_UNSEEN = False")])
 
 
 def main():
@@ -108,9 +101,6 @@ def main():
                             ("all+rotate (landing exit)", landing_exit, dataclasses.replace(
                                 ordered, dq_send_warp=True, dq_buffers=2, dq_rotate=True)),
                             ("send warp+two slots (landing exit)", landing_exit,
-                             dataclasses.replace(ordered, dq_send_warp=True, dq_buffers=2)),
-                            ("arrival (no skip)", no_skip, tuned),
-                            ("send warp+two slots (no skip)", no_skip,
                              dataclasses.replace(ordered, dq_send_warp=True, dq_buffers=2))):
     if wanted is not None and name not in wanted:
       continue
@@ -130,11 +120,6 @@ def main():
                               for x, y in zip(xs, ys)]
   max_diff = lambda xs, ys: [float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
                              for x, y in zip(xs, ys)]
-  for name in [n for n in outs if n.endswith(" (no skip)")]:  # skipping changes no bit
-    other = name[:-len(" (no skip)")]
-    if other in outs:
-      print(f"{other}: identical bits to {name} {same_bits(outs[name], outs[other])}",
-            flush=True)
   # A converted variant: reproducible, and the same bits as the variant it converts for
   # (the same float32 sum, scaled and rounded alike); a persistent ordered one the same bits
   # as the grid it replaces (the same additions in the same order).

@@ -162,17 +162,6 @@ def band_blocks(before: int | None, after: int | None, start, length: int, n_blo
   return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
 
 
-def band_misses(mask, q_start, q_len: int, k_start, k_len: int):
-  """Whether the band (mask.left, mask.right) hides every key k_start..k_start+k_len-1 from
-  every query q_start..q_start+q_len-1 (a traced bool; False without a band)."""
-  misses = False
-  if mask.right is not None:  # all keys after the last query's reach
-    misses = k_start > q_start + q_len - 1 + mask.right
-  if mask.left is not None:  # all keys before the first query's reach
-    misses = (k_start + k_len - 1 < q_start - mask.left) | misses
-  return jnp.asarray(misses)
-
-
 def segment_block_ranges(ids, other_ids, block: int, other_block: int):
   """[B, L/block, 2] int32: per block of `ids` ([B, L] segment ids), the [lo, hi) of the
   blocks of `other_ids` ([B, M]) holding any id within that block's range of ids ([0, 0)

@@ -380,19 +380,6 @@ def _rotation(kv, n_kv: int, n_q: int):
   return lax.rem(kv * max(n_q // n_kv, 1), jnp.int32(n_q))
 
 
-_SKIP_UNSEEN = True  # (benchmarks/scratch patch it off for an A/B)
-
-
-def _skips_unseen(config: MosaicBackwardConfig, mask: MaskSpec) -> bool:
-  """Whether a key block's walk checks that the band hides a compute warpgroup's keys from
-  its first query block entirely (under a causal mask, the second warpgroup's on the
-  diagonal: one step in 33 at the headline) and then skips Sᵀ, dPᵀ, dV and dK there.
-  Where dq_pipelined and dq_split share dSᵀ and split dQ by columns; not with ping-pong
-  (whose turns the full step takes). The kernel checks only a walk of one query head."""
-  return (_SKIP_UNSEEN and config.dq_pipelined and config.dq_split and not config.pingpong
-          and (mask.left is not None or mask.right is not None))
-
-
 _ITEM_OVERHEAD = 4  # a key block's cost beyond its steps, in steps (~12 µs at the headline)
 
 
@@ -666,31 +653,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_arrive(q_free.at[slot])
         return dk, dv
 
-      def unseen_step(i):
-        """config.dq_pipelined's step i where the band hides all of this warpgroup's keys
-        from the query block: Pᵀ and dSᵀ are zero, so dV and dK gain nothing and Sᵀ and dPᵀ
-        need not be computed. The warpgroup still shares its (zero) dSᵀ rows and computes
-        its columns of dQ, which the other warpgroup's keys reach; it passes every barrier
-        the full step passes."""
-        gi = base + i
-        slot = _mosaic.rem(gi, stages)
-        _, _, k_cols = key_tiles()
-        for ready in (q_ready, do_ready, stats_ready):
-          plgpu.barrier_wait(ready.at[slot])
-        if segments:  # the query ids the full step's mask reads
-          plgpu.barrier_wait(seg_scratch[3].at[slot])
-        ds_buf = share_ds(gi, zeros((bkv, bq)).astype(dtype))
-        col = pl.multiple_of(wg * half, half)
-
-        def dq_only(dq_acc):
-          plgpu.wgmma(dq_acc, ds_buf.T, k_cols)
-          return dq_acc[...]
-
-        store_dq(i, gi, pl.run_scoped(dq_only, plgpu.ACC((bq, half), jnp.float32)),
-                 pl.ds(col, half))
-        plgpu.barrier_arrive(do_free.at[slot])
-        plgpu.barrier_arrive(q_free.at[slot])
-
       def step(i, carry, *, masked):
         dk, dv = carry
         gi = base + i  # the step's place in the CTA's pipeline: its slots
@@ -761,18 +723,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       else:  # per head: the masked blocks before full_lo, the unmasked ones, the masked rest
         def head_steps(g, carry):
           start = g * it.per_head - it.first  # step i of this head visits query block i - start
-          lo = start + it.first
-          if _skips_unseen(config, mask) and it.heads == 1:
-            # Under a causal mask the second warpgroup's keys are all after the first query
-            # block's rows. That step runs apart, before dK and dV hold anything: a branch
-            # around the full step, whose dV and dK run on into the next step, had ptxas
-            # serialize the kernel's WGMMAs (the ordered causal backward 18% slower).
-            unseen = (it.per_head > 0) & _mosaic.band_misses(mask, it.first * bq, bq, my_key,
-                                                             bkv)
-            pl.when(unseen)(lambda: unseen_step(lo))
-            lo = lo + unseen.astype(jnp.int32)
-          return _mosaic.masked_ranges(step, carry, lo, start + it.first + it.per_head,
-                                       start + it.full_lo, start + it.full_hi, dense=False)
+          return _mosaic.masked_ranges(step, carry, start + it.first,
+                                       start + it.first + it.per_head, start + it.full_lo,
+                                       start + it.full_hi, dense=False)
 
         dk, dv = lax.fori_loop(0, it.heads, head_steps, carry)
 

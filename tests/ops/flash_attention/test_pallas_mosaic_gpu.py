@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from memeff_jax.ops.flash_attention import flash_attention
-from memeff_jax.ops.flash_attention import masks
 from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import MosaicConfig
 from memeff_jax.ops.flash_attention import PallasMosaicGpu
@@ -518,18 +517,6 @@ def test_ctas_end_once_their_stores_have_read_shared_memory(monkeypatch):
   lower(lambda res, d_out, d_lse: mb.backward(opts, ordered, res, (d_out, d_lse))[:3],
         res, q, res.lse)
   assert waits.count(False) == 1, waits  # the reductions' landing, before the counter
-
-
-@pytest.mark.parametrize("causal, window", [(True, None), (False, (100, 7)), (True, 30),
-                                            (False, None)])
-def test_band_misses_is_no_visible_pair(causal, window):
-  """_mosaic.band_misses(q0, 64, k0, 64) is True exactly where masks.visible has no pair in
-  the block (the backward's skipped steps rest on it)."""
-  spec = MaskSpec.make(causal, window, False)
-  for q0 in range(0, 512, 64):
-    for k0 in range(0, 512, 64):
-      seen = masks.visible(spec, jnp.arange(q0, q0 + 64), jnp.arange(k0, k0 + 64))
-      assert bool(_mosaic.band_misses(spec, q0, 64, k0, 64)) == (not bool(seen.any()))
 
 
 @pytest.mark.parametrize("steps, ctas", [([5] * 12, 5), ([64 - 2 * j for j in range(32)] * 8, 13),
