@@ -26,6 +26,6 @@ for skip in (True, False):
   name = "skip" if skip else "no skip"
   print(f"== {name}", flush=True)
   f = jax.jit(lambda res, ct, s=skip: mb.backward(opts, ordered, res, (ct, cts[1]))[:3])
-  f.lower(res, ct).compile()
+  jax.block_until_ready(f(res, ct))  # traced now, with this flag
   fns[name] = (f, (res, ct))
 rounds_then_power(fns, 3, width=10)
