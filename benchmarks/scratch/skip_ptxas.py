@@ -1,5 +1,7 @@
 """ptxas's view of the causal ordered backward with and without the unseen-step skip
-(benchmarks/patches/skip_unseen.diff applied first): run with MOSAIC_GPU_DUMP_PTXAS=1 and
+(benchmarks/patches/skip_unseen.diff applied first; its last form: the step run before the
+walk, its K columns at an offset of their own; all three forms gave the same 180 B of spills
+and C7512, WGMMAs serialized): run with MOSAIC_GPU_DUMP_PTXAS=1 and
 grep its spills, registers and WGMMA serialization warnings per variant.
 
     git apply benchmarks/patches/skip_unseen.diff
