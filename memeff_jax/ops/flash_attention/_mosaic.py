@@ -310,6 +310,7 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
   k_stages, v_stages = stages if isinstance(stages, tuple) else (stages, stages)
   k_free, v_free = free
   n = cta_hi - cta_lo
+  k_which = [0] + ([2] if kv_seg_ref is not None else [])  # with two rings: the ids in K's
 
   def copies(i, slot, which):
     keys = pl.ds((cta_lo + i) * block_kv, block_kv)
@@ -322,9 +323,8 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
   if base is not None:
     if k_stages == v_stages and not separate_rings:
       rings = [(k_stages, range(len(smem)), free)]
-    else:  # the ids ride in K's slots
-      rings = [(k_stages, [0] + ([2] if kv_seg_ref is not None else []), (k_free,)),
-               (v_stages, [1], (v_free,))]
+    else:
+      rings = [(k_stages, k_which, (k_free,)), (v_stages, [1], (v_free,))]
 
     @pl.loop(0, n)
     def _(i):
@@ -345,8 +345,8 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
   # condition with its own copy; a conditional wait of one ring after an unconditional copy of
   # the other handed the compute warpgroups zeros for a V block (benchmarks/NOTES.md, session
   # of 2026-11-22 (5)).
-  rings = sorted([(k_stages, [0] + ([2] if kv_seg_ref is not None else []), k_free),
-                  (v_stages, [1], v_free)], key=lambda ring: ring[0])
+  rings = sorted([(k_stages, k_which, k_free), (v_stages, [1], v_free)],
+                key=lambda ring: ring[0])
   for depth, which, _ in rings:
     for i in range(depth):
       when(i < n, functools.partial(copies, i, i, which))
