@@ -228,6 +228,16 @@ def _lower_with(monkeypatch, semantics: str) -> None:
       pm.plgpu.CompilerParams, lowering_semantics=getattr(pm.plgpu.LoweringSemantics, semantics)))
 
 
+def _forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments) -> str:
+  """The StableHLO of the Mosaic forward at B = 2, Hq = 4, lowered for CUDA."""
+  st = pm._Static(opts, config, None, None)  # pylint: disable=protected-access
+  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
+  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
+  fwd = functools.partial(pm._forward, st)  # pylint: disable=protected-access
+  return jax.jit(fwd).trace(q, k, k, *_segment_structs(segments, t, s)).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
 def _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments) -> str:
   """The StableHLO of mosaic_gpu_backward.backward at B = 2, Hq = 4, lowered for CUDA."""
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
@@ -259,13 +269,8 @@ def test_kernel_lowers_for_cuda(monkeypatch, causal, window, segments, pingpong,
   _lower_with(monkeypatch, semantics)
   config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=pingpong and not overlap,
                                overlap=overlap)
-  st = pm._Static(_opts(causal, window, segments, softcap), config, None, None)  # pylint: disable=protected-access
-  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
-  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
-  fwd = functools.partial(pm._forward, st)  # pylint: disable=protected-access
-  text = jax.jit(fwd).trace(q, k, k, *_segment_structs(segments, t, s)).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert _MOSAIC_CALL.search(text)
+  opts = _opts(causal, window, segments, softcap)
+  assert _MOSAIC_CALL.search(_forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
 
 
 @pytest.mark.parametrize("causal, window, segments, d, overlap, num_sms, t, s, hkv", [
@@ -286,13 +291,7 @@ def test_persistent_forward_lowers_for_cuda(monkeypatch, causal, window, segment
                                overlap=overlap, persistent=True, num_sms=num_sms)
   opts = _opts(causal, window, segments)
   assert pm.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
-  st = pm._Static(opts, config, None, None)  # pylint: disable=protected-access
-  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
-  k = jax.ShapeDtypeStruct((2, s, hkv, d), BF16)
-  fwd = functools.partial(pm._forward, st)  # pylint: disable=protected-access
-  text = jax.jit(fwd).trace(q, k, k, *_segment_structs(segments, t, s)).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert _MOSAIC_CALL.search(text)
+  assert _MOSAIC_CALL.search(_forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
 
 
 @pytest.mark.parametrize("causal, window, segments, d, dq_split, pingpong, stages, t, s, hkv", [
