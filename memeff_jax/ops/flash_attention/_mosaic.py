@@ -326,16 +326,20 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
     else:
       rings = [(k_stages, k_which, (k_free,)), (v_stages, [1], (v_free,))]
 
+    # Each ring's wait sits under one condition with its own copy, as in the grid's two
+    # rings below: the slot's first fill copies at once, a refill once the slot is freed.
     @pl.loop(0, n)
     def _(i):
       for depth, which, barriers in rings:
         slot = rem(base + i, depth)
 
-        @pl.when(base + i >= depth)
-        def _(barriers=barriers, slot=slot):
+        def refill(barriers=barriers, slot=slot, which=which):
           for barrier in barriers:
             plgpu.barrier_wait(barrier.at[slot])
-        copies(i, slot, which)
+          copies(i, slot, which)
+
+        pl.when(base + i >= depth)(refill)
+        pl.when(base + i < depth)(functools.partial(copies, i, slot, which))
     return
   if k_stages == v_stages and not separate_rings:
     fill_ring(functools.partial(copies, which=range(len(smem))), n, k_stages, free)
