@@ -147,6 +147,19 @@ class MosaicBackwardConfig:
       be resident at once (dq_ordered's waits cross them).
     num_sms: (persistent) the CTAs to launch; None reads the device's SM count (132, an
       H100's, where the default device has none, as when lowering on a CPU).
+    fused_delta: (dq_ordered with dq_send_warp and two dQ slots; causal calls) Δ =
+      rowsum(dO ∘ O) is computed in the kernel, not by an XLA pass over O and dO before it
+      (at the headline on an H100 that pass takes 0.10 ms and 60 mJ, 2% of a causal
+      fwd+bwd's energy at the power cap). Under a causal mask with T = S, key block j's walk
+      starts on query blocks 2j and 2j + 1 (its diagonal), which no key block launched before
+      it visits: it loads their O into its two dQ tile slots (free on its first two steps),
+      computes their Δ, stores it into the row statistics in global memory and raises a flag
+      per block; the later key blocks' loads wait for that flag before loading a block's
+      statistics. A wait is only ever on a CTA launched earlier (dq_ordered launches the
+      last key block first). Other calls (no mask: a rotated walk would wait on key blocks
+      launched after it, which took the headline's backward from 7.6 to 10.8 ms; a window or
+      segment ids, T ≠ S, GQA, persistent CTAs) run the kernel with the pass, as dq_rotate
+      applies only where it can.
   """
 
   stages: int = 2
@@ -164,6 +177,7 @@ class MosaicBackwardConfig:
   dq_convert: bool = False
   persistent: bool = False
   num_sms: int | None = None
+  fused_delta: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -259,6 +273,10 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     # free its Q and dO, which they do after storing dQ: a last adder's sum, loaded after
     # that load, would never reach them.
     return "dq_convert needs dq_send_warp (the sum a last adder waits for is loaded by it)"
+  if config.fused_delta and not (config.dq_ordered and config.dq_send_warp and config.dq_split
+                                 and config.dq_buffers == 2 and not config.dq_convert):
+    return ("fused_delta needs dq_ordered with dq_send_warp, dq_split and dq_buffers=2 (its O "
+            "tiles land in the two dQ slots), and not dq_convert")
   if config.dq_buffers not in (1, 2):
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
@@ -285,7 +303,8 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   (D = 128 with dq_buffers=2 has 1 KB to spare, the ids take as much)."""
   itemsize = jnp.dtype(dtype).itemsize
   if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > _mosaic.SMEM_BYTES:
-    return dataclasses.replace(config, dq_buffers=1)
+    # fused_delta's O tiles need both slots; with segment ids it would not apply anyway.
+    return dataclasses.replace(config, dq_buffers=1, fused_delta=False)
   return config
 
 
@@ -318,13 +337,18 @@ def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
   bytes: the float32 tiles (sent to their reductions; on a last adder's step, the sum of
   the adders before it) and, on a last adder's step, the converted tile in the input dtype
   (rows 0..BLOCK_Q of a slot twice as tall), each read only through the view it was
-  written through."""
+  written through. With fused_delta the second view holds a query block's O (BLOCK_Q × D
+  in the input dtype: the bytes of one float32 dQ tile of dq_split) on the walk's first
+  two steps, before their dQ tiles are written."""
   f32 = plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32, transforms=_dq_tile_transforms(config))
-  if not config.dq_convert:
-    return f32
   slots, rows, cols = _dq_tile_shape(config, d)
-  return plgpu.RefUnion(f32, plgpu.SMEM((slots, 2 * rows, cols), dtype,
-                                        transforms=_mosaic.swizzled_tiles(128, dtype)))
+  if config.dq_convert:
+    shape = (slots, 2 * rows, cols)
+  elif config.fused_delta:
+    shape = (slots, rows, 2 * cols)
+  else:
+    return f32
+  return plgpu.RefUnion(f32, plgpu.SMEM(shape, dtype, transforms=_mosaic.swizzled_tiles(128, dtype)))
 
 
 def _operand_swizzle(block_q: int) -> int:
@@ -378,6 +402,23 @@ def _rotation(kv, n_kv: int, n_q: int):
   """dq_rotate: the query block that key block kv's walk starts at (kv an int32 scalar in
   the kernel or an array)."""
   return lax.rem(kv * max(n_q // n_kv, 1), jnp.int32(n_q))
+
+
+# fused_delta's kernel fits in shared memory only without the reduction scratch.
+_SCRATCH_PARAM = plgpu is not None and "reduction_scratch_bytes" in {
+    f.name for f in dataclasses.fields(plgpu.CompilerParams)}
+
+
+def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: int, group: int,
+                 rotate: bool) -> bool:
+  """Whether config.fused_delta applies to the call: every query block's first visitor is
+  the key block whose walk starts on it (causal walks start on the diagonal, block 2j, where
+  n_q = 2·n_kv), launched before the others, and each key block walks one query head.
+  `rotate` (dq_rotate's walks, no mask) never does: each key block there visits blocks whose
+  first visitor launches after it."""
+  del rotate
+  return (config.fused_delta and _SCRATCH_PARAM and not config.persistent and group == 1
+          and n_q == 2 * n_kv and mask.is_causal)
 
 
 _ITEM_OVERHEAD = 4  # a key block's cost beyond its steps, in steps (~12 µs at the headline)
@@ -436,7 +477,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      pair, seg_scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, order=None,
-                     schedule=None):
+                     schedule=None, delta=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
   int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table,
@@ -447,7 +488,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   input dtype, and the output dq in that dtype. schedule: with config.persistent, the
   _mosaic.greedy_schedule tables (each CTA's key blocks, and how many), each key block's
   _query_blocks without segment ids ([n_kv, 4]) and the barrier kv_free (both compute
-  warpgroups are done with K and V); the grid is then one axis, "cta"."""
+  warpgroups are done with K and V); the grid is then one axis, "cta". delta: where the call
+  fuses Δ (_fuses_delta), the forward's output O, the [B · Hq · n_q] flags that a query
+  block's Δ is in stats_ref, the dQ tile slots' view in the input dtype, the barriers
+  o_ready (one per slot: O landed) and delta_ready (warpgroup 0 has written Δ)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -574,6 +618,47 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
       return ds_buf
 
+    def owns(i):
+      """fused_delta: whether step i visits its query block first (the walk's first two)."""
+      return i < 2
+
+    def own_delta(it, i, slot, qb, do_tile):
+      """fused_delta, on a step that visits its query block first: warpgroup 0 computes the
+      block's Δ = rowsum(dO ∘ O) + stats (−d_lse), 64 columns at a time, writes it over the
+      statistics' Δ row for both warpgroups and stores it into the statistics in global
+      memory (publish_delta raises the block's flag once it has landed)."""
+      _, _, o_tiles, o_ready, delta_ready = delta
+
+      @pl.when(owns(i) & (wg == 0))
+      def _():
+        plgpu.barrier_wait(o_ready.at[i])
+        total = None
+        for c in range(d // 64):
+          cols = pl.ds(c * 64, 64)
+          o = _mosaic.load(o_tiles.at[2 * i, :, cols], plgpu.Layout.WGMMA)
+          g = _mosaic.load(do_tile.at[:, cols], plgpu.Layout.WGMMA)
+          part = (o.astype(jnp.float32) * g.astype(jnp.float32)).sum(axis=1)
+          total = part if total is None else total + part
+        row = stats_smem.at[slot, 1]
+        row[...] = total + _mosaic.load(row, plgpu.Layout.WGMMA.reduce(1))
+        plgpu.commit_smem()
+        head = step_block(it, i)[0]
+        plgpu.copy_smem_to_gmem(row, stats_ref.at[it.b, head, 1, pl.ds(qb * bq, bq)])
+        plgpu.barrier_arrive(delta_ready)
+
+    def publish_delta(it, i):
+      """fused_delta, at the end of a step that computed Δ (before it frees the statistics'
+      slot, which the store reads): once warpgroup 0's store has landed, the block's flag.
+      Raised any earlier (right after the step's first WGMMAs, waiting there for the store to
+      land; or by a warp of the memory warpgroup) the causal headline's fwd+bwd took as long
+      as with the pass, where raised here it took 1.3–1.7% less (benchmarks/NOTES.md)."""
+      @pl.when(owns(i) & (wg == 0))
+      def _():
+        plgpu.wait_smem_to_gmem(0)
+        head, qb = step_block(it, i)
+        plgpu.semaphore_signal(delta[1].at[(it.b * q_ref.shape[2] + head) * n_q + qb], 1,
+                               memory_scope="gpu")
+
     def run_item(it: _Item, base):
       """The item's steps (global steps base, base + 1, ...), then its dK and dV."""
       my_key = it.kvi * cta_keys + key_row
@@ -649,6 +734,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
+        if delta is not None:
+          publish_delta(it, i)
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
         return dk, dv
@@ -663,6 +750,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_wait(q_ready.at[slot])
         plgpu.barrier_wait(do_ready.at[slot])
         plgpu.barrier_wait(stats_ready.at[slot])
+        fused = delta is not None and (masked or mask.is_dense)  # causal: first visits mask
+        if fused:
+          own_delta(it, i, slot, qb, do_tile)
 
         def scores(refs):
           s_ref, dp_ref = refs
@@ -681,8 +771,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
         p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
         pt = pt.astype(dtype)  # dV's operand
-        delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
-        dst = (p_ds * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(dtype)
+        if fused:  # warpgroup 0 wrote this step's Δ (own_delta)
+          pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(delta[4]))
+        row_delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
+        dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, st.shape, [1]))).astype(dtype)
         if config.dq_pipelined:
           return pipelined_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv)
 
@@ -693,6 +785,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           take_turn()
 
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+        if delta is not None:
+          publish_delta(it, i)
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
         if not config.with_dq:
@@ -780,8 +874,26 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       rows = pl.ds(qb * bq, bq)
       plgpu.copy_gmem_to_smem(q_ref.at[it.b, rows, head], q_smem.at[slot], q_ready.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[it.b, rows, head], do_smem.at[slot], do_ready.at[slot])
-      plgpu.copy_gmem_to_smem(stats_ref.at[it.b, head, :, rows], stats_smem.at[slot],
-                              stats_ready.at[slot])
+
+      def stats():
+        plgpu.copy_gmem_to_smem(stats_ref.at[it.b, head, :, rows], stats_smem.at[slot],
+                                stats_ready.at[slot])
+
+      if delta is None:
+        stats()
+      else:  # fused_delta: a first visit loads O, the others wait for the visitor's Δ
+        out_ref, flags, o_tiles, o_ready, _ = delta
+
+        @pl.when(i < 2)
+        def _():
+          plgpu.copy_gmem_to_smem(out_ref.at[it.b, rows, head], o_tiles.at[2 * i], o_ready.at[i])
+          stats()
+
+        @pl.when(i >= 2)
+        def _():
+          plgpu.semaphore_wait(flags.at[(it.b * q_ref.shape[2] + head) * n_q + qb], 1,
+                               decrement=False, memory_scope="gpu")
+          stats()
       if segments:
         plgpu.copy_gmem_to_smem(seg_refs[0].at[it.b, pl.ds(qb * bq, _seg_len(bq))],
                                 seg_scratch[1].at[slot], seg_scratch[3].at[slot])
@@ -915,7 +1027,13 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   s, hkv = k.shape[1], k.shape[2]
   bq, stages = config.block_q, config.stages
   mask = opts.mask
-  if stats is None:
+  n_q = -(-t // bq)
+  n_kv = s // config.cta_keys()
+  rotate = _rotates(config, mask, n_kv)
+  fused = stats is None and _fuses_delta(config, mask, n_q, n_kv, hq // hkv, rotate)
+  if fused:  # the kernel adds rowsum(dO ∘ O) to −d_lse in place (fused_delta)
+    stats = jax.new_ref(row_stats(opts, res, -d_lse))
+  elif stats is None:
     stats = row_stats(opts, res, _common.softmax_delta(res.out, d_out, d_lse))
   if mask.segments:
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
@@ -929,11 +1047,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                    plgpu.Barrier(), plgpu.Barrier(num_barriers=stages))
   else:
     seg_args, seg_scratch, ranges = (), (), None
-  n_q = -(-t // bq)
-  n_kv = s // config.cta_keys()
   per_query_head = config.gqa_per_query_head and hq > hkv
   grid_heads = hq if per_query_head else hkv
-  rotate = _rotates(config, mask, n_kv)
   schedule_args = ()
   if config.persistent:
     ctas = _mosaic.persistent_ctas(config.num_sms, b * grid_heads * n_kv)
@@ -982,6 +1097,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   operand_tiles = _mosaic.swizzled_tiles(_operand_swizzle(bq))
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
+    out_ref = None
+    if fused:  # the forward's output, for Δ
+      out_ref, *refs = refs
     sched, refs = refs[:len(schedule_args)], refs[len(schedule_args):]
     tables = ()
     if config.dq_ordered:  # the rank table, and with dq_convert the last adders'
@@ -994,6 +1112,15 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
 
     def kernel(*scratch):
       main, extra = scratch[:16], scratch[16:]
+      delta = None
+      if fused:  # O's view of the dQ slots, and o_ready, delta_ready
+        *extra, o_ready, delta_ready = extra
+        dq_f32, o_tiles = main[6]
+        main = (*main[:6], dq_f32, *main[7:])
+        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))),
+                 o_tiles, o_ready, delta_ready)
+      elif config.fused_delta:  # the call takes the pass: the float32 view only
+        main = (*main[:6], main[6][0], *main[7:])
       schedule = None
       if config.persistent:  # the tables, and kv_free
         *extra, kv_free = extra
@@ -1012,7 +1139,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                        dq_ref, dk_ref, dv_ref, *main, extra or None, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
-                       rotate=rotate, order=order, schedule=schedule)
+                       rotate=rotate, order=order, schedule=schedule, delta=delta)
 
     pl.run_scoped(
         kernel,
@@ -1039,6 +1166,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         *((plgpu.Barrier(num_barriers=2 * config.dq_buffers),) if config.dq_convert else ()),
         # persistent: both compute warpgroups are done with K and V (kv_free).
         *((plgpu.Barrier(num_arrivals=2),) if config.persistent else ()),
+        # fused_delta: O landed in a dQ slot (o_ready), warpgroup 0 wrote Δ (delta_ready).
+        *((plgpu.Barrier(num_barriers=2), plgpu.Barrier()) if fused else ()),
         collective_axes="wg",
     )
 
@@ -1049,11 +1178,14 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                       else (b, grid_heads, n_kv),
                       grid_names=("cta",) if config.persistent else ("b", "h", "kv"),
                       num_threads=3, thread_name="wg"),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # Δ's row sums reduce within warps only: no shared-memory scratch (Mosaic GPU reserves
+      # 2 KiB for any reduction otherwise, which two dQ slots leave no room for).
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           **({"reduction_scratch_bytes": 0} if fused else {})),
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
-  )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *schedule_args, *rank_args, *seg_args,
-    *dq_acc, *dkv_acc)
+  )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),
+    *schedule_args, *rank_args, *seg_args, *dq_acc, *dkv_acc)
   dq = None
   if config.dq_ordered:  # query blocks that no key block adds into were never written
     written = lambda: jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]

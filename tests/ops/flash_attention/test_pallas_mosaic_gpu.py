@@ -483,6 +483,54 @@ def test_warps_lower_under_warpgroup_semantics(monkeypatch, causal, window, segm
   assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, 512, 384, 2, 128, segments))
 
 
+@pytest.mark.parametrize("pipelined, softcap", [(True, None), (False, 30.0)])
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+def test_fused_delta_lowers_for_cuda(monkeypatch, pipelined, softcap, semantics):
+  """fused_delta: a query block's first visitor loads O into a dQ slot, computes Δ, stores it
+  and raises a flag, which the other visitors' loads wait for; under both lowerings."""
+  monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
+      mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=pipelined, dq_ordered=True,
+                                   dq_send_warp=True, dq_buffers=2, fused_delta=True)
+  opts = dataclasses.replace(_opts(True), logit_softcap=softcap)
+  assert mb.support_error((2, 512, 4, 128), (2, 512, 4, 128), BF16, opts, config) is None
+  assert mb._fuses_delta(config, opts.mask, 8, 4, 1, False)  # pylint: disable=protected-access
+  text = _backward_lowered_for_cuda(opts, config, 512, 512, 4, 128, False)
+  assert _MOSAIC_CALL.search(text)
+
+
+@pytest.mark.parametrize("causal, window, segments, t, s, hkv, persistent, applies", [
+    (True, None, False, 512, 512, 4, False, True),
+    (False, None, False, 512, 512, 4, False, False),  # rotated walks: later-launched visitors
+    (True, None, False, 512, 384, 4, False, False),  # T ≠ S: blocks without a first visitor
+    (False, None, False, 512, 512, 2, False, False),  # GQA
+    (True, 100, False, 512, 512, 4, False, False),  # window
+    (False, None, True, 512, 512, 4, False, False),  # segment ids
+    (True, None, False, 512, 512, 4, True, False)])  # persistent
+def test_fused_delta_applies_where_every_block_has_a_first_visitor(causal, window, segments, t, s,
+                                                                    hkv, persistent, applies):
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                                   dq_send_warp=True, dq_buffers=2, dq_rotate=True,
+                                   fused_delta=True, persistent=persistent)
+  opts = _opts(causal, window, segments)
+  n_q, n_kv = t // 64, s // 128
+  rotate = mb._rotates(config, opts.mask, n_kv)  # pylint: disable=protected-access
+  assert mb._fuses_delta(config, opts.mask, n_q, n_kv, 4 // hkv, rotate) == applies  # pylint: disable=protected-access
+  if not persistent:  # the kernel lowers either way (with the XLA pass where it does not apply)
+    assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(
+        opts, mb.fit_shared_memory(config, 128, BF16, segments), t, s, hkv, 128, segments))
+
+
+def test_fused_delta_support_errors():
+  why = lambda **kw: mb.support_error((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+                                      mb.MosaicBackwardConfig(**kw))
+  base = dict(dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2)
+  assert why(**base, fused_delta=True) is None
+  for bad in (dict(dq_buffers=1), dict(dq_send_warp=False), dict(dq_convert=True)):
+    assert "fused_delta needs" in why(**{**base, **bad, "fused_delta": True})
+  assert "fused_delta needs" in why(dq_split=True, fused_delta=True)
+
+
 def test_ctas_end_once_their_stores_have_read_shared_memory(monkeypatch):
   """The forward, the dq kernel and the backward in arrival order wait on their TMA stores
   only until those have read shared memory (the kernel's end makes the writes visible):
@@ -684,7 +732,7 @@ def test_tuned_backward_configs_serve_their_calls():
     ordered = mb.MosaicBackwardConfig.for_deterministic(128, causal, gqa)
     assert ordered == dataclasses.replace(
         mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True, dq_send_warp=True,
-        dq_buffers=2, dq_rotate=not causal)
+        dq_buffers=2, dq_rotate=not causal, fused_delta=causal and not gqa)
   for d, causal, gqa in ((64, False, False), (256, True, False),
                          (128, True, True)):  # no _ordered section: the dK/dV-only kernel
     assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
@@ -1026,6 +1074,31 @@ class TestMosaicGpu:
     up = lambda x: x.astype(jnp.float32)
     _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
     for name, g, rg in zip("qkv", first, r_grads):
+      assert rel_err(g, rg) < 3e-2, name
+
+  @pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=True, logit_softcap=20.0)])
+  @pytest.mark.parametrize("pipelined", [True, False])
+  def test_fused_delta_is_reproducible_and_matches(self, opts, pipelined):
+    """fused_delta: Δ from each query block's first visitor (causal, one query head per key
+    head, T = S) gives the same bits on every call, the unfused kernel's gradients up to Δ's
+    rounding, and the reference's (with an LSE cotangent too)."""
+    q, k, v, _, ct = make_problem(jax.random.key(24), 2, 1024, 1024, 4, 4, 128, BF16)
+    ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=pipelined, dq_ordered=True,
+                                      dq_send_warp=True, dq_buffers=2)
+    fused = dataclasses.replace(ordered, fused_delta=True)
+    assert mb._fuses_delta(fused, MaskSpec.make(True, None, False), 16, 8, 1, False)  # pylint: disable=protected-access
+    step = lambda c: jax.jit(lambda q, k, v: run(PallasMosaicGpu(backward_config=c), q, k, v,
+                                                 None, ct, opts)[2])
+    fused_step = step(fused)
+    first = fused_step(q, k, v)
+    for _ in range(3):
+      for g, h in zip(first, fused_step(q, k, v)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
+    unfused = step(ordered)(q, k, v)
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
+    for name, g, u, rg in zip("qkv", first, unfused, r_grads):
+      assert rel_err(g, u) < 1e-2, name
       assert rel_err(g, rg) < 3e-2, name
 
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),

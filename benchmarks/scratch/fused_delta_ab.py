@@ -1,0 +1,54 @@
+"""fused_delta against the XLA pass for Δ: the headline fwd+bwd with the deterministic
+default, the same kernel with MosaicBackwardConfig.fused_delta, and cuDNN, in interleaved
+rounds, then each back to back at the 700 W cap (energy per call).
+
+    python benchmarks/scratch/fused_delta_ab.py [--causal] [--rounds 5]
+"""
+import argparse
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "benchmarks/scratch")
+from _measure import ATTN_SHAPE, rounds_then_power  # noqa: E402
+from benchmarks.flash_attention import attention_fn  # noqa: E402
+from memeff_jax.ops import flash_attention as fa  # noqa: E402
+from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
+from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--causal", action="store_true")
+parser.add_argument("--rounds", type=int, default=5)
+args = parser.parse_args()
+
+keys = jax.random.split(jax.random.key(0), 4)
+q, k, v, ct = (jax.random.normal(kk, ATTN_SHAPE, jnp.float32).astype(jnp.bfloat16) for kk in keys)
+default = mb.MosaicBackwardConfig.for_deterministic(128, args.causal)
+fused = fa.PallasMosaicGpu(backward_config=dataclasses.replace(default, fused_delta=True))
+fused_fn = lambda q, k, v: fa.flash_attention(q, k, v, causal=args.causal, implementation=fused)
+providers = {  # name: (f, Δ published by a warp of its own)
+    "default": (attention_fn("memeff", args.causal, None), True),
+    "fused warp": (fused_fn, True),
+    "fused late": (fused_fn, False),
+    "cudnn": (attention_fn("cudnn", args.causal, None), True),
+}
+fns, outs = {}, {}
+for name, (f, early) in providers.items():
+  def fwd_bwd(q, k, v, f=f):
+    out, pull = jax.vjp(f, q, k, v)
+    return out, pull(ct)
+  mb._DELTA_WARP = early  # pylint: disable=protected-access
+  fns[name] = (jax.jit(fwd_bwd), (q, k, v))
+  outs[name] = jax.block_until_ready(fns[name][0](q, k, v))  # traced now, with this flag
+for name in ("fused warp", "fused late", "cudnn"):
+  for g, h, x in zip(outs[name][1], outs["default"][1], "qkv"):
+    err = float(jnp.linalg.norm((g - h).astype(jnp.float32)) / jnp.linalg.norm(h.astype(jnp.float32)))
+    print(f"{name} d{x} vs default: rel err {err:.2e}")
+mask = MaskSpec.make(args.causal, None, False)
+applies = mb._fuses_delta(fused.backward_config, mask, 64, 32, 1,  # pylint: disable=protected-access
+                          mb._rotates(fused.backward_config, mask, 32))  # pylint: disable=protected-access
+print(f"causal={args.causal}: the fused kernel applies: {applies}", flush=True)
+rounds_then_power(fns, args.rounds, width=10)
