@@ -1,6 +1,8 @@
 """fused_delta against the XLA pass for Δ: the headline fwd+bwd with the deterministic
-default, the same kernel with MosaicBackwardConfig.fused_delta, and cuDNN, in interleaved
-rounds, then each back to back at the 700 W cap (energy per call).
+default's kernel with the pass, with MosaicBackwardConfig.fused_delta (its flag code in every
+loop body, or only in the masked steps' loop: _PUBLISH_MASKED_ONLY), and cuDNN, in
+interleaved rounds, then each back to back at the 700 W cap (energy per call). Under
+MOSAIC_GPU_DUMP_PTXAS=1 each variant's ptxas report follows its "== name" line.
 
     python benchmarks/scratch/fused_delta_ab.py [--causal] [--rounds 5]
 """
@@ -29,24 +31,27 @@ q, k, v, ct = (jax.random.normal(kk, ATTN_SHAPE, jnp.float32).astype(jnp.bfloat1
 default = mb.MosaicBackwardConfig.for_deterministic(128, args.causal)
 fused = fa.PallasMosaicGpu(backward_config=dataclasses.replace(default, fused_delta=True))
 fused_fn = lambda q, k, v: fa.flash_attention(q, k, v, causal=args.causal, implementation=fused)
-providers = {  # name: (f, Δ published by a warp of its own)
-    "default": (attention_fn("memeff", args.causal, None), True),
-    "fused warp": (fused_fn, True),
-    "fused late": (fused_fn, False),
-    "cudnn": (attention_fn("cudnn", args.causal, None), True),
+pass_impl = fa.PallasMosaicGpu(backward_config=dataclasses.replace(default, fused_delta=False))
+providers = {  # name: (f, flag code only in the masked steps' loop)
+    "pass": (lambda q, k, v: fa.flash_attention(q, k, v, causal=args.causal,
+                                                implementation=pass_impl), False),
+    "fused": (fused_fn, False),
+    "fused masked": (fused_fn, True),
+    "cudnn": (attention_fn("cudnn", args.causal, None), False),
 }
 fns, outs = {}, {}
 for name, (f, early) in providers.items():
+  print(f"== {name}", flush=True)
   def fwd_bwd(q, k, v, f=f):
     out, pull = jax.vjp(f, q, k, v)
     return out, pull(ct)
-  mb._DELTA_WARP = early  # pylint: disable=protected-access
+  mb._PUBLISH_MASKED_ONLY = early  # pylint: disable=protected-access
   fns[name] = (jax.jit(fwd_bwd), (q, k, v))
   outs[name] = jax.block_until_ready(fns[name][0](q, k, v))  # traced now, with this flag
-for name in ("fused warp", "fused late", "cudnn"):
-  for g, h, x in zip(outs[name][1], outs["default"][1], "qkv"):
+for name in ("fused", "fused masked", "cudnn"):
+  for g, h, x in zip(outs[name][1], outs["pass"][1], "qkv"):
     err = float(jnp.linalg.norm((g - h).astype(jnp.float32)) / jnp.linalg.norm(h.astype(jnp.float32)))
-    print(f"{name} d{x} vs default: rel err {err:.2e}")
+    print(f"{name} d{x} vs the pass: rel err {err:.2e}")
 mask = MaskSpec.make(args.causal, None, False)
 applies = mb._fuses_delta(fused.backward_config, mask, 64, 32, 1,  # pylint: disable=protected-access
                           mb._rotates(fused.backward_config, mask, 32))  # pylint: disable=protected-access

@@ -404,6 +404,8 @@ def _rotation(kv, n_kv: int, n_q: int):
   return lax.rem(kv * max(n_q // n_kv, 1), jnp.int32(n_q))
 
 
+_PUBLISH_MASKED_ONLY = False  # (experiment)
+
 # fused_delta's kernel fits in shared memory only without the reduction scratch.
 _SCRATCH_PARAM = plgpu is not None and "reduction_scratch_bytes" in {
     f.name for f in dataclasses.fields(plgpu.CompilerParams)}
@@ -717,7 +719,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[it.b, pl.ds(qb * bq, bq), head, cols],
                                 reduction_op="add")
 
-      def pipelined_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv):
+      def pipelined_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish):
         """The rest of config.dq_pipelined's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
         shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
         reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
@@ -734,7 +736,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
-        if delta is not None:
+        if publish:
           publish_delta(it, i)
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
@@ -751,6 +753,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_wait(do_ready.at[slot])
         plgpu.barrier_wait(stats_ready.at[slot])
         fused = delta is not None and (masked or mask.is_dense)  # causal: first visits mask
+        publish = fused if _PUBLISH_MASKED_ONLY else delta is not None
         if fused:
           own_delta(it, i, slot, qb, do_tile)
 
@@ -776,7 +779,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         row_delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
         dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, st.shape, [1]))).astype(dtype)
         if config.dq_pipelined:
-          return pipelined_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv)
+          return pipelined_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv,
+                                 publish)
 
         def grads(refs):
           dv_ref, dk_ref = refs
@@ -785,7 +789,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           take_turn()
 
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-        if delta is not None:
+        if publish:
           publish_delta(it, i)
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
