@@ -1,6 +1,5 @@
 """fused_delta against the XLA pass for Δ: the headline fwd+bwd with the deterministic
-default's kernel with the pass, with MosaicBackwardConfig.fused_delta (its flag code in every
-loop body, or only in the masked steps' loop: _PUBLISH_MASKED_ONLY), and cuDNN, in
+default's kernel with the pass, with MosaicBackwardConfig.fused_delta, and cuDNN, in
 interleaved rounds, then each back to back at the 700 W cap (energy per call). Under
 MOSAIC_GPU_DUMP_PTXAS=1 each variant's ptxas report follows its "== name" line.
 
@@ -32,23 +31,21 @@ default = mb.MosaicBackwardConfig.for_deterministic(128, args.causal)
 fused = fa.PallasMosaicGpu(backward_config=dataclasses.replace(default, fused_delta=True))
 fused_fn = lambda q, k, v: fa.flash_attention(q, k, v, causal=args.causal, implementation=fused)
 pass_impl = fa.PallasMosaicGpu(backward_config=dataclasses.replace(default, fused_delta=False))
-providers = {  # name: (f, flag code only in the masked steps' loop)
-    "pass": (lambda q, k, v: fa.flash_attention(q, k, v, causal=args.causal,
-                                                implementation=pass_impl), False),
-    "fused": (fused_fn, False),
-    "fused masked": (fused_fn, True),
-    "cudnn": (attention_fn("cudnn", args.causal, None), False),
+providers = {
+    "pass": lambda q, k, v: fa.flash_attention(q, k, v, causal=args.causal,
+                                               implementation=pass_impl),
+    "fused": fused_fn,
+    "cudnn": attention_fn("cudnn", args.causal, None),
 }
 fns, outs = {}, {}
-for name, (f, early) in providers.items():
+for name, f in providers.items():
   print(f"== {name}", flush=True)
   def fwd_bwd(q, k, v, f=f):
     out, pull = jax.vjp(f, q, k, v)
     return out, pull(ct)
-  mb._PUBLISH_MASKED_ONLY = early  # pylint: disable=protected-access
   fns[name] = (jax.jit(fwd_bwd), (q, k, v))
-  outs[name] = jax.block_until_ready(fns[name][0](q, k, v))  # traced now, with this flag
-for name in ("fused", "fused masked", "cudnn"):
+  outs[name] = jax.block_until_ready(fns[name][0](q, k, v))  # compiled now
+for name in ("fused", "cudnn"):
   for g, h, x in zip(outs[name][1], outs["pass"][1], "qkv"):
     err = float(jnp.linalg.norm((g - h).astype(jnp.float32)) / jnp.linalg.norm(h.astype(jnp.float32)))
     print(f"{name} d{x} vs the pass: rel err {err:.2e}")
