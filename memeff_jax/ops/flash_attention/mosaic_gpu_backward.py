@@ -409,14 +409,13 @@ _SCRATCH_PARAM = plgpu is not None and "reduction_scratch_bytes" in {
     f.name for f in dataclasses.fields(plgpu.CompilerParams)}
 
 
-def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: int, group: int,
-                 rotate: bool) -> bool:
+def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: int,
+                 group: int) -> bool:
   """Whether config.fused_delta applies to the call: every query block's first visitor is
   the key block whose walk starts on it (causal walks start on the diagonal, block 2j, where
   n_q = 2·n_kv), launched before the others, and each key block walks one query head.
-  `rotate` (dq_rotate's walks, no mask) never does: each key block there visits blocks whose
-  first visitor launches after it."""
-  del rotate
+  dq_rotate's walks (no mask) never qualify: each key block there visits blocks whose first
+  visitor launches after it."""
   return (config.fused_delta and _SCRATCH_PARAM and not config.persistent and group == 1
           and n_q == 2 * n_kv and mask.is_causal)
 
@@ -566,6 +565,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     slot = _mosaic.rem(i, config.dq_buffers)
     return slot, order[2].at[slot], order[3].at[slot]
 
+  def block_index(it, head, qb):
+    """Query block qb of `head` in the item's batch row, as an index into the
+    [B · Hq · n_q] semaphores (dq_ordered's counters, fused_delta's flags)."""
+    return (it.b * q_ref.shape[2] + head) * n_q + qb
+
   def step_block(it, i):
     """(query head, query block) of the item's pipeline step i: all blocks of one head, then
     the next (with dq_rotate from block `rot` on, wrapping around)."""
@@ -656,7 +660,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       def _():
         plgpu.wait_smem_to_gmem(0)
         head, qb = step_block(it, i)
-        plgpu.semaphore_signal(delta[1].at[(it.b * q_ref.shape[2] + head) * n_q + qb], 1,
+        plgpu.semaphore_signal(delta[1].at[block_index(it, head, qb)], 1,
                                memory_scope="gpu")
 
     def run_item(it: _Item, base):
@@ -895,7 +899,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         @pl.when(i >= 2)
         def _():
-          plgpu.semaphore_wait(flags.at[(it.b * q_ref.shape[2] + head) * n_q + qb], 1,
+          plgpu.semaphore_wait(flags.at[block_index(it, head, qb)], 1,
                                decrement=False, memory_scope="gpu")
           stats()
       if segments:
@@ -946,7 +950,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       this one, the first storing. With dq_convert the last adder instead loads the sum of
       those before it for the compute warpgroups, and stores the dq they convert."""
       head, qb = step_block(it, i)
-      counter = order[1].at[(it.b * q_ref.shape[2] + head) * n_q + qb]
+      counter = order[1].at[block_index(it, head, qb)]
       rank, last_adder, not_last = turn(it, qb)
       slot, full, free = dq_slot(gi)
       rows, half = pl.ds(qb * bq, bq), d // 2
@@ -1034,7 +1038,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   n_q = -(-t // bq)
   n_kv = s // config.cta_keys()
   rotate = _rotates(config, mask, n_kv)
-  fused = stats is None and _fuses_delta(config, mask, n_q, n_kv, hq // hkv, rotate)
+  fused = stats is None and _fuses_delta(config, mask, n_q, n_kv, hq // hkv)
   if fused:  # the kernel adds rowsum(dO ∘ O) to −d_lse in place (fused_delta)
     stats = jax.new_ref(row_stats(opts, res, -d_lse))
   elif stats is None:

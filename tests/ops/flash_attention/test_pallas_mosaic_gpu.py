@@ -494,7 +494,7 @@ def test_fused_delta_lowers_for_cuda(monkeypatch, pipelined, softcap, semantics)
                                    dq_send_warp=True, dq_buffers=2, fused_delta=True)
   opts = dataclasses.replace(_opts(True), logit_softcap=softcap)
   assert mb.support_error((2, 512, 4, 128), (2, 512, 4, 128), BF16, opts, config) is None
-  assert mb._fuses_delta(config, opts.mask, 8, 4, 1, False)  # pylint: disable=protected-access
+  assert mb._fuses_delta(config, opts.mask, 8, 4, 1)  # pylint: disable=protected-access
   text = _backward_lowered_for_cuda(opts, config, 512, 512, 4, 128, False)
   assert _MOSAIC_CALL.search(text)
 
@@ -514,8 +514,7 @@ def test_fused_delta_applies_where_every_block_has_a_first_visitor(causal, windo
                                    fused_delta=True, persistent=persistent)
   opts = _opts(causal, window, segments)
   n_q, n_kv = t // 64, s // 128
-  rotate = mb._rotates(config, opts.mask, n_kv)  # pylint: disable=protected-access
-  assert mb._fuses_delta(config, opts.mask, n_q, n_kv, 4 // hkv, rotate) == applies  # pylint: disable=protected-access
+  assert mb._fuses_delta(config, opts.mask, n_q, n_kv, 4 // hkv) == applies  # pylint: disable=protected-access
   if not persistent:  # the kernel lowers either way (with the XLA pass where it does not apply)
     assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(
         opts, mb.fit_shared_memory(config, 128, BF16, segments), t, s, hkv, 128, segments))
@@ -1086,7 +1085,7 @@ class TestMosaicGpu:
     ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=pipelined, dq_ordered=True,
                                       dq_send_warp=True, dq_buffers=2)
     fused = dataclasses.replace(ordered, fused_delta=True)
-    assert mb._fuses_delta(fused, MaskSpec.make(True, None, False), 16, 8, 1, False)  # pylint: disable=protected-access
+    assert mb._fuses_delta(fused, MaskSpec.make(True, None, False), 16, 8, 1)  # pylint: disable=protected-access
     step = lambda c: jax.jit(lambda q, k, v: run(PallasMosaicGpu(backward_config=c), q, k, v,
                                                  None, ct, opts)[2])
     fused_step = step(fused)
