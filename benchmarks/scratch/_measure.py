@@ -77,6 +77,25 @@ def rounds_then_power(fns, rounds: int, *, width: int = 20, reps: int = 20, note
 ATTN_SHAPE = (4, 4096, 32, 128)
 
 
+def attention_inputs(shape=ATTN_SHAPE, kv_heads=None):
+  """(q, k, v, ct): random bf16 q, k, v and output cotangent ct at `shape` ([B, T, H, D]; k
+  and v with kv_heads heads if given), the same draws as benchmarks/flash_attention.py's."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  kv_shape = (*shape[:2], kv_heads or shape[2], shape[3])
+  return tuple(jax.random.normal(kk, sh, jnp.float32).astype(jnp.bfloat16)
+               for kk, sh in zip(jax.random.split(jax.random.key(0), 4),
+                                 (shape, kv_shape, kv_shape, shape)))
+
+
+def jitted_fwd_bwd(f, ct):
+  """jit of (q, k, v) -> (out, (dq, dk, dv)): one forward pass of f and its vjp with ct, as
+  benchmarks/flash_attention.py times fwd+bwd."""
+  def fwd_bwd(q, k, v):
+    out, pull = jax.vjp(f, q, k, v)
+    return out, pull(ct)
+  return jax.jit(fwd_bwd)
+
+
 def against(timers, ref: str, rounds: int):
   """Interleaved rounds of {name: (jitted f, args)} (calls of a few milliseconds: 5 per
   timed batch), printed per name in µs with the ratio to `ref`'s median."""
@@ -100,10 +119,7 @@ def attention_backward_problem(causal: bool, shape=ATTN_SHAPE, kv_heads=None):
   from memeff_jax.ops.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.flash_attention.masks import MaskSpec  # pylint: disable=import-outside-toplevel
-  kv_shape = (*shape[:2], kv_heads or shape[2], shape[3])
-  q, k, v, ct = (jax.random.normal(kk, sh, jnp.float32).astype(jnp.bfloat16)
-                 for kk, sh in zip(jax.random.split(jax.random.key(0), 4),
-                                   (shape, kv_shape, kv_shape, shape)))
+  q, k, v, ct = attention_inputs(shape, kv_heads)
   opts = _common.AttentionOptions(mask=MaskSpec.make(causal, None, False),
                                   scale=shape[-1] ** -0.5)
   out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)

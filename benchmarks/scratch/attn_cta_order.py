@@ -10,10 +10,11 @@ import statistics
 import sys
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks", "scratch"))
+from _measure import attention_inputs  # noqa: E402
 from benchmarks import _harness  # noqa: E402
 from memeff_jax.ops.flash_attention import _mosaic  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
@@ -47,9 +48,7 @@ def main():
   for shape in os.environ.get("SHAPES", "4x4096x32").split(","):
     b, t, h = map(int, shape.split("x"))
     d = 128
-    ks = jax.random.split(jax.random.key(0), 4)
-    q, k, v, ct = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
-                   for kk in ks)
+    q, k, v, ct = attention_inputs((b, t, h, d))
     flops = 4.0 * b * h * t * t * d * 0.5
     timers = {}
     for p in ("grid_order", "heavy_first", "cudnn"):

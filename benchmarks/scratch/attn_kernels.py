@@ -11,11 +11,12 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "benchmarks/scratch")
+from _measure import attention_inputs, jitted_fwd_bwd  # noqa: E402
 from benchmarks.flash_attention import attention_fn  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -25,21 +26,12 @@ parser.add_argument("--calls", type=int, default=20)
 parser.add_argument("--shape", default="4,4096,32,128")
 args = parser.parse_args()
 
-b, t, h, d = (int(x) for x in args.shape.split(","))
-keys = jax.random.split(jax.random.key(0), 4)
-q, k, v, ct = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
-               for kk in keys)
+q, k, v, ct = attention_inputs(tuple(int(x) for x in args.shape.split(",")))
 
 for mask in args.masks.split(","):
   causal = mask == "causal"
   for provider in args.providers.split(","):
-    f = attention_fn(provider, causal, None)
-
-    def fwd_bwd(q, k, v, f=f):
-      out, pull = jax.vjp(f, q, k, v)
-      return out, pull(ct)
-
-    fn = jax.jit(fwd_bwd)
+    fn = jitted_fwd_bwd(attention_fn(provider, causal, None), ct)
     for _ in range(5):
       jax.block_until_ready(fn(q, k, v))
     torch.cuda.synchronize()

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
-from _measure import attention_backward_problem, rounds_then_power  # noqa: E402
+from _measure import attention_backward_problem, jitted_fwd_bwd, rounds_then_power  # noqa: E402
 from benchmarks.flash_attention import attention_fn  # noqa: E402
 from memeff_jax.ops.flash_attention import _common  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
@@ -30,11 +30,5 @@ stats = jax.jit(lambda res, ct: mb.row_stats(opts, res, _common.softmax_delta(re
 convert = jax.jit(lambda x: (x * opts.scale).astype(q.dtype))
 fns = {"row stats": (stats, (res, ct)), "dq convert": (convert, (dq32,))}
 for provider in ("memeff", "cudnn"):
-  f = attention_fn(provider, args.causal, None)
-
-  def fwd_bwd(q, k, v, f=f):
-    out, pull = jax.vjp(f, q, k, v)
-    return out, pull(ct)
-
-  fns[provider] = (jax.jit(fwd_bwd), (q, k, v))
+  fns[provider] = (jitted_fwd_bwd(attention_fn(provider, args.causal, None), ct), (q, k, v))
 rounds_then_power(fns, 3, width=12)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks/scratch")
-from _measure import ATTN_SHAPE, rounds_then_power  # noqa: E402
+from _measure import attention_inputs, jitted_fwd_bwd, rounds_then_power  # noqa: E402
 from benchmarks.flash_attention import attention_fn  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E402
@@ -25,8 +25,7 @@ parser.add_argument("--causal", action="store_true")
 parser.add_argument("--rounds", type=int, default=5)
 args = parser.parse_args()
 
-keys = jax.random.split(jax.random.key(0), 4)
-q, k, v, ct = (jax.random.normal(kk, ATTN_SHAPE, jnp.float32).astype(jnp.bfloat16) for kk in keys)
+q, k, v, ct = attention_inputs()
 default = mb.MosaicBackwardConfig.for_deterministic(128, args.causal)
 fused = fa.PallasMosaicGpu(backward_config=dataclasses.replace(default, fused_delta=True))
 fused_fn = lambda q, k, v: fa.flash_attention(q, k, v, causal=args.causal, implementation=fused)
@@ -40,17 +39,13 @@ providers = {
 fns, outs = {}, {}
 for name, f in providers.items():
   print(f"== {name}", flush=True)
-  def fwd_bwd(q, k, v, f=f):
-    out, pull = jax.vjp(f, q, k, v)
-    return out, pull(ct)
-  fns[name] = (jax.jit(fwd_bwd), (q, k, v))
+  fns[name] = (jitted_fwd_bwd(f, ct), (q, k, v))
   outs[name] = jax.block_until_ready(fns[name][0](q, k, v))  # compiled now
 for name in ("fused", "cudnn"):
   for g, h, x in zip(outs[name][1], outs["pass"][1], "qkv"):
     err = float(jnp.linalg.norm((g - h).astype(jnp.float32)) / jnp.linalg.norm(h.astype(jnp.float32)))
     print(f"{name} d{x} vs the pass: rel err {err:.2e}")
 mask = MaskSpec.make(args.causal, None, False)
-applies = mb._fuses_delta(fused.backward_config, mask, 64, 32, 1,  # pylint: disable=protected-access
-                          mb._rotates(fused.backward_config, mask, 32))  # pylint: disable=protected-access
+applies = mb._fuses_delta(fused.backward_config, mask, 64, 32, 1)  # pylint: disable=protected-access
 print(f"causal={args.causal}: the fused kernel applies: {applies}", flush=True)
 rounds_then_power(fns, args.rounds, width=10)

@@ -14,12 +14,11 @@ import statistics
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks", "scratch"))
-from _measure import power  # noqa: E402
+from _measure import attention_inputs, power  # noqa: E402
 from benchmarks import _harness  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
@@ -44,9 +43,7 @@ def main():
   for shape in os.environ.get("SHAPES", "4x4096x32").split(","):
     b, t, h = map(int, shape.split("x"))
     d = 128
-    ks = jax.random.split(jax.random.key(0), 4)
-    q, k, v, ct = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
-                   for kk in ks)
+    q, k, v, ct = attention_inputs((b, t, h, d))
     for mask in os.environ.get("MASKS", "dense,causal").split(","):
       causal = mask == "causal"
       flops = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
