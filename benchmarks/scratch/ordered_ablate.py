@@ -1,6 +1,6 @@
 """Where the deterministic backward's energy goes, by removing pieces (device only).
 
-    python benchmarks/scratch/ordered_ablate.py [--causal] [--rounds 5]
+    python benchmarks/scratch/ordered_ablate.py [--causal] [--rounds 5] [--cuts "no exp2;..."]
 
 The kernel of deterministic calls (MosaicBackwardConfig.for_deterministic: dq_ordered with
 the send warp, two dQ slots and, without a mask, rotated walks), alone at the headline, as
@@ -13,6 +13,10 @@ wrong; nothing here is a library option):
   no dq, store  also the compute warpgroups' dQ tile stores into shared memory
   Q,dO half     the memory warp loads the first half of each Q and dO tile's rows
   no exp2       Pᵀ = Sᵀ·c − lse₂ without the exponential
+  z at use      (not a cut: the kernel before session 35) each step loads key_tiles' offset
+                right before its first WGMMA, rather than the step before
+  no dS wait    the compute warpgroups do not wait for each other's dSᵀ (the lockstep
+                that dq_split's exchange imposes; dQ then reads a half-written dSᵀ)
 
 beside the dK/dV-only kernel (the pair's). Each in interleaved rounds, then 2 s back to
 back under nvidia-smi: at the 700 W cap the energy per call is what a cut saves.
@@ -41,12 +45,16 @@ SEND_NONE = ("            for w in range(0):\n"
              "              plgpu.copy_smem_to_gmem(dq_smem.at[slot * 2 + w],")
 STORE = ("          if not config.dq_convert:\n            dq_smem.at[tile][...] = dq",)
 EXP = ("pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))",)
+Z_AHEAD = ("        return (*step_grads(i, dk, dv, z, masked=masked), z_next)",)
+DS_WAIT = ("plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])",)
 CUTS = {
     "dq half": [(SEND, SEND_HALF)],
     "no dq": [(SEND, SEND_NONE)],
     "no dq, store": [(SEND, SEND_NONE), (STORE, "          if not config.dq_convert:\n            pass")],
     "Q,dO half": [],
     "no exp2": [(EXP, "pt = zt - lax.broadcast_in_dim(lse2, st.shape, [1])")],
+    "no dS wait": [(DS_WAIT, "pass")],
+    "z at use": [(Z_AHEAD, "        return (*step_grads(i, dk, dv, zero_ref[0], masked=masked), z)")],
 }
 
 
@@ -54,6 +62,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--cuts", default=";".join(CUTS), help="names of CUTS, separated by ;")
   args = parser.parse_args()
   *_, ct, opts, res, stats = attention_backward_problem(args.causal)
   cts = (ct, jnp.zeros_like(res.lse))
@@ -67,8 +76,8 @@ def main():
     try_variant(fns, outs, name, f.lower(res, ct, stats).compile(), res, ct, stats)
 
   add("as is", mb, cfg)
-  for name, cuts in CUTS.items():
-    module = patched(cuts)
+  for name in args.cuts.split(";"):
+    module = patched(CUTS[name])
     if name == "Q,dO half":
       module.plgpu = halving(cfg.block_q)
     add(name, module, cfg)

@@ -597,14 +597,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_arrive(pair)
         plgpu.barrier_wait(pair)
 
-    def key_tiles():
+    def key_tiles(z):
       """This step's view of the warpgroup's K and V rows and its dQ columns of K, at an
-      offset read from global memory (always 0). Taken once, outside the step loop, the
+      offset z read from global memory (always 0). Taken once, outside the step loop, the
       WGMMA descriptors of their K-steps are loop-invariant: LLVM hoists them (8 64-bit
       values per operand, up to 48 registers) and ptxas spills, its local loads the kernel's
       first stall reason under ncu. An offset the compilers cannot prove constant keeps each
-      operand one base, its K-steps added to it at the WGMMA."""
-      z = zero_ref[0]
+      operand one base, its K-steps added to it at the WGMMA. The steps carry z: each loads
+      the next one's, so that the load's latency is not on the way to the first WGMMA."""
       rows = pl.ds(pl.multiple_of(key_row + z, bkv), bkv)
       # (wg + z)·half, not a multiple_of hint: Mosaic GPU proves the swizzle alignment of a
       # column offset from its arithmetic only.
@@ -745,12 +745,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         return dk, dv
 
       def step(i, carry, *, masked):
-        dk, dv = carry
+        dk, dv, z = carry
+        z_next = zero_ref[0]  # the next step's offset (key_tiles)
+        return (*step_grads(i, dk, dv, z, masked=masked), z_next)
+
+      def step_grads(i, dk, dv, z, *, masked):
         gi = base + i  # the step's place in the CTA's pipeline: its slots
         slot = _mosaic.rem(gi, stages)
         _, qb = step_block(it, i)
         q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-        k_step, v_step, k_cols = key_tiles()
+        k_step, v_step, k_cols = key_tiles(z)
         plgpu.barrier_wait(q_ready.at[slot])
         plgpu.barrier_wait(do_ready.at[slot])
         plgpu.barrier_wait(stats_ready.at[slot])
@@ -819,9 +823,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         store_dq(i, gi, dq, cols)
         return dk, dv
 
-      carry = (zeros((bkv, oc)), zeros((bkv, oc)))
+      carry = (zeros((bkv, oc)), zeros((bkv, oc)), zero_ref[0])
       if mask.is_dense:
-        dk, dv = lax.fori_loop(0, it.n_steps, functools.partial(step, masked=False), carry)
+        dk, dv, _ = lax.fori_loop(0, it.n_steps, functools.partial(step, masked=False), carry)
       else:  # per head: the masked blocks before full_lo, the unmasked ones, the masked rest
         def head_steps(g, carry):
           start = g * it.per_head - it.first  # step i of this head visits query block i - start
@@ -829,7 +833,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                        start + it.first + it.per_head, start + it.full_lo,
                                        start + it.full_hi, dense=False)
 
-        dk, dv = lax.fori_loop(0, it.heads, head_steps, carry)
+        dk, dv, _ = lax.fori_loop(0, it.heads, head_steps, carry)
 
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
