@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import sys
 
-import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, ".")

@@ -24,7 +24,6 @@ back under nvidia-smi: at the 700 W cap the energy per call is what a cut saves.
 import argparse
 import dataclasses
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
