@@ -15,6 +15,8 @@ wrong; nothing here is a library option):
   no exp2       Pᵀ = Sᵀ·c − lse₂ without the exponential
   z at use      (not a cut: the kernel before session 35) each step loads key_tiles' offset
                 right before its first WGMMA, rather than the step before
+  no turn wait  the send warp does not wait for the counter (its turn): the reductions add
+                in arrival order, the counters still count
   no dS wait    the compute warpgroups do not wait for each other's dSᵀ (the lockstep
                 that dq_split's exchange imposes; dQ then reads a half-written dSᵀ)
 
@@ -45,6 +47,8 @@ SEND_NONE = ("            for w in range(0):\n"
 STORE = ("          if not config.dq_convert:\n            dq_smem.at[tile][...] = dq",)
 EXP = ("pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))",)
 Z_AHEAD = ("        return (*step_grads(i, dk, dv, z, masked=masked), z_next)",)
+TURN = ('        plgpu.barrier_wait(full)\n'
+        '        plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")',)
 DS_WAIT = ("plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])",)
 CUTS = {
     "dq half": [(SEND, SEND_HALF)],
@@ -53,6 +57,7 @@ CUTS = {
     "Q,dO half": [],
     "no exp2": [(EXP, "pt = zt - lax.broadcast_in_dim(lse2, st.shape, [1])")],
     "no dS wait": [(DS_WAIT, "pass")],
+    "no turn wait": [(TURN, "        plgpu.barrier_wait(full)")],
     "z at use": [(Z_AHEAD, "        return (*step_grads(i, dk, dv, zero_ref[0], masked=masked), z)")],
 }
 
