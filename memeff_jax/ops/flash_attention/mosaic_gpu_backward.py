@@ -147,6 +147,16 @@ class MosaicBackwardConfig:
       be resident at once (dq_ordered's waits cross them).
     num_sms: (persistent) the CTAs to launch; None reads the device's SM count (132, an
       H100's, where the default device has none, as when lowering on a CPU).
+    dq_stagger: (dq_pipelined) the compute warpgroups run half a step apart, so that one's
+      softmax runs while the other's WGMMAs keep the tensor cores busy, instead of both
+      computing Pᵀ and dSᵀ at once. dQ = dS K needs both warpgroups' dSᵀ of a step:
+      warpgroup 1, behind, issues its step's dQ as before, warpgroup 0 issues the last
+      step's (whose dSᵀ warpgroup 1 wrote half a step ago) with its step's dV and dK, and
+      the last step's at the key block's end. The same registers as dq_pipelined (a dQ
+      beside dK and dV, nothing carried across steps), the same WGMMAs on the same
+      operands: the same bits. A dSᵀ slot is rewritten once both dQs reading it are done
+      (barrier ds_free). With dq_ordered, only with dq_send_warp (sends between the loads
+      would hold up the loads that warpgroup 0's later dQ waits on); not with fused_delta.
     fused_delta: (dq_ordered with dq_send_warp and two dQ slots; causal calls) Δ =
       rowsum(dO ∘ O) is computed in the kernel, not by an XLA pass over O and dO before it
       (at the headline on an H100 that pass takes 0.10 ms and 60 mJ, 2% of a causal
@@ -178,6 +188,7 @@ class MosaicBackwardConfig:
   persistent: bool = False
   num_sms: int | None = None
   fused_delta: bool = False
+  dq_stagger: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -277,6 +288,10 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
                                  and config.dq_buffers == 2 and not config.dq_convert):
     return ("fused_delta needs dq_ordered with dq_send_warp, dq_split and dq_buffers=2 (its O "
             "tiles land in the two dQ slots), and not dq_convert")
+  if config.dq_stagger and not (config.dq_pipelined and not config.fused_delta and (
+      config.dq_send_warp or not config.dq_ordered)):
+    return ("dq_stagger needs dq_pipelined, with dq_ordered also dq_send_warp, and not "
+            "fused_delta")
   if config.dq_buffers not in (1, 2):
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
@@ -476,7 +491,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      pair, seg_scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, order=None,
-                     schedule=None, delta=None):
+                     schedule=None, delta=None, stagger=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
   int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table,
@@ -490,7 +505,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   warpgroups are done with K and V); the grid is then one axis, "cta". delta: where the call
   fuses Δ (_fuses_delta), the forward's output O, the [B · Hq · n_q] flags that a query
   block's Δ is in stats_ref, the dQ tile slots' view in the input dtype, the barriers
-  o_ready (one per slot: O landed) and delta_ready (warpgroup 0 has written Δ)."""
+  o_ready (one per slot: O landed) and delta_ready (warpgroup 0 has written Δ). stagger:
+  with config.dq_stagger, the barriers ds_free (per dSᵀ slot: both dQs reading it are done)
+  and lead (warpgroup 0's first scores are done: warpgroup 1 may start)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -622,6 +639,24 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
       return ds_buf
 
+    def staggered_ds(i, gi, dst):
+      """dq_stagger: writes this warpgroup's rows of step gi's dSᵀ (once both dQs of step
+      gi − 2 have read the slot) and returns (the dSᵀ slot this warpgroup's dQ reads now,
+      how many steps back that dQ is, whether there is one): warpgroup 1 its step's, with
+      warpgroup 0's rows (written half a step earlier); warpgroup 0 the last step's, whose
+      rows warpgroup 1 wrote half a step ago, except on the key block's first step."""
+      ds_free = stagger[0]
+      b = _mosaic.rem(gi, 2)
+      pl.when(gi >= 2)(lambda: plgpu.barrier_wait(ds_free.at[b]))
+      ds_smem.at[b, pl.ds(wg * bkv, bkv)][...] = dst
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_ready.at[b])
+      lag = 1 - wg
+      read = _mosaic.rem(gi - lag + 2, 2)
+      has_dq = i >= lag
+      pl.when(has_dq)(lambda: plgpu.barrier_wait(ds_ready.at[read]))
+      return ds_smem.at[read], lag, has_dq
+
     def owns(i):
       """fused_delta: whether step i visits its query block first (the walk's first two)."""
       return i < 2
@@ -725,8 +760,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         """The rest of config.dq_pipelined's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
         shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
         reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
-        ds_buf = share_ds(gi, dst)
         col = pl.multiple_of(wg * half, half)  # this warpgroup's columns of dQ
+        if config.dq_stagger:
+          ds_buf, lag, has_dq = staggered_ds(i, gi, dst)
+        else:
+          ds_buf, lag, has_dq = share_ds(gi, dst), 0, None
 
         def grads(refs):
           dq_acc, dv_ref, dk_ref = refs
@@ -734,7 +772,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.wgmma(dv_ref, pt, do_tile)
           plgpu.wgmma(dk_ref, dst, q_tile)
           dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
-          store_dq(i, gi, dq, pl.ds(col, half))
+          if has_dq is None:
+            store_dq(i, gi, dq, pl.ds(col, half))
+          else:  # warpgroup 0's first step has no last step's dQ (a dQ of stale dSᵀ, dropped)
+            @pl.when(has_dq)
+            def _():
+              store_dq(i - lag, gi - lag, dq, pl.ds(col, half))
+              plgpu.barrier_arrive(stagger[0].at[_mosaic.rem(gi - lag + 2, 2)])
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
@@ -771,8 +815,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.wgmma(dp_ref, v_step, do_tile.T)
           take_turn()
 
+        if config.dq_stagger:  # warpgroup 1 starts once warpgroup 0's first scores are done
+          pl.when((i == 0) & (wg == 1))(lambda: plgpu.barrier_wait(stagger[1]))
         st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                         plgpu.ACC.init(zeros((bkv, bq)))))
+        if config.dq_stagger:
+          pl.when((i == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(stagger[1]))
         zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
         if masked:
           zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
@@ -834,6 +882,22 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                        start + it.full_hi, dense=False)
 
         dk, dv, _ = lax.fori_loop(0, it.heads, head_steps, carry)
+
+      if config.dq_stagger:  # warpgroup 0: the dQ of the key block's last step
+        last = it.n_steps - 1
+        ds_slot = _mosaic.rem(base + last, 2)
+
+        @pl.when((wg == 0) & (last >= 0))
+        def _():
+          plgpu.barrier_wait(ds_ready.at[ds_slot])
+
+          def mm(acc_ref):
+            plgpu.wgmma(acc_ref, ds_smem.at[ds_slot].T, key_tiles(zero_ref[0])[2])
+            return acc_ref[...]
+
+          dq = pl.run_scoped(mm, plgpu.ACC((bq, half), jnp.float32))
+          store_dq(last, base + last, dq, pl.ds(0, half))
+          plgpu.barrier_arrive(stagger[0].at[ds_slot])
 
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
@@ -1124,6 +1188,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
 
     def kernel(*scratch):
       main, extra = scratch[:16], scratch[16:]
+      stagger = None
+      if config.dq_stagger:  # ds_free, lead
+        *extra, ds_free, lead = extra
+        stagger = (ds_free, lead)
       delta = None
       if fused:  # O's view of the dQ slots, and o_ready, delta_ready
         *extra, o_ready, delta_ready = extra
@@ -1151,7 +1219,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                        dq_ref, dk_ref, dv_ref, *main, extra or None, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
-                       rotate=rotate, order=order, schedule=schedule, delta=delta)
+                       rotate=rotate, order=order, schedule=schedule, delta=delta,
+                       stagger=stagger)
 
     pl.run_scoped(
         kernel,
@@ -1180,6 +1249,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         *((plgpu.Barrier(num_arrivals=2),) if config.persistent else ()),
         # fused_delta: O landed in a dQ slot (o_ready), warpgroup 0 wrote Δ (delta_ready).
         *((plgpu.Barrier(num_barriers=2), plgpu.Barrier()) if fused else ()),
+        # dq_stagger: both dQs have read a dSᵀ slot (ds_free); warpgroup 0 leads (lead).
+        *((plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier())
+          if config.dq_stagger else ()),
         collective_axes="wg",
     )
 

@@ -483,6 +483,40 @@ def test_warps_lower_under_warpgroup_semantics(monkeypatch, causal, window, segm
   assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, 512, 384, 2, 128, segments))
 
 
+@pytest.mark.parametrize("causal, window, segments, ordered, rotate, persistent, softcap", [
+    (False, None, False, True, True, False, None),
+    (True, None, False, True, False, False, 30.0),
+    (False, (100, 7), True, True, False, False, None),
+    (False, None, False, False, False, False, None),
+    (True, 200, True, False, False, True, None),
+    (False, None, False, True, True, True, None)])
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+def test_staggered_backward_lowers_for_cuda(monkeypatch, causal, window, segments, ordered,
+                                            rotate, persistent, softcap, semantics):
+  """dq_stagger: warpgroup 0 issues the last step's dQ with its step's dV and dK (and the
+  key block's last at its end), in arrival order and ordered, grid and persistent."""
+  monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
+      mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=ordered,
+                                   dq_send_warp=ordered, dq_buffers=1 + (ordered and not segments),
+                                   dq_rotate=rotate, persistent=persistent,
+                                   num_sms=3 if persistent else None, dq_stagger=True)
+  opts = dataclasses.replace(_opts(causal, window, segments), logit_softcap=softcap)
+  assert mb.support_error((2, 512, 4, 128), (2, 384, 2, 128), BF16, opts, config) is None
+  text = _backward_lowered_for_cuda(opts, config, 512, 384, 2, 128, segments)
+  assert _MOSAIC_CALL.search(text)
+
+
+def test_stagger_support_errors():
+  why = lambda **kw: mb.support_error((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+                                      mb.MosaicBackwardConfig(dq_split=True, **kw))
+  assert why(dq_pipelined=True, dq_stagger=True) is None
+  for bad in (dict(), dict(dq_pipelined=True, dq_ordered=True),
+              dict(dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
+                   fused_delta=True)):
+    assert "dq_stagger needs" in why(**bad, dq_stagger=True)
+
+
 @pytest.mark.parametrize("pipelined, softcap", [(True, None), (False, 30.0)])
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
 def test_fused_delta_lowers_for_cuda(monkeypatch, pipelined, softcap, semantics):
@@ -1100,6 +1134,40 @@ class TestMosaicGpu:
       assert rel_err(g, u) < 1e-2, name
       assert rel_err(g, rg) < 3e-2, name
 
+  @pytest.mark.parametrize("backward", [
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                              dq_send_warp=True, dq_buffers=2, dq_rotate=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                              dq_send_warp=True, dq_buffers=1),
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
+                              dq_send_warp=True, dq_buffers=2, dq_rotate=True, persistent=True,
+                              num_sms=16)],
+      ids=["rotate", "one_slot", "persistent_rotate"])
+  @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
+                                    dict(sliding_window=(300, 100))])
+  def test_staggered_dq_gives_the_same_bits(self, backward, opts):
+    """dq_stagger: the same WGMMAs on the same operands, warpgroup 0's dQ half a step later:
+    bit for bit the ordered kernel's gradients, on every call. GQA 4:1, 16 key blocks."""
+    q, k, v, _, ct = make_problem(jax.random.key(25), 2, 1024, 2048, 8, 2, 128, BF16)
+    step = lambda c: jax.jit(lambda q, k, v: run(PallasMosaicGpu(backward_config=c), q, k, v,
+                                                 None, ct, opts)[2])
+    staggered = step(dataclasses.replace(backward, dq_stagger=True))
+    want = step(backward)(q, k, v)
+    for _ in range(3):
+      for g, h in zip(staggered(q, k, v), want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
+
+  @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True, logit_softcap=20.0)])
+  def test_staggered_arrival_order_matches_the_reference(self, opts):
+    """dq_stagger in arrival order (deterministic=False's kernel): the reference's gradients."""
+    q, k, v, _, ct = make_problem(jax.random.key(26), 2, 1024, 1024, 4, 4, 128, BF16)
+    config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_stagger=True)
+    _, _, grads = run(PallasMosaicGpu(backward_config=config), q, k, v, None, ct, opts)
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
+    for name, g, rg in zip("qkv", grads, r_grads):
+      assert rel_err(g, rg) < 3e-2, name
+
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   @pytest.mark.parametrize("buffers, rotate", [(2, True), (1, False)])
@@ -1239,6 +1307,17 @@ class TestMosaicGpuOrderedDqSendWarp(TestMosaicGpuOrderedDq):
   impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
       dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
       dq_rotate=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuOrderedDqStagger(TestMosaicGpuOrderedDq):
+  """The ordered defaults (send warp, two slots, rotated walks) with the compute
+  warpgroups half a step apart (dq_stagger)."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+      dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
+      dq_rotate=True, dq_stagger=True))
 
 
 @pytest.mark.gpu
