@@ -1,7 +1,9 @@
 # Session 36: dq_stagger (the compute warpgroups half a step apart). Its GPU tests, then the
 # headline fwd+bwd against the deterministic default, both masks, with ptxas's spill report.
 . "$(dirname "$0")/../device_env.sh"
-gpu_test_groups ${TEST_S:-200} ${GROUPS_:-"staggered" "TestMosaicGpuOrderedDqStagger"}
+# GROUPS: pytest -k expressions separated by ';'.
+IFS=';' read -ra groups <<< "${GROUPS:-staggered;TestMosaicGpuOrderedDqStagger}"
+gpu_test_groups ${TEST_S:-200} "${groups[@]}"
 ab() {  # ab NAME [--causal] VARIANTS...
   local name=$1; shift
   echo "== bwd_config_ab $name" | tee -a $OUT/ab.log

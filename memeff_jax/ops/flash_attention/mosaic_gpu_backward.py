@@ -157,6 +157,10 @@ class MosaicBackwardConfig:
       operands: the same bits. A dSᵀ slot is rewritten once both dQs reading it are done
       (barrier ds_free). With dq_ordered, only with dq_send_warp (sends between the loads
       would hold up the loads that warpgroup 0's later dQ waits on); not with fused_delta.
+    stagger_turns: (dq_stagger) the warpgroups take turns issuing their WGMMA groups (a
+      step's Sᵀ and dPᵀ, then its dQ, dV and dK), warpgroup 0 first, so that neither
+      catches up with the other: in the free-running stagger nothing keeps warpgroup 1
+      from drifting back into lockstep.
     fused_delta: (dq_ordered with dq_send_warp and two dQ slots; causal calls) Δ =
       rowsum(dO ∘ O) is computed in the kernel, not by an XLA pass over O and dO before it
       (at the headline on an H100 that pass takes 0.10 ms and 60 mJ, 2% of a causal
@@ -189,6 +193,7 @@ class MosaicBackwardConfig:
   num_sms: int | None = None
   fused_delta: bool = False
   dq_stagger: bool = False
+  stagger_turns: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -292,6 +297,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
       config.dq_send_warp or not config.dq_ordered)):
     return ("dq_stagger needs dq_pipelined, with dq_ordered also dq_send_warp, and not "
             "fused_delta")
+  if config.stagger_turns and not config.dq_stagger:
+    return "stagger_turns needs dq_stagger"
   if config.dq_buffers not in (1, 2):
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
@@ -639,6 +646,18 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
       return ds_buf
 
+    def wait_turn():
+      """stagger_turns: before a WGMMA group, this warpgroup's turn."""
+      plgpu.barrier_wait(stagger[2].at[wg])
+
+    def pass_turn():
+      """stagger_turns: after issuing a WGMMA group, the other warpgroup's turn."""
+      if config.stagger_turns:
+        plgpu.barrier_arrive(stagger[2].at[1 - wg])
+
+    if config.stagger_turns:  # warpgroup 0 issues first
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(stagger[2].at[0]))
+
     def staggered_ds(i, gi, dst):
       """dq_stagger: writes this warpgroup's rows of step gi's dSᵀ (once both dQs of step
       gi − 2 have read the slot) and returns (the dSᵀ slot this warpgroup's dQ reads now,
@@ -765,12 +784,15 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           ds_buf, lag, has_dq = staggered_ds(i, gi, dst)
         else:
           ds_buf, lag, has_dq = share_ds(gi, dst), 0, None
+        if config.stagger_turns:
+          wait_turn()
 
         def grads(refs):
           dq_acc, dv_ref, dk_ref = refs
           plgpu.wgmma(dq_acc, ds_buf.T, k_cols)
           plgpu.wgmma(dv_ref, pt, do_tile)
           plgpu.wgmma(dk_ref, dst, q_tile)
+          pass_turn()
           dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
           if has_dq is None:
             store_dq(i, gi, dq, pl.ds(col, half))
@@ -814,12 +836,15 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.wgmma(s_ref, k_step, q_tile.T)
           plgpu.wgmma(dp_ref, v_step, do_tile.T)
           take_turn()
+          pass_turn()
 
-        if config.dq_stagger:  # warpgroup 1 starts once warpgroup 0's first scores are done
+        if config.stagger_turns:
+          wait_turn()
+        elif config.dq_stagger:  # warpgroup 1 starts once warpgroup 0's first scores are done
           pl.when((i == 0) & (wg == 1))(lambda: plgpu.barrier_wait(stagger[1]))
         st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                         plgpu.ACC.init(zeros((bkv, bq)))))
-        if config.dq_stagger:
+        if config.dq_stagger and not config.stagger_turns:
           pl.when((i == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(stagger[1]))
         zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
         if masked:
@@ -1189,9 +1214,13 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     def kernel(*scratch):
       main, extra = scratch[:16], scratch[16:]
       stagger = None
-      if config.dq_stagger:  # ds_free, lead
+      if config.dq_stagger:  # ds_free, lead, and with stagger_turns the turns
+        turns = ()
+        if config.stagger_turns:
+          *extra, turns = extra
+          turns = (turns,)
         *extra, ds_free, lead = extra
-        stagger = (ds_free, lead)
+        stagger = (ds_free, lead, *turns)
       delta = None
       if fused:  # O's view of the dQ slots, and o_ready, delta_ready
         *extra, o_ready, delta_ready = extra
@@ -1252,6 +1281,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         # dq_stagger: both dQs have read a dSᵀ slot (ds_free); warpgroup 0 leads (lead).
         *((plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier())
           if config.dq_stagger else ()),
+        # stagger_turns: a warpgroup's turn to issue WGMMAs.
+        *((plgpu.Barrier(num_barriers=2),) if config.stagger_turns else ()),
         collective_axes="wg",
     )
 

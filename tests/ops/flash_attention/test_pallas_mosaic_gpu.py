@@ -491,8 +491,9 @@ def test_warps_lower_under_warpgroup_semantics(monkeypatch, causal, window, segm
     (True, 200, True, False, False, True, None),
     (False, None, False, True, True, True, None)])
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+@pytest.mark.parametrize("turns", [False, True])
 def test_staggered_backward_lowers_for_cuda(monkeypatch, causal, window, segments, ordered,
-                                            rotate, persistent, softcap, semantics):
+                                            rotate, persistent, softcap, semantics, turns):
   """dq_stagger: warpgroup 0 issues the last step's dQ with its step's dV and dK (and the
   key block's last at its end), in arrival order and ordered, grid and persistent."""
   monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
@@ -500,7 +501,8 @@ def test_staggered_backward_lowers_for_cuda(monkeypatch, causal, window, segment
   config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=ordered,
                                    dq_send_warp=ordered, dq_buffers=1 + (ordered and not segments),
                                    dq_rotate=rotate, persistent=persistent,
-                                   num_sms=3 if persistent else None, dq_stagger=True)
+                                   num_sms=3 if persistent else None, dq_stagger=True,
+                                   stagger_turns=turns)
   opts = dataclasses.replace(_opts(causal, window, segments), logit_softcap=softcap)
   assert mb.support_error((2, 512, 4, 128), (2, 384, 2, 128), BF16, opts, config) is None
   text = _backward_lowered_for_cuda(opts, config, 512, 384, 2, 128, segments)
@@ -511,6 +513,8 @@ def test_stagger_support_errors():
   why = lambda **kw: mb.support_error((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
                                       mb.MosaicBackwardConfig(dq_split=True, **kw))
   assert why(dq_pipelined=True, dq_stagger=True) is None
+  assert why(dq_pipelined=True, dq_stagger=True, stagger_turns=True) is None
+  assert "stagger_turns needs" in why(dq_pipelined=True, stagger_turns=True)
   for bad in (dict(), dict(dq_pipelined=True, dq_ordered=True),
               dict(dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
                    fused_delta=True)):
@@ -1145,13 +1149,14 @@ class TestMosaicGpu:
       ids=["rotate", "one_slot", "persistent_rotate"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
-  def test_staggered_dq_gives_the_same_bits(self, backward, opts):
+  @pytest.mark.parametrize("turns", [False, True])
+  def test_staggered_dq_gives_the_same_bits(self, backward, opts, turns):
     """dq_stagger: the same WGMMAs on the same operands, warpgroup 0's dQ half a step later:
     bit for bit the ordered kernel's gradients, on every call. GQA 4:1, 16 key blocks."""
     q, k, v, _, ct = make_problem(jax.random.key(25), 2, 1024, 2048, 8, 2, 128, BF16)
     step = lambda c: jax.jit(lambda q, k, v: run(PallasMosaicGpu(backward_config=c), q, k, v,
                                                  None, ct, opts)[2])
-    staggered = step(dataclasses.replace(backward, dq_stagger=True))
+    staggered = step(dataclasses.replace(backward, dq_stagger=True, stagger_turns=turns))
     want = step(backward)(q, k, v)
     for _ in range(3):
       for g, h in zip(staggered(q, k, v), want):
@@ -1162,7 +1167,8 @@ class TestMosaicGpu:
     """dq_stagger in arrival order (deterministic=False's kernel): the reference's gradients."""
     q, k, v, _, ct = make_problem(jax.random.key(26), 2, 1024, 1024, 4, 4, 128, BF16)
     config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_stagger=True)
-    _, _, grads = run(PallasMosaicGpu(backward_config=config), q, k, v, None, ct, opts)
+    _, _, grads = run(PallasMosaicGpu(backward_config=config), q, k, v, None, ct,
+                      {**opts, "deterministic": False})
     up = lambda x: x.astype(jnp.float32)
     _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
     for name, g, rg in zip("qkv", grads, r_grads):
