@@ -1,8 +1,8 @@
 # Session 36: dq_stagger (the compute warpgroups half a step apart). Its GPU tests, then the
 # headline fwd+bwd against the deterministic default, both masks, with ptxas's spill report.
 . "$(dirname "$0")/../device_env.sh"
-# GROUPS: pytest -k expressions separated by ';'.
-IFS=';' read -ra groups <<< "${GROUPS:-staggered;TestMosaicGpuOrderedDqStagger}"
+# TGROUPS: pytest -k expressions separated by ';'.
+IFS=';' read -ra groups <<< "${TGROUPS:-staggered;TestMosaicGpuOrderedDqStagger}"
 gpu_test_groups ${TEST_S:-200} "${groups[@]}"
 ab() {  # ab NAME [--causal] VARIANTS...
   local name=$1; shift
