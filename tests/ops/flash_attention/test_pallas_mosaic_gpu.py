@@ -769,7 +769,8 @@ def test_tuned_backward_configs_serve_their_calls():
     ordered = mb.MosaicBackwardConfig.for_deterministic(128, causal, gqa)
     assert ordered == dataclasses.replace(
         mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True, dq_send_warp=True,
-        dq_buffers=2, dq_rotate=not causal, fused_delta=causal and not gqa)
+        dq_buffers=2, dq_rotate=not causal, fused_delta=causal and not gqa,
+        dq_stagger=not (causal or gqa), stagger_turns=not (causal or gqa))
   for d, causal, gqa in ((64, False, False), (256, True, False),
                          (128, True, True)):  # no _ordered section: the dK/dV-only kernel
     assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
@@ -1319,11 +1320,11 @@ class TestMosaicGpuOrderedDqSendWarp(TestMosaicGpuOrderedDq):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuOrderedDqStagger(TestMosaicGpuOrderedDq):
   """The ordered defaults (send warp, two slots, rotated walks) with the compute
-  warpgroups half a step apart (dq_stagger)."""
+  warpgroups half a step apart, taking turns (dq_stagger, stagger_turns)."""
 
   impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
       dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
-      dq_rotate=True, dq_stagger=True))
+      dq_rotate=True, dq_stagger=True, stagger_turns=True))
 
 
 @pytest.mark.gpu
