@@ -2,7 +2,7 @@
 its MosaicBackwardConfig (and cuDNN), in interleaved rounds, then each back to back at the
 700 W cap (energy per call).
 
-    python benchmarks/scratch/bwd_config_ab.py [--causal] [--rounds 5] \
+    python benchmarks/scratch/bwd_config_ab.py [--causal] [--arrival] [--rounds 5] \
         stages=3,dq_buffers=1 [more variants, each field=value,...]
 
 A variant's `semantics=lane` (or `warpgroup`) lowers its kernels with that Mosaic GPU
@@ -25,16 +25,22 @@ from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb  # noqa: E4
 parser = argparse.ArgumentParser()
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--rounds", type=int, default=5)
+parser.add_argument("--arrival", action="store_true",
+                    help="against the arrival-order kernel (deterministic=False's) instead")
 parser.add_argument("variants", nargs="*")
 args = parser.parse_args()
 
 q, k, v, ct = attention_inputs()
-default = mb.MosaicBackwardConfig.for_deterministic(128, args.causal)
+if args.arrival:
+  default = mb.MosaicBackwardConfig.tuned(128, args.causal)
+else:
+  default = mb.MosaicBackwardConfig.for_deterministic(128, args.causal)
 
 
 def ours(config):
   impl = fa.PallasMosaicGpu(backward_config=config)
-  return lambda q, k, v: fa.flash_attention(q, k, v, causal=args.causal, implementation=impl)
+  return lambda q, k, v: fa.flash_attention(q, k, v, causal=args.causal, implementation=impl,
+                                            deterministic=not args.arrival)
 
 
 providers = {"default": ours(default)}

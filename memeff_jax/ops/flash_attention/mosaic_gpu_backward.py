@@ -194,6 +194,7 @@ class MosaicBackwardConfig:
   fused_delta: bool = False
   dq_stagger: bool = False
   stagger_turns: bool = False
+  dq_atomic: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -767,6 +768,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
               dq_smem.at[tile][...] = dq
           plgpu.commit_smem()
           plgpu.barrier_arrive(full)
+          return
+        if config.dq_atomic:
+          head, qb = step_block(it, i)
+          plgpu.atomic_add(dq_ref.at[it.b, pl.ds(qb * bq, bq), head, cols], dq)
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
         dq_smem.at[wg][...] = dq
