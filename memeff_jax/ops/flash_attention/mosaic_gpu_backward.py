@@ -194,7 +194,6 @@ class MosaicBackwardConfig:
   fused_delta: bool = False
   dq_stagger: bool = False
   stagger_turns: bool = False
-  dq_atomic: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -228,8 +227,8 @@ class MosaicBackwardConfig:
 
     with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
     (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
-    one, else the section above without dq_split, gqa_per_query_head and dq_pipelined
-    (which only the kernel with dq serves)."""
+    one, else the section above without dq_split, gqa_per_query_head, dq_pipelined and
+    dq_stagger (which only the kernel with dq serves)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     section = f"d{d}_causal" if causal else f"d{d}"
     if not with_dq:
@@ -238,7 +237,8 @@ class MosaicBackwardConfig:
       if found:
         return cls(**found, with_dq=False)
       return dataclasses.replace(cls.tuned(d, causal, gqa), dq_split=False,
-                                 gqa_per_query_head=False, dq_pipelined=False, with_dq=False)
+                                 gqa_per_query_head=False, dq_pipelined=False, dq_stagger=False,
+                                 stagger_turns=False, with_dq=False)
     found = (gqa and table.get(section + "_gqa")) or table.get(section)
     if found:
       return cls(**found)
@@ -768,10 +768,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
               dq_smem.at[tile][...] = dq
           plgpu.commit_smem()
           plgpu.barrier_arrive(full)
-          return
-        if config.dq_atomic:
-          head, qb = step_block(it, i)
-          plgpu.atomic_add(dq_ref.at[it.b, pl.ds(qb * bq, bq), head, cols], dq)
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
         dq_smem.at[wg][...] = dq

@@ -939,7 +939,9 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=False, gqa_per_query_head=True),
       mb.MosaicBackwardConfig(dq_split=False, pingpong=True, gqa_per_query_head=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True),
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, stages=3)])
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, stages=3),
+      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_stagger=True,
+                              stagger_turns=True)])
   @pytest.mark.parametrize("causal", [False, True])
   @pytest.mark.parametrize("b, t, s, hq, hkv", [
       (2, 256, 384, 8, 2),    # T < S: under causal the last key blocks see no query
