@@ -194,6 +194,7 @@ class MosaicBackwardConfig:
   fused_delta: bool = False
   dq_stagger: bool = False
   stagger_turns: bool = False
+  turns_grads_only: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -837,15 +838,17 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.wgmma(s_ref, k_step, q_tile.T)
           plgpu.wgmma(dp_ref, v_step, do_tile.T)
           take_turn()
-          pass_turn()
+          if not config.turns_grads_only:
+            pass_turn()
 
-        if config.stagger_turns:
+        score_turns = config.stagger_turns and not config.turns_grads_only
+        if score_turns:
           wait_turn()
         elif config.dq_stagger:  # warpgroup 1 starts once warpgroup 0's first scores are done
           pl.when((i == 0) & (wg == 1))(lambda: plgpu.barrier_wait(stagger[1]))
         st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                         plgpu.ACC.init(zeros((bkv, bq)))))
-        if config.dq_stagger and not config.stagger_turns:
+        if config.dq_stagger and not score_turns:
           pl.when((i == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(stagger[1]))
         zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
         if masked:
