@@ -814,6 +814,8 @@ def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
   st = PallasMosaicGpu(backward_config=two)._static(q, q, segments)  # pylint: disable=protected-access
   assert st.backward == one
   assert PallasMosaicGpu(backward_config=two)._static(q, q, _opts()).backward == two  # pylint: disable=protected-access
+  staggered = dataclasses.replace(two, dq_stagger=True, stagger_turns=True)
+  assert mb.fit_shared_memory(staggered, 128, BF16, segments=True) == one  # no stagger on one slot
 
 
 def test_remat_counts_the_kernel_cost():
