@@ -154,9 +154,10 @@ class MosaicBackwardConfig:
       step's (whose dSᵀ warpgroup 1 wrote half a step ago) with its step's dV and dK, and
       the last step's at the key block's end. The same registers as dq_pipelined (a dQ
       beside dK and dV, nothing carried across steps; ptxas spills 4 B at the headline),
-      the same WGMMAs on the same operands: the same bits. A dSᵀ slot is rewritten once both dQs reading it are done
-      (barrier ds_free). With dq_ordered, only with dq_send_warp (sends between the loads
-      would hold up the loads that warpgroup 0's later dQ waits on); not with fused_delta.
+      the same WGMMAs on the same operands: the same bits. A dSᵀ slot is rewritten once
+      both dQs reading it are done (barrier ds_free). With dq_ordered, only with
+      dq_send_warp (sends between the loads would hold up the loads that warpgroup 0's later
+      dQ waits on); not with fused_delta.
     stagger_turns: (dq_stagger) the warpgroups take turns issuing their dQ, dV and dK
       WGMMAs, warpgroup 0 first: in the free-running stagger nothing keeps warpgroup 1 from
       drifting back into lockstep. Sᵀ and dPᵀ go out as soon as a warpgroup reaches them,
@@ -657,7 +658,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
     def wait_turn():
       """stagger_turns: before the dQ, dV, dK group, this warpgroup's turn."""
-      plgpu.barrier_wait(stagger[2].at[wg])
+      if config.stagger_turns:
+        plgpu.barrier_wait(stagger[2].at[wg])
 
     def pass_turn():
       """stagger_turns: after issuing the group, the other warpgroup's turn."""
@@ -669,10 +671,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
     def staggered_ds(i, gi, dst):
       """dq_stagger: writes this warpgroup's rows of step gi's dSᵀ (once both dQs of step
-      gi − 2 have read the slot) and returns (the dSᵀ slot this warpgroup's dQ reads now,
-      how many steps back that dQ is, whether there is one): warpgroup 1 its step's, with
-      warpgroup 0's rows (written half a step earlier); warpgroup 0 the last step's, whose
-      rows warpgroup 1 wrote half a step ago, except on the key block's first step."""
+      gi − 2 have read the slot) and returns (the index of the dSᵀ slot this warpgroup's
+      dQ reads now, how many steps back that dQ is, whether there is one): warpgroup 1 its
+      step's, with warpgroup 0's rows (written half a step earlier); warpgroup 0 the last
+      step's, whose rows warpgroup 1 wrote half a step ago, except on the key block's first
+      step."""
       ds_free = stagger[0]
       b = _mosaic.rem(gi, 2)
       pl.when(gi >= 2)(lambda: plgpu.barrier_wait(ds_free.at[b]))
@@ -683,7 +686,15 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       read = _mosaic.rem(gi - lag + 2, 2)
       has_dq = i >= lag
       pl.when(has_dq)(lambda: plgpu.barrier_wait(ds_ready.at[read]))
-      return ds_smem.at[read], lag, has_dq
+      return read, lag, has_dq
+
+    def split_dq(ds_buf, k_cols):
+      """dq_split: this warpgroup's columns of dQ = dS (all 2·bkv keys) K, waited for."""
+      def mm(acc_ref):
+        plgpu.wgmma(acc_ref, ds_buf.T, k_cols)
+        return acc_ref[...]
+
+      return pl.run_scoped(mm, plgpu.ACC((bq, half), jnp.float32))
 
     def owns(i):
       """fused_delta: whether step i visits its query block first (the walk's first two)."""
@@ -790,11 +801,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
         col = pl.multiple_of(wg * half, half)  # this warpgroup's columns of dQ
         if config.dq_stagger:
-          ds_buf, lag, has_dq = staggered_ds(i, gi, dst)
+          read, lag, has_dq = staggered_ds(i, gi, dst)
+          ds_buf = ds_smem.at[read]
         else:
           ds_buf, lag, has_dq = share_ds(gi, dst), 0, None
-        if config.stagger_turns:
-          wait_turn()
+        wait_turn()
 
         def grads(refs):
           dq_acc, dv_ref, dk_ref = refs
@@ -809,7 +820,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
             @pl.when(has_dq)
             def _():
               store_dq(i - lag, gi - lag, dq, pl.ds(col, half))
-              plgpu.barrier_arrive(stagger[0].at[_mosaic.rem(gi - lag + 2, 2)])
+              plgpu.barrier_arrive(stagger[0].at[read])
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
@@ -885,11 +896,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         ds_buf = share_ds(gi, dst)
         if config.dq_split:  # dQ[:, half] = dS (all 2·bkv keys) K[:, half]
-          def mm(acc_ref):
-            plgpu.wgmma(acc_ref, ds_buf.T, k_cols)
-            return acc_ref[...]
-
-          dq = pl.run_scoped(mm, plgpu.ACC((bq, half), jnp.float32))
+          dq = split_dq(ds_buf, k_cols)
           cols = pl.ds(wg * half, half)
         else:  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
           def mm(acc_ref):
@@ -921,12 +928,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         @pl.when((wg == 0) & (last >= 0))
         def _():
           plgpu.barrier_wait(ds_ready.at[ds_slot])
-
-          def mm(acc_ref):
-            plgpu.wgmma(acc_ref, ds_smem.at[ds_slot].T, key_tiles(zero_ref[0])[2])
-            return acc_ref[...]
-
-          dq = pl.run_scoped(mm, plgpu.ACC((bq, half), jnp.float32))
+          dq = split_dq(ds_smem.at[ds_slot], key_tiles(zero_ref[0])[2])
           store_dq(last, base + last, dq, pl.ds(0, half))  # warpgroup 0's columns
           plgpu.barrier_arrive(stagger[0].at[ds_slot])
 
