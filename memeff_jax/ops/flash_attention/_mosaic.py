@@ -16,6 +16,8 @@ try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import llvm
 
 
 SMEM_BYTES = 232_448  # shared memory per CTA on sm90
@@ -68,6 +70,19 @@ def exp2_scores(s, scale: float, softcap: float | None):
     return s * (scale * LOG2E), None
   tanh = jnp.tanh(s * (scale / softcap))
   return tanh * (softcap * LOG2E), tanh
+
+
+def fence_smem() -> None:
+  """Makes this thread's shared-memory writes visible to the async proxy (TMA, WGMMA), as
+  plgpu.commit_smem does, but without its warpgroup barrier (a bar.sync, and the thread-id
+  read that names it). Enough where each thread then arrives at an mbarrier that the reader
+  waits on: Pallas counts every thread's arrival, and each releases its own fenced writes."""
+  @plgpu.inline_mgpu()
+  def fence(_):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
+                    has_side_effects=True)
+
+  fence()
 
 
 def wait_stores_read() -> None:

@@ -178,6 +178,11 @@ class MosaicBackwardConfig:
       launched after it, which took the headline's backward from 7.6 to 10.8 ms; a window or
       segment ids, T ≠ S, GQA, persistent CTAs) run the kernel with the pass, as dq_rotate
       applies only where it can.
+    thread_fences: (dq_split or dq_ordered) the hand-offs through shared memory that an
+      mbarrier announces — dSᵀ to the other compute warpgroup, a dQ tile to the memory
+      warpgroup — fence each thread's writes and let its own arrival publish them
+      (_mosaic.fence_smem), without plgpu.commit_smem's warpgroup barrier. The same
+      operations in the same order otherwise.
   """
 
   stages: int = 2
@@ -198,6 +203,7 @@ class MosaicBackwardConfig:
   fused_delta: bool = False
   dq_stagger: bool = False
   stagger_turns: bool = False
+  thread_fences: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -231,8 +237,8 @@ class MosaicBackwardConfig:
 
     with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
     (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
-    one, else the section above without dq_split, gqa_per_query_head, dq_pipelined and
-    dq_stagger (which only the kernel with dq serves)."""
+    one, else the section above without dq_split, gqa_per_query_head, dq_pipelined,
+    dq_stagger and thread_fences (which only the kernel with dq serves)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     section = f"d{d}_causal" if causal else f"d{d}"
     if not with_dq:
@@ -242,7 +248,7 @@ class MosaicBackwardConfig:
         return cls(**found, with_dq=False)
       return dataclasses.replace(cls.tuned(d, causal, gqa), dq_split=False,
                                  gqa_per_query_head=False, dq_pipelined=False, dq_stagger=False,
-                                 stagger_turns=False, with_dq=False)
+                                 stagger_turns=False, thread_fences=False, with_dq=False)
     found = (gqa and table.get(section + "_gqa")) or table.get(section)
     if found:
       return cls(**found)
@@ -294,6 +300,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     # free its Q and dO, which they do after storing dQ: a last adder's sum, loaded after
     # that load, would never reach them.
     return "dq_convert needs dq_send_warp (the sum a last adder waits for is loaded by it)"
+  if config.thread_fences and not (config.dq_split or config.dq_ordered):
+    return "thread_fences needs dq_split or dq_ordered (the hand-offs it fences)"
   if config.fused_delta and not (config.dq_ordered and config.dq_send_warp and config.dq_split
                                  and config.dq_buffers == 2 and not config.dq_convert):
     return ("fused_delta needs dq_ordered with dq_send_warp, dq_split and dq_buffers=2 (its O "
@@ -645,15 +653,25 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       dq_cols = pl.ds((wg + z) * half, half)  # with dq_split
       return k_smem.at[rows], v_smem.at[rows], k_smem.at[:, dq_cols]
 
+    def hand_off(barrier):
+      """Publishes this thread's shared-memory writes to the async proxy of whoever waits
+      on `barrier`, and arrives there (thread_fences: without a warpgroup barrier)."""
+      if config.thread_fences:
+        _mosaic.fence_smem()
+      else:
+        plgpu.commit_smem()
+      plgpu.barrier_arrive(barrier)
+
     def share_ds(i, dst):
       """Step i's dSᵀ slot, with this warpgroup's rows written (with column_split, both
       write the same dSᵀ); with dq_split, once the other warpgroup has written its rows."""
       ds_buf = ds_smem.at[_mosaic.rem(i, _ds_buffers(config))]
       ds_buf.at[pl.ds(wg * bkv, bkv)][...] = dst
-      plgpu.commit_smem()
       if config.dq_split:
-        plgpu.barrier_arrive(ds_ready.at[_mosaic.rem(i, 2)])
+        hand_off(ds_ready.at[_mosaic.rem(i, 2)])
         plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
+      else:
+        plgpu.commit_smem()
       return ds_buf
 
     def wait_turn():
@@ -680,8 +698,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       b = _mosaic.rem(gi, 2)
       pl.when(gi >= 2)(lambda: plgpu.barrier_wait(ds_free.at[b]))
       ds_smem.at[b, pl.ds(wg * bkv, bkv)][...] = dst
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(ds_ready.at[b])
+      hand_off(ds_ready.at[b])
       lag = 1 - wg
       read = _mosaic.rem(gi - lag + 2, 2)
       has_dq = i >= lag
@@ -785,8 +802,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
             @pl.when(not_last)
             def _():
               dq_smem.at[tile][...] = dq
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(full)
+          hand_off(full)
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
         dq_smem.at[wg][...] = dq

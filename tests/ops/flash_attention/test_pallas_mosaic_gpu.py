@@ -521,6 +521,34 @@ def test_stagger_support_errors():
     assert "dq_stagger needs" in why(**bad, dq_stagger=True)
 
 
+_FENCED = [
+    dict(dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2, dq_rotate=True,
+         dq_stagger=True, stagger_turns=True),
+    dict(dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2, fused_delta=True),
+    dict(dq_ordered=True, dq_send_warp=True, dq_buffers=2, dq_convert=True),
+    dict(dq_pipelined=True, dq_stagger=True),
+    dict()]
+
+
+@pytest.mark.parametrize("fields", _FENCED, ids=["stagger", "fused_delta", "convert",
+                                                  "arrival_stagger", "dq_split"])
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+def test_thread_fences_lower_for_cuda(monkeypatch, fields, semantics):
+  """thread_fences: the dSᵀ and dQ hand-offs fence per thread (the kernel carries the
+  inline fence) and the kernel still lowers, under both lowerings; without it, none."""
+  _lower_with(monkeypatch, semantics)
+  opts = _opts(causal="fused_delta" in fields)
+  for fenced in (False, True):
+    config = mb.MosaicBackwardConfig(dq_split=True, thread_fences=fenced, **fields)
+    assert mb.support_error((2, 512, 4, 128), (2, 512, 4, 128), BF16, opts, config) is None
+    text = _backward_lowered_for_cuda(opts, config, 512, 512, 4, 128, False)
+    assert _MOSAIC_CALL.search(text)
+    assert ("fence.proxy.async.shared::cta;" in text) == fenced
+  no_handoff = mb.MosaicBackwardConfig(dq_split=False, with_dq=False, thread_fences=True)
+  assert "thread_fences needs" in mb.support_error((2, 512, 4, 64), (2, 512, 4, 64), BF16,
+                                                   opts, no_handoff)
+
+
 @pytest.mark.parametrize("pipelined, softcap", [(True, None), (False, 30.0)])
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
 def test_fused_delta_lowers_for_cuda(monkeypatch, pipelined, softcap, semantics):
@@ -1165,6 +1193,21 @@ class TestMosaicGpu:
     want = step(backward)(q, k, v)
     for _ in range(3):
       for g, h in zip(staggered(q, k, v), want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
+
+  @pytest.mark.parametrize("fields", _FENCED[:3], ids=["stagger", "fused_delta", "convert"])
+  @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
+                                    dict(sliding_window=(300, 100))])
+  def test_thread_fences_give_the_same_bits(self, fields, opts):
+    """thread_fences changes how the hand-offs synchronize, not what they carry: bit for bit
+    the ordered kernel's gradients without it, on every call (T = S, so fused_delta runs)."""
+    q, k, v, _, ct = make_problem(jax.random.key(27), 2, 1024, 1024, 8, 2, 128, BF16)
+    step = lambda fenced: jax.jit(lambda q, k, v: run(
+        PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+            dq_split=True, thread_fences=fenced, **fields)), q, k, v, None, ct, opts)[2])
+    fenced, want = step(True), step(False)(q, k, v)
+    for _ in range(3):
+      for g, h in zip(fenced(q, k, v), want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
 
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True, logit_softcap=20.0)])
