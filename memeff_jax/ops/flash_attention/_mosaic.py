@@ -16,7 +16,7 @@ try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
-from jax._src.lib.mlir import ir
+from jax._src.lib.mlir import ir  # fence_smem's inline PTX
 from jax._src.lib.mlir.dialects import llvm
 
 
@@ -76,7 +76,8 @@ def fence_smem() -> None:
   """Makes this thread's shared-memory writes visible to the async proxy (TMA, WGMMA), as
   plgpu.commit_smem does, but without its warpgroup barrier (a bar.sync, and the thread-id
   read that names it). Enough where each thread then arrives at an mbarrier that the reader
-  waits on: Pallas counts every thread's arrival, and each releases its own fenced writes."""
+  waits on: Pallas counts every thread's arrival (a barrier of n arrivals expects 128·n under
+  both lowering semantics), and each arrival releases its own thread's fenced writes."""
   @plgpu.inline_mgpu()
   def fence(_):
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
