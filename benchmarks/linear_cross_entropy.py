@@ -166,7 +166,7 @@ def parse_memeff(provider: str):
       kw["memory_budget_bytes"] = int(opts.pop("budget_mib")) * 2**20
     if "dw" in opts:
       kw["dw_accumulation"] = opts.pop("dw")
-    if "gemms" in opts:  # e.g. gemms=dw or gemms=logits+dx+dw: those on ops.mosaic_gemm
+    if "gemms" in opts:  # e.g. gemms=dw or gemms=logits+dx+dw: those on kernels.mosaic_gemm
       kw["mosaic_gemms"] = tuple(opts.pop("gemms").split("+"))
     if "fused_lse" in opts:  # fused_lse=1: partial log-sum-exps from the logits GEMM
       kw["fused_lse"] = bool(int(opts.pop("fused_lse")))

@@ -1,6 +1,6 @@
-"""Tuned kernel configs per GPU kind, read from TOML tables in configs/tuning/.
+"""Tuned kernel configs per GPU kind, read from TOML tables shipped in memeff_jax/configs/tuning/.
 
-A table `configs/tuning/<op>.toml` holds, per implementation, a `default` section and one
+A table `tuning/<op>.toml` holds, per implementation, a `default` section and one
 section per device kind (matched as a case-insensitive substring of
 `jax.devices()[0].device_kind`, e.g. "H100" or "H200"):
 
@@ -9,8 +9,9 @@ section per device kind (matched as a case-insensitive substring of
     [pallas_gpu.H200]
     block_v = 8192
 
-The directory is `$MEMEFF_JAX_CONFIG_DIR/tuning` if that variable is set, else the
-repository's configs/tuning. Missing files or sections fall back to the dataclass defaults.
+The directory is `$MEMEFF_JAX_CONFIG_DIR/tuning` if that variable is set, else the package's
+own `configs/tuning` (package data, so a regular install has it too). Missing files or
+sections fall back to the dataclass defaults.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ import tomllib
 import jax
 
 
+PACKAGE_CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
+
+
 def config_dir() -> pathlib.Path:
+  """Where the tuning tables are read from: $MEMEFF_JAX_CONFIG_DIR, else PACKAGE_CONFIGS."""
   env = os.environ.get("MEMEFF_JAX_CONFIG_DIR")
   if env:
     return pathlib.Path(env)
-  return pathlib.Path(__file__).resolve().parent.parent / "configs"
+  return PACKAGE_CONFIGS
 
 
 @functools.cache
@@ -57,6 +62,6 @@ def lookup(op: str, implementation: str, *, fields=None, device_kind: str | None
     names = {f.name for f in dataclasses.fields(fields)}
     unknown = set(found) - names
     if unknown:
-      raise ValueError(f"configs/tuning/{op}.toml [{implementation}] has unknown keys "
+      raise ValueError(f"tuning/{op}.toml [{implementation}] has unknown keys "
                        f"{sorted(unknown)}; {fields.__name__} takes {sorted(names)}")
   return found

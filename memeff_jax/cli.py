@@ -1,7 +1,7 @@
 """The `memeff-jax` command.
 
   memeff-jax demo          train a tiny model twice, plain Flax layers vs memeff layers
-  memeff-jax train         the same loop at a configured size (configs/models/*.toml)
+  memeff-jax train         the same loop at a configured size (tiny, 125m, 1b or a TOML file)
   memeff-jax report        memory report of a model's train step, and of each remat policy
   memeff-jax compare-loss  the fused LM-head loss beside the naive one
   memeff-jax bench         run a benchmark script from a source checkout (benchmarks/<op>.py)
@@ -20,10 +20,12 @@ def _config_path(name: str) -> pathlib.Path:
   path = pathlib.Path(name)
   if path.exists():
     return path
-  bundled = pathlib.Path(__file__).resolve().parent.parent / "configs" / "models" / f"{name}.toml"
+  from memeff_jax import _tuning  # pylint: disable=import-outside-toplevel
+  bundled = _tuning.PACKAGE_CONFIGS / "models" / f"{name}.toml"
   if bundled.exists():
     return bundled
-  raise SystemExit(f"no model config {name!r} (a path, or a name in configs/models/)")
+  names = sorted(p.stem for p in (_tuning.PACKAGE_CONFIGS / "models").glob("*.toml"))
+  raise SystemExit(f"no model config {name!r}: give a path to a TOML file or one of {names}")
 
 
 def _demo(args) -> int:
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
   model.add_argument("--batch", type=int, default=None)
   model.add_argument("--seq-len", type=int, default=None)
   train = sub.add_parser("train", parents=[model],
-                         help="train a configured model (configs/models/*.toml)")
+                         help="train a configured model (tiny, 125m, 1b or a TOML file)")
   train.add_argument("--steps", type=int, default=None)
   train.set_defaults(func=_train)
   report = sub.add_parser("report", parents=[model],

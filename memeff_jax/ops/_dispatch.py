@@ -10,35 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-
-
-def default_device() -> jax.Device:
-  """The device a jitted call without committed inputs runs on: `jax.default_device`'s when
-  set (as a device or a platform name), else the first device."""
-  device = jax.config.jax_default_device
-  if device is None:
-    return jax.devices()[0]
-  if isinstance(device, str):
-    return jax.devices(device)[0]
-  return device
-
-
-def on_nvidia_gpu() -> bool:
-  device = default_device()
-  return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
-
-
-def hopper_error() -> str | None:
-  """Why the default device is not an NVIDIA Hopper GPU (compute capability 9.0), or None."""
-  if not on_nvidia_gpu():
-    return f"needs an NVIDIA Hopper GPU (default device: {default_device().device_kind})"
-  capability = getattr(default_device(), "compute_capability", None)
-  if capability != "9.0":
-    return f"needs compute capability 9.0 (Hopper), got {capability}"
-  return None
-
-
 def resolve(implementation, registry: Mapping[str, Any], default: Sequence[str]) -> list[Any]:
   """Names, objects or a sequence of them (None: `default`) -> implementation objects."""
   if implementation is None:

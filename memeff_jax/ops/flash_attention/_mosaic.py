@@ -1,66 +1,23 @@
-"""Pieces shared by the Mosaic GPU attention kernels (pallas_mosaic_gpu, mosaic_gpu_backward)."""
+"""Pieces shared by the Mosaic GPU attention kernels (pallas_mosaic_gpu, mosaic_gpu_backward,
+mosaic_gpu_dq): the exp2-domain scores, which key and query blocks a mask lets a CTA skip,
+the score masks, and the memory warpgroup that streams key blocks past resident queries.
+Op-independent Hopper pieces live in memeff_jax.kernels.hopper."""
 
 from __future__ import annotations
 
 import functools
-import heapq
-import inspect
-import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from memeff_jax.kernels import hopper
+from memeff_jax.kernels.hopper import LOG2E
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
-from jax._src.lib.mlir import ir  # fence_smem's inline PTX
-from jax._src.lib.mlir.dialects import llvm
-
-
-SMEM_BYTES = 232_448  # shared memory per CTA on sm90
-LOG2E = math.log2(math.e)  # the kernels' exponentials are exp2: e^x = 2^(x·log2 e)
-LN2 = math.log(2.0)  # and back: log x = log2(x) · ln 2
-
-
-def dtype_error(dtype) -> str | None:
-  """Why the Mosaic kernels cannot take inputs of this dtype (they run bf16/f16 WGMMAs)."""
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
-  return None
-
-
-def load(ref, layout, optimized: bool = True):
-  """A whole ref into registers with `layout`. jax 0.11 deprecates the index argument of
-  plgpu.load that 0.10 requires. Mosaic GPU has optimized transfers for shared memory only:
-  a global-memory ref needs optimized=False (plain per-thread loads)."""
-  if _LOAD_TAKES_INDEX:
-    return plgpu.load(ref, (), layout=layout, optimized=optimized)
-  return plgpu.load(ref, layout=layout, optimized=optimized)
-
-
-_LOAD_TAKES_INDEX = plgpu is not None and getattr(
-    inspect.signature(plgpu.load).parameters.get("idx"), "default", None
-) is inspect.Parameter.empty
-
-
-def swizzled_tiles(swizzle: int = 128, dtype=jnp.bfloat16):
-  """Swizzled tiles of `swizzle` bytes per row (64 bfloat16 elements by default, 32 of
-  float32): what TMA writes and WGMMA reads. A WGMMA whose B operand is such a tile contracts over a multiple of
-  swizzle / 2 of the tile's rows (Mosaic GPU issues its K steps per swizzle group)."""
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(swizzle))
-
-
-def div(x, n):
-  """Integer division of kernel indices (Python ints or traced int32)."""
-  return lax.div(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
-
-
-def rem(x, n):
-  return lax.rem(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
 
 
 def exp2_scores(s, scale: float, softcap: float | None):
@@ -70,92 +27,6 @@ def exp2_scores(s, scale: float, softcap: float | None):
     return s * (scale * LOG2E), None
   tanh = jnp.tanh(s * (scale / softcap))
   return tanh * (softcap * LOG2E), tanh
-
-
-def fence_smem() -> None:
-  """Makes this thread's shared-memory writes visible to the async proxy (TMA, WGMMA), as
-  plgpu.commit_smem does, but without its warpgroup barrier (a bar.sync, and the thread-id
-  read that names it). Enough where each thread then arrives at an mbarrier that the reader
-  waits on: Pallas counts every thread's arrival (a barrier of n arrivals expects 128·n under
-  both lowering semantics), and each arrival releases its own thread's fenced writes."""
-  @plgpu.inline_mgpu()
-  def fence(_):
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
-                    has_side_effects=True)
-
-  fence()
-
-
-def wait_stores_read() -> None:
-  """A CTA's last wait on its TMA stores: until they have read their shared memory, not
-  until they land. The kernel's end makes its global writes visible to what follows (JAX's
-  Hopper matmul and CUTLASS's epilogues end so too); waiting for the landing would keep the
-  SM from its next CTA."""
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def persistent_ctas(num_sms: int | None, n_items: int) -> int:
-  """A persistent kernel's CTAs: one per SM (num_sms, else the default device's count; 132,
-  an H100's, where it has none, as when lowering on a CPU), at most one per work item."""
-  sms = num_sms or getattr(jax.devices()[0], "core_count", None) or 132
-  return min(sms, n_items)
-
-
-def greedy_schedule(costs, ctas: int, overhead: int):
-  """(table [ctas, rounds], counts [ctas]) int32 for a persistent kernel: the work items
-  (costs[i] for the one at launch position i, in any unit) dealt in launch order, each to
-  the CTA that an estimate (its costs plus `overhead` per item) frees first, as the
-  hardware's dispatcher would deal CTAs of a grid. Each CTA takes its items in launch
-  order, so an item that waits on others (the ordered dq reduction) waits only on earlier
-  ones, which the other CTAs reach first: no deadlock while all CTAs are resident."""
-  free = [(0, c) for c in range(ctas)]
-  lists = [[] for _ in range(ctas)]
-  for i, n in enumerate(costs):
-    at, c = heapq.heappop(free)
-    lists[c].append(i)
-    heapq.heappush(free, (at + int(n) + overhead, c))
-  rounds = max(len(x) for x in lists)
-  table = [x + [0] * (rounds - len(x)) for x in lists]
-  return (jnp.asarray(table, jnp.int32).reshape(ctas, rounds),
-          jnp.asarray([len(x) for x in lists], jnp.int32))
-
-
-def when(cond, fn) -> None:
-  """fn() where cond holds: a Python bool (static shapes) or a traced one."""
-  if isinstance(cond, bool):
-    if cond:
-      fn()
-  else:
-    pl.when(cond)(fn)
-
-
-def fill_ring(load, n, stages: int, free, drain=None) -> None:
-  """The memory warpgroup's loop: load(i, slot) for steps 0..n-1 into `stages` shared-memory
-  slots, refilling a slot once every barrier array in `free` has been arrived on for it.
-  `n` may be traced (causal CTAs need fewer steps); the first fills are then guarded.
-  drain(i), if given, runs for every step i after step i + stages's load (the last `stages`
-  after the loop): work on a step's results that should not hold up the loads."""
-  for i in range(stages):
-    when(i < n, functools.partial(load, i, i))
-
-  @pl.loop(stages, n)
-  def _(i):
-    slot = rem(i, stages)
-    for barrier in free:
-      plgpu.barrier_wait(barrier.at[slot])
-    load(i, slot)
-    if drain is not None:
-      drain(i - stages)
-
-  if drain is not None:
-    pl.loop(jnp.maximum(n - stages, 0), n)(drain)
-
-
-def floor_div(x, n):
-  """Floor division of a possibly negative kernel index (lax.div truncates toward zero)."""
-  q = div(x, n)
-  return jnp.where(rem(x, n) < 0, q - 1, q)
-
 
 def band_blocks(before: int | None, after: int | None, start, length: int, n_blocks: int,
                 block: int):
@@ -169,14 +40,13 @@ def band_blocks(before: int | None, after: int | None, start, length: int, n_blo
   the same bounds in plain jnp; this version lowers in Mosaic GPU kernels (traced start).
   """
   last = start + length - 1
-  lo = 0 if before is None else jnp.maximum(floor_div(start - before, block), 0)
-  hi = n_blocks if after is None else jnp.clip(floor_div(last + after, block) + 1, 0, n_blocks)
+  lo = 0 if before is None else jnp.maximum(hopper.floor_div(start - before, block), 0)
+  hi = n_blocks if after is None else jnp.clip(hopper.floor_div(last + after, block) + 1, 0, n_blocks)
   lo = jnp.minimum(lo, hi)
-  full_lo = lo if before is None else -floor_div(before - last, block)  # ⌈(last-before)/block⌉
-  full_hi = hi if after is None else floor_div(start + after + 1, block)
+  full_lo = lo if before is None else -hopper.floor_div(before - last, block)  # ⌈(last-before)/block⌉
+  full_hi = hi if after is None else hopper.floor_div(start + after + 1, block)
   full_lo = jnp.clip(full_lo, lo, hi)
   return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
-
 
 def segment_block_ranges(ids, other_ids, block: int, other_block: int):
   """[B, L/block, 2] int32: per block of `ids` ([B, L] segment ids), the [lo, hi) of the
@@ -197,7 +67,6 @@ def segment_block_ranges(ids, other_ids, block: int, other_block: int):
   lo = jnp.argmax(overlap, -1).astype(jnp.int32)
   hi = jnp.max(jnp.where(overlap, jnp.arange(1, m // other_block + 1, dtype=jnp.int32), 0), -1)
   return jnp.stack([jnp.where(found, lo, 0), hi], -1).astype(jnp.int32)
-
 
 def visible(mask, shape, key_axis: int, key_minus_query, row_ids=None, col_ids=None):
   """Bool tile (WGMMA layout) of which pairs a score tile keeps, or None for all of them.
@@ -225,7 +94,6 @@ def visible(mask, shape, key_axis: int, key_minus_query, row_ids=None, col_ids=N
               == lax.broadcast_in_dim(col_ids, shape, [1]))
   return ok
 
-
 def query_cta_index(mask, n_ctas: int, launch):
   """The query-CTA index of a head's CTA at launch position `launch` (grid axis "q", or a
   persistent kernel's tile order), heaviest first under a causal mask.
@@ -239,7 +107,6 @@ def query_cta_index(mask, n_ctas: int, launch):
   measured there).
   """
   return n_ctas - 1 - launch if mask.is_causal else launch
-
 
 def query_cta_key_blocks(mask, ranges_ref, b, qi, block_q: int, block_kv: int, n_blocks: int):
   """The key blocks a CTA of two query blocks (rows qi·2·block_q ..) visits, for kernels that
@@ -268,7 +135,6 @@ def query_cta_key_blocks(mask, ranges_ref, b, qi, block_q: int, block_kv: int, n
   cta_hi = jnp.maximum(*[jnp.where(hi > lo, hi, 0) for lo, hi, _, _ in per_block])
   return per_block, jnp.minimum(cta_lo, cta_hi), cta_hi
 
-
 def my_key_blocks(per_block, cta_lo, cta_hi, wg):
   """Warpgroup wg's (lo, hi, full_lo, full_hi) from query_cta_key_blocks, within the CTA's
   range (an empty range may lie outside it)."""
@@ -276,7 +142,6 @@ def my_key_blocks(per_block, cta_lo, cta_hi, wg):
     return per_block[0]
   return tuple(jnp.clip(jnp.where(wg == 0, a, b), cta_lo, cta_hi)
                for a, b in zip(*per_block))
-
 
 def masked_ranges(step, carry, lo, hi, full_lo, full_hi, *, dense: bool):
   """step(i, carry, masked=...) for i in [lo, hi): unmasked on [full_lo, full_hi) (the
@@ -290,7 +155,6 @@ def masked_ranges(step, carry, lo, hi, full_lo, full_hi, *, dense: bool):
   carry = lax.fori_loop(lo, full_lo, masked, carry)
   carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
   return lax.fori_loop(full_hi, hi, masked, carry)
-
 
 def visit_key_blocks(step, skip, carry, bounds, cta_lo, cta_hi, *, dense: bool, start=None):
   """A compute warpgroup's loop over the CTA's key blocks [cta_lo, cta_hi): skip(j, None)
@@ -306,7 +170,6 @@ def visit_key_blocks(step, skip, carry, bounds, cta_lo, cta_hi, *, dense: bool, 
   carry = masked_ranges(step, carry, lo, hi, full_lo, full_hi, dense=dense)
   lax.fori_loop(hi, cta_hi, skip, None)
   return carry
-
 
 def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, block_kv: int,
                       stages, smem, ready, free, *, separate_rings: bool = False,
@@ -347,7 +210,7 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
     @pl.loop(0, n)
     def _(i):
       for depth, which, barriers in rings:
-        slot = rem(base + i, depth)
+        slot = hopper.rem(base + i, depth)
 
         def refill(barriers=barriers, slot=slot, which=which):
           for barrier in barriers:
@@ -358,7 +221,7 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
         pl.when(base + i < depth)(functools.partial(copies, i, slot, which))
     return
   if k_stages == v_stages and not separate_rings:
-    fill_ring(functools.partial(copies, which=range(len(smem))), n, k_stages, free)
+    hopper.fill_ring(functools.partial(copies, which=range(len(smem))), n, k_stages, free)
     return
   # Two rings, the shallower first (its block is needed sooner): each is filled, then the
   # slot that block i leaves is refilled with block i + depth. Every wait sits under one
@@ -369,7 +232,7 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
                 key=lambda ring: ring[0])
   for depth, which, _ in rings:
     for i in range(depth):
-      when(i < n, functools.partial(copies, i, i, which))
+      hopper.when(i < n, functools.partial(copies, i, i, which))
 
   @pl.loop(0, n)
   def _(i):
@@ -377,10 +240,9 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
 
       @pl.when(i + depth < n)
       def _(depth=depth, which=which, barrier=barrier):
-        slot = rem(i, depth)
+        slot = hopper.rem(i, depth)
         plgpu.barrier_wait(barrier.at[slot])
         copies(i + depth, slot, which)
-
 
 def release_key_block(ready, free, take_turn=None) -> None:
   """A compute warpgroup passes over a key block only the CTA's other query block sees: it
@@ -393,10 +255,3 @@ def release_key_block(ready, free, take_turn=None) -> None:
   if take_turn is not None:
     take_turn()
     take_turn()
-
-
-def take_turn(barrier) -> None:
-  """Ping-pong: both compute warpgroups arrive on `barrier`; neither passes until the other
-  has."""
-  plgpu.barrier_arrive(barrier)
-  plgpu.barrier_wait(barrier)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memeff_jax.kernels import hopper
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention.chunked_xla import ChunkedXla
@@ -37,7 +38,7 @@ def _check_segments(name, ids, batch, length, which):
 
 
 def _default() -> tuple[str, ...]:
-  if _dispatch.on_nvidia_gpu():
+  if hopper.on_nvidia_gpu():
     return ("pallas_mosaic_gpu", "pallas_triton", "chunked_xla")
   return ("chunked_xla",)
 

@@ -48,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from memeff_jax import _tuning
+from memeff_jax.kernels import hopper
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention._common import AttentionOptions
@@ -134,7 +135,7 @@ class MosaicBackwardConfig:
       (the last adder's load of the sum sits on its path; the pass it saves is ~30 µs).
     persistent: one CTA per SM (num_sms, else the device's count), each taking its share of
       the key blocks in turn (dealt in launch order to whichever CTA an estimate of the
-      steps frees first: _mosaic.greedy_schedule); with dq_rotate whole key heads a round.
+      steps frees first: hopper.greedy_schedule); with dq_rotate whole key heads a round.
       A key block's first Q and dO loads go out while the one before it finishes, and no
       CTA is launched, set up and drained per block (at the headline a block costs its SM
       ~12 µs beyond its steps). The same bits as the grid. Measured at the headline (H100,
@@ -181,7 +182,7 @@ class MosaicBackwardConfig:
     thread_fences: (dq_split or dq_ordered) the hand-offs through shared memory that an
       mbarrier announces — dSᵀ to the other compute warpgroup, a dQ tile to the memory
       warpgroup — fence each thread's writes and let its own arrival publish them
-      (_mosaic.fence_smem), without plgpu.commit_smem's warpgroup barrier. The same
+      (hopper.fence_smem), without plgpu.commit_smem's warpgroup barrier. The same
       operations in the same order otherwise.
   """
 
@@ -262,7 +263,7 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   """Why the backward kernel cannot serve this call, or None when it can."""
   _, t, _, d = q_shape
   s = k_shape[1]
-  if (why := _mosaic.dtype_error(dtype)) is not None:
+  if (why := hopper.dtype_error(dtype)) is not None:
     return why
   if d not in (64, 128, 256):
     return f"backward serves head dims 64, 128 and 256, got D={d}"
@@ -325,10 +326,10 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if s % config.cta_keys():
     return f"backward needs S a multiple of {config.cta_keys()}, got S={s}"
   if (need := _smem_bytes(config, d, jnp.dtype(dtype).itemsize, opts.mask.segments)
-      ) > _mosaic.SMEM_BYTES:
+      ) > hopper.SMEM_BYTES:
     return (f"{config} needs {need} bytes of shared memory at D={d}"
             f"{' with segment ids' if opts.mask.segments else ''}, more than "
-            f"{_mosaic.SMEM_BYTES}")
+            f"{hopper.SMEM_BYTES}")
   return None
 
 
@@ -340,7 +341,7 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   tile warpgroup 0 leaves only in this step (at the headline, three Q/dO stages and one
   slot: fwd+bwd 8.2 ms staggered against 7.6 without, session 36)."""
   itemsize = jnp.dtype(dtype).itemsize
-  if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > _mosaic.SMEM_BYTES:
+  if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
     # fused_delta's O tiles need both slots; with segment ids it would not apply anyway.
     return dataclasses.replace(config, dq_buffers=1, fused_delta=False, dq_stagger=False,
                                stagger_turns=False)
@@ -368,7 +369,7 @@ def _dq_tile_transforms(config: MosaicBackwardConfig) -> tuple:
   accumulator's stores to a 64- or 128-column float32 tile put a warp's rows in the same
   shared-memory banks (Mosaic GPU finds no conflict-free plan without a swizzle); swizzled
   they are conflict-free, and the TMA reductions read the tiles as they are."""
-  return _mosaic.swizzled_tiles(128, jnp.float32) if config.with_dq else ()
+  return hopper.swizzled_tiles(128, jnp.float32) if config.with_dq else ()
 
 
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
@@ -387,7 +388,7 @@ def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
     shape = (slots, rows, 2 * cols)
   else:
     return f32
-  return plgpu.RefUnion(f32, plgpu.SMEM(shape, dtype, transforms=_mosaic.swizzled_tiles(128, dtype)))
+  return plgpu.RefUnion(f32, plgpu.SMEM(shape, dtype, transforms=hopper.swizzled_tiles(128, dtype)))
 
 
 def _operand_swizzle(block_q: int) -> int:
@@ -524,7 +525,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   with dq_convert then the last adders' table (1 where this key block adds last), per dQ
   tile the barrier p_ready (the earlier adders' sum loaded), the tile slots' view in the
   input dtype, and the output dq in that dtype. schedule: with config.persistent, the
-  _mosaic.greedy_schedule tables (each CTA's key blocks, and how many), each key block's
+  hopper.greedy_schedule tables (each CTA's key blocks, and how many), each key block's
   _query_blocks without segment ids ([n_kv, 4]) and the barrier kv_free (both compute
   warpgroups are done with K and V); the grid is then one axis, "cta". delta: where the call
   fuses Δ (_fuses_delta), the forward's output O, the [B · Hq · n_q] flags that a query
@@ -563,7 +564,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     else:
       bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
     if per_query_head:  # this CTA's one query head, and its key head
-      heads, kv_head = 1, _mosaic.div(h, group)
+      heads, kv_head = 1, hopper.div(h, group)
     else:  # every query head of this key head
       heads, kv_head = group, h
     # dq_rotate: where this key block's walk starts (per_head = n_q: no mask).
@@ -579,8 +580,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     """config.persistent: this CTA's r-th key block."""
     idx = schedule[0][cta, r]
     n_h = k_ref.shape[2]  # the grid's key heads (persistent excludes gqa_per_query_head)
-    return item_at(_mosaic.div(idx, n_h * n_kv), _mosaic.rem(_mosaic.div(idx, n_kv), n_h),
-                   _mosaic.rem(idx, n_kv))
+    return item_at(hopper.div(idx, n_h * n_kv), hopper.rem(hopper.div(idx, n_kv), n_h),
+                   hopper.rem(idx, n_kv))
 
   def each_item(fn, carry):
     """fn(item, carry) for this CTA's key blocks in order: its grid position's one, or with
@@ -604,7 +605,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     barriers."""
     if config.dq_buffers == 1:
       return 0, order[2], order[3]
-    slot = _mosaic.rem(i, config.dq_buffers)
+    slot = hopper.rem(i, config.dq_buffers)
     return slot, order[2].at[slot], order[3].at[slot]
 
   def block_index(it, head, qb):
@@ -615,12 +616,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   def step_block(it, i):
     """(query head, query block) of the item's pipeline step i: all blocks of one head, then
     the next (with dq_rotate from block `rot` on, wrapping around)."""
-    j = _mosaic.rem(i, it.per_head)
+    j = hopper.rem(i, it.per_head)
     if it.rot is not None:
-      j = _mosaic.rem(j + it.rot, it.per_head)
+      j = hopper.rem(j + it.rot, it.per_head)
     if per_query_head:
       return it.h, it.first + j
-    return it.h * group + _mosaic.div(i, it.per_head), it.first + j
+    return it.h * group + hopper.div(i, it.per_head), it.first + j
 
   @pl.when(wg < 2)
   def _compute():
@@ -657,7 +658,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       """Publishes this thread's shared-memory writes to the async proxy of whoever waits
       on `barrier`, and arrives there (thread_fences: without a warpgroup barrier)."""
       if config.thread_fences:
-        _mosaic.fence_smem()
+        hopper.fence_smem()
       else:
         plgpu.commit_smem()
       plgpu.barrier_arrive(barrier)
@@ -665,11 +666,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     def share_ds(i, dst):
       """Step i's dSᵀ slot, with this warpgroup's rows written (with column_split, both
       write the same dSᵀ); with dq_split, once the other warpgroup has written its rows."""
-      ds_buf = ds_smem.at[_mosaic.rem(i, _ds_buffers(config))]
+      ds_buf = ds_smem.at[hopper.rem(i, _ds_buffers(config))]
       ds_buf.at[pl.ds(wg * bkv, bkv)][...] = dst
       if config.dq_split:
-        hand_off(ds_ready.at[_mosaic.rem(i, 2)])
-        plgpu.barrier_wait(ds_ready.at[_mosaic.rem(i, 2)])
+        hand_off(ds_ready.at[hopper.rem(i, 2)])
+        plgpu.barrier_wait(ds_ready.at[hopper.rem(i, 2)])
       else:
         plgpu.commit_smem()
       return ds_buf
@@ -695,12 +696,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       step's, whose rows warpgroup 1 wrote half a step ago, except on the key block's first
       step."""
       ds_free = stagger[0]
-      b = _mosaic.rem(gi, 2)
+      b = hopper.rem(gi, 2)
       pl.when(gi >= 2)(lambda: plgpu.barrier_wait(ds_free.at[b]))
       ds_smem.at[b, pl.ds(wg * bkv, bkv)][...] = dst
       hand_off(ds_ready.at[b])
       lag = 1 - wg
-      read = _mosaic.rem(gi - lag + 2, 2)
+      read = hopper.rem(gi - lag + 2, 2)
       has_dq = i >= lag
       pl.when(has_dq)(lambda: plgpu.barrier_wait(ds_ready.at[read]))
       return read, lag, has_dq
@@ -730,12 +731,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         total = None
         for c in range(d // 64):
           cols = pl.ds(c * 64, 64)
-          o = _mosaic.load(o_tiles.at[2 * i, :, cols], plgpu.Layout.WGMMA)
-          g = _mosaic.load(do_tile.at[:, cols], plgpu.Layout.WGMMA)
+          o = hopper.load(o_tiles.at[2 * i, :, cols], plgpu.Layout.WGMMA)
+          g = hopper.load(do_tile.at[:, cols], plgpu.Layout.WGMMA)
           part = (o.astype(jnp.float32) * g.astype(jnp.float32)).sum(axis=1)
           total = part if total is None else total + part
         row = stats_smem.at[slot, 1]
-        row[...] = total + _mosaic.load(row, plgpu.Layout.WGMMA.reduce(1))
+        row[...] = total + hopper.load(row, plgpu.Layout.WGMMA.reduce(1))
         plgpu.commit_smem()
         head = step_block(it, i)[0]
         plgpu.copy_smem_to_gmem(row, stats_ref.at[it.b, head, 1, pl.ds(qb * bq, bq)])
@@ -762,7 +763,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       if segments:
         kv_seg_smem, q_seg_smem, kv_seg_ready, q_seg_ready = seg_scratch
         plgpu.barrier_wait(kv_seg_ready)
-        key_ids = _mosaic.load(kv_seg_smem.at[pl.ds(key_row, bkv)], plgpu.Layout.WGMMA.reduce(1))
+        key_ids = hopper.load(kv_seg_smem.at[pl.ds(key_row, bkv)], plgpu.Layout.WGMMA.reduce(1))
 
       if config.pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
         pl.when(wg == 1)(take_turn)
@@ -772,7 +773,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         query_ids = None
         if segments:
           plgpu.barrier_wait(q_seg_ready.at[slot])
-          query_ids = _mosaic.load(q_seg_smem.at[slot, pl.ds(0, bq)], col_layout)
+          query_ids = hopper.load(q_seg_smem.at[slot, pl.ds(0, bq)], col_layout)
         return _mosaic.visible(mask, shape, 0, my_key - qb * bq,
                                key_ids if segments else None, query_ids)
 
@@ -795,7 +796,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
             @pl.when(last_adder & (rank > 0))
             def _():  # the earlier adders' sum, loaded into the slot
               plgpu.barrier_wait(p_ready.at[tile])
-              converted(dq + _mosaic.load(dq_smem.at[tile], plgpu.Layout.WGMMA))
+              converted(dq + hopper.load(dq_smem.at[tile], plgpu.Layout.WGMMA))
 
             pl.when(last_adder & (rank == 0))(lambda: converted(dq))
 
@@ -853,7 +854,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
       def step_grads(i, dk, dv, z, *, masked):
         gi = base + i  # the step's place in the CTA's pipeline: its slots
-        slot = _mosaic.rem(gi, stages)
+        slot = hopper.rem(gi, stages)
         _, qb = step_block(it, i)
         q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
         k_step, v_step, k_cols = key_tiles(z)
@@ -884,13 +885,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
         # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
         # 16 registers of a column vector decide whether the warpgroup spills.
-        lse2 = _mosaic.load(stats_smem.at[slot, 0], col_layout)
+        lse2 = hopper.load(stats_smem.at[slot, 0], col_layout)
         pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
         p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
         pt = pt.astype(dtype)  # dV's operand
         if fused:  # warpgroup 0 wrote this step's Δ (own_delta)
           pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(delta[4]))
-        row_delta = _mosaic.load(stats_smem.at[slot, 1], col_layout)
+        row_delta = hopper.load(stats_smem.at[slot, 1], col_layout)
         dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, st.shape, [1]))).astype(dtype)
         if config.dq_pipelined:
           return pipelined_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv,
@@ -939,7 +940,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
       if config.dq_stagger:  # warpgroup 0: the dQ of the key block's last step
         last = it.n_steps - 1
-        ds_slot = _mosaic.rem(base + last, 2)
+        ds_slot = hopper.rem(base + last, 2)
 
         @pl.when((wg == 0) & (last >= 0))
         def _():
@@ -958,7 +959,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(dq_smem.at[wg], acc_ref.at[it.b, keys, it.kv_head, my_cols],
                                   reduction_op="add")
-        _mosaic.wait_stores_read()
+        hopper.wait_stores_read()
         return base + it.n_steps
       plgpu.barrier_arrive(pair)  # the other warpgroup has finished reading all of K
       plgpu.barrier_wait(pair)
@@ -976,7 +977,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[it.b, keys, it.h])
         plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[it.b, keys, it.h])
-      _mosaic.wait_stores_read()  # with persistent, then the next key block's K and V
+      hopper.wait_stores_read()  # with persistent, then the next key block's K and V
       if config.persistent:
         plgpu.barrier_arrive(schedule[3])
       return base + it.n_steps
@@ -1027,7 +1028,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       if not config.persistent:
         it = grid_item
         load_keys(it)
-        _mosaic.fill_ring(functools.partial(load, it), it.n_steps, stages, (q_free, do_free),
+        hopper.fill_ring(functools.partial(load, it), it.n_steps, stages, (q_free, do_free),
                           drain=drain)
         return
 
@@ -1037,7 +1038,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         V (into shared memory the compute warpgroups leave after that item's dK and dV)."""
         def step(i):
           gi = base + i
-          slot = _mosaic.rem(gi, stages)
+          slot = hopper.rem(gi, stages)
 
           @pl.when(gi >= stages)
           def _():
@@ -1130,13 +1131,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       def _():
         sends_start()
         each_item(item_sends, jnp.int32(0))
-        _mosaic.wait_stores_read()  # dq_convert's last stores
+        hopper.wait_stores_read()  # dq_convert's last stores
 
 
 def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
   """[B, Hq, 2, T] float32: the log-sum-exp in the exp2 domain (0 for a query that sees no
   key, so that its P = 2^(-inf - 0) = 0) and Δ, as the Mosaic backward kernels load them."""
-  lse2 = res.lse * _mosaic.LOG2E
+  lse2 = res.lse * hopper.LOG2E
   if not (opts.mask.is_dense or opts.mask.is_causal):
     lse2 = jnp.where(res.lse == -jnp.inf, 0.0, lse2)
   return jnp.stack([lse2, delta], axis=2)
@@ -1176,7 +1177,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   grid_heads = hq if per_query_head else hkv
   schedule_args = ()
   if config.persistent:
-    ctas = _mosaic.persistent_ctas(config.num_sms, b * grid_heads * n_kv)
+    ctas = hopper.persistent_ctas(config.num_sms, b * grid_heads * n_kv)
     # A rotated walk may wait on any key block of its head: persistent CTAs then take whole
     # heads a round (at the headline 128 of 132: with 132, the heads that straddle two
     # rounds waited a round for their turns, and the backward gained nothing).
@@ -1192,7 +1193,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     if config.dq_ordered:  # launch position j is key block n_kv - 1 - j
       steps = steps[::-1]
     # With segment ids the estimate is the band's (the ids' ranges are not known here).
-    schedule_args = (*_mosaic.greedy_schedule(steps * (b * grid_heads), ctas, _ITEM_OVERHEAD),
+    schedule_args = (*hopper.greedy_schedule(steps * (b * grid_heads), ctas, _ITEM_OVERHEAD),
                      bounds)
   if config.dq_ordered:
     ranks, adders = _reduction_ranks(mask, b, n_kv, config.cta_keys(), n_q, bq, ranges,
@@ -1218,8 +1219,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                 *out_type)
   elif config.with_dq:
     dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
-  tiles = _mosaic.swizzled_tiles()
-  operand_tiles = _mosaic.swizzled_tiles(_operand_swizzle(bq))
+  tiles = hopper.swizzled_tiles()
+  operand_tiles = hopper.swizzled_tiles(_operand_swizzle(bq))
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
     out_ref = None

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from memeff_jax.kernels import hopper
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention._common import AttentionOptions
@@ -93,7 +94,7 @@ def support_error(q_shape, k_shape, dtype, config: MosaicDqConfig,
   """Why the dq kernel cannot serve this call (with segment ids if `segments`), or None."""
   _, t, _, d = q_shape
   s = k_shape[1]
-  if (why := _mosaic.dtype_error(dtype)) is not None:
+  if (why := hopper.dtype_error(dtype)) is not None:
     return why
   if d not in (64, 128, 256):
     return f"dq kernel serves head dims 64, 128 and 256, got D={d}"
@@ -122,8 +123,8 @@ def _fitting_stages(config: MosaicDqConfig, d: int, itemsize: int, segments: boo
   if segments:  # the query ids, and the padding of both id buffers to 1 kB (swizzle alignment)
     fixed += 2 * BLOCK_Q * 4 + 2 * 1_024
   if config.v_stages is None:
-    return (_mosaic.SMEM_BYTES - fixed) // (2 * block + ids)
-  return (_mosaic.SMEM_BYTES - fixed - config.v_stages * block) // (block + ids)
+    return (hopper.SMEM_BYTES - fixed) // (2 * block + ids)
+  return (hopper.SMEM_BYTES - fixed - config.v_stages * block) // (block + ids)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
@@ -143,7 +144,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
 
   ready = (k_ready, v_ready) + ((seg_scratch[3],) if segments else ())  # a key block's loads
 
-  take_turn = functools.partial(_mosaic.take_turn, turn)
+  take_turn = functools.partial(hopper.take_turn, turn)
 
   @pl.when(wg < 2)
   def _compute():
@@ -160,10 +161,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
       q_seg_smem, kv_seg_smem, q_seg_ready, kv_seg_ready = seg_scratch
       plgpu.copy_gmem_to_smem(seg_refs[0].at[b, rows], q_seg_smem.at[wg], q_seg_ready.at[wg])
       plgpu.barrier_wait(q_seg_ready.at[wg])
-      q_ids = _mosaic.load(q_seg_smem.at[wg], row_layout)
+      q_ids = hopper.load(q_seg_smem.at[wg], row_layout)
     plgpu.barrier_wait(stats_ready.at[wg])
-    lse2 = _mosaic.load(stats_smem.at[wg, 0], row_layout)
-    delta = _mosaic.load(stats_smem.at[wg, 1], row_layout)
+    lse2 = hopper.load(stats_smem.at[wg, 0], row_layout)
+    delta = hopper.load(stats_smem.at[wg, 1], row_layout)
     plgpu.barrier_wait(q_ready.at[wg])
     plgpu.barrier_wait(do_ready.at[wg])
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -173,7 +174,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
 
     def slots(j):
       """Key block j's K slot (also its ids') and V slot."""
-      return _mosaic.rem(j - cta_lo, stages), _mosaic.rem(j - cta_lo, v_stages)
+      return hopper.rem(j - cta_lo, stages), hopper.rem(j - cta_lo, v_stages)
 
     def step(j, dq, *, masked):
       slot, v_slot = slots(j)
@@ -195,7 +196,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
         kv_ids = None
         if segments:
           plgpu.barrier_wait(kv_seg_ready.at[slot])
-          kv_ids = _mosaic.load(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+          kv_ids = hopper.load(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
         ok = _mosaic.visible(mask, z.shape, 1, j * bkv - row,
                              q_ids if segments else None, kv_ids)
         z = jnp.where(ok, z, -jnp.inf)
@@ -229,13 +230,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
     q_tile[...] = (dq * scale).astype(dtype)  # every WGMMA reading Q has completed
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, rows, h])
-    _mosaic.wait_stores_read()
+    hopper.wait_stores_read()
 
   @pl.when(wg == 2)
   def _memory():
     plgpu.set_max_registers(40, action="decrease")
     _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, b,
-                              _mosaic.div(h, group), cta_lo, cta_hi, bkv, (stages, v_stages),
+                              hopper.div(h, group), cta_lo, cta_hi, bkv, (stages, v_stages),
                               (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
                               ready, (k_free, v_free))
 
@@ -255,7 +256,7 @@ def dq(opts: AttentionOptions, config: MosaicDqConfig, res: _common.Residuals, d
   config = dataclasses.replace(config, stages=stages)
   v_stages = config.ring_depths()[1]
   mask = opts.mask
-  tiles = _mosaic.swizzled_tiles()
+  tiles = hopper.swizzled_tiles()
   if mask.segments:
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
     ranges = _mosaic.segment_block_ranges(q_seg, kv_seg, bq, bkv)

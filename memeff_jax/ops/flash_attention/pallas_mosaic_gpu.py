@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from memeff_jax.ops import _dispatch
+from memeff_jax.kernels import hopper
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward
@@ -81,7 +81,7 @@ class MosaicConfig:
       slower with it: the turns hold back the warpgroup whose PV is in flight).
     persistent: one CTA per SM (num_sms, else the device's count), each looping over its
       share of the query tiles (dealt in launch order by their key blocks:
-      _mosaic.greedy_schedule). The K/V ring runs on across tiles, the next tile's Q loads
+      hopper.greedy_schedule). The K/V ring runs on across tiles, the next tile's Q loads
       during the epilogue, and the output leaves through a buffer of its own
       (2·block_q·D more shared memory, which may cost a K/V stage at D > 128).
     num_sms: (persistent) the CTAs to launch; None reads the device's SM count.
@@ -124,7 +124,7 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   """Why the kernel cannot serve this call, or None when it can."""
   _, t, _, d = q_shape
   s = k_shape[1]
-  if (why := _mosaic.dtype_error(dtype)) is not None:
+  if (why := hopper.dtype_error(dtype)) is not None:
     return why
   if d not in (64, 128, 192, 256):
     return f"serves head dims 64, 128, 192 and 256, got D={d}"
@@ -149,7 +149,7 @@ def _fitting_stages(cfg: MosaicConfig, d: int, itemsize: int) -> int:
   output's buffer) and the log-sum-exp."""
   fixed = (2 + 2 * cfg.persistent) * cfg.block_q * d * itemsize + 2 * cfg.block_q * 4
   fixed += _SMEM_RESERVE
-  return (_mosaic.SMEM_BYTES - fixed) // (2 * cfg.block_kv * d * itemsize)
+  return (hopper.SMEM_BYTES - fixed) // (2 * cfg.block_kv * d * itemsize)
 
 
 class _Tile(NamedTuple):
@@ -171,7 +171,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
                     v_smem, lse_smem, o_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
                     seg_scratch, *, config: MosaicConfig, mask: MaskSpec, scale: float,
                     softcap: float | None, group: int):
-  """schedule: with config.persistent, the _mosaic.greedy_schedule tables (each CTA's tiles
+  """schedule: with config.persistent, the hopper.greedy_schedule tables (each CTA's tiles
   by launch position, and how many), and o_smem the output's own buffer (else the output
   leaves through Q's); the grid is then one axis, "cta"."""
   bq, bkv = config.block_q, config.block_kv
@@ -189,7 +189,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
   static_range = mask.is_dense  # every CTA reads every key block: static loop bounds
   ready = (k_ready, v_ready) + ((seg_scratch[3],) if segments else ())  # a key block's loads
 
-  take_turn = functools.partial(_mosaic.take_turn, turn)
+  take_turn = functools.partial(hopper.take_turn, turn)
 
   def position(b, h, launch):
     """(b, h, qi) of a head's query CTA at launch position `launch` (query_cta_index)."""
@@ -208,8 +208,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
     """config.persistent: (b, h, qi) of this CTA's r-th tile."""
     idx = schedule[0][cta, r]
     n_h = q_ref.shape[2]
-    return position(_mosaic.div(idx, n_h * n_q_ctas), _mosaic.rem(_mosaic.div(idx, n_q_ctas), n_h),
-                    _mosaic.rem(idx, n_q_ctas))
+    return position(hopper.div(idx, n_h * n_q_ctas), hopper.rem(hopper.div(idx, n_q_ctas), n_h),
+                    hopper.rem(idx, n_q_ctas))
 
   def each_tile(fn):
     """fn(r, tile, base) → base' for this CTA's tiles in order: its grid position's one, or
@@ -250,10 +250,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(row, bq)], q_seg_smem.at[wg],
                                 q_seg_ready.at[wg])
         plgpu.barrier_wait(q_seg_ready.at[wg])
-        q_ids = _mosaic.load(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+        q_ids = hopper.load(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(q_ready.at[wg])
 
-      c = scale * _mosaic.LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
+      c = scale * hopper.LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                             plgpu.Layout.WGMMA.reduce(1))
       l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -264,14 +264,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
       def slot_of(j):
         """Key block j's slot in the ring (global position base + j − cta_lo)."""
-        return _mosaic.rem(j - cta_lo if base is None else base + j - cta_lo, stages)
+        return hopper.rem(j - cta_lo if base is None else base + j - cta_lo, stages)
 
       def visible(j, scores):
         """Key block j's scores on this warpgroup's rows, -inf where the mask hides them."""
         kv_ids = None
         if segments:
           plgpu.barrier_wait(kv_seg_ready.at[slot_of(j)])
-          kv_ids = _mosaic.load(kv_seg_smem.at[slot_of(j)], plgpu.Layout.WGMMA.reduce(0))
+          kv_ids = hopper.load(kv_seg_smem.at[slot_of(j)], plgpu.Layout.WGMMA.reduce(0))
         ok = _mosaic.visible(mask, scores.shape, 1, j * bkv - row,
                              q_ids if segments else None, kv_ids)
         return jnp.where(ok, scores, -jnp.inf)
@@ -283,7 +283,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         if not segments:
           plgpu.barrier_arrive(k_free.at[slot])
         if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
-          scores = jnp.tanh(scores * (scale / softcap)) * (softcap * _mosaic.LOG2E)
+          scores = jnp.tanh(scores * (scale / softcap)) * (softcap * hopper.LOG2E)
         if masked:
           scores = visible(j, scores)
         if segments:  # the slot's key ids have been read too
@@ -424,12 +424,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
       if may_be_empty:  # no visible key: output 0, log-sum-exp -inf
         inv = jnp.where(l > 0, 1.0 / l, 0.0)
-        lse = jnp.where(l > 0, m * _mosaic.LN2 + jnp.log(l), -jnp.inf)
+        lse = jnp.where(l > 0, m * hopper.LN2 + jnp.log(l), -jnp.inf)
       else:
-        inv, lse = 1.0 / l, m * _mosaic.LN2 + jnp.log(l)
+        inv, lse = 1.0 / l, m * hopper.LN2 + jnp.log(l)
       acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
       if config.persistent:  # the last tile's stores have read the buffers
-        _mosaic.wait_stores_read()
+        hopper.wait_stores_read()
       o_tile[...] = acc.astype(dtype)
       lse_smem.at[wg][...] = lse
       plgpu.commit_smem()
@@ -438,7 +438,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       return None if base is None else base + tile.n_blocks
 
     each_tile(run_tile)
-    _mosaic.wait_stores_read()
+    hopper.wait_stores_read()
 
   @pl.when(wg == 2)
   def _memory():
@@ -447,7 +447,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
     def stream(r, tile: _Tile, base):
       # Masked CTAs may stream fewer blocks.
       _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, tile.b,
-                                _mosaic.div(tile.h, group), tile.cta_lo, tile.cta_hi, bkv,
+                                hopper.div(tile.h, group), tile.cta_lo, tile.cta_hi, bkv,
                                 stages,
                                 (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
                                 ready, (k_free, v_free), separate_rings=config.overlap,
@@ -467,7 +467,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   stages = max(1, min(cfg.stages, s // cfg.block_kv,
                       _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
   cfg = dataclasses.replace(cfg, stages=stages)
-  layout = _mosaic.swizzled_tiles()
+  layout = hopper.swizzled_tiles()
   mask = st.opts.mask
   segments = mask.segments
   if segments:
@@ -488,8 +488,8 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
       _, lo, hi = _mosaic.query_cta_key_blocks(band, None, 0, qi, cfg.block_q, cfg.block_kv,
                                                s // cfg.block_kv)
       costs = [int(x) for x in jnp.broadcast_to(jnp.asarray(hi) - jnp.asarray(lo), (n_q_ctas,))]
-    ctas = _mosaic.persistent_ctas(cfg.num_sms, b * hq * n_q_ctas)
-    schedule_args = _mosaic.greedy_schedule(costs * (b * hq), ctas, _TILE_OVERHEAD)
+    ctas = hopper.persistent_ctas(cfg.num_sms, b * hq * n_q_ctas)
+    schedule_args = hopper.greedy_schedule(costs * (b * hq), ctas, _TILE_OVERHEAD)
     grid, grid_names = (ctas,), ("cta",)
   else:
     schedule_args = ()
@@ -543,7 +543,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
 
 def _backward(st: "_Static", res, cts):
   if st.backward is None:
-    return pallas_triton._bwd(st.triton, res, cts)  # pylint: disable=protected-access
+    return pallas_triton.backward_pass(st.triton, res, cts)
   if st.backward.with_dq:
     return mosaic_gpu_backward.backward(st.opts, st.backward, res, cts)
   # Deterministic: dK and dV from the one-pass kernel without dq (one CTA per key block),
@@ -568,7 +568,7 @@ class _Static:
   # (backward None), or the Mosaic kernel for dK and dV (with_dq=False) beside a dq kernel:
   # mosaic_gpu_dq's with `dq`, else pallas_triton's (`triton`).
   backward: MosaicBackwardConfig | None
-  triton: pallas_triton._Static | None  # pylint: disable=protected-access
+  triton: pallas_triton.TritonPlan | None
   dq: MosaicDqConfig | None = None
 
 
@@ -579,7 +579,7 @@ def hopper_available() -> str | None:
   """Why no Hopper GPU can run the kernel, or None."""
   if plgpu is None:
     return "jax.experimental.pallas.mosaic_gpu is not importable"
-  return _dispatch.hopper_error()
+  return hopper.hopper_error()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,7 +656,7 @@ class PallasMosaicGpu:
         raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
       bwd = None  # the Triton backward's own choice of tiles
     self._no_dq_kernel("pallas_triton's backward computes dq itself")
-    triton = pallas_triton.PallasTriton(config=bwd)._static(q, opts)  # pylint: disable=protected-access
+    triton = pallas_triton.PallasTriton(config=bwd).plan(q, opts)
     return _Static(opts, config, None, triton)
 
   def _no_dq_kernel(self, why: str) -> None:
@@ -677,5 +677,5 @@ class PallasMosaicGpu:
       if dq is not None:
         raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
       dq = None  # pallas_triton's own choice of tiles
-    triton = pallas_triton.PallasTriton(config=dq)._static(q, opts)  # pylint: disable=protected-access
+    triton = pallas_triton.PallasTriton(config=dq).plan(q, opts)
     return dataclasses.replace(st, triton=triton)

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from memeff_jax.kernels import hopper
 from memeff_jax import _tuning
-from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import masks
 from memeff_jax.ops.flash_attention._common import AttentionOptions, Residuals
@@ -73,25 +73,27 @@ class PallasTriton:
   name: str = "pallas_triton"
 
   def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
-    return _attention(self._static(q, opts), q, k, v, q_seg, kv_seg)
+    return _attention(self.plan(q, opts), q, k, v, q_seg, kv_seg)
 
   def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, opts: AttentionOptions):
     """(dq, dk, dv) from saved out and lse [B, Hq, T], without a forward pass."""
     res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
-    return _bwd(self._static(q, opts), res, (d_out, d_lse))[:3]
+    return backward_pass(self.plan(q, opts), res, (d_out, d_lse))[:3]
 
-  def _static(self, q, opts: AttentionOptions) -> "_Static":
+  def plan(self, q, opts: AttentionOptions) -> "TritonPlan":
+    """The static settings of a call (NotImplementedError where the kernels cannot run)."""
     if plgpu is None:
       raise NotImplementedError("jax.experimental.pallas.triton is not importable")
-    if not self.interpret and not _dispatch.on_nvidia_gpu():
+    if not self.interpret and not hopper.on_nvidia_gpu():
       raise NotImplementedError(
           f"pallas_triton needs an NVIDIA GPU (default device: {jax.devices()[0].device_kind});"
           " PallasTriton(interpret=True) runs the kernels in the Pallas interpreter")
-    return _Static(opts, self.config or default_config(q.shape[-1]), self.interpret)
+    return TritonPlan(opts, self.config or default_config(q.shape[-1]), self.interpret)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class TritonPlan:
+  """A call's static settings: the options, the tiles, interpret mode (PallasTriton.plan)."""
   opts: AttentionOptions
   config: BlockConfig
   interpret: bool
@@ -106,7 +108,7 @@ def _dot(a, b, *, trans_a=False, trans_b=False):
 class _Tile:
   """Index bookkeeping for one (query block, key block) tile inside a kernel."""
 
-  def __init__(self, st: _Static, t: int, s: int, d: int, q_start, block_q: int):
+  def __init__(self, st: TritonPlan, t: int, s: int, d: int, q_start, block_q: int):
     self.st, self.t, self.s, self.d = st, t, s, d
     self.q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)
     self.q_ok = self.q_idx < t
@@ -151,7 +153,7 @@ def _maybe(seg_check, fn, carry):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *,
-                st: _Static, t: int, s: int, d: int):
+                st: TritonPlan, t: int, s: int, d: int):
   # q_ref/o_ref [T, Dp], k_ref/v_ref [S, Dp], lse_ref [T], segment refs [T] / [S] or None.
   cfg = st.config
   bq, bk = cfg.block_q, cfg.block_k
@@ -193,7 +195,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *,
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref,
-               dq_ref, *, st: _Static, t: int, s: int, d: int):
+               dq_ref, *, st: TritonPlan, t: int, s: int, d: int):
   cfg = st.config
   bq, bk = cfg.bwd_block_q, cfg.bwd_block_k
   q_start = pl.program_id(0) * bq
@@ -228,7 +230,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref,
-                dk_ref, dv_ref, *, st: _Static, t: int, s: int, d: int, groups: int):
+                dk_ref, dv_ref, *, st: TritonPlan, t: int, s: int, d: int, groups: int):
   # q_ref/do_ref [T, G, Dp]; lse/delta [G, T]; k/v/dk/dv [S, Dp].
   cfg = st.config
   bq, bk = cfg.bwd_block_q, cfg.bwd_block_k
@@ -284,7 +286,7 @@ def _call(kernel, st, grid, in_specs, out_specs, out_shape, name, warps, stages,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
 
 
-def _forward(st: _Static, q, k, v, q_seg, kv_seg):
+def _forward(st: TritonPlan, q, k, v, q_seg, kv_seg):
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   g, dp, cfg = hq // hkv, pl.next_power_of_2(d), st.config
@@ -308,13 +310,14 @@ def _forward(st: _Static, q, k, v, q_seg, kv_seg):
   return out, lse
 
 
-def _bwd(st: _Static, res: Residuals, cts):
+def backward_pass(st: TritonPlan, res: Residuals, cts):
+  """(dq, dk, dv, None, None): the custom_vjp backward, also run by pallas_mosaic_gpu."""
   d_out, d_lse = cts
   delta = _common.softmax_delta(res.out, d_out, d_lse)  # one XLA fusion
   return dq_pass(st, res, d_out, delta), *_dkv_pass(st, res, d_out, delta), None, None
 
 
-def dq_pass(st: _Static, res: Residuals, d_out, delta):
+def dq_pass(st: TritonPlan, res: Residuals, d_out, delta):
   """dq alone: one program per (query block, batch, query head), recomputing P and dP."""
   q, k, v = res.q, res.k, res.v
   b, t, hq, d = q.shape
@@ -340,7 +343,7 @@ def dq_pass(st: _Static, res: Residuals, d_out, delta):
                    q, k, v, d_out, res.lse, delta, *segs)
 
 
-def _dkv_pass(st: _Static, res: Residuals, d_out, delta):
+def _dkv_pass(st: TritonPlan, res: Residuals, d_out, delta):
   """(dk, dv): one program per (key block, batch, key head), looping over the G query heads."""
   q, k = res.q, res.k
   t, hq, d = q.shape[1:]
@@ -367,4 +370,4 @@ def _dkv_pass(st: _Static, res: Residuals, d_out, delta):
                    q, k, res.v, d_out, res.lse, delta, *segs)
 
 
-_attention = _common.attention_vjp(_forward, _bwd)
+_attention = _common.attention_vjp(_forward, backward_pass)

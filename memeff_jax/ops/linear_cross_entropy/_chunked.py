@@ -42,7 +42,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
-from memeff_jax.ops.mosaic_gemm import Rows
+from memeff_jax.kernels.mosaic_gemm import Rows
 
 
 class Static(NamedTuple):

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from memeff_jax.kernels import hopper
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions
@@ -207,7 +208,7 @@ def linear_cross_entropy(
   if where is not None:
     valid = valid & where.reshape(-1)
 
-  default = ("pallas_gpu", "chunked_xla") if _dispatch.on_nvidia_gpu() else ("chunked_xla",)
+  default = ("pallas_gpu", "chunked_xla") if hopper.on_nvidia_gpu() else ("chunked_xla",)
   loss, lse, zterm = _dispatch.first_that_serves(
       _dispatch.resolve(implementation, IMPLEMENTATIONS, default),
       lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))

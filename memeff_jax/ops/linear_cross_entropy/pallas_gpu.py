@@ -15,7 +15,7 @@ the weight's dtype (each chunk's product is summed in float32 inside the GEMM, t
 to the running dW and rounded once per chunk, as Liger-Kernel does) unless
 `dw_accumulation="float32"`, which holds a float32 [D, V] accumulator instead.
 
-`mosaic_gemms` moves any of the three GEMMs from cuBLAS to ops.mosaic_gemm (Hopper, 16-bit
+`mosaic_gemms` moves any of the three GEMMs from cuBLAS to kernels.mosaic_gemm (Hopper, 16-bit
 operands): there dW's running sum is a `jax.Ref` that the kernel updates in place, its tile
 of the sum fetched while the tile's main loop runs, and no GEMM holds cuBLAS's 32 MiB
 workspace. Where the chunk divides the tokens, x's chunk is read and dx's rows are written
@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from memeff_jax.kernels import hopper
 from memeff_jax import _tuning
-from memeff_jax.ops import _dispatch
-from memeff_jax.ops import mosaic_gemm
+from memeff_jax.kernels import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
@@ -109,7 +109,7 @@ class PallasGpu:
       that GEMM rows are 16-byte aligned (V = 50,257 otherwise leaves cuBLAS on slow
       kernels). Costs a copy of W when V is not already a multiple.
     interpret: run the kernel in the Pallas interpreter (any backend, for tests).
-    mosaic_gemms: which of the chunk's GEMMs ("logits", "dx", "dw") run on ops.mosaic_gemm
+    mosaic_gemms: which of the chunk's GEMMs ("logits", "dx", "dw") run on kernels.mosaic_gemm
       instead of cuBLAS; tiles from configs/tuning/linear_cross_entropy.toml's
       [mosaic_gemm] sections (`<gemm>_<layout>`, else `<gemm>`; the dW GEMM's under
       dw_accumulation="tma_add" are `dw_tma_<layout>`). Needs a Hopper GPU, 16-bit
@@ -124,7 +124,7 @@ class PallasGpu:
       softmax pass of the gradients reads the chunk's logits once instead of twice (no
       sweep 1). Calls with a bias or a logit softcap raise NotImplementedError.
     exp_logits: no softmax pass at all where the gradients are made in the loop (see
-      PallasChunkBackend._exp_chunk): a logits GEMM on ops.mosaic_gemm (whatever
+      PallasChunkBackend._exp_chunk): a logits GEMM on kernels.mosaic_gemm (whatever
       mosaic_gemms says; in interpret mode its XLA equivalent) stores exp(z) and its rows'
       sums, the label entries are patched, and the softmax's per-row factor is applied to
       dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
@@ -177,7 +177,7 @@ class PallasGpu:
     if not names:
       return ()
     why = ("interpret mode runs no Mosaic GPU kernel" if self.interpret
-           else mosaic_gemm.unavailable())
+           else hopper.unavailable())
     if why is None and (jnp.dtype(dtype) != jnp.dtype(weight_dtype)
                         or jnp.dtype(dtype).itemsize != 2):
       why = (f"needs x and weight in one 16-bit dtype, got {jnp.dtype(dtype)} and "
@@ -194,7 +194,7 @@ class PallasGpu:
         config = tuned_gemm_config(key, layout, shapes[name][2])
         if (why := mosaic_gemm.shape_error(*shapes[name], config)) is not None:
           raise NotImplementedError(
-              f"pallas_gpu's {name} GEMM on ops.mosaic_gemm, [M, N, K] = {list(shapes[name])} "
+              f"pallas_gpu's {name} GEMM on kernels.mosaic_gemm, [M, N, K] = {list(shapes[name])} "
               f"at a chunk of {tokens} tokens: {why}")
         configs.append((name, config))
     return tuple(configs)
@@ -203,7 +203,7 @@ class PallasGpu:
                  ) -> tuple[tuple[str, ...], str]:
     """The (mosaic_gemms, dw_accumulation) that a call runs with where either is None.
 
-    All three GEMMs go on ops.mosaic_gemm, dW added by TMA, where that is as fast as cuBLAS
+    All three GEMMs go on kernels.mosaic_gemm, dW added by TMA, where that is as fast as cuBLAS
     and holds less memory: the exp_logits path (`exp`, on Hopper), a weight layout listed in
     configs/tuning's [mosaic_default] `layouts` (those whose Mosaic tiles were measured level
     with cuBLAS at 1,024-token chunks), a chunk that divides the tokens (so x's chunk and
@@ -211,7 +211,7 @@ class PallasGpu:
     tiles fill the GPU's SMs in whole waves to `min_wave_fill` (it has no split-K: a
     [C, D] output of a few tiles would leave most SMs idle). Where only that last fails
     and the dW GEMM runs ping-pong on its warpgroups' own slots (mosaic_gemm.own_slots),
-    the logits and dW GEMMs go on ops.mosaic_gemm and dx on cuBLAS (Gemma-2-2b on an H200,
+    the logits and dW GEMMs go on kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b on an H200,
     session 26: 1.105x the floor against 1.174x all on cuBLAS). Elsewhere cuBLAS, with dW
     added in the weight's dtype ("weight"). `shapes` as gemm_configs takes them; `sms`: the
     GPU's SM count (default: the default device's), which mosaic_gemm.ctas turns into the
@@ -262,7 +262,7 @@ class PallasGpu:
   def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
     if plgpu is None:
       raise NotImplementedError("jax.experimental.pallas.triton is not importable")
-    if not self.interpret and not _dispatch.on_nvidia_gpu():
+    if not self.interpret and not hopper.on_nvidia_gpu():
       raise NotImplementedError(
           f"pallas_gpu needs a GPU, an NVIDIA one (default device: "
           f"{jax.devices()[0].device_kind}); PallasGpu(interpret=True) runs the kernel in the "
@@ -327,7 +327,7 @@ class PallasChunkBackend:
   kernel: KernelConfig
   interpret: bool
   dw_accumulation: str
-  gemms: tuple[tuple[str, mosaic_gemm.GemmConfig], ...] = ()  # those on ops.mosaic_gemm
+  gemms: tuple[tuple[str, mosaic_gemm.GemmConfig], ...] = ()  # those on kernels.mosaic_gemm
   fused_lse: bool = False  # partial log-sum-exps from the logits GEMM (PallasGpu.fused_lse)
   exp_logits: bool = False  # no softmax pass where grads makes G (PallasGpu.exp_logits)
   exp_gemm: mosaic_gemm.GemmConfig | None = None  # its logits GEMM's; None: XLA's

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from memeff_jax.kernels import hopper
 from memeff_jax.ops.flash_attention import flash_attention
 from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import MosaicConfig
@@ -81,7 +82,7 @@ def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap
   one, ping-pong elsewhere (masked blocks run without the overlap); persistent at D = 128
   without a mask; an explicit config wins."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((1, 256, 4, d), BF16)
   st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   assert (st.config.overlap, st.config.pingpong) == (overlap, not overlap)
@@ -100,7 +101,7 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   mosaic_gpu_dq's kernel (pallas_triton's on request, or where that does not serve the
   call)."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
-  monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
   k = jax.ShapeDtypeStruct((1, 256, hkv, 128), BF16)
   det = _opts(causal)
@@ -448,7 +449,7 @@ def test_converted_backward_lowers_for_cuda(causal, window, segments, d, warp, b
     (True, None, False, 64, False, False, 7, 1)])
 def test_persistent_backward_lowers_for_cuda(causal, window, segments, d, ordered, rotate,
                                              num_sms, hkv):
-  """persistent: a CTA per SM looping over the key blocks _mosaic.greedy_schedule deals it."""
+  """persistent: a CTA per SM looping over the key blocks hopper.greedy_schedule deals it."""
   config = mb.MosaicBackwardConfig(
       dq_split=d == 128, column_split=d == 256, stages=2 - (d == 256), pingpong=d == 64,
       dq_pipelined=d == 128, dq_ordered=ordered, dq_send_warp=ordered,
@@ -638,7 +639,7 @@ def test_persistent_schedule_deals_each_block_once_in_launch_order(steps, ctas):
   waits on earlier ones); no CTA's estimate ends a block later than another CTA could have
   started it (greedy list scheduling)."""
   overhead = mb._ITEM_OVERHEAD  # pylint: disable=protected-access
-  table, counts = (np.asarray(x) for x in _mosaic.greedy_schedule(steps, ctas, overhead))
+  table, counts = (np.asarray(x) for x in hopper.greedy_schedule(steps, ctas, overhead))
   assert table.shape[0] == ctas and counts.sum() == len(steps)
   dealt = [list(table[c, :counts[c]]) for c in range(ctas)]
   assert sorted(i for x in dealt for i in x) == list(range(len(steps)))
@@ -811,7 +812,7 @@ def test_deterministic_calls_take_an_ordered_section(monkeypatch, tuning_tables)
   tuning_tables(flash_attention="[pallas_mosaic_gpu_backward.default.d128_ordered]\n"
                                 "dq_split = true\ndq_pipelined = true\n")
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(pallas_triton._dispatch, "on_nvidia_gpu", lambda: True)  # pylint: disable=protected-access
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True)
   assert mb.MosaicBackwardConfig.for_deterministic(128, False) == ordered
   assert not mb.MosaicBackwardConfig.for_deterministic(128, True).with_dq  # no d128_causal_

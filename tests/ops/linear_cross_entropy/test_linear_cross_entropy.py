@@ -13,7 +13,7 @@ import pytest
 
 import memeff_jax
 from memeff_jax import _tuning
-from memeff_jax.ops import mosaic_gemm
+from memeff_jax.kernels import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy import ChunkedXla
 from memeff_jax.ops.linear_cross_entropy import Int64Labels
 from memeff_jax.ops.linear_cross_entropy import KernelConfig
@@ -486,7 +486,7 @@ class TestPallasGpuOnGpu(_LinearCrossEntropyTest):
                                                    (pallas_gpu.GEMMS, "weight"),
                                                    (pallas_gpu.GEMMS, "tma_add")])
 def test_mosaic_gemms_match_reference(layout, reduction, gemms, dw_accumulation):
-  """GEMMs on ops.mosaic_gemm: three chunks of 256 tokens (the first writes dW, the others
+  """GEMMs on kernels.mosaic_gemm: three chunks of 256 tokens (the first writes dW, the others
   add into it in place, or by TMA reduce-adds), V = 2,000 padded to 2,048, bf16."""
   options = dict(weight_layout=layout, reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(11), (3, 256), 256, 2000, jnp.bfloat16,
@@ -561,7 +561,7 @@ def test_own_slot_ping_pong_gemms_match_reference(gemms):
 @pytest.mark.gpu
 def test_exp_logits_is_the_default_where_it_serves():
   """The default pallas_gpu runs the exp GEMM for a bf16 mean loss, with or without the
-  other GEMMs on ops.mosaic_gemm, and the softmax pass (no exp GEMM) with a bias, label
+  other GEMMs on kernels.mosaic_gemm, and the softmax pass (no exp GEMM) with a bias, label
   smoothing, float32 or float16 inputs, or fused_lse."""
   x, w, labels, b, _ = make_problem(jax.random.key(16), (512,), 256, 2000, jnp.bfloat16,
                                     bias=True)
@@ -634,7 +634,7 @@ def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
 
 def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   """PallasGpu()'s choice of GEMMs (auto_gemms), decided on any host as on a Hopper GPU:
-  all three on ops.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
+  all three on kernels.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
   (the dx GEMM's 128 tiles fill 132 SMs to 97%); at Gemma-2's shape (36 dx tiles) dx alone
   on cuBLAS; cuBLAS in the "vd" layout, without the exp GEMM, with a chunk that does not
   divide the tokens, in interpret mode, and wherever either option is set."""

@@ -6,7 +6,8 @@ import optax
 import pytest
 
 import memeff_jax
-from memeff_jax.ops import mosaic_gemm
+from memeff_jax.kernels import hopper
+from memeff_jax.kernels import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy.pallas_gpu import GEMMS, PallasGpu
 
 
@@ -63,13 +64,13 @@ def test_mean_loss_without_aux_holds_no_per_token_statistics():
 @pytest.mark.gpu
 def test_pallas_gpu_temporaries_at_llama3_8b_shape():
   """The default implementation at N=16384, D=4096, V=128256 in bf16 (4 GiB of logits). On
-  Hopper it puts all three GEMMs on ops.mosaic_gemm (PallasGpu.auto_gemms): issue 2's
+  Hopper it puts all three GEMMs on kernels.mosaic_gemm (PallasGpu.auto_gemms): issue 2's
   0.25 GiB."""
   n, d, v = 16384, 4096, 128256
   x, w, y = _shapes(n, d, v, jnp.bfloat16)
   temp = _temp_bytes(lambda x, w, y: memeff_jax.linear_cross_entropy(x, w, y), x, w, y)
   assert temp < 0.10 * n * v * 2, f"{temp / 2**30:.3f} GiB of temporaries"
-  if mosaic_gemm.unavailable() is None:
+  if hopper.unavailable() is None:
     assert temp < 2**28, f"{temp / 2**30:.4f} GiB of temporaries"
 
 
@@ -78,7 +79,7 @@ def test_pallas_gpu_temporaries_at_llama3_8b_shape():
                                                           ("vd", 512, "weight"),
                                                           ("vd", 512, "tma_add")])
 def test_mosaic_gemms_hold_only_the_chunk_logits(layout, chunk, dw_accumulation):
-  """All three GEMMs on ops.mosaic_gemm read x's chunk and write dx's where they lie
+  """All three GEMMs on kernels.mosaic_gemm read x's chunk and write dx's where they lie
   (mosaic_gemm.Rows): the temporaries are the chunk's [C, V] logits and O(N) statistics,
   with no [C, D] copy and no cuBLAS workspace. Llama-3-8B shapes, bf16."""
   n, d, v = 16384, 4096, 128256
@@ -94,7 +95,7 @@ def test_mosaic_gemms_hold_only_the_chunk_logits(layout, chunk, dw_accumulation)
 
 @pytest.mark.gpu
 def test_exp_logits_with_mosaic_gemms_fits_a_quarter_gib():
-  """exp_logits (the default) with all three GEMMs on ops.mosaic_gemm: x's scaled rows wait
+  """exp_logits (the default) with all three GEMMs on kernels.mosaic_gemm: x's scaled rows wait
   in dx's rows for the dW GEMM, and the dx GEMM writes dx's rows in place, where they are
   scaled. Next to the chunk's [C, V] exponentials there are only their rows' per-strip
   sums ([V/128, C] float32, 3.9 MiB). Llama-3-8B, "dv", 1,024-token chunks: 0.2485 GiB."""

@@ -1,4 +1,4 @@
-"""ops.mosaic_gemm: the Hopper GEMM with an in-place C accumulate (kernel tests need a GPU)."""
+"""kernels.mosaic_gemm: the Hopper GEMM with an in-place C accumulate (kernel tests need a GPU)."""
 
 import dataclasses
 import itertools
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from memeff_jax.ops import mosaic_gemm as mg
+from memeff_jax.kernels import mosaic_gemm as mg
 
 M, N, K = 256, 512, 256
 

@@ -75,8 +75,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from memeff_jax.ops import _dispatch
-from memeff_jax.ops.flash_attention import _mosaic
+from memeff_jax.kernels import hopper
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -87,13 +86,6 @@ except ImportError:  # pragma: no cover
 # gemm(..., exp_out=True) stores exp(min(product, EXP_CLAMP)): e^64 and a vocabulary's sum
 # of them stay far inside float32 and bfloat16 (whose range reaches e^88).
 EXP_CLAMP = 64.0
-
-
-def unavailable() -> str | None:
-  """Why the kernel cannot run on the default device, or None when it can."""
-  if plgpu is None:
-    return "jax.experimental.pallas.mosaic_gpu is not importable"
-  return _dispatch.hopper_error()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,7 +397,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   m_tiles, n_tiles = m // clm, -(-n // cln)  # the last column of tiles may be partial
   k_steps = k // tk
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
-  div, rem = _mosaic.div, _mosaic.rem
+  div, rem = hopper.div, hopper.rem
   pingpong = config.schedule == "pingpong"
   split = None if pingpong else config.wg_split  # ping-pong: each warpgroup owns whole tiles
   # Ping-pong where each slot fills an even number of times per tile: a warpgroup's tracked
@@ -484,9 +476,9 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
     y of the rounded output (the logits the caller will read), in float32."""
     m, s = carry
     y = _counted(y, cols, phase, -jnp.inf)
-    m_new = jnp.maximum(m, y.max(axis=1) * _mosaic.LOG2E)  # (LOG2E > 0 keeps the maximum)
+    m_new = jnp.maximum(m, y.max(axis=1) * hopper.LOG2E)  # (LOG2E > 0 keeps the maximum)
     m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no column yet
-    p = jnp.exp2(y * _mosaic.LOG2E - lax.broadcast_in_dim(m_sub, y.shape, [0]))
+    p = jnp.exp2(y * hopper.LOG2E - lax.broadcast_in_dim(m_sub, y.shape, [0]))
     return m_new, s * jnp.exp2(m - m_sub) + p.sum(axis=1)
 
   def body(a_smem, b_smem, c_smem, ready, free, c_ready, *turn):
@@ -526,7 +518,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
           if c_gmem is not None:
             plgpu.copy_gmem_to_smem(c_gmem.at[out_tile], buf, c_ready.at[wg])
           if scale_gmem is not None:  # loaded now, used after the main loop
-            scale = _mosaic.load(scale_gmem.at[pl.ds(rows, tm)], plgpu.Layout.WGMMA.reduce(1),
+            scale = hopper.load(scale_gmem.at[pl.ds(rows, tm)], plgpu.Layout.WGMMA.reduce(1),
                                  optimized=False)
 
           def main_loop(acc_ref):
@@ -561,7 +553,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             plgpu.barrier_wait(c_ready.at[wg])
             acc = acc + buf[...].astype(jnp.float32)
           if exp_out:  # float32 exponentials for the statistics, rounded for the stores
-            y = jnp.exp2(jnp.minimum(acc, EXP_CLAMP) * _mosaic.LOG2E)
+            y = jnp.exp2(jnp.minimum(acc, EXP_CLAMP) * hopper.LOG2E)
             out = y.astype(out_dtype)
           else:
             out = acc.astype(out_dtype)  # rounded once, for the stores and the statistics
@@ -602,7 +594,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
       row_vector = lambda value: plgpu.layout_cast(jnp.full((tm,), value, jnp.float32),
                                                    plgpu.Layout.WGMMA.reduce(1))
       run_max, run_sum = walk(tile, (row_vector(-jnp.inf), row_vector(0.0)))
-      lse = run_max * _mosaic.LN2 + jnp.log(run_sum)  # -inf where no column was seen
+      lse = run_max * hopper.LN2 + jnp.log(run_sum)  # -inf where no column was seen
       per_cta = _stats_per_cta(config)
       part = col0 * per_cta + (wg if per_cta == 2 else 0)
       rows = row_block * cm + (wg * tm if split == "m" else 0)
