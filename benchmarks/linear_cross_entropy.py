@@ -7,7 +7,7 @@ Providers (those whose packages are missing are skipped, with a note):
   jax_naive          x@W then optax.softmax_cross_entropy_with_integer_labels, jax.grad
   jax_scan_remat     jax.checkpoint of the naive loss over token chunks in a lax.scan
   memeff             memeff_jax.linear_cross_entropy, default implementation
-  memeff:NAME[:k=v]  one implementation with options, e.g. memeff:pallas_gpu:budget_mib=128
+  memeff:NAME[:k=v]  one implementation with options, e.g. memeff:pallas_mosaic_gpu:budget_mib=128
   tokamax            tokamax.linear_softmax_cross_entropy_loss (default implementation)
   torch_naive, torch_compile, liger, cce    PyTorch peers (CUDA only)
 
@@ -160,7 +160,7 @@ def parse_memeff(provider: str):
     if "budget_mib" in opts:
       kw["memory_budget_bytes"] = int(opts.pop("budget_mib")) * 2**20
     impl = lce.ChunkedXla(**kw)
-  elif name == "pallas_gpu":
+  elif name == "pallas_mosaic_gpu":
     kw, kernel = {}, {}
     if "budget_mib" in opts:
       kw["memory_budget_bytes"] = int(opts.pop("budget_mib")) * 2**20
@@ -170,14 +170,14 @@ def parse_memeff(provider: str):
       kw["mosaic_gemms"] = tuple(opts.pop("gemms").split("+"))
     if "fused_lse" in opts:  # fused_lse=1: partial log-sum-exps from the logits GEMM
       kw["fused_lse"] = bool(int(opts.pop("fused_lse")))
-    if "exp_logits" in opts:  # exp_logits=1: no softmax pass (PallasGpu.exp_logits)
+    if "exp_logits" in opts:  # exp_logits=1: no softmax pass (PallasMosaicGpu.exp_logits)
       kw["exp_logits"] = bool(int(opts.pop("exp_logits")))
     for key in ("block_rows", "block_v", "num_warps", "num_stages"):
       if key in opts:
         kernel[key] = int(opts.pop(key))
     if kernel:
       kw["kernel"] = lce.KernelConfig(**kernel)
-    impl = lce.PallasGpu(**kw)
+    impl = lce.PallasMosaicGpu(**kw)
   else:
     impl = name
   if opts:

@@ -5,7 +5,7 @@
 Loss (llama3-8b shape, N=16384, D=4096, V=128256, bf16; forward+backward):
   memeff             memeff_jax.interop.torch.linear_cross_entropy (default chunking)
   memeff:chunk=C     the same with chunk_size=C tokens; modifiers (after more colons):
-                     :mosaic  implementation=PallasGpu(mosaic_gemms=("logits", "dx", "dw")),
+                     :mosaic  implementation=PallasMosaicGpu(mosaic_gemms=("logits", "dx", "dw")),
                               the three GEMMs off cuBLAS (no 32 MiB workspace; exp_logits
                               unless :lse)
                      :tma     with :mosaic, dw_accumulation="tma_add" (dW added by TMA
@@ -96,7 +96,7 @@ def loss_worker(provider: str, reps: int) -> dict:
     from memeff_jax.ops import linear_cross_entropy as lce  # pylint: disable=import-outside-toplevel
     mods = _modifiers(provider)
     chunk = next((int(m.split("=")[1]) for m in mods if m.startswith("chunk=")), None)
-    impl = (lce.PallasGpu(mosaic_gemms=("logits", "dx", "dw"),
+    impl = (lce.PallasMosaicGpu(mosaic_gemms=("logits", "dx", "dw"),
                           dw_accumulation="tma_add" if "tma" in mods else "weight",
                           fused_lse="lse" in mods)
             if "mosaic" in mods else None)

@@ -4,9 +4,9 @@ A table `tuning/<op>.toml` holds, per implementation, a `default` section and on
 section per device kind (matched as a case-insensitive substring of
 `jax.devices()[0].device_kind`, e.g. "H100" or "H200"):
 
-    [pallas_gpu.default]
+    [pallas_triton.default]
     block_v = 4096
-    [pallas_gpu.H200]
+    [pallas_triton.H200]
     block_v = 8192
 
 The directory is `$MEMEFF_JAX_CONFIG_DIR/tuning` if that variable is set, else the package's

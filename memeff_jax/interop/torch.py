@@ -438,8 +438,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
       memeff_jax.linear_cross_entropy (chunk_size: tokens per chunk, default from the
       implementation's memory budget).
     implementation: as memeff_jax.linear_cross_entropy: None (the fastest available), a
-      name ("reference", "chunked_xla", "pallas_gpu"), an implementation object such as
-      `memeff_jax.ops.linear_cross_entropy.PallasGpu(mosaic_gemms=("logits", "dx", "dw"),
+      name ("reference", "chunked_xla", "pallas_mosaic_gpu"), an implementation object such as
+      `memeff_jax.ops.linear_cross_entropy.PallasMosaicGpu(mosaic_gemms=("logits", "dx", "dw"),
       dw_accumulation="tma_add", fused_lse=True)` (the lowest-memory setting on Hopper, see
       the README), or a sequence of them.
 

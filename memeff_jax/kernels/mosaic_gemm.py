@@ -33,9 +33,9 @@ lowering is checked on the CPU).
 
 Status: correct for every transpose combination, every schedule and both cluster axes
 (tests/ops/test_mosaic_gemm.py). `linear_cross_entropy` runs it where asked
-(`PallasGpu(mosaic_gemms=...)`), which drops cuBLAS's 32 MiB workspace. By default it runs
+(`PallasMosaicGpu(mosaic_gemms=...)`), which drops cuBLAS's 32 MiB workspace. By default it runs
 the exp_out GEMM (below), and the dx and dW GEMMs too where they are level with cuBLAS
-(PallasGpu.auto_gemms: Llama-3-8B's shape, [D, V] weights; the TMA reduce-add's L2
+(PallasMosaicGpu.auto_gemms: Llama-3-8B's shape, [D, V] weights; the TMA reduce-add's L2
 prefetch of the running sum got dW there). One 512-token chunk of Llama-3-8B
 on an H200, µs per GEMM inside the loss's chunk loop under ncu
 (benchmarks/scratch/lce_tiles_insitu.py; isolated timings move by ±10% between machines

@@ -125,29 +125,6 @@ class MosaicBackwardConfig:
       only where a key head has at most ROTATE_MAX_KV CTAs (T ≤ 8,192 at D = 128), and
       only without a mask (masked walks keep their order). At the headline (B=4 H=32 T=4096)
       it takes the ordered backward from 5.98 to 5.69 ms, level with arrival order.
-    dq_convert: (dq_ordered, dq_send_warp) each query block's last adder writes dq in the
-      input dtype itself: its send warp loads the sum of the adders before it into the dQ
-      tile slot, and its compute warpgroups add their tile to it, scale and convert it, and
-      leave it there for the send warp to store. No pass over the float32 dq
-      follows the kernel, and the last adder neither reduces into it nor waits for a
-      landing. The same bits as without it, but no faster: at the headline (H100) the
-      whole backward took 5.83–5.90 ms against 5.79–5.81 without, causal 3.29 against 3.24
-      (the last adder's load of the sum sits on its path; the pass it saves is ~30 µs).
-    persistent: one CTA per SM (num_sms, else the device's count), each taking its share of
-      the key blocks in turn (dealt in launch order to whichever CTA an estimate of the
-      steps frees first: hopper.greedy_schedule); with dq_rotate whole key heads a round.
-      A key block's first Q and dO loads go out while the one before it finishes, and no
-      CTA is launched, set up and drained per block (at the headline a block costs its SM
-      ~12 µs beyond its steps). The same bits as the grid. Measured at the headline (H100,
-      whole backward at the cap): arrival order 2% faster without a mask (5.60 against
-      5.71 ms, 5.68 against 5.79); no gain for the ordered defaults (5.67–5.74 against
-      5.67–5.71), nor in arrival order under a causal mask (3.24 both); and the ordered
-      causal kernel 1.8× slower (5.60 against 3.17: the static deal drifts from the real
-      finish times, and a block may start before the one it waits on; it also spills).
-      Not with gqa_per_query_head; with dq_ordered only with dq_send_warp. All CTAs must
-      be resident at once (dq_ordered's waits cross them).
-    num_sms: (persistent) the CTAs to launch; None reads the device's SM count (132, an
-      H100's, where the default device has none, as when lowering on a CPU).
     dq_stagger: (dq_pipelined) the compute warpgroups run half a step apart, so that one's
       softmax runs while the other's WGMMAs keep the tensor cores busy, instead of both
       computing Pᵀ and dSᵀ at once. dQ = dS K needs both warpgroups' dSᵀ of a step:
@@ -177,7 +154,7 @@ class MosaicBackwardConfig:
       statistics. A wait is only ever on a CTA launched earlier (dq_ordered launches the
       last key block first). Other calls (no mask: a rotated walk would wait on key blocks
       launched after it, which took the headline's backward from 7.6 to 10.8 ms; a window or
-      segment ids, T ≠ S, GQA, persistent CTAs) run the kernel with the pass, as dq_rotate
+      segment ids, T ≠ S, GQA) run the kernel with the pass, as dq_rotate
       applies only where it can.
     thread_fences: (dq_split or dq_ordered) the hand-offs through shared memory that an
       mbarrier announces — dSᵀ to the other compute warpgroup, a dQ tile to the memory
@@ -198,9 +175,6 @@ class MosaicBackwardConfig:
   dq_send_warp: bool = False
   dq_buffers: int = 1
   dq_rotate: bool = False
-  dq_convert: bool = False
-  persistent: bool = False
-  num_sms: int | None = None
   fused_delta: bool = False
   dq_stagger: bool = False
   stagger_turns: bool = False
@@ -287,26 +261,14 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
                                 and not config.gqa_per_query_head):
     return ("dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split), "
             "and not gqa_per_query_head (whose dK and dV reductions are unordered)")
-  if (config.dq_send_warp or config.dq_buffers != 1 or config.dq_rotate
-      or config.dq_convert) and not config.dq_ordered:
-    return "dq_send_warp, dq_buffers, dq_rotate and dq_convert belong to dq_ordered"
-  if config.num_sms is not None and not (config.persistent and config.num_sms >= 1):
-    return f"num_sms={config.num_sms} needs persistent and at least one CTA"
-  if config.persistent and config.gqa_per_query_head:
-    return "persistent excludes gqa_per_query_head"
-  if config.persistent and config.dq_ordered and not config.dq_send_warp:
-    return "persistent with dq_ordered needs dq_send_warp (sends between the loads: one CTA each)"
-  if config.dq_convert and not config.dq_send_warp:
-    # Between the loads, the load that follows a step waits for the compute warpgroups to
-    # free its Q and dO, which they do after storing dQ: a last adder's sum, loaded after
-    # that load, would never reach them.
-    return "dq_convert needs dq_send_warp (the sum a last adder waits for is loaded by it)"
+  if (config.dq_send_warp or config.dq_buffers != 1 or config.dq_rotate) and not config.dq_ordered:
+    return "dq_send_warp, dq_buffers and dq_rotate belong to dq_ordered"
   if config.thread_fences and not (config.dq_split or config.dq_ordered):
     return "thread_fences needs dq_split or dq_ordered (the hand-offs it fences)"
   if config.fused_delta and not (config.dq_ordered and config.dq_send_warp and config.dq_split
-                                 and config.dq_buffers == 2 and not config.dq_convert):
+                                 and config.dq_buffers == 2):
     return ("fused_delta needs dq_ordered with dq_send_warp, dq_split and dq_buffers=2 (its O "
-            "tiles land in the two dQ slots), and not dq_convert")
+            "tiles land in the two dQ slots)")
   if config.dq_stagger and not (config.dq_pipelined and not config.fused_delta and (
       config.dq_send_warp or not config.dq_ordered)):
     return ("dq_stagger needs dq_pipelined, with dq_ordered also dq_send_warp, and not "
@@ -373,22 +335,17 @@ def _dq_tile_transforms(config: MosaicBackwardConfig) -> tuple:
 
 
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
-  """The dQ tile slots in shared memory. With dq_convert a union of two views of the same
-  bytes: the float32 tiles (sent to their reductions; on a last adder's step, the sum of
-  the adders before it) and, on a last adder's step, the converted tile in the input dtype
-  (rows 0..BLOCK_Q of a slot twice as tall), each read only through the view it was
-  written through. With fused_delta the second view holds a query block's O (BLOCK_Q × D
-  in the input dtype: the bytes of one float32 dQ tile of dq_split) on the walk's first
-  two steps, before their dQ tiles are written."""
+  """The float32 dQ tile slots in shared memory. With fused_delta a union of two views of
+  the same bytes: the float32 tiles and a query block's O (BLOCK_Q × D in the input dtype:
+  the bytes of one float32 dQ tile of dq_split), which the walk's first two steps hold
+  before their dQ tiles are written; each is read only through the view it was written
+  through."""
   f32 = plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32, transforms=_dq_tile_transforms(config))
   slots, rows, cols = _dq_tile_shape(config, d)
-  if config.dq_convert:
-    shape = (slots, 2 * rows, cols)
-  elif config.fused_delta:
-    shape = (slots, rows, 2 * cols)
-  else:
+  if not config.fused_delta:
     return f32
-  return plgpu.RefUnion(f32, plgpu.SMEM(shape, dtype, transforms=hopper.swizzled_tiles(128, dtype)))
+  return plgpu.RefUnion(f32, plgpu.SMEM((slots, rows, 2 * cols), dtype,
+                                        transforms=hopper.swizzled_tiles(128, dtype)))
 
 
 def _operand_swizzle(block_q: int) -> int:
@@ -456,11 +413,8 @@ def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: i
   n_q = 2·n_kv), launched before the others, and each key block walks one query head.
   dq_rotate's walks (no mask) never qualify: each key block there visits blocks whose first
   visitor launches after it."""
-  return (config.fused_delta and _SCRATCH_PARAM and not config.persistent and group == 1
+  return (config.fused_delta and _SCRATCH_PARAM and group == 1
           and n_q == 2 * n_kv and mask.is_causal)
-
-
-_ITEM_OVERHEAD = 4  # a key block's cost beyond its steps, in steps (~12 µs at the headline)
 
 
 def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
@@ -488,7 +442,7 @@ def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: 
 
 
 class _Item(NamedTuple):
-  """One key block's work: a CTA's whole grid position, or one of a persistent CTA's."""
+  """One key block's work: a CTA's whole grid position."""
   b: jax.Array
   h: jax.Array  # the grid's head: the key head, or with gqa_per_query_head the query head
   kvi: jax.Array  # the key block
@@ -516,18 +470,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      pair, seg_scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, order=None,
-                     schedule=None, delta=None, stagger=None):
+                     delta=None, stagger=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
   int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table,
   the [B · Hq · n_q] counters the reductions wait on, and per dQ tile slot the barriers
-  dq_full (both compute warpgroups' tiles written) and dq_free (read by their reductions);
-  with dq_convert then the last adders' table (1 where this key block adds last), per dQ
-  tile the barrier p_ready (the earlier adders' sum loaded), the tile slots' view in the
-  input dtype, and the output dq in that dtype. schedule: with config.persistent, the
-  hopper.greedy_schedule tables (each CTA's key blocks, and how many), each key block's
-  _query_blocks without segment ids ([n_kv, 4]) and the barrier kv_free (both compute
-  warpgroups are done with K and V); the grid is then one axis, "cta". delta: where the call
+  dq_full (both compute warpgroups' tiles written) and dq_free (read by their reductions).
+  delta: where the call
   fuses Δ (_fuses_delta), the forward's output O, the [B · Hq · n_q] flags that a query
   block's Δ is in stats_ref, the dQ tile slots' view in the input dtype, the barriers
   o_ready (one per slot: O landed) and delta_ready (warpgroup 0 has written Δ). stagger:
@@ -544,25 +493,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   split = config.column_split
   n_q = -(-t // bq)  # the last block may reach past T (see MosaicBackwardConfig.block_q)
   segments = mask.segments
-  # The grid position, read here: inside the memory warpgroup's per-warp code only the warp
-  # axis may be named.
-  cta = lax.axis_index("cta") if config.persistent else None
-
   def item_at(b, h, kvi):
     """The work of grid position (b, h, kvi)."""
     if config.dq_ordered:  # the last key block launches first (see dq_ordered)
       kvi = n_kv - 1 - kvi
     seg_range = (seg_refs[2][b, kvi, 0], seg_refs[2][b, kvi, 1]) if segments else None
-    if config.persistent and not mask.is_dense:
-      # The band's blocks from a table: the memory warpgroup's warps (which run this too)
-      # have no lowering for the selects and clamps that compute them.
-      bounds = tuple(schedule[2][kvi, j] for j in range(4))
-      if seg_range is not None:
-        first = jnp.maximum(bounds[0], seg_range[0])
-        last = jnp.maximum(jnp.minimum(bounds[1], seg_range[1]), first)
-        bounds = (first, last, last, last)
-    else:
-      bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
+    bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
     if per_query_head:  # this CTA's one query head, and its key head
       heads, kv_head = 1, hopper.div(h, group)
     else:  # every query head of this key head
@@ -571,34 +507,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     rot = _rotation(kvi, n_kv, n_q) if rotate else None
     return _Item(b, h, kvi, *bounds, heads, kv_head, rot)
 
-  # Without persistent, the CTA's one item, computed here: the warps' code (with jax 0.11's
-  # warpgroup lowering) has no selects or clamps for the band's bounds.
-  grid_item = None if config.persistent else item_at(
-      *(lax.axis_index(a) for a in ("b", "h", "kv")))
-
-  def scheduled(r):
-    """config.persistent: this CTA's r-th key block."""
-    idx = schedule[0][cta, r]
-    n_h = k_ref.shape[2]  # the grid's key heads (persistent excludes gqa_per_query_head)
-    return item_at(hopper.div(idx, n_h * n_kv), hopper.rem(hopper.div(idx, n_kv), n_h),
-                   hopper.rem(idx, n_kv))
-
-  def each_item(fn, carry):
-    """fn(item, carry) for this CTA's key blocks in order: its grid position's one, or with
-    config.persistent its schedule's (carry: the global step its pipeline has reached)."""
-    if not config.persistent:
-      return fn(grid_item, carry)
-    count = schedule[1][cta]
-    return lax.fori_loop(0, count, lambda r, c: fn(scheduled(r), c), carry)
-
-  def turn(it, qb):
-    """dq_ordered: (item it's rank among query block qb's adders, whether it adds last,
-    whether it does not (dq_convert)). Both tests are comparisons: the memory warpgroup's
-    single-warp code has no lowering for a boolean not."""
-    if not config.dq_convert:
-      return order[0][it.b, it.kvi, qb], False, True
-    last = order[4][it.b, it.kvi, qb]
-    return order[0][it.b, it.kvi, qb], last == 1, last == 0
+  # The CTA's one item, computed here: the warps' code (with jax 0.11's warpgroup lowering)
+  # has no selects or clamps for the band's bounds.
+  grid_item = item_at(*(lax.axis_index(a) for a in ("b", "h", "kv")))
 
   def dq_slot(i):
     """dq_ordered: global step i's dQ tile slot, and that slot's dq_full and dq_free
@@ -784,25 +695,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           slot, full, free = dq_slot(gi)
           tile = slot * 2 + wg
           plgpu.barrier_wait(free)  # the slot's last tiles have been read
-          if not config.dq_convert:
-            dq_smem.at[tile][...] = dq
-          else:
-            rank, last_adder, not_last = turn(it, step_block(it, i)[1])
-            p_ready, dq_conv = order[5], order[6]
-
-            def converted(total):
-              dq_conv.at[tile, pl.ds(0, BLOCK_Q)][...] = (total * scale).astype(dtype)
-
-            @pl.when(last_adder & (rank > 0))
-            def _():  # the earlier adders' sum, loaded into the slot
-              plgpu.barrier_wait(p_ready.at[tile])
-              converted(dq + hopper.load(dq_smem.at[tile], plgpu.Layout.WGMMA))
-
-            pl.when(last_adder & (rank == 0))(lambda: converted(dq))
-
-            @pl.when(not_last)
-            def _():
-              dq_smem.at[tile][...] = dq
+          dq_smem.at[tile][...] = dq
           hand_off(full)
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
@@ -977,12 +870,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[it.b, keys, it.h])
         plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[it.b, keys, it.h])
-      hopper.wait_stores_read()  # with persistent, then the next key block's K and V
-      if config.persistent:
-        plgpu.barrier_arrive(schedule[3])
+      hopper.wait_stores_read()
       return base + it.n_steps
 
-    each_item(run_item, jnp.int32(0))
+    run_item(grid_item, jnp.int32(0))
 
   @pl.when(wg == 2)
   def _memory():
@@ -1025,38 +916,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                 seg_scratch[1].at[slot], seg_scratch[3].at[slot])
 
     def loads(drain=None):
-      if not config.persistent:
-        it = grid_item
-        load_keys(it)
-        hopper.fill_ring(functools.partial(load, it), it.n_steps, stages, (q_free, do_free),
-                          drain=drain)
-        return
-
-      def item_loads(it, base, *, first: bool):
-        """The item's loads at global steps base, base + 1, ...: with an item before it,
-        its first steps' Q and dO (into slots that item's last steps free) before its K and
-        V (into shared memory the compute warpgroups leave after that item's dK and dV)."""
-        def step(i):
-          gi = base + i
-          slot = hopper.rem(gi, stages)
-
-          @pl.when(gi >= stages)
-          def _():
-            for barrier in (q_free, do_free):
-              plgpu.barrier_wait(barrier.at[slot])
-          load(it, i, slot)
-
-        ahead = 0 if first else jnp.minimum(stages, it.n_steps)
-        if not first:
-          pl.loop(0, ahead)(step)
-          plgpu.barrier_wait(schedule[3])
-        load_keys(it)
-        pl.loop(ahead, it.n_steps)(step)
-        return base + it.n_steps
-
-      base = item_loads(scheduled(0), jnp.int32(0), first=True)
-      lax.fori_loop(1, schedule[1][cta],
-                    lambda r, base: item_loads(scheduled(r), base, first=False), base)
+      it = grid_item
+      load_keys(it)
+      hopper.fill_ring(functools.partial(load, it), it.n_steps, stages, (q_free, do_free),
+                       drain=drain)
 
     if not config.dq_ordered:
       loads()
@@ -1065,55 +928,32 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     def send_dq(it, i, gi):
       """dq_ordered: the item's step i (global step gi)'s dQ tiles, once both compute
       warpgroups have left them, into dq in rank order: after the `rank` key blocks before
-      this one, the first storing. With dq_convert the last adder instead loads the sum of
-      those before it for the compute warpgroups, and stores the dq they convert."""
+      this one, the first storing."""
       head, qb = step_block(it, i)
       counter = order[1].at[block_index(it, head, qb)]
-      rank, last_adder, not_last = turn(it, qb)
+      rank = order[0][it.b, it.kvi, qb]
       slot, full, free = dq_slot(gi)
       rows, half = pl.ds(qb * bq, bq), d // 2
       cols = lambda w: pl.ds(w * half, half)
 
-      def reduce():
-        plgpu.barrier_wait(full)
-        plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
-        for op, when in ((None, rank == 0), ("add", rank > 0)):
-          @pl.when(when)
-          def _(op=op):
-            for w in range(2):
-              plgpu.copy_smem_to_gmem(dq_smem.at[slot * 2 + w],
-                                      dq_ref.at[it.b, rows, head, cols(w)], reduction_op=op)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(free)
-        plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
-        plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
-
-      if not config.dq_convert:
-        reduce()
-      else:
-        p_ready, dq_conv, dq_out = order[5:]
-        pl.when(not_last)(reduce)
-
-        @pl.when(last_adder)
-        def _():
-          @pl.when(rank > 0)
-          def _():  # the slot is free: its last tiles were read before it was freed
-            plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
-            for w in range(2):
-              plgpu.copy_gmem_to_smem(dq_ref.at[it.b, rows, head, cols(w)],
-                                      dq_smem.at[slot * 2 + w], p_ready.at[slot * 2 + w])
-          plgpu.barrier_wait(full)  # converted
+      plgpu.barrier_wait(full)
+      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+      for op, when in ((None, rank == 0), ("add", rank > 0)):
+        @pl.when(when)
+        def _(op=op):
           for w in range(2):
-            plgpu.copy_smem_to_gmem(dq_conv.at[slot * 2 + w, pl.ds(0, BLOCK_Q)],
-                                    dq_out.at[it.b, rows, head, cols(w)])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          plgpu.barrier_arrive(free)
+            plgpu.copy_smem_to_gmem(dq_smem.at[slot * 2 + w],
+                                    dq_ref.at[it.b, rows, head, cols(w)], reduction_op=op)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(free)
+      plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
+      plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
     def sends_start():  # the compute warpgroups' first dQ tiles are free
       for i in range(config.dq_buffers):
         plgpu.barrier_arrive(dq_slot(i)[2])
 
-    if not config.dq_send_warp:  # between the loads (not persistent: support_error)
+    if not config.dq_send_warp:  # between the loads
       sends_start()
       loads(drain=lambda i: send_dq(grid_item, i, i))
       return
@@ -1130,8 +970,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       @pl.when(warp == 1)
       def _():
         sends_start()
-        each_item(item_sends, jnp.int32(0))
-        hopper.wait_stores_read()  # dq_convert's last stores
+        item_sends(grid_item, jnp.int32(0))
+        hopper.wait_stores_read()
 
 
 def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
@@ -1175,32 +1015,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     seg_args, seg_scratch, ranges = (), (), None
   per_query_head = config.gqa_per_query_head and hq > hkv
   grid_heads = hq if per_query_head else hkv
-  schedule_args = ()
-  if config.persistent:
-    ctas = hopper.persistent_ctas(config.num_sms, b * grid_heads * n_kv)
-    # A rotated walk may wait on any key block of its head: persistent CTAs then take whole
-    # heads a round (at the headline 128 of 132: with 132, the heads that straddle two
-    # rounds waited a round for their turns, and the backward gained nothing).
-    rotate = rotate and n_kv <= ctas
-    if rotate:
-      ctas -= ctas % n_kv
-    with jax.ensure_compile_time_eval():  # per key block: its band's query blocks
-      kv = jnp.arange(n_kv, dtype=jnp.int32)
-      bounds = jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n_kv,)) for x in
-                          _query_blocks(mask, kv * config.cta_keys(), config.cta_keys(), n_q,
-                                        bq)], axis=1)
-      steps = [int(x) * (1 if per_query_head else hq // hkv) for x in bounds[:, 1] - bounds[:, 0]]
-    if config.dq_ordered:  # launch position j is key block n_kv - 1 - j
-      steps = steps[::-1]
-    # With segment ids the estimate is the band's (the ids' ranges are not known here).
-    schedule_args = (*hopper.greedy_schedule(steps * (b * grid_heads), ctas, _ITEM_OVERHEAD),
-                     bounds)
   if config.dq_ordered:
     ranks, adders = _reduction_ranks(mask, b, n_kv, config.cta_keys(), n_q, bq, ranges,
                                      rotate=rotate)
-    # dq_convert: 1 where the key block is the query block's last adder.
-    rank_args = (ranks,) + (((ranks == adders[:, None] - 1).astype(jnp.int32),)
-                            if config.dq_convert else ())
+    rank_args = (ranks,)
   else:
     rank_args = ()
   if per_query_head:  # dK and dV gather the group's query heads by TMA reductions too
@@ -1214,9 +1032,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   # output, which each query block's first adder stores rather than adds into (no memset).
   dq_acc = ()
   if config.dq_ordered:
-    out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                *((jax.ShapeDtypeStruct(q.shape, q.dtype),) if config.dq_convert else ()),
-                *out_type)
+    out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type)
   elif config.with_dq:
     dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
   tiles = hopper.swizzled_tiles()
@@ -1226,14 +1042,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     out_ref = None
     if fused:  # the forward's output, for Δ
       out_ref, *refs = refs
-    sched, refs = refs[:len(schedule_args)], refs[len(schedule_args):]
     tables = ()
-    if config.dq_ordered:  # the rank table, and with dq_convert the last adders'
+    if config.dq_ordered:  # the rank table
       tables, refs = refs[:len(rank_args)], refs[len(rank_args):]
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
-    dq_out = None
-    if config.dq_convert:  # the float32 dq, then dq in the input dtype
-      dq_out, refs = refs[1], refs[:1] + refs[2:]
     dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
     def kernel(*scratch):
@@ -1255,26 +1067,15 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                  o_tiles, o_ready, delta_ready)
       elif config.fused_delta:  # the call takes the pass: the float32 view only
         main = (*main[:6], main[6][0], *main[7:])
-      schedule = None
-      if config.persistent:  # the tables, and kv_free
-        *extra, kv_free = extra
-        schedule = (*sched, kv_free)
       order = None
       if config.dq_ordered:  # with counters that start at zero in every call
-        convert = ()
-        if config.dq_convert:
-          *extra, p_ready = extra
-          dq_f32, dq_conv = main[6]
-          main = (*main[:6], dq_f32, *main[7:])
-          convert = (tables[1], p_ready, dq_conv, dq_out)
         *extra, dq_full, dq_free = extra
         order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))),
-                 dq_full, dq_free, *convert)
+                 dq_full, dq_free)
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                        dq_ref, dk_ref, dv_ref, *main, extra or None, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
-                       rotate=rotate, order=order, schedule=schedule, delta=delta,
-                       stagger=stagger)
+                       rotate=rotate, order=order, delta=delta, stagger=stagger)
 
     pl.run_scoped(
         kernel,
@@ -1297,10 +1098,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         *seg_scratch,
         *((plgpu.Barrier(num_arrivals=2, num_barriers=config.dq_buffers),
            plgpu.Barrier(num_barriers=config.dq_buffers)) if config.dq_ordered else ()),
-        # dq_convert: a dQ tile's float32 sum of the earlier adders has landed.
-        *((plgpu.Barrier(num_barriers=2 * config.dq_buffers),) if config.dq_convert else ()),
-        # persistent: both compute warpgroups are done with K and V (kv_free).
-        *((plgpu.Barrier(num_arrivals=2),) if config.persistent else ()),
         # fused_delta: O landed in a dQ slot (o_ready), warpgroup 0 wrote Δ (delta_ready).
         *((plgpu.Barrier(num_barriers=2), plgpu.Barrier()) if fused else ()),
         # dq_stagger: both dQs have read a dSᵀ slot (ds_free); warpgroup 0 leads (lead).
@@ -1314,9 +1111,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   outs = pl.kernel(
       body,
       out_type=out_type,
-      mesh=plgpu.Mesh(grid=(schedule_args[1].shape[0],) if config.persistent
-                      else (b, grid_heads, n_kv),
-                      grid_names=("cta",) if config.persistent else ("b", "h", "kv"),
+      mesh=plgpu.Mesh(grid=(b, grid_heads, n_kv), grid_names=("b", "h", "kv"),
                       num_threads=3, thread_name="wg"),
       # Δ's row sums reduce within warps only: no shared-memory scratch (Mosaic GPU reserves
       # 2 KiB for any reduction otherwise, which two dQ slots leave no room for).
@@ -1325,17 +1120,12 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
   )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),
-    *schedule_args, *rank_args, *seg_args, *dq_acc, *dkv_acc)
+    *rank_args, *seg_args, *dq_acc, *dkv_acc)
   dq = None
   if config.dq_ordered:  # query blocks that no key block adds into were never written
-    written = lambda: jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
-    if config.dq_convert:  # scaled and converted by the last adders
-      _, dq, *outs = outs
-      if not (mask.is_dense or mask.is_causal):  # else every query block sees key 0
-        dq = jnp.where(written(), dq, jnp.zeros((), dq.dtype))
-    else:
-      dq_f32, *outs = outs
-      dq = (jnp.where(written(), dq_f32, 0.0) * opts.scale).astype(q.dtype)
+    written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
+    dq_f32, *outs = outs
+    dq = (jnp.where(written, dq_f32, 0.0) * opts.scale).astype(q.dtype)
   elif config.with_dq:
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
   if per_query_head:

@@ -1,4 +1,4 @@
-"""The token-chunk loop and the custom_vjp shared by `chunked_xla` and `pallas_gpu`.
+"""The token-chunk loop and the custom_vjp shared by `chunked_xla` and `pallas_mosaic_gpu`.
 
 Both implementations walk the tokens in chunks of `token_chunk` and hand each chunk to a
 *chunk backend*, which owns everything that touches the chunk's logits:

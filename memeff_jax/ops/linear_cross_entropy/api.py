@@ -13,13 +13,13 @@ from memeff_jax.ops import _dispatch
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions
 from memeff_jax.ops.linear_cross_entropy.chunked_xla import ChunkedXla
-from memeff_jax.ops.linear_cross_entropy.pallas_gpu import PallasGpu
+from memeff_jax.ops.linear_cross_entropy.pallas_mosaic_gpu import PallasMosaicGpu
 from memeff_jax.ops.linear_cross_entropy.reference import Reference
 
 IMPLEMENTATIONS = {
     "reference": Reference(),
     "chunked_xla": ChunkedXla(),
-    "pallas_gpu": PallasGpu(),
+    "pallas_mosaic_gpu": PallasMosaicGpu(),
 }
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -113,19 +113,19 @@ def linear_cross_entropy(
     logit_softcap: optional c > 0 (Gemma 2).
     where: optional boolean [...] mask, like labels; False tokens are skipped.
     return_aux: also return `Aux(lse, z_loss)`; both are differentiable.
-    implementation: None (fastest available: "pallas_gpu" on NVIDIA GPUs, then
-      "chunked_xla"), a name ("reference", "chunked_xla", "pallas_gpu"), an implementation
-      object (`PallasGpu(...)`, `ChunkedXla(...)`) or a sequence of those tried in order.
+    implementation: None (fastest available: "pallas_mosaic_gpu" on NVIDIA GPUs, then
+      "chunked_xla"), a name ("reference", "chunked_xla", "pallas_mosaic_gpu"), an implementation
+      object (`PallasMosaicGpu(...)`, `ChunkedXla(...)`) or a sequence of those tried in order.
     chunk_size: tokens per chunk, or (tokens, vocab entries) for chunked_xla. None derives
       it from the implementation's `memory_budget_bytes` (256 MiB for chunked_xla's float32
-      logits and G, 240 MiB for pallas_gpu's one buffer in the compute dtype).
+      logits and G, 240 MiB for pallas_mosaic_gpu's one buffer in the compute dtype).
 
   Returns:
     The loss (a scalar, or labels.shape for "none"), float32; with return_aux,
     (loss, Aux).
 
   Memory: reference holds N·V float32 logits; chunked_xla about its budget plus a float32
-  dW accumulator (D·V·4 bytes); pallas_gpu about its budget, accumulating dW in the
+  dW accumulator (D·V·4 bytes); pallas_mosaic_gpu about its budget, accumulating dW in the
   weight's dtype.
 
   Raises:
@@ -208,7 +208,7 @@ def linear_cross_entropy(
   if where is not None:
     valid = valid & where.reshape(-1)
 
-  default = ("pallas_gpu", "chunked_xla") if hopper.on_nvidia_gpu() else ("chunked_xla",)
+  default = ("pallas_mosaic_gpu", "chunked_xla") if hopper.on_nvidia_gpu() else ("chunked_xla",)
   loss, lse, zterm = _dispatch.first_that_serves(
       _dispatch.resolve(implementation, IMPLEMENTATIONS, default),
       lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))

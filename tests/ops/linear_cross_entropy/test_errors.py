@@ -6,7 +6,7 @@ import pytest
 
 import memeff_jax
 from memeff_jax.ops.linear_cross_entropy import Int64Labels
-from memeff_jax.ops.linear_cross_entropy import PallasGpu
+from memeff_jax.ops.linear_cross_entropy import PallasMosaicGpu
 
 X = jnp.ones((2, 5, 8))
 W = jnp.ones((8, 11))
@@ -49,33 +49,33 @@ def test_bad_input(kwargs, error, match):
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU message")
 def test_explicit_gpu_implementation_on_cpu_says_why():
-  with pytest.raises(NotImplementedError, match=r"pallas_gpu: pallas_gpu needs a GPU"):
-    memeff_jax.linear_cross_entropy(X, W, Y, implementation="pallas_gpu")
+  with pytest.raises(NotImplementedError, match=r"pallas_mosaic_gpu: pallas_mosaic_gpu needs a GPU"):
+    memeff_jax.linear_cross_entropy(X, W, Y, implementation="pallas_mosaic_gpu")
 
 
 def test_fallback_order_skips_what_cannot_serve():
-  loss = memeff_jax.linear_cross_entropy(X, W, Y, implementation=("pallas_gpu", "chunked_xla"))
+  loss = memeff_jax.linear_cross_entropy(X, W, Y, implementation=("pallas_mosaic_gpu", "chunked_xla"))
   ref = memeff_jax.linear_cross_entropy(X, W, Y, implementation="reference")
   assert jnp.allclose(loss, ref)
 
 
 def test_bad_kernel_option():
   with pytest.raises(ValueError, match="dw_accumulation must be"):
-    PallasGpu(dw_accumulation="bf16")
+    PallasMosaicGpu(dw_accumulation="bf16")
 
 
 def test_bad_mosaic_gemms_option():
   with pytest.raises(ValueError, match=r"mosaic_gemms must be a tuple of names from"):
-    PallasGpu(mosaic_gemms="dw")
+    PallasMosaicGpu(mosaic_gemms="dw")
   with pytest.raises(ValueError, match=r"mosaic_gemms must be a tuple.*'dW'"):
-    PallasGpu(mosaic_gemms=("dW",))
+    PallasMosaicGpu(mosaic_gemms=("dW",))
   with pytest.raises(ValueError, match="excludes dw_accumulation='float32'"):
-    PallasGpu(mosaic_gemms=("dw",), dw_accumulation="float32")
+    PallasMosaicGpu(mosaic_gemms=("dw",), dw_accumulation="float32")
   with pytest.raises(ValueError, match=r"'tma_add'.*needs 'dw' in mosaic_gemms, got \('dx',\)"):
-    PallasGpu(mosaic_gemms=("dx",), dw_accumulation="tma_add")
+    PallasMosaicGpu(mosaic_gemms=("dx",), dw_accumulation="tma_add")
 
 
 def test_mosaic_gemms_in_interpret_mode_say_why():
-  impl = PallasGpu(interpret=True, mosaic_gemms=("dw",))
+  impl = PallasMosaicGpu(interpret=True, mosaic_gemms=("dw",))
   with pytest.raises(NotImplementedError, match="interpret mode runs no Mosaic GPU kernel"):
     memeff_jax.linear_cross_entropy(X, W, Y, implementation=impl)

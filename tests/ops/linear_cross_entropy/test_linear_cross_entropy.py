@@ -1,7 +1,7 @@
 """linear_cross_entropy against the float32 reference, for every implementation.
 
 One parameterized base (`_LinearCrossEntropyTest`) takes the implementation; subclasses run
-it as chunked_xla, as pallas_gpu in the Pallas interpreter (CPU), and on the GPU.
+it as chunked_xla, as pallas_mosaic_gpu in the Pallas interpreter (CPU), and on the GPU.
 """
 
 import dataclasses
@@ -13,13 +13,15 @@ import pytest
 
 import memeff_jax
 from memeff_jax import _tuning
+from memeff_jax.kernels import hopper
 from memeff_jax.kernels import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy import ChunkedXla
 from memeff_jax.ops.linear_cross_entropy import Int64Labels
-from memeff_jax.ops.linear_cross_entropy import KernelConfig
-from memeff_jax.ops.linear_cross_entropy import PallasGpu
+from memeff_jax.ops.linear_cross_entropy import SoftmaxKernelConfig
+from memeff_jax.ops.linear_cross_entropy import PallasMosaicGpu
 from memeff_jax.ops.linear_cross_entropy import _common
-from memeff_jax.ops.linear_cross_entropy import pallas_gpu
+from memeff_jax.ops.linear_cross_entropy import pallas_mosaic_gpu
+from memeff_jax.ops.linear_cross_entropy import triton_softmax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -255,7 +257,7 @@ class TestChunkedXla(_LinearCrossEntropyTest):
 
 
 class TestPallasGpuInterpret(_LinearCrossEntropyTest):
-  impl = PallasGpu(interpret=True)
+  impl = PallasMosaicGpu(interpret=True)
   dtypes = (jnp.float32, jnp.bfloat16)
 
 
@@ -265,7 +267,7 @@ class TestPallasGpuInterpret(_LinearCrossEntropyTest):
       options = dict(bias=True, weight_layout=layout, logit_softcap=3.0)
       x, w, labels, b, _ = make_problem(jax.random.key(9), (40,), 16, 1000, jnp.float32,
                                         **options)
-      results = [value_and_grads(loss_fn(PallasGpu(interpret=True, vocab_multiple=m), labels,
+      results = [value_and_grads(loss_fn(PallasMosaicGpu(interpret=True, vocab_multiple=m), labels,
                                          options, 16), x, w, b, None, "mean")
                  for m in (1, 64)]
       (l1, g1), (l2, g2) = results
@@ -279,7 +281,7 @@ class TestPallasGpuInterpret(_LinearCrossEntropyTest):
     """Kernel blocks of 128 columns over V = 1,000: seven whole blocks, of which those holding
     a label take the kernel's label branch, and a masked ragged eighth; every option that
     changes G, and `none` (whose gradients come from a second pass with a known lse)."""
-    impl = PallasGpu(interpret=True, vocab_multiple=1, kernel=KernelConfig(block_v=128))
+    impl = PallasMosaicGpu(interpret=True, vocab_multiple=1, kernel=SoftmaxKernelConfig(block_v=128))
     for options, reduction in ((dict(), "mean"),
                                (dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=5.0,
                                      bias=True), "mean"),
@@ -311,15 +313,15 @@ def test_softmax_pass_from_partial_log_sum_exps(smoothing, vocab):
   zf = z.astype(jnp.float32)
   partials = jnp.stack([jax.nn.logsumexp(zf[:, lo:hi], axis=1) if hi > lo
                         else jnp.full((37,), -jnp.inf) for lo, hi in zip(bounds, bounds[1:])])
-  config = KernelConfig(block_v=256)
-  want = pallas_gpu.softmax_pass(z, labels, a, e, opts=opts, config=config, interpret=True)
-  got = pallas_gpu.softmax_pass(z, labels, a, e, opts=opts, config=config, interpret=True,
+  config = SoftmaxKernelConfig(block_v=256)
+  want = triton_softmax.softmax_pass(z, labels, a, e, opts=opts, config=config, interpret=True)
+  got = triton_softmax.softmax_pass(z, labels, a, e, opts=opts, config=config, interpret=True,
                                 partials=partials)
   for name, g, w in zip(("G", "lse", "label logit", "logit sum"), got, want):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                rtol=2e-6, atol=1e-5, err_msg=name)
   with pytest.raises(ValueError, match="partials serve the gradient pass"):
-    pallas_gpu.softmax_pass(z, labels, opts=opts, config=config, partials=partials)
+    triton_softmax.softmax_pass(z, labels, opts=opts, config=config, partials=partials)
 
   # The same partials as three bfloat16 words each (mosaic_gemm.StatsWords, what the
   # logits GEMM stores in dx's rows), rows 7 on of a larger array: the same bits.
@@ -328,7 +330,7 @@ def test_softmax_pass_from_partial_log_sum_exps(smoothing, vocab):
   rows = jnp.concatenate([jnp.full((7, 37), 3.0, jnp.bfloat16), *words,
                           jnp.full((5, 37), 3.0, jnp.bfloat16)])
   stored = mosaic_gemm.StatsWords(rows, jnp.int32(7), partials.shape[0])
-  from_words = pallas_gpu.softmax_pass(z, labels, a, e, opts=opts, config=config,
+  from_words = triton_softmax.softmax_pass(z, labels, a, e, opts=opts, config=config,
                                        interpret=True, partials=stored)
   for name, g, w in zip(("G", "lse", "label logit", "logit sum"), from_words, got):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
@@ -354,15 +356,15 @@ def test_pallas_gpu_kernel_lowers_for_cuda():
     coef = jax.ShapeDtypeStruct((64,), jnp.float32)
     parts = jnp.zeros((33, 64), jnp.float32)
     words = jnp.zeros((4 * 33 + 5, 64), jnp.bfloat16)
-    for fn in (lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, opts=opts,
-                                                          config=KernelConfig()),
-               lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, a, e, opts=opts,
-                                                          config=KernelConfig()),
-               lambda z, y, a, e: pallas_gpu.softmax_pass(z, y, a, e, opts=opts,
-                                                          config=KernelConfig(),
+    for fn in (lambda z, y, a, e: triton_softmax.softmax_pass(z, y, opts=opts,
+                                                          config=SoftmaxKernelConfig()),
+               lambda z, y, a, e: triton_softmax.softmax_pass(z, y, a, e, opts=opts,
+                                                          config=SoftmaxKernelConfig()),
+               lambda z, y, a, e: triton_softmax.softmax_pass(z, y, a, e, opts=opts,
+                                                          config=SoftmaxKernelConfig(),
                                                           partials=parts),
-               lambda z, y, a, e: pallas_gpu.softmax_pass(
-                   z, y, a, e, opts=opts, config=KernelConfig(),
+               lambda z, y, a, e: triton_softmax.softmax_pass(
+                   z, y, a, e, opts=opts, config=SoftmaxKernelConfig(),
                    partials=mosaic_gemm.StatsWords(words, jnp.int32(5), 33))):
       text = jax.jit(fn).trace(logits, labels, coef, coef).lower(
           lowering_platforms=("cuda",)).as_text()
@@ -373,7 +375,7 @@ class TestPallasGpuExpLogitsInterpret(_LinearCrossEntropyTest):
   """exp_logits with the logits GEMM's XLA equivalent: every option set, those it does not
   take (bias, softcap, smoothing) through the softmax pass."""
 
-  impl = PallasGpu(interpret=True, exp_logits=True)
+  impl = PallasMosaicGpu(interpret=True, exp_logits=True)
 
 
 def test_exp_logits_refuses_float16():
@@ -381,12 +383,12 @@ def test_exp_logits_refuses_float16():
   so exp_logits=True refuses float16 instead of overflowing (the default leaves it off)."""
   x, w, labels, _, _ = make_problem(jax.random.key(23), (64,), 32, 300, jnp.float16)
   with pytest.raises(NotImplementedError, match="exp_logits.*float16"):
-    jax.grad(loss_fn(PallasGpu(interpret=True, exp_logits=True), labels, {}, 32))(
+    jax.grad(loss_fn(PallasMosaicGpu(interpret=True, exp_logits=True), labels, {}, 32))(
         x, w, None, None)
 
 
 def _exp_chunk(x, w, labels, a, e, opts):
-  backend = pallas_gpu.PallasChunkBackend(opts=opts, kernel=KernelConfig(), interpret=True,
+  backend = pallas_mosaic_gpu.ChunkBackend(opts=opts, kernel=SoftmaxKernelConfig(), interpret=True,
                                           dw_accumulation="weight", exp_logits=True)
   return jax.jit(backend._exp_chunk)(x, w, labels, a, e)
 
@@ -410,7 +412,7 @@ def test_exp_chunk_against_softmax_pass(shift, fast):
   assert bool(jnp.any(scale != 1.0)) == fast
   g = scale[:, None] * buf
   z = x @ w
-  want_g, *want = pallas_gpu.softmax_pass(z, labels, a, e, opts=opts, config=KernelConfig(),
+  want_g, *want = triton_softmax.softmax_pass(z, labels, a, e, opts=opts, config=SoftmaxKernelConfig(),
                                           interpret=True)
   assert rel_err(g, want_g) < 1e-5
   in_range = (labels >= 0) & (labels < 1000)
@@ -429,13 +431,13 @@ def test_exp_chunk_rows_that_do_not_count_may_leave_the_range():
   buf, scale, _ = _exp_chunk(x, w, labels, a, jnp.zeros(48), opts)
   assert bool(jnp.all(jnp.isfinite(buf))) and float(scale[3]) == 0.0
   assert bool(jnp.any(scale != 1.0))
-  want_g, *_ = pallas_gpu.softmax_pass(x @ w, labels, a, jnp.zeros(48), opts=opts,
-                                       config=KernelConfig(), interpret=True)
+  want_g, *_ = triton_softmax.softmax_pass(x @ w, labels, a, jnp.zeros(48), opts=opts,
+                                       config=SoftmaxKernelConfig(), interpret=True)
   assert rel_err(scale[:, None] * buf, want_g) < 1e-5
 
 
 class TestPallasGpuFloat32DwInterpret(_LinearCrossEntropyTest):
-  impl = PallasGpu(interpret=True, dw_accumulation="float32")
+  impl = PallasMosaicGpu(interpret=True, dw_accumulation="float32")
   dtypes = (jnp.bfloat16,)
 
   @pytest.mark.skip(reason="float32 inputs: identical to TestPallasGpuInterpret")
@@ -474,7 +476,7 @@ class TestChunkedXlaGpu(TestChunkedXla):
 
 @pytest.mark.gpu
 class TestPallasGpuOnGpu(_LinearCrossEntropyTest):
-  impl = "pallas_gpu"
+  impl = "pallas_mosaic_gpu"
   lead = (4, 250)
   chunk_size = 128
 
@@ -483,15 +485,15 @@ class TestPallasGpuOnGpu(_LinearCrossEntropyTest):
 @pytest.mark.parametrize("layout", ["dv", "vd"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("gemms,dw_accumulation", [(("dw",), "weight"),
-                                                   (pallas_gpu.GEMMS, "weight"),
-                                                   (pallas_gpu.GEMMS, "tma_add")])
+                                                   (pallas_mosaic_gpu.GEMMS, "weight"),
+                                                   (pallas_mosaic_gpu.GEMMS, "tma_add")])
 def test_mosaic_gemms_match_reference(layout, reduction, gemms, dw_accumulation):
   """GEMMs on kernels.mosaic_gemm: three chunks of 256 tokens (the first writes dW, the others
   add into it in place, or by TMA reduce-adds), V = 2,000 padded to 2,048, bf16."""
   options = dict(weight_layout=layout, reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(11), (3, 256), 256, 2000, jnp.bfloat16,
                                     **options)
-  impl = PallasGpu(mosaic_gemms=gemms, dw_accumulation=dw_accumulation)
+  impl = PallasMosaicGpu(mosaic_gemms=gemms, dw_accumulation=dw_accumulation)
   assert_matches(impl, x, w, labels, options, reduction=reduction)
 
 
@@ -507,7 +509,7 @@ def test_fused_lse_matches_reference(layout, smoothing, d):
   options = dict(weight_layout=layout, label_smoothing=smoothing, z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(13), (3, 256), d, 2000, jnp.bfloat16,
                                     **options)
-  impl = PallasGpu(mosaic_gemms=pallas_gpu.GEMMS, dw_accumulation="tma_add", fused_lse=True)
+  impl = PallasMosaicGpu(mosaic_gemms=pallas_mosaic_gpu.GEMMS, dw_accumulation="tma_add", fused_lse=True)
   assert_matches(impl, x, w, labels, options)
   with pytest.raises(NotImplementedError, match="fused_lse.*no bias and applies no logit_softcap"):
     memeff_jax.linear_cross_entropy(x, w, labels, weight_layout=layout, logit_softcap=30.0,
@@ -519,7 +521,7 @@ def test_fused_lse_matches_reference(layout, smoothing, d):
 @pytest.mark.parametrize("gemms,dw_accumulation", [((), "weight"),
                                                    (("dw",), "tma_add"),
                                                    (("dx",), "weight"),
-                                                   (pallas_gpu.GEMMS, "tma_add")])
+                                                   (pallas_mosaic_gpu.GEMMS, "tma_add")])
 @pytest.mark.parametrize("shift", [0.0, 70.0])
 def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
   """exp_logits on the GPU: the Mosaic logits GEMM stores exp(z) and its rows' sums (V =
@@ -532,9 +534,9 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
                                         **options)
   x = x.at[:, -1].set(1.0)
   w = w.at[-1].set(shift) if layout == "dv" else w.at[:, -1].set(shift)
-  impl = PallasGpu(mosaic_gemms=gemms, dw_accumulation=dw_accumulation, exp_logits=True)
+  impl = PallasMosaicGpu(mosaic_gemms=gemms, dw_accumulation=dw_accumulation, exp_logits=True)
   if shift:  # bf16 logits near 70 are 0.5 apart: against the same kernels' softmax pass
-    same = PallasGpu(mosaic_gemms=tuple(sorted(set(gemms) | {"logits"})),
+    same = PallasMosaicGpu(mosaic_gemms=tuple(sorted(set(gemms) | {"logits"})),
                      dw_accumulation=dw_accumulation, exp_logits=False)
     assert_matches(impl, x, w, labels, options, where, ref_impl=same, tol=1e-3)
   else:
@@ -542,7 +544,7 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemms", [pallas_gpu.GEMMS, ("logits", "dw")])
+@pytest.mark.parametrize("gemms", [pallas_mosaic_gpu.GEMMS, ("logits", "dw")])
 def test_own_slot_ping_pong_gemms_match_reference(gemms):
   """Two chunks of 512 tokens at D = 512: the exp GEMM's 8 K steps and the dW GEMM's 8 run
   the tuned "dv" ping-pong tiles on each warpgroup's own slots (mosaic_gemm.own_slots), as
@@ -550,23 +552,23 @@ def test_own_slot_ping_pong_gemms_match_reference(gemms):
   second chunk adds into dW by TMA. With ("logits", "dw") dx is cuBLAS's, as the default
   at Gemma-2's shape."""
   for key in ("logits", "dw_tma"):
-    assert mosaic_gemm.own_slots(pallas_gpu.tuned_gemm_config(key, "dv", 512), 512)
+    assert mosaic_gemm.own_slots(pallas_mosaic_gpu.tuned_gemm_config(key, "dv", 512), 512)
   options = dict(weight_layout="dv", z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(17), (2, 512), 512, 2000, jnp.bfloat16,
                                     **options)
-  impl = PallasGpu(mosaic_gemms=gemms, dw_accumulation="tma_add", exp_logits=True)
+  impl = PallasMosaicGpu(mosaic_gemms=gemms, dw_accumulation="tma_add", exp_logits=True)
   assert_matches(impl, x, w, labels, options, chunk=512)
 
 
 @pytest.mark.gpu
 def test_exp_logits_is_the_default_where_it_serves():
-  """The default pallas_gpu runs the exp GEMM for a bf16 mean loss, with or without the
+  """The default pallas_mosaic_gpu runs the exp GEMM for a bf16 mean loss, with or without the
   other GEMMs on kernels.mosaic_gemm, and the softmax pass (no exp GEMM) with a bias, label
   smoothing, float32 or float16 inputs, or fused_lse."""
   x, w, labels, b, _ = make_problem(jax.random.key(16), (512,), 256, 2000, jnp.bfloat16,
                                     bias=True)
 
-  def uses_exp(impl="pallas_gpu", dtype=jnp.bfloat16, **kw):
+  def uses_exp(impl="pallas_mosaic_gpu", dtype=jnp.bfloat16, **kw):
     f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, labels, implementation=impl,
                                                      chunk_size=256, **kw)
     jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x.astype(dtype), w.astype(dtype))
@@ -577,8 +579,8 @@ def test_exp_logits_is_the_default_where_it_serves():
   assert not uses_exp(label_smoothing=0.1)
   assert not uses_exp(dtype=jnp.float32)
   assert not uses_exp(dtype=jnp.float16)  # E's range is beyond float16's
-  assert uses_exp(PallasGpu(mosaic_gemms=("logits", "dx", "dw")))
-  lowest = PallasGpu(mosaic_gemms=("logits", "dx", "dw"), dw_accumulation="tma_add",
+  assert uses_exp(PallasMosaicGpu(mosaic_gemms=("logits", "dx", "dw")))
+  lowest = PallasMosaicGpu(mosaic_gemms=("logits", "dx", "dw"), dw_accumulation="tma_add",
                      fused_lse=True)
   assert not uses_exp(lowest)
   assert uses_exp(dataclasses.replace(lowest, exp_logits=True))
@@ -605,13 +607,13 @@ def test_exp_logits_gemm_against_xla():
 
 def test_fused_lse_needs_the_mosaic_logits_gemm():
   with pytest.raises(ValueError, match="fused_lse.*needs 'logits' in mosaic_gemms"):
-    PallasGpu(mosaic_gemms=("dx", "dw"), fused_lse=True)
+    PallasMosaicGpu(mosaic_gemms=("dx", "dw"), fused_lse=True)
 
 
 @pytest.mark.gpu
 def test_mosaic_gemms_refuse_shapes_off_their_tiles():
   x, w, labels, _, _ = make_problem(jax.random.key(12), (200,), 256, 2000, jnp.bfloat16)
-  impl = PallasGpu(mosaic_gemms=("logits",))
+  impl = PallasMosaicGpu(mosaic_gemms=("logits",))
   with pytest.raises(NotImplementedError, match=r"logits GEMM.*\[200, 2048, 256\].*M=200"):
     memeff_jax.linear_cross_entropy(x, w, labels, implementation=impl, chunk_size=200)
 
@@ -620,7 +622,7 @@ def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
   """The "dv" exp and dW GEMMs' tuned ping-pong tiles need K's steps of 64 to be a multiple
   of twice their 4 slots (each warpgroup on its own slots); elsewhere their `fallback`
   sections, the ring's tiles, run."""
-  tiles = pallas_gpu.tuned_gemm_config
+  tiles = pallas_mosaic_gpu.tuned_gemm_config
   for key, k in (("logits", 4096), ("logits", 2048), ("dw_tma", 1024), ("dw_tma", 512)):
     config = tiles(key, "dv", k)
     assert (config.schedule, config.tile_n) == ("pingpong", 192), (key, k)
@@ -633,30 +635,30 @@ def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
 
 
 def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
-  """PallasGpu()'s choice of GEMMs (auto_gemms), decided on any host as on a Hopper GPU:
+  """PallasMosaicGpu()'s choice of GEMMs (auto_gemms), decided on any host as on a Hopper GPU:
   all three on kernels.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
   (the dx GEMM's 128 tiles fill 132 SMs to 97%); at Gemma-2's shape (36 dx tiles) dx alone
   on cuBLAS; cuBLAS in the "vd" layout, without the exp GEMM, with a chunk that does not
   divide the tokens, in interpret mode, and wherever either option is set."""
-  monkeypatch.setattr(mosaic_gemm, "unavailable", lambda: None)
+  monkeypatch.setattr(hopper, "unavailable", lambda: None)
   bf16 = jnp.bfloat16
 
-  def auto(impl=PallasGpu(), n=16384, tokens=1024, d=4096, v=128256, layout="dv", exp=True):
+  def auto(impl=PallasMosaicGpu(), n=16384, tokens=1024, d=4096, v=128256, layout="dv", exp=True):
     return impl.auto_gemms(n, (tokens, d, v, bf16, bf16, layout), exp=exp, sms=132)
 
   cublas = ((), "weight")
-  assert auto() == (pallas_gpu.GEMMS, "tma_add")
+  assert auto() == (pallas_mosaic_gpu.GEMMS, "tma_add")
   assert auto(layout="vd") == cublas
   assert auto(exp=False) == cublas
   assert auto(n=16000) == cublas
   # Gemma-2's 36 dx tiles: dx on cuBLAS, the dW GEMM's 8 K steps on ping-pong's own slots.
   assert auto(tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
-  assert auto(PallasGpu(interpret=True)) == cublas
-  assert auto(PallasGpu(dw_accumulation="weight")) == cublas
-  assert auto(PallasGpu(dw_accumulation="float32")) == ((), "float32")
-  assert auto(PallasGpu(mosaic_gemms=("dw",))) == (("dw",), "tma_add")
-  assert auto(PallasGpu(mosaic_gemms=("logits", "dx"))) == (("logits", "dx"), "weight")
-  assert auto(PallasGpu(mosaic_gemms=pallas_gpu.GEMMS, fused_lse=True)) == (
-      pallas_gpu.GEMMS, "tma_add")
+  assert auto(PallasMosaicGpu(interpret=True)) == cublas
+  assert auto(PallasMosaicGpu(dw_accumulation="weight")) == cublas
+  assert auto(PallasMosaicGpu(dw_accumulation="float32")) == ((), "float32")
+  assert auto(PallasMosaicGpu(mosaic_gemms=("dw",))) == (("dw",), "tma_add")
+  assert auto(PallasMosaicGpu(mosaic_gemms=("logits", "dx"))) == (("logits", "dx"), "weight")
+  assert auto(PallasMosaicGpu(mosaic_gemms=pallas_mosaic_gpu.GEMMS, fused_lse=True)) == (
+      pallas_mosaic_gpu.GEMMS, "tma_add")
   # Off the tiles (a chunk of 1,000 tokens): cuBLAS, not an error.
   assert auto(n=16000, tokens=1000) == cublas

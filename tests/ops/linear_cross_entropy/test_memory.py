@@ -8,7 +8,7 @@ import pytest
 import memeff_jax
 from memeff_jax.kernels import hopper
 from memeff_jax.kernels import mosaic_gemm
-from memeff_jax.ops.linear_cross_entropy.pallas_gpu import GEMMS, PallasGpu
+from memeff_jax.ops.linear_cross_entropy.pallas_mosaic_gpu import GEMMS, PallasMosaicGpu
 
 
 def _temp_bytes(loss, *shapes):
@@ -64,7 +64,7 @@ def test_mean_loss_without_aux_holds_no_per_token_statistics():
 @pytest.mark.gpu
 def test_pallas_gpu_temporaries_at_llama3_8b_shape():
   """The default implementation at N=16384, D=4096, V=128256 in bf16 (4 GiB of logits). On
-  Hopper it puts all three GEMMs on kernels.mosaic_gemm (PallasGpu.auto_gemms): issue 2's
+  Hopper it puts all three GEMMs on kernels.mosaic_gemm (PallasMosaicGpu.auto_gemms): issue 2's
   0.25 GiB."""
   n, d, v = 16384, 4096, 128256
   x, w, y = _shapes(n, d, v, jnp.bfloat16)
@@ -86,7 +86,7 @@ def test_mosaic_gemms_hold_only_the_chunk_logits(layout, chunk, dw_accumulation)
   x, w, y = _shapes(n, d, v, jnp.bfloat16)
   if layout == "vd":
     w = jax.ShapeDtypeStruct((v, d), jnp.bfloat16)
-  impl = PallasGpu(mosaic_gemms=GEMMS, dw_accumulation=dw_accumulation, exp_logits=False)
+  impl = PallasMosaicGpu(mosaic_gemms=GEMMS, dw_accumulation=dw_accumulation, exp_logits=False)
   temp = _temp_bytes(lambda x, w, y: memeff_jax.linear_cross_entropy(
       x, w, y, weight_layout=layout, implementation=impl, chunk_size=chunk), x, w, y)
   logits = chunk * v * 2
@@ -101,7 +101,7 @@ def test_exp_logits_with_mosaic_gemms_fits_a_quarter_gib():
   sums ([V/128, C] float32, 3.9 MiB). Llama-3-8B, "dv", 1,024-token chunks: 0.2485 GiB."""
   n, d, v = 16384, 4096, 128256
   x, w, y = _shapes(n, d, v, jnp.bfloat16)
-  impl = PallasGpu(mosaic_gemms=GEMMS, dw_accumulation="tma_add")
+  impl = PallasMosaicGpu(mosaic_gemms=GEMMS, dw_accumulation="tma_add")
   temp = _temp_bytes(lambda x, w, y: memeff_jax.linear_cross_entropy(
       x, w, y, implementation=impl, chunk_size=1024), x, w, y)
   logits, strips = 1024 * v * 2, (v // 128) * 1024 * 4

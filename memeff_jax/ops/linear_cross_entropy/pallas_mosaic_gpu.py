@@ -1,39 +1,29 @@
-"""Linear cross-entropy with GPU kernels for the per-chunk softmax work.
+"""Linear cross-entropy on NVIDIA GPUs: on Hopper, Mosaic GPU GEMMs with the softmax folded
+into their epilogues; elsewhere, cuBLAS GEMMs around a Pallas Triton softmax kernel.
 
-Per token chunk (see _chunked for the loop and the custom_vjp):
+Per token chunk (see _chunked for the loop and the custom_vjp), the loss and its gradients
+cost the three matmuls they cannot avoid. On Hopper with bfloat16 inputs (the default,
+`exp_logits`):
 
-  1. z = x_c @ W                   cuBLAS through XLA, logits in the compute dtype [C, V]
-  2. _softmax_grad_kernel          one Pallas (Triton) kernel over z: sweep 1 finds the
-                                   log-sum-exp, the label logit and Σ ẑ (online, block by
-                                   block); sweep 2 overwrites z in place with G (_common's
-                                   formula), so z and G share one buffer
-  3. dx_c = G @ Wᵀ, dW += x_cᵀ @ G  cuBLAS; dW's add is fused into the GEMM epilogue
+  1. E = exp(x_c @ W), its rows' sums   kernels.mosaic_gemm, exp in the epilogue, [C, V]
+  2. one scatter per row                patches the label entry: G = diag(s) E, s per row
+  3. dx_c = diag(s) E Wᵀ,               kernels.mosaic_gemm, s applied in the epilogue, dx's
+     dW += (diag(s) x_c)ᵀ E             rows written in place, dW added by TMA reduce-adds
 
-That is the three matmuls of the loss and its gradient, plus two reads and one write of the
-chunk's logits. Memory: one [C, V] buffer in the compute dtype; dW accumulates directly in
-the weight's dtype (each chunk's product is summed in float32 inside the GEMM, then added
-to the running dW and rounded once per chunk, as Liger-Kernel does) unless
-`dw_accumulation="float32"`, which holds a float32 [D, V] accumulator instead.
+No pass reads or writes the chunk's buffer between the GEMMs, and E and its row sums are the
+only chunk-sized buffers (0.247 GiB at Llama-3-8B's shape). PallasMosaicGpu.auto_gemms says
+where all three GEMMs are ours (measured level with cuBLAS there); a chunk whose
+exponentials leave the safe range takes the softmax pass instead (ChunkBackend._exp_chunk).
 
-`mosaic_gemms` moves any of the three GEMMs from cuBLAS to kernels.mosaic_gemm (Hopper, 16-bit
-operands): there dW's running sum is a `jax.Ref` that the kernel updates in place, its tile
-of the sum fetched while the tile's main loop runs, and no GEMM holds cuBLAS's 32 MiB
-workspace. Where the chunk divides the tokens, x's chunk is read and dx's rows are written
-where they lie in x and dx (mosaic_gemm.Rows): with all three GEMMs there, the chunk's
-logits are the only chunk-sized buffer (0.245 GiB at Llama-3-8B's 1,024-token chunks).
-With `fused_lse` the Mosaic logits GEMM also hands over each row's partial log-sum-exps,
-computed in its epilogue, and step 2 skips sweep 1: one read and one write of the logits.
-Where the Mosaic dx GEMM writes dx's rows in place, the partials are stored in those rows
-before it does (as bfloat16 words, mosaic_gemm.StatsWords), so they hold no memory.
-
-`exp_logits` (the default on Hopper) has no step 2 where the gradients are made in the
-loop: step 1 is a Mosaic GEMM that stores E = exp(z) and its rows' sums, one scatter
-patches each row's label entry, and step 3 runs on E with the softmax's per-row factor
-applied to dx's rows and to x's rows (PallasChunkBackend._exp_chunk). No pass reads or
-writes the chunk's logits between the GEMMs. With the dx and dW GEMMs on Mosaic as well,
-x's scaled rows wait in dx's rows for the dW GEMM, and the dx GEMM then writes those rows
-in place, where they are scaled: E and its rows' sums are the only chunk-sized buffers.
-PallasGpu() does that where it was measured as fast as cuBLAS (PallasGpu.auto_gemms).
+The softmax pass (other GPUs, float16, calls with a bias, softcap or label smoothing, the
+backward of reduction="none"): z = x_c @ W (cuBLAS or kernels.mosaic_gemm), then
+triton_softmax's kernel overwrites z with G = ∂loss/∂z, then dx_c = G Wᵀ and dW += x_cᵀ G.
+Memory: one [C, V] buffer in the compute dtype; dW accumulates in the weight's dtype (one
+rounding per chunk with cuBLAS, two with the Mosaic GEMM's TMA adds) unless
+`dw_accumulation="float32"`. With `fused_lse` the Mosaic logits GEMM also hands over each
+row's partial log-sum-exps, stored in dx's rows before the dx GEMM writes them (as
+bfloat16 words, mosaic_gemm.StatsWords), so the pass reads the logits once and the partials
+hold no memory: the lowest-memory setting.
 """
 
 from __future__ import annotations
@@ -45,35 +35,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from memeff_jax.kernels import hopper
 from memeff_jax import _tuning
+from memeff_jax.kernels import hopper
 from memeff_jax.kernels import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy import triton_softmax
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
-
-try:  # The Triton flavour of Pallas; its module moved between releases.
-  from jax.experimental.pallas import triton as plgpu
-except ImportError:  # pragma: no cover
-  plgpu = None
 
 
 GEMMS = ("logits", "dx", "dw")
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """Tile of the softmax-gradient kernel: `block_rows` tokens × `block_v` vocab entries.
-
-  `l2_hints` marks sweep 1's loads evict-last and sweep 2's evict-first, so that sweep 2
-  finds the row in L2 rather than HBM.
-  """
-
-  block_rows: int = 1
-  block_v: int = 8192
-  num_warps: int = 8
-  num_stages: int = 2
-  l2_hints: bool = True
 
 
 def tuned_gemm_config(key: str, layout: str, k: int) -> mosaic_gemm.GemmConfig:
@@ -92,7 +63,7 @@ def tuned_gemm_config(key: str, layout: str, k: int) -> mosaic_gemm.GemmConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasGpu:
+class PallasMosaicGpu:
   """Chunked implementation whose per-chunk softmax pass is a Pallas GPU kernel.
 
   Attributes:
@@ -124,7 +95,7 @@ class PallasGpu:
       softmax pass of the gradients reads the chunk's logits once instead of twice (no
       sweep 1). Calls with a bias or a logit softcap raise NotImplementedError.
     exp_logits: no softmax pass at all where the gradients are made in the loop (see
-      PallasChunkBackend._exp_chunk): a logits GEMM on kernels.mosaic_gemm (whatever
+      ChunkBackend._exp_chunk): a logits GEMM on kernels.mosaic_gemm (whatever
       mosaic_gemms says; in interpret mode its XLA equivalent) stores exp(z) and its rows'
       sums, the label entries are patched, and the softmax's per-row factor is applied to
       dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
@@ -142,12 +113,12 @@ class PallasGpu:
   memory_budget_bytes: int = 256 * 2**20
   dw_accumulation: str | None = None
   vocab_multiple: int = 64
-  kernel: KernelConfig | None = None
+  kernel: triton_softmax.SoftmaxKernelConfig | None = None
   interpret: bool = False
   mosaic_gemms: tuple[str, ...] | None = None
   fused_lse: bool = False
   exp_logits: bool | None = None
-  name: str = "pallas_gpu"
+  name: str = "pallas_mosaic_gpu"
 
   def __post_init__(self):
     if self.dw_accumulation not in (None, "weight", "float32", "tma_add"):
@@ -183,7 +154,7 @@ class PallasGpu:
       why = (f"needs x and weight in one 16-bit dtype, got {jnp.dtype(dtype)} and "
              f"{jnp.dtype(weight_dtype)}")
     if why is not None:
-      raise NotImplementedError(f"pallas_gpu mosaic_gemms={names}: {why}")
+      raise NotImplementedError(f"pallas_mosaic_gpu mosaic_gemms={names}: {why}")
     shapes = dict(logits=(tokens, vocab, d), dx=(tokens, d, vocab),
                   dw=(d, vocab, tokens) if layout == "dv" else (vocab, d, tokens))
     configs = []
@@ -194,7 +165,7 @@ class PallasGpu:
         config = tuned_gemm_config(key, layout, shapes[name][2])
         if (why := mosaic_gemm.shape_error(*shapes[name], config)) is not None:
           raise NotImplementedError(
-              f"pallas_gpu's {name} GEMM on kernels.mosaic_gemm, [M, N, K] = {list(shapes[name])} "
+              f"pallas_mosaic_gpu's {name} GEMM on kernels.mosaic_gemm, [M, N, K] = {list(shapes[name])} "
               f"at a chunk of {tokens} tokens: {why}")
         configs.append((name, config))
     return tuple(configs)
@@ -245,7 +216,7 @@ class PallasGpu:
       if not isinstance(chunk_size, int):
         tokens, cols = chunk_size
         if cols < vocab:
-          raise NotImplementedError("pallas_gpu does not chunk the vocabulary; "
+          raise NotImplementedError("pallas_mosaic_gpu does not chunk the vocabulary; "
                                     f"got {chunk_size=} with vocab size {vocab}")
         chunk_size = tokens
       return min(chunk_size, n_tokens)
@@ -253,22 +224,22 @@ class PallasGpu:
     if tokens < 16:
       raise NotImplementedError(
           f"a vocabulary of {vocab} leaves fewer than 16 tokens per chunk in "
-          f"memory_budget_bytes={self.memory_budget_bytes}; pallas_gpu does not chunk the "
+          f"memory_budget_bytes={self.memory_budget_bytes}; pallas_mosaic_gpu does not chunk the "
           "vocabulary (chunked_xla does)")
     if tokens >= 128:
       tokens = tokens // 128 * 128
     return _chunked.balanced_chunk(n_tokens, tokens)
 
   def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
-    if plgpu is None:
+    if triton_softmax.plgpu is None:
       raise NotImplementedError("jax.experimental.pallas.triton is not importable")
     if not self.interpret and not hopper.on_nvidia_gpu():
       raise NotImplementedError(
-          f"pallas_gpu needs a GPU, an NVIDIA one (default device: "
-          f"{jax.devices()[0].device_kind}); PallasGpu(interpret=True) runs the kernel in the "
+          f"pallas_mosaic_gpu needs a GPU, an NVIDIA one (default device: "
+          f"{jax.devices()[0].device_kind}); PallasMosaicGpu(interpret=True) runs the kernel in the "
           "Pallas interpreter")
-    kernel = self.kernel or KernelConfig(**_tuning.lookup(
-        "linear_cross_entropy", "pallas_gpu", fields=KernelConfig))
+    kernel = self.kernel or triton_softmax.SoftmaxKernelConfig(**_tuning.lookup(
+        "linear_cross_entropy", "triton_softmax", fields=triton_softmax.SoftmaxKernelConfig))
     pad = -opts.vocab_size % self.vocab_multiple
     tokens = self.plan(x.shape[0], opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize,
                        chunk_size)
@@ -277,7 +248,7 @@ class PallasGpu:
     wanted = self.exp_logits or (self.exp_logits is None and not self.fused_lse)
     if wanted and jnp.dtype(x.dtype) == jnp.float16:  # E's entries reach e^64 > 65,504
       if self.exp_logits:
-        raise NotImplementedError("pallas_gpu exp_logits stores exp(z) up to e^64 in x's "
+        raise NotImplementedError("pallas_mosaic_gpu exp_logits stores exp(z) up to e^64 in x's "
                                   "dtype, which float16 cannot hold; got float16 x")
       wanted = False
     wanted = wanted and bias is None and not (opts.logit_softcap is not None
@@ -295,7 +266,7 @@ class PallasGpu:
         try:
           (_, exp_gemm), = self.gemm_configs(*shapes, names=("logits",))
           if exp_gemm.schedule == "cooperative":  # no row_stats, no `enabled`
-            raise NotImplementedError("pallas_gpu exp_logits needs the logits GEMM's tiles "
+            raise NotImplementedError("pallas_mosaic_gpu exp_logits needs the logits GEMM's tiles "
                                       f"on the 'ring' or 'pingpong' schedule, got {exp_gemm}")
           exp_logits = True
         except NotImplementedError:
@@ -303,9 +274,9 @@ class PallasGpu:
             raise
           exp_gemm = None
     if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
-      raise NotImplementedError("pallas_gpu fused_lse: the logits GEMM's epilogue adds no "
+      raise NotImplementedError("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds no "
                                 "bias and applies no logit_softcap")
-    backend = PallasChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
+    backend = ChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
                                  dw_accumulation=self.dw_accumulation, gemms=gemms,
                                  fused_lse=self.fused_lse, exp_logits=exp_logits,
                                  exp_gemm=exp_gemm)
@@ -320,16 +291,16 @@ class PallasGpu:
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasChunkBackend:
-  """Per-chunk work of PallasGpu (see _chunked for the protocol)."""
+class ChunkBackend:
+  """Per-chunk work of PallasMosaicGpu (see _chunked for the protocol)."""
 
   opts: LossOptions
-  kernel: KernelConfig
+  kernel: triton_softmax.SoftmaxKernelConfig
   interpret: bool
   dw_accumulation: str
   gemms: tuple[tuple[str, mosaic_gemm.GemmConfig], ...] = ()  # those on kernels.mosaic_gemm
-  fused_lse: bool = False  # partial log-sum-exps from the logits GEMM (PallasGpu.fused_lse)
-  exp_logits: bool = False  # no softmax pass where grads makes G (PallasGpu.exp_logits)
+  fused_lse: bool = False  # partial log-sum-exps from the logits GEMM (PallasMosaicGpu.fused_lse)
+  exp_logits: bool = False  # no softmax pass where grads makes G (PallasMosaicGpu.exp_logits)
   exp_gemm: mosaic_gemm.GemmConfig | None = None  # its logits GEMM's; None: XLA's
 
   def dw_dtype(self, w):
@@ -367,7 +338,7 @@ class PallasChunkBackend:
     return z
 
   def stats(self, x_c, w, bias, labels_c) -> Stats:
-    out = softmax_pass(self._logits(x_c, w, bias), labels_c, opts=self.opts,
+    out = triton_softmax.softmax_pass(self._logits(x_c, w, bias), labels_c, opts=self.opts,
                        config=self.kernel, interpret=self.interpret)
     return Stats(*out)
 
@@ -396,7 +367,7 @@ class PallasChunkBackend:
                                    partials_into=dx_rows if fits else None)
       else:
         z, partials = self._logits(x_c, w, bias), None
-      g, *stats = softmax_pass(
+      g, *stats = triton_softmax.softmax_pass(
           z, labels_c, a_c, e_c, lse_c, opts=self.opts, config=self.kernel,
           interpret=self.interpret, partials=partials)
       stats = Stats(*stats)
@@ -531,7 +502,7 @@ class PallasChunkBackend:
       e = ref[...]
     else:  # interpret mode: XLA, which has no in-place conditional GEMM
       e = jnp.where(ok, e, self._logits(x_c, w, None))
-    e, *slow = softmax_pass(e, labels_c, a_c, e_c, opts=opts, config=self.kernel,
+    e, *slow = triton_softmax.softmax_pass(e, labels_c, a_c, e_c, opts=opts, config=self.kernel,
                             interpret=self.interpret, enabled=~ok)
 
     z_y = jnp.log(e_y)
@@ -546,7 +517,7 @@ class PallasChunkBackend:
     return e, jnp.where(ok, scale, 1.0), stats
 
 
-# exp_logits' safe range (see PallasChunkBackend._exp_chunk). A row's largest logit is at
+# exp_logits' safe range (see ChunkBackend._exp_chunk). A row's largest logit is at
 # most its lse, so lse ≤ 60 keeps every entry below the clamp (mosaic_gemm.EXP_CLAMP = 64);
 # and at least lse − log V, so lse ≥ -25 keeps it above -37 at V up to 10^6: what E loses to
 # zero (z < -87) then has p < e^-50.
@@ -566,202 +537,3 @@ def _sliced(x_c):
   return x_c
 
 
-def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, logits_ref,
-                         grad_ref, lse_ref, label_logit_ref, logit_sum_ref,
-                         *, opts: LossOptions, block_rows: int, block_v: int,
-                         l2_hints: bool, program):
-  """One program (number `program`): `block_rows` tokens, all V vocabulary entries, two
-  sweeps of block_v.
-
-  Refs are whole arrays (no BlockSpecs: V need not be a power of two); the loads of a
-  ragged last block (and of rows past the end) are masked.
-  a/e/lse_in/grad refs are None when the call only wants statistics, lse_in is None when
-  sweep 1 must find the log-sum-exp itself. Follows FlashAttention's online softmax
-  (Dao et al. 2022, Alg. 1) for sweep 1. With partials_ref ([P, rows] partial log-sum-exps
-  from the logits GEMM's epilogue) there is no sweep 1: the log-sum-exp is theirs, and
-  sweep 2 also gathers the label logit and Σ ẑ.
-  """
-  n_rows = logits_ref.shape[0]
-  vocab = opts.vocab_size
-  row0 = program * block_rows
-  rows = row0 + jnp.arange(block_rows, dtype=jnp.int32)
-  row_ok = rows < n_rows
-  row_slice = pl.ds(row0, block_rows)
-  labels = plgpu.load(labels_ref.at[row_slice], mask=row_ok, other=-1)
-  # Blocks below n_full lie inside the vocabulary and take no column mask; the one after
-  # them (if V is not a multiple of block_v) does. Only a block that holds some row's label
-  # compares columns with labels (a branch per block), and Σ ẑ is summed only for label
-  # smoothing: the elementwise work per logit is what bounds this kernel.
-  n_full, ragged = divmod(vocab, block_v)
-  rows_ragged = n_rows % block_rows != 0
-  smoothing = bool(opts.label_smoothing)
-
-  def load(j, eviction_policy, padded):
-    cols = j * block_v + jnp.arange(block_v, dtype=jnp.int32)
-    mask = None
-    if padded:
-      mask = row_ok[:, None] & (cols < vocab)[None, :]
-    elif rows_ragged:
-      mask = jnp.broadcast_to(row_ok[:, None], (block_rows, block_v))
-    kw = {} if mask is None else dict(mask=mask, other=0.0)
-    z = plgpu.load(logits_ref.at[row_slice, pl.ds(j * block_v, block_v)],
-                   eviction_policy=eviction_policy, **kw)  # [block_rows, block_v]
-    return cols, mask, _common.cap_logits(z.astype(jnp.float32), opts.logit_softcap)
-
-  def holds_label(j):
-    inside = (labels >= j * block_v) & (labels < (j + 1) * block_v)
-    return jnp.sum(inside.astype(jnp.int32)) > 0  # (Pallas Triton lowers no reduce_or)
-
-  def by_label(j, compute):
-    """compute(labels) in a block that holds a label, compute(None) elsewhere."""
-    return jax.lax.cond(holds_label(j), lambda: compute(labels), lambda: compute(None))
-
-  from_partials = partials_ref is not None
-  if from_partials:
-    if isinstance(partials_ref, tuple):  # mosaic_gemm.StatsWords: three bf16 words each
-      words_ref, start_ref, n_parts = partials_ref
-      pieces = [(words_ref, start_ref[0] + k * n_parts, -jnp.inf if k == 0 else 0.0)
-                for k in range(3)]
-    else:  # traced start: the load may reach past the partials' end
-      n_parts = partials_ref.shape[0]
-      pieces = [(partials_ref, program * 0, -jnp.inf)]
-    parts = jnp.arange(pl.next_power_of_2(n_parts), dtype=jnp.int32)
-    mask = (parts < n_parts)[:, None] & row_ok[None, :]
-    p = sum(plgpu.load(ref.at[pl.ds(start, parts.shape[0]), row_slice], mask=mask,
-                       other=other).astype(jnp.float32) for ref, start, other in pieces)
-    m = jnp.max(p, axis=0)
-    m = jnp.where(row_ok, m, 0.0)  # rows past the end: no -inf - -inf
-    lse = m + jnp.log(jnp.sum(jnp.exp(p - m[None, :]), axis=0))
-    label_logit = logit_sum = jnp.zeros((block_rows,), jnp.float32)
-  elif lse_in_ref is None:
-    def sweep1(j, acc, padded=False):
-      cols, _, zc = load(j, "evict_last" if l2_hints else None, padded)  # sweep 2 rereads it
-      stats = by_label(j, lambda lab: _common.block_stats(zc, cols, lab, vocab, padded=padded,
-                                                          logit_sum=smoothing))
-      return _common.combine_stats(acc, stats)
-
-    init = (jnp.full((block_rows,), -jnp.inf, jnp.float32),) + tuple(
-        jnp.zeros((block_rows,), jnp.float32) for _ in range(3))
-    acc = jax.lax.fori_loop(0, n_full, sweep1, init)
-    if ragged:  # a traced start: the masked block may reach past the array's end
-      acc = sweep1(jnp.int32(n_full), acc, padded=True)
-    m, s, label_logit, logit_sum = acc
-    lse = m + jnp.log(s)
-  else:
-    lse = plgpu.load(lse_in_ref.at[row_slice], mask=row_ok, other=0.0)
-    label_logit = logit_sum = jnp.zeros((block_rows,), jnp.float32)
-
-  if grad_ref is not None:
-    a = plgpu.load(a_ref.at[row_slice], mask=row_ok, other=0.0)
-    e = plgpu.load(e_ref.at[row_slice], mask=row_ok, other=0.0)
-
-    def sweep2(j, carry, padded=False):
-      cols, mask, zc = load(j, "evict_first" if l2_hints else None, padded)
-
-      def grad(lab):
-        g = _common.block_grad(zc, cols, lab, lse, a, e, opts, padded=padded)
-        if not from_partials:
-          return g
-        _, _, y, t = _common.block_stats(zc, cols, lab, vocab, padded=padded,
-                                         logit_sum=smoothing, extremes=False)
-        return g, (carry[0] + y, carry[1] + t)
-
-      if from_partials:
-        g, carry = by_label(j, grad)
-      else:
-        g = by_label(j, grad)
-      kw = {} if mask is None else dict(mask=mask)
-      plgpu.store(grad_ref.at[row_slice, pl.ds(j * block_v, block_v)],
-                  g.astype(grad_ref.dtype), **kw)
-      return carry
-
-    carry = jax.lax.fori_loop(0, n_full, sweep2, (label_logit, logit_sum))
-    if ragged:
-      carry = sweep2(jnp.int32(n_full), carry, padded=True)
-    if from_partials:
-      label_logit, logit_sum = carry
-
-  plgpu.store(lse_ref.at[row_slice], lse, mask=row_ok)
-  plgpu.store(label_logit_ref.at[row_slice], label_logit, mask=row_ok)
-  plgpu.store(logit_sum_ref.at[row_slice], logit_sum, mask=row_ok)
-
-
-def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
-                 config: KernelConfig, interpret: bool = False, partials=None,
-                 enabled=None):
-  """Runs the kernel over one chunk's logits.
-
-  Args:
-    logits: [C, V] raw logits (compute dtype).
-    labels: [C] int32.
-    a, e: [C] float32 gradient coefficients (see _common); None for statistics only.
-    lse: [C] float32 known log-sum-exp (the backward pass), or None to compute it.
-    partials: [P, C] float32 partial log-sum-exps of the logits over disjoint column sets
-      (mosaic_gemm.gemm's row_stats; only with a and e, without lse and softcap), or the
-      same as mosaic_gemm.StatsWords (row_stats_into): the kernel then reads the logits
-      once.
-    enabled: a traced bool; where false the kernel does nothing: the buffer keeps what it
-      held and the statistics are undefined (a conditional pass without lax.cond, which
-      would copy the buffer).
-
-  Returns:
-    Without a/e: (lse, label_logit, logit_sum). With them: (G, lse, label_logit,
-    logit_sum), G [C, V] in the logits' dtype, written over the logits' buffer.
-  """
-  n_rows, vocab = logits.shape
-  with_grad = a is not None
-  if partials is not None and (not with_grad or lse is not None or opts.logit_softcap):
-    raise ValueError("partials serve the gradient pass of uncapped logits whose log-sum-exp "
-                     "is not given")
-  block_v = min(config.block_v, pl.next_power_of_2(vocab))
-  f32 = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-  out_shape = ([jax.ShapeDtypeStruct(logits.shape, logits.dtype)] if with_grad else []) + [f32] * 3
-  inputs = [labels.astype(jnp.int32)]
-  if with_grad:
-    inputs += [a.astype(jnp.float32), e.astype(jnp.float32)]
-  if lse is not None:
-    inputs.append(lse.astype(jnp.float32))
-  words = isinstance(partials, mosaic_gemm.StatsWords)
-  if words:
-    inputs += [partials.words, jnp.reshape(partials.start, (1,)).astype(jnp.int32)]
-  elif partials is not None:
-    inputs.append(partials.astype(jnp.float32))
-  if enabled is not None:
-    inputs.append(jnp.reshape(enabled, (1,)).astype(jnp.int32))
-  inputs.append(logits)
-  n_in = len(inputs)
-
-  def kernel(*refs):
-    ins, outs = list(refs[:n_in]), list(refs[n_in:])
-    program = pl.program_id(0)  # read outside the `when` (interpret mode needs that)
-    if enabled is not None:
-      enabled_ref = ins.pop(-2)
-      pl.when(enabled_ref[0] != 0)(lambda: body(ins, outs, program))
-    else:
-      body(ins, outs, program)
-
-  def body(ins, outs, program):
-    labels_ref = ins.pop(0)
-    a_ref, e_ref = (ins.pop(0), ins.pop(0)) if with_grad else (None, None)
-    lse_in_ref = ins.pop(0) if lse is not None else None
-    partials_ref = ins.pop(0) if partials is not None else None
-    if words:
-      partials_ref = (partials_ref, ins.pop(0), partials.count)
-    logits_ref = ins.pop(0)
-    grad_ref = outs.pop(0) if with_grad else None
-    _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, logits_ref,
-                         grad_ref, *outs,
-                         opts=opts, block_rows=config.block_rows, block_v=block_v,
-                         l2_hints=config.l2_hints, program=program)
-
-  call = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(pl.cdiv(n_rows, config.block_rows),),
-      input_output_aliases={n_in - 1: 0} if with_grad else {},
-      interpret=interpret,
-      name="linear_cross_entropy_softmax_grad" if with_grad else "linear_cross_entropy_lse",
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-  )
-  return tuple(call(*inputs))
