@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU tests and benchmarks, run from a source checkout on a machine with an NVIDIA GPU
+# and jax with CUDA:
+#
+#   bash benchmarks/gpu.sh tests                          # every `gpu`-marked test
+#   bash benchmarks/gpu.sh attention:headline lce:llama3-8b train
+#
+# Parts run in the order given: `tests`; `attention:SET` and `lce:SET` (a shape set of
+# configs/benchmarks/<op>.toml, every provider side by side in interleaved rounds);
+# `train` (the 1B train step against plain Flax); `bridge` (the PyTorch bridge).
+# The peers' wheels (tokamax, Liger-Kernel, Cut Cross-Entropy) are installed first from .whl/
+# when present (`bash benchmarks/fetch_peer_wheels.sh` downloads them). Results are
+# appended to $RESULTS (default benchmarks/results); `python benchmarks/make_results.py`
+# then regenerates benchmarks/RESULTS.md and the README's tables.
+set -o pipefail
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/memeff-peers .whl/*.whl && export PYTHONPATH=/tmp/memeff-peers
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+RESULTS=${RESULTS:-benchmarks/results}
+ROUNDS=${ROUNDS:-3}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for part in "$@"; do
+  echo "=== $part ($(date +%T))"
+  case $part in
+    tests) python3 -m pytest -q -m gpu tests -n "${WORKERS:-8}" -p no:cacheprovider ;;
+    attention:*) python3 benchmarks/flash_attention.py --set "${part#*:}" --rounds "$ROUNDS" \
+        ${ATTENTION_PROVIDERS:+--providers "$ATTENTION_PROVIDERS"} \
+        --out "$RESULTS/flash_attention.jsonl" ;;
+    lce:*) python3 benchmarks/linear_cross_entropy.py --set "${part#*:}" --rounds "$ROUNDS" \
+        ${LCE_PROVIDERS:+--providers "$LCE_PROVIDERS"} \
+        --out "$RESULTS/linear_cross_entropy.jsonl" ;;
+    train) python3 benchmarks/train_step.py --config 1b --out "$RESULTS/train_step.jsonl" ;;
+    bridge) python3 benchmarks/torch_bridge.py --out "$RESULTS/torch_bridge.jsonl" ;;
+    *) echo "unknown part: $part (tests, attention:SET, lce:SET, train, bridge)"; exit 2 ;;
+  esac
+done
