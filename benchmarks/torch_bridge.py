@@ -198,7 +198,7 @@ def main(argv=None):
            attention_worker(provider, bool(args.causal), args.reps))
     print(json.dumps(row), flush=True)
     # The row is out: skip the interpreter's teardown, where JAX's and torch's C++ state are
-    # destroyed in no fixed order (in session 19 an eager autograd.Function path of the
+    # destroyed in no fixed order (an eager autograd.Function path of the
     # bridge, since removed, made workers abort there with "terminate called without an
     # active exception" after their results; the custom ops did not, in 12 processes).
     sys.stderr.flush()

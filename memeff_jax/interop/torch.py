@@ -114,8 +114,7 @@ def _ready_stream(t: torch.Tensor):
 # jaxlib's DLPack import as jax.dlpack.from_dlpack calls it (jaxlib extension 467 and later),
 # without that function's Python around it (a backend and device lookup per call, and
 # jnp.asarray to canonicalize the dtype, a no-op here: _exportable lets no 64-bit dtype
-# through without x64). That Python costs ~0.1 ms per tensor on an H200 host
-# (benchmarks/NOTES.md, session 20).
+# through without x64). That Python costs ~0.1 ms per tensor on an H200 host.
 _fast_import = (getattr(_jax_lib._jax, "dlpack_managed_tensor_to_buffer", None)
                 if _jax_lib.jaxlib_extension_version >= 467 else None)
 

@@ -2,12 +2,12 @@
 
     out = C + op(A) @ op(B)     op(A): [M, K], op(B): [K, N], accumulated in float32
 
-`linear_cross_entropy` adds each token chunk's dW into a running [V, D] sum. cuBLAS (through
-XLA) reads C only in the epilogue, after the tile's main loop, so that read is not hidden:
-at a 512-token chunk of Llama-3-8B the dW GEMM takes 1.15 ms with the add against 0.81 ms
-without it (H100, benchmarks/NOTES.md). Here the C tile is requested by TMA when a tile
-starts and lands in shared memory while the main loop runs; the epilogue adds it to the
-float32 accumulator and rounds once.
+`linear_cross_entropy` adds each token chunk's dW into a running sum. cuBLAS (through XLA)
+reads C only in the epilogue, after the tile's main loop, so that read is not hidden. Here
+the C tile is requested by TMA when a tile starts and lands in shared memory while the main
+loop runs; the epilogue adds it to the float32 accumulator and rounds once. Or, with
+`add="tma"`, the epilogue's TMA stores reduce-add the tile into C in L2, so C is never read
+into the SMs at all.
 
 Structure: a persistent kernel, one CTA per SM walking the output tiles, two compute
 warpgroups and one memory warpgroup feeding them A and B through a ring of TMA slots, in one
@@ -21,47 +21,24 @@ of three schedules (`GemmConfig.schedule`):
                the CTA's tiles: the next tile's operands land during an epilogue, whatever
                the depth of the ring
 
+CTAs may run in pairs that share one operand's blocks by TMA multicast (`cluster`).
 Operands may be stored transposed (`trans_a`: A is [K, M] in memory; `trans_b`: B is
 [N, K]); WGMMA reads 16-bit operands of either major-ness straight from shared memory, so
 no transposed copy is ever made.
 
 C is updated in place: pass it as a `jax.Ref` (see `gemm_into`) and the kernel writes the
-sum over it, so a running sum of 1 GiB costs no second buffer (checked: the compiled
-program aliases it and holds no temporary). GPU only: jax 0.10.2's Mosaic GPU interpreter
-cannot run `plgpu.kernel` meshes, so there is no interpret mode (the ring kernel's
-lowering is checked on the CPU).
+sum over it, so a running sum of 1 GiB costs no second buffer. GPU only: jax 0.10.2's Mosaic
+GPU interpreter cannot run `plgpu.kernel` meshes, so there is no interpret mode (the
+kernels' lowering is checked on the CPU).
 
-Status: correct for every transpose combination, every schedule and both cluster axes
-(tests/ops/test_mosaic_gemm.py). `linear_cross_entropy` runs it where asked
-(`PallasMosaicGpu(mosaic_gemms=...)`), which drops cuBLAS's 32 MiB workspace. By default it runs
-the exp_out GEMM (below), and the dx and dW GEMMs too where they are level with cuBLAS
-(PallasMosaicGpu.auto_gemms: Llama-3-8B's shape, [D, V] weights; the TMA reduce-add's L2
-prefetch of the running sum got dW there). One 512-token chunk of Llama-3-8B
-on an H200, µs per GEMM inside the loss's chunk loop under ncu
-(benchmarks/scratch/lce_tiles_insitu.py; isolated timings move by ±10% between machines
-and rank tiles differently):
-
-  GEMM, [M, K] @ [K, N]                        best tiles                          ours  cuBLAS
-  logits x_c Wᵀ  [512,4096] @ [4096,128256]     ring 128×256, 4 slots, 1 in flight   715     678
-  dx     G W     [512,128256] @ [128256,4096]   ping-pong, pairs along M (B shared)  706     654
-  dW += Gᵀ x_c   [128256,512] @ [512,4096]      cooperative, pairs along M           937     877
-
-`gemm(..., row_stats=c)` also returns each row's partial log-sum-exps over the first c
-columns of the output, reduced in the epilogue (linear_cross_entropy's fused_lse), or with
-`row_stats_into` stores them as bfloat16 words in rows of an array that are scratch until a
-later kernel writes them. With `exp_out=True` it stores exp(product) instead, and each
-tile's row sums of it (linear_cross_entropy's exp_logits, its default on Hopper: at
-1,024-token chunks of Llama-3-8B this GEMM takes 1.71-1.75 ms against cuBLAS's 1.61 for
-the plain x @ W, benchmarks/scratch/exp_gemm_tiles.py). `GemmConfig.tail_n` fills the last
-wave of tiles with narrower ones (the logits GEMM at 512-token chunks: 0.6-0.8% off the
-loss). `gemm_into(..., enabled=flag)` runs no tile where the traced flag is false: an
-in-place conditional update that lax.cond would make a copy of. `row_scale` multiplies each
-row of the float32 product by a factor before it is rounded (exp_logits' dx GEMM: the
-softmax's per-row factor, applied where no pass over dx's rows is needed).
-
-CTA pairs took dW += from 1,013 µs (ping-pong, session 7) to 937; the ring schedule took
-the logits GEMM from 730 µs (cooperative, 3 slots) to 715. benchmarks/NOTES.md (sessions 7
-to 9) has the rest.
+Epilogue options for the loss: `row_stats=c` also returns each row's partial log-sum-exps
+over the first c columns (fused_lse), or with `row_stats_into` stores them as bfloat16
+words in rows of an array that are scratch until a later kernel writes them; `exp_out=True`
+stores exp(product) and each tile's row sums of it (exp_logits); `row_scale` multiplies each
+row of the float32 product by a factor before it is rounded; `GemmConfig.tail_n` fills the
+last wave of tiles with narrower ones; `gemm_into(..., enabled=flag)` runs no tile where the
+traced flag is false (an in-place conditional update that lax.cond would copy).
+docs/design/hopper_gemm.md has the design's measurements.
 """
 
 from __future__ import annotations
@@ -367,7 +344,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   In ping-pong, where K's steps are a multiple of twice the slots, each warpgroup waits on
   and releases only its own tiles' slots (`turns`, below): its epilogue then holds up
   none of the other's main loop (the dW GEMM of a 1,024-token chunk of Llama-3-8B, 128 ×
-  192 tiles: 27.0 against the ring's 29.2 ms over 16 chunks; H200, session 26). Otherwise
+  192 tiles: 27.0 against the ring's 29.2 ms over 16 chunks; H200). Otherwise
   the non-owner passes every slot of the other's tiles (waits on it and releases it at
   once), so that each sees every phase of every barrier in order. C is requested when a
   tile's main loop starts and lands in shared memory while it runs. With `reduce` (c_gmem is
@@ -626,8 +603,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
         if reduce:
           # The running sum's tile, into L2 while the tile's main loop runs, so that the
           # epilogue's TMA reduce-add finds it there: the dW GEMM of a 1,024-token chunk
-          # of Llama-3-8B 0.56 ms faster over 16 chunks, the whole loss 1.5% (H200,
-          # benchmarks/NOTES.md, session 24; the next tile's instead was slower).
+          # of Llama-3-8B 0.56 ms faster over 16 chunks, the whole loss 1.5% (H200;
+          # prefetching the next tile's instead was slower).
           plgpu.async_prefetch(out_gmem.at[pl.ds(rows, cm), pl.ds(cols, width)])
 
         @pl.loop(0, k_steps)

@@ -103,8 +103,7 @@ def query_cta_index(mask, n_ctas: int, launch):
   mask those of the last query rows (which see the most keys) would start last and make
   the final wave the longest. Walking the query rows backwards starts them first, and the
   light CTAs fill the tail: the causal forward at the headline shape took 1.095 against 1.117 ms
-  on an H200 (benchmarks/NOTES.md, session 11). The dq kernel keeps grid order (no gain
-  measured there).
+  on an H200. The dq kernel keeps grid order (no gain measured there).
   """
   return n_ctas - 1 - launch if mask.is_causal else launch
 
@@ -226,8 +225,7 @@ def stream_key_blocks(k_ref, v_ref, kv_seg_ref, b, kv_head, cta_lo, cta_hi, bloc
   # Two rings, the shallower first (its block is needed sooner): each is filled, then the
   # slot that block i leaves is refilled with block i + depth. Every wait sits under one
   # condition with its own copy; a conditional wait of one ring after an unconditional copy of
-  # the other handed the compute warpgroups zeros for a V block (benchmarks/NOTES.md, session
-  # of 2026-11-22 (5)).
+  # the other handed the compute warpgroups zeros for a V block.
   rings = sorted([(k_stages, k_which, k_free), (v_stages, [1], v_free)],
                 key=lambda ring: ring[0])
   for depth, which, _ in rings:

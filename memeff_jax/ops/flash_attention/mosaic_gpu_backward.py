@@ -32,7 +32,8 @@ see all of them (with segment ids, every one). Served: bf16/f16, D 64, 128 or 25
 with column_split: each warpgroup owns half of the columns of dK, dV and dQ, and both
 compute the whole Sᵀ and dPᵀ of the CTA's 64 keys), T a multiple of 64, S of 128 (of 64
 with column_split), any mask, logit softcap. configs/tuning/flash_attention.toml picks the
-settings per head dim, causal and GQA; benchmarks/NOTES.md has what each variant measured.
+settings per head dim, causal and GQA; docs/design/flash_attention.md has what each variant
+measured.
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   (D = 128 with dq_buffers=2 has 1 KB to spare, the ids take as much), and then without
   dq_stagger: with one slot warpgroup 1's dQ waits for the send of the last step's, whose
   tile warpgroup 0 leaves only in this step (at the headline, three Q/dO stages and one
-  slot: fwd+bwd 8.2 ms staggered against 7.6 without, session 36)."""
+  slot: fwd+bwd 8.2 ms staggered against 7.6 without, H100)."""
   itemsize = jnp.dtype(dtype).itemsize
   if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
     # fused_delta's O tiles need both slots; with segment ids it would not apply anyway.
@@ -658,7 +659,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       slot, which the store reads): once warpgroup 0's store has landed, the block's flag.
       Raised any earlier (right after the step's first WGMMAs, waiting there for the store to
       land; or by a warp of the memory warpgroup) the causal headline's fwd+bwd took as long
-      as with the pass, where raised here it took 1.3–1.7% less (benchmarks/NOTES.md)."""
+      as with the pass, where raised here it took 1.3–1.7% less."""
       @pl.when(owns(i) & (wg == 0))
       def _():
         plgpu.wait_smem_to_gmem(0)
@@ -756,7 +757,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_wait(stats_ready.at[slot])
         fused = delta is not None and (masked or mask.is_dense)  # causal: first visits mask
         # The flag's code goes into every loop body: only in the masked steps' (where it
-        # runs), the ptxas report and the times were the same (benchmarks/NOTES.md).
+        # runs), the ptxas report and the times were the same.
         publish = delta is not None
         if fused:
           own_delta(it, i, slot, qb, do_tile)

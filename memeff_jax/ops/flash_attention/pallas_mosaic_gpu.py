@@ -105,11 +105,11 @@ class MosaicConfig:
     """for_head_dim(d), with overlap in place of ping-pong at D = 128 and 256 under no mask
     or a causal one. There it measured 1.05× / 1.13× cuDNN's forward non-causal and 1.02× /
     1.09× causal, against 0.98× / 0.95× and 1.01× / 0.98× with ping-pong (H200, one
-    process, benchmarks/NOTES.md); not at D = 64 (no faster). Masked blocks run without the
+    process); not at D = 64 (no faster). Masked blocks run without the
     overlap, so windows and segment ids keep ping-pong.
 
     Persistent at D = 128 without a mask: the headline's forward took 1.830 against 1.916
-    ms on the grid (H100, 5 interleaved rounds, benchmarks/NOTES.md, session 33); causal
+    ms on the grid (H100, 5 interleaved rounds); causal
     it took 1.089 against 1.068 (the static deal of unequal tiles does worse than the
     hardware's dispatcher), and at D = 256 the output's buffer would cost a K/V stage."""
     config = cls.for_head_dim(d)
@@ -375,7 +375,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
             plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
             plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
             # PV_{j−1} may still run, except on a masked block: the mask's registers then
-            # made ptxas serialize every WGMMA of the kernel (C7513, benchmarks/NOTES.md).
+            # made ptxas serialize every WGMMA of the kernel (ptxas warning C7513).
             scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if masked else 1)
             p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = online_softmax(
                 j, slot, scores, m, l, masked=masked)

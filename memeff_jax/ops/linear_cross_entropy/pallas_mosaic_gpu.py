@@ -182,8 +182,8 @@ class PallasMosaicGpu:
     tiles fill the GPU's SMs in whole waves to `min_wave_fill` (it has no split-K: a
     [C, D] output of a few tiles would leave most SMs idle). Where only that last fails
     and the dW GEMM runs ping-pong on its warpgroups' own slots (mosaic_gemm.own_slots),
-    the logits and dW GEMMs go on kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b on an H200,
-    session 26: 1.105x the floor against 1.174x all on cuBLAS). Elsewhere cuBLAS, with dW
+    the logits and dW GEMMs go on kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b on an H200:
+    1.105x the floor against 1.174x all on cuBLAS). Elsewhere cuBLAS, with dW
     added in the weight's dtype ("weight"). `shapes` as gemm_configs takes them; `sms`: the
     GPU's SM count (default: the default device's), which mosaic_gemm.ctas turns into the
     dx launch's CTAs."""
