@@ -60,9 +60,14 @@ def _demo(args) -> int:
   if plain.temp_bytes and ours.temp_bytes:
     print(f"memeff layers need {1 - ours.temp_bytes / plain.temp_bytes:.0%} less temporary "
           "memory per step (XLA's compiled memory analysis)")
-  run.plot(results, args.plot, f"memeff-jax demo ({device.platform}): {cfg.n_layers} layers, "
-           f"{batch}×{seq_len} tokens")
-  print(f"plot: {args.plot}")
+  try:
+    import matplotlib  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    print("plot: skipped (matplotlib is not installed: pip install 'memeff-jax[plot]')")
+  else:
+    run.plot(results, args.plot, f"memeff-jax demo ({device.platform}): {cfg.n_layers} "
+             f"layers, {batch}×{seq_len} tokens")
+    print(f"plot: {args.plot}")
   return 0 if worst < 1e-3 else 1
 
 
@@ -187,7 +192,8 @@ def main(argv=None) -> int:
   sub = parser.add_subparsers(dest="command", required=True)
   demo = sub.add_parser("demo", help="train a tiny model twice: plain vs memeff layers")
   demo.add_argument("--steps", type=int, default=None, help="default: the tiny config's")
-  demo.add_argument("--plot", default="memeff_demo.png", help="where to write the PNG")
+  demo.add_argument("--plot", default="memeff_demo.png",
+                    help="where to write the PNG of the loss curves (needs matplotlib)")
   demo.set_defaults(func=_demo)
   model = argparse.ArgumentParser(add_help=False)  # what train and report share
   model.add_argument("--config", required=True, help="a path or a name: tiny, 125m, 1b")

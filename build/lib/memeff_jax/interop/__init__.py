@@ -1,0 +1,1 @@
+"""Bridges to other frameworks: `memeff_jax.interop.torch` (PyTorch)."""

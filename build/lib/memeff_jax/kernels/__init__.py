@@ -1,0 +1,1 @@
+"""Building blocks below both ops: Hopper (Mosaic GPU) helpers and the Mosaic GEMM."""

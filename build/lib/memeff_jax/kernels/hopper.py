@@ -1,0 +1,181 @@
+"""Hopper (sm90) building blocks of the Pallas Mosaic GPU kernels, shared by both ops.
+
+Shared-memory size, dtype checks, loads that work on jax 0.10 and 0.11, swizzled tiles,
+kernel-index arithmetic, the memory warpgroup's ring of slots, ping-pong turns, fences and
+persistent-kernel scheduling. Nothing here knows attention or the loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+from jax._src.lib.mlir import ir  # fence_smem's inline PTX
+from jax._src.lib.mlir.dialects import llvm
+
+
+def default_device() -> jax.Device:
+  """The device a jitted call without committed inputs runs on: `jax.default_device`'s when
+  set (as a device or a platform name), else the first device."""
+  device = jax.config.jax_default_device
+  if device is None:
+    return jax.devices()[0]
+  if isinstance(device, str):
+    return jax.devices(device)[0]
+  return device
+
+
+def on_nvidia_gpu() -> bool:
+  device = default_device()
+  return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
+
+
+def hopper_error() -> str | None:
+  """Why the default device is not an NVIDIA Hopper GPU (compute capability 9.0), or None."""
+  if not on_nvidia_gpu():
+    return f"needs an NVIDIA Hopper GPU (default device: {default_device().device_kind})"
+  capability = getattr(default_device(), "compute_capability", None)
+  if capability != "9.0":
+    return f"needs compute capability 9.0 (Hopper), got {capability}"
+  return None
+
+
+def unavailable() -> str | None:
+  """Why Mosaic GPU kernels cannot run on the default device, or None when they can."""
+  if plgpu is None:
+    return "jax.experimental.pallas.mosaic_gpu is not importable"
+  return hopper_error()
+
+
+SMEM_BYTES = 232_448  # shared memory per CTA on sm90
+
+LOG2E = math.log2(math.e)  # the kernels' exponentials are exp2: e^x = 2^(x·log2 e)
+
+LN2 = math.log(2.0)  # and back: log x = log2(x) · ln 2
+
+def dtype_error(dtype) -> str | None:
+  """Why the Mosaic kernels cannot take inputs of this dtype (they run bf16/f16 WGMMAs)."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+  return None
+
+def load(ref, layout, optimized: bool = True):
+  """A whole ref into registers with `layout`. jax 0.11 deprecates the index argument of
+  plgpu.load that 0.10 requires. Mosaic GPU has optimized transfers for shared memory only:
+  a global-memory ref needs optimized=False (plain per-thread loads)."""
+  if _LOAD_TAKES_INDEX:
+    return plgpu.load(ref, (), layout=layout, optimized=optimized)
+  return plgpu.load(ref, layout=layout, optimized=optimized)
+
+_LOAD_TAKES_INDEX = plgpu is not None and getattr(
+    inspect.signature(plgpu.load).parameters.get("idx"), "default", None
+) is inspect.Parameter.empty
+
+def swizzled_tiles(swizzle: int = 128, dtype=jnp.bfloat16):
+  """Swizzled tiles of `swizzle` bytes per row (64 bfloat16 elements by default, 32 of
+  float32): what TMA writes and WGMMA reads. A WGMMA whose B operand is such a tile contracts over a multiple of
+  swizzle / 2 of the tile's rows (Mosaic GPU issues its K steps per swizzle group)."""
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+def div(x, n):
+  """Integer division of kernel indices (Python ints or traced int32)."""
+  return lax.div(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
+
+def rem(x, n):
+  return lax.rem(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
+
+def fence_smem() -> None:
+  """Makes this thread's shared-memory writes visible to the async proxy (TMA, WGMMA), as
+  plgpu.commit_smem does, but without its warpgroup barrier (a bar.sync, and the thread-id
+  read that names it). Enough where each thread then arrives at an mbarrier that the reader
+  waits on: Pallas counts every thread's arrival (a barrier of n arrivals expects 128·n under
+  both lowering semantics), and each arrival releases its own thread's fenced writes."""
+  @plgpu.inline_mgpu()
+  def fence(_):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
+                    has_side_effects=True)
+
+  fence()
+
+def wait_stores_read() -> None:
+  """A CTA's last wait on its TMA stores: until they have read their shared memory, not
+  until they land. The kernel's end makes its global writes visible to what follows (JAX's
+  Hopper matmul and CUTLASS's epilogues end so too); waiting for the landing would keep the
+  SM from its next CTA."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+def persistent_ctas(num_sms: int | None, n_items: int) -> int:
+  """A persistent kernel's CTAs: one per SM (num_sms, else the default device's count; 132,
+  an H100's, where it has none, as when lowering on a CPU), at most one per work item."""
+  sms = num_sms or getattr(jax.devices()[0], "core_count", None) or 132
+  return min(sms, n_items)
+
+def greedy_schedule(costs, ctas: int, overhead: int):
+  """(table [ctas, rounds], counts [ctas]) int32 for a persistent kernel: the work items
+  (costs[i] for the one at launch position i, in any unit) dealt in launch order, each to
+  the CTA that an estimate (its costs plus `overhead` per item) frees first, as the
+  hardware's dispatcher would deal CTAs of a grid. Each CTA takes its items in launch
+  order, so an item that waits on others (the ordered dq reduction) waits only on earlier
+  ones, which the other CTAs reach first: no deadlock while all CTAs are resident."""
+  free = [(0, c) for c in range(ctas)]
+  lists = [[] for _ in range(ctas)]
+  for i, n in enumerate(costs):
+    at, c = heapq.heappop(free)
+    lists[c].append(i)
+    heapq.heappush(free, (at + int(n) + overhead, c))
+  rounds = max(len(x) for x in lists)
+  table = [x + [0] * (rounds - len(x)) for x in lists]
+  return (jnp.asarray(table, jnp.int32).reshape(ctas, rounds),
+          jnp.asarray([len(x) for x in lists], jnp.int32))
+
+def when(cond, fn) -> None:
+  """fn() where cond holds: a Python bool (static shapes) or a traced one."""
+  if isinstance(cond, bool):
+    if cond:
+      fn()
+  else:
+    pl.when(cond)(fn)
+
+def fill_ring(load, n, stages: int, free, drain=None) -> None:
+  """The memory warpgroup's loop: load(i, slot) for steps 0..n-1 into `stages` shared-memory
+  slots, refilling a slot once every barrier array in `free` has been arrived on for it.
+  `n` may be traced (causal CTAs need fewer steps); the first fills are then guarded.
+  drain(i), if given, runs for every step i after step i + stages's load (the last `stages`
+  after the loop): work on a step's results that should not hold up the loads."""
+  for i in range(stages):
+    when(i < n, functools.partial(load, i, i))
+
+  @pl.loop(stages, n)
+  def _(i):
+    slot = rem(i, stages)
+    for barrier in free:
+      plgpu.barrier_wait(barrier.at[slot])
+    load(i, slot)
+    if drain is not None:
+      drain(i - stages)
+
+  if drain is not None:
+    pl.loop(jnp.maximum(n - stages, 0), n)(drain)
+
+def floor_div(x, n):
+  """Floor division of a possibly negative kernel index (lax.div truncates toward zero)."""
+  q = div(x, n)
+  return jnp.where(rem(x, n) < 0, q - 1, q)
+
+def take_turn(barrier) -> None:
+  """Ping-pong: both compute warpgroups arrive on `barrier`; neither passes until the other
+  has."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)

@@ -1,0 +1,197 @@
+"""A Llama-style decoder in Flax NNX: RMSNorm, RoPE, SwiGLU, GQA, optional tied embeddings,
+segment-id packing, the layers stacked and run with nnx.scan under a remat policy.
+
+`Llama(cfg, kernels="memeff")` uses memeff_jax.flash_attention and FusedLMHead;
+`kernels="plain"` uses jax.nn.dot_product_attention (XLA) and nnx.Linear + optax. The two have
+identical parameter trees, so a checkpoint of one loads into the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tomllib
+
+from flax import nnx
+import jax
+from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
+import optax
+
+from memeff_jax import remat
+from memeff_jax.flax.nnx import FusedLMHead
+from memeff_jax.ops.flash_attention import flash_attention
+
+KERNELS = ("memeff", "plain")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Model size and numerics. `remat_policy` names a memeff_jax.remat.POLICIES entry, a
+  `jax.checkpoint_policies` entry, or "none" for no rematerialization."""
+
+  vocab_size: int = 256
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  d_ff: int = 352
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat_policy: str = "nothing"
+
+  def __post_init__(self):
+    if self.d_model % self.n_heads:
+      raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads="
+                       f"{self.n_kv_heads}")
+    try:
+      remat.resolve(self.remat_policy)
+    except ValueError as err:
+      raise ValueError(f"remat_policy={self.remat_policy!r}: {err}") from None
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @classmethod
+  def from_toml(cls, path) -> tuple["LlamaConfig", dict]:
+    """(model config, the file's [train] table) from a configs/models/*.toml file."""
+    with pathlib.Path(path).open("rb") as f:
+      data = tomllib.load(f)
+    return cls(**data.get("model", {})), data.get("train", {})
+
+
+def rope(x, positions, theta: float):
+  """Rotary position embedding (Su et al. 2021) on x [B, T, H, D] at positions [B, T]."""
+  d = x.shape[-1]
+  freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [D/2]
+  angle = positions[..., None].astype(jnp.float32) * freq  # [B, T, D/2]
+  cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, kernels: str, *, rngs: nnx.Rngs):
+    self.cfg, self.kernels = cfg, kernels
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype, rngs=rngs)
+    hd = cfg.head_dim
+    self.q_proj = lin(cfg.d_model, cfg.n_heads * hd)
+    self.k_proj = lin(cfg.d_model, cfg.n_kv_heads * hd)
+    self.v_proj = lin(cfg.d_model, cfg.n_kv_heads * hd)
+    self.o_proj = lin(cfg.n_heads * hd, cfg.d_model)
+
+  def __call__(self, x, positions, segment_ids):
+    cfg, (b, t, _) = self.cfg, x.shape
+    q = self.q_proj(x).reshape(b, t, cfg.n_heads, cfg.head_dim)
+    k = self.k_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = checkpoint_name(self.v_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), "value_proj")
+    q = checkpoint_name(rope(q, positions, cfg.rope_theta), "query_proj")
+    k = checkpoint_name(rope(k, positions, cfg.rope_theta), "key_proj")
+    if self.kernels == "memeff":
+      out = flash_attention(q, k, v, causal=True, q_segment_ids=segment_ids)
+    else:
+      mask = jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
+      if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
+    out = checkpoint_name(out, "attention_out")
+    return self.o_proj(out.reshape(b, t, cfg.n_heads * cfg.head_dim))
+
+
+class MLP(nnx.Module):
+  """SwiGLU (Shazeer 2020)."""
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype, rngs=rngs)
+    self.gate = lin(cfg.d_model, cfg.d_ff)
+    self.up = lin(cfg.d_model, cfg.d_ff)
+    self.down = lin(cfg.d_ff, cfg.d_model)
+
+  def __call__(self, x):
+    h = jax.nn.silu(checkpoint_name(self.gate(x), "mlp_gate")) * checkpoint_name(self.up(x),
+                                                                                    "mlp_up")
+    return self.down(h)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, kernels: str, *, rngs: nnx.Rngs):
+    norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.dtype,
+                               param_dtype=cfg.param_dtype, rngs=rngs)
+    self.attn_norm, self.attn = norm(), Attention(cfg, kernels, rngs=rngs)
+    self.mlp_norm, self.mlp = norm(), MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, positions, segment_ids):
+    x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+  """tokens [B, T] -> loss, through `loss()`; `logits()` for inference."""
+
+  def __init__(self, cfg: LlamaConfig, *, kernels: str = "memeff", rngs: nnx.Rngs):
+    if kernels not in KERNELS:
+      raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    self.cfg, self.kernels = cfg, kernels
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
+                           param_dtype=cfg.param_dtype, rngs=rngs)
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_blocks(rngs):
+      return Block(cfg, kernels, rngs=rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype, rngs=rngs)
+    tied = self.embed if cfg.tie_embeddings else None
+    if kernels == "memeff":
+      self.lm_head = FusedLMHead(cfg.d_model, cfg.vocab_size, dtype=cfg.dtype,
+                                 param_dtype=cfg.param_dtype, tied_embedding=tied, rngs=rngs)
+    elif tied is None:
+      self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
+                                param_dtype=cfg.param_dtype, rngs=rngs)
+    else:
+      self.lm_head = None  # logits through embed.attend
+
+  def hidden(self, tokens, segment_ids=None, positions=None):
+    """Final-norm hidden states [B, T, D]."""
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    policy = remat.resolve(self.cfg.remat_policy)
+
+    def layer(x, block):
+      return block(x, positions, segment_ids)
+
+    if policy is not None:
+      layer = nnx.remat(layer, policy=policy)
+    x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(self.embed(tokens),
+                                                                        self.blocks)
+    return self.final_norm(x)
+
+  def logits(self, tokens, segment_ids=None):
+    h = self.hidden(tokens, segment_ids)
+    return self.lm_head.logits(h) if self.kernels == "memeff" else self._plain_logits(h)
+
+  def _plain_logits(self, h):
+    return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+
+  def loss(self, tokens, labels, segment_ids=None):
+    """Mean next-token cross-entropy over labels != -100."""
+    h = self.hidden(tokens, segment_ids)
+    if self.kernels == "memeff":
+      return self.lm_head(h, labels)
+    logits = self._plain_logits(h)
+    valid = labels != -100
+    per = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), jnp.where(valid, labels, 0))
+    return jnp.sum(jnp.where(valid, per, 0.0)) / jnp.maximum(jnp.sum(valid), 1)

@@ -1,0 +1,96 @@
+"""Which keys a query sees: one definition shared by every implementation.
+
+Query i sees key j when all of these hold (each only if asked for):
+
+  causal          j ≤ i                         (top-left aligned, as jax.nn)
+  sliding_window  i - left ≤ j ≤ i + right      (an int w means (w, w))
+  segments        q_segment_ids[i] == kv_segment_ids[j]
+
+`visible` evaluates this for index blocks (the reference, chunked_xla and the kernels all
+call it); `kv_block_range` / `q_block_range` give the blocks a causal or windowed mask can
+reach at all, so loops skip the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """The static part of a mask. left/right None mean unbounded."""
+
+  left: int | None = None
+  right: int | None = None
+  segments: bool = False
+
+  @classmethod
+  def make(cls, causal: bool, sliding_window, segments: bool) -> "MaskSpec":
+    left = right = None
+    if sliding_window is not None:
+      left, right = ((sliding_window, sliding_window) if isinstance(sliding_window, int)
+                     else tuple(sliding_window))
+    if causal:
+      right = 0 if right is None else min(right, 0)
+    return cls(left=left, right=right, segments=segments)
+
+  @property
+  def is_causal(self) -> bool:
+    """Exactly causal: no window on the left, no segment ids."""
+    return self.left is None and self.right == 0 and not self.segments
+
+  @property
+  def is_dense(self) -> bool:
+    return self.left is None and self.right is None and not self.segments
+
+  def visible_pairs(self, t: int, s: int) -> int:
+    """How many (query, key) pairs of a [t, s] score matrix the band lets through (segment
+    ids, unknown until run time, are not counted)."""
+    rows = np.arange(t)
+    lo = np.zeros(t, np.int64) if self.left is None else np.maximum(rows - self.left, 0)
+    hi = np.full(t, s - 1) if self.right is None else np.minimum(rows + self.right, s - 1)
+    return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def visible(spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None):
+  """[len(q_idx), len(k_idx)] bool: query q_idx[a] sees key k_idx[b] (index bounds apart).
+
+  Segment ids are compared only when given (callers with a batch dimension compare them
+  themselves).
+  """
+  q, k = q_idx[:, None], k_idx[None, :]
+  ok = jnp.ones((q_idx.shape[0], k_idx.shape[0]), jnp.bool_)
+  if spec.right is not None:
+    ok = ok & (k <= q + spec.right)
+  if spec.left is not None:
+    ok = ok & (k >= q - spec.left)
+  if q_seg is not None:
+    ok = ok & (q_seg[:, None] == k_seg[None, :])
+  return ok
+
+
+def kv_block_range(spec: MaskSpec, q_start, q_len: int, kv_len: int, block_k: int):
+  """[lo, hi) of key blocks that queries [q_start, q_start + q_len) can see."""
+  n_blocks = -(-kv_len // block_k)
+  lo, hi = 0, n_blocks
+  if spec.left is not None:
+    lo = jnp.maximum(0, (q_start - spec.left) // block_k)
+  if spec.right is not None:
+    last = q_start + q_len - 1 + spec.right  # last key the block's last query sees
+    hi = jnp.clip(last // block_k + 1, 0, n_blocks)
+  return lo, hi
+
+
+def q_block_range(spec: MaskSpec, k_start, k_len: int, q_len_total: int, block_q: int):
+  """[lo, hi) of query blocks that can see keys [k_start, k_start + k_len)."""
+  n_blocks = -(-q_len_total // block_q)
+  lo, hi = 0, n_blocks
+  if spec.right is not None:  # i ≥ j - right
+    lo = jnp.clip((k_start - spec.right) // block_q, 0, n_blocks)
+  if spec.left is not None:  # i ≤ j + left
+    last = k_start + k_len - 1 + spec.left
+    hi = jnp.clip(last // block_q + 1, 0, n_blocks)
+  return lo, hi

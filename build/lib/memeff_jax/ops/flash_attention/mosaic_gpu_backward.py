@@ -1,0 +1,1134 @@
+"""Hopper attention backward in Pallas Mosaic GPU: one pass over the scores for dq, dk and dv.
+
+FlashAttention-2/3's backward: a CTA owns 128 keys of one key head, keeps K, V and
+the float32 dK, dV accumulators on chip, and streams every query block of the heads that
+share that key head. Per query block it runs the five matmuls the gradient needs, with no
+recomputed product (two separate dq and dk/dv kernels need seven):
+
+  Sᵀ  = K Qᵀ          Pᵀ = 2^(Sᵀ·c − lse₂)        (the forward's log-sum-exp, log2 domain)
+  dPᵀ = V dOᵀ         dSᵀ = Pᵀ ∘ (dPᵀ − Δ)         (Δ = rowsum(dO ∘ O) − d_lse)
+  dV += Pᵀ dO         dK += dSᵀ Q                  (Pᵀ, dSᵀ from registers)
+  dQ  = dS K          added into a float32 dq in global memory by a TMA reduction (in
+                      arrival order, or in a fixed one with dq_ordered)
+
+Warpgroups:
+
+  memory warpgroup    TMA-loads K and V once, then streams Q, dO and the two row
+                      statistics (lse₂, Δ) through a ring of `stages` slots; a slot is
+                      refilled once both compute warpgroups have released it
+  compute warpgroups  one per 64 keys, 64 query rows per step. dSᵀ goes to shared memory
+                      for dQ = dS K. With `dq_split` (D = 128) the two warpgroups share
+                      their dSᵀ and each computes half of dQ's columns over all 128 keys,
+                      which halves the float32 traffic of the reduction; without it each
+                      adds the dQ of its own keys. With `dq_pipelined` (dq_split only) dSᵀ
+                      is exchanged first and dQ issued with dV and dK, its store and
+                      reduction running under them. With `pingpong` they take turns issuing
+                      WGMMAs, as in the forward.
+
+The softmax scale is applied once at the end (to dK, and to dq when it is cast back to the
+input dtype). Masks as in the forward, transposed: a CTA visits only the query blocks that
+see any of its keys (by the band, then by segment-id ranges), and masks those that do not
+see all of them (with segment ids, every one). Served: bf16/f16, D 64, 128 or 256 (256
+with column_split: each warpgroup owns half of the columns of dK, dV and dQ, and both
+compute the whole Sᵀ and dPᵀ of the CTA's 64 keys), T a multiple of 64, S of 128 (of 64
+with column_split), any mask, logit softcap. configs/tuning/flash_attention.toml picks the
+settings per head dim, causal and GQA; docs/design/flash_attention.md has what each variant
+measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from memeff_jax import _tuning
+from memeff_jax.kernels import hopper
+from memeff_jax.ops.flash_attention import _common
+from memeff_jax.ops.flash_attention import _mosaic
+from memeff_jax.ops.flash_attention._common import AttentionOptions
+from memeff_jax.ops.flash_attention.masks import MaskSpec
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+BLOCK_Q = 64  # query rows per pipeline step (MosaicBackwardConfig.block_q may widen it)
+BLOCK_KV = 64  # keys per compute warpgroup; a CTA holds two such blocks
+# Registers per thread of the compute and memory warpgroups (2·128·240 + 128·24 = 63Ki of
+# the SM's 64Ki). At (232, 40) ptxas spilled about twice as much and the kernel ran 1–3% slower.
+_REGISTERS = (240, 24)
+_SMEM_RESERVE = 1_024  # barriers and alignment
+_SEG_RESERVE = 256  # the segment ids' barriers and alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardConfig:
+  """Settings of the backward kernel.
+
+  Each compute warpgroup owns 64 keys (WGMMA's M), and the dK and dV accumulators (64 × D
+  float32 each) leave few registers for the score tiles, which are 64 keys × block_q queries.
+
+  Attributes:
+    block_q: query rows per pipeline step: 64, or 80 or 96 without dq (dQ = dS K has block_q
+      rows, and WGMMA's M is 64). Wider steps give the Sᵀ and dPᵀ WGMMAs a larger N and the
+      dV and dK WGMMAs a longer K for the same per-step waits and turns (FlashAttention-3's
+      backward takes 80 at D = 128); T need not be a multiple of it: the last step's rows
+      past T load as zeros, which add nothing to dK or dV.
+    stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split or without dq,
+      4 without dq).
+    dq_split: the two compute warpgroups each compute half of dQ's columns (D = 128 only).
+    pingpong: the compute warpgroups take turns issuing their WGMMAs, so that one's softmax
+      and stores run under the other's matmuls (not with dq_split: its exchange of dSᵀ
+      would wait on a turn the other warpgroup cannot give).
+    gqa_per_query_head: under GQA, one CTA per query head rather than per key head: dK and
+      dV are added into float32 [B, S, Hkv, D] buffers by TMA reductions (as dq is), so
+      the grid has Hq/Hkv times more, shorter CTAs (not with dq_split, whose dQ tiles are
+      too small to carry a dK tile).
+    column_split: a CTA of 64 keys whose two compute warpgroups each own half of the
+      columns of dK, dV and dQ; both compute the whole Sᵀ and dPᵀ (7 matmul units of
+      64·64·D/2 per warpgroup against 5 of 64·64·D). It keeps dK and dV in registers at
+      D = 256, where 64 keys of full width do not fit.
+    with_dq: False computes dK and dV only (four matmuls per step, no float32 dq, no
+      reductions): each key block has one CTA, so the result is deterministic, and dq comes
+      from elsewhere (pallas_mosaic_gpu's deterministic backward: mosaic_gpu_dq's kernel, or
+      pallas_triton's).
+    dq_pipelined: (dq_split only) a step exchanges dSᵀ first, then issues dQ = dS K with dV
+      and dK and stores dQ while those two run. Otherwise it issues dV and dK, exchanges
+      dSᵀ, and waits for dQ on its own before storing it, the tensor cores idle meanwhile.
+    dq_ordered: (dq_split or column_split) the key CTAs add into each query block's dq in
+      one fixed order, descending key block, so that dq is bitwise reproducible. The
+      compute warpgroups only leave their dQ tiles in shared memory; the memory warpgroup,
+      between its loads, waits for a counter in global memory (one per query block and
+      head) to reach the CTA's rank, sends both tiles to their reduction, and adds one to
+      the counter once they have landed. The first adder stores, so the float32 dq needs no
+      zeroing. The CTAs of a key head launch in that same order (last key block first), so
+      a CTA only waits on one launched before it, never on one without an SM (CUDA starts
+      a grid's CTAs in order).
+    dq_send_warp: (dq_ordered) the memory warpgroup's warp 1 sends dQ in its own loop, so
+      that a wait for a counter never holds up warp 0's loads.
+    dq_buffers: (dq_ordered) dQ tile slots, 1 or 2: with 2 the compute warpgroups may leave
+      a step's tiles while the last step's still wait for their turn. A most, like the
+      forward's stages: at D = 128 a call with segment ids gets one (fit_shared_memory).
+    dq_rotate: (dq_ordered) without a mask, key block j starts its walk over the query
+      blocks at block j · (n_q // n_kv) (then wraps around), and a query block's adders take
+      their turns in the order they visit it (then launch order). In lockstep, no two key
+      blocks reach a query block at the same step, so no one waits for the chain of those
+      before it (which in the plain walk grows by a reduction's latency per rank). A CTA
+      may then wait on one launched after it, which must find an SM: rotated walks apply
+      only where a key head has at most ROTATE_MAX_KV CTAs (T ≤ 8,192 at D = 128), and
+      only without a mask (masked walks keep their order). At the headline (B=4 H=32 T=4096)
+      it takes the ordered backward from 5.98 to 5.69 ms, level with arrival order.
+    dq_stagger: (dq_pipelined) the compute warpgroups run half a step apart, so that one's
+      softmax runs while the other's WGMMAs keep the tensor cores busy, instead of both
+      computing Pᵀ and dSᵀ at once. dQ = dS K needs both warpgroups' dSᵀ of a step:
+      warpgroup 1, behind, issues its step's dQ as before, warpgroup 0 issues the last
+      step's (whose dSᵀ warpgroup 1 wrote half a step ago) with its step's dV and dK, and
+      the last step's at the key block's end. The same registers as dq_pipelined (a dQ
+      beside dK and dV, nothing carried across steps; ptxas spills 4 B at the headline),
+      the same WGMMAs on the same operands: the same bits. A dSᵀ slot is rewritten once
+      both dQs reading it are done (barrier ds_free). With dq_ordered, only with
+      dq_send_warp (sends between the loads would hold up the loads that warpgroup 0's later
+      dQ waits on); not with fused_delta.
+    stagger_turns: (dq_stagger) the warpgroups take turns issuing their dQ, dV and dK
+      WGMMAs, warpgroup 0 first: in the free-running stagger nothing keeps warpgroup 1 from
+      drifting back into lockstep. Sᵀ and dPᵀ go out as soon as a warpgroup reaches them,
+      so that each one's softmax runs under the other's dQ, dV, dK and next Sᵀ, dPᵀ. At the
+      headline (H100, bwd_config_ab.py, 9 rounds, two runs) the fwd+bwd took 7.43 / 7.42 ms
+      (5,092 / 5,098 mJ per call at the cap) against 7.52 / 7.51 (5,156 / 5,155) with turns
+      for the Sᵀ, dPᵀ groups too, 7.58 / 7.61 (5,156 / 5,201) without the stagger.
+    fused_delta: (dq_ordered with dq_send_warp and two dQ slots; causal calls) Δ =
+      rowsum(dO ∘ O) is computed in the kernel, not by an XLA pass over O and dO before it
+      (at the headline on an H100 that pass takes 0.10 ms and 60 mJ, 2% of a causal
+      fwd+bwd's energy at the power cap). Under a causal mask with T = S, key block j's walk
+      starts on query blocks 2j and 2j + 1 (its diagonal), which no key block launched before
+      it visits: it loads their O into its two dQ tile slots (free on its first two steps),
+      computes their Δ, stores it into the row statistics in global memory and raises a flag
+      per block; the later key blocks' loads wait for that flag before loading a block's
+      statistics. A wait is only ever on a CTA launched earlier (dq_ordered launches the
+      last key block first). Other calls (no mask: a rotated walk would wait on key blocks
+      launched after it, which took the headline's backward from 7.6 to 10.8 ms; a window or
+      segment ids, T ≠ S, GQA) run the kernel with the pass, as dq_rotate
+      applies only where it can.
+    thread_fences: (dq_split or dq_ordered) the hand-offs through shared memory that an
+      mbarrier announces — dSᵀ to the other compute warpgroup, a dQ tile to the memory
+      warpgroup — fence each thread's writes and let its own arrival publish them
+      (hopper.fence_smem), without plgpu.commit_smem's warpgroup barrier. The same
+      operations in the same order otherwise.
+  """
+
+  stages: int = 2
+  block_q: int = BLOCK_Q
+  dq_split: bool = True
+  pingpong: bool = False
+  gqa_per_query_head: bool = False
+  column_split: bool = False
+  with_dq: bool = True
+  dq_pipelined: bool = False
+  dq_ordered: bool = False
+  dq_send_warp: bool = False
+  dq_buffers: int = 1
+  dq_rotate: bool = False
+  fused_delta: bool = False
+  dq_stagger: bool = False
+  stagger_turns: bool = False
+  thread_fences: bool = False
+
+  @classmethod
+  def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
+    """The Mosaic backward of deterministic calls: the whole kernel with dq_ordered where the
+    tuning table has a `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA
+    calls, whose schedule differs), else the dK/dV-only kernel (tuned(with_dq=False)),
+    which runs beside a dq kernel."""
+    table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
+    section = (f"d{d}_causal" if causal else f"d{d}") + ("_gqa" if gqa else "")
+    found = table.get(section + "_ordered")
+    if found:
+      return cls(**{**found, "dq_ordered": True})
+    return cls.tuned(d, causal, gqa, with_dq=False)
+
+  def cta_keys(self) -> int:
+    return BLOCK_KV if self.column_split else 2 * BLOCK_KV
+
+  def out_cols(self, d: int) -> int:
+    """Columns of dK and dV each compute warpgroup owns."""
+    return d // 2 if self.column_split else d
+
+  def dq_cols(self, d: int) -> int:
+    """Columns of dQ each compute warpgroup adds per step."""
+    return d // 2 if (self.dq_split or self.column_split) else d
+
+  @classmethod
+  def tuned(cls, d: int, causal: bool, gqa: bool = False,
+            with_dq: bool = True) -> "MosaicBackwardConfig":
+    """configs/tuning/flash_attention.toml's `d<D>[_causal][_gqa]` section for this GPU kind
+    (without `_gqa` where that has none), else dq_split where it applies (D = 128).
+
+    with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
+    (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
+    one, else the section above without dq_split, gqa_per_query_head, dq_pipelined,
+    dq_stagger and thread_fences (which only the kernel with dq serves)."""
+    table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
+    section = f"d{d}_causal" if causal else f"d{d}"
+    if not with_dq:
+      found = ((gqa and table.get(section + "_gqa_dkv")) or table.get(section + "_dkv")
+               or table.get(f"d{d}_dkv"))
+      if found:
+        return cls(**found, with_dq=False)
+      return dataclasses.replace(cls.tuned(d, causal, gqa), dq_split=False,
+                                 gqa_per_query_head=False, dq_pipelined=False, dq_stagger=False,
+                                 stagger_turns=False, thread_fences=False, with_dq=False)
+    found = (gqa and table.get(section + "_gqa")) or table.get(section)
+    if found:
+      return cls(**found)
+    if d == 256:
+      return cls(dq_split=False, column_split=True, stages=1)
+    return cls(dq_split=d == 128)
+
+
+def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
+                  config: MosaicBackwardConfig) -> str | None:
+  """Why the backward kernel cannot serve this call, or None when it can."""
+  _, t, _, d = q_shape
+  s = k_shape[1]
+  if (why := hopper.dtype_error(dtype)) is not None:
+    return why
+  if d not in (64, 128, 256):
+    return f"backward serves head dims 64, 128 and 256, got D={d}"
+  if d == 256 and not config.column_split:
+    return "D=256 needs column_split (dK and dV of 64 keys at full width do not fit in registers)"
+  if config.column_split and d != 256:
+    return f"column_split serves D=256, got D={d}"
+  if config.column_split and config.dq_split:
+    return "column_split and dq_split exclude each other"
+  if config.dq_split and d != 128:
+    return f"dq_split needs D=128, got D={d}"
+  if config.dq_split and config.pingpong:
+    return "pingpong and dq_split exclude each other"
+  if config.dq_split and config.gqa_per_query_head:
+    return "gqa_per_query_head and dq_split exclude each other"
+  if not config.with_dq and (config.dq_split or config.gqa_per_query_head):
+    return "with_dq=False excludes dq_split and gqa_per_query_head"
+  if config.dq_pipelined and not (config.dq_split and config.with_dq):
+    return "dq_pipelined needs dq_split (and with_dq)"
+  if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)
+                                and not config.gqa_per_query_head):
+    return ("dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split), "
+            "and not gqa_per_query_head (whose dK and dV reductions are unordered)")
+  if (config.dq_send_warp or config.dq_buffers != 1 or config.dq_rotate) and not config.dq_ordered:
+    return "dq_send_warp, dq_buffers and dq_rotate belong to dq_ordered"
+  if config.thread_fences and not (config.dq_split or config.dq_ordered):
+    return "thread_fences needs dq_split or dq_ordered (the hand-offs it fences)"
+  if config.fused_delta and not (config.dq_ordered and config.dq_send_warp and config.dq_split
+                                 and config.dq_buffers == 2):
+    return ("fused_delta needs dq_ordered with dq_send_warp, dq_split and dq_buffers=2 (its O "
+            "tiles land in the two dQ slots)")
+  if config.dq_stagger and not (config.dq_pipelined and not config.fused_delta and (
+      config.dq_send_warp or not config.dq_ordered)):
+    return ("dq_stagger needs dq_pipelined, with dq_ordered also dq_send_warp, and not "
+            "fused_delta")
+  if config.stagger_turns and not config.dq_stagger:
+    return "stagger_turns needs dq_stagger"
+  if config.dq_buffers not in (1, 2):
+    return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
+  if config.stages < 1:
+    return f"needs at least one stage, got {config}"
+  if config.block_q not in (64, 80, 96):
+    return f"block_q must be 64, 80 or 96, got {config.block_q}"
+  if config.with_dq and config.block_q != BLOCK_Q:
+    return f"block_q={config.block_q} needs with_dq=False (dQ's WGMMA takes {BLOCK_Q} rows)"
+  if t % BLOCK_Q:
+    return f"backward needs T a multiple of {BLOCK_Q}, got T={t}"
+  if s % config.cta_keys():
+    return f"backward needs S a multiple of {config.cta_keys()}, got S={s}"
+  if (need := _smem_bytes(config, d, jnp.dtype(dtype).itemsize, opts.mask.segments)
+      ) > hopper.SMEM_BYTES:
+    return (f"{config} needs {need} bytes of shared memory at D={d}"
+            f"{' with segment ids' if opts.mask.segments else ''}, more than "
+            f"{hopper.SMEM_BYTES}")
+  return None
+
+
+def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
+                      segments: bool) -> MosaicBackwardConfig:
+  """config with one dQ slot where its second does not fit beside the segment ids' buffers
+  (D = 128 with dq_buffers=2 has 1 KB to spare, the ids take as much), and then without
+  dq_stagger: with one slot warpgroup 1's dQ waits for the send of the last step's, whose
+  tile warpgroup 0 leaves only in this step (at the headline, three Q/dO stages and one
+  slot: fwd+bwd 8.2 ms staggered against 7.6 without, H100)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
+    # fused_delta's O tiles need both slots; with segment ids it would not apply anyway.
+    return dataclasses.replace(config, dq_buffers=1, fused_delta=False, dq_stagger=False,
+                               stagger_turns=False)
+  return config
+
+
+def _ds_buffers(config: MosaicBackwardConfig) -> int:
+  """dSᵀ slots: shared between the warpgroups, a slot is rewritten only two steps later."""
+  return 2 if config.dq_split else 1
+
+
+def _ds_shape(config: MosaicBackwardConfig) -> tuple[int, int, int]:
+  """dSᵀ slots; one 8 × 64 tile (unused) without dq."""
+  return (_ds_buffers(config), 2 * BLOCK_KV, BLOCK_Q) if config.with_dq else (1, 8, 64)
+
+
+def _dq_tile_shape(config: MosaicBackwardConfig, d: int) -> tuple[int, int, int]:
+  """The float32 dQ tiles on their way to the reduction (also dK and dV's with
+  gqa_per_query_head); a token 8 × 8 without dq."""
+  return (2 * config.dq_buffers, BLOCK_Q, config.dq_cols(d)) if config.with_dq else (2, 8, 8)
+
+
+def _dq_tile_transforms(config: MosaicBackwardConfig) -> tuple:
+  """The float32 dQ tiles in 128-byte swizzled tiles of 8 × 32. Row-major, a WGMMA
+  accumulator's stores to a 64- or 128-column float32 tile put a warp's rows in the same
+  shared-memory banks (Mosaic GPU finds no conflict-free plan without a swizzle); swizzled
+  they are conflict-free, and the TMA reductions read the tiles as they are."""
+  return hopper.swizzled_tiles(128, jnp.float32) if config.with_dq else ()
+
+
+def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
+  """The float32 dQ tile slots in shared memory. With fused_delta a union of two views of
+  the same bytes: the float32 tiles and a query block's O (BLOCK_Q × D in the input dtype:
+  the bytes of one float32 dQ tile of dq_split), which the walk's first two steps hold
+  before their dQ tiles are written; each is read only through the view it was written
+  through."""
+  f32 = plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32, transforms=_dq_tile_transforms(config))
+  slots, rows, cols = _dq_tile_shape(config, d)
+  if not config.fused_delta:
+    return f32
+  return plgpu.RefUnion(f32, plgpu.SMEM((slots, rows, 2 * cols), dtype,
+                                        transforms=hopper.swizzled_tiles(128, dtype)))
+
+
+def _operand_swizzle(block_q: int) -> int:
+  """The widest swizzle (bytes) whose group of rows divides block_q, for the K, V, Q and dO
+  tiles: dV = Pᵀ dO and dK = dSᵀ Q contract over the Q/dO tiles' block_q rows in swizzle / 2
+  steps, and the Sᵀ = K Qᵀ and dPᵀ = V dOᵀ WGMMAs need K and V in the same swizzle."""
+  return next(sw for sw in (128, 64, 32) if block_q % (sw // 2) == 0)
+
+
+def _seg_len(block_q: int) -> int:
+  """Query segment ids loaded per step: block_q rounded up to 32 (a copy moves a multiple
+  of 128 bytes); the ids past the block are not read."""
+  return -(-block_q // 32) * 32
+
+
+def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int, segments: bool) -> int:
+  bq = config.block_q
+  seg_ids = 4 * (config.cta_keys() + config.stages * _seg_len(bq)) + _SEG_RESERVE
+  return (2 * config.cta_keys() * d * itemsize  # K, V
+          + config.stages * (2 * bq * d * itemsize + 2 * bq * 4)  # Q, dO, lse₂, Δ
+          + math.prod(_ds_shape(config)) * itemsize
+          + math.prod(_dq_tile_shape(config, d)) * 4
+          + (seg_ids if segments else 0)
+          + _SMEM_RESERVE)
+
+
+def _query_blocks(mask: MaskSpec, cta_key, cta_keys: int, n_q: int, bq: int, seg_range=None):
+  """(first, last, full_lo, full_hi): the query blocks [first, last) that see any of the keys
+  cta_key..cta_key+cta_keys-1, of which [full_lo, full_hi) see all of them (no mask).
+  seg_range: the (lo, hi) query blocks sharing a segment id with those keys. Scalars in the
+  kernel; arrays of key blocks for _reduction_ranks."""
+  if mask.is_dense:
+    return 0, n_q, 0, n_q
+  first, last, full_lo, full_hi = _mosaic.band_blocks(mask.right, mask.left, cta_key, cta_keys,
+                                                      n_q, bq)
+  if seg_range is not None:
+    first = jnp.maximum(first, seg_range[0])
+    last = jnp.maximum(jnp.minimum(last, seg_range[1]), first)
+    full_lo = full_hi = last
+  return first, last, full_lo, full_hi
+
+
+ROTATE_MAX_KV = 64  # dq_rotate's bound on a key head's CTAs: half an H100's SMs
+
+
+def _rotates(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> bool:
+  return config.dq_ordered and config.dq_rotate and mask.is_dense and n_kv <= ROTATE_MAX_KV
+
+
+def _rotation(kv, n_kv: int, n_q: int):
+  """dq_rotate: the query block that key block kv's walk starts at (kv an int32 scalar in
+  the kernel or an array)."""
+  return lax.rem(kv * max(n_q // n_kv, 1), jnp.int32(n_q))
+
+
+# fused_delta's kernel fits in shared memory only without the reduction scratch.
+_SCRATCH_PARAM = plgpu is not None and "reduction_scratch_bytes" in {
+    f.name for f in dataclasses.fields(plgpu.CompilerParams)}
+
+
+def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: int,
+                 group: int) -> bool:
+  """Whether config.fused_delta applies to the call: every query block's first visitor is
+  the key block whose walk starts on it (causal walks start on the diagonal, block 2j, where
+  n_q = 2·n_kv), launched before the others, and each key block walks one query head.
+  dq_rotate's walks (no mask) never qualify: each key block there visits blocks whose first
+  visitor launches after it."""
+  return (config.fused_delta and _SCRATCH_PARAM and group == 1
+          and n_q == 2 * n_kv and mask.is_causal)
+
+
+def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
+                     ranges=None, rotate: bool = False):
+  """(ranks [B, n_kv, n_q], adders [B, n_q]) int32 for dq_ordered: per key block and query
+  block, how many key blocks add into that query block's dq before this one, and per query
+  block how many add at all. In the plain walks later key blocks (launched first) add
+  first; with `rotate` (dq_rotate, no mask), those that visit the block at an earlier step,
+  then those launched first. ranges: the backward's segment_block_ranges ([B, n_kv, 2]),
+  with segment ids."""
+  kv = jnp.arange(n_kv, dtype=jnp.int32)
+  qb = jnp.arange(n_q, dtype=jnp.int32)
+  if rotate:
+    visit = lax.rem(qb[None] - _rotation(kv, n_kv, n_q)[:, None] + n_q, jnp.int32(n_q))
+    turn = visit * n_kv + (n_kv - 1 - kv)[:, None]  # [n_kv, n_q], distinct per query block
+    ranks = (turn[None, :, :] < turn[:, None, :]).sum(axis=1, dtype=jnp.int32)
+    return (jnp.broadcast_to(ranks, (batch, n_kv, n_q)),
+            jnp.full((batch, n_q), n_kv, jnp.int32))
+  seg = None if ranges is None else (ranges[..., 0], ranges[..., 1])
+  first, last, _, _ = _query_blocks(mask, kv * cta_keys, cta_keys, n_q, bq, seg)
+  first, last = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, n_kv))[..., None]
+                 for x in (first, last))
+  adds = ((first <= qb) & (qb < last)).astype(jnp.int32)  # [B, n_kv, n_q]
+  return jnp.cumsum(adds[:, ::-1], axis=1)[:, ::-1] - adds, adds.sum(axis=1)
+
+
+class _Item(NamedTuple):
+  """One key block's work: a CTA's whole grid position."""
+  b: jax.Array
+  h: jax.Array  # the grid's head: the key head, or with gqa_per_query_head the query head
+  kvi: jax.Array  # the key block
+  first: jax.Array  # query blocks [first, last) see its keys, [full_lo, full_hi) all of them
+  last: jax.Array
+  full_lo: jax.Array
+  full_hi: jax.Array
+  heads: int  # query heads it walks, per_head query blocks each
+  kv_head: jax.Array
+  rot: jax.Array | None  # dq_rotate: the query block its walk starts at
+
+  @property
+  def per_head(self):
+    return self.last - self.first
+
+  @property
+  def n_steps(self):
+    return self.heads * self.per_head
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
+                     dq_ref, dk_ref, dv_ref,
+                     k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
+                     k_ready, v_ready, q_ready, do_ready, stats_ready, q_free, do_free, ds_ready,
+                     pair, seg_scratch, *,
+                     config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
+                     softcap: float | None, group: int, rotate: bool, order=None,
+                     delta=None, stagger=None):
+  """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
+  query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
+  int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table,
+  the [B · Hq · n_q] counters the reductions wait on, and per dQ tile slot the barriers
+  dq_full (both compute warpgroups' tiles written) and dq_free (read by their reductions).
+  delta: where the call
+  fuses Δ (_fuses_delta), the forward's output O, the [B · Hq · n_q] flags that a query
+  block's Δ is in stats_ref, the dQ tile slots' view in the input dtype, the barriers
+  o_ready (one per slot: O landed) and delta_ready (warpgroup 0 has written Δ). stagger:
+  with config.dq_stagger, the barriers ds_free (per dSᵀ slot: both dQs reading it are done)
+  and lead (warpgroup 0's first scores are done: warpgroup 1 may start), and with
+  config.stagger_turns one per warpgroup (its turn at the dQ, dV, dK WGMMAs)."""
+  bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
+  per_query_head = config.gqa_per_query_head and group > 1
+  t, d = q_ref.shape[1], q_ref.shape[-1]
+  dtype = q_ref.dtype
+  wg = lax.axis_index("wg")
+  cta_keys = config.cta_keys()
+  n_kv = k_ref.shape[1] // cta_keys
+  split = config.column_split
+  n_q = -(-t // bq)  # the last block may reach past T (see MosaicBackwardConfig.block_q)
+  segments = mask.segments
+  def item_at(b, h, kvi):
+    """The work of grid position (b, h, kvi)."""
+    if config.dq_ordered:  # the last key block launches first (see dq_ordered)
+      kvi = n_kv - 1 - kvi
+    seg_range = (seg_refs[2][b, kvi, 0], seg_refs[2][b, kvi, 1]) if segments else None
+    bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
+    if per_query_head:  # this CTA's one query head, and its key head
+      heads, kv_head = 1, hopper.div(h, group)
+    else:  # every query head of this key head
+      heads, kv_head = group, h
+    # dq_rotate: where this key block's walk starts (per_head = n_q: no mask).
+    rot = _rotation(kvi, n_kv, n_q) if rotate else None
+    return _Item(b, h, kvi, *bounds, heads, kv_head, rot)
+
+  # The CTA's one item, computed here: the warps' code (with jax 0.11's warpgroup lowering)
+  # has no selects or clamps for the band's bounds.
+  grid_item = item_at(*(lax.axis_index(a) for a in ("b", "h", "kv")))
+
+  def dq_slot(i):
+    """dq_ordered: global step i's dQ tile slot, and that slot's dq_full and dq_free
+    barriers."""
+    if config.dq_buffers == 1:
+      return 0, order[2], order[3]
+    slot = hopper.rem(i, config.dq_buffers)
+    return slot, order[2].at[slot], order[3].at[slot]
+
+  def block_index(it, head, qb):
+    """Query block qb of `head` in the item's batch row, as an index into the
+    [B · Hq · n_q] semaphores (dq_ordered's counters, fused_delta's flags)."""
+    return (it.b * q_ref.shape[2] + head) * n_q + qb
+
+  def step_block(it, i):
+    """(query head, query block) of the item's pipeline step i: all blocks of one head, then
+    the next (with dq_rotate from block `rot` on, wrapping around)."""
+    j = hopper.rem(i, it.per_head)
+    if it.rot is not None:
+      j = hopper.rem(j + it.rot, it.per_head)
+    if per_query_head:
+      return it.h, it.first + j
+    return it.h * group + hopper.div(i, it.per_head), it.first + j
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(_REGISTERS[0], action="increase")
+    # This warpgroup's keys (rows of K, V, dK, dV) and its columns of dK, dV and dQ.
+    key_row = 0 if split else wg * bkv
+    k_mine, v_mine = k_smem.at[pl.ds(key_row, bkv)], v_smem.at[pl.ds(key_row, bkv)]
+    oc = config.out_cols(d)
+    my_cols = pl.ds(wg * oc, oc) if split else pl.ds(0, d)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along Sᵀ's columns (queries)
+    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    half = d // 2
+
+    def take_turn():  # both warpgroups arrive; neither passes until the other has
+      if config.pingpong:
+        plgpu.barrier_arrive(pair)
+        plgpu.barrier_wait(pair)
+
+    def key_tiles(z):
+      """This step's view of the warpgroup's K and V rows and its dQ columns of K, at an
+      offset z read from global memory (always 0). Taken once, outside the step loop, the
+      WGMMA descriptors of their K-steps are loop-invariant: LLVM hoists them (8 64-bit
+      values per operand, up to 48 registers) and ptxas spills, its local loads the kernel's
+      first stall reason under ncu. An offset the compilers cannot prove constant keeps each
+      operand one base, its K-steps added to it at the WGMMA. The steps carry z: each loads
+      the next one's, so that the load's latency is not on the way to the first WGMMA."""
+      rows = pl.ds(pl.multiple_of(key_row + z, bkv), bkv)
+      # (wg + z)·half, not a multiple_of hint: Mosaic GPU proves the swizzle alignment of a
+      # column offset from its arithmetic only.
+      dq_cols = pl.ds((wg + z) * half, half)  # with dq_split
+      return k_smem.at[rows], v_smem.at[rows], k_smem.at[:, dq_cols]
+
+    def hand_off(barrier):
+      """Publishes this thread's shared-memory writes to the async proxy of whoever waits
+      on `barrier`, and arrives there (thread_fences: without a warpgroup barrier)."""
+      if config.thread_fences:
+        hopper.fence_smem()
+      else:
+        plgpu.commit_smem()
+      plgpu.barrier_arrive(barrier)
+
+    def share_ds(i, dst):
+      """Step i's dSᵀ slot, with this warpgroup's rows written (with column_split, both
+      write the same dSᵀ); with dq_split, once the other warpgroup has written its rows."""
+      ds_buf = ds_smem.at[hopper.rem(i, _ds_buffers(config))]
+      ds_buf.at[pl.ds(wg * bkv, bkv)][...] = dst
+      if config.dq_split:
+        hand_off(ds_ready.at[hopper.rem(i, 2)])
+        plgpu.barrier_wait(ds_ready.at[hopper.rem(i, 2)])
+      else:
+        plgpu.commit_smem()
+      return ds_buf
+
+    def wait_turn():
+      """stagger_turns: before the dQ, dV, dK group, this warpgroup's turn."""
+      if config.stagger_turns:
+        plgpu.barrier_wait(stagger[2].at[wg])
+
+    def pass_turn():
+      """stagger_turns: after issuing the group, the other warpgroup's turn."""
+      if config.stagger_turns:
+        plgpu.barrier_arrive(stagger[2].at[1 - wg])
+
+    if config.stagger_turns:  # warpgroup 0 issues first
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(stagger[2].at[0]))
+
+    def staggered_ds(i, gi, dst):
+      """dq_stagger: writes this warpgroup's rows of step gi's dSᵀ (once both dQs of step
+      gi − 2 have read the slot) and returns (the index of the dSᵀ slot this warpgroup's
+      dQ reads now, how many steps back that dQ is, whether there is one): warpgroup 1 its
+      step's, with warpgroup 0's rows (written half a step earlier); warpgroup 0 the last
+      step's, whose rows warpgroup 1 wrote half a step ago, except on the key block's first
+      step."""
+      ds_free = stagger[0]
+      b = hopper.rem(gi, 2)
+      pl.when(gi >= 2)(lambda: plgpu.barrier_wait(ds_free.at[b]))
+      ds_smem.at[b, pl.ds(wg * bkv, bkv)][...] = dst
+      hand_off(ds_ready.at[b])
+      lag = 1 - wg
+      read = hopper.rem(gi - lag + 2, 2)
+      has_dq = i >= lag
+      pl.when(has_dq)(lambda: plgpu.barrier_wait(ds_ready.at[read]))
+      return read, lag, has_dq
+
+    def split_dq(ds_buf, k_cols):
+      """dq_split: this warpgroup's columns of dQ = dS (all 2·bkv keys) K, waited for."""
+      def mm(acc_ref):
+        plgpu.wgmma(acc_ref, ds_buf.T, k_cols)
+        return acc_ref[...]
+
+      return pl.run_scoped(mm, plgpu.ACC((bq, half), jnp.float32))
+
+    def owns(i):
+      """fused_delta: whether step i visits its query block first (the walk's first two)."""
+      return i < 2
+
+    def own_delta(it, i, slot, qb, do_tile):
+      """fused_delta, on a step that visits its query block first: warpgroup 0 computes the
+      block's Δ = rowsum(dO ∘ O) + stats (−d_lse), 64 columns at a time, writes it over the
+      statistics' Δ row for both warpgroups and stores it into the statistics in global
+      memory (publish_delta raises the block's flag once it has landed)."""
+      _, _, o_tiles, o_ready, delta_ready = delta
+
+      @pl.when(owns(i) & (wg == 0))
+      def _():
+        plgpu.barrier_wait(o_ready.at[i])
+        total = None
+        for c in range(d // 64):
+          cols = pl.ds(c * 64, 64)
+          o = hopper.load(o_tiles.at[2 * i, :, cols], plgpu.Layout.WGMMA)
+          g = hopper.load(do_tile.at[:, cols], plgpu.Layout.WGMMA)
+          part = (o.astype(jnp.float32) * g.astype(jnp.float32)).sum(axis=1)
+          total = part if total is None else total + part
+        row = stats_smem.at[slot, 1]
+        row[...] = total + hopper.load(row, plgpu.Layout.WGMMA.reduce(1))
+        plgpu.commit_smem()
+        head = step_block(it, i)[0]
+        plgpu.copy_smem_to_gmem(row, stats_ref.at[it.b, head, 1, pl.ds(qb * bq, bq)])
+        plgpu.barrier_arrive(delta_ready)
+
+    def publish_delta(it, i):
+      """fused_delta, at the end of a step that computed Δ (before it frees the statistics'
+      slot, which the store reads): once warpgroup 0's store has landed, the block's flag.
+      Raised any earlier (right after the step's first WGMMAs, waiting there for the store to
+      land; or by a warp of the memory warpgroup) the causal headline's fwd+bwd took as long
+      as with the pass, where raised here it took 1.3–1.7% less."""
+      @pl.when(owns(i) & (wg == 0))
+      def _():
+        plgpu.wait_smem_to_gmem(0)
+        head, qb = step_block(it, i)
+        plgpu.semaphore_signal(delta[1].at[block_index(it, head, qb)], 1,
+                               memory_scope="gpu")
+
+    def run_item(it: _Item, base):
+      """The item's steps (global steps base, base + 1, ...), then its dK and dV."""
+      my_key = it.kvi * cta_keys + key_row
+      plgpu.barrier_wait(k_ready)
+      plgpu.barrier_wait(v_ready)
+      if segments:
+        kv_seg_smem, q_seg_smem, kv_seg_ready, q_seg_ready = seg_scratch
+        plgpu.barrier_wait(kv_seg_ready)
+        key_ids = hopper.load(kv_seg_smem.at[pl.ds(key_row, bkv)], plgpu.Layout.WGMMA.reduce(1))
+
+      if config.pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
+        pl.when(wg == 1)(take_turn)
+
+      def visible(slot, qb, shape):
+        """Which keys (rows of Sᵀ) the queries of block qb (columns) see."""
+        query_ids = None
+        if segments:
+          plgpu.barrier_wait(q_seg_ready.at[slot])
+          query_ids = hopper.load(q_seg_smem.at[slot, pl.ds(0, bq)], col_layout)
+        return _mosaic.visible(mask, shape, 0, my_key - qb * bq,
+                               key_ids if segments else None, query_ids)
+
+      def store_dq(i, gi, dq, cols):
+        """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction;
+        with dq_ordered, leaves it for the memory warpgroup's (see send_dq)."""
+        if config.dq_ordered:
+          slot, full, free = dq_slot(gi)
+          tile = slot * 2 + wg
+          plgpu.barrier_wait(free)  # the slot's last tiles have been read
+          dq_smem.at[tile][...] = dq
+          hand_off(full)
+          return
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
+        dq_smem.at[wg][...] = dq
+        plgpu.commit_smem()
+        head, qb = step_block(it, i)
+        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[it.b, pl.ds(qb * bq, bq), head, cols],
+                                reduction_op="add")
+
+      def pipelined_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish):
+        """The rest of config.dq_pipelined's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
+        shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
+        reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
+        col = pl.multiple_of(wg * half, half)  # this warpgroup's columns of dQ
+        if config.dq_stagger:
+          read, lag, has_dq = staggered_ds(i, gi, dst)
+          ds_buf = ds_smem.at[read]
+        else:
+          ds_buf, lag, has_dq = share_ds(gi, dst), 0, None
+        wait_turn()
+
+        def grads(refs):
+          dq_acc, dv_ref, dk_ref = refs
+          plgpu.wgmma(dq_acc, ds_buf.T, k_cols)
+          plgpu.wgmma(dv_ref, pt, do_tile)
+          plgpu.wgmma(dk_ref, dst, q_tile)
+          pass_turn()
+          dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
+          if has_dq is None:
+            store_dq(i, gi, dq, pl.ds(col, half))
+          else:  # warpgroup 0's first step has no last step's dQ (a dQ of stale dSᵀ, dropped)
+            @pl.when(has_dq)
+            def _():
+              store_dq(i - lag, gi - lag, dq, pl.ds(col, half))
+              plgpu.barrier_arrive(stagger[0].at[read])
+
+        _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
+                                         plgpu.ACC.init(dk)))
+        if publish:
+          publish_delta(it, i)
+        plgpu.barrier_arrive(do_free.at[slot])
+        plgpu.barrier_arrive(q_free.at[slot])
+        return dk, dv
+
+      def step(i, carry, *, masked):
+        dk, dv, z = carry
+        z_next = zero_ref[0]  # the next step's offset (key_tiles)
+        return (*step_grads(i, dk, dv, z, masked=masked), z_next)
+
+      def step_grads(i, dk, dv, z, *, masked):
+        gi = base + i  # the step's place in the CTA's pipeline: its slots
+        slot = hopper.rem(gi, stages)
+        _, qb = step_block(it, i)
+        q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+        k_step, v_step, k_cols = key_tiles(z)
+        plgpu.barrier_wait(q_ready.at[slot])
+        plgpu.barrier_wait(do_ready.at[slot])
+        plgpu.barrier_wait(stats_ready.at[slot])
+        fused = delta is not None and (masked or mask.is_dense)  # causal: first visits mask
+        # The flag's code goes into every loop body: only in the masked steps' (where it
+        # runs), the ptxas report and the times were the same.
+        publish = delta is not None
+        if fused:
+          own_delta(it, i, slot, qb, do_tile)
+
+        def scores(refs):
+          s_ref, dp_ref = refs
+          plgpu.wgmma(s_ref, k_step, q_tile.T)
+          plgpu.wgmma(dp_ref, v_step, do_tile.T)
+          take_turn()
+
+        if config.dq_stagger:  # warpgroup 1 starts once warpgroup 0's first scores are done
+          pl.when((i == 0) & (wg == 1))(lambda: plgpu.barrier_wait(stagger[1]))
+        st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
+                                        plgpu.ACC.init(zeros((bkv, bq)))))
+        if config.dq_stagger:
+          pl.when((i == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(stagger[1]))
+        zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
+        if masked:
+          zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
+        # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
+        # 16 registers of a column vector decide whether the warpgroup spills.
+        lse2 = hopper.load(stats_smem.at[slot, 0], col_layout)
+        pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
+        p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
+        pt = pt.astype(dtype)  # dV's operand
+        if fused:  # warpgroup 0 wrote this step's Δ (own_delta)
+          pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(delta[4]))
+        row_delta = hopper.load(stats_smem.at[slot, 1], col_layout)
+        dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, st.shape, [1]))).astype(dtype)
+        if config.dq_pipelined:
+          return pipelined_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv,
+                                 publish)
+
+        def grads(refs):
+          dv_ref, dk_ref = refs
+          plgpu.wgmma(dv_ref, pt, do_tile.at[:, my_cols] if split else do_tile)
+          plgpu.wgmma(dk_ref, dst, q_tile.at[:, my_cols] if split else q_tile)
+          take_turn()
+
+        dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+        if publish:
+          publish_delta(it, i)
+        plgpu.barrier_arrive(do_free.at[slot])
+        plgpu.barrier_arrive(q_free.at[slot])
+        if not config.with_dq:
+          return dk, dv
+
+        ds_buf = share_ds(gi, dst)
+        if config.dq_split:  # dQ[:, half] = dS (all 2·bkv keys) K[:, half]
+          dq = split_dq(ds_buf, k_cols)
+          cols = pl.ds(wg * half, half)
+        else:  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
+          def mm(acc_ref):
+            plgpu.wgmma(acc_ref, ds_buf.at[pl.ds(wg * bkv, bkv)].T,
+                        k_step.at[:, my_cols] if split else k_step)
+            take_turn()
+            return acc_ref[...]
+          dq = pl.run_scoped(mm, plgpu.ACC((bq, oc), jnp.float32))
+          cols = my_cols
+        store_dq(i, gi, dq, cols)
+        return dk, dv
+
+      carry = (zeros((bkv, oc)), zeros((bkv, oc)), zero_ref[0])
+      if mask.is_dense:
+        dk, dv, _ = lax.fori_loop(0, it.n_steps, functools.partial(step, masked=False), carry)
+      else:  # per head: the masked blocks before full_lo, the unmasked ones, the masked rest
+        def head_steps(g, carry):
+          start = g * it.per_head - it.first  # step i of this head visits query block i - start
+          return _mosaic.masked_ranges(step, carry, start + it.first,
+                                       start + it.first + it.per_head, start + it.full_lo,
+                                       start + it.full_hi, dense=False)
+
+        dk, dv, _ = lax.fori_loop(0, it.heads, head_steps, carry)
+
+      if config.dq_stagger:  # warpgroup 0: the dQ of the key block's last step
+        last = it.n_steps - 1
+        ds_slot = hopper.rem(base + last, 2)
+
+        @pl.when((wg == 0) & (last >= 0))
+        def _():
+          plgpu.barrier_wait(ds_ready.at[ds_slot])
+          dq = split_dq(ds_smem.at[ds_slot], key_tiles(zero_ref[0])[2])
+          store_dq(last, base + last, dq, pl.ds(0, half))  # warpgroup 0's columns
+          plgpu.barrier_arrive(stagger[0].at[ds_slot])
+
+      if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
+        pl.when(wg == 0)(take_turn)
+      keys = pl.ds(my_key, bkv)
+      if per_query_head:  # add this head's share into the float32 dK and dV, via the dQ tile
+        for acc, acc_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          dq_smem.at[wg][...] = acc
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(dq_smem.at[wg], acc_ref.at[it.b, keys, it.kv_head, my_cols],
+                                  reduction_op="add")
+        hopper.wait_stores_read()
+        return base + it.n_steps
+      plgpu.barrier_arrive(pair)  # the other warpgroup has finished reading all of K
+      plgpu.barrier_wait(pair)
+      if split:  # each writes its columns of the tile; then one stores dK, the other dV
+        k_mine.at[:, my_cols][...] = (dk * scale).astype(dtype)
+        v_mine.at[:, my_cols][...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(pair)
+        plgpu.barrier_wait(pair)
+        pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[it.b, keys, it.h]))
+        pl.when(wg == 1)(lambda: plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[it.b, keys, it.h]))
+      else:
+        k_mine[...] = (dk * scale).astype(dtype)
+        v_mine[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[it.b, keys, it.h])
+        plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[it.b, keys, it.h])
+      hopper.wait_stores_read()
+      return base + it.n_steps
+
+    run_item(grid_item, jnp.int32(0))
+
+  @pl.when(wg == 2)
+  def _memory():
+    plgpu.set_max_registers(_REGISTERS[1], action="decrease")
+
+    def load_keys(it):
+      keys = pl.ds(it.kvi * cta_keys, cta_keys)
+      plgpu.copy_gmem_to_smem(k_ref.at[it.b, keys, it.kv_head], k_smem, k_ready)
+      plgpu.copy_gmem_to_smem(v_ref.at[it.b, keys, it.kv_head], v_smem, v_ready)
+      if segments:
+        plgpu.copy_gmem_to_smem(seg_refs[1].at[it.b, keys], seg_scratch[0], seg_scratch[2])
+
+    def load(it, i, slot):
+      head, qb = step_block(it, i)
+      rows = pl.ds(qb * bq, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[it.b, rows, head], q_smem.at[slot], q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[it.b, rows, head], do_smem.at[slot], do_ready.at[slot])
+
+      def stats():
+        plgpu.copy_gmem_to_smem(stats_ref.at[it.b, head, :, rows], stats_smem.at[slot],
+                                stats_ready.at[slot])
+
+      if delta is None:
+        stats()
+      else:  # fused_delta: a first visit loads O, the others wait for the visitor's Δ
+        out_ref, flags, o_tiles, o_ready, _ = delta
+
+        @pl.when(i < 2)
+        def _():
+          plgpu.copy_gmem_to_smem(out_ref.at[it.b, rows, head], o_tiles.at[2 * i], o_ready.at[i])
+          stats()
+
+        @pl.when(i >= 2)
+        def _():
+          plgpu.semaphore_wait(flags.at[block_index(it, head, qb)], 1,
+                               decrement=False, memory_scope="gpu")
+          stats()
+      if segments:
+        plgpu.copy_gmem_to_smem(seg_refs[0].at[it.b, pl.ds(qb * bq, _seg_len(bq))],
+                                seg_scratch[1].at[slot], seg_scratch[3].at[slot])
+
+    def loads(drain=None):
+      it = grid_item
+      load_keys(it)
+      hopper.fill_ring(functools.partial(load, it), it.n_steps, stages, (q_free, do_free),
+                       drain=drain)
+
+    if not config.dq_ordered:
+      loads()
+      return
+
+    def send_dq(it, i, gi):
+      """dq_ordered: the item's step i (global step gi)'s dQ tiles, once both compute
+      warpgroups have left them, into dq in rank order: after the `rank` key blocks before
+      this one, the first storing."""
+      head, qb = step_block(it, i)
+      counter = order[1].at[block_index(it, head, qb)]
+      rank = order[0][it.b, it.kvi, qb]
+      slot, full, free = dq_slot(gi)
+      rows, half = pl.ds(qb * bq, bq), d // 2
+      cols = lambda w: pl.ds(w * half, half)
+
+      plgpu.barrier_wait(full)
+      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+      for op, when in ((None, rank == 0), ("add", rank > 0)):
+        @pl.when(when)
+        def _(op=op):
+          for w in range(2):
+            plgpu.copy_smem_to_gmem(dq_smem.at[slot * 2 + w],
+                                    dq_ref.at[it.b, rows, head, cols(w)], reduction_op=op)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(free)
+      plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
+      plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
+
+    def sends_start():  # the compute warpgroups' first dQ tiles are free
+      for i in range(config.dq_buffers):
+        plgpu.barrier_arrive(dq_slot(i)[2])
+
+    if not config.dq_send_warp:  # between the loads
+      sends_start()
+      loads(drain=lambda i: send_dq(grid_item, i, i))
+      return
+
+    def item_sends(it, base):
+      pl.loop(0, it.n_steps)(lambda i: send_dq(it, i, base + i))
+      return base + it.n_steps
+
+    @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+    def _per_warp():
+      warp = lax.axis_index("warp")
+      pl.when(warp == 0)(loads)
+
+      @pl.when(warp == 1)
+      def _():
+        sends_start()
+        item_sends(grid_item, jnp.int32(0))
+        hopper.wait_stores_read()
+
+
+def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
+  """[B, Hq, 2, T] float32: the log-sum-exp in the exp2 domain (0 for a query that sees no
+  key, so that its P = 2^(-inf - 0) = 0) and Δ, as the Mosaic backward kernels load them."""
+  lse2 = res.lse * hopper.LOG2E
+  if not (opts.mask.is_dense or opts.mask.is_causal):
+    lse2 = jnp.where(res.lse == -jnp.inf, 0.0, lse2)
+  return jnp.stack([lse2, delta], axis=2)
+
+
+def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.Residuals,
+             cts, stats=None):
+  """(dq, dk, dv, None, None) from the saved residuals and the output cotangents; dq is None
+  with config.with_dq=False. `stats`: row_stats(opts, res, Δ) if the caller has it."""
+  d_out, d_lse = cts
+  q, k, v = res.q, res.k, res.v
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  bq, stages = config.block_q, config.stages
+  mask = opts.mask
+  n_q = -(-t // bq)
+  n_kv = s // config.cta_keys()
+  rotate = _rotates(config, mask, n_kv)
+  fused = stats is None and _fuses_delta(config, mask, n_q, n_kv, hq // hkv)
+  if fused:  # the kernel adds rowsum(dO ∘ O) to −d_lse in place (fused_delta)
+    stats = jax.new_ref(row_stats(opts, res, -d_lse))
+  elif stats is None:
+    stats = row_stats(opts, res, _common.softmax_delta(res.out, d_out, d_lse))
+  if mask.segments:
+    q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
+    # Query blocks reaching past T take the last id there: they add nothing (zero rows),
+    # and the ranges of the blocks before them stay exact.
+    ranges = _mosaic.segment_block_ranges(
+        kv_seg, jnp.pad(q_seg, ((0, 0), (0, -t % bq)), mode="edge"), config.cta_keys(), bq)
+    seg_args = (q_seg, kv_seg, ranges)
+    seg_scratch = (plgpu.SMEM((config.cta_keys(),), jnp.int32),
+                   plgpu.SMEM((stages, _seg_len(bq)), jnp.int32),
+                   plgpu.Barrier(), plgpu.Barrier(num_barriers=stages))
+  else:
+    seg_args, seg_scratch, ranges = (), (), None
+  per_query_head = config.gqa_per_query_head and hq > hkv
+  grid_heads = hq if per_query_head else hkv
+  if config.dq_ordered:
+    ranks, adders = _reduction_ranks(mask, b, n_kv, config.cta_keys(), n_q, bq, ranges,
+                                     rotate=rotate)
+    rank_args = (ranks,)
+  else:
+    rank_args = ()
+  if per_query_head:  # dK and dV gather the group's query heads by TMA reductions too
+    dkv_acc = (jax.new_ref(jnp.zeros(k.shape, jnp.float32)),
+               jax.new_ref(jnp.zeros(v.shape, jnp.float32)))
+    out_type = ()
+  else:
+    dkv_acc = ()
+    out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  # The float32 dq: zeros that every key block adds into; with dq_ordered an uninitialized
+  # output, which each query block's first adder stores rather than adds into (no memset).
+  dq_acc = ()
+  if config.dq_ordered:
+    out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type)
+  elif config.with_dq:
+    dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
+  tiles = hopper.swizzled_tiles()
+  operand_tiles = hopper.swizzled_tiles(_operand_swizzle(bq))
+
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
+    out_ref = None
+    if fused:  # the forward's output, for Δ
+      out_ref, *refs = refs
+    tables = ()
+    if config.dq_ordered:  # the rank table
+      tables, refs = refs[:len(rank_args)], refs[len(rank_args):]
+    seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
+    dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
+
+    def kernel(*scratch):
+      main, extra = scratch[:16], scratch[16:]
+      stagger = None
+      if config.dq_stagger:  # ds_free, lead, and with stagger_turns the turns
+        turns = ()
+        if config.stagger_turns:
+          *extra, turns = extra
+          turns = (turns,)
+        *extra, ds_free, lead = extra
+        stagger = (ds_free, lead, *turns)
+      delta = None
+      if fused:  # O's view of the dQ slots, and o_ready, delta_ready
+        *extra, o_ready, delta_ready = extra
+        dq_f32, o_tiles = main[6]
+        main = (*main[:6], dq_f32, *main[7:])
+        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))),
+                 o_tiles, o_ready, delta_ready)
+      elif config.fused_delta:  # the call takes the pass: the float32 view only
+        main = (*main[:6], main[6][0], *main[7:])
+      order = None
+      if config.dq_ordered:  # with counters that start at zero in every call
+        *extra, dq_full, dq_free = extra
+        order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))),
+                 dq_full, dq_free)
+      _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
+                       dq_ref, dk_ref, dv_ref, *main, extra or None, config=config, mask=mask,
+                       scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
+                       rotate=rotate, order=order, delta=delta, stagger=stagger)
+
+    pl.run_scoped(
+        kernel,
+        plgpu.SMEM((config.cta_keys(), d), k.dtype, transforms=operand_tiles),
+        plgpu.SMEM((config.cta_keys(), d), v.dtype, transforms=operand_tiles),
+        plgpu.SMEM((stages, bq, d), q.dtype, transforms=operand_tiles),
+        plgpu.SMEM((stages, bq, d), q.dtype, transforms=operand_tiles),
+        plgpu.SMEM((stages, 2, bq), jnp.float32),
+        plgpu.SMEM(_ds_shape(config), q.dtype, transforms=tiles),
+        _dq_scratch(config, d, q.dtype),
+        plgpu.Barrier(),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        plgpu.Barrier(num_arrivals=2),
+        *seg_scratch,
+        *((plgpu.Barrier(num_arrivals=2, num_barriers=config.dq_buffers),
+           plgpu.Barrier(num_barriers=config.dq_buffers)) if config.dq_ordered else ()),
+        # fused_delta: O landed in a dQ slot (o_ready), warpgroup 0 wrote Δ (delta_ready).
+        *((plgpu.Barrier(num_barriers=2), plgpu.Barrier()) if fused else ()),
+        # dq_stagger: both dQs have read a dSᵀ slot (ds_free); warpgroup 0 leads (lead).
+        *((plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier())
+          if config.dq_stagger else ()),
+        # stagger_turns: a warpgroup's turn to issue its dQ, dV and dK WGMMAs.
+        *((plgpu.Barrier(num_barriers=2),) if config.stagger_turns else ()),
+        collective_axes="wg",
+    )
+
+  outs = pl.kernel(
+      body,
+      out_type=out_type,
+      mesh=plgpu.Mesh(grid=(b, grid_heads, n_kv), grid_names=("b", "h", "kv"),
+                      num_threads=3, thread_name="wg"),
+      # Δ's row sums reduce within warps only: no shared-memory scratch (Mosaic GPU reserves
+      # 2 KiB for any reduction otherwise, which two dQ slots leave no room for).
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           **({"reduction_scratch_bytes": 0} if fused else {})),
+      cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
+      name="flash_attention_bwd_mosaic",
+  )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),
+    *rank_args, *seg_args, *dq_acc, *dkv_acc)
+  dq = None
+  if config.dq_ordered:  # query blocks that no key block adds into were never written
+    written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
+    dq_f32, *outs = outs
+    dq = (jnp.where(written, dq_f32, 0.0) * opts.scale).astype(q.dtype)
+  elif config.with_dq:
+    dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
+  if per_query_head:
+    outs = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)
+  return dq, *outs, None, None

@@ -1,0 +1,681 @@
+"""Hopper attention in Pallas Mosaic GPU: the forward here, the backward in mosaic_gpu_backward.
+
+One CTA per (batch, query head, 2·block_q query rows) runs three warpgroups:
+
+  memory warpgroup    streams K and V blocks of block_kv keys through a ring of `stages`
+                      shared-memory slots by TMA; a slot is refilled once both compute
+                      warpgroups have released it
+  compute warpgroups  one per block_q query rows (Q stays in shared memory): per key block
+                      s = Q Kᵀ by WGMMA into registers, the online softmax in the exp2
+                      domain (FlashAttention-2's recurrence), then acc += P V by WGMMA with P
+                      read from registers
+
+With `pingpong` the two compute warpgroups take turns on the tensor cores (as in
+FlashAttention-3, Shah et al. 2024, §3.1): a shared barrier lets one issue its matmuls only
+after the other has finished its softmax, so one's exponentials run under the other's
+WGMMAs. With `overlap` (FlashAttention-3's intra-warpgroup pipelining, §3.2, the default
+at D = 128 and 256 without a window or segment ids) each warpgroup instead issues block j's
+QKᵀ together with block j−1's PV and computes block j's softmax while that PV runs. The
+output and the float32 log-sum-exp ([B, Hq, T], natural log, as the other
+implementations save it) leave through shared memory by TMA.
+
+Masks: a CTA streams only the key blocks its rows can see. The causal and sliding-window
+band gives each query block a range of key blocks, of which the ones it sees whole run
+unmasked; segment ids narrow the range further by per-block ranges of the ids
+(_mosaic.segment_block_ranges, computed by XLA and read by the kernel as scalars) and mask
+every block they leave. Blocks that only the CTA's other query block sees are released
+without compute. A row that sees no key ends with output 0 and log-sum-exp -inf.
+
+Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of
+block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anything else
+raises NotImplementedError with the reason, and `implementation=None` falls through to
+pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel where it serves the
+call (D 64, 128 and 256): whole for calls with deterministic=False (it sums dq by TMA
+reductions in arrival order) or with its reductions in a fixed order (dq_ordered), for dK
+and dV alone otherwise, beside mosaic_gpu_dq's dq kernel; else pallas_triton's dq and dk/dv
+kernels. All run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
+Mosaic GPU interpreter cannot run `plgpu.kernel` meshes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from memeff_jax.kernels import hopper
+from memeff_jax.ops.flash_attention import _common
+from memeff_jax.ops.flash_attention import _mosaic
+from memeff_jax.ops.flash_attention import mosaic_gpu_backward
+from memeff_jax.ops.flash_attention import mosaic_gpu_dq
+from memeff_jax.ops.flash_attention import pallas_triton
+from memeff_jax.ops.flash_attention._common import AttentionOptions
+from memeff_jax.ops.flash_attention.masks import MaskSpec
+from memeff_jax.ops.flash_attention.mosaic_gpu_backward import MosaicBackwardConfig
+from memeff_jax.ops.flash_attention.mosaic_gpu_dq import MosaicDqConfig
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tiles of the forward kernel.
+
+  Attributes:
+    block_q: query rows per compute warpgroup (a CTA holds two such blocks).
+    block_kv: keys per pipeline step.
+    stages: K/V slots in shared memory (at most what fits: 2 at D = 128, 6 at D = 64).
+    pingpong: alternate the two compute warpgroups on the tensor cores.
+    overlap: FlashAttention-3's intra-warpgroup overlap: a step issues block j's QKᵀ and
+      block j−1's PV together and computes block j's softmax while PV runs (P of the
+      previous block is carried in registers). K and V then stream through separate rings,
+      since a block's V is released a step after its K. Excludes pingpong (which measured
+      slower with it: the turns hold back the warpgroup whose PV is in flight).
+    persistent: one CTA per SM (num_sms, else the device's count), each looping over its
+      share of the query tiles (dealt in launch order by their key blocks:
+      hopper.greedy_schedule). The K/V ring runs on across tiles, the next tile's Q loads
+      during the epilogue, and the output leaves through a buffer of its own
+      (2·block_q·D more shared memory, which may cost a K/V stage at D > 128).
+    num_sms: (persistent) the CTAs to launch; None reads the device's SM count.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  stages: int = 2
+  pingpong: bool = True
+  overlap: bool = False
+  persistent: bool = False
+  num_sms: int | None = None
+
+  @classmethod
+  def for_head_dim(cls, d: int) -> "MosaicConfig":
+    """128-key blocks up to D = 128; 64-key blocks above (registers and shared memory)."""
+    return cls() if d <= 128 else cls(block_kv=64)
+
+  @classmethod
+  def for_call(cls, d: int, mask: MaskSpec) -> "MosaicConfig":
+    """for_head_dim(d), with overlap in place of ping-pong at D = 128 and 256 under no mask
+    or a causal one. There it measured 1.05× / 1.13× cuDNN's forward non-causal and 1.02× /
+    1.09× causal, against 0.98× / 0.95× and 1.01× / 0.98× with ping-pong (H200, one
+    process); not at D = 64 (no faster). Masked blocks run without the
+    overlap, so windows and segment ids keep ping-pong.
+
+    Persistent at D = 128 without a mask: the headline's forward took 1.830 against 1.916
+    ms on the grid (H100, 5 interleaved rounds); causal
+    it took 1.089 against 1.068 (the static deal of unequal tiles does worse than the
+    hardware's dispatcher), and at D = 256 the output's buffer would cost a K/V stage."""
+    config = cls.for_head_dim(d)
+    if d in (128, 256) and (mask.is_dense or mask.is_causal):
+      config = dataclasses.replace(config, overlap=True, pingpong=False,
+                                   persistent=d == 128 and mask.is_dense)
+    return config
+
+
+def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
+                  config: MosaicConfig) -> str | None:
+  """Why the kernel cannot serve this call, or None when it can."""
+  _, t, _, d = q_shape
+  s = k_shape[1]
+  if (why := hopper.dtype_error(dtype)) is not None:
+    return why
+  if d not in (64, 128, 192, 256):
+    return f"serves head dims 64, 128, 192 and 256, got D={d}"
+  if t % (2 * config.block_q):
+    return f"needs T a multiple of {2 * config.block_q}, got T={t}"
+  if s % config.block_kv:
+    return f"needs S a multiple of {config.block_kv}, got S={s}"
+  if opts.scale <= 0:
+    return f"needs scale > 0, got {opts.scale}"
+  if config.overlap and config.pingpong:
+    return "overlap and pingpong exclude each other"
+  if config.num_sms is not None and not (config.persistent and config.num_sms >= 1):
+    return f"num_sms={config.num_sms} needs persistent and at least one CTA"
+  return None
+
+
+_SMEM_RESERVE = 4_096  # barriers, reduction scratch, alignment
+
+
+def _fitting_stages(cfg: MosaicConfig, d: int, itemsize: int) -> int:
+  """The most K/V stages that fit in shared memory beside Q (and with persistent the
+  output's buffer) and the log-sum-exp."""
+  fixed = (2 + 2 * cfg.persistent) * cfg.block_q * d * itemsize + 2 * cfg.block_q * 4
+  fixed += _SMEM_RESERVE
+  return (hopper.SMEM_BYTES - fixed) // (2 * cfg.block_kv * d * itemsize)
+
+
+class _Tile(NamedTuple):
+  """One CTA's work: two query blocks (rows qi·2·block_q ..) of head h of batch row b, and
+  the key blocks they visit (query_cta_key_blocks)."""
+  b: jax.Array
+  h: jax.Array
+  qi: jax.Array
+  per_block: list
+  cta_lo: jax.Array
+  cta_hi: jax.Array
+
+  @property
+  def n_blocks(self):
+    return self.cta_hi - self.cta_lo
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_smem, k_smem,
+                    v_smem, lse_smem, o_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
+                    seg_scratch, *, config: MosaicConfig, mask: MaskSpec, scale: float,
+                    softcap: float | None, group: int):
+  """schedule: with config.persistent, the hopper.greedy_schedule tables (each CTA's tiles
+  by launch position, and how many), and o_smem the output's own buffer (else the output
+  leaves through Q's); the grid is then one axis, "cta"."""
+  bq, bkv = config.block_q, config.block_kv
+  s = k_ref.shape[1]
+  d = q_ref.shape[-1]
+  dtype = q_ref.dtype
+  n_q_ctas = q_ref.shape[1] // (2 * bq)
+  wg = lax.axis_index("wg")
+  stages = config.stages
+  segments = mask.segments
+  # Rows that see no key at all (window, segments) end with l = 0: guard the exponents.
+  may_be_empty = not (mask.is_dense or mask.is_causal)
+
+  n_blocks = s // bkv
+  static_range = mask.is_dense  # every CTA reads every key block: static loop bounds
+  ready = (k_ready, v_ready) + ((seg_scratch[3],) if segments else ())  # a key block's loads
+
+  take_turn = functools.partial(hopper.take_turn, turn)
+
+  def position(b, h, launch):
+    """(b, h, qi) of a head's query CTA at launch position `launch` (query_cta_index)."""
+    return b, h, _mosaic.query_cta_index(mask, n_q_ctas, launch)
+
+  def tile_at(b, h, qi):
+    return _Tile(b, h, qi, *_mosaic.query_cta_key_blocks(
+        mask, seg_refs[2] if segments else None, b, qi, bq, bkv, n_blocks))
+
+  # The grid position, read before the warpgroups split.
+  cta = lax.axis_index("cta") if config.persistent else None
+  grid_position = None if config.persistent else position(
+      *(lax.axis_index(a) for a in ("b", "h", "q")))
+
+  def scheduled(r):
+    """config.persistent: (b, h, qi) of this CTA's r-th tile."""
+    idx = schedule[0][cta, r]
+    n_h = q_ref.shape[2]
+    return position(hopper.div(idx, n_h * n_q_ctas), hopper.rem(hopper.div(idx, n_q_ctas), n_h),
+                    hopper.rem(idx, n_q_ctas))
+
+  def each_tile(fn):
+    """fn(r, tile, base) → base' for this CTA's tiles in order: its grid position's one, or
+    with config.persistent its schedule's. base: the key blocks streamed before the tile
+    (the K/V ring's global position), a loop carry; None on the grid. A concrete 0 would
+    not do: closed over by a WGMMA's run_state, a constant scalar has no lowering under
+    jax 0.11's warpgroup semantics."""
+    if not config.persistent:  # base None: the ring starts at the CTA's first block
+      fn(0, tile_at(*grid_position), None)
+      return
+    lax.fori_loop(0, schedule[1][cta], lambda r, base: fn(r, tile_at(*scheduled(r)), base),
+                  jnp.int32(0))
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    q_tile = q_smem.at[wg]
+    # The output leaves through its own buffer when persistent (Q's then takes the next
+    # tile's rows while this one's epilogue runs), else through Q's.
+    o_tile = o_smem.at[wg] if config.persistent else q_tile
+
+    def load_q(b, h, qi):
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((2 * qi + wg) * bq, bq), h], q_tile,
+                              q_ready.at[wg])
+
+    if config.persistent:
+      pl.when(schedule[1][cta] > 0)(lambda: load_q(*scheduled(0)))
+
+    def run_tile(r, tile: _Tile, base):
+      b, h, cta_lo, cta_hi = tile.b, tile.h, tile.cta_lo, tile.cta_hi
+      row = (2 * tile.qi + wg) * bq
+      bounds = _mosaic.my_key_blocks(tile.per_block, cta_lo, cta_hi, wg)
+      hi = bounds[1]
+      if not config.persistent:
+        load_q(b, h, tile.qi)
+      if segments:
+        q_seg_smem, kv_seg_smem, q_seg_ready, kv_seg_ready = seg_scratch
+        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(row, bq)], q_seg_smem.at[wg],
+                                q_seg_ready.at[wg])
+        plgpu.barrier_wait(q_seg_ready.at[wg])
+        q_ids = hopper.load(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+      plgpu.barrier_wait(q_ready.at[wg])
+
+      c = scale * hopper.LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
+      m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+      l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+
+      if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
+        pl.when(wg == 1)(take_turn)
+
+      def slot_of(j):
+        """Key block j's slot in the ring (global position base + j − cta_lo)."""
+        return hopper.rem(j - cta_lo if base is None else base + j - cta_lo, stages)
+
+      def visible(j, scores):
+        """Key block j's scores on this warpgroup's rows, -inf where the mask hides them."""
+        kv_ids = None
+        if segments:
+          plgpu.barrier_wait(kv_seg_ready.at[slot_of(j)])
+          kv_ids = hopper.load(kv_seg_smem.at[slot_of(j)], plgpu.Layout.WGMMA.reduce(0))
+        ok = _mosaic.visible(mask, scores.shape, 1, j * bkv - row,
+                             q_ids if segments else None, kv_ids)
+        return jnp.where(ok, scores, -jnp.inf)
+
+      def online_softmax(j, slot, scores, m, l, *, masked):
+        """Block j's P (input dtype) on the running maximum m → m_new, the new row sums,
+        and α = 2^(m − m_new) for the accumulator; releases K's slot once its scores (and
+        key ids) have been read."""
+        if not segments:
+          plgpu.barrier_arrive(k_free.at[slot])
+        if softcap is not None:  # z = cap·tanh(s/cap), already in the exp2 domain
+          scores = jnp.tanh(scores * (scale / softcap)) * (softcap * hopper.LOG2E)
+        if masked:
+          scores = visible(j, scores)
+        if segments:  # the slot's key ids have been read too
+          plgpu.barrier_arrive(k_free.at[slot])
+        if softcap is None:  # scale the row maximum, not the whole tile
+          m_new = jnp.maximum(m, scores.max(axis=1) * c)
+          z = scores * c
+        else:
+          m_new = jnp.maximum(m, scores.max(axis=1))
+          z = scores
+        # A row with no visible key yet has m_new = -inf: subtract 0 instead (p = 0, α = 0).
+        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
+        p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
+        alpha = jnp.exp2(m - m_sub)
+        return p.astype(dtype), m_new, l * alpha + p.sum(axis=1), alpha
+
+      def rescale(acc, alpha):
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+      def block_scores(slot):
+        """QKᵀ of the key block in `slot` (then the ping-pong turn), waited for."""
+        def qk(s_ref):
+          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+          if config.pingpong:
+            take_turn()
+          return s_ref[...]
+
+        return pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+
+      def step(j, carry, *, masked):
+        acc, m, l = carry
+        slot = slot_of(j)
+        scores = block_scores(slot)
+        p, m_new, l, alpha = online_softmax(j, slot, scores, m, l, masked=masked)
+        acc = rescale(acc, alpha)
+        if config.pingpong:
+          plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may issue
+        plgpu.barrier_wait(v_ready.at[slot])
+        if config.pingpong:
+          plgpu.barrier_wait(turn)  # and now it is our turn on the tensor cores
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+
+          @pl.when(j + 1 < hi)  # the next K lands while this WGMMA runs
+          def _():
+            plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      def skip(j, _):
+        slot = slot_of(j)
+        _mosaic.release_key_block([r.at[slot] for r in ready],
+                                  [k_free.at[slot], v_free.at[slot]],
+                                  take_turn if config.pingpong else None)
+
+      def first_k():
+        plgpu.barrier_wait(k_ready.at[slot_of(bounds[0])])
+
+      def overlapped_blocks(acc, m, l):
+        """visit_key_blocks with FlashAttention-3's intra-warpgroup overlap
+        (config.overlap): block lo's QKᵀ and softmax, then per block j QKᵀ_j and PV_{j−1}
+        issued together and block j's softmax computed while PV_{j−1} runs, then block
+        hi−1's PV."""
+        lo, hi, full_lo, full_hi = bounds
+        zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
+                                                plgpu.Layout.WGMMA)
+
+        def first(masked):
+          def run():
+            slot = slot_of(lo)
+            plgpu.barrier_wait(k_ready.at[slot])
+            return online_softmax(lo, slot, block_scores(slot), m, l, masked=masked)[:3]
+          return run
+
+        def no_blocks():
+          return zeros((bq, bkv)).astype(dtype), m, l
+
+        def step(j, carry, *, masked):
+          acc, m, l, p_prev = carry
+          slot, prev = slot_of(j), slot_of(j - 1)
+          plgpu.barrier_wait(k_ready.at[slot])
+          plgpu.barrier_wait(v_ready.at[prev])
+
+          def issue_both(refs):
+            s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+            plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+            plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+            # PV_{j−1} may still run, except on a masked block: the mask's registers then
+            # made ptxas serialize every WGMMA of the kernel (ptxas warning C7513).
+            scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if masked else 1)
+            p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = online_softmax(
+                j, slot, scores, m, l, masked=masked)
+
+          _, acc, p, m, l, alpha = pl.run_state(issue_both)(
+              (plgpu.ACC.init(zeros((bq, bkv))), plgpu.ACC.init(acc), p_prev, m, l, m))
+          plgpu.barrier_arrive(v_free.at[prev])
+          return rescale(acc, alpha), m, l, p
+
+        def last(acc, p):
+          def run():
+            prev = slot_of(hi - 1)
+            plgpu.barrier_wait(v_ready.at[prev])
+
+            def pv(o_ref):
+              plgpu.wgmma(o_ref, p, v_smem.at[prev])
+
+            out = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[prev])
+            return out
+          return run
+
+        lax.fori_loop(cta_lo, lo, skip, None)
+        # Under a window or segment ids a warpgroup may own no block: its first and last
+        # blocks then go under a lax.cond (every causal row sees key 0).
+        if may_be_empty:
+          p, m, l = lax.cond(lo < hi, first(masked=True), no_blocks)
+        else:
+          p, m, l = first(masked=not static_range)()
+        # Blocks lo+1.. (none when lo == hi), each masked where visit_key_blocks masks it.
+        acc, m, l, p = _mosaic.masked_ranges(step, (acc, m, l, p), lo + 1, hi, full_lo,
+                                             full_hi, dense=static_range)
+        acc = lax.cond(lo < hi, last(acc, p), lambda: acc) if may_be_empty else last(acc, p)()
+        lax.fori_loop(hi, cta_hi, skip, None)
+        return acc, m, l
+
+      if config.overlap:
+        acc, m, l = overlapped_blocks(acc, m, l)
+      else:
+        acc, m, l = _mosaic.visit_key_blocks(step, skip, (acc, m, l), bounds, cta_lo, cta_hi,
+                                             dense=static_range, start=first_k)
+      if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
+        pl.when(wg == 0)(take_turn)
+      if config.persistent:  # Q is read: the next tile's rows land during the epilogue
+        pl.when(r + 1 < schedule[1][cta])(lambda: load_q(*scheduled(r + 1)))
+
+      if may_be_empty:  # no visible key: output 0, log-sum-exp -inf
+        inv = jnp.where(l > 0, 1.0 / l, 0.0)
+        lse = jnp.where(l > 0, m * hopper.LN2 + jnp.log(l), -jnp.inf)
+      else:
+        inv, lse = 1.0 / l, m * hopper.LN2 + jnp.log(l)
+      acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      if config.persistent:  # the last tile's stores have read the buffers
+        hopper.wait_stores_read()
+      o_tile[...] = acc.astype(dtype)
+      lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, pl.ds(row, bq), h])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row, bq)])
+      return None if base is None else base + tile.n_blocks
+
+    each_tile(run_tile)
+    hopper.wait_stores_read()
+
+  @pl.when(wg == 2)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def stream(r, tile: _Tile, base):
+      # Masked CTAs may stream fewer blocks.
+      _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, tile.b,
+                                hopper.div(tile.h, group), tile.cta_lo, tile.cta_hi, bkv,
+                                stages,
+                                (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
+                                ready, (k_free, v_free), separate_rings=config.overlap,
+                                base=base)
+      return None if base is None else base + tile.n_blocks
+
+    each_tile(stream)
+
+
+_TILE_OVERHEAD = 2  # a forward tile's cost beyond its key blocks, in key blocks (a guess)
+
+
+def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
+  cfg = st.config
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  stages = max(1, min(cfg.stages, s // cfg.block_kv,
+                      _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
+  cfg = dataclasses.replace(cfg, stages=stages)
+  layout = hopper.swizzled_tiles()
+  mask = st.opts.mask
+  segments = mask.segments
+  if segments:
+    ranges = _mosaic.segment_block_ranges(q_seg, kv_seg, cfg.block_q, cfg.block_kv)
+    seg_args = (q_seg, kv_seg, ranges)
+    seg_scratch = (plgpu.SMEM((2, cfg.block_q), jnp.int32),
+                   plgpu.SMEM((stages, cfg.block_kv), jnp.int32),
+                   plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
+  else:
+    seg_args, seg_scratch = (), ()
+  n_q_ctas = t // (2 * cfg.block_q)
+  if cfg.persistent:
+    # Tiles in launch order (head by head, each head's query CTAs in query_cta_index's
+    # order), dealt by their key blocks (the band's: segment ids are not known here).
+    with jax.ensure_compile_time_eval():
+      band = dataclasses.replace(mask, segments=False)
+      qi = _mosaic.query_cta_index(mask, n_q_ctas, jnp.arange(n_q_ctas, dtype=jnp.int32))
+      _, lo, hi = _mosaic.query_cta_key_blocks(band, None, 0, qi, cfg.block_q, cfg.block_kv,
+                                               s // cfg.block_kv)
+      costs = [int(x) for x in jnp.broadcast_to(jnp.asarray(hi) - jnp.asarray(lo), (n_q_ctas,))]
+    ctas = hopper.persistent_ctas(cfg.num_sms, b * hq * n_q_ctas)
+    schedule_args = hopper.greedy_schedule(costs * (b * hq), ctas, _TILE_OVERHEAD)
+    grid, grid_names = (ctas,), ("cta",)
+  else:
+    schedule_args = ()
+    grid, grid_names = (b, hq, n_q_ctas), ("b", "h", "q")
+
+  def body(q_ref, k_ref, v_ref, *refs):
+    n_seg = 3 if segments else 0
+    n_sched = len(schedule_args)
+    seg_refs = refs[:n_seg] if segments else None
+    schedule = refs[n_seg:n_seg + n_sched] or None
+    o_ref, lse_ref = refs[n_seg + n_sched:]
+
+    def kernel(*scratch):
+      if not cfg.persistent:  # no output buffer
+        scratch = scratch[:4] + (None,) + scratch[4:]
+      main, extra = scratch[:11], scratch[11:]
+      _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, *main,
+                      extra or None, config=cfg, mask=mask, scale=st.opts.scale,
+                      softcap=st.opts.logit_softcap, group=hq // hkv)
+
+    pl.run_scoped(
+        kernel,
+        plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout),
+        plgpu.SMEM((stages, cfg.block_kv, d), k.dtype, transforms=layout),
+        plgpu.SMEM((stages, cfg.block_kv, d), v.dtype, transforms=layout),
+        plgpu.SMEM((2, cfg.block_q), jnp.float32),
+        *([plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout)]  # the output's
+          if cfg.persistent else []),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
+        *seg_scratch,
+        collective_axes="wg",
+    )
+
+  # pl.kernel rather than plgpu.kernel: it takes the cost estimate remat.fit counts.
+  out, lse = pl.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
+      mesh=plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      cost_estimate=_common.cost_estimate(st.opts, q, k, 2),
+      name="flash_attention_fwd_mosaic",
+  )(q, k, v, *seg_args, *schedule_args)
+  return out, lse
+
+
+def _backward(st: "_Static", res, cts):
+  if st.backward is None:
+    return pallas_triton.backward_pass(st.triton, res, cts)
+  if st.backward.with_dq:
+    return mosaic_gpu_backward.backward(st.opts, st.backward, res, cts)
+  # Deterministic: dK and dV from the one-pass kernel without dq (one CTA per key block),
+  # dq from a kernel with one CTA per query block (mosaic_gpu_dq's, else pallas_triton's),
+  # sharing Δ.
+  d_out, d_lse = cts
+  delta = _common.softmax_delta(res.out, d_out, d_lse)
+  stats = mosaic_gpu_backward.row_stats(st.opts, res, delta)
+  _, dk, dv, _, _ = mosaic_gpu_backward.backward(st.opts, st.backward, res, cts, stats=stats)
+  if st.dq is not None:
+    dq = mosaic_gpu_dq.dq(st.opts, st.dq, res, d_out, stats)
+  else:
+    dq = pallas_triton.dq_pass(st.triton, res, d_out, delta)
+  return dq, dk, dv, None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  opts: AttentionOptions
+  config: MosaicConfig
+  # The backward: the Mosaic kernel whole (backward.with_dq), pallas_triton's kernels
+  # (backward None), or the Mosaic kernel for dK and dV (with_dq=False) beside a dq kernel:
+  # mosaic_gpu_dq's with `dq`, else pallas_triton's (`triton`).
+  backward: MosaicBackwardConfig | None
+  triton: pallas_triton.TritonPlan | None
+  dq: MosaicDqConfig | None = None
+
+
+_attention = _common.attention_vjp(_forward, _backward)
+
+
+def hopper_available() -> str | None:
+  """Why no Hopper GPU can run the kernel, or None."""
+  if plgpu is None:
+    return "jax.experimental.pallas.mosaic_gpu is not importable"
+  return hopper.hopper_error()
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicGpu:
+  """Mosaic GPU forward and backward (Hopper).
+
+  `config=None` uses MosaicConfig.for_call. `backward_config` picks the backward: a
+  MosaicBackwardConfig runs the Mosaic kernel (mosaic_gpu_backward) with those tiles, a
+  pallas_triton.BlockConfig runs pallas_triton's dq and dk/dv kernels, and None runs the
+  Mosaic backward (tiles from MosaicBackwardConfig.tuned) where it serves the call (D 64,
+  128 and 256) and pallas_triton's elsewhere.
+
+  The Mosaic backward sums dq over key blocks by TMA reductions in the order the CTAs
+  arrive, which is not bitwise reproducible, unless it orders them (dq_ordered): only such
+  a kernel runs whole for calls with deterministic=True (flash_attention's default). For
+  them None means MosaicBackwardConfig.for_deterministic: the ordered kernel where the tuning
+  table names one and no dq_config is given, else the Mosaic kernel for dK and dV alone
+  (`with_dq=False`: one CTA per key block, no reductions) beside a dq kernel with one CTA
+  per query block; a MosaicBackwardConfig must then have with_dq=False or dq_ordered.
+  `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
+  pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the
+  call (D 64, 128 and 256), pallas_triton's elsewhere.
+  """
+
+  config: MosaicConfig | None = None
+  backward_config: MosaicBackwardConfig | pallas_triton.BlockConfig | None = None
+  dq_config: MosaicDqConfig | pallas_triton.BlockConfig | None = None
+  name: str = "pallas_mosaic_gpu"
+
+  def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
+    return _attention(self._static(q, k, opts), q, k, v, q_seg, kv_seg)
+
+  def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, opts: AttentionOptions):
+    """(dq, dk, dv) from saved out and lse [B, Hq, T], without a forward pass."""
+    res = _common.Residuals(q, k, v, q_seg, kv_seg, out, lse)
+    return _backward(self._static(q, k, opts), res, (d_out, d_lse))[:3]
+
+  def _static(self, q, k, opts: AttentionOptions) -> _Static:
+    config = self.config or MosaicConfig.for_call(q.shape[-1], opts.mask)
+    why = hopper_available() or support_error(q.shape, k.shape, q.dtype, opts, config)
+    if why is not None:
+      raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
+    bwd = self.backward_config
+    det = opts.deterministic
+    if det and isinstance(bwd, MosaicBackwardConfig) and bwd.with_dq and not bwd.dq_ordered:
+      raise NotImplementedError(
+          "pallas_mosaic_gpu: the Mosaic backward with dq (backward_config="
+          "MosaicBackwardConfig(with_dq=True)) adds dq by TMA reductions in arrival order and "
+          "is not deterministic; call flash_attention with deterministic=False to run it, or "
+          "ask for the reductions in a fixed order (dq_ordered=True)")
+    if bwd is None or isinstance(bwd, MosaicBackwardConfig):
+      mosaic = bwd
+      if mosaic is None:
+        # Deterministic calls: dq's reductions in a fixed order, or dK and dV only (no
+        # reductions) beside a dq kernel, always so when one is asked for (dq_config).
+        args = (q.shape[-1], opts.mask.is_causal, q.shape[2] > k.shape[2])
+        if not det:
+          mosaic = MosaicBackwardConfig.tuned(*args)
+        elif self.dq_config is not None:
+          mosaic = MosaicBackwardConfig.tuned(*args, with_dq=False)
+        else:
+          mosaic = MosaicBackwardConfig.for_deterministic(*args)
+      # dq_buffers is a most: one dQ slot where two do not fit beside the segment ids.
+      mosaic = mosaic_gpu_backward.fit_shared_memory(mosaic, q.shape[-1], q.dtype,
+                                                     opts.mask.segments)
+      why = mosaic_gpu_backward.support_error(q.shape, k.shape, q.dtype, opts, mosaic)
+      if why is None and not mosaic.with_dq:
+        return self._with_dq_kernel(q, k, opts, _Static(opts, config, mosaic, None))
+      self._no_dq_kernel(why or "the Mosaic backward computes dq itself (" + (
+          "dq_ordered" if mosaic.dq_ordered else "deterministic=False") + ")")
+      if why is None:
+        return _Static(opts, config, mosaic, None)
+      if bwd is not None:
+        raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
+      bwd = None  # the Triton backward's own choice of tiles
+    self._no_dq_kernel("pallas_triton's backward computes dq itself")
+    triton = pallas_triton.PallasTriton(config=bwd).plan(q, opts)
+    return _Static(opts, config, None, triton)
+
+  def _no_dq_kernel(self, why: str) -> None:
+    """A dq_config asked for where no separate dq kernel runs is an error, not ignored."""
+    if self.dq_config is not None:
+      raise NotImplementedError(
+          f"pallas_mosaic_gpu: dq_config={self.dq_config} needs the dK/dV-only Mosaic "
+          f"backward of a deterministic call, which this call does not run: {why}")
+
+  def _with_dq_kernel(self, q, k, opts: AttentionOptions, st: _Static) -> _Static:
+    """st with the dq kernel that runs beside the dK/dV-only Mosaic backward."""
+    dq = self.dq_config
+    if not isinstance(dq, pallas_triton.BlockConfig):
+      mosaic = dq or MosaicDqConfig.for_head_dim(q.shape[-1])
+      why = mosaic_gpu_dq.support_error(q.shape, k.shape, q.dtype, mosaic, opts.mask.segments)
+      if why is None:
+        return dataclasses.replace(st, dq=mosaic)
+      if dq is not None:
+        raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
+      dq = None  # pallas_triton's own choice of tiles
+    triton = pallas_triton.PallasTriton(config=dq).plan(q, opts)
+    return dataclasses.replace(st, triton=triton)

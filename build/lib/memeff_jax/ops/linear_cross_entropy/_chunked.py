@@ -1,0 +1,260 @@
+"""The token-chunk loop and the custom_vjp shared by `chunked_xla` and `pallas_mosaic_gpu`.
+
+Both implementations walk the tokens in chunks of `token_chunk` and hand each chunk to a
+*chunk backend*, which owns everything that touches the chunk's logits:
+
+  backend.stats(x_c, w, bias, labels_c)                     -> Stats of the chunk
+  backend.grads(x_c, w, bias, labels_c, a_c, e_c, lse_c,
+                dw_acc, db_acc, need)                       -> (Stats, dx_c, dw_acc, db_acc)
+
+`grads` computes G (see _common) for the chunk and applies the two matmuls that consume it,
+accumulating dW and db into the running sums it is given. Nothing of size [N, V] exists.
+A backend with `first_chunk_writes_dw = True` is given dw_acc=None for the first chunk,
+which runs before the loop, and returns that chunk's dW as the running sum (no zero-filled
+dW to add to).
+
+A backend whose kernels read or write at an offset names in `takes_rows(n_tokens, chunk)`
+which of "x" and "dx" it takes as windows (the chunk must then divide the tokens). For "x"
+it is given x_c as `Rows(x, i, C)`, the i-th chunk of x unsliced; for "dx", where dx is
+wanted, `dx_into=Rows(dx, i, C)`: it writes the chunk's rows of dx in place and returns
+the whole dx. The loop then holds no chunk-sized copy of x or dx next to the chunk's logits.
+
+Gradients in the forward pass. For reduction "mean"/"sum" the loss's cotangent is a single
+scalar, so the forward pass computes the gradients for a cotangent of 1 while the chunk's
+logits are at hand (three matmuls in all) and the backward pass only scales them. For
+"none", or when the log-sum-exp / z-loss outputs get a cotangent, the backward pass runs
+the chunks again with the real cotangents.
+
+A mean/sum loss without the auxiliary outputs (`opts.aux_outputs` False) is reduced inside
+the loop: each chunk adds its tokens' share to a scalar and makes its gradient coefficients
+from the labels' validity, so nothing of size [N] in float32 is held (at 16k tokens that is
+the 4-byte statistics, coefficients and log-sum-exp: ~0.4 MB next to a 128 MB chunk).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
+from memeff_jax.kernels.mosaic_gemm import Rows
+
+
+class Static(NamedTuple):
+  """Hashable, static half of a call."""
+
+  backend: Any  # a frozen dataclass with .stats / .grads / .dw_dtype(weight)
+  opts: LossOptions
+  token_chunk: int
+
+
+class Residuals(NamedTuple):
+  x: jax.Array
+  weight: jax.Array
+  bias: jax.Array | None
+  labels: jax.Array  # [N] int32, or [N, 2] int32 words of int64 ids (_common.int32_labels)
+  valid: jax.Array
+  lse: jax.Array | None  # float32 [N]; None for a loss reduced in the loop
+  dx: jax.Array | None  # gradients for a unit loss cotangent (mean/sum only)
+  dweight: jax.Array | None
+  dbias: jax.Array | None
+
+
+def blocked_loop(total: int, block: int, body, carry):
+  """Runs body(start, size, carry) over [0, total) in blocks; the last one may be short.
+
+  Full blocks go through a fori_loop (one compiled body); a ragged tail is one more call
+  with a smaller static size, so no input needs padding or copying.
+  """
+  n_full = total // block
+  if n_full:
+    carry = jax.lax.fori_loop(0, n_full, lambda i, c: body(i * block, block, c), carry)
+  if total % block:
+    carry = body(n_full * block, total % block, carry)
+  return carry
+
+
+def balanced_chunk(n_tokens: int, max_chunk: int) -> int:
+  """The smallest chunk (a multiple of 128 when max_chunk is) that needs as few chunks.
+
+  E.g. 16,000 tokens with room for 1,024: 16 chunks either way, so 1,024 rather than a
+  last window that overlaps most of the one before it.
+  """
+  if max_chunk >= n_tokens:
+    return n_tokens
+  n_chunks = -(-n_tokens // max_chunk)
+  chunk = -(-n_tokens // n_chunks)
+  if max_chunk % 128 == 0:
+    chunk = -(-chunk // 128) * 128
+  return min(chunk, max_chunk)
+
+
+class Reduced(NamedTuple):
+  """A mean/sum loss reduced inside the chunk loop (no per-token outputs wanted)."""
+
+  valid: jax.Array  # bool [N]: the counted tokens
+  scale: jax.Array  # float32 scalar: d(loss) / d(loss[n]) of a counted token
+  grads: bool  # also the gradients for a unit cotangent (a = scale·valid, e = 0)
+
+
+def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
+               need=(True, True, True), reduced: Reduced | None = None):
+  """Stats for all tokens, and with coefficients (a, e) also dx, dW and db.
+
+  With `reduced` the first result is the reduced loss (a float32 scalar) instead of the
+  [N] statistics, and the coefficients come from reduced (a and e must be None).
+
+  Every chunk has the same static size C, so one compiled body serves all of them and the
+  running dW is updated in place (a second, ragged call after the loop would make XLA keep
+  a copy of it). The last chunk is the window [N - C, N): rows an earlier chunk already
+  covered get zero gradient coefficients there and keep their earlier dx, and add nothing
+  to a reduced loss.
+  """
+  backend, chunk, opts = static.backend, static.token_chunk, static.opts
+  n, d = x.shape
+  with_grads = a is not None or (reduced is not None and reduced.grads)
+  need_dx, need_dw, need_db = need
+  need_db = need_db and bias is not None
+  n_chunks = -(-n // chunk)
+  peel = with_grads and need_dw and getattr(backend, "first_chunk_writes_dw", False)
+  rows = getattr(backend, "takes_rows", lambda *_: ())(n, chunk)
+  if rows and n % chunk:
+    raise ValueError(f"takes_rows needs chunks that divide the tokens, got {n} and {chunk}")
+  stats0 = (jnp.zeros((), jnp.float32) if reduced is not None
+            else Stats(*(jnp.zeros((n,), jnp.float32) for _ in range(3))))
+  # Written in place chunk by chunk, every row once (the chunks tile the tokens): no fill.
+  dx0 = (jax.lax.empty if "dx" in rows else jnp.zeros)((n, d), x.dtype)
+  carry = (
+      stats0,
+      dx0 if with_grads and need_dx else None,
+      jnp.zeros(w.shape, backend.dw_dtype(w)) if with_grads and need_dw and not peel else None,
+      jnp.zeros(bias.shape, jnp.float32) if with_grads and need_db else None,
+  )
+
+  def body(i, carry):
+    stats, dx, dw, db = carry
+    start = jnp.minimum(i * chunk, n - chunk)
+    sl = lambda t: jax.lax.dynamic_slice_in_dim(t, start, chunk, axis=0)
+    x_c = Rows(x, i, chunk) if "x" in rows else sl(x)
+    labels_c = _common.int32_labels(sl(labels))
+    fresh = start + jnp.arange(chunk) >= i * chunk  # False: done by the previous chunk
+    if reduced is not None:
+      counted = sl(reduced.valid) & fresh
+    if with_grads:
+      if reduced is not None:
+        a_c = jnp.where(counted, reduced.scale, 0.0)
+        e_c = jnp.zeros_like(a_c)
+      else:
+        a_c, e_c = (jnp.where(fresh, sl(t), 0.0) for t in (a, e))
+      into = {"dx_into": Rows(dx, i, chunk)} if "dx" in rows and need_dx else {}
+      chunk_stats, dx_c, dw, db = backend.grads(
+          x_c, w, bias, labels_c, a_c, e_c, None if lse is None else sl(lse),
+          dw, db, (need_dx, need_dw, need_db), **into)
+      if into:
+        dx = dx_c
+      elif need_dx:
+        dx_c = jnp.where(fresh[:, None], dx_c.astype(dx.dtype), sl(dx))
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, axis=0)
+    else:
+      chunk_stats = backend.stats(x_c, w, bias, labels_c)
+    if reduced is not None:
+      per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts)
+      stats = stats + _common.reduced_sum(per_token, counted, reduced.scale)
+    else:
+      stats = Stats(*(jax.lax.dynamic_update_slice_in_dim(s, c, start, axis=0)
+                      for s, c in zip(stats, chunk_stats)))
+    return stats, dx, dw, db
+
+  if peel:
+    carry = body(0, carry)
+  return jax.lax.fori_loop(int(peel), n_chunks, body, carry)
+
+
+def _reduced_in_loop(opts: LossOptions) -> bool:
+  return opts.reduction != "none" and not opts.aux_outputs
+
+
+def _value(p):
+  return getattr(p, "value", p)
+
+
+def _perturbed(p) -> bool:
+  return bool(getattr(p, "perturbed", True)) and _value(p) is not None
+
+
+def _nonzero(ct):
+  return None if isinstance(ct, SymbolicZero) or ct is None else ct
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunked_loss(static: Static, x, w, bias, labels, valid):
+  """(loss, lse, z-loss term) of the chunked computation; see module docstring. With a
+  loss reduced in the loop (`_reduced_in_loop`) the last two are None."""
+  if _reduced_in_loop(static.opts):
+    scale = _common.valid_scale(valid, static.opts.reduction)
+    loss, *_ = run_chunks(static, x, w, bias, labels,
+                          reduced=Reduced(valid, scale, grads=False))
+    return loss, None, None
+  stats, *_ = run_chunks(static, x, w, bias, labels)
+  return _common.finish(stats, _common.int32_labels(labels), valid, static.opts)
+
+
+def _fwd(static: Static, x, w, bias, labels, valid):
+  need = (_perturbed(x), _perturbed(w), _perturbed(bias))
+  x, w, bias, labels, valid = map(_value, (x, w, bias, labels, valid))
+  opts = static.opts
+  if opts.reduction == "none":
+    stats, *_ = run_chunks(static, x, w, bias, labels)
+    grads = (None, None, None)
+  elif _reduced_in_loop(opts):  # scalar loss, gradients for a unit cotangent, no [N] stats
+    scale = _common.valid_scale(valid, opts.reduction)
+    loss, *grads = run_chunks(static, x, w, bias, labels,
+                              reduced=Reduced(valid, scale, grads=True), need=need)
+    return (loss, None, None), Residuals(x, w, bias, labels, valid, None, *grads)
+  else:  # scalar loss: gradients now, for a unit cotangent.
+    r = _common.token_scale(valid, opts.reduction)
+    stats, *grads = run_chunks(static, x, w, bias, labels, a=r, e=jnp.zeros_like(r),
+                               need=need)
+  out = _common.finish(stats, _common.int32_labels(labels), valid, opts)
+  return out, Residuals(x, w, bias, labels, valid, stats.lse, *grads)
+
+
+def _scale(t, g, like):
+  if t is None or g is None:
+    return None
+  return (t.astype(jnp.float32) * g).astype(like.dtype)
+
+
+def _add(t, u):
+  if t is None:
+    return u
+  return t if u is None else (t.astype(jnp.float32) + u.astype(jnp.float32)).astype(t.dtype)
+
+
+def _bwd(static: Static, res: Residuals, cts):
+  g_loss, g_lse, g_z = map(_nonzero, cts)
+  opts = static.opts
+  need = (True, True, res.bias is not None)
+  if opts.reduction == "none":
+    a, e = _common.coefficients(res.valid, res.lse, g_loss, g_lse, g_z, opts)
+    _, dx, dw, db = run_chunks(static, res.x, res.weight, res.bias, res.labels,
+                               a=a, e=e, lse=res.lse, need=need)
+  else:
+    dx, dw, db = (_scale(t, g_loss, like) for t, like in
+                  ((res.dx, res.x), (res.dweight, res.weight), (res.dbias, res.bias)))
+    if g_lse is not None or (g_z is not None and opts.z_loss):
+      # The auxiliary outputs were differentiated: one more pass for their share.
+      a, e = _common.coefficients(res.valid, res.lse, None, g_lse, g_z, opts)
+      _, dx2, dw2, db2 = run_chunks(static, res.x, res.weight, res.bias, res.labels,
+                                    a=a, e=e, lse=res.lse, need=need)
+      dx, dw, db = _add(dx, dx2), _add(dw, dw2), _add(db, db2)
+  cast = lambda t, like: None if t is None or like is None else t.astype(like.dtype)
+  return (cast(dx, res.x), cast(dw, res.weight), cast(db, res.bias), None, None)
+
+
+chunked_loss.defvjp(_fwd, _bwd, symbolic_zeros=True)

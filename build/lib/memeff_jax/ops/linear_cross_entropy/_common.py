@@ -1,0 +1,217 @@
+"""Math shared by every linear cross-entropy implementation.
+
+Notation (per token n, vocabulary entry v):
+
+  z[n, v]   = x[n] · w[:, v] + b[v]                  raw logit
+  ẑ[n, v]   = c · tanh(z / c)  (c = logit_softcap)   capped logit, or z when no cap
+  lse[n]    = log Σ_v exp(ẑ[n, v])
+  q[n, v]   = (1 - ε) [v = y_n] + ε / V               target distribution (label smoothing ε)
+  ce[n]     = lse[n] - Σ_v q[n, v] ẑ[n, v]
+            = lse[n] - (1 - ε) ẑ[n, y_n] - ε / V Σ_v ẑ[n, v]
+  loss[n]   = valid[n] · (ce[n] + λ lse[n]²)          λ = z_loss
+
+The gradient with respect to the raw logits, for per-token coefficients a (on the loss) and
+e (extra weight on the softmax, e.g. from a differentiated log-sum-exp output), is
+
+  G[n, v] = (b[n] p[n, v] - a[n] q[n, v]) · (1 - (ẑ[n, v] / c)²),   b = a (1 + 2 λ lse) + e,
+
+with p = softmax(ẑ). Every implementation computes exactly this; they differ only in how
+much of z they hold at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+REDUCTIONS = ("mean", "sum", "none")
+WEIGHT_LAYOUTS = ("dv", "vd")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+  """Static options of one call; hashable so it can be a custom_vjp nondiff argument."""
+
+  vocab_size: int
+  weight_layout: str = "dv"
+  reduction: str = "mean"
+  label_smoothing: float = 0.0
+  z_loss: float = 0.0
+  logit_softcap: float | None = None
+  # Whether the per-token log-sum-exp and z-loss term (return_aux) are wanted. Without them
+  # the chunked implementations reduce a mean/sum loss inside their chunk loop and hold no
+  # [N] statistics.
+  aux_outputs: bool = True
+
+
+class Stats(NamedTuple):
+  """Per-token statistics of the (capped) logits, all float32 [N]."""
+
+  lse: jax.Array  # log-sum-exp
+  label_logit: jax.Array  # ẑ[n, y_n]; 0 where y_n is outside [0, V)
+  logit_sum: jax.Array  # Σ_v ẑ[n, v]; only meaningful with label smoothing
+
+
+def int32_labels(labels: jax.Array) -> jax.Array:
+  """Class ids as int32 from labels as implementations receive them: [N] int32 as they are,
+  or [N, 2] int32 words (low, high) of int64 ids (api.Int64Labels), where an id outside the
+  int32 range becomes INT32_MIN: outside [0, V), so that token's loss is NaN as for any
+  other out-of-range label (which tokens are ignored was decided on all 64 bits)."""
+  if labels.ndim == 1:
+    return labels
+  low, high = labels[:, 0], labels[:, 1]
+  return jnp.where(high == (low >> 31), low, jnp.iinfo(jnp.int32).min)
+
+
+# ----------------------------------------------------------------------------------------
+# Matmuls in either weight layout. `w` is [D, V] ("dv") or [V, D] ("vd").
+# ----------------------------------------------------------------------------------------
+
+
+def logits_dot(x, w, layout: str, out_dtype) -> jax.Array:
+  """[C, D] x w -> [C, V]."""
+  dims = (((1,), (0,)), ((), ())) if layout == "dv" else (((1,), (1,)), ((), ()))
+  return jax.lax.dot_general(x, w, dims, preferred_element_type=out_dtype)
+
+
+def dx_dot(g, w, layout: str, out_dtype) -> jax.Array:
+  """[C, V] x w -> [C, D]  (g @ wᵀ for "dv", g @ w for "vd")."""
+  dims = (((1,), (1,)), ((), ())) if layout == "dv" else (((1,), (0,)), ((), ()))
+  return jax.lax.dot_general(g, w, dims, preferred_element_type=out_dtype)
+
+
+def dw_dot(x, g, layout: str, out_dtype) -> jax.Array:
+  """[C, D], [C, V] -> dW in the weight's layout ([D, V] or [V, D])."""
+  if layout == "dv":
+    return jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=out_dtype)
+  return jax.lax.dot_general(g, x, (((0,), (0,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def vocab_slice(w, start, size: int, layout: str):
+  """Columns [start, start + size) of the vocabulary, in the weight's layout."""
+  axis = 1 if layout == "dv" else 0
+  return jax.lax.dynamic_slice_in_dim(w, start, size, axis=axis)
+
+
+# ----------------------------------------------------------------------------------------
+# Element-wise pieces, written for blocks so the Pallas kernel can call them unchanged.
+# ----------------------------------------------------------------------------------------
+
+
+def cap_logits(z: jax.Array, cap: float | None) -> jax.Array:
+  return z if cap is None else cap * jnp.tanh(z / cap)
+
+
+def block_stats(zc, cols, labels, vocab_size: int, *, padded: bool = True,
+                logit_sum: bool = True, extremes: bool = True):
+  """Partial statistics of one block of capped logits.
+
+  Args:
+    zc: [R, Vb] float32 capped logits of vocabulary columns `cols`.
+    cols: [Vb] int32 absolute column ids (ids ≥ vocab_size are padding).
+    labels: [R] int32, or None where no row's label is among `cols` (label logit 0).
+    padded: whether `cols` may hold padding ids; False skips masking them.
+    logit_sum: whether to sum ẑ (label smoothing needs it); else that output is 0.
+    extremes: whether to find the max and Σ exp (else both are None: the log-sum-exp is
+      known from elsewhere).
+
+  Returns:
+    (max, sum of exp(ẑ - max), label logit, sum of ẑ), each [R] float32.
+  """
+  in_vocab = (cols < vocab_size)[None, :] if padded else None
+  m = s = None
+  if extremes:
+    masked = zc if in_vocab is None else jnp.where(in_vocab, zc, -jnp.inf)
+    m = jnp.max(masked, axis=1)
+    s = jnp.sum(jnp.exp(masked - m[:, None]), axis=1)
+  label_logit = logit_total = jnp.zeros((zc.shape[0],), jnp.float32)
+  if labels is not None:
+    label_logit = jnp.sum(jnp.where(cols[None, :] == labels[:, None], zc, 0.0), axis=1)
+  if logit_sum:
+    logit_total = jnp.sum(zc if in_vocab is None else jnp.where(in_vocab, zc, 0.0), axis=1)
+  return m, s, label_logit, logit_total
+
+
+def combine_stats(a, b):
+  """Merges two block_stats results over disjoint column sets."""
+  m_a, s_a, y_a, t_a = a
+  m_b, s_b, y_b, t_b = b
+  m = jnp.maximum(m_a, m_b)
+  s = s_a * jnp.exp(m_a - m) + s_b * jnp.exp(m_b - m)
+  return m, s, y_a + y_b, t_a + t_b
+
+
+def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions, *, padded: bool = True):
+  """G for one block of capped logits (float32 [R, Vb]); zero in padding columns.
+
+  G = b·p − a·q with p = exp(ẑ − lse), q = (1 − ε)·onehot(label) + ε/V; labels=None means
+  no row's label is among `cols`, and `padded` as in block_stats.
+  """
+  eps = opts.label_smoothing
+  b = a * (1.0 + 2.0 * opts.z_loss * lse) + e
+  g = b[:, None] * jnp.exp(zc - lse[:, None])
+  if eps:
+    g = g - (a * (eps / opts.vocab_size))[:, None]
+  if labels is not None:
+    hit = cols[None, :] == labels[:, None]
+    g = jnp.where(hit, g - (a * (1.0 - eps))[:, None], g)
+  if opts.logit_softcap is not None:
+    g = g * (1.0 - jnp.square(zc / opts.logit_softcap))
+  return jnp.where((cols < opts.vocab_size)[None, :], g, 0.0) if padded else g
+
+
+# ----------------------------------------------------------------------------------------
+# From statistics to the three outputs, and from output cotangents to coefficients.
+# ----------------------------------------------------------------------------------------
+
+
+def valid_scale(valid: jax.Array, reduction: str) -> jax.Array:
+  """d(reduced loss) / d(loss[n]) of a counted token: 1 / count for mean, else 1 (float32)."""
+  if reduction == "mean":
+    return 1.0 / jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
+  return jnp.float32(1.0)
+
+
+def token_scale(valid: jax.Array, reduction: str) -> jax.Array:
+  """r[n]: d(reduced loss) / d(loss[n]): valid/count for mean, valid otherwise (float32)."""
+  return valid.astype(jnp.float32) * valid_scale(valid, reduction)
+
+
+def token_loss(stats: Stats, labels, valid, opts: LossOptions):
+  """(loss[n], z-loss term[n]) from per-token statistics; 0 where a token is not counted."""
+  in_range = (labels >= 0) & (labels < opts.vocab_size)
+  label_logit = jnp.where(in_range, stats.label_logit, jnp.nan)  # optax: NaN, never finite
+  eps = opts.label_smoothing
+  ce = stats.lse - (1.0 - eps) * label_logit
+  if eps:
+    ce = ce - eps / opts.vocab_size * stats.logit_sum
+  zterm = opts.z_loss * jnp.square(stats.lse)
+  return jnp.where(valid, ce + zterm, 0.0), jnp.where(valid, zterm, 0.0)
+
+
+def reduced_sum(per_token, valid, scale):
+  """Σ over counted tokens of scale · per_token (scale a scalar, or r of token_scale)."""
+  # Σ r·loss rather than sum()/count: uncounted tokens hold 0, so this is the same number.
+  return jnp.sum(jnp.where(valid, per_token * scale, 0.0))
+
+
+def finish(stats: Stats, labels, valid, opts: LossOptions):
+  """(loss, lse, z-loss term) from per-token statistics, reduced as `opts.reduction` says."""
+  per_token, zterm = token_loss(stats, labels, valid, opts)
+  if opts.reduction == "none":
+    return per_token, stats.lse, zterm
+  r = valid_scale(valid, opts.reduction)
+  return reduced_sum(per_token, valid, r), stats.lse, jnp.sum(zterm * r)
+
+
+def coefficients(valid, lse, g_loss, g_lse, g_z, opts: LossOptions):
+  """Per-token (a, e) of block_grad for output cotangents; None means a zero cotangent."""
+  r = token_scale(valid, opts.reduction)
+  a = jnp.zeros_like(r) if g_loss is None else g_loss * r
+  e = jnp.zeros_like(r) if g_lse is None else g_lse.astype(jnp.float32)
+  if g_z is not None and opts.z_loss:
+    e = e + 2.0 * opts.z_loss * lse * g_z * r
+  return a, e

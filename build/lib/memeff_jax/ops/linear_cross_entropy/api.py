@@ -1,0 +1,221 @@
+"""linear_cross_entropy(): argument checks and the choice of implementation."""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from memeff_jax.kernels import hopper
+from memeff_jax.ops import _dispatch
+from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy._common import LossOptions
+from memeff_jax.ops.linear_cross_entropy.chunked_xla import ChunkedXla
+from memeff_jax.ops.linear_cross_entropy.pallas_mosaic_gpu import PallasMosaicGpu
+from memeff_jax.ops.linear_cross_entropy.reference import Reference
+
+IMPLEMENTATIONS = {
+    "reference": Reference(),
+    "chunked_xla": ChunkedXla(),
+    "pallas_mosaic_gpu": PallasMosaicGpu(),
+}
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+class Aux(NamedTuple):
+  """Auxiliary outputs of linear_cross_entropy(..., return_aux=True)."""
+
+  lse: jax.Array  # float32, labels.shape: log-sum-exp of each token's (capped) logits
+  z_loss: jax.Array  # the z-loss term λ·lse², reduced like the loss (already in the loss)
+
+
+class Int64Labels(NamedTuple):
+  """64-bit class ids as int32 words, for JAX without x64 (which cannot hold int64 arrays).
+
+  `words` is [..., 2], int32 or uint32: each id's (low, high) halves, little-endian. That is
+  what a contiguous torch int64 tensor `t` gives as `t.view(torch.int32).view(*t.shape, 2)`,
+  zero-copy, so torch's labels reach the loss without an int32 copy (the torch bridge passes
+  them this way). Which tokens are `ignore_index` is decided on all 64 bits; an id outside
+  the int32 range is outside [0, V) and gives NaN like any other out-of-range label.
+  """
+
+  words: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(jnp.shape(self.words)[:-1])
+
+
+def _int64_words(labels: Int64Labels, ignore_index: int):
+  """([N, 2] int32 words, [N] valid) of Int64Labels, after checking them."""
+  words = jnp.asarray(labels.words)
+  if words.ndim < 1 or words.shape[-1] != 2 or words.dtype not in (jnp.int32, jnp.uint32):
+    raise TypeError(f"Int64Labels.words must be [..., 2] int32 or uint32 (the low and high "
+                    f"words of each id), got shape {words.shape} and dtype {words.dtype}")
+  ignore_index = int(ignore_index)
+  if not -2**63 <= ignore_index < 2**63:
+    raise ValueError(f"ignore_index={ignore_index} is outside the int64 range")
+  words = jax.lax.bitcast_convert_type(words, jnp.int32).reshape(-1, 2)
+  low = (ignore_index & 0xFFFFFFFF) - (2**32 if ignore_index & 0x80000000 else 0)
+  ignored = (words[:, 0] == low) & (words[:, 1] == ignore_index >> 32)
+  return words, ~ignored
+
+
+def _check_float(name, a):
+  if a.dtype not in _FLOAT_DTYPES:
+    raise TypeError(f"{name} must be float32, bfloat16 or float16, got {name}.dtype={a.dtype}")
+
+
+def linear_cross_entropy(
+    x: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    weight_layout: str = "dv",
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
+    where: jax.Array | None = None,
+    return_aux: bool = False,
+    implementation=None,
+    chunk_size: int | tuple[int, int] | None = None,
+):
+  """Cross-entropy of `x @ weight` against integer labels, without holding the logits.
+
+  Equals `optax.softmax_cross_entropy_with_integer_labels(x @ weight + bias, labels)`,
+  with torch's meanings of `ignore_index` and `label_smoothing`:
+
+    ẑ = c·tanh((x·W + b) / c)            (c = logit_softcap; no cap when None)
+    loss_n = logsumexp(ẑ_n) - Σ_v q_nv ẑ_nv + z_loss · logsumexp(ẑ_n)²,
+    q_nv = (1 - ε)[v = y_n] + ε / V,     ε = label_smoothing
+
+  Tokens whose label is `ignore_index`, or where `where` is False, contribute 0 and are
+  left out of the mean; with every token left out the loss is 0 and so are the gradients.
+  A label outside [0, V) that is not `ignore_index` gives NaN for that token, as optax does.
+
+  Args:
+    x: [..., D] activations.
+    weight: [D, V] (`weight_layout="dv"`, as `flax.linen.Dense`) or [V, D] (`"vd"`, a tied
+      embedding table or a `torch.nn.Linear` weight).
+    labels: [...] integer labels, the leading shape of x; or `Int64Labels` (64-bit ids as
+      int32 words, e.g. torch's int64 labels without a copy).
+    bias: optional [V].
+    weight_layout: "dv" or "vd".
+    ignore_index: label value that marks a token to skip.
+    reduction: "mean" (over counted tokens), "sum" or "none" (per token, labels.shape).
+    label_smoothing: ε in [0, 1].
+    z_loss: λ ≥ 0, weight of the log-sum-exp² regulariser (PaLM).
+    logit_softcap: optional c > 0 (Gemma 2).
+    where: optional boolean [...] mask, like labels; False tokens are skipped.
+    return_aux: also return `Aux(lse, z_loss)`; both are differentiable.
+    implementation: None (fastest available: "pallas_mosaic_gpu" on NVIDIA GPUs, then
+      "chunked_xla"), a name ("reference", "chunked_xla", "pallas_mosaic_gpu"), an implementation
+      object (`PallasMosaicGpu(...)`, `ChunkedXla(...)`) or a sequence of those tried in order.
+    chunk_size: tokens per chunk, or (tokens, vocab entries) for chunked_xla. None derives
+      it from the implementation's `memory_budget_bytes` (256 MiB for chunked_xla's float32
+      logits and G, 240 MiB for pallas_mosaic_gpu's one buffer in the compute dtype).
+
+  Returns:
+    The loss (a scalar, or labels.shape for "none"), float32; with return_aux,
+    (loss, Aux).
+
+  Memory: reference holds N·V float32 logits; chunked_xla about its budget plus a float32
+  dW accumulator (D·V·4 bytes); pallas_mosaic_gpu about its budget, accumulating dW in the
+  weight's dtype.
+
+  Raises:
+    ValueError / TypeError: for bad shapes, dtypes or options (the message names them).
+    NotImplementedError: when an explicitly chosen implementation cannot serve the call.
+
+  >>> import jax, jax.numpy as jnp
+  >>> x = jax.random.normal(jax.random.key(0), (8, 16))
+  >>> w = jax.random.normal(jax.random.key(1), (16, 100))
+  >>> labels = jnp.arange(8)
+  >>> loss = linear_cross_entropy(x, w, labels)
+  >>> loss.shape, loss.dtype
+  ((), dtype('float32'))
+  """
+  x, weight = jnp.asarray(x), jnp.asarray(weight)
+  if isinstance(labels, Int64Labels):  # read as words chunk by chunk: no int32 copy
+    words, valid = _int64_words(labels, ignore_index)
+  else:
+    labels = jnp.asarray(labels)
+  if weight_layout not in _common.WEIGHT_LAYOUTS:
+    raise ValueError(f"weight_layout must be 'dv' ([D, V]) or 'vd' ([V, D]), got "
+                     f"{weight_layout!r}")
+  if reduction not in _common.REDUCTIONS:
+    raise ValueError(f"reduction must be one of {_common.REDUCTIONS}, got {reduction!r}")
+  if x.ndim < 1:
+    raise ValueError(f"x must be [..., D], got x.shape={x.shape}")
+  if weight.ndim != 2:
+    raise ValueError(f"weight must be 2-D ({'[D, V]' if weight_layout == 'dv' else '[V, D]'}"
+                     f" for weight_layout={weight_layout!r}), got weight.shape={weight.shape}")
+  _check_float("x", x)
+  _check_float("weight", weight)
+  d, vocab = weight.shape if weight_layout == "dv" else weight.shape[::-1]
+  if x.shape[-1] != d:
+    raise ValueError(f"x.shape={x.shape} has D={x.shape[-1]} but weight.shape="
+                     f"{weight.shape} with weight_layout={weight_layout!r} has D={d}")
+  if not isinstance(labels, Int64Labels) and not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"labels must be integers (class ids), got labels.dtype={labels.dtype}")
+  if labels.shape != x.shape[:-1]:
+    raise ValueError(f"labels.shape={labels.shape} must equal x.shape[:-1]="
+                     f"{x.shape[:-1]} (x.shape={x.shape})")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    _check_float("bias", bias)
+    if bias.shape != (vocab,):
+      raise ValueError(f"bias.shape={bias.shape} must be (V,)=({vocab},)")
+  if where is not None:
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+      raise TypeError(f"where must be a boolean mask, got where.dtype={where.dtype}")
+    if where.shape != labels.shape:
+      raise ValueError(f"where.shape={where.shape} must equal labels.shape={labels.shape}")
+  if not isinstance(label_smoothing, numbers.Real) or not 0.0 <= label_smoothing <= 1.0:
+    raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+  if not isinstance(z_loss, numbers.Real) or z_loss < 0:
+    raise ValueError(f"z_loss must be ≥ 0, got {z_loss!r}")
+  if logit_softcap is not None and (not isinstance(logit_softcap, numbers.Real)
+                                    or logit_softcap <= 0):
+    raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap!r}")
+  if chunk_size is not None:
+    sizes = (chunk_size,) if isinstance(chunk_size, int) else tuple(chunk_size)
+    if len(sizes) not in (1, 2) or not all(isinstance(s, int) and s > 0 for s in sizes):
+      raise ValueError(f"chunk_size must be a positive int or (tokens, vocab) pair of "
+                       f"positive ints, got {chunk_size!r}")
+  if vocab == 0:
+    raise ValueError(f"the vocabulary is empty (weight.shape={weight.shape})")
+
+  opts = LossOptions(vocab_size=int(vocab), weight_layout=weight_layout, reduction=reduction,
+                     label_smoothing=float(label_smoothing), z_loss=float(z_loss),
+                     logit_softcap=None if logit_softcap is None else float(logit_softcap),
+                     aux_outputs=bool(return_aux))
+  lead = labels.shape
+  dtype = jnp.result_type(x.dtype, weight.dtype)
+  x2 = x.reshape(-1, d).astype(dtype)
+  weight = weight.astype(dtype)
+  if isinstance(labels, Int64Labels):
+    labels2 = words
+  else:
+    labels2 = labels.reshape(-1).astype(jnp.int32)
+    valid = labels2 != ignore_index
+  if where is not None:
+    valid = valid & where.reshape(-1)
+
+  default = ("pallas_mosaic_gpu", "chunked_xla") if hopper.on_nvidia_gpu() else ("chunked_xla",)
+  loss, lse, zterm = _dispatch.first_that_serves(
+      _dispatch.resolve(implementation, IMPLEMENTATIONS, default),
+      lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))
+
+  if reduction == "none":
+    loss = loss.reshape(lead)
+  if return_aux:  # (without it, chunked implementations may return None for lse and zterm)
+    return loss, Aux(lse=lse.reshape(lead), z_loss=zterm.reshape(lead) if reduction == "none"
+                     else zterm)
+  return loss

@@ -1,0 +1,146 @@
+"""Chunked linear cross-entropy in plain XLA: any backend, O(chunk) memory.
+
+Tokens are processed `token_chunk` at a time; when even a small token chunk's logits would
+not fit the memory budget (huge vocabularies), each token chunk also walks the vocabulary in
+`vocab_chunk` columns with an online log-sum-exp, and recomputes the logits for the
+gradient (two passes). Logits are formed in float32; G is cast to the compute dtype for the
+two gradient matmuls (tensor cores), which accumulate in float32; dW and db accumulate
+across chunks in float32.
+
+Memory: about `memory_budget_bytes` for the chunk's logits and G, plus a float32 dW
+accumulator (D·V·4 bytes) during the gradient pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from memeff_jax.ops.linear_cross_entropy import _chunked
+from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
+
+# float32 logits + float32 G + G in the compute dtype, per logit element.
+_BYTES_PER_LOGIT = 12
+_MIN_TOKEN_CHUNK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedXla:
+  """Pure-XLA chunked implementation.
+
+  Attributes:
+    memory_budget_bytes: bytes of chunk temporaries (logits and G) to aim for; decides the
+      token chunk (and, if even `min_token_chunk` tokens do not fit, the vocabulary chunk).
+  """
+
+  memory_budget_bytes: int = 256 * 2**20
+  name: str = "chunked_xla"
+
+  def plan(self, n_tokens: int, vocab: int, chunk_size) -> tuple[int, int]:
+    """(token_chunk, vocab_chunk) for a call; `chunk_size` overrides the budget."""
+    if chunk_size is not None:
+      if isinstance(chunk_size, int):
+        return min(chunk_size, n_tokens), vocab
+      tokens, cols = chunk_size
+      return min(tokens, n_tokens), min(cols, vocab)
+    per_token = vocab * _BYTES_PER_LOGIT
+    tokens = self.memory_budget_bytes // per_token
+    if tokens >= _MIN_TOKEN_CHUNK:
+      if tokens >= 128:
+        tokens = tokens // 128 * 128
+      return _chunked.balanced_chunk(n_tokens, tokens), vocab
+    tokens = min(_MIN_TOKEN_CHUNK, n_tokens)
+    cols = max(128, self.memory_budget_bytes // (tokens * _BYTES_PER_LOGIT) // 128 * 128)
+    return tokens, min(cols, vocab)
+
+  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
+    tokens, cols = self.plan(x.shape[0], opts.vocab_size, chunk_size)
+    backend = XlaChunkBackend(opts=opts, vocab_chunk=cols)
+    return _chunked.chunked_loss(_chunked.Static(backend, opts, tokens),
+                                 x, weight, bias, labels, valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaChunkBackend:
+  """Per-chunk work of ChunkedXla (see _chunked for the protocol)."""
+
+  opts: LossOptions
+  vocab_chunk: int
+
+  def dw_dtype(self, w):
+    del w
+    return jnp.float32
+
+  def _capped_logits(self, x_c, w, bias, start, size):
+    layout = self.opts.weight_layout
+    w_blk = w if size == self.opts.vocab_size else _common.vocab_slice(w, start, size, layout)
+    z = _common.logits_dot(x_c, w_blk, layout, jnp.float32)
+    if bias is not None:
+      z = z + jax.lax.dynamic_slice_in_dim(bias, start, size).astype(jnp.float32)[None, :]
+    return _common.cap_logits(z, self.opts.logit_softcap)
+
+  def _block_stats(self, x_c, w, bias, labels_c, start, size):
+    zc = self._capped_logits(x_c, w, bias, start, size)
+    cols = start + jnp.arange(size, dtype=jnp.int32)
+    return _common.block_stats(zc, cols, labels_c, self.opts.vocab_size)
+
+  def stats(self, x_c, w, bias, labels_c) -> Stats:
+    vocab = self.opts.vocab_size
+    if self.vocab_chunk >= vocab:
+      m, s, y, t = self._block_stats(x_c, w, bias, labels_c, 0, vocab)
+    else:
+      rows = x_c.shape[0]
+      init = (jnp.full((rows,), -jnp.inf, jnp.float32),) + tuple(
+          jnp.zeros((rows,), jnp.float32) for _ in range(3))
+      m, s, y, t = _chunked.blocked_loop(
+          vocab, self.vocab_chunk,
+          lambda start, size, acc: _common.combine_stats(
+              acc, self._block_stats(x_c, w, bias, labels_c, start, size)),
+          init)
+    return Stats(m + jnp.log(s), y, t)
+
+  def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need):
+    need_dx, need_dw, need_db = need
+    opts, layout, vocab = self.opts, self.opts.weight_layout, self.opts.vocab_size
+    single = self.vocab_chunk >= vocab
+    # One vocabulary block, statistics wanted: form the logits once for both uses.
+    # Otherwise (vocabulary blocks, or lse given by the forward pass) each block recomputes.
+    reuse = single and lse_c is None
+    if reuse:
+      zc = self._capped_logits(x_c, w, bias, 0, vocab)
+      m, s, y, t = _common.block_stats(zc, jnp.arange(vocab, dtype=jnp.int32), labels_c, vocab)
+      stats = Stats(m + jnp.log(s), y, t)
+    elif lse_c is None:
+      stats = self.stats(x_c, w, bias, labels_c)
+    else:  # the backward pass: statistics are known and not returned
+      stats = Stats(lse_c, jnp.zeros_like(lse_c), jnp.zeros_like(lse_c))
+    dx_c = jnp.zeros(x_c.shape, jnp.float32) if need_dx else None
+
+    def block(start, size, carry):
+      dx_c, dw_acc, db_acc = carry
+      zc_blk = zc if reuse else self._capped_logits(x_c, w, bias, start, size)
+      w_blk = w if single else _common.vocab_slice(w, start, size, layout)
+      cols = start + jnp.arange(size, dtype=jnp.int32)
+      g = _common.block_grad(zc_blk, cols, labels_c, stats.lse, a_c, e_c, opts)
+      g_lo = g.astype(x_c.dtype)  # tensor-core operand; products accumulate in float32
+      if need_dx:
+        dx_c = dx_c + _common.dx_dot(g_lo, w_blk, layout, jnp.float32)
+      if need_dw:
+        axis = 1 if layout == "dv" else 0
+        blk = _common.dw_dot(x_c, g_lo, layout, jnp.float32)
+        if single:
+          dw_acc = dw_acc + blk
+        else:
+          cur = jax.lax.dynamic_slice_in_dim(dw_acc, start, size, axis=axis)
+          dw_acc = jax.lax.dynamic_update_slice_in_dim(dw_acc, cur + blk, start, axis=axis)
+      if need_db:
+        cur = jax.lax.dynamic_slice_in_dim(db_acc, start, size)
+        db_acc = jax.lax.dynamic_update_slice_in_dim(db_acc, cur + jnp.sum(g, axis=0), start, 0)
+      return dx_c, dw_acc, db_acc
+
+    dx_c, dw_acc, db_acc = _chunked.blocked_loop(vocab, vocab if single else self.vocab_chunk,
+                                                 block, (dx_c, dw_acc, db_acc))
+    return stats, dx_c, dw_acc, db_acc

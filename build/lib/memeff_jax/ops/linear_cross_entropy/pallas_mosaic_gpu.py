@@ -1,0 +1,539 @@
+"""Linear cross-entropy on NVIDIA GPUs: on Hopper, Mosaic GPU GEMMs with the softmax folded
+into their epilogues; elsewhere, cuBLAS GEMMs around a Pallas Triton softmax kernel.
+
+Per token chunk (see _chunked for the loop and the custom_vjp), the loss and its gradients
+cost the three matmuls they cannot avoid. On Hopper with bfloat16 inputs (the default,
+`exp_logits`):
+
+  1. E = exp(x_c @ W), its rows' sums   kernels.mosaic_gemm, exp in the epilogue, [C, V]
+  2. one scatter per row                patches the label entry: G = diag(s) E, s per row
+  3. dx_c = diag(s) E Wᵀ,               kernels.mosaic_gemm, s applied in the epilogue, dx's
+     dW += (diag(s) x_c)ᵀ E             rows written in place, dW added by TMA reduce-adds
+
+No pass reads or writes the chunk's buffer between the GEMMs, and E and its row sums are the
+only chunk-sized buffers (0.247 GiB at Llama-3-8B's shape). PallasMosaicGpu.auto_gemms says
+where all three GEMMs are ours (measured level with cuBLAS there); a chunk whose
+exponentials leave the safe range takes the softmax pass instead (ChunkBackend._exp_chunk).
+
+The softmax pass (other GPUs, float16, calls with a bias, softcap or label smoothing, the
+backward of reduction="none"): z = x_c @ W (cuBLAS or kernels.mosaic_gemm), then
+triton_softmax's kernel overwrites z with G = ∂loss/∂z, then dx_c = G Wᵀ and dW += x_cᵀ G.
+Memory: one [C, V] buffer in the compute dtype; dW accumulates in the weight's dtype (one
+rounding per chunk with cuBLAS, two with the Mosaic GEMM's TMA adds) unless
+`dw_accumulation="float32"`. With `fused_lse` the Mosaic logits GEMM also hands over each
+row's partial log-sum-exps, stored in dx's rows before the dx GEMM writes them (as
+bfloat16 words, mosaic_gemm.StatsWords), so the pass reads the logits once and the partials
+hold no memory: the lowest-memory setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from memeff_jax import _tuning
+from memeff_jax.kernels import hopper
+from memeff_jax.kernels import mosaic_gemm
+from memeff_jax.ops.linear_cross_entropy import _chunked
+from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy import triton_softmax
+from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
+
+
+GEMMS = ("logits", "dx", "dw")
+
+
+def tuned_gemm_config(key: str, layout: str, k: int) -> mosaic_gemm.GemmConfig:
+  """The tuned tiles (configs/tuning, [mosaic_gemm]) of the loss's GEMM `key` ("logits",
+  "dx", "dw" or "dw_tma") for a weight `layout` and contraction size k: the section
+  `<key>_<layout>`, else `<key>`. Ping-pong tiles tuned for each warpgroup on its own slots
+  name in `fallback` the section to run where k's steps do not allow that
+  (mosaic_gemm.own_slots)."""
+  tuned = _tuning.lookup("linear_cross_entropy", "mosaic_gemm")
+  section = dict(tuned.get(f"{key}_{layout}", tuned.get(key, {})))
+  fallback = section.pop("fallback", None)
+  config = mosaic_gemm.GemmConfig(**section)
+  if fallback is not None and not mosaic_gemm.own_slots(config, k):
+    config = mosaic_gemm.GemmConfig(**tuned[fallback])
+  return config
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicGpu:
+  """Chunked implementation whose per-chunk softmax pass is a Pallas GPU kernel.
+
+  Attributes:
+    memory_budget_bytes: bytes for the chunk's logits/G buffer; decides the token chunk.
+    dw_accumulation: "weight" (accumulate dW in the weight's dtype, no extra buffer: each
+      chunk's product is added to the running dW in float32 and rounded once), "float32"
+      (a float32 [D, V] accumulator, cast once at the end) or "tma_add" (in the weight's
+      dtype, with "dw" in mosaic_gemms: each chunk's product is rounded to the weight's
+      dtype and added to the running dW by TMA reduce-add stores in L2, so the GEMM never
+      reads dW into the SMs; two roundings per chunk instead of one). None (the default):
+      "tma_add" where the dW GEMM is Mosaic's, else "weight".
+    kernel: tile config; None looks up configs/tuning for the device, else the default.
+    vocab_multiple: pad the vocabulary of W (with zero columns) to a multiple of this, so
+      that GEMM rows are 16-byte aligned (V = 50,257 otherwise leaves cuBLAS on slow
+      kernels). Costs a copy of W when V is not already a multiple.
+    interpret: run the kernel in the Pallas interpreter (any backend, for tests).
+    mosaic_gemms: which of the chunk's GEMMs ("logits", "dx", "dw") run on kernels.mosaic_gemm
+      instead of cuBLAS; tiles from configs/tuning/linear_cross_entropy.toml's
+      [mosaic_gemm] sections (`<gemm>_<layout>`, else `<gemm>`; the dW GEMM's under
+      dw_accumulation="tma_add" are `dw_tma_<layout>`). Needs a Hopper GPU, 16-bit
+      x and weight, and shapes that are multiples of the tiles; a call that cannot have them
+      raises NotImplementedError. None (the default, with dw_accumulation None too): all
+      three where they are as fast as cuBLAS and hold less memory, else none (see
+      auto_gemms: on Hopper with bfloat16 inputs, at Llama-3-8B's shape in the default
+      layout, the chunk's exponentials and their rows' sums are then the only temporaries,
+      0.248 GiB against 0.29 with cuBLAS's workspace and [C, D] products).
+    fused_lse: with "logits" in mosaic_gemms, the logits GEMM's epilogue also reduces each
+      row of its tiles to partial log-sum-exps (mosaic_gemm.gemm's row_stats), so the
+      softmax pass of the gradients reads the chunk's logits once instead of twice (no
+      sweep 1). Calls with a bias or a logit softcap raise NotImplementedError.
+    exp_logits: no softmax pass at all where the gradients are made in the loop (see
+      ChunkBackend._exp_chunk): a logits GEMM on kernels.mosaic_gemm (whatever
+      mosaic_gemms says; in interpret mode its XLA equivalent) stores exp(z) and its rows'
+      sums, the label entries are patched, and the softmax's per-row factor is applied to
+      dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
+      scaled rows wait in dx's rows; where dx's is, it writes them in place and scales
+      them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the
+      safe range falls back to the softmax pass. Calls with a bias, a logit softcap or
+      label smoothing, and the backward pass of reduction="none", use the softmax pass
+      throughout. None (the default): wherever that GEMM can run (a Hopper GPU, x and
+      weight both bfloat16, as float16 cannot hold E's range; a chunk that fits its
+      tiles; never in interpret mode), unless fused_lse is set (the softmax pass whose
+      partials take no memory: the lowest-memory setting); True: always,
+      NotImplementedError where it cannot run; False: never.
+  """
+
+  memory_budget_bytes: int = 256 * 2**20
+  dw_accumulation: str | None = None
+  vocab_multiple: int = 64
+  kernel: triton_softmax.SoftmaxKernelConfig | None = None
+  interpret: bool = False
+  mosaic_gemms: tuple[str, ...] | None = None
+  fused_lse: bool = False
+  exp_logits: bool | None = None
+  name: str = "pallas_mosaic_gpu"
+
+  def __post_init__(self):
+    if self.dw_accumulation not in (None, "weight", "float32", "tma_add"):
+      raise ValueError(f"dw_accumulation must be 'weight', 'float32' or 'tma_add' (or None), "
+                       f"got {self.dw_accumulation!r}")
+    if self.mosaic_gemms is not None and (isinstance(self.mosaic_gemms, str)
+                                          or not set(self.mosaic_gemms) <= set(GEMMS)):
+      raise ValueError(f"mosaic_gemms must be a tuple of names from {GEMMS} (or None), got "
+                       f"{self.mosaic_gemms!r}")
+    gemms = self.mosaic_gemms or ()
+    if self.dw_accumulation == "tma_add" and "dw" not in gemms:
+      raise ValueError("dw_accumulation='tma_add' is done by the Mosaic dW GEMM's stores; "
+                       f"it needs 'dw' in mosaic_gemms, got {self.mosaic_gemms!r}")
+    if self.fused_lse and "logits" not in gemms:
+      raise ValueError("fused_lse is done by the Mosaic logits GEMM's epilogue; it needs "
+                       f"'logits' in mosaic_gemms, got {self.mosaic_gemms!r}")
+    if "dw" in gemms and self.dw_accumulation == "float32":
+      raise ValueError("mosaic_gemms with 'dw' accumulates dW in the weight's 16-bit dtype; "
+                       "it excludes dw_accumulation='float32'")
+
+  def gemm_configs(self, tokens: int, d: int, vocab: int, dtype, weight_dtype,
+                   layout: str, names: tuple[str, ...] | None = None
+                   ) -> tuple[tuple[str, mosaic_gemm.GemmConfig], ...]:
+    """(name, tiles) of each GEMM in `names` (default mosaic_gemms); NotImplementedError
+    when one cannot run."""
+    names = self.mosaic_gemms if names is None else names
+    if not names:
+      return ()
+    why = ("interpret mode runs no Mosaic GPU kernel" if self.interpret
+           else hopper.unavailable())
+    if why is None and (jnp.dtype(dtype) != jnp.dtype(weight_dtype)
+                        or jnp.dtype(dtype).itemsize != 2):
+      why = (f"needs x and weight in one 16-bit dtype, got {jnp.dtype(dtype)} and "
+             f"{jnp.dtype(weight_dtype)}")
+    if why is not None:
+      raise NotImplementedError(f"pallas_mosaic_gpu mosaic_gemms={names}: {why}")
+    shapes = dict(logits=(tokens, vocab, d), dx=(tokens, d, vocab),
+                  dw=(d, vocab, tokens) if layout == "dv" else (vocab, d, tokens))
+    configs = []
+    for name in GEMMS:
+      if name in names:
+        # dW added by TMA reads no C: its tiles have their own sections ("dw_tma_<layout>").
+        key = "dw_tma" if name == "dw" and self.dw_accumulation == "tma_add" else name
+        config = tuned_gemm_config(key, layout, shapes[name][2])
+        if (why := mosaic_gemm.shape_error(*shapes[name], config)) is not None:
+          raise NotImplementedError(
+              f"pallas_mosaic_gpu's {name} GEMM on kernels.mosaic_gemm, [M, N, K] = {list(shapes[name])} "
+              f"at a chunk of {tokens} tokens: {why}")
+        configs.append((name, config))
+    return tuple(configs)
+
+  def auto_gemms(self, n_tokens: int, shapes: tuple, *, exp: bool, sms: int | None = None
+                 ) -> tuple[tuple[str, ...], str]:
+    """The (mosaic_gemms, dw_accumulation) that a call runs with where either is None.
+
+    All three GEMMs go on kernels.mosaic_gemm, dW added by TMA, where that is as fast as cuBLAS
+    and holds less memory: the exp_logits path (`exp`, on Hopper), a weight layout listed in
+    configs/tuning's [mosaic_default] `layouts` (those whose Mosaic tiles were measured level
+    with cuBLAS at 1,024-token chunks), a chunk that divides the tokens (so x's chunk and
+    dx's rows are used where they lie), every GEMM within its tiles, and a dx GEMM whose
+    tiles fill the GPU's SMs in whole waves to `min_wave_fill` (it has no split-K: a
+    [C, D] output of a few tiles would leave most SMs idle). Where only that last fails
+    and the dW GEMM runs ping-pong on its warpgroups' own slots (mosaic_gemm.own_slots),
+    the logits and dW GEMMs go on kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b on an H200:
+    1.105x the floor against 1.174x all on cuBLAS). Elsewhere cuBLAS, with dW
+    added in the weight's dtype ("weight"). `shapes` as gemm_configs takes them; `sms`: the
+    GPU's SM count (default: the default device's), which mosaic_gemm.ctas turns into the
+    dx launch's CTAs."""
+    tokens, d = shapes[0], shapes[1]
+    if self.mosaic_gemms is not None:  # only the accumulation is open
+      return self.mosaic_gemms, "tma_add" if "dw" in self.mosaic_gemms else "weight"
+    if self.dw_accumulation is not None:
+      return (), self.dw_accumulation
+    rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
+    cublas = ((), "weight")
+    if (not exp or self.interpret or self.fused_lse or n_tokens % tokens
+        or shapes[-1] not in rule.get("layouts", ())):
+      return cublas
+    auto = dataclasses.replace(self, mosaic_gemms=GEMMS, dw_accumulation="tma_add")
+    try:
+      configs = dict(auto.gemm_configs(*shapes))
+    except NotImplementedError:
+      return cublas
+    cm, cn = configs["dx"].cta_tile()
+    tiles = (tokens // cm) * -(-d // cn)
+    sms = mosaic_gemm.ctas(configs["dx"], sms)  # as the dx GEMM's launch will have them
+    if tiles / (-(-tiles // sms) * sms) >= rule.get("min_wave_fill", 1.0):
+      return GEMMS, "tma_add"
+    if mosaic_gemm.own_slots(configs["dw"], tokens):  # ping-pong dW: dx alone on cuBLAS
+      return ("logits", "dw"), "tma_add"
+    return cublas
+
+  def plan(self, n_tokens: int, vocab: int, itemsize: int, chunk_size) -> int:
+    if chunk_size is not None:
+      if not isinstance(chunk_size, int):
+        tokens, cols = chunk_size
+        if cols < vocab:
+          raise NotImplementedError("pallas_mosaic_gpu does not chunk the vocabulary; "
+                                    f"got {chunk_size=} with vocab size {vocab}")
+        chunk_size = tokens
+      return min(chunk_size, n_tokens)
+    tokens = self.memory_budget_bytes // (vocab * itemsize)
+    if tokens < 16:
+      raise NotImplementedError(
+          f"a vocabulary of {vocab} leaves fewer than 16 tokens per chunk in "
+          f"memory_budget_bytes={self.memory_budget_bytes}; pallas_mosaic_gpu does not chunk the "
+          "vocabulary (chunked_xla does)")
+    if tokens >= 128:
+      tokens = tokens // 128 * 128
+    return _chunked.balanced_chunk(n_tokens, tokens)
+
+  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
+    if triton_softmax.plgpu is None:
+      raise NotImplementedError("jax.experimental.pallas.triton is not importable")
+    if not self.interpret and not hopper.on_nvidia_gpu():
+      raise NotImplementedError(
+          f"pallas_mosaic_gpu needs a GPU, an NVIDIA one (default device: "
+          f"{jax.devices()[0].device_kind}); PallasMosaicGpu(interpret=True) runs the kernel in the "
+          "Pallas interpreter")
+    kernel = self.kernel or triton_softmax.SoftmaxKernelConfig(**_tuning.lookup(
+        "linear_cross_entropy", "triton_softmax", fields=triton_softmax.SoftmaxKernelConfig))
+    pad = -opts.vocab_size % self.vocab_multiple
+    tokens = self.plan(x.shape[0], opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize,
+                       chunk_size)
+    shapes = (tokens, x.shape[1], opts.vocab_size + pad, x.dtype, weight.dtype,
+              opts.weight_layout)
+    wanted = self.exp_logits or (self.exp_logits is None and not self.fused_lse)
+    if wanted and jnp.dtype(x.dtype) == jnp.float16:  # E's entries reach e^64 > 65,504
+      if self.exp_logits:
+        raise NotImplementedError("pallas_mosaic_gpu exp_logits stores exp(z) up to e^64 in x's "
+                                  "dtype, which float16 cannot hold; got float16 x")
+      wanted = False
+    wanted = wanted and bias is None and not (opts.logit_softcap is not None
+                                              or opts.label_smoothing)
+    if self.mosaic_gemms is None or self.dw_accumulation is None:
+      gemms, accumulation = self.auto_gemms(x.shape[0], shapes, exp=wanted)
+      return dataclasses.replace(self, mosaic_gemms=gemms, dw_accumulation=accumulation)(
+          x, weight, bias, labels, valid, opts=opts, chunk_size=chunk_size)
+    gemms = self.gemm_configs(*shapes)
+    exp_logits, exp_gemm = False, None
+    if wanted:
+      if self.interpret:  # the GEMM's XLA equivalent, when asked for
+        exp_logits = bool(self.exp_logits)
+      else:
+        try:
+          (_, exp_gemm), = self.gemm_configs(*shapes, names=("logits",))
+          if exp_gemm.schedule == "cooperative":  # no row_stats, no `enabled`
+            raise NotImplementedError("pallas_mosaic_gpu exp_logits needs the logits GEMM's tiles "
+                                      f"on the 'ring' or 'pingpong' schedule, got {exp_gemm}")
+          exp_logits = True
+        except NotImplementedError:
+          if self.exp_logits:
+            raise
+          exp_gemm = None
+    if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
+      raise NotImplementedError("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds no "
+                                "bias and applies no logit_softcap")
+    backend = ChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
+                                 dw_accumulation=self.dw_accumulation, gemms=gemms,
+                                 fused_lse=self.fused_lse, exp_logits=exp_logits,
+                                 exp_gemm=exp_gemm)
+    # Zero columns give zero logits, which the kernel never overwrites: G is 0 there, so
+    # they add nothing to dx and their dW columns are sliced away by pad's transpose.
+    if pad:
+      axis = 1 if opts.weight_layout == "dv" else 0
+      weight = jnp.pad(weight, [(0, pad if i == axis else 0) for i in range(2)])
+      bias = None if bias is None else jnp.pad(bias, (0, pad))
+    return _chunked.chunked_loss(_chunked.Static(backend, opts, tokens),
+                                 x, weight, bias, labels, valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkBackend:
+  """Per-chunk work of PallasMosaicGpu (see _chunked for the protocol)."""
+
+  opts: LossOptions
+  kernel: triton_softmax.SoftmaxKernelConfig
+  interpret: bool
+  dw_accumulation: str
+  gemms: tuple[tuple[str, mosaic_gemm.GemmConfig], ...] = ()  # those on kernels.mosaic_gemm
+  fused_lse: bool = False  # partial log-sum-exps from the logits GEMM (PallasMosaicGpu.fused_lse)
+  exp_logits: bool = False  # no softmax pass where grads makes G (PallasMosaicGpu.exp_logits)
+  exp_gemm: mosaic_gemm.GemmConfig | None = None  # its logits GEMM's; None: XLA's
+
+  def dw_dtype(self, w):
+    return jnp.float32 if self.dw_accumulation == "float32" else w.dtype
+
+  def _mosaic(self, name: str) -> mosaic_gemm.GemmConfig | None:
+    return dict(self.gemms).get(name)
+
+  def takes_rows(self, n_tokens: int, chunk: int) -> tuple[str, ...]:
+    """With Mosaic GEMMs, x's chunk is read in place, and dx's rows are written in place
+    where a Mosaic GEMM uses them: the dx GEMM writes them, or (exp_logits) the dW GEMM
+    reads x's scaled rows from them before dx's land there (see _chunked)."""
+    if not (self.gemms or self.exp_gemm) or n_tokens % chunk:
+      return ()
+    if self._mosaic("dx") is not None or (self.exp_logits and self._mosaic("dw") is not None):
+      return ("x", "dx")
+    return ("x",)
+
+  def _logits(self, x_c, w, bias, partials: bool = False, partials_into=None):
+    """The chunk's logits; with `partials` (fused_lse) also their partial log-sum-exps,
+    as an array or, stored in the `partials_into` window, as mosaic_gemm.StatsWords."""
+    layout = self.opts.weight_layout
+    if partials:
+      return mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=self._mosaic("logits"),
+                              name="lce_logits_gemm", row_stats=self.opts.vocab_size,
+                              row_stats_into=partials_into)
+    if (config := self._mosaic("logits")) is not None:
+      z = mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd", config=config,
+                           name="lce_logits_gemm")
+    else:
+      x_c = _sliced(x_c)
+      z = _common.logits_dot(x_c, w, layout, x_c.dtype)
+    if bias is not None:
+      z = (z.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x_c.dtype)
+    return z
+
+  def stats(self, x_c, w, bias, labels_c) -> Stats:
+    out = triton_softmax.softmax_pass(self._logits(x_c, w, bias), labels_c, opts=self.opts,
+                       config=self.kernel, interpret=self.interpret)
+    return Stats(*out)
+
+  # The chunk loop runs the first chunk on its own with dw_acc=None: its GEMM writes dW, so
+  # that dW is neither zero-filled (1 GiB at llama3-8b: 0.62 ms on an H200) nor read back
+  # by that chunk's GEMM (0.17 ms).
+  first_chunk_writes_dw = True
+
+  def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
+            dx_into=None):
+    need_dx, need_dw, need_db = need
+    # dx's rows of the chunk, written in place (no [C, D] buffer where the dx GEMM is
+    # Mosaic's); until then they are scratch, where fused_lse's partials or exp_logits'
+    # scaled rows of x go.
+    dx_rows = None
+    if need_dx and dx_into is not None:
+      dx_rows = dx_into._replace(array=jax.new_ref(dx_into.array))
+    scale = None  # exp_logits: the per-row factor of G that the buffer does not hold
+    if self.exp_logits and lse_c is None:
+      g, scale, stats = self._exp_chunk(x_c, w, labels_c, a_c, e_c)
+    else:
+      if self.fused_lse and lse_c is None:
+        fits = self._mosaic("dx") is not None and mosaic_gemm.stats_window_error(
+            dx_rows, x_c.shape[0], self._mosaic("logits")) is None
+        z, partials = self._logits(x_c, w, bias, partials=True,
+                                   partials_into=dx_rows if fits else None)
+      else:
+        z, partials = self._logits(x_c, w, bias), None
+      g, *stats = triton_softmax.softmax_pass(
+          z, labels_c, a_c, e_c, lse_c, opts=self.opts, config=self.kernel,
+          interpret=self.interpret, partials=partials)
+      stats = Stats(*stats)
+    dx_c, dw_acc = self._apply(g, x_c, w, dw_acc, (need_dx, need_dw), dx_rows, scale)
+    if need_db:
+      db_acc = db_acc + jnp.sum(g, axis=0, dtype=jnp.float32)
+    return stats, dx_c, dw_acc, db_acc
+
+  def _apply(self, g, x_c, w, dw_acc, need, dx_rows, scale):
+    """(dx_c, dW) with dx_c = diag(scale) G Wᵀ and dW += (diag(scale) x_c)ᵀ G, G the
+    chunk's buffer (scale None: 1). With dx_rows (a Rows window of a jax.Ref of dx) dx_c is
+    all of dx, the chunk's rows written in place; where the dW GEMM is Mosaic's, x's
+    scaled rows wait in them for it (no [C, D] operand of their own), so dW comes first."""
+    need_dx, need_dw = need
+    scratch = (need_dw and scale is not None and dx_rows is not None
+               and self._mosaic("dw") is not None)
+    if need_dw and scale is not None:
+      x_c = (scale[:, None] * _sliced(x_c).astype(jnp.float32)).astype(w.dtype)
+      if scratch:
+        dx_rows.array[_window(dx_rows)] = x_c
+        x_c = dx_rows
+    dx_c = None
+    if need_dx and not scratch:
+      dx_c = self._dx(g, w, dx_rows, scale)
+    if need_dw:
+      dw_acc = self._dw(g, x_c, w, dw_acc)
+    if need_dx and scratch:
+      dx_c = self._dx(g, w, dx_rows, scale)
+    return dx_c, dw_acc
+
+  def _dx(self, g, w, dx_rows, scale):
+    """diag(scale) G Wᵀ; with dx_rows written into them, returning all of dx. A Mosaic dx
+    GEMM on a ring or ping-pong schedule applies the scale in its epilogue, to the float32
+    product (one rounding, no pass over the rows)."""
+    layout = self.opts.weight_layout
+    config = self._mosaic("dx")
+    in_epilogue = config is not None and scale is not None and config.schedule != "cooperative"
+    row_scale, scale = (scale, None) if in_epilogue else (None, scale)
+    if config is not None and dx_rows is not None:
+      mosaic_gemm.gemm_into(dx_rows, g, w, trans_b=layout == "dv", accumulate=False,
+                            config=config, name="lce_dx_gemm", row_scale=row_scale)
+      dx = dx_rows.array[...]
+      if scale is not None:  # in place: the rows are read and written by one XLA fusion
+        # The barrier hides the kernel from XLA's dynamic-slice fusion, which otherwise
+        # takes the kernel's output as the update's target and fails to compile.
+        dx = jax.lax.optimization_barrier(dx)
+        start = dx_rows.block * dx_rows.size
+        rows = jax.lax.dynamic_slice_in_dim(dx, start, dx_rows.size, axis=0)
+        dx = jax.lax.dynamic_update_slice_in_dim(
+            dx, (scale[:, None] * rows.astype(jnp.float32)).astype(dx.dtype), start, axis=0)
+      return dx
+    if config is not None:
+      dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config, name="lce_dx_gemm",
+                              row_scale=row_scale)
+    else:
+      dx_c = _common.dx_dot(g, w, layout, g.dtype)
+    if scale is not None:
+      dx_c = scale[:, None] * dx_c.astype(jnp.float32)
+    if dx_rows is None:
+      return dx_c
+    dx_rows.array[_window(dx_rows)] = dx_c.astype(dx_rows.dtype)
+    return dx_rows.array[...]
+
+  def _dw(self, g, x_c, w, dw_acc):
+    """dW += x_cᵀ G (dW = x_cᵀ G where dw_acc is None); x_c an array or Rows."""
+    layout = self.opts.weight_layout
+    if (config := self._mosaic("dw")) is not None:
+      # op(A) = Aᵀ: dW = x_cᵀ G ("dv") or Gᵀ x_c ("vd"), both operands as stored.
+      a, b = (x_c, g) if layout == "dv" else (g, x_c)
+      if dw_acc is None:
+        return mosaic_gemm.gemm(a, b, trans_a=True, out_dtype=w.dtype, config=config,
+                                name="lce_dw_gemm")
+      ref = jax.new_ref(dw_acc)
+      mosaic_gemm.gemm_into(ref, a, b, trans_a=True, config=config, name="lce_dw_gemm",
+                            add="tma" if self.dw_accumulation == "tma_add" else "epilogue")
+      return ref[...]
+    dw_c = _common.dw_dot(_sliced(x_c), g, layout, self.dw_dtype(w))
+    # Same dtype on both sides of the add, so XLA fuses it into the GEMM (beta = 1).
+    return dw_c if dw_acc is None else dw_acc + dw_c
+
+  def _exp_logits(self, x_c, w):
+    """(E, partials): E [C, V] = exp(min(z, EXP_CLAMP)) in x's dtype, partials [P, C] float32
+    sums of the exponentials of E's rows over disjoint column sets (mosaic_gemm.gemm's
+    exp_out, or the same in XLA in interpret mode)."""
+    layout, vocab = self.opts.weight_layout, self.opts.vocab_size
+    if (config := self.exp_gemm) is not None:  # per-tile sums: no tail tiles
+      return mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd",
+                              config=dataclasses.replace(config, tail_n=None),
+                              name="lce_exp_logits_gemm", row_stats=vocab, exp_out=True)
+    x_c = _sliced(x_c)
+    e = jnp.exp(jnp.minimum(_common.logits_dot(x_c, w, layout, jnp.float32),
+                            mosaic_gemm.EXP_CLAMP))
+    in_vocab = jnp.arange(e.shape[1]) < vocab
+    return e.astype(x_c.dtype), jnp.sum(jnp.where(in_vocab, e, 0.0), axis=1)[None]
+
+  def _exp_chunk(self, x_c, w, labels_c, a_c, e_c):
+    """G of the chunk without a softmax pass: (buffer, scale, Stats) with G = diag(scale)
+    buffer.
+
+    With E = exp(z) from the logits GEMM and lse from its row sums, G = b·p − a·onehot
+    (block_grad without cap or smoothing; b = a (1 + 2λ lse) + e) is diag(b e^-lse) E with
+    each row's label entry replaced by e^lse (p_y − a/b): one scattered write per row. The
+    label logit is log E[n, y]. Exact up to E's rounding (the softmax pass rounds G and the
+    logits), provided every row that counts has lse in LSE_RANGE (so nothing it needs was
+    clamped or flushed to zero), b ≠ 0 where a ≠ 0, and E[n, y] ≥ e^MIN_LABEL_LOGIT. When
+    a row does not, the chunk takes the softmax pass instead (a second logits GEMM written
+    over E, then the pass over it) and the scale is 1. That choice is made by the kernels
+    themselves (their `enabled`, and the patch's indices dropped), not by lax.cond, whose
+    branches would each copy the [C, V] buffer.
+    """
+    opts = self.opts
+    rows = jnp.arange(labels_c.shape[0])
+    e, partials = self._exp_logits(x_c, w)
+    lse = jnp.log(jnp.sum(partials, axis=0))  # -inf where every entry underflowed
+    in_range = (labels_c >= 0) & (labels_c < opts.vocab_size)
+    col = jnp.where(in_range, labels_c, 0)
+    # The barrier keeps XLA from gathering E[n, y] again inside later fusions, after the
+    # fallback may have written over E (which would make it copy E to keep it).
+    e_y, e = jax.lax.optimization_barrier((e[rows, col].astype(jnp.float32), e))
+    b = a_c * (1.0 + 2.0 * opts.z_loss * lse) + e_c
+    counts, patch = (a_c != 0) | (b != 0), in_range & (a_c != 0)
+    lo, hi = LSE_RANGE
+    ok = (jnp.all(~counts | ((lse >= lo) & (lse <= hi)))
+          & jnp.all(~patch | ((b != 0) & (e_y >= math.exp(MIN_LABEL_LOGIT)))))
+
+    # Fallback: the logits over E (every kernel a no-op where ok), then the softmax pass.
+    if (config := self.exp_gemm) is not None:
+      ref = jax.new_ref(e)
+      mosaic_gemm.gemm_into(ref, x_c, w, trans_b=opts.weight_layout == "vd",
+                            accumulate=False, config=config, name="lce_logits_gemm",
+                            enabled=~ok)
+      e = ref[...]
+    else:  # interpret mode: XLA, which has no in-place conditional GEMM
+      e = jnp.where(ok, e, self._logits(x_c, w, None))
+    e, *slow = triton_softmax.softmax_pass(e, labels_c, a_c, e_c, opts=opts, config=self.kernel,
+                            interpret=self.interpret, enabled=~ok)
+
+    z_y = jnp.log(e_y)
+    safe_b = jnp.where(b != 0, b, 1.0)
+    entry = jnp.exp(lse) * (jnp.expm1(z_y - lse) + (1.0 - a_c / safe_b))
+    target = jnp.where(ok, rows, rows + rows.shape[0])  # out of bounds: dropped
+    e = e.at[target, col].set(jnp.where(patch, entry, e_y).astype(e.dtype), mode="drop",
+                              unique_indices=True, indices_are_sorted=True)
+    scale = jnp.where(counts, b * jnp.exp(-jnp.where(counts, lse, 0.0)), 0.0)
+    fast = Stats(lse, jnp.where(in_range, z_y, 0.0), jnp.zeros_like(lse))
+    stats = Stats(*(jnp.where(ok, f, s) for f, s in zip(fast, slow)))
+    return e, jnp.where(ok, scale, 1.0), stats
+
+
+# exp_logits' safe range (see ChunkBackend._exp_chunk). A row's largest logit is at
+# most its lse, so lse ≤ 60 keeps every entry below the clamp (mosaic_gemm.EXP_CLAMP = 64);
+# and at least lse − log V, so lse ≥ -25 keeps it above -37 at V up to 10^6: what E loses to
+# zero (z < -87) then has p < e^-50.
+LSE_RANGE = (-25.0, 60.0)
+MIN_LABEL_LOGIT = -80.0
+
+
+def _window(rows: mosaic_gemm.Rows):
+  """The index of a Rows window's rows in its array (or jax.Ref)."""
+  return pl.ds(rows.block * rows.size, rows.size)
+
+
+def _sliced(x_c):
+  """x's chunk as an array (x_c is that already, or a mosaic_gemm.Rows window of x)."""
+  if isinstance(x_c, mosaic_gemm.Rows):
+    return jax.lax.dynamic_slice_in_dim(x_c.array, x_c.block * x_c.size, x_c.size, axis=0)
+  return x_c
+
+

@@ -1,0 +1,42 @@
+"""Materializing float32 linear cross-entropy: the oracle, the math, the debug path.
+
+Holds the whole [N, V] float32 logits (and their gradient under autodiff). Gradients come
+from JAX's autodiff of this plain code on purpose: the oracle must not share a hand-written
+backward with the implementations it checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
+
+
+def reference_stats(x, weight, bias, labels, opts: LossOptions) -> Stats:
+  x = x.astype(jnp.float32)
+  w = weight.astype(jnp.float32)
+  z = x @ w if opts.weight_layout == "dv" else x @ w.T  # [N, V]
+  if bias is not None:
+    z = z + bias.astype(jnp.float32)
+  z = _common.cap_logits(z, opts.logit_softcap)
+  lse = jax.nn.logsumexp(z, axis=-1)
+  safe = jnp.clip(labels, 0, opts.vocab_size - 1)
+  label_logit = jnp.take_along_axis(z, safe[:, None], axis=-1)[:, 0]
+  return Stats(lse, label_logit, jnp.sum(z, axis=-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """Materializes float32 logits; memory O(N·V). For tests and debugging only."""
+
+  name: str = "reference"
+
+  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
+    del chunk_size  # the reference holds everything at once
+    labels = _common.int32_labels(labels)
+    stats = reference_stats(x, weight, bias, labels, opts)
+    return _common.finish(stats, labels, valid, opts)
