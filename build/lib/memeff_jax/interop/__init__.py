@@ -1,1 +1,0 @@
-"""Bridges to other frameworks: `memeff_jax.interop.torch` (PyTorch)."""

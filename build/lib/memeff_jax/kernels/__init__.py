@@ -1,1 +1,0 @@
-"""Building blocks below both ops: Hopper (Mosaic GPU) helpers and the Mosaic GEMM."""
