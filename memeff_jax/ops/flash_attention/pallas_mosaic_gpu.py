@@ -105,12 +105,11 @@ class MosaicConfig:
     """for_head_dim(d), with overlap in place of ping-pong at D = 128 and 256 under no mask
     or a causal one. There it measured 1.05× / 1.13× cuDNN's forward non-causal and 1.02× /
     1.09× causal, against 0.98× / 0.95× and 1.01× / 0.98× with ping-pong (H200, one
-    process); not at D = 64 (no faster). Masked blocks run without the
-    overlap, so windows and segment ids keep ping-pong.
+    process); not at D = 64 (no faster). Masked blocks run without the overlap, so windows
+    and segment ids keep ping-pong.
 
     Persistent at D = 128 without a mask: the headline's forward took 1.830 against 1.916
-    ms on the grid (H100, 5 interleaved rounds); causal
-    it took 1.089 against 1.068 (the static deal of unequal tiles does worse than the
+    ms on the grid (H100, 5 interleaved rounds); causal it took 1.089 against 1.068 (the static deal of unequal tiles does worse than the
     hardware's dispatcher), and at D = 256 the output's buffer would cost a K/V stage."""
     config = cls.for_head_dim(d)
     if d in (128, 256) and (mask.is_dense or mask.is_causal):
@@ -576,10 +575,8 @@ _attention = _common.attention_vjp(_forward, _backward)
 
 
 def hopper_available() -> str | None:
-  """Why no Hopper GPU can run the kernel, or None."""
-  if plgpu is None:
-    return "jax.experimental.pallas.mosaic_gpu is not importable"
-  return hopper.hopper_error()
+  """Why no Hopper GPU can run the kernels, or None (kernels.hopper.unavailable)."""
+  return hopper.unavailable()
 
 
 @dataclasses.dataclass(frozen=True)
