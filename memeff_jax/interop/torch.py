@@ -445,8 +445,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
   Returns:
     float32 loss (scalar, or labels.shape for "none").
   """
-  if labels.dtype.is_floating_point:
-    raise TypeError(f"labels must be integer class ids, got labels.dtype={labels.dtype}")
+  if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+    raise TypeError(f"labels must be integer class ids, got labels.dtype={labels.dtype}; "
+                    "convert explicitly, e.g. labels.to(torch.int64)")
   needs_grad = torch.is_grad_enabled() and any(
       t is not None and t.requires_grad for t in (x, weight, bias))
   if labels.dtype not in (torch.int64, torch.int32):
@@ -491,7 +492,9 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
 
 def _window(left: int, right: int):
-  return None if left < 0 else (left, right)
+  """The op's (left, right) ints, -1 for unbounded, as flash_attention's sliding_window."""
+  return None if left < 0 and right < 0 else (None if left < 0 else left,
+                                               None if right < 0 else right)
 
 
 @torch.library.custom_op("memeff::flash_attention", mutates_args=())
@@ -577,6 +580,21 @@ def _fa_backward(ctx, d_out, d_lse):
 _fa_op.register_autograd(_fa_backward, setup_context=_fa_setup)
 
 
+def _window_sides(sliding_window) -> tuple[int, int]:
+  """(left, right) for the op: ints ≥ 0, or -1 for an unbounded side (FlashAttention's
+  window_size meaning: (-1, 0) sees every earlier key and none later); None: (-1, -1)."""
+  if sliding_window is None:
+    return -1, -1
+  pair = isinstance(sliding_window, (tuple, list))
+  sides = tuple(sliding_window) if pair else (sliding_window,) * 2
+  if len(sides) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1
+                                for w in sides):
+    raise ValueError(f"sliding_window must be an int or a (left, right) pair of ints ≥ 0, "
+                     f"-1 for an unbounded side (FlashAttention's window_size), got "
+                     f"{sliding_window!r}")
+  return sides
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                     causal: bool = False, scale: float | None = None,
                     q_segment_ids: torch.Tensor | None = None,
@@ -592,18 +610,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
   (Hq a multiple of Hkv) needs no repeated k/v. Masks mean what they mean in
   memeff_jax.flash_attention (causal is top-left aligned, as SDPA's is_causal), and so does
   `deterministic` (bitwise-reproducible gradients, the default; False allows the faster
-  Hopper backward).
+  Hopper backward). `sliding_window=(left, right)` takes FlashAttention's -1 for a side
+  without bound.
   """
   if layout not in ("bthd", "bhtd"):
     raise ValueError(f"layout must be 'bthd' or 'bhtd', got {layout!r}")
   if layout == "bhtd":
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-  if sliding_window is None:
-    left = right = -1
-  elif isinstance(sliding_window, int):
-    left = right = sliding_window
-  else:
-    left, right = sliding_window
+  left, right = _window_sides(sliding_window)
   if (q_segment_ids is None) and (kv_segment_ids is not None):
     raise ValueError("kv_segment_ids needs q_segment_ids")
   if q_segment_ids is not None:

@@ -51,6 +51,21 @@ def hopper_error() -> str | None:
   return None
 
 
+def without_x64(fn):
+  """fn traced with 64-bit types off. The kernels index with int32 (program ids, int32
+  inputs); under jax_enable_x64 their Python-int offsets would become int64 and mix with
+  them. Their inputs are 32 bits or narrower (the ops' checks see to it), so nothing
+  changes but the index types."""
+  if not hasattr(jax, "enable_x64"):  # a jax without the context: nothing to switch
+    return fn
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.enable_x64(False):
+      return fn(*args, **kwargs)
+  return wrapped
+
+
 def unavailable() -> str | None:
   """Why Mosaic GPU kernels cannot run on the default device, or None when they can."""
   if plgpu is None:

@@ -78,6 +78,20 @@ def _table(cands, budget) -> str:
   return "\n".join(rows)
 
 
+def _step_for(make_step, name: str):
+  """make_step(name), or a TypeError that says what make_step must be."""
+  want = ("make_step must take a policy name and return the step to compile, e.g. "
+          "`lambda policy: make_train_step(remat_policy=policy)`")
+  try:
+    fn = make_step(name)
+  except Exception as err:  # pylint: disable=broad-except
+    raise TypeError(f"{want}; make_step({name!r}) raised {type(err).__name__}: "
+                    f"{str(err).splitlines()[0] if str(err) else ''}") from err
+  if not callable(fn):
+    raise TypeError(f"{want}; make_step({name!r}) returned {fn!r}")
+  return fn
+
+
 def candidates(make_step, *args, policies=None) -> list[Candidate]:
   """Compiles `make_step(name)` for `args` (arrays or ShapeDtypeStructs), for every policy
   name, without running it: each one's peak bytes (memeff_jax.memory.analyze) and FLOPs.
@@ -90,7 +104,7 @@ def candidates(make_step, *args, policies=None) -> list[Candidate]:
 
   out = []
   for name in policies or POLICIES:
-    fn = make_step(name)
+    fn = _step_for(make_step, name)
     try:
       jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
       compiled = jitted.lower(*args).compile()

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import memeff_jax
+
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 mt = pytest.importorskip("memeff_jax.interop.torch")
@@ -448,3 +450,29 @@ def test_ops_on_a_side_stream_read_fresh_inputs_and_return_ordered_outputs():
     out = mt.flash_attention(q, q, q, causal=True).clone()
   side.synchronize()
   assert torch.equal(loss, want_loss) and torch.equal(out, want_out)
+
+
+def test_lce_bool_labels_raise():
+  with pytest.raises(TypeError, match=r"labels must be integer class ids.*torch.bool"):
+    mt.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8),
+                            torch.tensor([True, False, True, True]))
+
+
+@pytest.mark.parametrize("window, jax_window", [((-1, 0), (None, 0)), ((3, -1), (3, None)),
+                                                ((2, 5), (2, 5)), (4, (4, 4))])
+def test_attention_window_takes_flash_attentions_minus_one(window, jax_window):
+  """-1 is an unbounded side, as FlashAttention's window_size: (-1, 0) sees every earlier key
+  and no later one. Never silently no window at all."""
+  q = torch.randn(1, 40, 2, 16)
+  got = mt.flash_attention(q, q, q, sliding_window=window)
+  a = jnp.asarray(q.numpy())
+  want = memeff_jax.flash_attention(a, a, a, sliding_window=jax_window, implementation="reference")
+  np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(got.numpy(), mt.flash_attention(q, q, q).numpy(), atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [(-2, 0), True, (1.5, 2), (1, 2, 3)])
+def test_attention_bad_window_raises(window):
+  q = torch.randn(1, 8, 2, 16)
+  with pytest.raises(ValueError, match=r"sliding_window must be an int or a \(left, right\)"):
+    mt.flash_attention(q, q, q, sliding_window=window)

@@ -67,3 +67,9 @@ def test_fit_says_when_nothing_fits(fitted):
 def test_unknown_policy():
   with pytest.raises(ValueError, match="unknown remat policy 'keep_some'"):
     remat.resolve("keep_some")
+
+
+def test_fit_says_what_make_step_must_be():
+  """A plain step where a factory of steps is expected."""
+  with pytest.raises(TypeError, match=r"make_step must take a policy name and return the step"):
+    remat.fit(lambda x: jnp.sum(x ** 2), jnp.ones(3), budget_bytes=2**30)

@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
+from memeff_jax.ops import _checks
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
 
@@ -35,13 +36,14 @@ class Residuals(NamedTuple):
   lse: jax.Array  # float32 [B, Hq, T]; -inf for a query that sees no key
 
 
-def attention_vjp(forward, backward):
+def attention_vjp(forward, backward, name: str):
   """custom_vjp of forward(static, q, k, v, q_seg, kv_seg) -> (out, lse [B, Hq, T]).
 
   The residuals are the inputs, the output and the float32 log-sum-exp (Residuals);
   backward(static, residuals, (d_out, d_lse)) -> (dq, dk, dv, None, None). The output and
   the log-sum-exp carry the checkpoint names "attention_out" and "attention_lse": a remat
   policy that saves both (memeff_jax.remat's "attention") never reruns the forward kernel.
+  First order only: a second-order gradient raises, naming the implementation `name`.
   """
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -49,11 +51,16 @@ def attention_vjp(forward, backward):
     return forward(static, q, k, v, q_seg, kv_seg)
 
   def fwd(static, q, k, v, q_seg, kv_seg):
-    out, lse = forward(static, q, k, v, q_seg, kv_seg)
+    out, lse = forward(static, *_checks.first_order_only(name, q, k, v), q_seg, kv_seg)
     out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
     return (out, lse), Residuals(q, k, v, q_seg, kv_seg, out, lse)
 
-  attention.defvjp(fwd, backward)
+  def bwd(static, res, cts):
+    q, k, v, out, lse, *cts = _checks.first_order_only(name, res.q, res.k, res.v, res.out,
+                                                       res.lse, *cts)
+    return backward(static, res._replace(q=q, k=k, v=v, out=out, lse=lse), tuple(cts))
+
+  attention.defvjp(fwd, bwd)
   return attention
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from memeff_jax.kernels import hopper
+from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention.chunked_xla import ChunkedXla
@@ -25,7 +24,6 @@ IMPLEMENTATIONS = {
     "pallas_mosaic_gpu": PallasMosaicGpu(),
 }
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
 
 
 def _check_segments(name, ids, batch, length, which):
@@ -34,7 +32,46 @@ def _check_segments(name, ids, batch, length, which):
     raise TypeError(f"{name} must be integers, got {name}.dtype={ids.dtype}")
   if ids.shape != (batch, length):
     raise ValueError(f"{name}.shape={ids.shape} must be (B, {which})=({batch}, {length})")
-  return ids.astype(jnp.int32)
+  return ids
+
+
+def _int32_segments(q_ids, kv_ids):
+  """Segment ids as the kernels take them, int32, equal exactly where the given ids are.
+
+  Ids of 32 bits or fewer convert one to one. Wider ids (int64 under jax_enable_x64) would
+  alias in int32 (0 and 2³² would merge two documents): each row's ids are replaced by their
+  rank among the row's distinct ids, which keeps equality and order."""
+  if jnp.iinfo(q_ids.dtype).bits <= 32 and jnp.iinfo(kv_ids.dtype).bits <= 32:
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+  common = jnp.promote_types(q_ids.dtype, kv_ids.dtype)
+  if not jnp.issubdtype(common, jnp.integer):
+    raise TypeError(f"q_segment_ids ({q_ids.dtype}) and kv_segment_ids ({kv_ids.dtype}) have "
+                    "no common integer type; pass both as int32 or int64")
+  both = jnp.concatenate([q_ids.astype(common), kv_ids.astype(common)], axis=1)  # [B, T + S]
+  order = jnp.argsort(both, axis=1)
+  ranked = jnp.take_along_axis(both, order, axis=1)
+  new = jnp.concatenate([jnp.zeros_like(ranked[:, :1], jnp.bool_),
+                         ranked[:, 1:] != ranked[:, :-1]], axis=1)
+  rank = jnp.cumsum(new, axis=1, dtype=jnp.int32)
+  rows = jnp.arange(both.shape[0])[:, None]
+  rank = jnp.zeros_like(rank).at[rows, order].set(rank)
+  return rank[:, :q_ids.shape[1]], rank[:, q_ids.shape[1]:]
+
+
+def _window(sliding_window):
+  """sliding_window as a (left, right) pair of ints ≥ 0 or None (unbounded), or None."""
+  if sliding_window is None:
+    return None
+  pair = isinstance(sliding_window, (tuple, list))
+  sides = tuple(sliding_window) if pair else (sliding_window,) * 2
+  if len(sides) != 2:
+    raise ValueError(f"sliding_window must be an int or a (left, right) pair, got "
+                     f"{sliding_window!r}")
+  sides = tuple(None if w is None else _checks.static_int("sliding_window", w) for w in sides)
+  if any(w is not None and w < 0 for w in sides):
+    raise ValueError(f"sliding_window must be ≥ 0 on each side (None: unbounded), got "
+                     f"{sliding_window!r}")
+  return None if sides == (None, None) else sides
 
 
 def _default() -> tuple[str, ...]:
@@ -62,12 +99,9 @@ def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_w
   if k.shape[0] != b or k.shape[3] != d:
     raise ValueError(f"k.shape={k.shape} must be [B={b}, S, Hkv, D={d}] for q.shape={q.shape}")
   s, hkv = k.shape[1], k.shape[2]
-  if hq % hkv:
+  if hkv == 0 and hq != 0 or hkv and hq % hkv:
     raise ValueError(f"query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv} "
                      f"(q.shape={q.shape}, k.shape={k.shape})")
-  if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
-    raise ValueError(f"head dim D={d} is not supported; expected {MIN_HEAD_DIM} ≤ D ≤ "
-                     f"{MAX_HEAD_DIM} (q.shape={q.shape})")
   if q_segment_ids is None and kv_segment_ids is not None:
     raise ValueError("kv_segment_ids needs q_segment_ids")
   if q_segment_ids is not None:
@@ -78,28 +112,19 @@ def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_w
                          f"T={t}, S={s}: pass kv_segment_ids")
       kv_segment_ids = q_segment_ids
     kv_segment_ids = _check_segments("kv_segment_ids", kv_segment_ids, b, s, "S")
-  if sliding_window is not None:
-    window = (sliding_window,) * 2 if isinstance(sliding_window, numbers.Integral) else \
-        tuple(sliding_window)
-    if len(window) != 2 or not all(isinstance(w, numbers.Integral) and w >= 0 for w in window):
-      raise ValueError(f"sliding_window must be an int ≥ 0 or a (left, right) pair of them, "
-                       f"got {sliding_window!r}")
-    sliding_window = tuple(int(w) for w in window)
-  if logit_softcap is not None and (not isinstance(logit_softcap, numbers.Real)
-                                    or logit_softcap <= 0):
-    raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap!r}")
-  if not isinstance(deterministic, (bool, np.bool_)):
-    raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    q_segment_ids, kv_segment_ids = _int32_segments(q_segment_ids, kv_segment_ids)
+  sliding_window = _window(sliding_window)
+  logit_softcap = _checks.logit_softcap(logit_softcap)
+  deterministic = _checks.static_bool("deterministic", deterministic)
+  causal = _checks.static_bool("causal", causal)
   if scale is None:
-    scale = 1.0 / math.sqrt(d)
-  elif not isinstance(scale, numbers.Real):
-    raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
+    scale = 1.0 / math.sqrt(d) if d else 1.0
+  elif not math.isfinite(scale := _checks.static_real("scale", scale)):
+    raise ValueError(f"scale must be finite, got {scale!r}")
 
   opts = AttentionOptions(
-      mask=MaskSpec.make(bool(causal), sliding_window, q_segment_ids is not None),
-      scale=float(scale),
-      logit_softcap=None if logit_softcap is None else float(logit_softcap),
-      deterministic=bool(deterministic))
+      mask=MaskSpec.make(causal, sliding_window, q_segment_ids is not None),
+      scale=float(scale), logit_softcap=logit_softcap, deterministic=deterministic)
   return opts, q_segment_ids, kv_segment_ids
 
 
@@ -130,9 +155,11 @@ def flash_attention(
 
   Args:
     q: [B, T, Hq, D]; k, v: [B, S, Hkv, D] with Hq % Hkv == 0 (GQA, MQA: k/v are not
-      repeated in memory). T ≠ S allowed; D in [32, 256]; float32, bfloat16 or float16.
+      repeated in memory). T ≠ S allowed; any D (the GPU kernels serve D 16–256, other head
+      dims run chunked_xla); float32, bfloat16 or float16.
     causal, sliding_window, q_segment_ids ([B, T] ints), kv_segment_ids ([B, S] ints;
-      defaults to q_segment_ids, which then needs T == S): the mask.
+      defaults to q_segment_ids, which then needs T == S): the mask. sliding_window is an
+      int w (keys i-w..i+w) or a (left, right) pair of ints ≥ 0, a side None for unbounded.
     scale: default 1/sqrt(D).
     logit_softcap: optional c > 0 (Gemma 2).
     return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
@@ -168,10 +195,19 @@ def flash_attention(
       q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
       logit_softcap=logit_softcap, deterministic=deterministic)
+  return_lse = _checks.static_bool("return_lse", return_lse)
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-  out, lse = _dispatch.first_that_serves(
-      _dispatch.resolve(implementation, IMPLEMENTATIONS, _default()),
-      lambda impl: impl(q, k, v, q_segment_ids, kv_segment_ids, opts=opts))
+  implementations = _dispatch.resolve(implementation, IMPLEMENTATIONS, _default())
+  (b, t, hq, d), s = q.shape, k.shape[1]
+  if b * t * hq == 0 or s == 0:  # no output, or no key to see: output 0, lse -inf
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.full((b, hq, t), -jnp.inf, jnp.float32)
+  else:
+    # D = 0: every score is 0, as with one zero feature (its output column is sliced away).
+    pad = ((0, 0),) * 3 + ((0, int(d == 0)),)
+    out, lse = _dispatch.first_that_serves(implementations, lambda impl: impl(
+        *(jnp.pad(a, pad) for a in (q, k, v)), q_segment_ids, kv_segment_ids, opts=opts))
+    out = out[..., :d]
   if return_lse:
     return out, jnp.moveaxis(lse, 1, 2)
   return out

@@ -205,4 +205,4 @@ def _bwd(st: _Static, res: Residuals, cts):
   return dq, to_bshd(dk), to_bshd(dv), None, None
 
 
-_attention = _common.attention_vjp(_forward, _bwd)
+_attention = _common.attention_vjp(_forward, _bwd, "chunked_xla")

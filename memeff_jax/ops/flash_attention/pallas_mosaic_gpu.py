@@ -49,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from memeff_jax.kernels import hopper
+from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward
@@ -571,7 +572,7 @@ class _Static:
   dq: MosaicDqConfig | None = None
 
 
-_attention = _common.attention_vjp(_forward, _backward)
+_attention = _common.attention_vjp(_forward, _backward, "pallas_mosaic_gpu")
 
 
 def hopper_available() -> str | None:
@@ -618,11 +619,11 @@ class PallasMosaicGpu:
     config = self.config or MosaicConfig.for_call(q.shape[-1], opts.mask)
     why = hopper_available() or support_error(q.shape, k.shape, q.dtype, opts, config)
     if why is not None:
-      raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
+      raise _dispatch.Unsupported(f"pallas_mosaic_gpu: {why}")
     bwd = self.backward_config
     det = opts.deterministic
     if det and isinstance(bwd, MosaicBackwardConfig) and bwd.with_dq and not bwd.dq_ordered:
-      raise NotImplementedError(
+      raise _dispatch.Unsupported(
           "pallas_mosaic_gpu: the Mosaic backward with dq (backward_config="
           "MosaicBackwardConfig(with_dq=True)) adds dq by TMA reductions in arrival order and "
           "is not deterministic; call flash_attention with deterministic=False to run it, or "
@@ -650,7 +651,7 @@ class PallasMosaicGpu:
       if why is None:
         return _Static(opts, config, mosaic, None)
       if bwd is not None:
-        raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
+        raise _dispatch.Unsupported(f"pallas_mosaic_gpu: {why}")
       bwd = None  # the Triton backward's own choice of tiles
     self._no_dq_kernel("pallas_triton's backward computes dq itself")
     triton = pallas_triton.PallasTriton(config=bwd).plan(q, opts)
@@ -659,7 +660,7 @@ class PallasMosaicGpu:
   def _no_dq_kernel(self, why: str) -> None:
     """A dq_config asked for where no separate dq kernel runs is an error, not ignored."""
     if self.dq_config is not None:
-      raise NotImplementedError(
+      raise _dispatch.Unsupported(
           f"pallas_mosaic_gpu: dq_config={self.dq_config} needs the dK/dV-only Mosaic "
           f"backward of a deterministic call, which this call does not run: {why}")
 
@@ -672,7 +673,7 @@ class PallasMosaicGpu:
       if why is None:
         return dataclasses.replace(st, dq=mosaic)
       if dq is not None:
-        raise NotImplementedError(f"pallas_mosaic_gpu: {why}")
+        raise _dispatch.Unsupported(f"pallas_mosaic_gpu: {why}")
       dq = None  # pallas_triton's own choice of tiles
     triton = pallas_triton.PallasTriton(config=dq).plan(q, opts)
     return dataclasses.replace(st, triton=triton)

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 
 from memeff_jax.kernels import hopper
 from memeff_jax import _tuning
+from memeff_jax.ops import _dispatch
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import masks
 from memeff_jax.ops.flash_attention._common import AttentionOptions, Residuals
@@ -83,9 +84,11 @@ class PallasTriton:
   def plan(self, q, opts: AttentionOptions) -> "TritonPlan":
     """The static settings of a call (NotImplementedError where the kernels cannot run)."""
     if plgpu is None:
-      raise NotImplementedError("jax.experimental.pallas.triton is not importable")
+      raise _dispatch.Unsupported("jax.experimental.pallas.triton is not importable")
+    if not 16 <= q.shape[-1] <= 256:  # Triton's dot needs K ≥ 16; wider tiles spill
+      raise _dispatch.Unsupported(f"pallas_triton serves head dims 16 to 256, got D={q.shape[-1]}")
     if not self.interpret and not hopper.on_nvidia_gpu():
-      raise NotImplementedError(
+      raise _dispatch.Unsupported(
           f"pallas_triton needs an NVIDIA GPU (default device: {jax.devices()[0].device_kind});"
           " PallasTriton(interpret=True) runs the kernels in the Pallas interpreter")
     return TritonPlan(opts, self.config or default_config(q.shape[-1]), self.interpret)
@@ -280,10 +283,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_se
 
 
 def _call(kernel, st, grid, in_specs, out_specs, out_shape, name, warps, stages, cost):
-  return pl.pallas_call(
+  call = pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       interpret=st.interpret, name=name, cost_estimate=cost,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
+  return hopper.without_x64(call)
 
 
 def _forward(st: TritonPlan, q, k, v, q_seg, kv_seg):
@@ -370,4 +374,4 @@ def _dkv_pass(st: TritonPlan, res: Residuals, d_out, delta):
                    q, k, res.v, d_out, res.lse, delta, *segs)
 
 
-_attention = _common.attention_vjp(_forward, backward_pass)
+_attention = _common.attention_vjp(_forward, backward_pass, "pallas_triton")

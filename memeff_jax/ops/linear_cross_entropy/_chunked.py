@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from memeff_jax.ops import _checks
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
 from memeff_jax.kernels.mosaic_gemm import Rows
@@ -48,7 +49,7 @@ from memeff_jax.kernels.mosaic_gemm import Rows
 class Static(NamedTuple):
   """Hashable, static half of a call."""
 
-  backend: Any  # a frozen dataclass with .stats / .grads / .dw_dtype(weight)
+  backend: Any  # a frozen dataclass with .stats / .grads / .dw_dtype(weight), .implementation
   opts: LossOptions
   token_chunk: int
 
@@ -207,6 +208,7 @@ def chunked_loss(static: Static, x, w, bias, labels, valid):
 def _fwd(static: Static, x, w, bias, labels, valid):
   need = (_perturbed(x), _perturbed(w), _perturbed(bias))
   x, w, bias, labels, valid = map(_value, (x, w, bias, labels, valid))
+  x, w, bias = _checks.first_order_only(static.backend.implementation, x, w, bias)
   opts = static.opts
   if opts.reduction == "none":
     stats, *_ = run_chunks(static, x, w, bias, labels)
@@ -238,6 +240,8 @@ def _add(t, u):
 
 def _bwd(static: Static, res: Residuals, cts):
   g_loss, g_lse, g_z = map(_nonzero, cts)
+  res, g_loss, g_lse, g_z = _checks.first_order_only(static.backend.implementation, res, g_loss, g_lse,
+                                                     g_z)
   opts = static.opts
   need = (True, True, res.bias is not None)
   if opts.reduction == "none":

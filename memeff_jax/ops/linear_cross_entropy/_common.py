@@ -144,6 +144,13 @@ def combine_stats(a, b):
   return m, s, y_a + y_b, t_a + t_b
 
 
+def grad_scale(a, e, lse, opts: LossOptions):
+  """b of G = b·p − a·q: a (1 + 2λ lse) + e, or a + e without a z-loss (never 0·lse)."""
+  if not opts.z_loss:
+    return a + e
+  return a * (1.0 + 2.0 * opts.z_loss * lse) + e
+
+
 def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions, *, padded: bool = True):
   """G for one block of capped logits (float32 [R, Vb]); zero in padding columns.
 
@@ -151,7 +158,7 @@ def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions, *, padded: bool =
   no row's label is among `cols`, and `padded` as in block_stats.
   """
   eps = opts.label_smoothing
-  b = a * (1.0 + 2.0 * opts.z_loss * lse) + e
+  b = grad_scale(a, e, lse, opts)
   g = b[:, None] * jnp.exp(zc - lse[:, None])
   if eps:
     g = g - (a * (eps / opts.vocab_size))[:, None]
@@ -188,7 +195,8 @@ def token_loss(stats: Stats, labels, valid, opts: LossOptions):
   ce = stats.lse - (1.0 - eps) * label_logit
   if eps:
     ce = ce - eps / opts.vocab_size * stats.logit_sum
-  zterm = opts.z_loss * jnp.square(stats.lse)
+  # Without a z-loss the term is 0, not 0·lse² (NaN where lse overflowed).
+  zterm = opts.z_loss * jnp.square(stats.lse) if opts.z_loss else jnp.zeros_like(stats.lse)
   return jnp.where(valid, ce + zterm, 0.0), jnp.where(valid, zterm, 0.0)
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import numbers
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from memeff_jax.kernels import hopper
+from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions
@@ -54,13 +55,43 @@ def _int64_words(labels: Int64Labels, ignore_index: int):
   if words.ndim < 1 or words.shape[-1] != 2 or words.dtype not in (jnp.int32, jnp.uint32):
     raise TypeError(f"Int64Labels.words must be [..., 2] int32 or uint32 (the low and high "
                     f"words of each id), got shape {words.shape} and dtype {words.dtype}")
-  ignore_index = int(ignore_index)
   if not -2**63 <= ignore_index < 2**63:
     raise ValueError(f"ignore_index={ignore_index} is outside the int64 range")
   words = jax.lax.bitcast_convert_type(words, jnp.int32).reshape(-1, 2)
   low = (ignore_index & 0xFFFFFFFF) - (2**32 if ignore_index & 0x80000000 else 0)
   ignored = (words[:, 0] == low) & (words[:, 1] == ignore_index >> 32)
   return words, ~ignored
+
+
+def _int32_labels(labels: jax.Array, ignore_index: int):
+  """([N] int32 class ids, [N] valid) of integer labels of any width. Which tokens are
+  `ignore_index` is decided in the labels' own dtype, and a label outside the int32 range
+  becomes INT32_MIN (outside [0, V): NaN for that token), never another class."""
+  flat = labels.reshape(-1)
+  info, i32 = jnp.iinfo(flat.dtype), jnp.iinfo(jnp.int32)
+  if info.min <= ignore_index <= info.max:
+    valid = flat != jnp.asarray(ignore_index, flat.dtype)
+  else:  # no label can equal it
+    valid = jnp.ones(flat.shape, jnp.bool_)
+  if info.min < i32.min or info.max > i32.max:
+    inside = (flat >= max(info.min, i32.min)) & (flat <= min(info.max, i32.max))
+    return jnp.where(inside, flat.astype(jnp.int32), i32.min), valid
+  return flat.astype(jnp.int32), valid
+
+
+def _chunk_size(chunk_size):
+  """chunk_size as a positive int or a (tokens, vocab entries) pair of them."""
+  if chunk_size is None:
+    return None
+  pair = isinstance(chunk_size, (tuple, list))
+  sizes = tuple(chunk_size) if pair else (chunk_size,)
+  if not 1 <= len(sizes) <= 2:
+    raise ValueError(f"chunk_size must be a positive int or a (tokens, vocab) pair, got "
+                     f"{chunk_size!r}")
+  sizes = tuple(_checks.static_int("chunk_size", size) for size in sizes)
+  if min(sizes) <= 0:
+    raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
+  return sizes if pair else sizes[0]
 
 
 def _check_float(name, a):
@@ -141,6 +172,7 @@ def linear_cross_entropy(
   ((), dtype('float32'))
   """
   x, weight = jnp.asarray(x), jnp.asarray(weight)
+  ignore_index = _checks.static_int("ignore_index", ignore_index)
   if isinstance(labels, Int64Labels):  # read as words chunk by chunk: no int32 copy
     words, valid = _int64_words(labels, ignore_index)
   else:
@@ -177,40 +209,40 @@ def linear_cross_entropy(
       raise TypeError(f"where must be a boolean mask, got where.dtype={where.dtype}")
     if where.shape != labels.shape:
       raise ValueError(f"where.shape={where.shape} must equal labels.shape={labels.shape}")
-  if not isinstance(label_smoothing, numbers.Real) or not 0.0 <= label_smoothing <= 1.0:
+  if not 0.0 <= _checks.static_real("label_smoothing", label_smoothing) <= 1.0:
     raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
-  if not isinstance(z_loss, numbers.Real) or z_loss < 0:
-    raise ValueError(f"z_loss must be ≥ 0, got {z_loss!r}")
-  if logit_softcap is not None and (not isinstance(logit_softcap, numbers.Real)
-                                    or logit_softcap <= 0):
-    raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap!r}")
-  if chunk_size is not None:
-    sizes = (chunk_size,) if isinstance(chunk_size, int) else tuple(chunk_size)
-    if len(sizes) not in (1, 2) or not all(isinstance(s, int) and s > 0 for s in sizes):
-      raise ValueError(f"chunk_size must be a positive int or (tokens, vocab) pair of "
-                       f"positive ints, got {chunk_size!r}")
+  if not 0.0 <= _checks.static_real("z_loss", z_loss) < float("inf"):
+    raise ValueError(f"z_loss must be finite and ≥ 0, got {z_loss!r}")
+  logit_softcap = _checks.logit_softcap(logit_softcap)
+  chunk_size = _chunk_size(chunk_size)
+  return_aux = _checks.static_bool("return_aux", return_aux)
   if vocab == 0:
     raise ValueError(f"the vocabulary is empty (weight.shape={weight.shape})")
 
   opts = LossOptions(vocab_size=int(vocab), weight_layout=weight_layout, reduction=reduction,
-                     label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                     logit_softcap=None if logit_softcap is None else float(logit_softcap),
-                     aux_outputs=bool(return_aux))
+                     label_smoothing=_checks.static_real("label_smoothing", label_smoothing),
+                     z_loss=_checks.static_real("z_loss", z_loss), logit_softcap=logit_softcap,
+                     aux_outputs=return_aux)
   lead = labels.shape
   dtype = jnp.result_type(x.dtype, weight.dtype)
-  x2 = x.reshape(-1, d).astype(dtype)
+  x2 = x.reshape(math.prod(lead), d).astype(dtype)  # (-1 cannot be inferred at D = 0)
   weight = weight.astype(dtype)
+  if d == 0:  # logits of zeros, as from one zero feature (its gradients are sliced away)
+    x2 = jnp.pad(x2, ((0, 0), (0, 1)))
+    weight = jnp.pad(weight, ((0, 1), (0, 0)) if weight_layout == "dv" else ((0, 0), (0, 1)))
   if isinstance(labels, Int64Labels):
     labels2 = words
   else:
-    labels2 = labels.reshape(-1).astype(jnp.int32)
-    valid = labels2 != ignore_index
+    labels2, valid = _int32_labels(labels, ignore_index)
   if where is not None:
     valid = valid & where.reshape(-1)
 
   default = ("pallas_mosaic_gpu", "chunked_xla") if hopper.on_nvidia_gpu() else ("chunked_xla",)
+  implementations = _dispatch.resolve(implementation, IMPLEMENTATIONS, default)
+  if x2.shape[0] == 0:  # no tokens: no chunks; the reference's (empty) computation
+    implementations = [IMPLEMENTATIONS["reference"]]
   loss, lse, zterm = _dispatch.first_that_serves(
-      _dispatch.resolve(implementation, IMPLEMENTATIONS, default),
+      implementations,
       lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))
 
   if reduction == "none":

@@ -67,6 +67,8 @@ class ChunkedXla:
 class XlaChunkBackend:
   """Per-chunk work of ChunkedXla (see _chunked for the protocol)."""
 
+  implementation = "chunked_xla"  # its name in errors (a class attribute, not a field)
+
   opts: LossOptions
   vocab_chunk: int
 

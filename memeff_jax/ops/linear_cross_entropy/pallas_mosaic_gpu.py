@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from memeff_jax import _tuning
 from memeff_jax.kernels import hopper
 from memeff_jax.kernels import mosaic_gemm
+from memeff_jax.ops import _dispatch
 from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy import triton_softmax
@@ -154,7 +155,7 @@ class PallasMosaicGpu:
       why = (f"needs x and weight in one 16-bit dtype, got {jnp.dtype(dtype)} and "
              f"{jnp.dtype(weight_dtype)}")
     if why is not None:
-      raise NotImplementedError(f"pallas_mosaic_gpu mosaic_gemms={names}: {why}")
+      raise _dispatch.Unsupported(f"pallas_mosaic_gpu mosaic_gemms={names}: {why}")
     shapes = dict(logits=(tokens, vocab, d), dx=(tokens, d, vocab),
                   dw=(d, vocab, tokens) if layout == "dv" else (vocab, d, tokens))
     configs = []
@@ -164,7 +165,7 @@ class PallasMosaicGpu:
         key = "dw_tma" if name == "dw" and self.dw_accumulation == "tma_add" else name
         config = tuned_gemm_config(key, layout, shapes[name][2])
         if (why := mosaic_gemm.shape_error(*shapes[name], config)) is not None:
-          raise NotImplementedError(
+          raise _dispatch.Unsupported(
               f"pallas_mosaic_gpu's {name} GEMM on kernels.mosaic_gemm, [M, N, K] = {list(shapes[name])} "
               f"at a chunk of {tokens} tokens: {why}")
         configs.append((name, config))
@@ -200,7 +201,7 @@ class PallasMosaicGpu:
     auto = dataclasses.replace(self, mosaic_gemms=GEMMS, dw_accumulation="tma_add")
     try:
       configs = dict(auto.gemm_configs(*shapes))
-    except NotImplementedError:
+    except _dispatch.Unsupported:
       return cublas
     cm, cn = configs["dx"].cta_tile()
     tiles = (tokens // cm) * -(-d // cn)
@@ -216,13 +217,13 @@ class PallasMosaicGpu:
       if not isinstance(chunk_size, int):
         tokens, cols = chunk_size
         if cols < vocab:
-          raise NotImplementedError("pallas_mosaic_gpu does not chunk the vocabulary; "
+          raise _dispatch.Unsupported("pallas_mosaic_gpu does not chunk the vocabulary; "
                                     f"got {chunk_size=} with vocab size {vocab}")
         chunk_size = tokens
       return min(chunk_size, n_tokens)
     tokens = self.memory_budget_bytes // (vocab * itemsize)
     if tokens < 16:
-      raise NotImplementedError(
+      raise _dispatch.Unsupported(
           f"a vocabulary of {vocab} leaves fewer than 16 tokens per chunk in "
           f"memory_budget_bytes={self.memory_budget_bytes}; pallas_mosaic_gpu does not chunk the "
           "vocabulary (chunked_xla does)")
@@ -232,9 +233,9 @@ class PallasMosaicGpu:
 
   def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
     if triton_softmax.plgpu is None:
-      raise NotImplementedError("jax.experimental.pallas.triton is not importable")
+      raise _dispatch.Unsupported("jax.experimental.pallas.triton is not importable")
     if not self.interpret and not hopper.on_nvidia_gpu():
-      raise NotImplementedError(
+      raise _dispatch.Unsupported(
           f"pallas_mosaic_gpu needs a GPU, an NVIDIA one (default device: "
           f"{jax.devices()[0].device_kind}); PallasMosaicGpu(interpret=True) runs the kernel in the "
           "Pallas interpreter")
@@ -248,7 +249,7 @@ class PallasMosaicGpu:
     wanted = self.exp_logits or (self.exp_logits is None and not self.fused_lse)
     if wanted and jnp.dtype(x.dtype) == jnp.float16:  # E's entries reach e^64 > 65,504
       if self.exp_logits:
-        raise NotImplementedError("pallas_mosaic_gpu exp_logits stores exp(z) up to e^64 in x's "
+        raise _dispatch.Unsupported("pallas_mosaic_gpu exp_logits stores exp(z) up to e^64 in x's "
                                   "dtype, which float16 cannot hold; got float16 x")
       wanted = False
     wanted = wanted and bias is None and not (opts.logit_softcap is not None
@@ -266,15 +267,15 @@ class PallasMosaicGpu:
         try:
           (_, exp_gemm), = self.gemm_configs(*shapes, names=("logits",))
           if exp_gemm.schedule == "cooperative":  # no row_stats, no `enabled`
-            raise NotImplementedError("pallas_mosaic_gpu exp_logits needs the logits GEMM's tiles "
+            raise _dispatch.Unsupported("pallas_mosaic_gpu exp_logits needs the logits GEMM's tiles "
                                       f"on the 'ring' or 'pingpong' schedule, got {exp_gemm}")
           exp_logits = True
-        except NotImplementedError:
+        except _dispatch.Unsupported:
           if self.exp_logits:
             raise
           exp_gemm = None
     if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
-      raise NotImplementedError("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds no "
+      raise _dispatch.Unsupported("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds no "
                                 "bias and applies no logit_softcap")
     backend = ChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
                                  dw_accumulation=self.dw_accumulation, gemms=gemms,
@@ -293,6 +294,8 @@ class PallasMosaicGpu:
 @dataclasses.dataclass(frozen=True)
 class ChunkBackend:
   """Per-chunk work of PallasMosaicGpu (see _chunked for the protocol)."""
+
+  implementation = "pallas_mosaic_gpu"  # its name in errors (a class attribute, not a field)
 
   opts: LossOptions
   kernel: triton_softmax.SoftmaxKernelConfig
@@ -487,7 +490,7 @@ class ChunkBackend:
     # The barrier keeps XLA from gathering E[n, y] again inside later fusions, after the
     # fallback may have written over E (which would make it copy E to keep it).
     e_y, e = jax.lax.optimization_barrier((e[rows, col].astype(jnp.float32), e))
-    b = a_c * (1.0 + 2.0 * opts.z_loss * lse) + e_c
+    b = _common.grad_scale(a_c, e_c, lse, opts)
     counts, patch = (a_c != 0) | (b != 0), in_range & (a_c != 0)
     lo, hi = LSE_RANGE
     ok = (jnp.all(~counts | ((lse >= lo) & (lse <= hi)))
