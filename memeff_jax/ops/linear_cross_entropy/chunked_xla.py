@@ -7,8 +7,8 @@ gradient (two passes). Logits are formed in float32; G is cast to the compute dt
 two gradient matmuls (tensor cores), which accumulate in float32; dW and db accumulate
 across chunks in float32.
 
-Memory: about `memory_budget_bytes` for the chunk's logits and G, plus a float32 dW
-accumulator (D·V·4 bytes) during the gradient pass.
+Memory: about min(`memory_budget_bytes`, 1/20 of the full float32 logits) for the chunk's
+logits and G, plus a float32 dW accumulator (D·V·4 bytes) during the gradient pass.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
 # float32 logits + float32 G + G in the compute dtype, per logit element.
 _BYTES_PER_LOGIT = 12
 _MIN_TOKEN_CHUNK = 16
+# The chunks' temporaries aim at no more than this share of the full float32 logits (N·V·4
+# bytes) they replace, and at least _MIN_BUDGET (below it chunking only costs time).
+_LOGITS_SHARE = 1 / 20
+_MIN_BUDGET = 2 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +36,10 @@ class ChunkedXla:
   """Pure-XLA chunked implementation.
 
   Attributes:
-    memory_budget_bytes: bytes of chunk temporaries (logits and G) to aim for; decides the
-      token chunk (and, if even `min_token_chunk` tokens do not fit, the vocabulary chunk).
+    memory_budget_bytes: the most bytes of chunk temporaries (logits and G) to aim for. A
+      call aims at no more than 1/20 of its full float32 logits (N·V·4 bytes) either, and
+      at least 2 MiB, so the chunks always hold well under the logits they replace. Decides
+      the token chunk (and, if even 16 tokens do not fit, the vocabulary chunk).
   """
 
   memory_budget_bytes: int = 256 * 2**20
@@ -46,14 +52,16 @@ class ChunkedXla:
         return min(chunk_size, n_tokens), vocab
       tokens, cols = chunk_size
       return min(tokens, n_tokens), min(cols, vocab)
+    budget = min(self.memory_budget_bytes,
+                 max(int(n_tokens * vocab * 4 * _LOGITS_SHARE), _MIN_BUDGET))
     per_token = vocab * _BYTES_PER_LOGIT
-    tokens = self.memory_budget_bytes // per_token
+    tokens = budget // per_token
     if tokens >= _MIN_TOKEN_CHUNK:
       if tokens >= 128:
         tokens = tokens // 128 * 128
       return _chunked.balanced_chunk(n_tokens, tokens), vocab
     tokens = min(_MIN_TOKEN_CHUNK, n_tokens)
-    cols = max(128, self.memory_budget_bytes // (tokens * _BYTES_PER_LOGIT) // 128 * 128)
+    cols = max(128, budget // (tokens * _BYTES_PER_LOGIT) // 128 * 128)
     return tokens, min(cols, vocab)
 
   def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):

@@ -6,6 +6,7 @@ import optax
 import pytest
 
 import memeff_jax
+from memeff_jax import memory
 from memeff_jax.kernels import hopper
 from memeff_jax.kernels import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy.pallas_mosaic_gpu import GEMMS, PallasMosaicGpu
@@ -41,6 +42,23 @@ def test_chunked_xla_holds_under_ten_percent_of_the_logits():
   assert temp < 0.10 * logits_bytes, f"{temp / 2**30:.3f} GiB of temporaries"
   # The measurement can fail: the materializing loss holds at least the logits.
   assert _temp_bytes(naive, x, w, y) >= logits_bytes
+
+
+@pytest.mark.parametrize("n, v", [(2048, 16384), (8192, 32768), (1024, 128256), (4096, 50257)])
+def test_chunks_are_sized_from_the_logits_they_replace(n, v):
+  """The default chunk is a share of the problem's own logits, not a fixed token count: at
+  small N the temporaries (and their largest buffer) stay well under the float32 logits."""
+  x, w, y = _shapes(n, 64, v, jnp.float32)
+  logits_bytes = n * v * 4
+  step = jax.value_and_grad(lambda x, w, y: memeff_jax.linear_cross_entropy(
+      x, w, y, implementation="chunked_xla"), argnums=(0, 1))
+  report = memory.analyze(step, x, w, y)
+  if report.temp_bytes is None:
+    pytest.skip("this backend gives no memory analysis")
+  assert report.temp_bytes < 0.10 * logits_bytes, f"{report.temp_bytes / 2**20:.1f} MiB"
+  # Every buffer but those of dW's [D, V] shape (the gradient's own size) is chunk-sized.
+  chunked = [b for b in report.buffers if tuple(b.shape) != (64, v)]
+  assert max(b.nbytes for b in chunked) < 0.05 * logits_bytes
 
 
 def test_mean_loss_without_aux_holds_no_per_token_statistics():
