@@ -5,10 +5,11 @@ dropout_rate, deterministic, dtype, precision, module, is_causal). What flash_at
 express is mapped; everything else raises, so a mask or dropout is never dropped silently:
 
   - `is_causal=True` (nnx), or `causal=True` bound with functools.partial → causal.
-  - `mask`: flash_attention takes no dense mask. A concrete mask that is all True is
-    accepted, and so is exactly the causal mask. Anything else raises: a traced mask too,
-    since its values are unknown at trace time. Bind `causal`, `sliding_window` or
-    `segment_ids` with functools.partial instead.
+  - `mask`: a concrete mask that is all True, or exactly the causal mask, runs the fast
+    kernels. Any other mask, a traced one too (nnx.make_causal_mask under nnx.jit, the
+    decode path's), goes to flash_attention's dense `mask`, which chunked_xla serves in
+    query blocks without a [T, S] float buffer. Binding `causal`, `sliding_window` or
+    `segment_ids` with functools.partial keeps the fast kernels.
   - `bias`, attention dropout in training (`dropout_rate > 0` and not deterministic),
     `module` (sowing attention weights) and a non-default `precision` raise.
 """
@@ -23,23 +24,26 @@ from memeff_jax.ops.flash_attention import flash_attention
 
 
 def _mask_kind(mask, t: int, s: int) -> str:
-  """'full' or 'causal' for a concrete [..., T, S] boolean mask, else raises."""
+  """'full' or 'causal' for a concrete [..., T, S] mask that is one of them, else 'dense'
+  (a traced mask too: its values are unknown at trace time)."""
+  if np.ndim(mask) < 2 or np.shape(mask)[-2:] != (t, s):
+    raise ValueError(f"mask.shape={np.shape(mask)} must end in (T, S)=({t}, {s})")
   if isinstance(mask, jax.core.Tracer):
-    raise NotImplementedError(
-        "flash_attention_fn got a traced `mask` and cannot read its values; pass is_causal=True "
-        "or bind causal/sliding_window/segment_ids with functools.partial(flash_attention_fn, "
-        "...) instead of a dense mask")
+    return "dense"
   m = np.asarray(mask).astype(bool)
-  if m.shape[-2:] != (t, s):
-    raise ValueError(f"mask.shape={m.shape} must end in (T, S)=({t}, {s})")
   if m.all():
     return "full"
-  if np.array_equal(np.broadcast_to(m, m.shape), np.broadcast_to(np.tril(np.ones((t, s), bool)),
-                                                                  m.shape)):
+  if np.array_equal(m, np.broadcast_to(np.tril(np.ones((t, s), bool)), m.shape)):
     return "causal"
-  raise NotImplementedError(
-      "flash_attention_fn supports only an all-True or causal mask; express other masks with "
-      "sliding_window or segment_ids (functools.partial(flash_attention_fn, ...))")
+  return "dense"
+
+
+def _flat_mask(mask, batch: tuple[int, ...]):
+  """flax's [batch..., H|1, T, S] mask (leading dims may broadcast) as [B, H|1, T, S]."""
+  mask = jnp.asarray(mask).astype(jnp.bool_)
+  mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + mask.shape)
+  mask = jnp.broadcast_to(mask, batch + mask.shape[-3:])
+  return mask.reshape((-1,) + mask.shape[-3:])
 
 
 def flash_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
@@ -67,8 +71,8 @@ def flash_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropou
     raise NotImplementedError(f"flash_attention_fn takes no precision, got {precision!r}")
   t, s = query.shape[-3], key.shape[-3]
   causal = bool(causal or is_causal)
-  if mask is not None:
-    causal = causal or _mask_kind(mask, t, s) == "causal"
+  kind = None if mask is None else _mask_kind(mask, t, s)
+  causal = causal or kind == "causal"
   if dtype is not None:
     query, key, value = (a.astype(dtype) for a in (query, key, value))
   batch = query.shape[:-3]
@@ -76,6 +80,7 @@ def flash_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropou
   seg = None if segment_ids is None else jnp.asarray(segment_ids).reshape(-1, t)
   out = flash_attention(flat(query), flat(key), flat(value), causal=causal,
                         sliding_window=sliding_window, q_segment_ids=seg,
-                        logit_softcap=logit_softcap, deterministic=deterministic_backward,
-                        implementation=implementation)
+                        logit_softcap=logit_softcap,
+                        mask=_flat_mask(mask, batch) if kind == "dense" else None,
+                        deterministic=deterministic_backward, implementation=implementation)
   return out.reshape(batch + out.shape[1:])

@@ -20,7 +20,9 @@ class FusedLMHead(nnx.Module):
 
   Parameters are those of `nnx.Linear(in_features, vocab_size, use_bias=...)`: `kernel`
   [D, V] and `bias` [V], with the same initializers, so a model can switch between this and
-  Linear + optax in either direction. Given `tied_embedding` (an `nnx.Embed` with a [V, D]
+  Linear + optax in either direction. Unlike Linear's, `use_bias` defaults to False (LM
+  heads have none, and a bias costs the fused loss its fastest path): pass use_bias=True to
+  hold the parameters of a default `nnx.Linear(in_features, vocab_size)`. Given `tied_embedding` (an `nnx.Embed` with a [V, D]
   table) it owns no kernel and reads that table in place, shared, not copied.
 
   Args:
@@ -63,8 +65,13 @@ class FusedLMHead(nnx.Module):
     x, weight, bias = promote_dtype((x, weight, bias), dtype=self.dtype)
     return x, weight, bias, layout
 
-  def __call__(self, x, labels, **loss_options) -> jax.Array:
-    """Loss of `x` [..., D] against `labels` [...] (options as linear_cross_entropy)."""
+  def __call__(self, x, labels=None, **loss_options) -> jax.Array:
+    """Loss of `x` [..., D] against `labels` [...] (options as linear_cross_entropy); with
+    labels=None, the logits (for inference), as the linen layer."""
+    if labels is None:
+      if loss_options:
+        raise ValueError(f"loss options {sorted(loss_options)} need labels")
+      return self.logits(x)
     x, weight, bias, layout = self._weights(x)
     return linear_cross_entropy(x, weight, labels, bias=bias, weight_layout=layout,
                                 implementation=self.implementation, **loss_options)

@@ -76,8 +76,19 @@ def test_nnx_head_equals_linear_plus_optax(use_bias):
   np.testing.assert_allclose(l1, l2, rtol=1e-6)
   chex.assert_trees_all_close(nnx.state(g1), nnx.state(g2), rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(head.logits(x), linear(x), rtol=1e-6)
+  np.testing.assert_allclose(head(x), linear(x), rtol=1e-6)  # no labels: logits, as linen
+  with pytest.raises(ValueError, match=r"loss options \['z_loss'\] need labels"):
+    head(x, z_loss=1e-4)
   # Switch back: the head's state loads into a plain Linear.
   nnx.update(linear, nnx.state(head, nnx.Param))
+
+
+def test_use_bias_true_holds_a_default_linears_parameters():
+  """The README's promise: FusedLMHead(D, V, use_bias=True) loads nnx.Linear(D, V)."""
+  linear = nnx.Linear(D, V, rngs=nnx.Rngs(0))
+  head = mnnx.FusedLMHead(D, V, use_bias=True, rngs=nnx.Rngs(0))
+  chex.assert_trees_all_equal(nnx.state(linear, nnx.Param), nnx.state(head, nnx.Param))
+  assert mnnx.FusedLMHead(D, V, rngs=nnx.Rngs(0)).bias is None
 
 
 def test_nnx_tied_head_shares_the_embed():
@@ -130,11 +141,6 @@ def test_attention_fn_refuses_what_it_cannot_do():
     mlinen.flash_attention_fn(q, q, q, dropout_rate=0.1, deterministic=False)
   with pytest.raises(NotImplementedError, match="additive attention bias"):
     mlinen.flash_attention_fn(q, q, q, bias=jnp.zeros((2, 2, 12, 12)))
-  odd = jnp.ones((2, 1, 12, 12), bool).at[:, :, 3, 5].set(False)
-  with pytest.raises(NotImplementedError, match="only an all-True or causal mask"):
-    mlinen.flash_attention_fn(q, q, q, mask=odd)
-  with pytest.raises(NotImplementedError, match="traced `mask`"):
-    jax.jit(lambda m: mlinen.flash_attention_fn(q, q, q, mask=m))(odd)
   # What a partial binds is honoured: a window of 2 equals the reference with that window.
   fn = functools.partial(mlinen.flash_attention_fn, causal=True, sliding_window=2)
   from memeff_jax.ops.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
@@ -142,5 +148,33 @@ def test_attention_fn_refuses_what_it_cannot_do():
                                                           implementation="reference"),
                              rtol=1e-5, atol=1e-6)
   # flax's `deterministic` is dropout's; the kernel's own reaches flash_attention by its name.
-  with pytest.raises(TypeError, match="deterministic must be a bool"):
+  with pytest.raises(TypeError, match="deterministic must be a Python bool"):
     mlinen.flash_attention_fn(q, q, q, deterministic=True, deterministic_backward="no")
+
+
+def test_attention_fn_takes_any_mask():
+  """A dense mask, concrete or traced, as jax.nn.dot_product_attention takes it: the general
+  mask path; the usual causal code under jit (nnx.make_causal_mask) among them."""
+  x = _mha_inputs()
+  q = x.reshape(2, 12, 2, 32)
+  odd = jax.random.bernoulli(jax.random.key(7), 0.6, (2, 1, 12, 12)) | jnp.eye(12, dtype=bool)
+  want = jax.nn.dot_product_attention(q, q, q, mask=odd)
+  np.testing.assert_allclose(mlinen.flash_attention_fn(q, q, q, mask=odd), want,
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(jax.jit(lambda m: mlinen.flash_attention_fn(q, q, q, mask=m))(odd),
+                             want, rtol=1e-5, atol=1e-6)
+  kw = dict(num_heads=2, in_features=64, decode=False)
+  plain = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
+  ours = nnx.MultiHeadAttention(**kw, attention_fn=mnnx.flash_attention_fn, rngs=nnx.Rngs(1))
+  nnx.update(ours, nnx.state(plain, nnx.Param))
+  causal = nnx.make_causal_mask(jnp.ones((2, 12)))
+  step = nnx.jit(lambda m, x, mask: m(x, mask=mask))
+  np.testing.assert_allclose(step(ours, x, causal), step(plain, x, causal), rtol=1e-5, atol=1e-6)
+  grads = [nnx.grad(lambda m: jnp.sum(step(m, x, causal) ** 2))(m) for m in (ours, plain)]
+  chex.assert_trees_all_close(nnx.state(grads[0]), nnx.state(grads[1]), rtol=1e-4, atol=1e-5)
+  module = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=mlinen.flash_attention_fn)
+  params = module.init(jax.random.key(0), x)
+  mask = nn.make_causal_mask(jnp.ones((2, 12)))
+  got = jax.jit(lambda p, x, m: module.apply(p, x, mask=m))(params, x, mask)
+  default = nn.MultiHeadDotProductAttention(num_heads=2).apply(params, x, mask=mask)
+  np.testing.assert_allclose(got, default, rtol=1e-5, atol=1e-6)

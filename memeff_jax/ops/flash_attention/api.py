@@ -74,6 +74,29 @@ def _window(sliding_window):
   return None if sides == (None, None) else sides
 
 
+def _check_mask(mask, b: int, hq: int, t: int, s: int):
+  """A dense boolean mask as [B|1, Hq|1, T, S] (jax.nn.dot_product_attention's layout)."""
+  mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    raise TypeError(f"mask must be boolean (True: the query sees the key), got "
+                    f"mask.dtype={mask.dtype}")
+  if mask.ndim > 4 or any(m not in (1, n) for m, n in zip(mask.shape[::-1], (s, t, hq, b))):
+    raise ValueError(f"mask.shape={mask.shape} must broadcast to [B, Hq, T, S]=[{b}, {hq}, "
+                     f"{t}, {s}]")
+  mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+  return jnp.broadcast_to(mask, mask.shape[:2] + (t, s))
+
+
+def _masked(q, k, v, q_seg, kv_seg, mask, opts):
+  """The call with a dense mask, for implementations that take one (`masked`)."""
+  def call(impl):
+    if not hasattr(impl, "masked"):
+      raise _dispatch.Unsupported(f"{getattr(impl, 'name', impl)} takes no dense mask (the "
+                                  "GPU kernels serve causal, sliding-window and segment masks)")
+    return impl.masked(q, k, v, q_seg, kv_seg, mask, opts=opts)
+  return call
+
+
 def _default() -> tuple[str, ...]:
   if hopper.on_nvidia_gpu():
     return ("pallas_mosaic_gpu", "pallas_triton", "chunked_xla")
@@ -139,6 +162,7 @@ def flash_attention(
     kv_segment_ids: jax.Array | None = None,
     sliding_window: int | tuple[int, int] | None = None,
     logit_softcap: float | None = None,
+    mask: jax.Array | None = None,
     return_lse: bool = False,
     deterministic: bool = True,
     implementation=None,
@@ -162,6 +186,11 @@ def flash_attention(
       int w (keys i-w..i+w) or a (left, right) pair of ints ≥ 0, a side None for unbounded.
     scale: default 1/sqrt(D).
     logit_softcap: optional c > 0 (Gemma 2).
+    mask: optional dense boolean mask, broadcastable to [B, Hq, T, S] (True: the query sees
+      the key), combined with the masks above, as jax.nn.dot_product_attention's `mask`.
+      Only `chunked_xla` (query blocks of 128 rows against all keys, recomputed in the
+      backward: [B, Hq, 128, S] scores at a time) and `reference` take one; prefer the
+      structured masks, which the GPU kernels serve.
     return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
     deterministic: the backward gives bitwise-identical gradients on every run (the
       default). pallas_mosaic_gpu's one-pass backward adds dq (and, for GQA with
@@ -205,8 +234,13 @@ def flash_attention(
   else:
     # D = 0: every score is 0, as with one zero feature (its output column is sliced away).
     pad = ((0, 0),) * 3 + ((0, int(d == 0)),)
-    out, lse = _dispatch.first_that_serves(implementations, lambda impl: impl(
-        *(jnp.pad(a, pad) for a in (q, k, v)), q_segment_ids, kv_segment_ids, opts=opts))
+    q, k, v = (jnp.pad(a, pad) for a in (q, k, v))
+    if mask is None:
+      call = lambda impl: impl(q, k, v, q_segment_ids, kv_segment_ids, opts=opts)
+    else:
+      call = _masked(q, k, v, q_segment_ids, kv_segment_ids, _check_mask(mask, b, hq, t, s),
+                     opts)
+    out, lse = _dispatch.first_that_serves(implementations, call)
     out = out[..., :d]
   if return_lse:
     return out, jnp.moveaxis(lse, 1, 2)

@@ -7,7 +7,8 @@ recompute p from the saved log-sum-exp: one over query blocks for dq, one over k
 for dk and dv. The largest live buffer is [B, Hq, block_q, block_k].
 
 GQA runs as [B, Hkv, G, ...] with G = Hq / Hkv query heads per key head: k and v are never
-repeated.
+repeated. A dense boolean mask (flash_attention's `mask`) runs masked_attention instead:
+query blocks against all keys, recomputed in the backward.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class ChunkedXla:
     """(dq, dk, dv) from saved out and lse [B, Hq, T], without a forward pass."""
     res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
     return _bwd(self._static(q, k, opts), res, (d_out, d_lse))[:3]
+
+  def masked(self, q, k, v, q_seg, kv_seg, mask, *, opts: AttentionOptions):
+    """With a dense boolean mask [B|1, Hq|1, T, S] too: masked_attention, 128 query rows
+    a block (its scores are [B, Hq, 128, S]), differentiated by JAX."""
+    return masked_attention(q, k, v, q_seg, kv_seg, mask, opts=opts,
+                            block_q=min(self.block_q, 128))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,3 +213,49 @@ def _bwd(st: _Static, res: Residuals, cts):
 
 
 _attention = _common.attention_vjp(_forward, _bwd, "chunked_xla")
+
+
+def masked_attention(q, k, v, q_seg, kv_seg, mask, *, opts: AttentionOptions, block_q: int):
+  """(out, lse [B, Hq, T]) with a dense boolean `mask` [B|1, Hq|1, T, S] besides `opts`'
+  masks, differentiable by JAX (no custom_vjp).
+
+  Query blocks of `block_q` rows see every key at once, one block at a time under
+  jax.checkpoint: the forward keeps one block's [B, Hq, block_q, S] scores, and the backward
+  recomputes each block's from its inputs, so no [T, S] float buffer is held (the mask
+  itself is the caller's)."""
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  g = hq // hkv
+  bq = min(block_q, t)
+  tp = -(-t // bq) * bq
+  q5 = _pad_to(q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4), 3, bq)  # [B, K, G, Tp, D]
+  kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, D]
+  heads = mask.shape[1]
+  m5 = mask.reshape(mask.shape[0], hkv if heads > 1 else 1, g if heads > 1 else 1, t, s)
+  m5 = _pad_to(m5, 3, bq, False)
+  q_ids = None if q_seg is None else _pad_to(q_seg, 1, bq, -1)
+  k_idx = jnp.arange(s)
+
+  @jax.checkpoint
+  def one_block(i):
+    qb = jax.lax.dynamic_slice_in_dim(q5, i * bq, bq, axis=3)
+    sc = jnp.einsum("bkgqd,bksd->bkgqs", qb, kt, preferred_element_type=jnp.float32)
+    sc = _common.cap(sc * opts.scale, opts.logit_softcap)
+    q_idx = i * bq + jnp.arange(bq)
+    seen = masks.visible(opts.mask, q_idx, k_idx)[None, None, None]
+    seen = seen & jax.lax.dynamic_slice_in_dim(m5, i * bq, bq, axis=3)
+    if q_ids is not None:
+      ids = jax.lax.dynamic_slice_in_dim(q_ids, i * bq, bq, axis=1)
+      seen = seen & (ids[:, :, None] == kv_seg[:, None, :])[:, None, None]
+    sc = jnp.where(seen, sc, -jnp.inf)
+    m = jnp.max(sc, axis=-1)
+    p = jnp.where(seen, jnp.exp(sc - _common.finite_or_zero(m)[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    out = jnp.einsum("bkgqs,bksd->bkgqd", p / jnp.where(l > 0, l, 1.0)[..., None],
+                     vt.astype(jnp.float32))
+    return out.astype(q.dtype), _common.lse_from(m, l)
+
+  out, lse = jax.lax.map(one_block, jnp.arange(tp // bq))  # [nq, B, K, G, bq, ...]
+  out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, tp, d)[:, :, :, :t]
+  lse = jnp.moveaxis(lse, 0, 3).reshape(b, hkv, g, tp)[..., :t]
+  return jnp.moveaxis(out, 3, 1).reshape(b, t, hq, d), lse.reshape(b, hq, t)

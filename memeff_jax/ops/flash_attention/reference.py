@@ -20,7 +20,7 @@ from memeff_jax.ops.flash_attention import masks
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 
 
-def reference_attention(q, k, v, q_seg, kv_seg, opts: AttentionOptions):
+def reference_attention(q, k, v, q_seg, kv_seg, opts: AttentionOptions, mask=None):
   b, t, hq, d = q.shape
   s_len, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
@@ -31,6 +31,10 @@ def reference_attention(q, k, v, q_seg, kv_seg, opts: AttentionOptions):
   if opts.mask.segments:
     seen = seen & (q_seg[:, :, None] == kv_seg[:, None, :])
   seen = seen[:, None, None]  # [B, 1, 1, T, S]
+  if mask is not None:  # [B|1, Hq|1, T, S]
+    heads = mask.shape[1]
+    seen = seen & mask.reshape(mask.shape[0], hkv if heads > 1 else 1, g if heads > 1 else 1,
+                               t, s_len)
   s = jnp.where(seen, s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.where(seen, jnp.exp(s - _common.finite_or_zero(m)), 0.0)
@@ -48,6 +52,11 @@ class Reference:
 
   def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
     out, lse = reference_attention(q, k, v, q_seg, kv_seg, opts)
+    return out.astype(q.dtype), lse
+
+  def masked(self, q, k, v, q_seg, kv_seg, mask, *, opts: AttentionOptions):
+    """With a dense boolean mask [B|1, Hq|1, T, S] too."""
+    out, lse = reference_attention(q, k, v, q_seg, kv_seg, opts, mask)
     return out.astype(q.dtype), lse
 
   def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, opts: AttentionOptions):

@@ -212,7 +212,7 @@ def test_dq_support_error_names_what_is_not_served(q_shape, k_shape, dtype, conf
 
 def test_deterministic_must_be_a_bool():
   q = jnp.ones((1, 64, 2, 32))
-  with pytest.raises(TypeError, match="deterministic must be a bool"):
+  with pytest.raises(TypeError, match="deterministic must be a Python bool"):
     flash_attention(q, q, q, deterministic="yes")
 
 
