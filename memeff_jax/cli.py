@@ -1,4 +1,4 @@
-"""The `memeff-jax` command.
+"""memeff-jax: train LLMs in less GPU memory from JAX (fused LM-head loss, flash attention).
 
   memeff-jax demo          train a tiny model twice, plain Flax layers vs memeff layers
   memeff-jax train         the same loop at a configured size (tiny, 125m, 1b or a TOML file)
@@ -111,7 +111,11 @@ def _report(args) -> int:
         f"remat policy {cfg.remat_policy!r}):")
   print(analyze(make_step(cfg.remat_policy), state, batch_spec))
   print("\nremat policies (compiled, not run):")
-  remat.fit(make_step, state, batch_spec, budget_bytes=args.budget_gib * 2**30)
+  if args.budget_gib is None:
+    print(remat.table(remat.candidates(make_step, state, batch_spec)))
+    return 0
+  name, _ = remat.fit(make_step, state, batch_spec, budget_bytes=args.budget_gib * 2**30)
+  print(f"within {args.budget_gib} GiB, the least recomputation: {name!r}")
   return 0
 
 
@@ -126,7 +130,7 @@ def _compare_loss(args) -> int:
   n, d, v = args.tokens, args.hidden, args.vocab
   dtype = jnp.dtype(args.dtype)
   device = jax.devices()[0]
-  print(f"memeff-jax demo on {device.platform} ({device.device_kind}): LM-head loss of "
+  print(f"memeff-jax compare-loss on {device.platform} ({device.device_kind}): LM-head loss of "
         f"{n:,} tokens, hidden {d}, vocab {v:,}, {dtype.name}")
   logits_gib = n * v * 4 / 2**30
   print(f"The float32 logits alone would take {logits_gib:.2f} GiB.\n")
@@ -187,41 +191,59 @@ def _bench(args) -> int:
   return 0
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="memeff-jax", description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+  """The command line: every subcommand and option, with its help."""
+  parser = argparse.ArgumentParser(
+      prog="memeff-jax", description=__doc__.split("\n")[0].split(": ", 1)[1],
+      epilog="`memeff-jax COMMAND --help` describes each command's options.")
   sub = parser.add_subparsers(dest="command", required=True)
   demo = sub.add_parser("demo", help="train a tiny model twice: plain vs memeff layers")
-  demo.add_argument("--steps", type=int, default=None, help="default: the tiny config's")
+  demo.add_argument("--steps", type=int, default=None,
+                    help="train steps of each run (default: the tiny config's, 30)")
   demo.add_argument("--plot", default="memeff_demo.png",
-                    help="where to write the PNG of the loss curves (needs matplotlib)")
+                    help="where to write the PNG of the loss curves, if matplotlib is "
+                         "installed (default: memeff_demo.png)")
   demo.set_defaults(func=_demo)
   model = argparse.ArgumentParser(add_help=False)  # what train and report share
-  model.add_argument("--config", required=True, help="a path or a name: tiny, 125m, 1b")
-  model.add_argument("--kernels", choices=["memeff", "plain"], default="memeff")
-  model.add_argument("--batch", type=int, default=None)
-  model.add_argument("--seq-len", type=int, default=None)
+  model.add_argument("--config", required=True,
+                     help="a model: tiny, 125m, 1b, or the path of a TOML file like theirs")
+  model.add_argument("--kernels", choices=["memeff", "plain"], default="memeff",
+                     help="memeff layers, or the same model on plain Flax/optax ones "
+                          "(default: memeff)")
+  model.add_argument("--batch", type=int, default=None,
+                     help="sequences per step (default: the config's)")
+  model.add_argument("--seq-len", type=int, default=None,
+                     help="tokens per sequence (default: the config's)")
   train = sub.add_parser("train", parents=[model],
                          help="train a configured model (tiny, 125m, 1b or a TOML file)")
-  train.add_argument("--steps", type=int, default=None)
+  train.add_argument("--steps", type=int, default=None,
+                     help="train steps (default: the config's)")
   train.set_defaults(func=_train)
   report = sub.add_parser("report", parents=[model],
                           help="memory report of a model's train step and policies")
-  report.add_argument("--budget-gib", type=float, default=1e6,
-                      help="the budget fit() marks candidates against")
+  report.add_argument("--budget-gib", type=float, default=None,
+                      help="also pick the policy with the least recomputation that fits "
+                           "this many GiB (memeff_jax.remat.fit); default: only the table")
   report.set_defaults(func=_report)
   compare = sub.add_parser("compare-loss",
                            help="fused vs naive LM-head loss: values, gradients, memory")
-  compare.add_argument("--tokens", type=int, default=8192)
-  compare.add_argument("--hidden", type=int, default=256)
-  compare.add_argument("--vocab", type=int, default=50257)
-  compare.add_argument("--dtype", default="float32")
-  compare.add_argument("--reps", type=int, default=3)
+  compare.add_argument("--tokens", type=int, default=8192, help="N (default: 8192)")
+  compare.add_argument("--hidden", type=int, default=256, help="D (default: 256)")
+  compare.add_argument("--vocab", type=int, default=50257, help="V (default: 50257)")
+  compare.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                       help="x and W's dtype (default: float32)")
+  compare.add_argument("--reps", type=int, default=3, help="timed calls each (default: 3)")
   compare.set_defaults(func=_compare_loss)
   bench = sub.add_parser("bench", help="run benchmarks/<op>.py (source checkout)")
-  bench.add_argument("op", choices=["linear_cross_entropy", "flash_attention"])
-  bench.add_argument("rest", nargs=argparse.REMAINDER)
+  bench.add_argument("op", choices=["linear_cross_entropy", "flash_attention"],
+                     help="which benchmark script")
+  bench.add_argument("rest", nargs=argparse.REMAINDER, help="its arguments (see its --help)")
   bench.set_defaults(func=_bench)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
   return args.func(args)
 
 

@@ -37,11 +37,14 @@ def batches(cfg: LlamaConfig, train: dict, batch: int, seq_len: int):
 
 
 def progress(prefix: str, i: int, n: int, loss: float, stream=sys.stderr):
+  """A bar redrawn in place on a terminal; into a file or pipe, a line per tenth of the run."""
   width = 30
   done = int(width * i / n)
-  stream.write(f"\r{prefix} [{'#' * done}{'.' * (width - done)}] {i}/{n} loss {loss:.4f}")
-  if i == n:
-    stream.write("\n")
+  line = f"{prefix} [{'#' * done}{'.' * (width - done)}] {i}/{n} loss {loss:.4f}"
+  if stream.isatty():
+    stream.write("\r" + line + ("\n" if i == n else ""))
+  elif i == n or i % max(n // 10, 1) == 0:
+    stream.write(line + "\n")
   stream.flush()
 
 

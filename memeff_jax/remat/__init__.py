@@ -6,4 +6,5 @@ from memeff_jax.remat.policies import candidates
 from memeff_jax.remat.policies import choose
 from memeff_jax.remat.policies import fit
 from memeff_jax.remat.policies import resolve
+from memeff_jax.remat.policies import table
 from memeff_jax.remat.flops import matmul_flops

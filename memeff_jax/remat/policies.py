@@ -65,16 +65,21 @@ class Candidate:
     return self.error is None
 
 
-def _table(cands, budget) -> str:
-  rows = [f"{'policy':24s} {'peak':>12s} {'matmul GFLOP':>13s} {'XLA GFLOP':>10s}  fits "
-          f"{budget / 2**30:.3f} GiB"]
+def table(cands: list[Candidate], budget_bytes: int | None = None) -> str:
+  """The candidates as a table: peak, matmul and XLA FLOPs, and with a budget whether each
+  fits it."""
+  fits = "" if budget_bytes is None else f"  fits {budget_bytes / 2**30:.3f} GiB"
+  rows = [f"{'policy':24s} {'peak':>12s} {'matmul GFLOP':>13s} {'XLA GFLOP':>10s}{fits}"]
   for c in cands:
     if c.error:
       rows.append(f"{c.name:24s} {'—':>12s} {'—':>13s} {'—':>10s}  cannot compile: "
                   f"{c.error[:60]}")
-    else:
-      rows.append(f"{c.name:24s} {c.peak_bytes / 2**30:8.3f} GiB {c.flops / 1e9:13.1f} "
-                  f"{c.xla_flops / 1e9:10.1f}  {'yes' if c.peak_bytes <= budget else 'no'}")
+      continue
+    row = (f"{c.name:24s} {c.peak_bytes / 2**30:8.3f} GiB {c.flops / 1e9:13.1f} "
+           f"{c.xla_flops / 1e9:10.1f}")
+    if budget_bytes is not None:
+      row += f"  {'yes' if c.peak_bytes <= budget_bytes else 'no'}"
+    rows.append(row)
   return "\n".join(rows)
 
 
@@ -127,7 +132,7 @@ def choose(cands: list[Candidate], budget_bytes: int) -> str:
   fitting = [c for c in cands if c.fits and c.peak_bytes <= budget_bytes]
   if not fitting:
     raise ValueError(f"no remat policy fits budget_bytes={budget_bytes:,}:\n"
-                     f"{_table(cands, budget_bytes)}")
+                     f"{table(cands, budget_bytes)}")
   return min(fitting, key=lambda c: (c.flops, c.peak_bytes)).name
 
 
@@ -149,5 +154,5 @@ def fit(make_step, *args, budget_bytes: int, policies=None, verbose: bool = True
   """
   cands = candidates(make_step, *args, policies=policies)
   if verbose:
-    print(_table(cands, budget_bytes))
+    print(table(cands, budget_bytes))
   return choose(cands, budget_bytes), cands
