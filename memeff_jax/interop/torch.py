@@ -65,8 +65,9 @@ def _exportable(t: torch.Tensor) -> torch.Tensor:
   if not isinstance(t, torch.Tensor):
     raise TypeError(f"to_jax expects a torch.Tensor, got {type(t).__name__}")
   if t.dtype in _WIDE and not jax.config.jax_enable_x64:
+    narrow = "torch.float32" if t.dtype.is_floating_point else "torch.int32"
     raise TypeError(f"to_jax got a {t.dtype} tensor; with jax_enable_x64 off JAX would "
-                    "narrow it, so convert explicitly, e.g. t.to(torch.int32)")
+                    f"narrow it, so convert explicitly, e.g. t.to({narrow})")
   t = t.detach()
   return t if t.is_contiguous() else t.contiguous()
 
@@ -78,7 +79,7 @@ def to_jax(t: torch.Tensor) -> jax.Array:
   (`t.contiguous()`), since DLPack in JAX takes dense row-major buffers only. On CUDA, DLPack
   makes JAX's stream wait for torch's current stream, so pending torch writes are seen.
   64-bit tensors (int64, float64) raise unless `jax_enable_x64` is on: JAX would otherwise
-  narrow them silently; convert explicitly (`t.to(torch.int32)`). A tensor that requires
+  narrow them silently; convert explicitly (`t.to(torch.int32)`, `t.to(torch.float32)`). A tensor that requires
   grad is detached (autograd goes through the ops below, not through this function).
   """
   t = _exportable(t)
@@ -420,6 +421,24 @@ def _lce_backward(ctx, g_loss, *unused):
 _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
 
 
+def _check_lce_shapes(x, weight, labels, bias):
+  """The loss's shapes in torch's terms: x [..., D], weight [V, D] as nn.Linear's."""
+  if x.dim() < 1 or weight.dim() != 2:
+    raise ValueError(f"x must be [..., D] and weight [V, D] (torch.nn.Linear's weight), "
+                     f"got x.shape={tuple(x.shape)}, weight.shape={tuple(weight.shape)}")
+  d = x.shape[-1]
+  if weight.shape[1] != d:
+    hint = (" It looks transposed: pass the [V, D] weight of the nn.Linear, not its .T."
+            if weight.shape[0] == d else "")
+    raise ValueError(f"weight.shape={tuple(weight.shape)} must be [V, D={d}] (torch.nn.Linear's "
+                     f"weight) for x.shape={tuple(x.shape)}.{hint}")
+  if tuple(labels.shape) != tuple(x.shape[:-1]):
+    raise ValueError(f"labels.shape={tuple(labels.shape)} must be x.shape[:-1]="
+                     f"{tuple(x.shape[:-1])}")
+  if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+    raise ValueError(f"bias.shape={tuple(bias.shape)} must be [V]=({weight.shape[0]},)")
+
+
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          bias: torch.Tensor | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
@@ -448,6 +467,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
   if labels.dtype.is_floating_point or labels.dtype == torch.bool:
     raise TypeError(f"labels must be integer class ids, got labels.dtype={labels.dtype}; "
                     "convert explicitly, e.g. labels.to(torch.int64)")
+  _check_lce_shapes(x, weight, labels, bias)
   needs_grad = torch.is_grad_enabled() and any(
       t is not None and t.requires_grad for t in (x, weight, bias))
   if labels.dtype not in (torch.int64, torch.int32):
@@ -580,6 +600,21 @@ def _fa_backward(ctx, d_out, d_lse):
 _fa_op.register_autograd(_fa_backward, setup_context=_fa_setup)
 
 
+def _check_attention_shapes(q, k, v, layout: str):
+  """q, k, v as the caller laid them out: errors name those shapes, not the transposes."""
+  names = "[B, T, Hq, D]" if layout == "bthd" else "[B, Hq, T, D]"
+  kv_names = "[B, S, Hkv, D]" if layout == "bthd" else "[B, Hkv, S, D]"
+  shapes = f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+  if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    raise ValueError(f"with layout={layout!r}, q must be {names} and k, v {kv_names}; got "
+                     f"{shapes}")
+  h = 2 if layout == "bthd" else 1
+  if (k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]
+      or (k.shape[h] == 0 and q.shape[h] != 0) or (k.shape[h] and q.shape[h] % k.shape[h])):
+    raise ValueError(f"with layout={layout!r}, q must be {names} and k, v {kv_names} with the "
+                     f"same B and D and Hq a multiple of Hkv; got {shapes}")
+
+
 def _window_sides(sliding_window) -> tuple[int, int]:
   """(left, right) for the op: ints ≥ 0, or -1 for an unbounded side (FlashAttention's
   window_size meaning: (-1, 0) sees every earlier key and none later); None: (-1, -1)."""
@@ -615,6 +650,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
   """
   if layout not in ("bthd", "bhtd"):
     raise ValueError(f"layout must be 'bthd' or 'bhtd', got {layout!r}")
+  _check_attention_shapes(q, k, v, layout)
   if layout == "bhtd":
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
   left, right = _window_sides(sliding_window)

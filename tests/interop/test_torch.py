@@ -476,3 +476,25 @@ def test_attention_bad_window_raises(window):
   q = torch.randn(1, 8, 2, 16)
   with pytest.raises(ValueError, match=r"sliding_window must be an int or a \(left, right\)"):
     mt.flash_attention(q, q, q, sliding_window=window)
+
+
+@pytest.mark.parametrize("weight, labels, match", [
+    ((8, 10), (4,), r"weight.shape=\(8, 10\) must be \[V, D=8\].*It looks transposed"),
+    ((10, 7), (4,), r"weight.shape=\(10, 7\) must be \[V, D=8\] \(torch.nn.Linear's weight\)"),
+    ((10, 8), (3,), r"labels.shape=\(3,\) must be x.shape\[:-1\]=\(4,\)")])
+def test_lce_errors_speak_torch(weight, labels, match):
+  with pytest.raises(ValueError, match=match):
+    mt.linear_cross_entropy(torch.randn(4, 8), torch.randn(*weight),
+                            torch.zeros(labels, dtype=torch.int64))
+
+
+def test_attention_errors_show_the_callers_shapes():
+  q, k = torch.randn(1, 2, 16, 8), torch.randn(1, 3, 16, 8)
+  with pytest.raises(ValueError, match=r"layout='bhtd', q must be \[B, Hq, T, D\].*"
+                     r"q.shape=\(1, 2, 16, 8\), k.shape=\(1, 3, 16, 8\)"):
+    mt.flash_attention(q, k, k, layout="bhtd")
+
+
+def test_wide_float_tensor_error_suggests_float32():
+  with pytest.raises(TypeError, match=r"t.to\(torch.float32\)"):
+    mt.to_jax(torch.randn(3, dtype=torch.float64))
