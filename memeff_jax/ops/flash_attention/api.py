@@ -232,16 +232,16 @@ def flash_attention(
     out = jnp.zeros(q.shape, q.dtype)
     lse = jnp.full((b, hq, t), -jnp.inf, jnp.float32)
   else:
-    # D = 0: every score is 0, as with one zero feature (its output column is sliced away).
-    pad = ((0, 0),) * 3 + ((0, int(d == 0)),)
-    q, k, v = (jnp.pad(a, pad) for a in (q, k, v))
+    if d == 0:  # every score is 0, as with one zero feature (its output column is dropped)
+      q, k, v = (jnp.pad(a, ((0, 0),) * 3 + ((0, 1),)) for a in (q, k, v))
     if mask is None:
       call = lambda impl: impl(q, k, v, q_segment_ids, kv_segment_ids, opts=opts)
     else:
       call = _masked(q, k, v, q_segment_ids, kv_segment_ids, _check_mask(mask, b, hq, t, s),
                      opts)
     out, lse = _dispatch.first_that_serves(implementations, call)
-    out = out[..., :d]
+    if d == 0:
+      out = out[..., :0]
   if return_lse:
     return out, jnp.moveaxis(lse, 1, 2)
   return out
