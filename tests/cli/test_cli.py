@@ -18,17 +18,22 @@ def test_train_runs(capsys):
 
 
 def test_report_runs(capsys):
-  assert cli.main(["report", "--config", "tiny", "--seq-len", "64", "--batch", "1"]) == 0
-  out = capsys.readouterr().out
-  assert "temporaries" in out and "remat policies" in out and "everything" in out
-  assert "fits" not in out  # no budget: no column against one
-
-
-def test_report_with_a_budget_names_the_fitting_policy(capsys):
+  """The step's memory report, every policy's row against the budget, and the pick."""
   assert cli.main(["report", "--config", "tiny", "--seq-len", "64", "--batch", "1",
                    "--budget-gib", "4"]) == 0
   out = capsys.readouterr().out
+  assert "temporaries" in out and "remat policies" in out and "everything" in out
   assert "fits 4.000 GiB" in out and "within 4.0 GiB, the least recomputation: 'everything'" in out
+
+
+def test_policy_table_without_a_budget_has_no_fits_column():
+  from memeff_jax import remat  # pylint: disable=import-outside-toplevel
+  cands = [remat.Candidate("nothing", 2**30, 1e9, xla_flops=1e9),
+           remat.Candidate("everything", error="XlaRuntimeError: out of memory")]
+  text = remat.table(cands)
+  assert "fits" not in text and "cannot compile: XlaRuntimeError" in text
+  assert text.splitlines()[1].split()[:3] == ["nothing", "1.000", "GiB"]
+  assert remat.table(cands, 2**31).splitlines()[1].endswith("yes")
 
 
 def test_every_option_has_help():
