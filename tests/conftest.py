@@ -1,10 +1,15 @@
 """Test setup: `gpu` tests skipped without a GPU; JAX allocating GPU memory on demand, so
-that the README's `pytest -n 2` workers (pytest-xdist) can share one GPU; tuning tables of a
-test's own (`tuning_tables`)."""
+that the README's `pytest -n 2` workers (pytest-xdist) can share one GPU; eight CPU devices
+for meshes; tuning tables of a test's own (`tuning_tables`)."""
 
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Eight CPU devices for the multi-device tests (a mesh on one host); one-device tests use the
+# first, as before. Set before jax is imported.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402  (after the allocator setting)
 import pytest

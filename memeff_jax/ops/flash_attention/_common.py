@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
 from memeff_jax.ops import _checks
+from memeff_jax.ops import _vma
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
 
@@ -58,7 +59,9 @@ def attention_vjp(forward, backward, name: str):
   def bwd(static, res, cts):
     q, k, v, out, lse, *cts = _checks.first_order_only(name, res.q, res.k, res.v, res.out,
                                                        res.lse, *cts)
-    return backward(static, res._replace(q=q, k=k, v=v, out=out, lse=lse), tuple(cts))
+    dq, dk, dv, *rest = backward(static, res._replace(q=q, k=k, v=v, out=out, lse=lse),
+                                 tuple(cts))
+    return (*_vma.cotangents_like((dq, dk, dv), (res.q, res.k, res.v)), *rest)
 
   attention.defvjp(fwd, bwd)
   return attention

@@ -18,6 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from memeff_jax.ops import _vma
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import masks
 from memeff_jax.ops.flash_attention._common import AttentionOptions, Residuals
@@ -136,8 +137,9 @@ def _forward(st: _Static, q, k, v, q_seg, kv_seg):
           preferred_element_type=jnp.float32)
       return m_new, l * alpha + jnp.sum(p, axis=-1), acc
 
-    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (d,), jnp.float32))
+    init = _vma.varying_like((jnp.full(shape, -jnp.inf, jnp.float32),
+                              jnp.zeros(shape, jnp.float32),
+                              jnp.zeros(shape + (d,), jnp.float32)), q, k, v, q_seg, kv_seg)
     lo, hi = blk.kv_range(i)
     m, l, acc = jax.lax.fori_loop(lo, hi, step, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
@@ -165,6 +167,7 @@ def _bwd(st: _Static, res: Residuals, cts):
     delta = delta - jnp.moveaxis(d_lse, 1, 2)  # lse is [B, Hq, T]
   delta5 = to_q5(delta)
   lse5 = to_q5(jnp.moveaxis(res.lse, 1, 2))
+  inputs = (q, k, v, res.q_segment_ids, res.kv_segment_ids, res.out, res.lse, d_out, d_lse)
 
   def probs_and_dscores(i, j, qb, dob):
     s, seen = blk.scores(qb, blk.k_block(blk.k, j), i, j)
@@ -185,7 +188,8 @@ def _bwd(st: _Static, res: Residuals, cts):
                              preferred_element_type=jnp.float32)
 
     lo, hi = blk.kv_range(i)
-    return jax.lax.fori_loop(lo, hi, step, jnp.zeros(qb.shape, jnp.float32)).astype(q.dtype)
+    init = _vma.varying_like(jnp.zeros(qb.shape, jnp.float32), *inputs)
+    return jax.lax.fori_loop(lo, hi, step, init).astype(q.dtype)
 
   def dkv_block(j):
     def step(i, carry):
@@ -198,7 +202,7 @@ def _bwd(st: _Static, res: Residuals, cts):
                            preferred_element_type=jnp.float32)
       return dk, dv
 
-    zeros = jnp.zeros((b, kh, st.block_k, d), jnp.float32)
+    zeros = _vma.varying_like(jnp.zeros((b, kh, st.block_k, d), jnp.float32), *inputs)
     lo, hi = blk.q_range(j)
     dk, dv = jax.lax.fori_loop(lo, hi, step, (zeros, zeros))
     return dk.astype(k.dtype), dv.astype(v.dtype)

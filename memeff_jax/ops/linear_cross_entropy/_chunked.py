@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from memeff_jax.ops import _checks
+from memeff_jax.ops import _vma
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
 from memeff_jax.kernels.mosaic_gemm import Rows
@@ -136,6 +137,7 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
       jnp.zeros(w.shape, backend.dw_dtype(w)) if with_grads and need_dw and not peel else None,
       jnp.zeros(bias.shape, jnp.float32) if with_grads and need_db else None,
   )
+  carry = _vma.varying_like(carry, x, w, bias, labels, a, e, lse, reduced)
 
   def body(i, carry):
     stats, dx, dw, db = carry
@@ -258,7 +260,8 @@ def _bwd(static: Static, res: Residuals, cts):
                                     a=a, e=e, lse=res.lse, need=need)
       dx, dw, db = _add(dx, dx2), _add(dw, dw2), _add(db, db2)
   cast = lambda t, like: None if t is None or like is None else t.astype(like.dtype)
-  return (cast(dx, res.x), cast(dw, res.weight), cast(db, res.bias), None, None)
+  grads = (cast(dx, res.x), cast(dw, res.weight), cast(db, res.bias))
+  return (*_vma.cotangents_like(grads, (res.x, res.weight, res.bias)), None, None)
 
 
 chunked_loss.defvjp(_fwd, _bwd, symbolic_zeros=True)

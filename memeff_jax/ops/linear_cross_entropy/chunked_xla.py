@@ -18,6 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from memeff_jax.ops import _vma
 from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
@@ -103,8 +104,8 @@ class XlaChunkBackend:
       m, s, y, t = self._block_stats(x_c, w, bias, labels_c, 0, vocab)
     else:
       rows = x_c.shape[0]
-      init = (jnp.full((rows,), -jnp.inf, jnp.float32),) + tuple(
-          jnp.zeros((rows,), jnp.float32) for _ in range(3))
+      init = _vma.varying_like((jnp.full((rows,), -jnp.inf, jnp.float32),) + tuple(
+          jnp.zeros((rows,), jnp.float32) for _ in range(3)), x_c, w, bias, labels_c)
       m, s, y, t = _chunked.blocked_loop(
           vocab, self.vocab_chunk,
           lambda start, size, acc: _common.combine_stats(
@@ -151,6 +152,7 @@ class XlaChunkBackend:
         db_acc = jax.lax.dynamic_update_slice_in_dim(db_acc, cur + jnp.sum(g, axis=0), start, 0)
       return dx_c, dw_acc, db_acc
 
+    carry = _vma.varying_like((dx_c, dw_acc, db_acc), x_c, w, bias, labels_c, a_c, e_c, lse_c)
     dx_c, dw_acc, db_acc = _chunked.blocked_loop(vocab, vocab if single else self.vocab_chunk,
-                                                 block, (dx_c, dw_acc, db_acc))
+                                                 block, carry)
     return stats, dx_c, dw_acc, db_acc
