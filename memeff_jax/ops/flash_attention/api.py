@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from memeff_jax.kernels import hopper
 from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
+from memeff_jax.ops import _explicit
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention.chunked_xla import ChunkedXla
 from memeff_jax.ops.flash_attention.masks import MaskSpec
@@ -95,6 +96,43 @@ def _masked(q, k, v, q_seg, kv_seg, mask, opts):
                                   "GPU kernels serve causal, sliding-window and segment masks)")
     return impl.masked(q, k, v, q_seg, kv_seg, mask, opts=opts)
   return call
+
+
+def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, **options):
+  """flash_attention on an Explicit mesh: the single-device call per shard under shard_map,
+  for inputs sharded on the batch and the heads (q's and k/v's heads alike, or k/v's single
+  head shared)."""
+  qd, kd, vd = (_explicit.dims_of(a, 4) for a in (q, k, v))
+  where = f"q: {_explicit.spec(qd)}, k: {_explicit.spec(kd)}, v: {_explicit.spec(vd)}"
+  if any(d[1] or d[3] for d in (qd, kd, vd)):
+    raise ValueError("on an Explicit mesh flash_attention takes q, k, v sharded on the batch "
+                     "and heads only; the sequence (context parallelism) and the head dim "
+                     f"must not be sharded, got {where}")
+  if kd != vd or kd[0] != qd[0] or (kd[2] != qd[2] and not (not kd[2] and k.shape[2] == 1)):
+    raise ValueError("on an Explicit mesh k and v must be sharded alike, on the batch axes of "
+                     "q and on the heads as q is (or, with one key head, not on the heads), "
+                     f"got {where}")
+  batch, heads = qd[0], qd[2]
+  rows = lambda ids: None if ids is None else jax.sharding.reshard(ids, _explicit.spec([batch, ()]))
+  q_segment_ids, kv_segment_ids = rows(q_segment_ids), rows(kv_segment_ids)
+  if mask is not None:
+    b, t, hq, _ = q.shape
+    mask = _check_mask(mask, b, hq, t, k.shape[1])
+    mask = jax.sharding.reshard(mask, _explicit.spec(
+        [batch if mask.shape[0] > 1 else (), heads if mask.shape[1] > 1 else (), (), ()]))
+  out_spec = _explicit.spec([batch, (), heads, ()])
+  lse_spec = _explicit.spec([batch, (), heads])
+
+  def local(q, k, v, q_seg, kv_seg, mask):
+    return flash_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, mask=mask,
+                           return_lse=True, **options)
+
+  specs = lambda x: None if x is None else jax.typeof(x).sharding.spec
+  out, lse = jax.shard_map(local, mesh=mesh, out_specs=(out_spec, lse_spec),
+                           in_specs=tuple(map(specs, (q, k, v, q_segment_ids, kv_segment_ids,
+                                                      mask))))(
+                               q, k, v, q_segment_ids, kv_segment_ids, mask)
+  return (out, lse) if return_lse else out
 
 
 def _default() -> tuple[str, ...]:
@@ -220,6 +258,12 @@ def flash_attention(
   >>> flash_attention(q, k, v, causal=True).shape
   (1, 128, 4, 64)
   """
+  mesh = _explicit.common_mesh(q, k, v, q_segment_ids, kv_segment_ids)
+  if mesh is not None:
+    return _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
+                      causal=causal, scale=scale, sliding_window=sliding_window,
+                      logit_softcap=logit_softcap, deterministic=deterministic,
+                      implementation=implementation)
   opts, q_segment_ids, kv_segment_ids = _prepare(
       q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,

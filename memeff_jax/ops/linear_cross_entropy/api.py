@@ -7,10 +7,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from memeff_jax.kernels import hopper
 from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
+from memeff_jax.ops import _explicit
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions
 from memeff_jax.ops.linear_cross_entropy.chunked_xla import ChunkedXla
@@ -94,6 +96,46 @@ def _chunk_size(chunk_size):
   return sizes if pair else sizes[0]
 
 
+def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction, return_aux,
+               **options):
+  """linear_cross_entropy on an Explicit mesh: the tokens sharded, the weight (and bias)
+  replicated. Each shard computes its tokens' loss; a sum (and a mean's count of counted
+  tokens) is summed over the shards, so every reduction keeps its single-device meaning."""
+  xd = _explicit.dims_of(x, x.ndim)
+  token_dims = xd[:-1]
+  if xd[-1] or any(_explicit.dims_of(t, t.ndim) != [()] * t.ndim for t in (weight, bias)
+                   if t is not None):
+    raise ValueError(
+        "on an Explicit mesh linear_cross_entropy takes x sharded on its token dims and the "
+        "weight and bias replicated (vocab- and FSDP-sharded weights are not supported yet), "
+        f"got x: {_explicit.spec(xd)}, weight: {_explicit.spec(_explicit.dims_of(weight, 2))}")
+  tokens = _explicit.spec(token_dims)
+  labels = jax.sharding.reshard(labels, tokens)
+  where = None if where is None else jax.sharding.reshard(where, tokens)
+  axes = tuple(a for dim in token_dims for a in dim)
+  local_reduction = "none" if reduction == "none" else "sum"
+
+  def local(x, weight, labels, bias, where):
+    loss, aux = linear_cross_entropy(x, weight, labels, bias=bias, where=where,
+                                     ignore_index=ignore_index, reduction=local_reduction,
+                                     return_aux=True, **options)
+    if reduction == "none":
+      return loss, aux.lse, aux.z_loss
+    total = jax.lax.psum(jnp.stack([loss, aux.z_loss]), axes)
+    if reduction == "mean":
+      valid = _int32_labels(labels, ignore_index)[1]
+      valid = valid if where is None else valid & where.reshape(-1)
+      total = total / jnp.maximum(jax.lax.psum(jnp.sum(valid, dtype=jnp.float32), axes), 1.0)
+    return total[0], aux.lse, total[1]
+
+  reduced = tokens if reduction == "none" else P()  # a sum over the shards is replicated
+  specs = lambda t: None if t is None else jax.typeof(t).sharding.spec
+  loss, lse, z = jax.shard_map(
+      local, mesh=mesh, in_specs=tuple(map(specs, (x, weight, labels, bias, where))),
+      out_specs=(reduced, tokens, reduced))(x, weight, labels, bias, where)
+  return (loss, Aux(lse=lse, z_loss=z)) if return_aux else loss
+
+
 def _check_float(name, a):
   if a.dtype not in _FLOAT_DTYPES:
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {name}.dtype={a.dtype}")
@@ -173,6 +215,19 @@ def linear_cross_entropy(
   """
   x, weight = jnp.asarray(x), jnp.asarray(weight)
   ignore_index = _checks.static_int("ignore_index", ignore_index)
+  mesh = _explicit.common_mesh(x, weight, bias, where,
+                               None if isinstance(labels, Int64Labels) else labels)
+  if mesh is not None:
+    if isinstance(labels, Int64Labels):
+      raise ValueError("Int64Labels on an Explicit mesh are not supported; pass int32 labels")
+    if reduction not in _common.REDUCTIONS:
+      raise ValueError(f"reduction must be one of {_common.REDUCTIONS}, got {reduction!r}")
+    return _per_shard(mesh, x, weight, jnp.asarray(labels), bias, where,
+                      ignore_index=ignore_index, reduction=reduction,
+                      return_aux=_checks.static_bool("return_aux", return_aux),
+                      weight_layout=weight_layout, label_smoothing=label_smoothing,
+                      z_loss=z_loss, logit_softcap=logit_softcap,
+                      implementation=implementation, chunk_size=chunk_size)
   if isinstance(labels, Int64Labels):  # read as words chunk by chunk: no int32 copy
     words, valid = _int64_words(labels, ignore_index)
   else:

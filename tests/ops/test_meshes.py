@@ -1,0 +1,147 @@
+"""Both ops on meshes (eight CPU devices, see conftest), against the single-device result:
+inside a user's jax.shard_map with either check_vma setting (a weight or key the shards share
+gets the sum of every shard's gradient contribution), and under jit on an Explicit mesh with
+the batch, heads or tokens sharded (the outputs keep those shardings; no operand gathered)."""
+
+import jax
+from jax import shard_map
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import memeff_jax
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _close(got, want, tol=2e-5):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("hkv, kw", [(4, dict(causal=True)), (1, dict(sliding_window=(7, 3))),
+                                     (4, dict(causal=True, segments=True))])
+def test_attention_batch_and_heads_sharded(mesh, check_vma, hkv, kw):
+  """Batch over 'data', heads over 'model'; with one key head (MQA) the keys are shared by
+  the 'model' shards, whose dk and dv contributions are summed."""
+  kw = dict(kw)
+  ks = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(ks[0], (8, 40, 4, 16))
+  k, v = (jax.random.normal(key, (8, 40, hkv, 16)) for key in ks[1:])
+  seg = (jnp.arange(40) // 13)[None].repeat(8, 0) if kw.pop("segments", False) else None
+  f = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg, **kw)
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, seg) * jnp.cos(f(q, k, v, seg)))
+  kv_spec = P("data", None, "model") if hkv > 1 else P("data")
+  sharded = shard_map(f, mesh=mesh, in_specs=(P("data", None, "model"), kv_spec, kv_spec,
+                                              None if seg is None else P("data")),
+                      out_specs=P("data", None, "model"), check_vma=check_vma)
+  _close(jax.jit(sharded)(q, k, v, seg), f(q, k, v, seg))
+  _close(jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v),
+         jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("kw", [dict(reduction="sum"), dict(reduction="none"),
+                                dict(reduction="sum", chunk_size=(4, 32)),
+                                dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3)])
+def test_loss_tokens_sharded_weight_replicated(mesh, check_vma, kw):
+  """Tokens over both axes, W replicated: each shard's loss, and dW summed over shards."""
+  x = jax.random.normal(jax.random.key(1), (64, 16))
+  w = jax.random.normal(jax.random.key(2), (16, 100))
+  y = jax.random.randint(jax.random.key(3), (64,), 0, 100)
+  tokens = P(("data", "model"))
+  local = lambda x, w, y: jnp.sum(memeff_jax.linear_cross_entropy(x, w, y, **kw))
+  total = shard_map(lambda x, w, y: jax.lax.psum(local(x, w, y), ("data", "model")),
+                    mesh=mesh, in_specs=(tokens, P(), tokens), out_specs=P(),
+                    check_vma=check_vma)
+  _close(jax.jit(total)(x, w, y), local(x, w, y), 1e-4)
+  _close(jax.jit(jax.grad(total, argnums=(0, 1)))(x, w, y),
+         jax.grad(local, argnums=(0, 1))(x, w, y), 1e-4)
+
+
+@pytest.fixture(scope="module")
+def explicit_mesh():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+def _collectives(fn, *args):
+  """How many of each collective the compiled program runs (instructions, not mentions)."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  return {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in (
+      "all-gather", "all-reduce", "all-to-all", "collective-permute")}
+
+
+@pytest.mark.parametrize("hkv, kv_spec", [(2, P("data", None, "model")), (1, P("data"))])
+def test_attention_on_an_explicit_mesh(explicit_mesh, hkv, kv_spec):
+  ks = jax.random.split(jax.random.key(4), 3)
+  q = jax.random.normal(ks[0], (8, 40, 4, 16))
+  k, v = (jax.random.normal(key, (8, 40, hkv, 16)) for key in ks[1:])
+  seg = (jnp.arange(40) // 13)[None].repeat(8, 0)
+  f = lambda q, k, v: memeff_jax.flash_attention(q, k, v, causal=True, q_segment_ids=seg,
+                                                 return_lse=True)
+  loss = lambda q, k, v: jnp.sum(f(q, k, v)[0] ** 2)
+  want, want_grads = f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  with jax.set_mesh(explicit_mesh):
+    put = lambda x, spec: jax.device_put(x, NamedSharding(explicit_mesh, spec))
+    args = (put(q, P("data", None, "model")), put(k, kv_spec), put(v, kv_spec))
+    got = jax.jit(f)(*args)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+    assert got[0].sharding.spec == P("data", None, "model", None)
+    assert all(g.sharding.is_equivalent_to(a.sharding, 4) for g, a in zip(grads, args))
+    collectives = _collectives(jax.grad(loss, argnums=(0, 1, 2)), *args)
+  _close(got, want)
+  _close(grads, want_grads, 1e-4)
+  # Per shard, no communication; with one key head shared by the 'model' shards, only the
+  # sums of its dk and dv contributions.
+  assert collectives["all-gather"] == collectives["all-to-all"] == 0
+  assert (collectives["all-reduce"] == 0 if hkv > 1
+          else 1 <= collectives["all-reduce"] <= 2), collectives
+
+
+def test_attention_refuses_a_sharded_sequence(explicit_mesh):
+  q = jnp.ones((2, 16, 2, 8))
+  with jax.set_mesh(explicit_mesh):
+    sharded = jax.device_put(q, NamedSharding(explicit_mesh, P(None, "data")))
+    with pytest.raises(ValueError, match=r"sequence \(context parallelism\) and the head dim "
+                       r"must not be sharded, got q: P\(None, 'data'"):
+      memeff_jax.flash_attention(sharded, sharded, sharded)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(reduction="sum"), dict(reduction="none"),
+                                dict(label_smoothing=0.1, z_loss=1e-3, return_aux=True)])
+def test_loss_on_an_explicit_mesh(explicit_mesh, kw):
+  """Tokens sharded over both axes, W replicated: the mean over the global count of counted
+  tokens, dW summed over the shards (its all-reduce) and nothing gathered."""
+  x = jax.random.normal(jax.random.key(1), (8, 16, 32))
+  w = jax.random.normal(jax.random.key(2), (32, 100))
+  y = jax.random.randint(jax.random.key(3), (8, 16), 0, 100).at[:, :3].set(-100)
+  f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, y, **kw)
+  loss = lambda x, w: jnp.mean(jax.tree.leaves(f(x, w))[0])
+  want, want_grads = f(x, w), jax.grad(loss, argnums=(0, 1))(x, w)
+  with jax.set_mesh(explicit_mesh):
+    xs = jax.device_put(x, NamedSharding(explicit_mesh, P("data", "model")))
+    got = jax.jit(f)(xs, w)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, w)
+    assert grads[0].sharding.spec == P("data", "model", None)
+    collectives = _collectives(jax.grad(loss, argnums=(0, 1)), xs, w)
+  _close(got, want, 1e-5)
+  _close(grads, want_grads, 1e-5)
+  assert collectives["all-gather"] == 0 and collectives["all-reduce"] >= 1
+
+
+def test_loss_refuses_a_vocab_sharded_weight(explicit_mesh):
+  with jax.set_mesh(explicit_mesh):
+    w = jax.device_put(jnp.ones((32, 96)), NamedSharding(explicit_mesh, P(None, "model")))
+    with pytest.raises(ValueError, match=r"weight and bias replicated \(vocab- and FSDP-sharded"):
+      memeff_jax.linear_cross_entropy(jnp.ones((8, 32)), w, jnp.zeros(8, jnp.int32))
