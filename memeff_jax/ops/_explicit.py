@@ -17,7 +17,7 @@ def _explicit_names(mesh) -> frozenset:
 def layout(x):
   """(mesh, [the explicit mesh axes of each dimension, a tuple]) of an array's type, or
   (None, None) where no dimension is sharded over an explicit axis."""
-  if x is None:
+  if x is None or not hasattr(x, "shape"):  # None, or a Python value: not sharded
     return None, None
   sharding = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
