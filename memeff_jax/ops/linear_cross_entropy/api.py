@@ -116,24 +116,26 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
   local_reduction = "none" if reduction == "none" else "sum"
 
   def local(x, weight, labels, bias, where):
-    loss, aux = linear_cross_entropy(x, weight, labels, bias=bias, where=where,
-                                     ignore_index=ignore_index, reduction=local_reduction,
-                                     return_aux=True, **options)
+    out = linear_cross_entropy(x, weight, labels, bias=bias, where=where,
+                               ignore_index=ignore_index, reduction=local_reduction,
+                               return_aux=return_aux, **options)
+    loss, aux = out if return_aux else (out, None)
     if reduction == "none":
-      return loss, aux.lse, aux.z_loss
-    total = jax.lax.psum(jnp.stack([loss, aux.z_loss]), axes)
+      return loss, aux
+    sums = jax.lax.psum(jnp.stack([loss] + ([aux.z_loss] if return_aux else [])), axes)
     if reduction == "mean":
       valid = _int32_labels(labels, ignore_index)[1]
       valid = valid if where is None else valid & where.reshape(-1)
-      total = total / jnp.maximum(jax.lax.psum(jnp.sum(valid, dtype=jnp.float32), axes), 1.0)
-    return total[0], aux.lse, total[1]
+      sums = sums / jnp.maximum(jax.lax.psum(jnp.sum(valid, dtype=jnp.float32), axes), 1.0)
+    return sums[0], aux and aux._replace(z_loss=sums[1])
 
   reduced = tokens if reduction == "none" else P()  # a sum over the shards is replicated
   specs = lambda t: None if t is None else jax.typeof(t).sharding.spec
-  loss, lse, z = jax.shard_map(
+  loss, aux = jax.shard_map(
       local, mesh=mesh, in_specs=tuple(map(specs, (x, weight, labels, bias, where))),
-      out_specs=(reduced, tokens, reduced))(x, weight, labels, bias, where)
-  return (loss, Aux(lse=lse, z_loss=z)) if return_aux else loss
+      out_specs=(reduced, Aux(lse=tokens, z_loss=reduced) if return_aux else None))(
+          x, weight, labels, bias, where)
+  return (loss, aux) if return_aux else loss
 
 
 def _check_float(name, a):
