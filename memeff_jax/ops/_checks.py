@@ -11,10 +11,15 @@ import numbers
 import jax
 import numpy as np
 
+try:
+  from jax.core import Tracer
+except ImportError:  # pragma: no cover  (a jax that dropped the public alias)
+  from jax._src.core import Tracer
+
 
 def _scalar(name: str, value, kind: str):
   """value as a Python scalar of `kind` ("bool", "int" or "real"), or TypeError."""
-  if isinstance(value, jax.core.Tracer):
+  if isinstance(value, Tracer):
     raise TypeError(f"{name} must be a Python {kind}, not a traced value: it is a static "
                     "option (pass a Python value, or mark the argument static in jax.jit)")
   if isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0:
