@@ -50,3 +50,8 @@ def dims_of(x, ndim: int):
   """Per-dimension explicit axes of x ([()] * ndim where it has none)."""
   _, dims = layout(x)
   return dims if dims is not None else [()] * ndim
+
+
+def spec_of(x):
+  """x's PartitionSpec as its type carries it (None for None): shard_map's in_spec for it."""
+  return None if x is None else jax.typeof(x).sharding.spec

@@ -127,11 +127,9 @@ def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, *
     return flash_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, mask=mask,
                            return_lse=True, **options)
 
-  specs = lambda x: None if x is None else jax.typeof(x).sharding.spec
-  out, lse = jax.shard_map(local, mesh=mesh, out_specs=(out_spec, lse_spec),
-                           in_specs=tuple(map(specs, (q, k, v, q_segment_ids, kv_segment_ids,
-                                                      mask))))(
-                               q, k, v, q_segment_ids, kv_segment_ids, mask)
+  args = (q, k, v, q_segment_ids, kv_segment_ids, mask)
+  out, lse = jax.shard_map(local, mesh=mesh, in_specs=tuple(map(_explicit.spec_of, args)),
+                           out_specs=(out_spec, lse_spec))(*args)
   return (out, lse) if return_lse else out
 
 

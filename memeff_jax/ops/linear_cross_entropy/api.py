@@ -130,11 +130,10 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
     return sums[0], aux and aux._replace(z_loss=sums[1])
 
   reduced = tokens if reduction == "none" else P()  # a sum over the shards is replicated
-  specs = lambda t: None if t is None else jax.typeof(t).sharding.spec
+  args = (x, weight, labels, bias, where)
   loss, aux = jax.shard_map(
-      local, mesh=mesh, in_specs=tuple(map(specs, (x, weight, labels, bias, where))),
-      out_specs=(reduced, Aux(lse=tokens, z_loss=reduced) if return_aux else None))(
-          x, weight, labels, bias, where)
+      local, mesh=mesh, in_specs=tuple(map(_explicit.spec_of, args)),
+      out_specs=(reduced, Aux(lse=tokens, z_loss=reduced) if return_aux else None))(*args)
   return (loss, aux) if return_aux else loss
 
 
