@@ -163,12 +163,10 @@ def when(cond, fn) -> None:
   else:
     pl.when(cond)(fn)
 
-def fill_ring(load, n, stages: int, free, drain=None) -> None:
+def fill_ring(load, n, stages: int, free) -> None:
   """The memory warpgroup's loop: load(i, slot) for steps 0..n-1 into `stages` shared-memory
   slots, refilling a slot once every barrier array in `free` has been arrived on for it.
-  `n` may be traced (causal CTAs need fewer steps); the first fills are then guarded.
-  drain(i), if given, runs for every step i after step i + stages's load (the last `stages`
-  after the loop): work on a step's results that should not hold up the loads."""
+  `n` may be traced (causal CTAs need fewer steps); the first fills are then guarded."""
   for i in range(stages):
     when(i < n, functools.partial(load, i, i))
 
@@ -178,11 +176,6 @@ def fill_ring(load, n, stages: int, free, drain=None) -> None:
     for barrier in free:
       plgpu.barrier_wait(barrier.at[slot])
     load(i, slot)
-    if drain is not None:
-      drain(i - stages)
-
-  if drain is not None:
-    pl.loop(jnp.maximum(n - stages, 0), n)(drain)
 
 def floor_div(x, n):
   """Floor division of a possibly negative kernel index (lax.div truncates toward zero)."""

@@ -6,6 +6,7 @@ Op-independent Hopper pieces live in memeff_jax.kernels.hopper."""
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -18,6 +19,21 @@ try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
+
+
+class SegmentScratch(NamedTuple):
+  """The segment ids of the kernels that keep query blocks resident and stream key blocks
+  (the forward, the dq kernel): per compute warpgroup its queries' ids, per ring slot a key
+  block's, and their barriers."""
+  q_ids: Any
+  kv_ids: Any
+  q_ready: Any
+  kv_ready: Any
+
+  @classmethod
+  def shapes(cls, block_q: int, block_kv: int, stages: int) -> "SegmentScratch":
+    return cls(plgpu.SMEM((2, block_q), jnp.int32), plgpu.SMEM((stages, block_kv), jnp.int32),
+               plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
 
 
 def exp2_scores(s, scale: float, softcap: float | None):

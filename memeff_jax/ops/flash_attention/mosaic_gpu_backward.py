@@ -19,11 +19,10 @@ Warpgroups:
   compute warpgroups  one per 64 keys, 64 query rows per step. dSᵀ goes to shared memory
                       for dQ = dS K. With `dq_split` (D = 128) the two warpgroups share
                       their dSᵀ and each computes half of dQ's columns over all 128 keys,
-                      which halves the float32 traffic of the reduction; without it each
-                      adds the dQ of its own keys. With `dq_pipelined` (dq_split only) dSᵀ
-                      is exchanged first and dQ issued with dV and dK, its store and
-                      reduction running under them. With `pingpong` they take turns issuing
-                      WGMMAs, as in the forward.
+                      which halves the float32 traffic of the reduction (dSᵀ is exchanged
+                      first and dQ issued with dV and dK, its store and reduction running
+                      under them); without it each adds the dQ of its own keys. With
+                      `pingpong` they take turns issuing WGMMAs, as in the forward.
 
 The softmax scale is applied once at the end (to dK, and to dq when it is cast back to the
 input dtype). Masks as in the forward, transposed: a CTA visits only the query blocks that
@@ -41,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +84,12 @@ class MosaicBackwardConfig:
     stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split or without dq,
       4 without dq).
     dq_split: the two compute warpgroups each compute half of dQ's columns (D = 128 only).
+      A step exchanges dSᵀ first, then issues dQ = dS K with dV and dK and stores dQ while
+      those two run (issued after dV and dK, with its own wait, the tensor cores idled
+      meanwhile: see the design doc). The hand-offs through shared memory that an mbarrier
+      announces (dSᵀ to the other warpgroup, a dQ tile to the memory warpgroup) fence each
+      thread's writes and let its own arrival publish them (hopper.fence_smem), without
+      plgpu.commit_smem's warpgroup barrier.
     pingpong: the compute warpgroups take turns issuing their WGMMAs, so that one's softmax
       and stores run under the other's matmuls (not with dq_split: its exchange of dSᵀ
       would wait on a turn the other warpgroup cannot give).
@@ -100,9 +105,6 @@ class MosaicBackwardConfig:
       reductions): each key block has one CTA, so the result is deterministic, and dq comes
       from elsewhere (pallas_mosaic_gpu's deterministic backward: mosaic_gpu_dq's kernel, or
       pallas_triton's).
-    dq_pipelined: (dq_split only) a step exchanges dSᵀ first, then issues dQ = dS K with dV
-      and dK and stores dQ while those two run. Otherwise it issues dV and dK, exchanges
-      dSᵀ, and waits for dQ on its own before storing it, the tensor cores idle meanwhile.
     dq_ordered: (dq_split or column_split) the key CTAs add into each query block's dq in
       one fixed order, descending key block, so that dq is bitwise reproducible. The
       compute warpgroups only leave their dQ tiles in shared memory; the memory warpgroup,
@@ -111,8 +113,7 @@ class MosaicBackwardConfig:
       the counter once they have landed. The first adder stores, so the float32 dq needs no
       zeroing. The CTAs of a key head launch in that same order (last key block first), so
       a CTA only waits on one launched before it, never on one without an SM (CUDA starts
-      a grid's CTAs in order).
-    dq_send_warp: (dq_ordered) the memory warpgroup's warp 1 sends dQ in its own loop, so
+      a grid's CTAs in order). The memory warpgroup's warp 1 sends dQ in its own loop, so
       that a wait for a counter never holds up warp 0's loads.
     dq_buffers: (dq_ordered) dQ tile slots, 1 or 2: with 2 the compute warpgroups may leave
       a step's tiles while the last step's still wait for their turn. A most, like the
@@ -126,25 +127,19 @@ class MosaicBackwardConfig:
       only where a key head has at most ROTATE_MAX_KV CTAs (T ≤ 8,192 at D = 128), and
       only without a mask (masked walks keep their order). At the headline (B=4 H=32 T=4096)
       it takes the ordered backward from 5.98 to 5.69 ms, level with arrival order.
-    dq_stagger: (dq_pipelined) the compute warpgroups run half a step apart, so that one's
+    dq_stagger: (dq_split) the compute warpgroups run half a step apart, so that one's
       softmax runs while the other's WGMMAs keep the tensor cores busy, instead of both
       computing Pᵀ and dSᵀ at once. dQ = dS K needs both warpgroups' dSᵀ of a step:
       warpgroup 1, behind, issues its step's dQ as before, warpgroup 0 issues the last
       step's (whose dSᵀ warpgroup 1 wrote half a step ago) with its step's dV and dK, and
-      the last step's at the key block's end. The same registers as dq_pipelined (a dQ
-      beside dK and dV, nothing carried across steps; ptxas spills 4 B at the headline),
-      the same WGMMAs on the same operands: the same bits. A dSᵀ slot is rewritten once
-      both dQs reading it are done (barrier ds_free). With dq_ordered, only with
-      dq_send_warp (sends between the loads would hold up the loads that warpgroup 0's later
-      dQ waits on); not with fused_delta.
-    stagger_turns: (dq_stagger) the warpgroups take turns issuing their dQ, dV and dK
-      WGMMAs, warpgroup 0 first: in the free-running stagger nothing keeps warpgroup 1 from
-      drifting back into lockstep. Sᵀ and dPᵀ go out as soon as a warpgroup reaches them,
-      so that each one's softmax runs under the other's dQ, dV, dK and next Sᵀ, dPᵀ. At the
-      headline (H100, bwd_config_ab.py, 9 rounds, two runs) the fwd+bwd took 7.43 / 7.42 ms
-      (5,092 / 5,098 mJ per call at the cap) against 7.52 / 7.51 (5,156 / 5,155) with turns
-      for the Sᵀ, dPᵀ groups too, 7.58 / 7.61 (5,156 / 5,201) without the stagger.
-    fused_delta: (dq_ordered with dq_send_warp and two dQ slots; causal calls) Δ =
+      the last step's at the key block's end. The same registers (a dQ beside dK and dV,
+      nothing carried across steps), the same WGMMAs on the same operands: the same bits.
+      A dSᵀ slot is rewritten once both dQs reading it are done (barrier ds_free). The
+      warpgroups take turns issuing their dQ, dV and dK WGMMAs, warpgroup 0 first (in a
+      free-running stagger nothing keeps warpgroup 1 from drifting back into lockstep); Sᵀ
+      and dPᵀ go out as soon as a warpgroup reaches them, so that each one's softmax runs
+      under the other's dQ, dV, dK and next Sᵀ, dPᵀ. Not with fused_delta.
+    fused_delta: (dq_ordered with dq_split and two dQ slots; causal calls) Δ =
       rowsum(dO ∘ O) is computed in the kernel, not by an XLA pass over O and dO before it
       (at the headline on an H100 that pass takes 0.10 ms and 60 mJ, 2% of a causal
       fwd+bwd's energy at the power cap). Under a causal mask with T = S, key block j's walk
@@ -157,11 +152,6 @@ class MosaicBackwardConfig:
       launched after it, which took the headline's backward from 7.6 to 10.8 ms; a window or
       segment ids, T ≠ S, GQA) run the kernel with the pass, as dq_rotate
       applies only where it can.
-    thread_fences: (dq_split or dq_ordered) the hand-offs through shared memory that an
-      mbarrier announces — dSᵀ to the other compute warpgroup, a dQ tile to the memory
-      warpgroup — fence each thread's writes and let its own arrival publish them
-      (hopper.fence_smem), without plgpu.commit_smem's warpgroup barrier. The same
-      operations in the same order otherwise.
   """
 
   stages: int = 2
@@ -171,15 +161,11 @@ class MosaicBackwardConfig:
   gqa_per_query_head: bool = False
   column_split: bool = False
   with_dq: bool = True
-  dq_pipelined: bool = False
   dq_ordered: bool = False
-  dq_send_warp: bool = False
   dq_buffers: int = 1
   dq_rotate: bool = False
   fused_delta: bool = False
   dq_stagger: bool = False
-  stagger_turns: bool = False
-  thread_fences: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -213,8 +199,8 @@ class MosaicBackwardConfig:
 
     with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
     (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
-    one, else the section above without dq_split, gqa_per_query_head, dq_pipelined,
-    dq_stagger and thread_fences (which only the kernel with dq serves)."""
+    one, else the section above without dq_split, gqa_per_query_head and dq_stagger (which
+    only the kernel with dq serves)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     section = f"d{d}_causal" if causal else f"d{d}"
     if not with_dq:
@@ -223,8 +209,7 @@ class MosaicBackwardConfig:
       if found:
         return cls(**found, with_dq=False)
       return dataclasses.replace(cls.tuned(d, causal, gqa), dq_split=False,
-                                 gqa_per_query_head=False, dq_pipelined=False, dq_stagger=False,
-                                 stagger_turns=False, thread_fences=False, with_dq=False)
+                                 gqa_per_query_head=False, dq_stagger=False, with_dq=False)
     found = (gqa and table.get(section + "_gqa")) or table.get(section)
     if found:
       return cls(**found)
@@ -256,26 +241,18 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return "gqa_per_query_head and dq_split exclude each other"
   if not config.with_dq and (config.dq_split or config.gqa_per_query_head):
     return "with_dq=False excludes dq_split and gqa_per_query_head"
-  if config.dq_pipelined and not (config.dq_split and config.with_dq):
-    return "dq_pipelined needs dq_split (and with_dq)"
   if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)
                                 and not config.gqa_per_query_head):
     return ("dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split), "
             "and not gqa_per_query_head (whose dK and dV reductions are unordered)")
-  if (config.dq_send_warp or config.dq_buffers != 1 or config.dq_rotate) and not config.dq_ordered:
-    return "dq_send_warp, dq_buffers and dq_rotate belong to dq_ordered"
-  if config.thread_fences and not (config.dq_split or config.dq_ordered):
-    return "thread_fences needs dq_split or dq_ordered (the hand-offs it fences)"
-  if config.fused_delta and not (config.dq_ordered and config.dq_send_warp and config.dq_split
+  if (config.dq_buffers != 1 or config.dq_rotate) and not config.dq_ordered:
+    return "dq_buffers and dq_rotate belong to dq_ordered"
+  if config.fused_delta and not (config.dq_ordered and config.dq_split
                                  and config.dq_buffers == 2):
-    return ("fused_delta needs dq_ordered with dq_send_warp, dq_split and dq_buffers=2 (its O "
-            "tiles land in the two dQ slots)")
-  if config.dq_stagger and not (config.dq_pipelined and not config.fused_delta and (
-      config.dq_send_warp or not config.dq_ordered)):
-    return ("dq_stagger needs dq_pipelined, with dq_ordered also dq_send_warp, and not "
-            "fused_delta")
-  if config.stagger_turns and not config.dq_stagger:
-    return "stagger_turns needs dq_stagger"
+    return ("fused_delta needs dq_ordered with dq_split and dq_buffers=2 (its O tiles land in "
+            "the two dQ slots)")
+  if config.dq_stagger and not (config.dq_split and config.with_dq and not config.fused_delta):
+    return "dq_stagger needs dq_split (with dq), and not fused_delta"
   if config.dq_buffers not in (1, 2):
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
@@ -306,8 +283,7 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   itemsize = jnp.dtype(dtype).itemsize
   if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
     # fused_delta's O tiles need both slots; with segment ids it would not apply anyway.
-    return dataclasses.replace(config, dq_buffers=1, fused_delta=False, dq_stagger=False,
-                               stagger_turns=False)
+    return dataclasses.replace(config, dq_buffers=1, fused_delta=False, dq_stagger=False)
   return config
 
 
@@ -464,26 +440,86 @@ class _Item(NamedTuple):
     return self.heads * self.per_head
 
 
+class _Scratch(NamedTuple):
+  """The kernel's shared memory and barriers, allocated in this order (a field the call does
+  not use is None). Shared memory: K and V (the CTA's keys), the Q, dO and row-statistics
+  ring of `stages` slots, the dSᵀ slots, the float32 dQ tile slots (with fused_delta a
+  (float32, input-dtype) pair of views of the same bytes, see _dq_scratch)."""
+  k_smem: Any
+  v_smem: Any
+  q_smem: Any
+  do_smem: Any
+  stats_smem: Any
+  ds_smem: Any
+  dq_smem: Any
+  k_ready: Any  # K landed
+  v_ready: Any  # V landed
+  q_ready: Any  # per slot: Q landed
+  do_ready: Any  # per slot: dO landed
+  stats_ready: Any  # per slot: the row statistics landed
+  q_free: Any  # per slot, 2 arrivals: both compute warpgroups are done with Q
+  do_free: Any  # per slot, 2 arrivals: ... with dO
+  ds_ready: Any  # per dSᵀ slot, 2 arrivals: both warpgroups' rows written
+  pair: Any  # 2 arrivals: the compute warpgroups meet (pingpong's turns, K read to the end)
+  kv_seg: Any = None  # segment ids: the CTA's keys'
+  q_seg: Any = None  # ... per slot, the step's queries'
+  kv_seg_ready: Any = None
+  q_seg_ready: Any = None
+  dq_full: Any = None  # dq_ordered, per dQ slot, 2 arrivals: both warpgroups' tiles written
+  dq_free: Any = None  # ... per dQ slot: read by their reductions
+  o_ready: Any = None  # fused_delta, per slot: O landed in the dQ slot
+  delta_ready: Any = None  # ... warpgroup 0 has written the block's Δ
+  ds_free: Any = None  # dq_stagger, per dSᵀ slot, 2 arrivals: both dQs reading it are done
+  lead: Any = None  # ... warpgroup 0's first scores are done: warpgroup 1 may start
+  turns: Any = None  # ... per warpgroup: its turn at the dQ, dV and dK WGMMAs
+
+  @classmethod
+  def shapes(cls, config: MosaicBackwardConfig, d: int, dtype, segments: bool, fused: bool):
+    """The _Scratch of allocation types for pl.run_scoped."""
+    bq, stages, keys = config.block_q, config.stages, config.cta_keys()
+    operand_tiles = hopper.swizzled_tiles(_operand_swizzle(bq))
+    barrier, pair = plgpu.Barrier, dict(num_arrivals=2)
+    optional = {}
+    if segments:
+      optional.update(kv_seg=plgpu.SMEM((keys,), jnp.int32),
+                      q_seg=plgpu.SMEM((stages, _seg_len(bq)), jnp.int32),
+                      kv_seg_ready=barrier(), q_seg_ready=barrier(num_barriers=stages))
+    if config.dq_ordered:
+      optional.update(dq_full=barrier(**pair, num_barriers=config.dq_buffers),
+                      dq_free=barrier(num_barriers=config.dq_buffers))
+    if fused:
+      optional.update(o_ready=barrier(num_barriers=2), delta_ready=barrier())
+    if config.dq_stagger:
+      optional.update(ds_free=barrier(**pair, num_barriers=2), lead=barrier(),
+                      turns=barrier(num_barriers=2))
+    return cls(
+        k_smem=plgpu.SMEM((keys, d), dtype, transforms=operand_tiles),
+        v_smem=plgpu.SMEM((keys, d), dtype, transforms=operand_tiles),
+        q_smem=plgpu.SMEM((stages, bq, d), dtype, transforms=operand_tiles),
+        do_smem=plgpu.SMEM((stages, bq, d), dtype, transforms=operand_tiles),
+        stats_smem=plgpu.SMEM((stages, 2, bq), jnp.float32),
+        ds_smem=plgpu.SMEM(_ds_shape(config), dtype, transforms=hopper.swizzled_tiles()),
+        dq_smem=_dq_scratch(config, d, dtype),
+        k_ready=barrier(), v_ready=barrier(),
+        q_ready=barrier(num_barriers=stages), do_ready=barrier(num_barriers=stages),
+        stats_ready=barrier(num_barriers=stages),
+        q_free=barrier(**pair, num_barriers=stages), do_free=barrier(**pair, num_barriers=stages),
+        ds_ready=barrier(**pair, num_barriers=2), pair=barrier(**pair),
+        **optional)
+
+
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
-                     dq_ref, dk_ref, dv_ref,
-                     k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
-                     k_ready, v_ready, q_ready, do_ready, stats_ready, q_free, do_free, ds_ready,
-                     pair, seg_scratch, *,
+                     dq_ref, dk_ref, dv_ref, sc: _Scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, order=None,
-                     delta=None, stagger=None):
+                     delta=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
-  int32 zeros (see key_tiles). order: with config.dq_ordered, the _reduction_ranks table,
-  the [B · Hq · n_q] counters the reductions wait on, and per dQ tile slot the barriers
-  dq_full (both compute warpgroups' tiles written) and dq_free (read by their reductions).
-  delta: where the call
-  fuses Δ (_fuses_delta), the forward's output O, the [B · Hq · n_q] flags that a query
-  block's Δ is in stats_ref, the dQ tile slots' view in the input dtype, the barriers
-  o_ready (one per slot: O landed) and delta_ready (warpgroup 0 has written Δ). stagger:
-  with config.dq_stagger, the barriers ds_free (per dSᵀ slot: both dQs reading it are done)
-  and lead (warpgroup 0's first scores are done: warpgroup 1 may start), and with
-  config.stagger_turns one per warpgroup (its turn at the dQ, dV, dK WGMMAs)."""
+  int32 zeros (see key_tiles). sc: the shared memory and barriers. order: with
+  config.dq_ordered, the _reduction_ranks table and the [B · Hq · n_q] counters the
+  reductions wait on. delta: where the call fuses Δ (_fuses_delta), the forward's output O,
+  the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
+  view in the input dtype."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -516,9 +552,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     """dq_ordered: global step i's dQ tile slot, and that slot's dq_full and dq_free
     barriers."""
     if config.dq_buffers == 1:
-      return 0, order[2], order[3]
+      return 0, sc.dq_full, sc.dq_free
     slot = hopper.rem(i, config.dq_buffers)
-    return slot, order[2].at[slot], order[3].at[slot]
+    return slot, sc.dq_full.at[slot], sc.dq_free.at[slot]
 
   def block_index(it, head, qb):
     """Query block qb of `head` in the item's batch row, as an index into the
@@ -540,7 +576,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     plgpu.set_max_registers(_REGISTERS[0], action="increase")
     # This warpgroup's keys (rows of K, V, dK, dV) and its columns of dK, dV and dQ.
     key_row = 0 if split else wg * bkv
-    k_mine, v_mine = k_smem.at[pl.ds(key_row, bkv)], v_smem.at[pl.ds(key_row, bkv)]
+    k_mine, v_mine = sc.k_smem.at[pl.ds(key_row, bkv)], sc.v_smem.at[pl.ds(key_row, bkv)]
     oc = config.out_cols(d)
     my_cols = pl.ds(wg * oc, oc) if split else pl.ds(0, d)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along Sᵀ's columns (queries)
@@ -549,8 +585,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
     def take_turn():  # both warpgroups arrive; neither passes until the other has
       if config.pingpong:
-        plgpu.barrier_arrive(pair)
-        plgpu.barrier_wait(pair)
+        plgpu.barrier_arrive(sc.pair)
+        plgpu.barrier_wait(sc.pair)
 
     def key_tiles(z):
       """This step's view of the warpgroup's K and V rows and its dQ columns of K, at an
@@ -564,41 +600,38 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       # (wg + z)·half, not a multiple_of hint: Mosaic GPU proves the swizzle alignment of a
       # column offset from its arithmetic only.
       dq_cols = pl.ds((wg + z) * half, half)  # with dq_split
-      return k_smem.at[rows], v_smem.at[rows], k_smem.at[:, dq_cols]
+      return sc.k_smem.at[rows], sc.v_smem.at[rows], sc.k_smem.at[:, dq_cols]
 
     def hand_off(barrier):
       """Publishes this thread's shared-memory writes to the async proxy of whoever waits
-      on `barrier`, and arrives there (thread_fences: without a warpgroup barrier)."""
-      if config.thread_fences:
-        hopper.fence_smem()
-      else:
-        plgpu.commit_smem()
+      on `barrier`, and arrives there (a fence per thread, no warpgroup barrier)."""
+      hopper.fence_smem()
       plgpu.barrier_arrive(barrier)
 
     def share_ds(i, dst):
       """Step i's dSᵀ slot, with this warpgroup's rows written (with column_split, both
       write the same dSᵀ); with dq_split, once the other warpgroup has written its rows."""
-      ds_buf = ds_smem.at[hopper.rem(i, _ds_buffers(config))]
+      ds_buf = sc.ds_smem.at[hopper.rem(i, _ds_buffers(config))]
       ds_buf.at[pl.ds(wg * bkv, bkv)][...] = dst
       if config.dq_split:
-        hand_off(ds_ready.at[hopper.rem(i, 2)])
-        plgpu.barrier_wait(ds_ready.at[hopper.rem(i, 2)])
+        hand_off(sc.ds_ready.at[hopper.rem(i, 2)])
+        plgpu.barrier_wait(sc.ds_ready.at[hopper.rem(i, 2)])
       else:
         plgpu.commit_smem()
       return ds_buf
 
     def wait_turn():
-      """stagger_turns: before the dQ, dV, dK group, this warpgroup's turn."""
-      if config.stagger_turns:
-        plgpu.barrier_wait(stagger[2].at[wg])
+      """dq_stagger: before the dQ, dV, dK group, this warpgroup's turn."""
+      if config.dq_stagger:
+        plgpu.barrier_wait(sc.turns.at[wg])
 
     def pass_turn():
-      """stagger_turns: after issuing the group, the other warpgroup's turn."""
-      if config.stagger_turns:
-        plgpu.barrier_arrive(stagger[2].at[1 - wg])
+      """dq_stagger: after issuing the group, the other warpgroup's turn."""
+      if config.dq_stagger:
+        plgpu.barrier_arrive(sc.turns.at[1 - wg])
 
-    if config.stagger_turns:  # warpgroup 0 issues first
-      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(stagger[2].at[0]))
+    if config.dq_stagger:  # warpgroup 0 issues first
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(sc.turns.at[0]))
 
     def staggered_ds(i, gi, dst):
       """dq_stagger: writes this warpgroup's rows of step gi's dSᵀ (once both dQs of step
@@ -607,15 +640,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       step's, with warpgroup 0's rows (written half a step earlier); warpgroup 0 the last
       step's, whose rows warpgroup 1 wrote half a step ago, except on the key block's first
       step."""
-      ds_free = stagger[0]
       b = hopper.rem(gi, 2)
-      pl.when(gi >= 2)(lambda: plgpu.barrier_wait(ds_free.at[b]))
-      ds_smem.at[b, pl.ds(wg * bkv, bkv)][...] = dst
-      hand_off(ds_ready.at[b])
+      pl.when(gi >= 2)(lambda: plgpu.barrier_wait(sc.ds_free.at[b]))
+      sc.ds_smem.at[b, pl.ds(wg * bkv, bkv)][...] = dst
+      hand_off(sc.ds_ready.at[b])
       lag = 1 - wg
       read = hopper.rem(gi - lag + 2, 2)
       has_dq = i >= lag
-      pl.when(has_dq)(lambda: plgpu.barrier_wait(ds_ready.at[read]))
+      pl.when(has_dq)(lambda: plgpu.barrier_wait(sc.ds_ready.at[read]))
       return read, lag, has_dq
 
     def split_dq(ds_buf, k_cols):
@@ -635,11 +667,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       block's Δ = rowsum(dO ∘ O) + stats (−d_lse), 64 columns at a time, writes it over the
       statistics' Δ row for both warpgroups and stores it into the statistics in global
       memory (publish_delta raises the block's flag once it has landed)."""
-      _, _, o_tiles, o_ready, delta_ready = delta
+      o_tiles = delta[2]
 
       @pl.when(owns(i) & (wg == 0))
       def _():
-        plgpu.barrier_wait(o_ready.at[i])
+        plgpu.barrier_wait(sc.o_ready.at[i])
         total = None
         for c in range(d // 64):
           cols = pl.ds(c * 64, 64)
@@ -647,12 +679,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           g = hopper.load(do_tile.at[:, cols], plgpu.Layout.WGMMA)
           part = (o.astype(jnp.float32) * g.astype(jnp.float32)).sum(axis=1)
           total = part if total is None else total + part
-        row = stats_smem.at[slot, 1]
+        row = sc.stats_smem.at[slot, 1]
         row[...] = total + hopper.load(row, plgpu.Layout.WGMMA.reduce(1))
         plgpu.commit_smem()
         head = step_block(it, i)[0]
         plgpu.copy_smem_to_gmem(row, stats_ref.at[it.b, head, 1, pl.ds(qb * bq, bq)])
-        plgpu.barrier_arrive(delta_ready)
+        plgpu.barrier_arrive(sc.delta_ready)
 
     def publish_delta(it, i):
       """fused_delta, at the end of a step that computed Δ (before it frees the statistics'
@@ -670,12 +702,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     def run_item(it: _Item, base):
       """The item's steps (global steps base, base + 1, ...), then its dK and dV."""
       my_key = it.kvi * cta_keys + key_row
-      plgpu.barrier_wait(k_ready)
-      plgpu.barrier_wait(v_ready)
+      plgpu.barrier_wait(sc.k_ready)
+      plgpu.barrier_wait(sc.v_ready)
       if segments:
-        kv_seg_smem, q_seg_smem, kv_seg_ready, q_seg_ready = seg_scratch
-        plgpu.barrier_wait(kv_seg_ready)
-        key_ids = hopper.load(kv_seg_smem.at[pl.ds(key_row, bkv)], plgpu.Layout.WGMMA.reduce(1))
+        plgpu.barrier_wait(sc.kv_seg_ready)
+        key_ids = hopper.load(sc.kv_seg.at[pl.ds(key_row, bkv)], plgpu.Layout.WGMMA.reduce(1))
 
       if config.pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
         pl.when(wg == 1)(take_turn)
@@ -684,8 +715,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         """Which keys (rows of Sᵀ) the queries of block qb (columns) see."""
         query_ids = None
         if segments:
-          plgpu.barrier_wait(q_seg_ready.at[slot])
-          query_ids = hopper.load(q_seg_smem.at[slot, pl.ds(0, bq)], col_layout)
+          plgpu.barrier_wait(sc.q_seg_ready.at[slot])
+          query_ids = hopper.load(sc.q_seg.at[slot, pl.ds(0, bq)], col_layout)
         return _mosaic.visible(mask, shape, 0, my_key - qb * bq,
                                key_ids if segments else None, query_ids)
 
@@ -696,24 +727,25 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           slot, full, free = dq_slot(gi)
           tile = slot * 2 + wg
           plgpu.barrier_wait(free)  # the slot's last tiles have been read
-          dq_smem.at[tile][...] = dq
+          sc.dq_smem.at[tile][...] = dq
           hand_off(full)
           return
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
-        dq_smem.at[wg][...] = dq
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read the tile
+        sc.dq_smem.at[wg][...] = dq
         plgpu.commit_smem()
         head, qb = step_block(it, i)
-        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[it.b, pl.ds(qb * bq, bq), head, cols],
+        plgpu.copy_smem_to_gmem(sc.dq_smem.at[wg],
+                                dq_ref.at[it.b, pl.ds(qb * bq, bq), head, cols],
                                 reduction_op="add")
 
-      def pipelined_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish):
-        """The rest of config.dq_pipelined's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
+      def split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish):
+        """The rest of dq_split's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
         shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
         reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
         col = pl.multiple_of(wg * half, half)  # this warpgroup's columns of dQ
         if config.dq_stagger:
           read, lag, has_dq = staggered_ds(i, gi, dst)
-          ds_buf = ds_smem.at[read]
+          ds_buf = sc.ds_smem.at[read]
         else:
           ds_buf, lag, has_dq = share_ds(gi, dst), 0, None
         wait_turn()
@@ -731,14 +763,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
             @pl.when(has_dq)
             def _():
               store_dq(i - lag, gi - lag, dq, pl.ds(col, half))
-              plgpu.barrier_arrive(stagger[0].at[read])
+              plgpu.barrier_arrive(sc.ds_free.at[read])
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
         if publish:
           publish_delta(it, i)
-        plgpu.barrier_arrive(do_free.at[slot])
-        plgpu.barrier_arrive(q_free.at[slot])
+        plgpu.barrier_arrive(sc.do_free.at[slot])
+        plgpu.barrier_arrive(sc.q_free.at[slot])
         return dk, dv
 
       def step(i, carry, *, masked):
@@ -750,11 +782,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         gi = base + i  # the step's place in the CTA's pipeline: its slots
         slot = hopper.rem(gi, stages)
         _, qb = step_block(it, i)
-        q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+        q_tile, do_tile = sc.q_smem.at[slot], sc.do_smem.at[slot]
         k_step, v_step, k_cols = key_tiles(z)
-        plgpu.barrier_wait(q_ready.at[slot])
-        plgpu.barrier_wait(do_ready.at[slot])
-        plgpu.barrier_wait(stats_ready.at[slot])
+        plgpu.barrier_wait(sc.q_ready.at[slot])
+        plgpu.barrier_wait(sc.do_ready.at[slot])
+        plgpu.barrier_wait(sc.stats_ready.at[slot])
         fused = delta is not None and (masked or mask.is_dense)  # causal: first visits mask
         # The flag's code goes into every loop body: only in the masked steps' (where it
         # runs), the ptxas report and the times were the same.
@@ -769,27 +801,26 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           take_turn()
 
         if config.dq_stagger:  # warpgroup 1 starts once warpgroup 0's first scores are done
-          pl.when((i == 0) & (wg == 1))(lambda: plgpu.barrier_wait(stagger[1]))
+          pl.when((i == 0) & (wg == 1))(lambda: plgpu.barrier_wait(sc.lead))
         st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                         plgpu.ACC.init(zeros((bkv, bq)))))
         if config.dq_stagger:
-          pl.when((i == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(stagger[1]))
+          pl.when((i == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(sc.lead))
         zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
         if masked:
           zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
         # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
         # 16 registers of a column vector decide whether the warpgroup spills.
-        lse2 = hopper.load(stats_smem.at[slot, 0], col_layout)
+        lse2 = hopper.load(sc.stats_smem.at[slot, 0], col_layout)
         pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
         p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
         pt = pt.astype(dtype)  # dV's operand
         if fused:  # warpgroup 0 wrote this step's Δ (own_delta)
-          pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(delta[4]))
-        row_delta = hopper.load(stats_smem.at[slot, 1], col_layout)
+          pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(sc.delta_ready))
+        row_delta = hopper.load(sc.stats_smem.at[slot, 1], col_layout)
         dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, st.shape, [1]))).astype(dtype)
-        if config.dq_pipelined:
-          return pipelined_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv,
-                                 publish)
+        if config.dq_split:
+          return split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish)
 
         def grads(refs):
           dv_ref, dk_ref = refs
@@ -800,24 +831,20 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
         if publish:
           publish_delta(it, i)
-        plgpu.barrier_arrive(do_free.at[slot])
-        plgpu.barrier_arrive(q_free.at[slot])
+        plgpu.barrier_arrive(sc.do_free.at[slot])
+        plgpu.barrier_arrive(sc.q_free.at[slot])
         if not config.with_dq:
           return dk, dv
 
         ds_buf = share_ds(gi, dst)
-        if config.dq_split:  # dQ[:, half] = dS (all 2·bkv keys) K[:, half]
-          dq = split_dq(ds_buf, k_cols)
-          cols = pl.ds(wg * half, half)
-        else:  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
-          def mm(acc_ref):
-            plgpu.wgmma(acc_ref, ds_buf.at[pl.ds(wg * bkv, bkv)].T,
-                        k_step.at[:, my_cols] if split else k_step)
-            take_turn()
-            return acc_ref[...]
-          dq = pl.run_scoped(mm, plgpu.ACC((bq, oc), jnp.float32))
-          cols = my_cols
-        store_dq(i, gi, dq, cols)
+
+        def mm(acc_ref):  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
+          plgpu.wgmma(acc_ref, ds_buf.at[pl.ds(wg * bkv, bkv)].T,
+                      k_step.at[:, my_cols] if split else k_step)
+          take_turn()
+          return acc_ref[...]
+
+        store_dq(i, gi, pl.run_scoped(mm, plgpu.ACC((bq, oc), jnp.float32)), my_cols)
         return dk, dv
 
       carry = (zeros((bkv, oc)), zeros((bkv, oc)), zero_ref[0])
@@ -838,10 +865,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         @pl.when((wg == 0) & (last >= 0))
         def _():
-          plgpu.barrier_wait(ds_ready.at[ds_slot])
-          dq = split_dq(ds_smem.at[ds_slot], key_tiles(zero_ref[0])[2])
+          plgpu.barrier_wait(sc.ds_ready.at[ds_slot])
+          dq = split_dq(sc.ds_smem.at[ds_slot], key_tiles(zero_ref[0])[2])
           store_dq(last, base + last, dq, pl.ds(0, half))  # warpgroup 0's columns
-          plgpu.barrier_arrive(stagger[0].at[ds_slot])
+          plgpu.barrier_arrive(sc.ds_free.at[ds_slot])
 
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
@@ -849,20 +876,20 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       if per_query_head:  # add this head's share into the float32 dK and dV, via the dQ tile
         for acc, acc_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          dq_smem.at[wg][...] = acc
+          sc.dq_smem.at[wg][...] = acc
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(dq_smem.at[wg], acc_ref.at[it.b, keys, it.kv_head, my_cols],
+          plgpu.copy_smem_to_gmem(sc.dq_smem.at[wg], acc_ref.at[it.b, keys, it.kv_head, my_cols],
                                   reduction_op="add")
         hopper.wait_stores_read()
         return base + it.n_steps
-      plgpu.barrier_arrive(pair)  # the other warpgroup has finished reading all of K
-      plgpu.barrier_wait(pair)
+      plgpu.barrier_arrive(sc.pair)  # the other warpgroup has finished reading all of K
+      plgpu.barrier_wait(sc.pair)
       if split:  # each writes its columns of the tile; then one stores dK, the other dV
         k_mine.at[:, my_cols][...] = (dk * scale).astype(dtype)
         v_mine.at[:, my_cols][...] = dv.astype(dtype)
         plgpu.commit_smem()
-        plgpu.barrier_arrive(pair)
-        plgpu.barrier_wait(pair)
+        plgpu.barrier_arrive(sc.pair)
+        plgpu.barrier_wait(sc.pair)
         pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[it.b, keys, it.h]))
         pl.when(wg == 1)(lambda: plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[it.b, keys, it.h]))
       else:
@@ -882,29 +909,31 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
     def load_keys(it):
       keys = pl.ds(it.kvi * cta_keys, cta_keys)
-      plgpu.copy_gmem_to_smem(k_ref.at[it.b, keys, it.kv_head], k_smem, k_ready)
-      plgpu.copy_gmem_to_smem(v_ref.at[it.b, keys, it.kv_head], v_smem, v_ready)
+      plgpu.copy_gmem_to_smem(k_ref.at[it.b, keys, it.kv_head], sc.k_smem, sc.k_ready)
+      plgpu.copy_gmem_to_smem(v_ref.at[it.b, keys, it.kv_head], sc.v_smem, sc.v_ready)
       if segments:
-        plgpu.copy_gmem_to_smem(seg_refs[1].at[it.b, keys], seg_scratch[0], seg_scratch[2])
+        plgpu.copy_gmem_to_smem(seg_refs[1].at[it.b, keys], sc.kv_seg, sc.kv_seg_ready)
 
     def load(it, i, slot):
       head, qb = step_block(it, i)
       rows = pl.ds(qb * bq, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[it.b, rows, head], q_smem.at[slot], q_ready.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[it.b, rows, head], do_smem.at[slot], do_ready.at[slot])
+      plgpu.copy_gmem_to_smem(q_ref.at[it.b, rows, head], sc.q_smem.at[slot], sc.q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[it.b, rows, head], sc.do_smem.at[slot],
+                              sc.do_ready.at[slot])
 
       def stats():
-        plgpu.copy_gmem_to_smem(stats_ref.at[it.b, head, :, rows], stats_smem.at[slot],
-                                stats_ready.at[slot])
+        plgpu.copy_gmem_to_smem(stats_ref.at[it.b, head, :, rows], sc.stats_smem.at[slot],
+                                sc.stats_ready.at[slot])
 
       if delta is None:
         stats()
       else:  # fused_delta: a first visit loads O, the others wait for the visitor's Δ
-        out_ref, flags, o_tiles, o_ready, _ = delta
+        out_ref, flags, o_tiles = delta
 
         @pl.when(i < 2)
         def _():
-          plgpu.copy_gmem_to_smem(out_ref.at[it.b, rows, head], o_tiles.at[2 * i], o_ready.at[i])
+          plgpu.copy_gmem_to_smem(out_ref.at[it.b, rows, head], o_tiles.at[2 * i],
+                                  sc.o_ready.at[i])
           stats()
 
         @pl.when(i >= 2)
@@ -914,20 +943,20 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           stats()
       if segments:
         plgpu.copy_gmem_to_smem(seg_refs[0].at[it.b, pl.ds(qb * bq, _seg_len(bq))],
-                                seg_scratch[1].at[slot], seg_scratch[3].at[slot])
+                                sc.q_seg.at[slot], sc.q_seg_ready.at[slot])
 
-    def loads(drain=None):
-      it = grid_item
-      load_keys(it)
-      hopper.fill_ring(functools.partial(load, it), it.n_steps, stages, (q_free, do_free),
-                       drain=drain)
+    def loads():
+      load_keys(grid_item)
+      hopper.fill_ring(functools.partial(load, grid_item), grid_item.n_steps, stages,
+                       (sc.q_free, sc.do_free))
 
     if not config.dq_ordered:
       loads()
       return
 
     def send_dq(it, i, gi):
-      """dq_ordered: the item's step i (global step gi)'s dQ tiles, once both compute
+      """dq_ordered, on the memory warpgroup's warp 1 (so that a wait for a counter never
+      holds up warp 0's loads): the item's step i (global step gi)'s dQ tiles, once both compute
       warpgroups have left them, into dq in rank order: after the `rank` key blocks before
       this one, the first storing."""
       head, qb = step_block(it, i)
@@ -943,25 +972,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         @pl.when(when)
         def _(op=op):
           for w in range(2):
-            plgpu.copy_smem_to_gmem(dq_smem.at[slot * 2 + w],
+            plgpu.copy_smem_to_gmem(sc.dq_smem.at[slot * 2 + w],
                                     dq_ref.at[it.b, rows, head, cols(w)], reduction_op=op)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(free)
       plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
       plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
-
-    def sends_start():  # the compute warpgroups' first dQ tiles are free
-      for i in range(config.dq_buffers):
-        plgpu.barrier_arrive(dq_slot(i)[2])
-
-    if not config.dq_send_warp:  # between the loads
-      sends_start()
-      loads(drain=lambda i: send_dq(grid_item, i, i))
-      return
-
-    def item_sends(it, base):
-      pl.loop(0, it.n_steps)(lambda i: send_dq(it, i, base + i))
-      return base + it.n_steps
 
     @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
     def _per_warp():
@@ -970,8 +986,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
       @pl.when(warp == 1)
       def _():
-        sends_start()
-        item_sends(grid_item, jnp.int32(0))
+        for i in range(config.dq_buffers):  # the compute warpgroups' first dQ tiles are free
+          plgpu.barrier_arrive(dq_slot(i)[2])
+        pl.loop(0, grid_item.n_steps)(lambda i: send_dq(grid_item, i, i))
         hopper.wait_stores_read()
 
 
@@ -992,8 +1009,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   q, k, v = res.q, res.k, res.v
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
-  bq, stages = config.block_q, config.stages
-  mask = opts.mask
+  bq, mask = config.block_q, opts.mask
   n_q = -(-t // bq)
   n_kv = s // config.cta_keys()
   rotate = _rotates(config, mask, n_kv)
@@ -1009,11 +1025,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     ranges = _mosaic.segment_block_ranges(
         kv_seg, jnp.pad(q_seg, ((0, 0), (0, -t % bq)), mode="edge"), config.cta_keys(), bq)
     seg_args = (q_seg, kv_seg, ranges)
-    seg_scratch = (plgpu.SMEM((config.cta_keys(),), jnp.int32),
-                   plgpu.SMEM((stages, _seg_len(bq)), jnp.int32),
-                   plgpu.Barrier(), plgpu.Barrier(num_barriers=stages))
   else:
-    seg_args, seg_scratch, ranges = (), (), None
+    seg_args, ranges = (), None
   per_query_head = config.gqa_per_query_head and hq > hkv
   grid_heads = hq if per_query_head else hkv
   if config.dq_ordered:
@@ -1036,9 +1049,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type)
   elif config.with_dq:
     dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
-  tiles = hopper.swizzled_tiles()
-  operand_tiles = hopper.swizzled_tiles(_operand_swizzle(bq))
-
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
     out_ref = None
     if fused:  # the forward's output, for Δ
@@ -1049,65 +1059,24 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
     dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
-    def kernel(*scratch):
-      main, extra = scratch[:16], scratch[16:]
-      stagger = None
-      if config.dq_stagger:  # ds_free, lead, and with stagger_turns the turns
-        turns = ()
-        if config.stagger_turns:
-          *extra, turns = extra
-          turns = (turns,)
-        *extra, ds_free, lead = extra
-        stagger = (ds_free, lead, *turns)
+    def kernel(sc: _Scratch):
       delta = None
-      if fused:  # O's view of the dQ slots, and o_ready, delta_ready
-        *extra, o_ready, delta_ready = extra
-        dq_f32, o_tiles = main[6]
-        main = (*main[:6], dq_f32, *main[7:])
-        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))),
-                 o_tiles, o_ready, delta_ready)
+      if fused:  # O's view of the dQ slots, and the flags that a block's Δ is stored
+        dq_f32, o_tiles = sc.dq_smem
+        sc = sc._replace(dq_smem=dq_f32)
+        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), o_tiles)
       elif config.fused_delta:  # the call takes the pass: the float32 view only
-        main = (*main[:6], main[6][0], *main[7:])
+        sc = sc._replace(dq_smem=sc.dq_smem[0])
       order = None
       if config.dq_ordered:  # with counters that start at zero in every call
-        *extra, dq_full, dq_free = extra
-        order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))),
-                 dq_full, dq_free)
+        order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))))
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
-                       dq_ref, dk_ref, dv_ref, *main, extra or None, config=config, mask=mask,
+                       dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
-                       rotate=rotate, order=order, delta=delta, stagger=stagger)
+                       rotate=rotate, order=order, delta=delta)
 
-    pl.run_scoped(
-        kernel,
-        plgpu.SMEM((config.cta_keys(), d), k.dtype, transforms=operand_tiles),
-        plgpu.SMEM((config.cta_keys(), d), v.dtype, transforms=operand_tiles),
-        plgpu.SMEM((stages, bq, d), q.dtype, transforms=operand_tiles),
-        plgpu.SMEM((stages, bq, d), q.dtype, transforms=operand_tiles),
-        plgpu.SMEM((stages, 2, bq), jnp.float32),
-        plgpu.SMEM(_ds_shape(config), q.dtype, transforms=tiles),
-        _dq_scratch(config, d, q.dtype),
-        plgpu.Barrier(),
-        plgpu.Barrier(),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),
-        plgpu.Barrier(num_arrivals=2),
-        *seg_scratch,
-        *((plgpu.Barrier(num_arrivals=2, num_barriers=config.dq_buffers),
-           plgpu.Barrier(num_barriers=config.dq_buffers)) if config.dq_ordered else ()),
-        # fused_delta: O landed in a dQ slot (o_ready), warpgroup 0 wrote Δ (delta_ready).
-        *((plgpu.Barrier(num_barriers=2), plgpu.Barrier()) if fused else ()),
-        # dq_stagger: both dQs have read a dSᵀ slot (ds_free); warpgroup 0 leads (lead).
-        *((plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier())
-          if config.dq_stagger else ()),
-        # stagger_turns: a warpgroup's turn to issue its dQ, dV and dK WGMMAs.
-        *((plgpu.Barrier(num_barriers=2),) if config.stagger_turns else ()),
-        collective_axes="wg",
-    )
+    pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused),
+                  collective_axes="wg")
 
   outs = pl.kernel(
       body,

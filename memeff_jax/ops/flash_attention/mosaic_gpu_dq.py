@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -127,10 +128,30 @@ def _fitting_stages(config: MosaicDqConfig, d: int, itemsize: int, segments: boo
   return (hopper.SMEM_BYTES - fixed - config.v_stages * block) // (block + ids)
 
 
+class _Scratch(NamedTuple):
+  """The dq kernel's shared memory and barriers, allocated in this order: the two compute
+  warpgroups' Q, dO and row-statistics tiles, the K and V rings, the barriers, the segment
+  ids' buffers."""
+  q_smem: Any
+  do_smem: Any
+  stats_smem: Any
+  k_smem: Any
+  v_smem: Any
+  q_ready: Any  # per warpgroup: its Q tile landed
+  do_ready: Any  # ... its dO
+  stats_ready: Any  # ... its row statistics
+  k_ready: Any  # per K slot: a key block's K landed
+  v_ready: Any  # per V slot: its V
+  k_free: Any  # per K slot, 2 arrivals: both warpgroups are done with K
+  v_free: Any  # per V slot, ...
+  turn: Any  # 2 arrivals: pingpong's turns
+  seg: Any  # _mosaic.SegmentScratch with segment ids, else None
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
                q_smem, do_smem, stats_smem, k_smem, v_smem,
                q_ready, do_ready, stats_ready, k_ready, v_ready, k_free, v_free, turn,
-               seg_scratch, *, config: MosaicDqConfig, mask: MaskSpec, scale: float,
+               seg: _mosaic.SegmentScratch | None, *, config: MosaicDqConfig, mask: MaskSpec, scale: float,
                softcap: float | None, group: int):
   bq, bkv = BLOCK_Q, config.block_kv
   stages, v_stages = config.ring_depths()
@@ -142,7 +163,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
   per_block, cta_lo, cta_hi = _mosaic.query_cta_key_blocks(
       mask, seg_refs[2] if segments else None, b, qi, bq, bkv, s // bkv)
 
-  ready = (k_ready, v_ready) + ((seg_scratch[3],) if segments else ())  # a key block's loads
+  ready = (k_ready, v_ready) + ((seg.kv_ready,) if segments else ())  # a key block's loads
 
   take_turn = functools.partial(hopper.take_turn, turn)
 
@@ -158,10 +179,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
     plgpu.copy_gmem_to_smem(stats_ref.at[b, h, :, rows], stats_smem.at[wg], stats_ready.at[wg])
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector along S's rows (queries)
     if segments:
-      q_seg_smem, kv_seg_smem, q_seg_ready, kv_seg_ready = seg_scratch
-      plgpu.copy_gmem_to_smem(seg_refs[0].at[b, rows], q_seg_smem.at[wg], q_seg_ready.at[wg])
-      plgpu.barrier_wait(q_seg_ready.at[wg])
-      q_ids = hopper.load(q_seg_smem.at[wg], row_layout)
+      plgpu.copy_gmem_to_smem(seg_refs[0].at[b, rows], seg.q_ids.at[wg], seg.q_ready.at[wg])
+      plgpu.barrier_wait(seg.q_ready.at[wg])
+      q_ids = hopper.load(seg.q_ids.at[wg], row_layout)
     plgpu.barrier_wait(stats_ready.at[wg])
     lse2 = hopper.load(stats_smem.at[wg, 0], row_layout)
     delta = hopper.load(stats_smem.at[wg, 1], row_layout)
@@ -195,8 +215,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
       if masked:
         kv_ids = None
         if segments:
-          plgpu.barrier_wait(kv_seg_ready.at[slot])
-          kv_ids = hopper.load(kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+          plgpu.barrier_wait(seg.kv_ready.at[slot])
+          kv_ids = hopper.load(seg.kv_ids.at[slot], plgpu.Layout.WGMMA.reduce(0))
         ok = _mosaic.visible(mask, z.shape, 1, j * bkv - row,
                              q_ids if segments else None, kv_ids)
         z = jnp.where(ok, z, -jnp.inf)
@@ -219,7 +239,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
       slot, v_slot = slots(j)
       ready_j = [k_ready.at[slot], v_ready.at[v_slot]]
       if segments:
-        ready_j.append(kv_seg_ready.at[slot])
+        ready_j.append(seg.kv_ready.at[slot])
       _mosaic.release_key_block(ready_j, [k_free.at[slot], v_free.at[v_slot]],
                                 take_turn if config.pingpong else None)
 
@@ -237,7 +257,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
     plgpu.set_max_registers(40, action="decrease")
     _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, b,
                               hopper.div(h, group), cta_lo, cta_hi, bkv, (stages, v_stages),
-                              (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
+                              (k_smem, v_smem) + ((seg.kv_ids,) if segments else ()),
                               ready, (k_free, v_free))
 
 
@@ -261,38 +281,31 @@ def dq(opts: AttentionOptions, config: MosaicDqConfig, res: _common.Residuals, d
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
     ranges = _mosaic.segment_block_ranges(q_seg, kv_seg, bq, bkv)
     seg_args = (q_seg, kv_seg, ranges)
-    seg_scratch = (plgpu.SMEM((2, bq), jnp.int32), plgpu.SMEM((stages, bkv), jnp.int32),
-                   plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
   else:
-    seg_args, seg_scratch = (), ()
+    seg_args = ()
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
     seg_refs, (dq_ref,) = (refs[:3], refs[3:]) if mask.segments else (None, refs)
 
-    def kernel(*scratch):
-      main, extra = scratch[:13], scratch[13:]
-      _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref, *main,
-                 extra or None, config=config, mask=mask, scale=opts.scale,
+    def kernel(scratch: _Scratch):
+      _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
+                 **scratch._asdict(), config=config, mask=mask, scale=opts.scale,
                  softcap=opts.logit_softcap, group=hq // hkv)
 
-    pl.run_scoped(
-        kernel,
-        plgpu.SMEM((2, bq, d), q.dtype, transforms=tiles),
-        plgpu.SMEM((2, bq, d), q.dtype, transforms=tiles),
-        plgpu.SMEM((2, 2, bq), jnp.float32),
-        plgpu.SMEM((stages, bkv, d), k.dtype, transforms=tiles),
-        plgpu.SMEM((v_stages, bkv, d), v.dtype, transforms=tiles),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=v_stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=v_stages),
-        plgpu.Barrier(num_arrivals=2),
-        *seg_scratch,
-        collective_axes="wg",
-    )
+    barrier = plgpu.Barrier
+    pl.run_scoped(kernel, _Scratch(
+        q_smem=plgpu.SMEM((2, bq, d), q.dtype, transforms=tiles),
+        do_smem=plgpu.SMEM((2, bq, d), q.dtype, transforms=tiles),
+        stats_smem=plgpu.SMEM((2, 2, bq), jnp.float32),
+        k_smem=plgpu.SMEM((stages, bkv, d), k.dtype, transforms=tiles),
+        v_smem=plgpu.SMEM((v_stages, bkv, d), v.dtype, transforms=tiles),
+        q_ready=barrier(num_barriers=2), do_ready=barrier(num_barriers=2),
+        stats_ready=barrier(num_barriers=2), k_ready=barrier(num_barriers=stages),
+        v_ready=barrier(num_barriers=v_stages),
+        k_free=barrier(num_arrivals=2, num_barriers=stages),
+        v_free=barrier(num_arrivals=2, num_barriers=v_stages), turn=barrier(num_arrivals=2),
+        seg=_mosaic.SegmentScratch.shapes(bq, bkv, stages) if mask.segments else None),
+        collective_axes="wg")
 
   return pl.kernel(
       body,

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -167,9 +167,27 @@ class _Tile(NamedTuple):
     return self.cta_hi - self.cta_lo
 
 
+class _Scratch(NamedTuple):
+  """The forward's shared memory and barriers, allocated in this order: the two compute
+  warpgroups' Q tiles and row statistics, the K and V rings, with `persistent` the output's
+  own tiles (None otherwise), then the barriers and the segment ids' buffers."""
+  q_smem: Any
+  k_smem: Any
+  v_smem: Any
+  lse_smem: Any
+  o_smem: Any
+  q_ready: Any  # per warpgroup: its Q tile landed
+  k_ready: Any  # per slot: a key block's K landed
+  v_ready: Any  # ... its V
+  k_free: Any  # per slot, 2 arrivals: both warpgroups are done with K
+  v_free: Any  # ... with V
+  turn: Any  # 2 arrivals: pingpong's turns
+  seg: Any  # _mosaic.SegmentScratch with segment ids, else None
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_smem, k_smem,
                     v_smem, lse_smem, o_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
-                    seg_scratch, *, config: MosaicConfig, mask: MaskSpec, scale: float,
+                    seg: _mosaic.SegmentScratch | None, *, config: MosaicConfig, mask: MaskSpec, scale: float,
                     softcap: float | None, group: int):
   """schedule: with config.persistent, the hopper.greedy_schedule tables (each CTA's tiles
   by launch position, and how many), and o_smem the output's own buffer (else the output
@@ -187,7 +205,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
   n_blocks = s // bkv
   static_range = mask.is_dense  # every CTA reads every key block: static loop bounds
-  ready = (k_ready, v_ready) + ((seg_scratch[3],) if segments else ())  # a key block's loads
+  ready = (k_ready, v_ready) + ((seg.kv_ready,) if segments else ())  # a key block's loads
 
   take_turn = functools.partial(hopper.take_turn, turn)
 
@@ -246,11 +264,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       if not config.persistent:
         load_q(b, h, tile.qi)
       if segments:
-        q_seg_smem, kv_seg_smem, q_seg_ready, kv_seg_ready = seg_scratch
-        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(row, bq)], q_seg_smem.at[wg],
-                                q_seg_ready.at[wg])
-        plgpu.barrier_wait(q_seg_ready.at[wg])
-        q_ids = hopper.load(q_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(row, bq)], seg.q_ids.at[wg],
+                                seg.q_ready.at[wg])
+        plgpu.barrier_wait(seg.q_ready.at[wg])
+        q_ids = hopper.load(seg.q_ids.at[wg], plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(q_ready.at[wg])
 
       c = scale * hopper.LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
@@ -270,8 +287,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         """Key block j's scores on this warpgroup's rows, -inf where the mask hides them."""
         kv_ids = None
         if segments:
-          plgpu.barrier_wait(kv_seg_ready.at[slot_of(j)])
-          kv_ids = hopper.load(kv_seg_smem.at[slot_of(j)], plgpu.Layout.WGMMA.reduce(0))
+          plgpu.barrier_wait(seg.kv_ready.at[slot_of(j)])
+          kv_ids = hopper.load(seg.kv_ids.at[slot_of(j)], plgpu.Layout.WGMMA.reduce(0))
         ok = _mosaic.visible(mask, scores.shape, 1, j * bkv - row,
                              q_ids if segments else None, kv_ids)
         return jnp.where(ok, scores, -jnp.inf)
@@ -449,7 +466,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, tile.b,
                                 hopper.div(tile.h, group), tile.cta_lo, tile.cta_hi, bkv,
                                 stages,
-                                (k_smem, v_smem) + ((seg_scratch[1],) if segments else ()),
+                                (k_smem, v_smem) + ((seg.kv_ids,) if segments else ()),
                                 ready, (k_free, v_free), separate_rings=config.overlap,
                                 base=base)
       return None if base is None else base + tile.n_blocks
@@ -473,11 +490,8 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   if segments:
     ranges = _mosaic.segment_block_ranges(q_seg, kv_seg, cfg.block_q, cfg.block_kv)
     seg_args = (q_seg, kv_seg, ranges)
-    seg_scratch = (plgpu.SMEM((2, cfg.block_q), jnp.int32),
-                   plgpu.SMEM((stages, cfg.block_kv), jnp.int32),
-                   plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
   else:
-    seg_args, seg_scratch = (), ()
+    seg_args = ()
   n_q_ctas = t // (2 * cfg.block_q)
   if cfg.persistent:
     # Tiles in launch order (head by head, each head's query CTAs in query_cta_index's
@@ -502,31 +516,25 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
     schedule = refs[n_seg:n_seg + n_sched] or None
     o_ref, lse_ref = refs[n_seg + n_sched:]
 
-    def kernel(*scratch):
-      if not cfg.persistent:  # no output buffer
-        scratch = scratch[:4] + (None,) + scratch[4:]
-      main, extra = scratch[:11], scratch[11:]
-      _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, *main,
-                      extra or None, config=cfg, mask=mask, scale=st.opts.scale,
+    def kernel(scratch: _Scratch):
+      _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref,
+                      **scratch._asdict(), config=cfg, mask=mask, scale=st.opts.scale,
                       softcap=st.opts.logit_softcap, group=hq // hkv)
 
-    pl.run_scoped(
-        kernel,
-        plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout),
-        plgpu.SMEM((stages, cfg.block_kv, d), k.dtype, transforms=layout),
-        plgpu.SMEM((stages, cfg.block_kv, d), v.dtype, transforms=layout),
-        plgpu.SMEM((2, cfg.block_q), jnp.float32),
-        *([plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout)]  # the output's
-          if cfg.persistent else []),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2),
-        *seg_scratch,
-        collective_axes="wg",
-    )
+    barrier = plgpu.Barrier
+    pl.run_scoped(kernel, _Scratch(
+        q_smem=plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout),
+        k_smem=plgpu.SMEM((stages, cfg.block_kv, d), k.dtype, transforms=layout),
+        v_smem=plgpu.SMEM((stages, cfg.block_kv, d), v.dtype, transforms=layout),
+        lse_smem=plgpu.SMEM((2, cfg.block_q), jnp.float32),
+        o_smem=(plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout)
+                if cfg.persistent else None),
+        q_ready=barrier(num_barriers=2), k_ready=barrier(num_barriers=stages),
+        v_ready=barrier(num_barriers=stages),
+        k_free=barrier(num_arrivals=2, num_barriers=stages),
+        v_free=barrier(num_arrivals=2, num_barriers=stages), turn=barrier(num_arrivals=2),
+        seg=(_mosaic.SegmentScratch.shapes(cfg.block_q, cfg.block_kv, stages)
+             if segments else None)), collective_axes="wg")
 
   # pl.kernel rather than plgpu.kernel: it takes the cost estimate remat.fit counts.
   out, lse = pl.kernel(

@@ -306,17 +306,13 @@ def test_persistent_forward_lowers_for_cuda(monkeypatch, causal, window, segment
     (True, None, False, 256, False, False, 1, 256, 320, 2),
     (False, (100, 7), True, 256, False, True, 1, 192, 256, 1)])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-@pytest.mark.parametrize("per_query_head, pipelined", [(False, False), (True, False),
-                                                       (False, True)])
+@pytest.mark.parametrize("per_query_head", [False, True])
 def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, pingpong, stages,
-                                         t, s, hkv, softcap, per_query_head, pipelined):
+                                         t, s, hkv, softcap, per_query_head):
   if per_query_head and dq_split:
     pytest.skip("gqa_per_query_head excludes dq_split")
-  if pipelined and not dq_split:
-    pytest.skip("dq_pipelined needs dq_split")
   config = mb.MosaicBackwardConfig(dq_split=dq_split, pingpong=pingpong, stages=stages,
-                                   gqa_per_query_head=per_query_head, column_split=d == 256,
-                                   dq_pipelined=pipelined)
+                                   gqa_per_query_head=per_query_head, column_split=d == 256)
   opts = _opts(causal, window, segments, softcap)
   assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
 
@@ -345,15 +341,11 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, block_q=80), "block_q=80 needs with_dq=False"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
-     mb.MosaicBackwardConfig(dq_split=False, dq_pipelined=True), "dq_pipelined needs dq_split"),
-    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, block_q=72, with_dq=False), "64, 80 or 96"),
     ((1, 256, 4, 64), (1, 256, 4, 64), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, dq_ordered=True), "dq_ordered needs"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, with_dq=False, dq_ordered=True), "dq_ordered needs"),
-    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
-     mb.MosaicBackwardConfig(dq_send_warp=True), "belong to dq_ordered"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_rotate=True), "belong to dq_ordered"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
@@ -386,22 +378,20 @@ def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap,
   assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, 128, segments))
 
 
-@pytest.mark.parametrize("causal, window, segments, d, pipelined, t, s, hkv, warp, buffers", [
-    (False, None, False, 128, True, 256, 384, 2, False, 1),
-    (True, None, False, 128, True, 384, 256, 4, False, 1),
-    (False, (100, 7), True, 128, False, 256, 512, 1, False, 1),
-    (True, 200, True, 256, False, 256, 384, 2, False, 1),
-    (False, None, False, 128, True, 256, 384, 2, True, 2),
-    (True, None, True, 128, True, 384, 256, 4, True, 1),
-    (False, (100, 7), False, 128, False, 256, 512, 1, False, 2),
-    (True, None, False, 256, False, 256, 384, 2, True, 1)])
-def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, pipelined, t, s, hkv, warp,
-                                          buffers):
+@pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, buffers", [
+    (False, None, False, 128, 256, 384, 2, 1),
+    (True, None, False, 128, 384, 256, 4, 1),
+    (False, (100, 7), True, 128, 256, 512, 1, 1),
+    (True, 200, True, 256, 256, 384, 2, 1),
+    (False, None, False, 128, 256, 384, 2, 2),
+    (True, None, True, 128, 384, 256, 4, 1),
+    (False, (100, 7), False, 128, 256, 512, 1, 2),
+    (True, None, False, 256, 256, 384, 2, 1)])
+def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv, buffers):
   """dq_ordered: the reductions wait on counters in global memory and release them, sent
-  between the loads or by a warp of their own, from one or two dQ tile slots."""
-  config = mb.MosaicBackwardConfig(dq_split=d == 128, column_split=d == 256, stages=2 - (d == 256),
-                                   dq_pipelined=pipelined, dq_ordered=True, dq_send_warp=warp,
-                                   dq_buffers=buffers)
+  by a warp of their own, from one or two dQ tile slots."""
+  config = mb.MosaicBackwardConfig(dq_split=d == 128, column_split=d == 256,
+                                   stages=2 - (d == 256), dq_ordered=True, dq_buffers=buffers)
   opts = _opts(causal, window, segments)
   assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
   text = _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments)
@@ -409,12 +399,12 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, pipelined
   assert "red.release.gpu" in text and "ld.relaxed.gpu" in text  # signal, and wait
 
 
-@pytest.mark.parametrize("pipelined, warp, buffers", [(True, True, 2), (False, False, 1)])
+@pytest.mark.parametrize("buffers", [2, 1])
 @pytest.mark.parametrize("hkv", [4, 1])
-def test_rotated_backward_lowers_for_cuda(pipelined, warp, buffers, hkv):
+def test_rotated_backward_lowers_for_cuda(buffers, hkv):
   """dq_rotate: the rotated walks (no mask; GQA's CTA loops over its query heads)."""
-  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=pipelined, dq_ordered=True,
-                                   dq_send_warp=warp, dq_buffers=buffers, dq_rotate=True)
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=buffers,
+                                   dq_rotate=True)
   opts = _opts()
   assert mb.support_error((2, 512, 4, 128), (2, 384, hkv, 128), BF16, opts, config) is None
   assert mb._rotates(config, opts.mask, 3)  # pylint: disable=protected-access
@@ -434,8 +424,7 @@ def test_warps_lower_under_warpgroup_semantics(monkeypatch, causal, window, segm
   semantics = mb.plgpu.LoweringSemantics.Warpgroup
   monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
       mb.plgpu.CompilerParams, lowering_semantics=semantics))
-  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                                   dq_send_warp=True, dq_buffers=1 + (not segments),
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=1 + (not segments),
                                    dq_rotate=rotate)
   opts = _opts(causal, window, segments)
   assert mb.support_error((2, 512, 4, 128), (2, 384, 2, 128), BF16, opts, config) is None
@@ -449,16 +438,15 @@ def test_warps_lower_under_warpgroup_semantics(monkeypatch, causal, window, segm
     (False, None, False, False, False, None),
     (True, 200, True, False, False, None)])
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
-@pytest.mark.parametrize("turns", [False, True])
 def test_staggered_backward_lowers_for_cuda(monkeypatch, causal, window, segments, ordered,
-                                            rotate, softcap, semantics, turns):
+                                            rotate, softcap, semantics):
   """dq_stagger: warpgroup 0 issues the last step's dQ with its step's dV and dK (and the
   key block's last at its end), in arrival order and ordered."""
   monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
       mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
-  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=ordered,
-                                   dq_send_warp=ordered, dq_buffers=1 + (ordered and not segments),
-                                   dq_rotate=rotate, dq_stagger=True, stagger_turns=turns)
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=ordered,
+                                   dq_buffers=1 + (ordered and not segments), dq_rotate=rotate,
+                                   dq_stagger=True)
   opts = dataclasses.replace(_opts(causal, window, segments), logit_softcap=softcap)
   assert mb.support_error((2, 512, 4, 128), (2, 384, 2, 128), BF16, opts, config) is None
   text = _backward_lowered_for_cuda(opts, config, 512, 384, 2, 128, segments)
@@ -468,51 +456,47 @@ def test_staggered_backward_lowers_for_cuda(monkeypatch, causal, window, segment
 def test_stagger_support_errors():
   why = lambda **kw: mb.support_error((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
                                       mb.MosaicBackwardConfig(dq_split=True, **kw))
-  assert why(dq_pipelined=True, dq_stagger=True) is None
-  assert why(dq_pipelined=True, dq_stagger=True, stagger_turns=True) is None
-  assert "stagger_turns needs" in why(dq_pipelined=True, stagger_turns=True)
-  for bad in (dict(), dict(dq_pipelined=True, dq_ordered=True),
-              dict(dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
-                   fused_delta=True)):
-    assert "dq_stagger needs" in why(**bad, dq_stagger=True)
+  assert why(dq_stagger=True) is None
+  assert why(dq_stagger=True, dq_ordered=True, dq_buffers=2) is None
+  assert "dq_stagger needs" in why(dq_stagger=True, dq_ordered=True, dq_buffers=2,
+                                   fused_delta=True)
+  assert "dq_stagger needs" in mb.support_error(
+      (1, 256, 4, 64), (1, 256, 4, 64), BF16, _opts(),
+      mb.MosaicBackwardConfig(dq_split=False, dq_stagger=True))
 
 
-_FENCED = [
-    dict(dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2, dq_rotate=True,
-         dq_stagger=True, stagger_turns=True),
-    dict(dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2, fused_delta=True),
-    dict(dq_pipelined=True, dq_stagger=True),
+_HAND_OFFS = [
+    dict(dq_ordered=True, dq_buffers=2, dq_rotate=True, dq_stagger=True),
+    dict(dq_ordered=True, dq_buffers=2, fused_delta=True),
+    dict(dq_stagger=True),
     dict()]
 
 
-@pytest.mark.parametrize("fields", _FENCED, ids=["stagger", "fused_delta", "arrival_stagger",
-                                                  "dq_split"])
+@pytest.mark.parametrize("fields", _HAND_OFFS, ids=["stagger", "fused_delta", "arrival_stagger",
+                                                     "dq_split"])
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
-def test_thread_fences_lower_for_cuda(monkeypatch, fields, semantics):
-  """thread_fences: the dSᵀ and dQ hand-offs fence per thread (the kernel carries the
-  inline fence) and the kernel still lowers, under both lowerings; without it, none."""
+def test_hand_offs_fence_per_thread(monkeypatch, fields, semantics):
+  """The dSᵀ and dQ hand-offs of dq_split fence per thread (the kernel carries the inline
+  fence) under both lowerings; a kernel without hand-offs carries none."""
   _lower_with(monkeypatch, semantics)
   opts = _opts(causal="fused_delta" in fields)
-  for fenced in (False, True):
-    config = mb.MosaicBackwardConfig(dq_split=True, thread_fences=fenced, **fields)
-    assert mb.support_error((2, 512, 4, 128), (2, 512, 4, 128), BF16, opts, config) is None
-    text = _backward_lowered_for_cuda(opts, config, 512, 512, 4, 128, False)
-    assert _MOSAIC_CALL.search(text)
-    assert ("fence.proxy.async.shared::cta;" in text) == fenced
-  no_handoff = mb.MosaicBackwardConfig(dq_split=False, with_dq=False, thread_fences=True)
-  assert "thread_fences needs" in mb.support_error((2, 512, 4, 64), (2, 512, 4, 64), BF16,
-                                                   opts, no_handoff)
+  config = mb.MosaicBackwardConfig(dq_split=True, **fields)
+  assert mb.support_error((2, 512, 4, 128), (2, 512, 4, 128), BF16, opts, config) is None
+  text = _backward_lowered_for_cuda(opts, config, 512, 512, 4, 128, False)
+  assert _MOSAIC_CALL.search(text) and "fence.proxy.async.shared::cta;" in text
+  no_handoff = mb.MosaicBackwardConfig(dq_split=False, with_dq=False)
+  text = _backward_lowered_for_cuda(opts, no_handoff, 512, 512, 4, 64, False)
+  assert _MOSAIC_CALL.search(text) and "fence.proxy.async.shared::cta;" not in text
 
 
-@pytest.mark.parametrize("pipelined, softcap", [(True, None), (False, 30.0)])
+@pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
-def test_fused_delta_lowers_for_cuda(monkeypatch, pipelined, softcap, semantics):
+def test_fused_delta_lowers_for_cuda(monkeypatch, softcap, semantics):
   """fused_delta: a query block's first visitor loads O into a dQ slot, computes Δ, stores it
   and raises a flag, which the other visitors' loads wait for; under both lowerings."""
   monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
       mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
-  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=pipelined, dq_ordered=True,
-                                   dq_send_warp=True, dq_buffers=2, fused_delta=True)
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, fused_delta=True)
   opts = dataclasses.replace(_opts(True), logit_softcap=softcap)
   assert mb.support_error((2, 512, 4, 128), (2, 512, 4, 128), BF16, opts, config) is None
   assert mb._fuses_delta(config, opts.mask, 8, 4, 1)  # pylint: disable=protected-access
@@ -529,8 +513,7 @@ def test_fused_delta_lowers_for_cuda(monkeypatch, pipelined, softcap, semantics)
     (False, None, True, 512, 512, 4, False)])  # segment ids
 def test_fused_delta_applies_where_every_block_has_a_first_visitor(causal, window, segments, t, s,
                                                                     hkv, applies):
-  config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                                   dq_send_warp=True, dq_buffers=2, dq_rotate=True,
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True,
                                    fused_delta=True)
   opts = _opts(causal, window, segments)
   n_q, n_kv = t // 64, s // 128
@@ -543,10 +526,9 @@ def test_fused_delta_applies_where_every_block_has_a_first_visitor(causal, windo
 def test_fused_delta_support_errors():
   why = lambda **kw: mb.support_error((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
                                       mb.MosaicBackwardConfig(**kw))
-  base = dict(dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2)
+  base = dict(dq_split=True, dq_ordered=True, dq_buffers=2)
   assert why(**base, fused_delta=True) is None
-  for bad in (dict(dq_buffers=1), dict(dq_send_warp=False)):
-    assert "fused_delta needs" in why(**{**base, **bad, "fused_delta": True})
+  assert "fused_delta needs" in why(**{**base, "dq_buffers": 1, "fused_delta": True})
   assert "fused_delta needs" in why(dq_split=True, fused_delta=True)
 
 
@@ -567,7 +549,7 @@ def test_ctas_end_once_their_stores_have_read_shared_memory(monkeypatch):
   st = pm._Static(opts, MosaicConfig.for_head_dim(128), None, None)  # pylint: disable=protected-access
   lower(functools.partial(pm._forward, st), q, k, k, None, None)  # pylint: disable=protected-access
   res = Residuals(q, k, k, None, None, q, jax.ShapeDtypeStruct((1, 4, 256), jnp.float32))
-  for config in (mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True),
+  for config in (mb.MosaicBackwardConfig(dq_split=True),
                  mb.MosaicBackwardConfig(dq_split=False, pingpong=True, with_dq=False)):
     lower(lambda res, d_out, d_lse, c=config: mb.backward(opts, c, res, (d_out, d_lse))[:3],
           res, q, res.lse)
@@ -578,8 +560,7 @@ def test_ctas_end_once_their_stores_have_read_shared_memory(monkeypatch):
   lower(lambda res, d_out, d_lse: pm._backward(st, res, (d_out, d_lse))[:3], res, q, res.lse)  # pylint: disable=protected-access
   assert waits and all(waits), waits
   waits.clear()
-  ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                                    dq_send_warp=True)
+  ordered = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True)
   lower(lambda res, d_out, d_lse: mb.backward(opts, ordered, res, (d_out, d_lse))[:3],
         res, q, res.lse)
   assert waits.count(False) == 1, waits  # the reductions' landing, before the counter
@@ -707,8 +688,8 @@ def test_tuned_backward_configs_serve_their_calls():
     for causal in (False, True):
       config = mb.MosaicBackwardConfig.tuned(d, causal)
       assert mb.support_error((2, 256, 8, d), (2, 256, 2, d), BF16, _opts(causal), config) is None
-  assert mb.MosaicBackwardConfig.tuned(128, False).dq_pipelined
-  assert mb.MosaicBackwardConfig.tuned(128, True).dq_pipelined
+  assert mb.MosaicBackwardConfig.tuned(128, False).dq_split
+  assert mb.MosaicBackwardConfig.tuned(128, True).dq_split
   gqa = mb.MosaicBackwardConfig.tuned(128, True, gqa=True)
   assert gqa.gqa_per_query_head
   assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(True), gqa) is None
@@ -730,9 +711,8 @@ def test_tuned_backward_configs_serve_their_calls():
   for causal, gqa in ((False, False), (True, False), (False, True)):
     ordered = mb.MosaicBackwardConfig.for_deterministic(128, causal, gqa)
     assert ordered == dataclasses.replace(
-        mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True, dq_send_warp=True,
-        dq_buffers=2, dq_rotate=not causal, fused_delta=causal and not gqa,
-        dq_stagger=not (causal or gqa), stagger_turns=not (causal or gqa))
+        mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True, dq_buffers=2,
+        dq_rotate=not causal, fused_delta=causal and not gqa, dq_stagger=not (causal or gqa))
   for d, causal, gqa in ((64, False, False), (256, True, False),
                          (128, True, True)):  # no _ordered section: the dK/dV-only kernel
     assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
@@ -743,17 +723,17 @@ def test_deterministic_calls_take_an_ordered_section(monkeypatch, tuning_tables)
   """A `_ordered` section makes deterministic calls run the whole kernel with dq_ordered; an
   explicit dq_ordered config runs whole for them too."""
   tuning_tables(flash_attention="[pallas_mosaic_gpu_backward.default.d128_ordered]\n"
-                                "dq_split = true\ndq_pipelined = true\n")
+                                "dq_split = true\n")
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
-  ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True)
+  ordered = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True)
   assert mb.MosaicBackwardConfig.for_deterministic(128, False) == ordered
   assert not mb.MosaicBackwardConfig.for_deterministic(128, True).with_dq  # no d128_causal_
   assert not mb.MosaicBackwardConfig.for_deterministic(64, False).with_dq
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
   st = PallasMosaicGpu()._static(q, q, _opts())  # pylint: disable=protected-access
   assert st.backward == ordered and st.dq is None and st.triton is None
-  explicit = PallasMosaicGpu(backward_config=dataclasses.replace(ordered, dq_pipelined=False))
+  explicit = PallasMosaicGpu(backward_config=dataclasses.replace(ordered, dq_rotate=True))
   assert explicit._static(q, q, _opts()).backward.dq_ordered  # pylint: disable=protected-access
 
 
@@ -761,8 +741,7 @@ def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
   """At D = 128, dq_buffers=2 fits in shared memory without segment ids, not beside them
   (a GPU run found 232,624 bytes needed of 232,448): such calls get one dQ slot."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  two = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                                dq_send_warp=True, dq_buffers=2)
+  two = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2)
   shape = (1, 256, 4, 128)
   assert mb.support_error(shape, shape, BF16, _opts(), two) is None
   segments = _opts(segments=True)
@@ -776,7 +755,7 @@ def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
   st = PallasMosaicGpu(backward_config=two)._static(q, q, segments)  # pylint: disable=protected-access
   assert st.backward == one
   assert PallasMosaicGpu(backward_config=two)._static(q, q, _opts()).backward == two  # pylint: disable=protected-access
-  staggered = dataclasses.replace(two, dq_stagger=True, stagger_turns=True)
+  staggered = dataclasses.replace(two, dq_stagger=True)
   assert mb.fit_shared_memory(staggered, 128, BF16, segments=True) == one  # no stagger on one slot
 
 
@@ -902,10 +881,9 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=False, pingpong=True),
       mb.MosaicBackwardConfig(dq_split=False, gqa_per_query_head=True),
       mb.MosaicBackwardConfig(dq_split=False, pingpong=True, gqa_per_query_head=True),
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True),
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, stages=3),
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_stagger=True,
-                              stagger_turns=True)])
+      mb.MosaicBackwardConfig(dq_split=True),
+      mb.MosaicBackwardConfig(dq_split=True, stages=3),
+      mb.MosaicBackwardConfig(dq_split=True, dq_stagger=True)])
   @pytest.mark.parametrize("causal", [False, True])
   @pytest.mark.parametrize("b, t, s, hq, hkv", [
       (2, 256, 384, 8, 2),    # T < S: under causal the last key blocks see no query
@@ -1041,15 +1019,10 @@ class TestMosaicGpu:
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
 
   @pytest.mark.parametrize("backward", [
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True),
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                              dq_send_warp=True),
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                              dq_send_warp=True, dq_buffers=2),
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                              dq_send_warp=True, dq_buffers=2, dq_rotate=True)],
-      ids=["pipelined", "split", "send_warp", "send_warp_two_slots", "send_warp_rotate"])
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True)],
+      ids=["one_slot", "two_slots", "rotate"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
@@ -1069,14 +1042,12 @@ class TestMosaicGpu:
       assert rel_err(g, rg) < 3e-2, name
 
   @pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=True, logit_softcap=20.0)])
-  @pytest.mark.parametrize("pipelined", [True, False])
-  def test_fused_delta_is_reproducible_and_matches(self, opts, pipelined):
+  def test_fused_delta_is_reproducible_and_matches(self, opts):
     """fused_delta: Δ from each query block's first visitor (causal, one query head per key
     head, T = S) gives the same bits on every call, the unfused kernel's gradients up to Δ's
     rounding, and the reference's (with an LSE cotangent too)."""
     q, k, v, _, ct = make_problem(jax.random.key(24), 2, 1024, 1024, 4, 4, 128, BF16)
-    ordered = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=pipelined, dq_ordered=True,
-                                      dq_send_warp=True, dq_buffers=2)
+    ordered = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2)
     fused = dataclasses.replace(ordered, fused_delta=True)
     assert mb._fuses_delta(fused, MaskSpec.make(True, None, False), 16, 8, 1)  # pylint: disable=protected-access
     step = lambda c: jax.jit(lambda q, k, v: run(PallasMosaicGpu(backward_config=c), q, k, v,
@@ -1094,46 +1065,28 @@ class TestMosaicGpu:
       assert rel_err(g, rg) < 3e-2, name
 
   @pytest.mark.parametrize("backward", [
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                              dq_send_warp=True, dq_buffers=2, dq_rotate=True),
-      mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_ordered=True,
-                              dq_send_warp=True, dq_buffers=1)],
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=1)],
       ids=["rotate", "one_slot"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
-  @pytest.mark.parametrize("turns", [False, True])
-  def test_staggered_dq_gives_the_same_bits(self, backward, opts, turns):
+  def test_staggered_dq_gives_the_same_bits(self, backward, opts):
     """dq_stagger: the same WGMMAs on the same operands, warpgroup 0's dQ half a step later:
     bit for bit the ordered kernel's gradients, on every call. GQA 4:1, 16 key blocks."""
     q, k, v, _, ct = make_problem(jax.random.key(25), 2, 1024, 2048, 8, 2, 128, BF16)
     step = lambda c: jax.jit(lambda q, k, v: run(PallasMosaicGpu(backward_config=c), q, k, v,
                                                  None, ct, opts)[2])
-    staggered = step(dataclasses.replace(backward, dq_stagger=True, stagger_turns=turns))
+    staggered = step(dataclasses.replace(backward, dq_stagger=True))
     want = step(backward)(q, k, v)
     for _ in range(3):
       for g, h in zip(staggered(q, k, v), want):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
-
-  @pytest.mark.parametrize("fields", _FENCED[:2], ids=["stagger", "fused_delta"])
-  @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
-                                    dict(sliding_window=(300, 100))])
-  def test_thread_fences_give_the_same_bits(self, fields, opts):
-    """thread_fences changes how the hand-offs synchronize, not what they carry: bit for bit
-    the ordered kernel's gradients without it, on every call (T = S, so fused_delta runs)."""
-    q, k, v, _, ct = make_problem(jax.random.key(27), 2, 1024, 1024, 8, 2, 128, BF16)
-    step = lambda fenced: jax.jit(lambda q, k, v: run(
-        PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
-            dq_split=True, thread_fences=fenced, **fields)), q, k, v, None, ct, opts)[2])
-    fenced, want = step(True), step(False)(q, k, v)
-    for _ in range(3):
-      for g, h in zip(fenced(q, k, v), want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
 
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True, logit_softcap=20.0)])
   def test_staggered_arrival_order_matches_the_reference(self, opts):
     """dq_stagger in arrival order (deterministic=False's kernel): the reference's gradients."""
     q, k, v, _, ct = make_problem(jax.random.key(26), 2, 1024, 1024, 4, 4, 128, BF16)
-    config = mb.MosaicBackwardConfig(dq_split=True, dq_pipelined=True, dq_stagger=True)
+    config = mb.MosaicBackwardConfig(dq_split=True, dq_stagger=True)
     _, _, grads = run(PallasMosaicGpu(backward_config=config), q, k, v, None, ct,
                       {**opts, "deterministic": False})
     up = lambda x: x.astype(jnp.float32)
@@ -1234,12 +1187,11 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-class TestMosaicGpuPipelinedDq(TestMosaicGpuFeatures):
-  """The features suite through the one-pass backward that issues dQ with dV and dK
-  (dq_pipelined), bf16."""
+class TestMosaicGpuSplitDq(TestMosaicGpuFeatures):
+  """The features suite through the one-pass backward whose warpgroups split dQ's columns
+  and issue it with dV and dK (dq_split), unstaggered, bf16."""
 
-  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(dq_split=True,
-                                                                 dq_pipelined=True))
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(dq_split=True))
   dtypes = (jnp.bfloat16,)
 
 
@@ -1250,31 +1202,29 @@ class TestMosaicGpuOrderedDq(TestMosaicGpuFeatures):
   order (dq_ordered), which deterministic calls (the default) may run whole, bf16."""
 
   impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
-      dq_split=True, dq_pipelined=True, dq_ordered=True))
+      dq_split=True, dq_ordered=True))
   extra = {}
   dtypes = (jnp.bfloat16,)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-class TestMosaicGpuOrderedDqSendWarp(TestMosaicGpuOrderedDq):
-  """dq_ordered with the dQ tiles sent by a warp of their own, from two slots, and the
-  walks rotated where there is no mask."""
+class TestMosaicGpuOrderedDqTwoSlots(TestMosaicGpuOrderedDq):
+  """dq_ordered with the dQ tiles sent from two slots, and the walks rotated where there is
+  no mask."""
 
   impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
-      dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
-      dq_rotate=True))
+      dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuOrderedDqStagger(TestMosaicGpuOrderedDq):
-  """The ordered defaults (send warp, two slots, rotated walks) with the compute
-  warpgroups half a step apart, taking turns (dq_stagger, stagger_turns)."""
+  """The ordered defaults (two slots, rotated walks) with the compute warpgroups half a step
+  apart, taking turns (dq_stagger)."""
 
   impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
-      dq_split=True, dq_pipelined=True, dq_ordered=True, dq_send_warp=True, dq_buffers=2,
-      dq_rotate=True, dq_stagger=True, stagger_turns=True))
+      dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True, dq_stagger=True))
 
 
 @pytest.mark.gpu
