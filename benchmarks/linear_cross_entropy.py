@@ -17,6 +17,12 @@ Every provider is built and run once first (memory is measured then); `--rounds 
 rounds then time each once per round, the order rotated each round, and ms is the median over
 rounds (see _harness.interleaved). Rows are appended to
 benchmarks/results/linear_cross_entropy.jsonl (or --out).
+
+    python benchmarks/linear_cross_entropy.py --dw-precision 16384,131072 [--providers ...]
+
+measures instead how far each provider's gradients are from a float32 reference (chunked,
+HIGHEST matmul precision) as the tokens per step grow, at the set's first shape's D and V:
+relative Frobenius errors of dW and dx, one op="lce_dw_precision" row per (N, provider).
 """
 
 from __future__ import annotations
@@ -305,6 +311,60 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
   return rows
 
 
+def reference_grads(x, w, y, chunk: int = 2048):
+  """(dx, dW) of the mean loss in float32 at HIGHEST precision, over token chunks (the
+  float32 logits of every token at once would not fit)."""
+  n = x.shape[0]
+  x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+
+  @jax.jit
+  def grads(x32, w32, y):
+    def one(dw, xy):
+      xc, yc = xy
+      with jax.default_matmul_precision("highest"):
+        p = jax.nn.softmax(xc @ w32, axis=-1)
+        g = (p - jax.nn.one_hot(yc, w32.shape[1], dtype=jnp.float32)) / n
+        return dw + xc.T @ g, g @ w32.T
+    dw, dx = jax.lax.scan(one, jnp.zeros_like(w32),
+                          (x32.reshape(-1, chunk, x.shape[1]), y.reshape(-1, chunk)))
+    return dx.reshape(n, -1), dw
+
+  return grads(x32, w32, y)
+
+
+def dw_precision(set_name: str, tokens: list[int], providers: list[str], out) -> list[dict]:
+  """Relative errors of each provider's dx and dW against reference_grads, per N."""
+  spec = _harness.shape_sets("linear_cross_entropy")[set_name]
+  d, v = spec["shapes"][0]["d"], spec["shapes"][0]["v"]
+  dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
+  env, rows = _harness.environment(), []
+  rel = jax.jit(lambda a, b: jnp.linalg.norm((a.astype(jnp.float32) - b).ravel())
+                / jnp.linalg.norm(b.ravel()))
+  for n in tokens:
+    x, w, y, kg = make_inputs(n, d, v, dtype)
+    dx_ref, dw_ref = reference_grads(x, w, y)
+    for provider in providers:
+      row = dict(op="lce_dw_precision", set=set_name, n=n, d=d, v=v, dtype=dtype.name,
+                 provider=provider, **env)
+      try:
+        fn, args = jax_case(provider, x, w, y, kg)
+        _, (dx, dw) = fn(*args)
+        if provider.startswith("memeff") and parse_memeff(provider)[1] == "vd":
+          dw = dw.T
+        row.update(dw_rel_err=float(rel(dw, dw_ref)), dx_rel_err=float(rel(dx, dx_ref)))
+        del dx, dw
+      except Exception as err:  # pylint: disable=broad-except
+        oom = "RESOURCE_EXHAUSTED" in str(err) or "Out of memory" in str(err)
+        row["error"] = "out of memory" if oom else f"{type(err).__name__}: {err}"[:300]
+      rows.append(row)
+      _harness.append(out, [row])
+      print(f"  N={n:7d} {provider:40s} " + (
+          f"dW {row['dw_rel_err']:.2e}  dx {row['dx_rel_err']:.2e}" if "error" not in row
+          else row["error"][:120]), flush=True)
+    del x, w, y, dx_ref, dw_ref
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--set", default="small", help="shape set from configs/benchmarks")
@@ -312,10 +372,18 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--rounds", type=int, default=1,
                       help="interleaved rounds per shape; each figure is the median over them")
+  parser.add_argument("--dw-precision", default=None, metavar="N,N,...",
+                      help="measure gradient errors against float32 at these token counts "
+                           "(the set's first D and V) instead of times")
   parser.add_argument("--out", default=str(_harness.RESULTS / "linear_cross_entropy.jsonl"))
   args = parser.parse_args(argv)
   providers = [p for p in args.providers.split(",") if p]
   print(f"linear_cross_entropy [{args.set}] on {jax.devices()[0].device_kind}")
+  if args.dw_precision:
+    tokens = [int(n) for n in args.dw_precision.split(",")]
+    dw_precision(args.set, tokens, [p for p in providers if not p.startswith(("torch", "floor"))
+                                    and p not in ("liger", "cce")], args.out)
+    return
   run(args.set, providers, args.out, args.reps, args.rounds)
 
 

@@ -1,14 +1,18 @@
 """End-to-end train step, plain Flax layers vs memeff layers, in one run.
 
-    python benchmarks/train_step.py --config 1b [--kernels plain,memeff] [--steps 10]
+    python benchmarks/train_step.py --config 1b [--kernels plain,plain_xla,memeff] [--steps 10]
+    python benchmarks/train_step.py --config 125m --curve 1000 --batch 4
 
-For each kernel set: tokens/s and peak device memory at the config's batch, and the largest
-batch that fits. The search starts from a prediction: the train step compiled (not run) at
+Kernel sets (memeff_jax.models.llama): memeff; plain (Flax, optax, cuDNN attention);
+plain_xla (the same with XLA's attention). For each: tokens/s and peak device memory at the
+config's batch, and the largest batch that fits. The search starts from a prediction: the train step compiled (not run) at
 twice the batch gives the bytes per sequence, and the device's `bytes_limit` then gives the
 batch where the compiled peak reaches the limit. Real runs at that batch and the next one
 confirm it (and step on from there if the prediction was off). Every run is a fresh process,
 so `peak_bytes_in_use` starts from zero and an out-of-memory failure only means "does not
 fit". JAX may use 95% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set).
+`--curve STEPS` instead trains each kernel set STEPS steps from the same parameters on the
+same data and keeps every step's loss (an op="train_curve" row each), to compare the curves.
 Rows go to benchmarks/results/train_step.jsonl (or --out).
 """
 
@@ -52,11 +56,13 @@ def worker(args) -> None:
                         peak_bytes=r.peak_bytes, predicted_peak_bytes=r.predicted_peak_bytes,
                         probes=r.probes, bytes_limit=stats.get("bytes_limit"),
                         first_loss=r.losses[0], last_loss=r.losses[-1],
+                        **({"losses": r.losses} if args.keep_losses else {}),
                         device=jax.devices()[0].device_kind, jax=jax.__version__)))
 
 
 def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | None,
-            remat_policy: str | None = None, probe: tuple[int, ...] = (), runs_out=None):
+            remat_policy: str | None = None, probe: tuple[int, ...] = (), runs_out=None,
+            keep_losses: bool = False):
   """One fresh-process run; its JSON row, or None if it did not run (out of memory).
   With `runs_out`, every run, fitting or not, is appended there as an op="train_step_run"
   row as soon as it ends."""
@@ -68,6 +74,8 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
     cmd += ["--remat-policy", remat_policy]
   if probe:
     cmd += ["--probe", ",".join(map(str, probe))]
+  if keep_losses:
+    cmd += ["--keep-losses"]
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -86,14 +94,14 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
         (proc.stderr.strip().splitlines()[-1:] or ["failed"])[0][:300]
     where = ("at compile" if not prediction else
              f"compiled peak {prediction[-1]['predicted_peak_bytes'] / 2**30:.2f} GiB")
-    print(f"  {kernels:6s} batch {batch:4d}: does not run ({reason}, {where})", flush=True)
+    print(f"  {kernels:9s} batch {batch:4d}: does not run ({reason}, {where})", flush=True)
     if runs_out:
       _append(runs_out, dict(record, fits=False, error=reason))
     return None
   row = json.loads(lines[-1])
   if runs_out:
     _append(runs_out, dict(record, **row, fits=True))
-  print(f"  {kernels:6s} batch {batch:4d}: {row['tokens_per_s']:9.0f} tokens/s, peak "
+  print(f"  {kernels:9s} batch {batch:4d}: {row['tokens_per_s']:9.0f} tokens/s, peak "
         f"{(row['peak_bytes'] or 0) / 2**30:6.2f} GiB, temporaries "
         f"{(row['temp_bytes'] or 0) / 2**30:6.2f} GiB", flush=True)
   return row
@@ -149,7 +157,7 @@ def largest_batch(config, kernels, start, steps, seq_len, max_batch, start_fits=
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--config", default="1b")
-  p.add_argument("--kernels", default="plain,memeff")
+  p.add_argument("--kernels", default="plain,plain_xla,memeff")
   p.add_argument("--batch", type=int, default=None, help="default: the config's")
   p.add_argument("--seq-len", type=int, default=None)
   p.add_argument("--steps", type=int, default=10)
@@ -159,6 +167,9 @@ def main(argv=None):
   p.add_argument("--max-batch", type=int, default=256, help="where the search stops")
   p.add_argument("--search-from", type=int, default=None,
                  help="start the largest-batch search here instead of at the prediction")
+  p.add_argument("--curve", type=int, default=None, metavar="STEPS",
+                 help="train STEPS steps per kernel set and keep every loss (no timing search)")
+  p.add_argument("--keep-losses", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_step.jsonl"))
   args = p.parse_args(argv)
@@ -172,6 +183,12 @@ def main(argv=None):
   _, train_cfg = LlamaConfig.from_toml(_config_path(args.config))
   batch = args.batch or train_cfg["batch"]
   env = _harness.environment()
+  if args.curve:
+    for kernels in args.kernels.split(","):
+      row = measure(args.config, kernels, batch, args.curve, args.seq_len, keep_losses=True)
+      if row:
+        _harness.append(args.out, [{"op": "train_curve", "config": args.config, **env, **row}])
+    return
   for kernels in args.kernels.split(","):
     row = measure(args.config, kernels, batch, args.steps, args.seq_len,
                   probe=() if args.no_search else (2 * batch,), runs_out=args.out) or {}

@@ -207,9 +207,10 @@ def parser() -> argparse.ArgumentParser:
   model = argparse.ArgumentParser(add_help=False)  # what train and report share
   model.add_argument("--config", required=True,
                      help="a model: tiny, 125m, 1b, or the path of a TOML file like theirs")
-  model.add_argument("--kernels", choices=["memeff", "plain"], default="memeff",
-                     help="memeff layers, or the same model on plain Flax/optax ones "
-                          "(default: memeff)")
+  model.add_argument("--kernels", choices=["memeff", "plain", "plain_xla"], default="memeff",
+                     help="memeff layers; or the same model on plain Flax/optax layers with "
+                          "jax.nn.dot_product_attention on cuDNN (on a GPU; XLA elsewhere), "
+                          "or with XLA's attention (plain_xla) (default: memeff)")
   model.add_argument("--batch", type=int, default=None,
                      help="sequences per step (default: the config's)")
   model.add_argument("--seq-len", type=int, default=None,

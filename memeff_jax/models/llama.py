@@ -1,9 +1,12 @@
 """A Llama-style decoder in Flax NNX: RMSNorm, RoPE, SwiGLU, GQA, optional tied embeddings,
 segment-id packing, the layers stacked and run with nnx.scan under a remat policy.
 
-`Llama(cfg, kernels="memeff")` uses memeff_jax.flash_attention and FusedLMHead;
-`kernels="plain"` uses jax.nn.dot_product_attention (XLA) and nnx.Linear + optax. The two have
-identical parameter trees, so a checkpoint of one loads into the other.
+`Llama(cfg, kernels="memeff")` uses memeff_jax.flash_attention and FusedLMHead.
+`kernels="plain"` is what an informed JAX user writes without this library: nnx.Linear + optax
+for the loss, and jax.nn.dot_product_attention with `is_causal=True`, on cuDNN on an NVIDIA
+GPU (XLA elsewhere); packed documents add their segment mask as a boolean `mask`, the best
+cuDNN takes. `kernels="plain_xla"` is the same with XLA's attention everywhere. All have
+identical parameter trees, so a checkpoint of one loads into the others.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from memeff_jax import remat
 from memeff_jax.flax.nnx import FusedLMHead
 from memeff_jax.ops.flash_attention import flash_attention
 
-KERNELS = ("memeff", "plain")
+KERNELS = ("memeff", "plain", "plain_xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +101,12 @@ class Attention(nnx.Module):
     if self.kernels == "memeff":
       out = flash_attention(q, k, v, causal=True, q_segment_ids=segment_ids)
     else:
-      mask = jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
-      if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-      out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
+      mask = None
+      if segment_ids is not None:  # [B, 1, T, T]: the same document
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+      cudnn = self.kernels == "plain" and jax.default_backend() == "gpu"
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                         implementation="cudnn" if cudnn else "xla")
     out = checkpoint_name(out, "attention_out")
     return self.o_proj(out.reshape(b, t, cfg.n_heads * cfg.head_dim))
 
