@@ -22,7 +22,8 @@ benchmarks/results/linear_cross_entropy.jsonl (or --out).
 
 measures instead how far each provider's gradients are from a float32 reference (chunked,
 HIGHEST matmul precision) as the tokens per step grow, at the set's first shape's D and V:
-relative Frobenius errors of dW and dx, one op="lce_dw_precision" row per (N, provider).
+relative Frobenius errors of dW and dx, one op="lce_dw_precision" row per (N, provider), in
+benchmarks/results/lce_dw_precision.jsonl.
 """
 
 from __future__ import annotations
@@ -375,8 +376,13 @@ def main(argv=None):
   parser.add_argument("--dw-precision", default=None, metavar="N,N,...",
                       help="measure gradient errors against float32 at these token counts "
                            "(the set's first D and V) instead of times")
-  parser.add_argument("--out", default=str(_harness.RESULTS / "linear_cross_entropy.jsonl"))
+  parser.add_argument("--out", default=None,
+                      help="JSON-lines file (default: results/linear_cross_entropy.jsonl, "
+                           "with --dw-precision results/lce_dw_precision.jsonl)")
   args = parser.parse_args(argv)
+  if args.out is None:
+    args.out = str(_harness.RESULTS / ("lce_dw_precision.jsonl" if args.dw_precision
+                                       else "linear_cross_entropy.jsonl"))
   providers = [p for p in args.providers.split(",") if p]
   print(f"linear_cross_entropy [{args.set}] on {jax.devices()[0].device_kind}")
   if args.dw_precision:

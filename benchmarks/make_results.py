@@ -133,17 +133,22 @@ def _by_run(rows, *fields):
   return sorted(grouped.items(), key=lambda kv: kv[0][-1] or "", reverse=True)
 
 
+LAYERS = {"memeff": "memeff", "plain": "plain (cuDNN attention)", "plain_xla": "plain (XLA attention)"}
+
+
 def train_step_section() -> tuple[list[str], str | None]:
-  """Plain vs memeff train steps of each model, every run of every search: (RESULTS.md
-  lines, the latest model's summary for the README)."""
-  rows = [r for r in load("train_step") if r.get("platform") == "gpu"]
+  """Train steps of each model on each kernel set, every run of every search: (RESULTS.md
+  lines, the latest model's summary table for the README)."""
+  rows = [r for r in load("train_step") if r.get("platform") == "gpu"
+          and r["op"] in ("train_step", "train_step_run")]
   readme = None
   if not rows:
     return [], readme
   out = ["## Train step: plain Flax layers vs memeff layers", "",
          "`python benchmarks/train_step.py --config 1b`: each run a fresh process, "
          "`peak_bytes_in_use` of the device, tokens/s over the steps after the first. "
-         "Predicted peak: `memeff_jax.memory.analyze` of the compiled step.", ""]
+         "Predicted peak: `memeff_jax.memory.analyze` of the compiled step. Layers: "
+         + "; ".join(f"{v}" for v in LAYERS.values()) + " (memeff_jax.models.llama).", ""]
   for (config, device), group in _by_run(rows, "config", "device"):
     runs_ = [r for r in group if r["op"] == "train_step_run" or "tokens_per_s" in r]
     out += [f"**{config}** on {device} (jax {group[0]['jax']})", "",
@@ -161,39 +166,96 @@ def train_step_section() -> tuple[list[str], str | None]:
       out.append(f"| {r['kernels']} | {r['batch']} | yes | {r['tokens_per_s']:,.0f} | "
                  f"{_gib(r.get('peak_bytes'))} | {_gib(r.get('predicted_peak_bytes'))} | "
                  f"{_gib(r.get('temp_bytes'))} |")
-    summary = []
-    fits = collections.defaultdict(dict)
-    for r in runs_:
-      fits[r["kernels"]][r["batch"]] = r if r.get("fits") is not False else None
-    largest = {}
-    for kernels, by_batch in fits.items():
-      ok = [b for b, r in by_batch.items() if r]
-      bad = [b for b, r in by_batch.items() if r is None and b > max(ok, default=0)]
-      if ok:
-        largest[kernels] = (max(ok), min(bad, default=None))
-    for kernels, (ok, bad) in sorted(largest.items()):
-      exact = bad == ok + 1
-      summary.append(f"largest batch that runs, {kernels}: {ok}" +
-                     ("" if exact else f" (not bisected further; {bad} does not run)"
-                      if bad else " (a lower bound)"))
-    if "plain" in largest and "memeff" in largest:
-      summary.append(f"largest batch, memeff / plain: at least "
-                     f"{largest['memeff'][0] / largest['plain'][0]:.1f}×")
-      common = sorted(set(b for b, r in fits["plain"].items() if r) &
-                      set(b for b, r in fits["memeff"].items() if r))
-      for b in common[-1:]:
-        p, m = fits["plain"][b], fits["memeff"][b]
-        summary.append(f"at batch {b}: memeff peak {1 - m['peak_bytes'] / p['peak_bytes']:.0%} "
-                       f"below plain; tokens/s {m['tokens_per_s'] / p['tokens_per_s']:.2f}× "
-                       "plain's")
-    out += [""] + [f"- {line}" for line in summary] + [""]
+    table = _train_summary(runs_)
+    out += [""] + table + [""]
     if readme is None:
-      readme = (f"**{config}** (sequence {runs_[0].get('seq_len', '?')}, bf16) on {device}, "
-                "plain Flax layers vs memeff layers:\n\n" +
-                "\n".join(f"- {line}" for line in summary) + "\n")
+      readme = (f"**{config}** (sequence {runs_[0].get('seq_len', '?')}, bf16) on {device}:\n\n"
+                + "\n".join(table) + "\n")
     notes = sorted({r["source"] for r in group if r.get("source")})
     out += [f"Note: some rows are the {n}." for n in notes] + ([""] if notes else [])
   return out, readme
+
+
+def _train_summary(runs_: list[dict]) -> list[str]:
+  """Per kernel set: the largest batch that runs (exact where the next one failed), and
+  tokens/s and peak at the smallest batch every set ran and at its largest batch."""
+  fits = collections.defaultdict(dict)
+  for r in runs_:
+    fits[r["kernels"]].setdefault(r["batch"], r if r.get("fits") is not False else None)
+  common = set.intersection(*(set(b for b, r in by.items() if r) for by in fits.values()))
+  equal = min(common, default=None)
+  out = [f"| layers | largest batch that runs | tokens/s at batch {equal} | peak at batch "
+         f"{equal} (GiB) | tokens/s at its largest batch |", "|---|---|---|---|---|"]
+  for kernels in [k for k in LAYERS if k in fits]:
+    by = fits[kernels]
+    ok = max((b for b, r in by.items() if r), default=None)
+    if ok is None:
+      continue
+    bad = min((b for b, r in by.items() if r is None and b > ok), default=None)
+    largest = f"{ok}" if bad == ok + 1 else f"≥ {ok}" if bad is None else f"{ok} ({bad} fails)"
+    at = by.get(equal)
+    speed = "" if at is None else f"{at['tokens_per_s']:,.0f}"
+    peak = "" if at is None else _gib(at.get("peak_bytes"))
+    out.append(f"| {LAYERS[kernels]} | {largest} | {speed} | {peak} | "
+               f"{by[ok]['tokens_per_s']:,.0f} |")
+  return out
+
+
+def train_curve_section() -> list[str]:
+  """The same model trained from the same parameters on the same data by each kernel set."""
+  rows = [r for r in load("train_step") if r.get("op") == "train_curve"]
+  if not rows:
+    return []
+  out = ["## Loss curves: memeff vs plain layers", "",
+         "`python benchmarks/train_step.py --config 125m --curve 1000 --batch 4`: each kernel set "
+         "trains from the same parameters on the same data (the synthetic Markov chain, whose "
+         "floor is ln 8 = 2.08).", ""]
+  for (config, device), group in _by_run(rows, "config", "device"):
+    base = next((r for r in group if r["kernels"] == "plain"), group[0])
+    ref = base["losses"]
+    out += [f"**{config}** on {device}, batch {base['batch']} × {base.get('seq_len')}, "
+            f"{len(ref)} steps", "",
+            "| layers | tokens/s | first loss | mean of the last 50 | max \\|Δ\\| vs plain, "
+            "50-step means | where |", "|---|---|---|---|---|---|"]
+    for r in group:
+      losses = r["losses"]
+      means = [sum(losses[i:i + 50]) / 50 for i in range(0, len(losses) - 49)]
+      ref_means = [sum(ref[i:i + 50]) / 50 for i in range(0, len(ref) - 49)]
+      gaps = [abs(a - b) for a, b in zip(means, ref_means)]
+      worst = max(range(len(gaps)), key=gaps.__getitem__) if gaps else 0
+      gap = ("— | —" if r is base else
+             f"{gaps[worst]:.4f} | steps {worst + 1}–{worst + 50}")
+      out.append(f"| {LAYERS.get(r['kernels'], r['kernels'])} | {r['tokens_per_s']:,.0f} | "
+                 f"{losses[0]:.4f} | {sum(losses[-50:]) / 50:.4f} | {gap} |")
+    out.append("")
+  return out
+
+
+def dw_precision_section() -> list[str]:
+  rows = [r for r in load("lce_dw_precision") if r.get("platform") == "gpu"]
+  if not rows:
+    return []
+  out = ["## Linear cross-entropy: gradient error against float32, by tokens per step", "",
+         "`python benchmarks/linear_cross_entropy.py --set llama3-8b --dw-precision "
+         "16384,32768,65536,131072`: relative Frobenius error of dW and dx against a float32 "
+         "(HIGHEST precision) reference, bf16 inputs. `memeff:pallas_mosaic_gpu:dw=float32` "
+         "accumulates dW in a float32 [D, V] buffer.", ""]
+  for (set_name, device), group in _by_run(rows, "set", "device"):
+    providers = list(dict.fromkeys(r["provider"] for r in group))
+    tokens = sorted({r["n"] for r in group})
+    cell = {(r["provider"], r["n"]): r for r in group}
+    out += [f"**{set_name}** (D={group[0]['d']}, V={group[0]['v']}) on {device}", "",
+            "| provider | " + " | ".join(f"N={n:,}: dW / dx" for n in tokens) + " |",
+            "|---|" + "---|" * len(tokens)]
+    for p in providers:
+      cells = []
+      for n in tokens:
+        r = cell.get((p, n))
+        cells.append("—" if r is None else r["error"][:20] if "error" in r
+                     else f"{r['dw_rel_err']:.2e} / {r['dx_rel_err']:.2e}")
+      out.append(f"| {p} | " + " | ".join(cells) + " |")
+    out.append("")
+  return out
 
 
 def remat_fit_section() -> list[str]:
@@ -340,7 +402,8 @@ def main():
                             > fa_latest[0][0][2]):
       fa_latest = [found["headline-noncausal"], found["headline-causal"]]
   train_lines, train_summary = train_step_section()
-  lines += train_lines + remat_fit_section() + branches_section() + torch_bridge_section()
+  lines += (train_lines + train_curve_section() + dw_precision_section() + remat_fit_section()
+            + branches_section() + torch_bridge_section())
   (ROOT / "benchmarks" / "RESULTS.md").write_text("\n".join(lines))
   readme = ROOT / "README.md"
   if readme.exists():
