@@ -140,8 +140,126 @@ def test_loss_on_an_explicit_mesh(explicit_mesh, kw):
   assert collectives["all-gather"] == 0 and collectives["all-reduce"] >= 1
 
 
-def test_loss_refuses_a_vocab_sharded_weight(explicit_mesh):
+_VOCAB_OPTIONS = [dict(), dict(reduction="sum", bias=True),
+                  dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=5.0, return_aux=True),
+                  dict(reduction="none", weight_layout="vd", where=True),
+                  dict(chunk_size=(8, 16), label_smoothing=0.2, bias=True)]
+
+
+def _vocab_problem(seed, n_lead=(8, 16), d=32, v=96, layout="dv"):
+  ks = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(ks[0], (*n_lead, d))
+  w = jax.random.normal(ks[1], (d, v) if layout == "dv" else (v, d)) / 4
+  y = jax.random.randint(ks[2], n_lead, 0, v).at[..., :3].set(-100)
+  b = jax.random.normal(ks[3], (v,))
+  where = jax.random.bernoulli(ks[4], 0.8, n_lead)
+  return x, w, y, b, where
+
+
+def _vocab_call(kw, y, b, where):
+  """(kw without the switches, loss(x, w, b)) for kw's options: `bias` and `where` switch
+  on the problem's bias and mask."""
+  kw = dict(kw)
+  use_bias, mask = kw.pop("bias", False), where if kw.pop("where", False) else None
+  return kw, lambda x, w, b_, y_=y, m=mask, **extra: memeff_jax.linear_cross_entropy(
+      x, w, y_, bias=b_ if use_bias else None, where=m, **kw, **extra)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("kw", _VOCAB_OPTIONS)
+def test_loss_vocab_parallel_in_shard_map(mesh, check_vma, kw):
+  """W (and the bias) sharded on V over 'model', tokens over 'data', vocab_axis='model':
+  each 'data' shard's loss as one device computes it for those tokens, every option, and
+  the gradients (dx summed over the vocabulary shards, dW and the bias's kept local)."""
+  layout = kw.get("weight_layout", "dv")
+  x, w, y, b, where = _vocab_problem(5, layout=layout)
+  kw, call = _vocab_call(kw, y, b, where)
+  first = lambda out: jax.tree.leaves(out)[0]
+  none = kw.get("reduction") == "none"
+  per_shard = lambda out: first(out) if none else first(out)[None]
+  w_spec = P(None, "model") if layout == "dv" else P("model")
+  mask = where if call.__defaults__[1] is not None else None
+
+  sharded = shard_map(
+      lambda x, w, b, y_, m: per_shard(call(x, w, b, y_, m, vocab_axis="model")), mesh=mesh,
+      in_specs=(P("data"), w_spec, P("model"), P("data"), None if mask is None else P("data")),
+      out_specs=P("data"), check_vma=check_vma)
+  got = lambda x, w, b: sharded(x, w, b, y, mask)
+
+  def want(x, w, b):  # one device, each 'data' shard's two rows of tokens on their own
+    return jnp.concatenate([per_shard(call(x[r:r + 2], w, b, y[r:r + 2],
+                                           None if mask is None else mask[r:r + 2]))
+                            for r in range(0, 8, 2)])
+
+  _close(jax.jit(got)(x, w, b), want(x, w, b), 1e-5)
+  obj = lambda f: lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b)))
+  _close(jax.jit(jax.grad(obj(got), argnums=(0, 1, 2)))(x, w, b),
+         jax.grad(obj(want), argnums=(0, 1, 2))(x, w, b), 1e-5)
+
+
+def test_vocab_axis_needs_an_enclosing_shard_map():
+  with pytest.raises(ValueError, match=r"vocab_axis='model' is not an axis of an enclosing"):
+    memeff_jax.linear_cross_entropy(jnp.ones((4, 8)), jnp.ones((8, 16)),
+                                    jnp.zeros(4, jnp.int32), vocab_axis="model")
+  with pytest.raises(TypeError, match="vocab_axis must be a mesh axis name"):
+    memeff_jax.linear_cross_entropy(jnp.ones((4, 8)), jnp.ones((8, 16)),
+                                    jnp.zeros(4, jnp.int32), vocab_axis=3)
+
+
+@pytest.mark.parametrize("kw", _VOCAB_OPTIONS)
+def test_loss_vocab_parallel_on_an_explicit_mesh(explicit_mesh, kw):
+  """Tokens over 'data', W's vocabulary (and the bias) over 'model': the loss and gradients
+  of one device; W and its gradient never gathered, only [N]-sized statistics and dx summed
+  over 'model', dW over 'data'."""
+  layout = kw.get("weight_layout", "dv")
+  x, w, y, b, where = _vocab_problem(6, layout=layout)
+  kw, call = _vocab_call(kw, y, b, where)
+  loss = lambda x, w, b: jnp.sum(jnp.sin(jax.tree.leaves(call(x, w, b))[0]))
+  want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+  w_spec = P(None, "model") if layout == "dv" else P("model", None)
   with jax.set_mesh(explicit_mesh):
-    w = jax.device_put(jnp.ones((32, 96)), NamedSharding(explicit_mesh, P(None, "model")))
-    with pytest.raises(ValueError, match=r"weight and bias replicated \(vocab- and FSDP-sharded"):
-      memeff_jax.linear_cross_entropy(jnp.ones((8, 32)), w, jnp.zeros(8, jnp.int32))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(explicit_mesh, spec))
+    args = (put(x, P("data")), put(w, w_spec), put(b, P("model")))
+    got = jax.jit(call)(*args)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+    assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
+    collectives = _collectives(jax.grad(loss, argnums=(0, 1, 2)), *args)
+  _close(got, want, 1e-5)
+  _close(grads, want_grads, 1e-5)
+  assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
+  assert collectives["all-reduce"] >= 2, collectives
+
+
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+def test_loss_fsdp_weight_on_an_explicit_mesh(explicit_mesh, layout):
+  """Tokens over 'data', W's D over 'data' too (FSDP) and its vocabulary over 'model': W is
+  gathered over 'data' in the call and dW reduce-scattered back, never held whole."""
+  x, w, y, b, _ = _vocab_problem(7, layout=layout)
+  f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, y, weight_layout=layout,
+                                                   label_smoothing=0.1)
+  loss = lambda x, w: f(x, w) * 3.0
+  want, want_grads = f(x, w), jax.grad(loss, argnums=(0, 1))(x, w)
+  w_spec = P("data", "model") if layout == "dv" else P("model", "data")
+  with jax.set_mesh(explicit_mesh):
+    put = lambda a, spec: jax.device_put(a, NamedSharding(explicit_mesh, spec))
+    args = (put(x, P("data")), put(w, w_spec))
+    got = jax.jit(f)(*args)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+    assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+  _close(got, want, 1e-5)
+  _close(grads, want_grads, 1e-5)
+  assert " all-gather(" in text or " all-gather-start(" in text
+  assert " reduce-scatter(" in text, "dW should leave by a reduce-scatter"
+
+
+def test_loss_refuses_vocab_and_tokens_on_one_axis(explicit_mesh):
+  with jax.set_mesh(explicit_mesh):
+    w = jax.device_put(jnp.ones((32, 96)), NamedSharding(explicit_mesh, P(None, "data")))
+    x = jax.device_put(jnp.ones((8, 32)), NamedSharding(explicit_mesh, P("data")))
+    with pytest.raises(ValueError, match=r"vocabulary sharded over axes that do not shard the "
+                                         r"tokens"):
+      memeff_jax.linear_cross_entropy(x, w, jnp.zeros(8, jnp.int32))
+    with pytest.raises(ValueError, match="vocab_axis='model' is for inside jax.shard_map"):
+      memeff_jax.linear_cross_entropy(x, jnp.ones((32, 96)), jnp.zeros(8, jnp.int32),
+                                      vocab_axis="model")

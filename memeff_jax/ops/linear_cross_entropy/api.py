@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -14,6 +15,7 @@ from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops import _explicit
 from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy import _vocab_parallel
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions
 from memeff_jax.ops.linear_cross_entropy.chunked_xla import ChunkedXla
 from memeff_jax.ops.linear_cross_entropy.pallas_mosaic_gpu import PallasMosaicGpu
@@ -97,28 +99,45 @@ def _chunk_size(chunk_size):
 
 
 def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction, return_aux,
-               **options):
-  """linear_cross_entropy on an Explicit mesh: the tokens sharded, the weight (and bias)
-  replicated. Each shard computes its tokens' loss; a sum (and a mean's count of counted
-  tokens) is summed over the shards, so every reduction keeps its single-device meaning."""
+               weight_layout, **options):
+  """linear_cross_entropy on an Explicit mesh. x's token dims may be sharded (data
+  parallelism); W's vocabulary over other axes (vocab parallelism: each shard runs the loss
+  on its slice, see _vocab_parallel, the bias sharded with it), and W's D (FSDP: W gathered
+  inside the call, dW reduce-scattered by the gather's transpose). Each shard computes its
+  tokens' loss; a sum (and a mean's count of counted tokens) is summed over the token
+  shards, so every reduction keeps its single-device meaning."""
+  if weight_layout not in _common.WEIGHT_LAYOUTS:
+    raise ValueError(f"weight_layout must be 'dv' ([D, V]) or 'vd' ([V, D]), got "
+                     f"{weight_layout!r}")
   xd = _explicit.dims_of(x, x.ndim)
   token_dims = xd[:-1]
-  if xd[-1] or any(_explicit.dims_of(t, t.ndim) != [()] * t.ndim for t in (weight, bias)
-                   if t is not None):
+  axes = tuple(a for dim in token_dims for a in dim)
+  wd = _explicit.dims_of(weight, 2) if weight.ndim == 2 else [()] * weight.ndim
+  d_dim = 0 if weight_layout == "dv" else 1
+  d_axes, v_axes = (wd[d_dim], wd[1 - d_dim]) if weight.ndim == 2 else ((), ())
+  if xd[-1] or weight.ndim != 2 or set(v_axes) & set(axes) or set(d_axes) & set(v_axes):
     raise ValueError(
-        "on an Explicit mesh linear_cross_entropy takes x sharded on its token dims and the "
-        "weight and bias replicated (vocab- and FSDP-sharded weights are not supported yet), "
-        f"got x: {_explicit.spec(xd)}, weight: {_explicit.spec(_explicit.dims_of(weight, 2))}")
+        "on an Explicit mesh linear_cross_entropy takes x sharded on its token dims (not D), "
+        "and the weight's vocabulary sharded over axes that do not shard the tokens (or "
+        f"replicated), its D over others or none; got x: {_explicit.spec(xd)}, weight "
+        f"({weight_layout!r}): {_explicit.spec(wd)}")
+  if bias is not None:
+    if any(a not in v_axes for dim in _explicit.dims_of(bias, bias.ndim) for a in dim):
+      raise ValueError(f"bias must be sharded like the weight's vocabulary ({v_axes or 'not'}),"
+                       f" got {_explicit.spec(_explicit.dims_of(bias, bias.ndim))}")
+    bias = jax.sharding.reshard(bias, _explicit.spec([v_axes]))
   tokens = _explicit.spec(token_dims)
   labels = jax.sharding.reshard(labels, tokens)
   where = None if where is None else jax.sharding.reshard(where, tokens)
-  axes = tuple(a for dim in token_dims for a in dim)
   local_reduction = "none" if reduction == "none" else "sum"
 
   def local(x, weight, labels, bias, where):
+    if d_axes:  # FSDP: this call's whole D; the gather's transpose reduce-scatters dW
+      weight = jax.lax.all_gather(weight, d_axes, axis=d_dim, tiled=True)
     out = linear_cross_entropy(x, weight, labels, bias=bias, where=where,
                                ignore_index=ignore_index, reduction=local_reduction,
-                               return_aux=return_aux, **options)
+                               return_aux=return_aux, weight_layout=weight_layout,
+                               vocab_axis=v_axes or None, **options)
     loss, aux = out if return_aux else (out, None)
     if reduction == "none":
       return loss, aux
@@ -135,6 +154,26 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
       local, mesh=mesh, in_specs=tuple(map(_explicit.spec_of, args)),
       out_specs=(reduced, Aux(lse=tokens, z_loss=reduced) if return_aux else None))(*args)
   return (loss, aux) if return_aux else loss
+
+
+def _vocab_axis(vocab_axis):
+  """vocab_axis as a mesh axis name or a tuple of them (None: the vocabulary is whole), and
+  the number of shards along it; a clear error outside a shard_map that binds it."""
+  if vocab_axis is None:
+    return None, 1
+  if isinstance(vocab_axis, (list, tuple)) and len(vocab_axis) == 1:
+    vocab_axis = vocab_axis[0]
+  elif isinstance(vocab_axis, list):
+    vocab_axis = tuple(vocab_axis)
+  names = vocab_axis if isinstance(vocab_axis, tuple) else (vocab_axis,)
+  if not names or not all(isinstance(a, str) for a in names):
+    raise TypeError(f"vocab_axis must be a mesh axis name or a tuple of them, got "
+                    f"{vocab_axis!r}")
+  try:
+    return vocab_axis, _vocab_parallel.axis_size(vocab_axis)
+  except NameError as err:
+    raise ValueError(f"vocab_axis={vocab_axis!r} is not an axis of an enclosing jax.shard_map "
+                     f"(the weight's vocabulary must be sharded over it): {err}") from None
 
 
 def _check_float(name, a):
@@ -158,6 +197,7 @@ def linear_cross_entropy(
     return_aux: bool = False,
     implementation=None,
     chunk_size: int | tuple[int, int] | None = None,
+    vocab_axis: str | tuple[str, ...] | None = None,
 ):
   """Cross-entropy of `x @ weight` against integer labels, without holding the logits.
 
@@ -193,6 +233,12 @@ def linear_cross_entropy(
     chunk_size: tokens per chunk, or (tokens, vocab entries) for chunked_xla. None derives
       it from the implementation's `memory_budget_bytes` (256 MiB for chunked_xla's float32
       logits and G, 240 MiB for pallas_mosaic_gpu's one buffer in the compute dtype).
+    vocab_axis: inside `jax.shard_map`, the mesh axis (or axes) that `weight` and `bias` are
+      sharded over on V: each shard holds one contiguous slice of the vocabulary, in axis
+      order, and every token; labels stay global class ids. The shards' slices merge
+      through [N]-sized collectives (Megatron's vocab-parallel loss) and every option keeps
+      its single-device meaning; dW and the bias's gradient stay local. On an Explicit mesh
+      a weight sharded on V does this by itself.
 
   Returns:
     The loss (a scalar, or labels.shape for "none"), float32; with return_aux,
@@ -221,6 +267,9 @@ def linear_cross_entropy(
   if mesh is not None:
     if isinstance(labels, Int64Labels):
       raise ValueError("Int64Labels on an Explicit mesh are not supported; pass int32 labels")
+    if vocab_axis is not None:
+      raise ValueError(f"vocab_axis={vocab_axis!r} is for inside jax.shard_map; on an Explicit "
+                       "mesh the weight's sharding says which axes hold the vocabulary")
     if reduction not in _common.REDUCTIONS:
       raise ValueError(f"reduction must be one of {_common.REDUCTIONS}, got {reduction!r}")
     return _per_shard(mesh, x, weight, jnp.asarray(labels), bias, where,
@@ -274,8 +323,12 @@ def linear_cross_entropy(
   return_aux = _checks.static_bool("return_aux", return_aux)
   if vocab == 0:
     raise ValueError(f"the vocabulary is empty (weight.shape={weight.shape})")
+  vocab_axis, shards = _vocab_axis(vocab_axis)
+  if vocab_axis is not None and isinstance(labels, Int64Labels):
+    raise ValueError("vocab_axis takes int32 labels, not Int64Labels")
 
-  opts = LossOptions(vocab_size=int(vocab), weight_layout=weight_layout, reduction=reduction,
+  opts = LossOptions(vocab_size=int(vocab) * shards, weight_layout=weight_layout,
+                     reduction=reduction,
                      label_smoothing=_checks.static_real("label_smoothing", label_smoothing),
                      z_loss=_checks.static_real("z_loss", z_loss), logit_softcap=logit_softcap,
                      aux_outputs=return_aux)
@@ -297,9 +350,22 @@ def linear_cross_entropy(
   implementations = _dispatch.resolve(implementation, IMPLEMENTATIONS, default)
   if x2.shape[0] == 0:  # no tokens: no chunks; the reference's (empty) computation
     implementations = [IMPLEMENTATIONS["reference"]]
-  loss, lse, zterm = _dispatch.first_that_serves(
-      implementations,
-      lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))
+  if vocab_axis is None:
+    loss, lse, zterm = _dispatch.first_that_serves(
+        implementations,
+        lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))
+  else:
+    def slice_loss(x, w, labels, b, eps):  # per token over this shard's slice: (loss, lse)
+      local = dataclasses.replace(opts, vocab_size=int(vocab), reduction="none",
+                                  label_smoothing=eps, z_loss=0.0, aux_outputs=True)
+      return _dispatch.first_that_serves(implementations, lambda impl: impl(
+          x, w, b, labels, jnp.ones_like(valid), opts=local, chunk_size=chunk_size))[:2]
+
+    stats = _vocab_parallel.stats(x2, weight, bias, labels2, valid, axis=vocab_axis,
+                                  weight_layout=weight_layout,
+                                  smoothing=opts.label_smoothing > 0,
+                                  logit_softcap=logit_softcap, loss_fn=slice_loss)
+    loss, lse, zterm = _common.finish(stats, labels2, valid, opts)
 
   if reduction == "none":
     loss = loss.reshape(lead)
