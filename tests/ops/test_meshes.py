@@ -1,7 +1,9 @@
 """Both ops on meshes (eight CPU devices, see conftest), against the single-device result:
 inside a user's jax.shard_map with either check_vma setting (a weight or key the shards share
-gets the sum of every shard's gradient contribution), and under jit on an Explicit mesh with
-the batch, heads or tokens sharded (the outputs keep those shardings; no operand gathered)."""
+gets the sum of every shard's gradient contribution), under jit on Auto meshes (attention's
+custom_partitioning) and on Explicit meshes with the batch, heads or tokens sharded, the
+vocabulary (vocab parallel) or W's D (FSDP): the outputs keep their shardings, and the
+compiled programs' collectives are only the expected ones."""
 
 import jax
 from jax import shard_map
@@ -66,6 +68,42 @@ def test_loss_tokens_sharded_weight_replicated(mesh, check_vma, kw):
   _close(jax.jit(total)(x, w, y), local(x, w, y), 1e-4)
   _close(jax.jit(jax.grad(total, argnums=(0, 1)))(x, w, y),
          jax.grad(local, argnums=(0, 1))(x, w, y), 1e-4)
+
+
+@pytest.mark.parametrize("hkv", [4, 2, 1])
+def test_attention_on_an_auto_mesh(mesh, hkv):
+  """jit with the batch over 'data' and the heads over 'model' (Auto axes): per shard through
+  custom_partitioning, no input gathered; with one key head (MQA) only the sum of its dk, dv."""
+  ks = jax.random.split(jax.random.key(8), 3)
+  q = jax.random.normal(ks[0], (8, 64, 4, 16))
+  k, v = (jax.random.normal(key, (8, 64, hkv, 16)) for key in ks[1:])
+  seg = (jnp.arange(64) // 20)[None].repeat(8, 0)
+  f = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, causal=True, q_segment_ids=seg,
+                                                      logit_softcap=20.0)
+  loss = lambda q, k, v, seg: jnp.sum(jnp.sin(f(q, k, v, seg)))
+  want, want_grads = f(q, k, v, seg), jax.grad(loss, argnums=(0, 1, 2))(q, k, v, seg)
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  kv_spec = P("data", None, "model") if hkv > 1 else P("data")
+  args = (put(q, P("data", None, "model")), put(k, kv_spec), put(v, kv_spec), put(seg, P("data")))
+  got = jax.jit(f)(*args)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+  _close(got, want)
+  _close(grads, want_grads, 1e-4)
+  assert got.sharding.spec == P("data", None, "model")
+  pad = lambda spec: (tuple(spec) + (None,) * 4)[:4]
+  assert [pad(g.sharding.spec) for g in grads] == [pad(a.sharding.spec) for a in args[:3]]
+  collectives = _collectives(jax.grad(loss, argnums=(0, 1, 2)), *args)
+  assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
+  assert collectives["all-reduce"] == (0 if hkv > 1 else 1), collectives
+
+
+def test_attention_under_vmap_folds_the_axis_into_the_batch():
+  """custom_partitioning has no batching rule: vmap goes through custom_vmap."""
+  q = jax.random.normal(jax.random.key(9), (3, 2, 64, 4, 16))
+  f = lambda q: memeff_jax.flash_attention(q, q, q, causal=True)
+  _close(jax.vmap(f)(q), jnp.stack([f(x) for x in q]))
+  _close(jax.grad(lambda q: jnp.sum(jax.vmap(f)(q) ** 2))(q),
+         jnp.stack([jax.grad(lambda x: jnp.sum(f(x) ** 2))(x) for x in q]), 1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,12 @@ def attention_vjp(forward, backward, name: str):
   the log-sum-exp carry the checkpoint names "attention_out" and "attention_lse": a remat
   policy that saves both (memeff_jax.remat's "attention") never reruns the forward kernel.
   First order only: a second-order gradient raises, naming the implementation `name`.
+  On an Auto mesh both run per shard of the batch and heads (_partition).
   """
+
+  from memeff_jax.ops.flash_attention import _partition  # pylint: disable=import-outside-toplevel
+  forward = _partition.partitioned_forward(forward)  # per shard on Auto meshes
+  backward = _partition.partitioned_backward(backward)
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
   def attention(static, q, k, v, q_seg, kv_seg):

@@ -1,0 +1,192 @@
+"""Attention on Auto meshes: the forward and backward computations as `custom_partitioning`s, so
+that under `jax.jit` with sharded inputs XLA runs them per shard instead of gathering
+everything onto every device (it cannot partition a Pallas call by itself).
+
+The batch and the heads partition: each shard computes its batch rows and query heads with
+the single-device code. The key heads shard with the query heads where every shard gets
+whole GQA groups (Hkv divisible by the shards); one key head (MQA) stays whole, and then the
+backward sums its dk and dv over the query-head shards. The sequences and the head dim are
+replicated (context parallelism is for another path). The Shardy rules say as much:
+`b t (k g) d, b s k d, b s k e -> b t (k g) e, b (k g) t`, with t, s, d, e needing
+replication. On one device, and inside `jax.shard_map`, `custom_partitioning` inlines the
+function unchanged. It has no batching rule: `jax.custom_batching.custom_vmap` folds a
+vmapped axis into the batch. The custom_vjp stays outermost (attention_vjp): its forward
+and backward rules call these. Under jax_enable_x64 the calls are not partitioned (_x64).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.custom_partitioning import ArrayMapping
+from jax.experimental.custom_partitioning import CompoundFactor
+from jax.experimental.custom_partitioning import SdyShardingRule
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _heads(q_shape, k_shape) -> tuple:
+  """(query-head mapping, key-head factor, factor sizes) of the rules: (k g) over k for GQA,
+  independent factors for one key head (a compound may not hold a factor of size 1)."""
+  hq, hkv = q_shape[2], k_shape[2]
+  if hkv == 1 and hq > 1:
+    return "h", "k", {}
+  if hq != hkv:
+    return CompoundFactor("k", "g"), "k", {"g": hq // hkv}
+  return "k", "k", {}
+
+
+def _forward_rule(mesh, value_types, result_types):
+  q, k = value_types[0].shape, value_types[1].shape
+  qh, kh, sizes = _heads(q, k)
+  ops = [ArrayMapping("b", "t", qh, "d"), ArrayMapping("b", "s", kh, "d"),
+         ArrayMapping("b", "s", kh, "e")]
+  if len(value_types) == 5:  # segment ids
+    ops += [ArrayMapping("b", "t"), ArrayMapping("b", "s")]
+  return SdyShardingRule(tuple(ops), (ArrayMapping("b", "t", qh, "e"), ArrayMapping("b", qh, "t")),
+                         need_replication_factors=("t", "d", "s", "e"), **sizes)
+
+
+def _backward_rule(mesh, value_types, result_types):
+  q, k = value_types[0].shape, value_types[1].shape
+  qh, kh, sizes = _heads(q, k)
+  ops = [ArrayMapping("b", "t", qh, "d"), ArrayMapping("b", "s", kh, "d"),
+         ArrayMapping("b", "s", kh, "e")]
+  if len(value_types) == 9:
+    ops += [ArrayMapping("b", "t"), ArrayMapping("b", "s")]
+  ops += [ArrayMapping("b", "t", qh, "e"), ArrayMapping("b", qh, "t"),  # out, lse
+          ArrayMapping("b", "t", qh, "e"), ArrayMapping("b", qh, "t")]  # their cotangents
+  return SdyShardingRule(tuple(ops), tuple(ops[:3]),
+                         need_replication_factors=("t", "d", "s", "e"), **sizes)
+
+
+def _axes(entry) -> tuple:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _plan(mesh, q_sharding, hq: int, hkv: int):
+  """(batch axes, query-head axes, key-head axes, the axes dk/dv are summed over) from q's
+  sharding: heads shard only where every shard gets whole groups."""
+  spec = tuple(q_sharding.spec) + (None,) * 4
+  batch, heads = _axes(spec[0]), _axes(spec[2])
+  n = 1
+  for a in heads:
+    n *= mesh.shape[a]
+  if hkv % n == 0:
+    return batch, heads, heads, ()
+  if hkv == 1:
+    return batch, heads, (), heads
+  return batch, (), (), ()
+
+
+def _spec(*dims) -> P:
+  return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
+
+
+def _forward_partition(static, forward, mesh, arg_shapes, result_shape):
+  q, k = arg_shapes[0], arg_shapes[1]
+  batch, qh, kh, _ = _plan(mesh, q.sharding, q.shape[2], k.shape[2])
+  ns = lambda spec: NamedSharding(mesh, spec)
+  q_s, kv_s = ns(_spec(batch, (), qh, ())), ns(_spec(batch, (), kh, ()))
+  args = [q_s, kv_s, kv_s] + [ns(_spec(batch, ()))] * (len(arg_shapes) - 3)
+  outs = (q_s, ns(_spec(batch, qh, ())))
+
+  def per_shard(q, k, v, *segs):
+    return forward(static, q, k, v, *(segs or (None, None)))
+
+  return mesh, per_shard, outs, tuple(args)
+
+
+def _backward_partition(static, backward, mesh, arg_shapes, result_shape):
+  q, k = arg_shapes[0], arg_shapes[1]
+  batch, qh, kh, summed = _plan(mesh, q.sharding, q.shape[2], k.shape[2])
+  ns = lambda spec: NamedSharding(mesh, spec)
+  q_s, kv_s, lse_s = (ns(_spec(batch, (), qh, ())), ns(_spec(batch, (), kh, ())),
+                      ns(_spec(batch, qh, ())))
+  segs = len(arg_shapes) == 9
+  args = [q_s, kv_s, kv_s] + [ns(_spec(batch, ()))] * (2 * segs) + [q_s, lse_s, q_s, lse_s]
+
+  def per_shard(q, k, v, *rest):
+    q_seg, kv_seg = rest[:2] if segs else (None, None)
+    out, lse, d_out, d_lse = rest[-4:]
+    dq, dk, dv = backward(static, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse)
+    if summed:  # one key head shared by the query-head shards
+      dk, dv = jax.lax.psum((dk, dv), summed)
+    return dq, dk, dv
+
+  return mesh, per_shard, (q_s, kv_s, kv_s), tuple(args)
+
+
+def _fold_vmap(fn):
+  """fn(*arrays) under custom_vmap: a vmapped axis is folded into every array's leading
+  (batch) axis, fn called once, and unfolded from the outputs'."""
+  wrapped = jax.custom_batching.custom_vmap(fn)
+
+  @wrapped.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    def fold(x, batched):
+      if not batched:
+        x = jax.numpy.broadcast_to(x, (axis_size,) + x.shape)
+      return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
+
+    flat = [fold(x, b) for x, b in zip(args, in_batched)]
+    outs = wrapped(*flat)
+    unfold = lambda y: y.reshape((axis_size, y.shape[0] // axis_size) + y.shape[1:])
+    return tuple(unfold(y) for y in outs), tuple(True for _ in outs)
+
+  return wrapped
+
+
+def _x64() -> bool:
+  """Under jax_enable_x64 the kernels are traced with 64-bit types off (hopper.without_x64),
+  which custom_partitioning's re-trace at lowering would undo: such calls run unpartitioned."""
+  return bool(jax.config.jax_enable_x64)
+
+
+def partitioned_forward(forward):
+  """forward(static, q, k, v, q_seg, kv_seg) -> (out, lse), partitioned over the batch and
+  heads of an Auto mesh."""
+  def call(static, q, k, v, q_seg, kv_seg):
+    if _x64():
+      return forward(static, q, k, v, q_seg, kv_seg)
+    part = custom_partitioning(lambda q, k, v, *segs: forward(static, q, k, v,
+                                                              *(segs or (None, None))))
+    part.def_partition(
+        partition=lambda mesh, arg_shapes, result_shape: _forward_partition(
+            static, forward, mesh, arg_shapes, result_shape),
+        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: _forward_partition(
+            static, forward, mesh, arg_shapes, result_shape)[2],
+        sharding_rule=_forward_rule)
+    segs = () if q_seg is None else (q_seg, kv_seg)
+    return _fold_vmap(part)(q, k, v, *segs)
+  return call
+
+
+def partitioned_backward(backward):
+  """backward(static, residuals, cotangents) -> (dq, dk, dv, None, None), its dq, dk, dv
+  partitioned over the batch and heads of an Auto mesh."""
+  def flat_backward(static, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+    from memeff_jax.ops.flash_attention._common import Residuals  # pylint: disable=import-outside-toplevel
+    return tuple(backward(static, Residuals(q, k, v, q_seg, kv_seg, out, lse),
+                          (d_out, d_lse))[:3])
+
+  def call(static, res, cts):
+    if _x64():
+      return backward(static, res, cts)
+    d_out, d_lse = cts
+    segs = () if res.q_segment_ids is None else (res.q_segment_ids, res.kv_segment_ids)
+
+    def local(q, k, v, *rest):
+      q_seg, kv_seg = rest[:2] if segs else (None, None)
+      return flat_backward(static, q, k, v, q_seg, kv_seg, *rest[-4:])
+
+    part = custom_partitioning(local)
+    part.def_partition(
+        partition=lambda mesh, arg_shapes, result_shape: _backward_partition(
+            static, flat_backward, mesh, arg_shapes, result_shape),
+        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: _backward_partition(
+            static, flat_backward, mesh, arg_shapes, result_shape)[2],
+        sharding_rule=_backward_rule)
+    dq, dk, dv = _fold_vmap(part)(res.q, res.k, res.v, *segs, res.out, res.lse, d_out, d_lse)
+    return dq, dk, dv, None, None
+  return call
