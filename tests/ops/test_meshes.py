@@ -235,6 +235,32 @@ def test_loss_vocab_parallel_in_shard_map(mesh, check_vma, kw):
          jax.grad(obj(want), argnums=(0, 1, 2))(x, w, b), 1e-5)
 
 
+@pytest.mark.parametrize("w_axis, kw", [(None, dict()), (None, dict(reduction="sum")),
+                                         ("model", dict()), ("model", _VOCAB_OPTIONS[1]),
+                                         ("model", _VOCAB_OPTIONS[2]),
+                                         ("model", dict(weight_layout="vd", where=True)),
+                                         ("model", _VOCAB_OPTIONS[4])])
+def test_loss_on_an_auto_mesh(mesh, w_axis, kw):
+  """jit with the tokens over 'data' and W replicated or its vocabulary over 'model' (Auto
+  axes): per shard through custom_partitioning; nothing gathered, dW kept as W is."""
+  layout = kw.get("weight_layout", "dv")
+  x, w, y, b, where = _vocab_problem(10, layout=layout)
+  kw, call = _vocab_call(kw, y, b, where)
+  loss = lambda x, w, b: jax.tree.leaves(call(x, w, b))[0] * 3.0
+  want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  w_spec = P() if w_axis is None else P(None, w_axis) if layout == "dv" else P(w_axis)
+  args = (put(x, P("data")), put(w, w_spec), put(b, P(w_axis)))
+  got = jax.jit(call)(*args)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+  _close(got, want, 1e-5)
+  _close(grads, want_grads, 1e-5)
+  assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
+  collectives = _collectives(jax.grad(loss, argnums=(0, 1, 2)), *args)
+  assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
+  assert collectives["all-reduce"] >= 1, collectives  # dW's sum over the token shards
+
+
 def test_vocab_axis_needs_an_enclosing_shard_map():
   with pytest.raises(ValueError, match=r"vocab_axis='model' is not an axis of an enclosing"):
     memeff_jax.linear_cross_entropy(jnp.ones((4, 8)), jnp.ones((8, 16)),

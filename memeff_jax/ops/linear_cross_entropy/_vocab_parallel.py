@@ -34,8 +34,20 @@ def axis_size(axis) -> int:
   return size
 
 
+def shared_sum(x, axis):
+  """psum for a per-shard context without shard_map's bookkeeping (custom_partitioning's): the
+  sum is used alike by every shard downstream, so its cotangent is the same on each and
+  passes through unchanged (JAX's psum transposes to another psum there)."""
+  @jax.custom_vjp
+  def total(x):
+    return jax.lax.psum(x, axis)
+
+  total.defvjp(lambda x: (jax.lax.psum(x, axis), None), lambda _, ct: (ct,))
+  return total(x)
+
+
 def stats(x, weight, bias, labels, valid, *, axis, weight_layout: str, smoothing: bool,
-          logit_softcap, loss_fn) -> Stats:
+          logit_softcap, loss_fn, psum=jax.lax.psum) -> Stats:
   """Every token's Stats over the whole vocabulary, for `weight`/`bias` this shard's slice of
   it along `axis` (_common.finish makes the loss of them). labels: [N] int32 global class
   ids; valid: [N] bool. loss_fn(x, weight, labels, bias, label_smoothing) -> (per-token loss,
@@ -45,7 +57,7 @@ def stats(x, weight, bias, labels, valid, *, axis, weight_layout: str, smoothing
   # The slice's lse (and with smoothing, its mean logit): every token, any label in range.
   slice_loss, lse_s = loss_fn(x, weight, jnp.zeros_like(labels), bias, 1.0 if smoothing else 0.0)
   m = jax.lax.pmax(jax.lax.stop_gradient(lse_s), axis)
-  lse = m + jnp.log(jax.lax.psum(jnp.exp(lse_s - m), axis))
+  lse = m + jnp.log(psum(jnp.exp(lse_s - m), axis))
 
   # The label's logit, from the shard that holds its column.
   local = labels - offset
@@ -57,9 +69,9 @@ def stats(x, weight, bias, labels, valid, *, axis, weight_layout: str, smoothing
     z = z + jnp.take(bias, idx).astype(jnp.float32)
   if logit_softcap is not None:
     z = logit_softcap * jnp.tanh(z / logit_softcap)
-  label_logit = jax.lax.psum(jnp.where(mine, z, 0.0), axis)
+  label_logit = psum(jnp.where(mine, z, 0.0), axis)
 
   logit_sum = jnp.zeros_like(lse)
   if smoothing:  # the slice's loss with ε = 1 is lse_s − Σ_v ẑ / V_s
-    logit_sum = jax.lax.psum(v_local * (lse_s - slice_loss), axis)
+    logit_sum = psum(v_local * (lse_s - slice_loss), axis)
   return Stats(lse, label_logit, logit_sum)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from memeff_jax.kernels import hopper
@@ -15,6 +16,7 @@ from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops import _explicit
 from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy import _partition
 from memeff_jax.ops.linear_cross_entropy import _vocab_parallel
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions
 from memeff_jax.ops.linear_cross_entropy.chunked_xla import ChunkedXla
@@ -174,6 +176,44 @@ def _vocab_axis(vocab_axis):
   except NameError as err:
     raise ValueError(f"vocab_axis={vocab_axis!r} is not an axis of an enclosing jax.shard_map "
                      f"(the weight's vocabulary must be sharded over it): {err}") from None
+
+
+def _auto_partitions(vocab_axis, reduction, return_aux, labels, x2, d, implementations) -> bool:
+  """Whether the call goes through _partition (per shard on Auto meshes): a mean or summed
+  loss without aux outputs by a custom_vjp implementation (the reference is plain JAX, which
+  XLA partitions itself), in a process with several devices, outside jax.shard_map; not
+  under jax_enable_x64 (the kernels trace with 64-bit types off, which custom_partitioning's
+  re-trace at lowering would undo)."""
+  manual = any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
+  return (vocab_axis is None and reduction != "none" and not return_aux and not manual
+          and not isinstance(labels, Int64Labels) and x2.shape[0] > 0 and d > 0
+          and not isinstance(implementations[0], Reference)
+          and jax.device_count() > 1 and not jax.config.jax_enable_x64)
+
+
+def _compute(x2, weight, bias, labels2, valid, opts: LossOptions, implementations, chunk_size,
+             vocab_axis, psum=jax.lax.psum):
+  """(loss, lse, z-loss term) of [N, D] tokens by the first implementation that serves them;
+  with vocab_axis, `weight` (and `bias`) are this shard's slice of opts.vocab_size, merged
+  by `psum` (see _vocab_parallel.stats)."""
+  if vocab_axis is None:
+    return _dispatch.first_that_serves(
+        implementations,
+        lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))
+  v_local = weight.shape[1] if opts.weight_layout == "dv" else weight.shape[0]
+
+  def slice_loss(x, w, labels, b, eps):  # per token over this shard's slice: (loss, lse)
+    local = dataclasses.replace(opts, vocab_size=int(v_local), reduction="none",
+                                label_smoothing=eps, z_loss=0.0, aux_outputs=True)
+    return _dispatch.first_that_serves(implementations, lambda impl: impl(
+        x, w, b, labels, jnp.ones_like(valid), opts=local, chunk_size=chunk_size))[:2]
+
+  stats = _vocab_parallel.stats(x2, weight, bias, labels2, valid, axis=vocab_axis,
+                                weight_layout=opts.weight_layout,
+                                smoothing=opts.label_smoothing > 0,
+                                logit_softcap=opts.logit_softcap, loss_fn=slice_loss,
+                                psum=psum)
+  return _common.finish(stats, labels2, valid, opts)
 
 
 def _check_float(name, a):
@@ -350,23 +390,16 @@ def linear_cross_entropy(
   implementations = _dispatch.resolve(implementation, IMPLEMENTATIONS, default)
   if x2.shape[0] == 0:  # no tokens: no chunks; the reference's (empty) computation
     implementations = [IMPLEMENTATIONS["reference"]]
-  if vocab_axis is None:
-    loss, lse, zterm = _dispatch.first_that_serves(
-        implementations,
-        lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))
-  else:
-    def slice_loss(x, w, labels, b, eps):  # per token over this shard's slice: (loss, lse)
-      local = dataclasses.replace(opts, vocab_size=int(vocab), reduction="none",
-                                  label_smoothing=eps, z_loss=0.0, aux_outputs=True)
-      return _dispatch.first_that_serves(implementations, lambda impl: impl(
-          x, w, b, labels, jnp.ones_like(valid), opts=local, chunk_size=chunk_size))[:2]
+  if _auto_partitions(vocab_axis, reduction, return_aux, labels, x2, d, implementations):
+    def shard_loss(x, w, b, labels, valid, axis, reduction):  # W: a vocabulary slice
+      return _compute(x, w, b, labels, valid, dataclasses.replace(opts, reduction=reduction),
+                      implementations, chunk_size, axis, psum=_vocab_parallel.shared_sum)[0]
 
-    stats = _vocab_parallel.stats(x2, weight, bias, labels2, valid, axis=vocab_axis,
-                                  weight_layout=weight_layout,
-                                  smoothing=opts.label_smoothing > 0,
-                                  logit_softcap=logit_softcap, loss_fn=slice_loss)
-    loss, lse, zterm = _common.finish(stats, labels2, valid, opts)
-
+    name = getattr(implementations[0], "name", type(implementations[0]).__name__)
+    return _partition.reduced_loss(x2, weight, bias, labels2, valid, reduction=reduction,
+                                   weight_layout=weight_layout, loss_fn=shard_loss, name=name)
+  loss, lse, zterm = _compute(x2, weight, bias, labels2, valid, opts, implementations,
+                              chunk_size, vocab_axis)
   if reduction == "none":
     loss = loss.reshape(lead)
   if return_aux:  # (without it, chunked implementations may return None for lse and zterm)
