@@ -247,6 +247,10 @@ def flash_attention(
   Memory: reference holds [B, Hq, T, S] float32 scores; chunked_xla [B, Hq, block_q,
   block_k]; pallas_triton and pallas_mosaic_gpu only the kernels' tiles.
 
+  Meshes: with q, k, v sharded on the batch and heads (an Auto or Explicit mesh under jit,
+  or inside jax.shard_map) each shard runs its part; the sequence and head dim must not be
+  sharded (see docs/design/multi_device.md).
+
   Raises:
     ValueError / TypeError: bad shapes, dtypes or options; the message names the argument.
     NotImplementedError: when an explicitly chosen implementation cannot serve the call.

@@ -284,6 +284,10 @@ def linear_cross_entropy(
     The loss (a scalar, or labels.shape for "none"), float32; with return_aux,
     (loss, Aux).
 
+  Meshes: tokens sharded, and W's vocabulary sharded over other axes (Auto or Explicit
+  meshes under jit, or vocab_axis inside jax.shard_map), run per shard; on Explicit meshes
+  W's D too (FSDP). See docs/design/multi_device.md.
+
   Memory: reference holds N·V float32 logits; chunked_xla about its budget plus a float32
   dW accumulator (D·V·4 bytes); pallas_mosaic_gpu about its budget, accumulating dW in the
   weight's dtype.
