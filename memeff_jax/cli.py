@@ -79,8 +79,16 @@ def _train(args) -> int:
   steps = args.steps or train_cfg.get("steps", 20)
   batch = args.batch or train_cfg.get("batch", 1)
   seq_len = args.seq_len or train_cfg.get("seq_len", 1024)
+  mesh = None
+  if args.distributed:
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.distributed.initialize()
+  if args.mesh:
+    from memeff_jax.models import sharding  # pylint: disable=import-outside-toplevel
+    mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh))
+    print(f"mesh {dict(mesh.shape)} over {mesh.size} devices")
   r = run.train(cfg, train_cfg, kernels=args.kernels, steps=steps, batch=batch,
-                seq_len=seq_len)
+                seq_len=seq_len, mesh=mesh)
   mem = "n/a" if r.temp_bytes is None else f"{r.temp_bytes / 2**30:.3f} GiB"
   peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 2**30:.3f} GiB"
   print(f"{args.kernels} layers: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f} in {steps} steps; "
@@ -219,6 +227,12 @@ def parser() -> argparse.ArgumentParser:
                          help="train a configured model (tiny, 125m, 1b or a TOML file)")
   train.add_argument("--steps", type=int, default=None,
                      help="train steps (default: the config's)")
+  train.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                     help="train on a mesh of data, fsdp and tensor axes, e.g. "
+                          "data=2,fsdp=2,tensor=2 (default: one device)")
+  train.add_argument("--distributed", action="store_true",
+                     help="call jax.distributed.initialize() first: run the same command on "
+                          "every host of a multi-host job (default: off)")
   train.set_defaults(func=_train)
   report = sub.add_parser("report", parents=[model],
                           help="memory report of a model's train step and policies")

@@ -50,19 +50,26 @@ def progress(prefix: str, i: int, n: int, loss: float, stream=sys.stderr):
 
 def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch: int,
           seq_len: int, seed: int = 0, show_progress: bool = True,
-          probe_batches: tuple[int, ...] = (), on_compiled=None) -> RunResult:
+          probe_batches: tuple[int, ...] = (), on_compiled=None, mesh=None) -> RunResult:
   """Trains a fresh model (parameters from `seed`, so both kernel sets start equal).
 
   `probe_batches`: batch sizes whose train step is only compiled, after training, to
   report their predicted peak bytes (RunResult.probes); nothing runs at those sizes.
   `on_compiled(report)`: called with the step's MemoryReport before the first step runs
-  (so a run that then fails still leaves its prediction).
+  (so a run that then fails still leaves its prediction). `mesh`: train on this mesh
+  (models.sharding: the batch over data × fsdp, weights by its rules).
   """
   model = Llama(cfg, kernels=kernels, rngs=nnx.Rngs(seed))
-  state, step = make_train_step(model, learning_rate=train_cfg.get("learning_rate", 3e-3))
+  state, step = make_train_step(model, learning_rate=train_cfg.get("learning_rate", 3e-3),
+                                mesh=mesh)
   state = state.state
   stream = batches(cfg, train_cfg, batch, seq_len)
-  first = {k: jnp.asarray(v) for k, v in next(stream).items()}
+  if mesh is None:
+    place = lambda b: {k: jnp.asarray(v) for k, v in b.items()}
+  else:
+    from memeff_jax.models import sharding  # pylint: disable=import-outside-toplevel
+    place = lambda b: jax.device_put(b, sharding.batch_sharding(mesh))
+  first = place(next(stream))
   compiled = step.lower(state, first).compile()  # compiled once, run below
   report = memory.report_of(compiled)
   if on_compiled is not None:
@@ -76,7 +83,7 @@ def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch:
       t_start = time.perf_counter()  # the first step includes compilation
     if show_progress:
       progress(f"{kernels:6s}", i + 1, steps, losses[-1])
-    batch_data = {k: jnp.asarray(v) for k, v in next(stream).items()}
+    batch_data = place(next(stream))
   elapsed = time.perf_counter() - t_start if steps > 1 else float("nan")
   stats = jax.devices()[0].memory_stats() or {}
   probes = {}

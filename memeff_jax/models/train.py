@@ -19,9 +19,12 @@ class TrainState(NamedTuple):
   state: Any  # (model, optimizer) state
 
 
-def make_train_step(model: nnx.Module, learning_rate: float = 3e-3, weight_decay: float = 0.1):
+def make_train_step(model: nnx.Module, learning_rate: float = 3e-3, weight_decay: float = 0.1,
+                    mesh=None):
   """(TrainState, step) with step(state, batch) -> (new state, loss); batch is a dict of
-  tokens, labels and optionally segment_ids."""
+  tokens, labels and optionally segment_ids. With a mesh (models.sharding.make_mesh), the
+  state is placed by models.sharding's rules and the step keeps it there; batches are
+  placed by the caller (sharding.batch_sharding)."""
   optimizer = nnx.Optimizer(model, optax.adamw(learning_rate, weight_decay=weight_decay),
                             wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
@@ -32,7 +35,13 @@ def make_train_step(model: nnx.Module, learning_rate: float = 3e-3, weight_decay
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
-  return TrainState(graphdef, state), jax.jit(step, donate_argnums=0)
+  if mesh is None:
+    return TrainState(graphdef, state), jax.jit(step, donate_argnums=0)
+  from memeff_jax.models import sharding  # pylint: disable=import-outside-toplevel
+  placed = sharding.state_shardings(state, mesh)
+  state = jax.device_put(state, placed)
+  return TrainState(graphdef, state), jax.jit(step, donate_argnums=0,
+                                              out_shardings=(placed, None))
 
 
 def abstract_train_step(make_model, learning_rate: float = 3e-3, weight_decay: float = 0.1):
