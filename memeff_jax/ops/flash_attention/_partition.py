@@ -16,6 +16,8 @@ and backward rules call these. Under jax_enable_x64 the calls are not partitione
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.experimental.custom_partitioning import ArrayMapping
 from jax.experimental.custom_partitioning import CompoundFactor
@@ -64,14 +66,18 @@ def _axes(entry) -> tuple:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _plan(mesh, q_sharding, hq: int, hkv: int):
+def _plan(mesh, q_sharding, batch_size: int, hq: int, hkv: int):
   """(batch axes, query-head axes, key-head axes, the axes dk/dv are summed over) from q's
-  sharding: heads shard only where every shard gets whole groups."""
+  sharding: a dimension shards only where its shards are equal, heads only where every
+  shard gets whole GQA groups (or all share one key head)."""
   spec = tuple(q_sharding.spec) + (None,) * 4
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
   batch, heads = _axes(spec[0]), _axes(spec[2])
-  n = 1
-  for a in heads:
-    n *= mesh.shape[a]
+  if batch_size % size(batch):  # never a padded shard: replicated instead
+    batch = ()
+  n = size(heads)
+  if hq % n:
+    return batch, (), (), ()
   if hkv % n == 0:
     return batch, heads, heads, ()
   if hkv == 1:
@@ -85,7 +91,7 @@ def _spec(*dims) -> P:
 
 def _forward_partition(static, forward, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
-  batch, qh, kh, _ = _plan(mesh, q.sharding, q.shape[2], k.shape[2])
+  batch, qh, kh, _ = _plan(mesh, q.sharding, q.shape[0], q.shape[2], k.shape[2])
   ns = lambda spec: NamedSharding(mesh, spec)
   q_s, kv_s = ns(_spec(batch, (), qh, ())), ns(_spec(batch, (), kh, ()))
   args = [q_s, kv_s, kv_s] + [ns(_spec(batch, ()))] * (len(arg_shapes) - 3)
@@ -99,7 +105,7 @@ def _forward_partition(static, forward, mesh, arg_shapes, result_shape):
 
 def _backward_partition(static, backward, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
-  batch, qh, kh, summed = _plan(mesh, q.sharding, q.shape[2], k.shape[2])
+  batch, qh, kh, summed = _plan(mesh, q.sharding, q.shape[0], q.shape[2], k.shape[2])
   ns = lambda spec: NamedSharding(mesh, spec)
   q_s, kv_s, lse_s = (ns(_spec(batch, (), qh, ())), ns(_spec(batch, (), kh, ())),
                       ns(_spec(batch, qh, ())))

@@ -32,6 +32,14 @@ def _spec(*dims) -> P:
   return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
 
 
+def _divides(mesh, axes: tuple, size: int) -> tuple:
+  """`axes` if their shards split `size` evenly, else () (replicated: never a padded shard)."""
+  n = 1
+  for a in axes:
+    n *= mesh.shape[a]
+  return axes if size % n == 0 else ()
+
+
 def _rule(layout: str, with_grads: bool):
   def rule(mesh, value_types, result_types):
     ops = [ArrayMapping("n", "d"),
@@ -48,9 +56,10 @@ def _partition(layout: str, with_grads: bool, local):
   """The per-shard computation and shardings from the inputs' shardings."""
   def partition(mesh, arg_shapes, result_shape):
     x, w = arg_shapes[0], arg_shapes[1]
-    tokens = _axes((tuple(x.sharding.spec) + (None,))[0])
+    tokens = _divides(mesh, _axes((tuple(x.sharding.spec) + (None,))[0]), x.shape[0])
     w_spec = tuple(w.sharding.spec) + (None, None)
-    vocab = _axes(w_spec[1] if layout == "dv" else w_spec[0])
+    v_dim = 1 if layout == "dv" else 0
+    vocab = _divides(mesh, _axes(w_spec[v_dim]), w.shape[v_dim])
     if set(vocab) & set(tokens):
       vocab = ()
     ns = lambda *dims: NamedSharding(mesh, _spec(*dims))
