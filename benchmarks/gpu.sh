@@ -7,7 +7,8 @@
 #
 # Parts run in the order given: `tests`; `attention:SET` and `lce:SET` (a shape set of
 # configs/benchmarks/<op>.toml, every provider side by side in interleaved rounds);
-# `train` (the 1B train step against plain Flax); `bridge` (the PyTorch bridge).
+# `train` (the 1B train step against plain Flax); `bridge` (the PyTorch bridge); `scaling`
+# (both ops on 1, 2, 4 GPUs of the host; NCCL's NVLink multicast off).
 # The peers' wheels (tokamax, Liger-Kernel, Cut Cross-Entropy) are installed first from .whl/
 # when present (`bash benchmarks/fetch_peer_wheels.sh` downloads them). Results are
 # appended to $RESULTS (default benchmarks/results); `python benchmarks/make_results.py`
@@ -34,6 +35,9 @@ for part in "$@"; do
         --out "$RESULTS/linear_cross_entropy.jsonl" ;;
     train) python3 benchmarks/train_step.py --config 1b --out "$RESULTS/train_step.jsonl" ;;
     bridge) python3 benchmarks/torch_bridge.py --out "$RESULTS/torch_bridge.jsonl" ;;
-    *) echo "unknown part: $part (tests, attention:SET, lce:SET, train, bridge)"; exit 2 ;;
+    scaling) NCCL_NVLS_ENABLE=0 python3 benchmarks/scaling.py --rounds "$ROUNDS" \
+        --out "$RESULTS/scaling.jsonl" ;;
+    *) echo "unknown part: $part (tests, attention:SET, lce:SET, train, bridge, scaling)"
+       exit 2 ;;
   esac
 done

@@ -319,6 +319,32 @@ def branches_section() -> list[str]:
   return out
 
 
+def scaling_section() -> list[str]:
+  rows = [r for r in load("scaling") if r.get("platform") == "gpu" and not r.get("small")]
+  if not rows:
+    return []
+  out = ["## Scaling over the GPUs of one host", "",
+         "`python benchmarks/scaling.py`: Auto meshes under jit, every provider on the same "
+         "mesh. Weak scaling (attention, loss: a fixed shape per GPU): efficiency = one GPU's "
+         "time / n GPUs' time; strong scaling (vocab: one problem): one GPU's / (n · n GPUs').",
+         ""]
+  for (device,), group in _by_run(rows, "device"):
+    counts = sorted({r["devices"] for r in group})
+    out += [f"**{device}** (jax {group[0]['jax']})", "",
+            "| case | provider | " + " | ".join(f"{n} GPU ms (eff.)" for n in counts) + " |",
+            "|---|---|" + "---|" * len(counts)]
+    cells = {(r["case"], r["provider"], r["devices"]): r for r in group}
+    for case, provider in dict.fromkeys((r["case"], r["provider"]) for r in group):
+      row = []
+      for n in counts:
+        r = cells.get((case, provider, n))
+        eff = "" if r is None or r.get("efficiency") is None else f" ({r['efficiency']:.3f})"
+        row.append("—" if r is None else f"{r['ms']:.2f}{eff}")
+      out.append(f"| {case} | {provider} | " + " | ".join(row) + " |")
+    out.append("")
+  return out
+
+
 def torch_bridge_section() -> list[str]:
   rows = load("torch_bridge")
   if not rows:
@@ -403,7 +429,7 @@ def main():
       fa_latest = [found["headline-noncausal"], found["headline-causal"]]
   train_lines, train_summary = train_step_section()
   lines += (train_lines + train_curve_section() + dw_precision_section() + remat_fit_section()
-            + branches_section() + torch_bridge_section())
+            + scaling_section() + branches_section() + torch_bridge_section())
   (ROOT / "benchmarks" / "RESULTS.md").write_text("\n".join(lines))
   readme = ROOT / "README.md"
   if readme.exists():

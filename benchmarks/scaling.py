@@ -1,0 +1,152 @@
+"""Both ops on 1, 2, 4, ... devices of one host: every provider side by side on the same mesh.
+
+    python benchmarks/scaling.py [--devices 1,2,4] [--cases attention,loss,vocab] [--rounds 3]
+
+Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
+  attention  weak scaling, data parallel: B=4, T=4096, H=32, D=128 bf16 per device, the batch
+             over "data"; fwd+bwd of memeff, and jax.nn.dot_product_attention on cuDNN (GPU)
+             or XLA, both masks. Efficiency: one device's time / n devices' time.
+  loss       weak scaling, data parallel: N=16,384 tokens per device at Llama-3-8B's head
+             (D=4096, V=128,256), W replicated; fwd+bwd of memeff and the plain XLA loss
+             (x @ W, optax), each with the dW all-reduce the step pays; that all-reduce of a
+             [D, V] bf16 array is also timed alone ("dw_allreduce").
+  vocab      strong scaling, vocab parallel: N=16,384 tokens in all, W's vocabulary over
+             "tensor"; memeff. Efficiency: one device's time / (n · n devices' time).
+
+`--small` runs shapes a CPU can take (tests and a dry run: XLA_FLAGS=
+--xla_force_host_platform_device_count=8 before the run). Rows (op="scaling": case,
+provider, devices, ms, efficiency) are appended to benchmarks/results/scaling.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks import _harness  # noqa: E402
+import memeff_jax  # noqa: E402
+
+SHAPES = {
+    False: dict(attention=dict(b=4, t=4096, h=32, d=128), loss=dict(n=16384, d=4096, v=128256)),
+    True: dict(attention=dict(b=2, t=256, h=4, d=32), loss=dict(n=512, d=64, v=1024)),
+}
+
+
+def _mesh(n: int, axis: str):
+  return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def attention_cases(n: int, shape: dict, causal: bool):
+  """{provider: (fn, args)} at n devices: per-device batch b, the global batch n·b."""
+  mesh = _mesh(n, "data")
+  b, t, h, d = shape["b"] * n, shape["t"], shape["h"], shape["d"]
+  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+  keys = jax.random.split(jax.random.key(0), 4)
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+  q, k, v, g = (put(jax.random.normal(key, (b, t, h, d), dtype)) for key in keys)
+  peer = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  attends = {
+      "memeff": lambda q, k, v: memeff_jax.flash_attention(q, k, v, causal=causal),
+      peer: lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                         implementation=peer),
+  }
+
+  def fwd_bwd(attend):
+    def f(q, k, v, g):
+      out, vjp = jax.vjp(attend, q, k, v)
+      return out, vjp(g)
+    return jax.jit(f)
+
+  return {name: (fwd_bwd(a), (q, k, v, g)) for name, a in attends.items()}
+
+
+def loss_cases(n: int, shape: dict, vocab_parallel: bool):
+  """{provider: (fn, args)}: data parallel (tokens n·N over "data", W replicated), or vocab
+  parallel (N tokens, W's vocabulary over "tensor")."""
+  import optax  # pylint: disable=import-outside-toplevel
+  axis = "tensor" if vocab_parallel else "data"
+  mesh = _mesh(n, axis)
+  tokens = shape["n"] * (1 if vocab_parallel else n)
+  d, vocab = shape["d"], shape["v"]
+  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+  kx, kw, ky = jax.random.split(jax.random.key(1), 3)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  x = put(jax.random.normal(kx, (tokens, d), dtype), P() if vocab_parallel else P("data"))
+  w = put((jax.random.normal(kw, (d, vocab), jnp.float32) / np.sqrt(d)).astype(dtype),
+          P(None, "tensor") if vocab_parallel else P())
+  y = put(jax.random.randint(ky, (tokens,), 0, vocab), P() if vocab_parallel else P("data"))
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+  cases = {"memeff": (grad(lambda x, w, y: memeff_jax.linear_cross_entropy(x, w, y)),
+                      (x, w, y))}
+  if not vocab_parallel:
+    plain = lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
+        (x @ w).astype(jnp.float32), y).mean()
+    cases["jax_naive"] = (grad(plain), (x, w, y))
+    if n > 1:  # the dW all-reduce alone: a [D, V] sum over the data shards
+      parts = put(jnp.zeros((n, d, vocab), dtype), P("data"))
+      cases["dw_allreduce"] = (jax.jit(lambda p: p.sum(0), out_shardings=NamedSharding(
+          mesh, P())), (parts,))
+  return cases
+
+
+def run(cases: list[str], devices: list[int], rounds: int, small: bool, out) -> list[dict]:
+  env, rows = _harness.environment(), []
+  shapes = SHAPES[small]
+  plans = []
+  for case in cases:
+    if case == "attention":
+      plans += [("attention" + ("-causal" if c else ""), functools.partial(
+          attention_cases, shape=shapes["attention"], causal=c), True) for c in (False, True)]
+    elif case in ("loss", "vocab"):
+      plans.append((case, functools.partial(loss_cases, shape=shapes["loss"],
+                                            vocab_parallel=case == "vocab"), case != "vocab"))
+    else:
+      raise ValueError(f"unknown case {case!r} (attention, loss, vocab)")
+  for name, make, weak in plans:
+    base = {}
+    for n in devices:
+      timers = {p: functools.partial(_harness.time_jax, fn, *args, reps=5)
+                for p, (fn, args) in make(n).items()}
+      times = _harness.interleaved(timers, rounds)
+      for provider, ts in times.items():
+        ms = float(np.median(ts))
+        base.setdefault(provider, ms if n == devices[0] else None)
+        first = base[provider]
+        eff = None if first is None else (first / ms if weak else first / (n * ms))
+        row = dict(op="scaling", case=name, provider=provider, devices=n, ms=ms,
+                   efficiency=eff, weak=weak, small=small, rounds=rounds, **env)
+        rows.append(row)
+        _harness.append(out, [row])
+        print(f"  {name:18s} {provider:13s} {n} devices: {ms:9.3f} ms"
+              + ("" if eff is None else f"  efficiency {eff:.3f}"), flush=True)
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--devices", default=None, help="device counts (default: 1, 2, 4, ...)")
+  parser.add_argument("--cases", default="attention,loss,vocab")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--small", action="store_true", help="CPU-sized shapes")
+  parser.add_argument("--out", default=str(_harness.RESULTS / "scaling.jsonl"))
+  args = parser.parse_args(argv)
+  counts = ([int(c) for c in args.devices.split(",")] if args.devices else
+            [c for c in (1, 2, 4, 8) if c <= jax.device_count()])
+  if max(counts) > jax.device_count():
+    raise SystemExit(f"--devices {args.devices}: this process sees {jax.device_count()}")
+  print(f"scaling on {jax.device_count()} × {jax.devices()[0].device_kind}")
+  run(args.cases.split(","), counts, args.rounds, args.small, args.out)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,23 @@
+"""benchmarks/scaling.py runs on fake CPU devices (a dry run of the multi-GPU benchmark)."""
+
+import json
+
+import jax
+import pytest
+
+from benchmarks import scaling
+
+
+def test_scaling_dry_run(tmp_path):
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  out = tmp_path / "scaling.jsonl"
+  scaling.main(["--small", "--devices", "1,2", "--cases", "loss,vocab", "--rounds", "1",
+                "--out", str(out)])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  got = {(r["case"], r["provider"], r["devices"]) for r in rows}
+  assert got == {("loss", "memeff", 1), ("loss", "jax_naive", 1), ("loss", "memeff", 2),
+                 ("loss", "jax_naive", 2), ("loss", "dw_allreduce", 2), ("vocab", "memeff", 1),
+                 ("vocab", "memeff", 2)}
+  assert all(r["efficiency"] == 1.0 for r in rows if r["devices"] == 1)
+  assert all(r["ms"] > 0 for r in rows)
