@@ -1,6 +1,6 @@
 """Both ops on 1, 2, 4, ... devices of one host: every provider side by side on the same mesh.
 
-    python benchmarks/scaling.py [--devices 1,2,4] [--cases attention,loss,vocab] [--rounds 3]
+    python benchmarks/scaling.py [--devices 1,2,4] [--cases attention,loss,vocab,train]
 
 Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   attention  weak scaling, data parallel: B=4, T=4096, H=32, D=128 bf16 per device, the batch
@@ -12,6 +12,9 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
              [D, V] bf16 array is also timed alone ("dw_allreduce").
   vocab      strong scaling, vocab parallel: N=16,384 tokens in all, W's vocabulary over
              "tensor"; memeff. Efficiency: one device's time / (n · n devices' time).
+  train      the 1B model's train step (batch 4 × 4096 per data shard), memeff and plain
+             (cuDNN attention) layers, on data × fsdp and fsdp × tensor meshes
+             (models.sharding); ms per step, efficiency from tokens/s per device.
 
 `--small` runs shapes a CPU can take (tests and a dry run: XLA_FLAGS=
 --xla_force_host_platform_device_count=8 before the run). Rows (op="scaling": case,
@@ -37,9 +40,15 @@ from benchmarks import _harness  # noqa: E402
 import memeff_jax  # noqa: E402
 
 SHAPES = {
-    False: dict(attention=dict(b=4, t=4096, h=32, d=128), loss=dict(n=16384, d=4096, v=128256)),
-    True: dict(attention=dict(b=2, t=256, h=4, d=32), loss=dict(n=512, d=64, v=1024)),
+    False: dict(attention=dict(b=4, t=4096, h=32, d=128), loss=dict(n=16384, d=4096, v=128256),
+                train=dict(config="1b", batch=4, seq_len=4096, steps=6)),
+    True: dict(attention=dict(b=2, t=256, h=4, d=32), loss=dict(n=512, d=64, v=1024),
+               train=dict(config="tiny", batch=2, seq_len=128, steps=3)),
 }
+
+# Train-step meshes per device count: the first axis takes the data, the second splits
+# each model copy (fsdp) or its layers (tensor).
+TRAIN_MESHES = {"data×fsdp": ("data", "fsdp"), "fsdp×tensor": ("fsdp", "tensor")}
 
 
 def _mesh(n: int, axis: str):
@@ -99,6 +108,36 @@ def loss_cases(n: int, shape: dict, vocab_parallel: bool):
   return cases
 
 
+def train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
+  """The train step per mesh layout and device count: tokens/s per device against one
+  device's (batch `shape["batch"]` per data shard)."""
+  from memeff_jax.cli import _config_path  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import LlamaConfig, run as train_run, sharding  # pylint: disable=import-outside-toplevel
+  cfg, train_cfg = LlamaConfig.from_toml(_config_path(shape["config"]))
+  rows, base = [], {}
+  for layout, (outer, inner) in TRAIN_MESHES.items():
+    for n in devices:
+      sizes = {outer: max(n // 2, 1), inner: 2} if n > 1 else {}
+      mesh = sharding.make_mesh(sizes) if sizes else None
+      shards = sizes.get("data", 1) * sizes.get("fsdp", 1)
+      for kernels in ("memeff", "plain"):
+        r = train_run.train(cfg, train_cfg, kernels=kernels, steps=shape["steps"],
+                            batch=shape["batch"] * shards, seq_len=shape["seq_len"],
+                            show_progress=False, mesh=mesh)
+        per_device = r.tokens_per_s / max(n, 1)
+        first = base.setdefault((layout, kernels), per_device)
+        ms = 1e3 * shape["batch"] * shards * shape["seq_len"] / r.tokens_per_s
+        row = dict(op="scaling", case=f"train-{shape['config']}-{layout}", provider=kernels,
+                   devices=n, mesh=sizes, ms=ms, tokens_per_s_per_device=per_device,
+                   efficiency=per_device / first, weak=True, **env)
+        rows.append(row)
+        _harness.append(out, [row])
+        print(f"  {row['case']:18s} {kernels:13s} {n} devices: {ms:9.1f} ms/step, "
+              f"{per_device:,.0f} tokens/s per device  efficiency {row['efficiency']:.3f}",
+              flush=True)
+  return rows
+
+
 def run(cases: list[str], devices: list[int], rounds: int, small: bool, out) -> list[dict]:
   env, rows = _harness.environment(), []
   shapes = SHAPES[small]
@@ -110,8 +149,10 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out) -> 
     elif case in ("loss", "vocab"):
       plans.append((case, functools.partial(loss_cases, shape=shapes["loss"],
                                             vocab_parallel=case == "vocab"), case != "vocab"))
+    elif case == "train":
+      rows += train_rows(shapes["train"], devices, env, out)
     else:
-      raise ValueError(f"unknown case {case!r} (attention, loss, vocab)")
+      raise ValueError(f"unknown case {case!r} (attention, loss, vocab, train)")
   for name, make, weak in plans:
     base = {}
     for n in devices:
@@ -135,7 +176,7 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out) -> 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--devices", default=None, help="device counts (default: 1, 2, 4, ...)")
-  parser.add_argument("--cases", default="attention,loss,vocab")
+  parser.add_argument("--cases", default="attention,loss,vocab,train")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--small", action="store_true", help="CPU-sized shapes")
   parser.add_argument("--out", default=str(_harness.RESULTS / "scaling.jsonl"))

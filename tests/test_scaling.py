@@ -21,3 +21,4 @@ def test_scaling_dry_run(tmp_path):
                  ("vocab", "memeff", 2)}
   assert all(r["efficiency"] == 1.0 for r in rows if r["devices"] == 1)
   assert all(r["ms"] > 0 for r in rows)
+
