@@ -112,7 +112,8 @@ def train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
   """The train step per mesh layout and device count: tokens/s per device against one
   device's (batch `shape["batch"]` per data shard)."""
   from memeff_jax.cli import _config_path  # pylint: disable=import-outside-toplevel
-  from memeff_jax.models import LlamaConfig, run as train_run, sharding  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from memeff_jax.models import LlamaConfig, run as train_run, sharding
   cfg, train_cfg = LlamaConfig.from_toml(_config_path(shape["config"]))
   rows, base = [], {}
   for layout, (outer, inner) in TRAIN_MESHES.items():

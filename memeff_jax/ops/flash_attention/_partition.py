@@ -16,15 +16,16 @@ and backward rules call these. Under jax_enable_x64 the calls are not partitione
 
 from __future__ import annotations
 
-import math
+import functools
 
 import jax
 from jax.experimental.custom_partitioning import ArrayMapping
 from jax.experimental.custom_partitioning import CompoundFactor
 from jax.experimental.custom_partitioning import SdyShardingRule
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+
+from memeff_jax.ops import _auto
+from memeff_jax.ops.flash_attention import _common
 
 
 def _heads(q_shape, k_shape) -> tuple:
@@ -62,20 +63,15 @@ def _backward_rule(mesh, value_types, result_types):
                          need_replication_factors=("t", "d", "s", "e"), **sizes)
 
 
-def _axes(entry) -> tuple:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _plan(mesh, q_sharding, batch_size: int, hq: int, hkv: int):
   """(batch axes, query-head axes, key-head axes, the axes dk/dv are summed over) from q's
   sharding: a dimension shards only where its shards are equal, heads only where every
   shard gets whole GQA groups (or all share one key head)."""
   spec = tuple(q_sharding.spec) + (None,) * 4
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-  batch, heads = _axes(spec[0]), _axes(spec[2])
-  if batch_size % size(batch):  # never a padded shard: replicated instead
+  batch, heads = _auto.axes(spec[0]), _auto.axes(spec[2])
+  if batch_size % _auto.size(mesh, batch):  # never a padded shard: replicated instead
     batch = ()
-  n = size(heads)
+  n = _auto.size(mesh, heads)
   if hq % n:
     return batch, (), (), ()
   if hkv % n == 0:
@@ -85,17 +81,13 @@ def _plan(mesh, q_sharding, batch_size: int, hq: int, hkv: int):
   return batch, (), (), ()
 
 
-def _spec(*dims) -> P:
-  return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
-
-
 def _forward_partition(static, forward, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
   batch, qh, kh, _ = _plan(mesh, q.sharding, q.shape[0], q.shape[2], k.shape[2])
-  ns = lambda spec: NamedSharding(mesh, spec)
-  q_s, kv_s = ns(_spec(batch, (), qh, ())), ns(_spec(batch, (), kh, ()))
-  args = [q_s, kv_s, kv_s] + [ns(_spec(batch, ()))] * (len(arg_shapes) - 3)
-  outs = (q_s, ns(_spec(batch, qh, ())))
+  ns = lambda *dims: NamedSharding(mesh, _auto.spec(*dims))
+  q_s, kv_s = ns(batch, (), qh, ()), ns(batch, (), kh, ())
+  args = [q_s, kv_s, kv_s] + [ns(batch, ())] * (len(arg_shapes) - 3)
+  outs = (q_s, ns(batch, qh, ()))
 
   def per_shard(q, k, v, *segs):
     return forward(static, q, k, v, *(segs or (None, None)))
@@ -106,11 +98,10 @@ def _forward_partition(static, forward, mesh, arg_shapes, result_shape):
 def _backward_partition(static, backward, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
   batch, qh, kh, summed = _plan(mesh, q.sharding, q.shape[0], q.shape[2], k.shape[2])
-  ns = lambda spec: NamedSharding(mesh, spec)
-  q_s, kv_s, lse_s = (ns(_spec(batch, (), qh, ())), ns(_spec(batch, (), kh, ())),
-                      ns(_spec(batch, qh, ())))
+  ns = lambda *dims: NamedSharding(mesh, _auto.spec(*dims))
+  q_s, kv_s, lse_s = ns(batch, (), qh, ()), ns(batch, (), kh, ()), ns(batch, qh, ())
   segs = len(arg_shapes) == 9
-  args = [q_s, kv_s, kv_s] + [ns(_spec(batch, ()))] * (2 * segs) + [q_s, lse_s, q_s, lse_s]
+  args = [q_s, kv_s, kv_s] + [ns(batch, ())] * (2 * segs) + [q_s, lse_s, q_s, lse_s]
 
   def per_shard(q, k, v, *rest):
     q_seg, kv_seg = rest[:2] if segs else (None, None)
@@ -155,14 +146,9 @@ def partitioned_forward(forward):
   def call(static, q, k, v, q_seg, kv_seg):
     if _x64():
       return forward(static, q, k, v, q_seg, kv_seg)
-    part = custom_partitioning(lambda q, k, v, *segs: forward(static, q, k, v,
-                                                              *(segs or (None, None))))
-    part.def_partition(
-        partition=lambda mesh, arg_shapes, result_shape: _forward_partition(
-            static, forward, mesh, arg_shapes, result_shape),
-        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: _forward_partition(
-            static, forward, mesh, arg_shapes, result_shape)[2],
-        sharding_rule=_forward_rule)
+    part = _auto.partitioned(
+        lambda q, k, v, *segs: forward(static, q, k, v, *(segs or (None, None))),
+        functools.partial(_forward_partition, static, forward), _forward_rule)
     segs = () if q_seg is None else (q_seg, kv_seg)
     return _fold_vmap(part)(q, k, v, *segs)
   return call
@@ -172,8 +158,7 @@ def partitioned_backward(backward):
   """backward(static, residuals, cotangents) -> (dq, dk, dv, None, None), its dq, dk, dv
   partitioned over the batch and heads of an Auto mesh."""
   def flat_backward(static, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
-    from memeff_jax.ops.flash_attention._common import Residuals  # pylint: disable=import-outside-toplevel
-    return tuple(backward(static, Residuals(q, k, v, q_seg, kv_seg, out, lse),
+    return tuple(backward(static, _common.Residuals(q, k, v, q_seg, kv_seg, out, lse),
                           (d_out, d_lse))[:3])
 
   def call(static, res, cts):
@@ -186,13 +171,8 @@ def partitioned_backward(backward):
       q_seg, kv_seg = rest[:2] if segs else (None, None)
       return flat_backward(static, q, k, v, q_seg, kv_seg, *rest[-4:])
 
-    part = custom_partitioning(local)
-    part.def_partition(
-        partition=lambda mesh, arg_shapes, result_shape: _backward_partition(
-            static, flat_backward, mesh, arg_shapes, result_shape),
-        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: _backward_partition(
-            static, flat_backward, mesh, arg_shapes, result_shape)[2],
-        sharding_rule=_backward_rule)
+    part = _auto.partitioned(local, functools.partial(_backward_partition, static,
+                                                      flat_backward), _backward_rule)
     dq, dk, dv = _fold_vmap(part)(res.q, res.k, res.v, *segs, res.out, res.lse, d_out, d_lse)
     return dq, dk, dv, None, None
   return call

@@ -1,6 +1,7 @@
-"""Linear cross-entropy on Auto meshes: the mean or summed loss as a custom_vjp whose forward runs per
-shard through `custom_partitioning`, so that under `jax.jit` with sharded inputs XLA does not
-gather the tokens or the weight onto every device (it cannot partition a Pallas call).
+"""Linear cross-entropy on Auto meshes: the mean or summed loss as a custom_vjp whose forward
+runs per shard through `custom_partitioning`, so that under `jax.jit` with sharded inputs XLA
+does not gather the tokens or the weight onto every device (it cannot partition a Pallas
+call).
 
 The tokens partition (data parallelism: each shard its tokens' loss, dW and the bias's
 gradient summed over the token shards); W's vocabulary partitions over axes that do not
@@ -17,27 +18,15 @@ from __future__ import annotations
 import jax
 from jax.experimental.custom_partitioning import ArrayMapping
 from jax.experimental.custom_partitioning import SdyShardingRule
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from memeff_jax.ops import _auto
 from memeff_jax.ops import _checks
-
-
-def _axes(entry) -> tuple:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _spec(*dims) -> P:
-  return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
 
 
 def _divides(mesh, axes: tuple, size: int) -> tuple:
   """`axes` if their shards split `size` evenly, else () (replicated: never a padded shard)."""
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
-  return axes if size % n == 0 else ()
+  return axes if size % _auto.size(mesh, axes) == 0 else ()
 
 
 def _rule(layout: str, with_grads: bool):
@@ -56,13 +45,13 @@ def _partition(layout: str, with_grads: bool, local):
   """The per-shard computation and shardings from the inputs' shardings."""
   def partition(mesh, arg_shapes, result_shape):
     x, w = arg_shapes[0], arg_shapes[1]
-    tokens = _divides(mesh, _axes((tuple(x.sharding.spec) + (None,))[0]), x.shape[0])
+    tokens = _divides(mesh, _auto.axes((tuple(x.sharding.spec) + (None,))[0]), x.shape[0])
     w_spec = tuple(w.sharding.spec) + (None, None)
     v_dim = 1 if layout == "dv" else 0
-    vocab = _divides(mesh, _axes(w_spec[v_dim]), w.shape[v_dim])
+    vocab = _divides(mesh, _auto.axes(w_spec[v_dim]), w.shape[v_dim])
     if set(vocab) & set(tokens):
       vocab = ()
-    ns = lambda *dims: NamedSharding(mesh, _spec(*dims))
+    ns = lambda *dims: NamedSharding(mesh, _auto.spec(*dims))
     w_s = ns((), vocab) if layout == "dv" else ns(vocab, ())
     has_bias = len(arg_shapes) == 5
     args = [ns(tokens, ()), w_s] + [ns(vocab)] * has_bias + [ns(tokens), ns(tokens)]
@@ -112,12 +101,8 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
     fn = local_with_grads if with_grads else local
     inner = lambda x, w, *rest: fn(x, w, *((rest[0],) if len(rest) == 3 else (None,)),
                                    *rest[-2:], tokens=(), vocab=())
-    part = custom_partitioning(inner)
-    partition = _partition(weight_layout, with_grads, fn)
-    part.def_partition(partition=partition,
-                       infer_sharding_from_operands=lambda *a: partition(*a)[2],
-                       sharding_rule=_rule(weight_layout, with_grads))
-    return part
+    return _auto.partitioned(inner, _partition(weight_layout, with_grads, fn),
+                             _rule(weight_layout, with_grads))
 
   operands = lambda x, w, b, labels, valid: (x, w) + (() if b is None else (b,)) + (labels,
                                                                                   valid)
