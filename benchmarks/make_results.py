@@ -213,15 +213,15 @@ def train_curve_section() -> list[str]:
   for (config, device), group in _by_run(rows, "config", "device"):
     base = next((r for r in group if r["kernels"] == "plain"), group[0])
     ref = base["losses"]
+    means = lambda losses: [sum(losses[i:i + 50]) / 50 for i in range(len(losses) - 49)]
+    ref_means = means(ref)
     out += [f"**{config}** on {device}, batch {base['batch']} × {base.get('seq_len')}, "
             f"{len(ref)} steps", "",
             "| layers | tokens/s | first loss | mean of the last 50 | max \\|Δ\\| vs plain, "
             "50-step means | where |", "|---|---|---|---|---|---|"]
     for r in group:
       losses = r["losses"]
-      means = [sum(losses[i:i + 50]) / 50 for i in range(0, len(losses) - 49)]
-      ref_means = [sum(ref[i:i + 50]) / 50 for i in range(0, len(ref) - 49)]
-      gaps = [abs(a - b) for a, b in zip(means, ref_means)]
+      gaps = [abs(a - b) for a, b in zip(means(losses), ref_means)]
       worst = max(range(len(gaps)), key=gaps.__getitem__) if gaps else 0
       gap = ("— | —" if r is base else
              f"{gaps[worst]:.4f} | steps {worst + 1}–{worst + 50}")

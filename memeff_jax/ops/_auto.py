@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import PartitionSpec as P
 
@@ -25,6 +26,13 @@ def size(mesh, names: tuple) -> int:
   for a in names:
     n *= mesh.shape[a]
   return n
+
+
+def available() -> bool:
+  """Whether calls may go through custom_partitioning: not under jax_enable_x64, where the
+  kernels are traced with 64-bit types off (hopper.without_x64), which custom_partitioning's
+  re-trace at lowering would undo; such calls run unpartitioned."""
+  return not jax.config.jax_enable_x64
 
 
 def partitioned(fn, partition, rule):

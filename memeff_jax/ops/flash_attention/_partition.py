@@ -11,7 +11,7 @@ replicated (context parallelism is for another path). The Shardy rules say as mu
 replication. On one device, and inside `jax.shard_map`, `custom_partitioning` inlines the
 function unchanged. It has no batching rule: `jax.custom_batching.custom_vmap` folds a
 vmapped axis into the batch. The custom_vjp stays outermost (attention_vjp): its forward
-and backward rules call these. Under jax_enable_x64 the calls are not partitioned (_x64).
+and backward rules call these. Under jax_enable_x64 the calls are not partitioned (_auto.available).
 """
 
 from __future__ import annotations
@@ -134,17 +134,11 @@ def _fold_vmap(fn):
   return wrapped
 
 
-def _x64() -> bool:
-  """Under jax_enable_x64 the kernels are traced with 64-bit types off (hopper.without_x64),
-  which custom_partitioning's re-trace at lowering would undo: such calls run unpartitioned."""
-  return bool(jax.config.jax_enable_x64)
-
-
 def partitioned_forward(forward):
   """forward(static, q, k, v, q_seg, kv_seg) -> (out, lse), partitioned over the batch and
   heads of an Auto mesh."""
   def call(static, q, k, v, q_seg, kv_seg):
-    if _x64():
+    if not _auto.available():
       return forward(static, q, k, v, q_seg, kv_seg)
     part = _auto.partitioned(
         lambda q, k, v, *segs: forward(static, q, k, v, *(segs or (None, None))),
@@ -162,7 +156,7 @@ def partitioned_backward(backward):
                           (d_out, d_lse))[:3])
 
   def call(static, res, cts):
-    if _x64():
+    if not _auto.available():
       return backward(static, res, cts)
     d_out, d_lse = cts
     segs = () if res.q_segment_ids is None else (res.q_segment_ids, res.kv_segment_ids)

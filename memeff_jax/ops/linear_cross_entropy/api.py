@@ -12,6 +12,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from memeff_jax.kernels import hopper
+from memeff_jax.ops import _auto
 from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops import _explicit
@@ -182,13 +183,12 @@ def _auto_partitions(vocab_axis, reduction, return_aux, labels, x2, d, implement
   """Whether the call goes through _partition (per shard on Auto meshes): a mean or summed
   loss without aux outputs by a custom_vjp implementation (the reference is plain JAX, which
   XLA partitions itself), in a process with several devices, outside jax.shard_map; not
-  under jax_enable_x64 (the kernels trace with 64-bit types off, which custom_partitioning's
-  re-trace at lowering would undo)."""
+  under jax_enable_x64 (_auto.available)."""
   manual = any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
   return (vocab_axis is None and reduction != "none" and not return_aux and not manual
           and not isinstance(labels, Int64Labels) and x2.shape[0] > 0 and d > 0
           and not isinstance(implementations[0], Reference)
-          and jax.device_count() > 1 and not jax.config.jax_enable_x64)
+          and jax.device_count() > 1 and _auto.available())
 
 
 def _compute(x2, weight, bias, labels2, valid, opts: LossOptions, implementations, chunk_size,
