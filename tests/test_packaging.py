@@ -2,6 +2,7 @@
 environment without the source tree, runs the demo and finds its tuning tables."""
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -15,8 +16,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def installed(tmp_path_factory):
   """(python, memeff-jax script, a working directory outside the source tree)."""
   tmp = tmp_path_factory.mktemp("install")
+  # Built from a copy: pip builds in the source tree's build/, and under xdist each worker
+  # that runs a test of this module builds the wheel at the same time.
+  src = tmp / "src"
+  shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+      ".git", "build", "*.egg-info", "__pycache__", ".whl", ".before", "results"))
   subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp),
-                  str(ROOT)], check=True)
+                  str(src)], check=True)
   wheel, = tmp.glob("memeff_jax-*.whl")
   env = tmp / "env"
   subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
