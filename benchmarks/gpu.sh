@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu.sh tests                          # every `gpu`-marked test
 #   bash benchmarks/gpu.sh attention:headline lce:llama3-8b train
 #
-# Parts run in the order given: `tests`; `attention:SET` and `lce:SET` (a shape set of
+# Parts run in the order given: `tests` (8 pytest-xdist workers per GPU, then the mesh tests
+# on all of the host's GPUs); `attention:SET` and `lce:SET` (a shape set of
 # configs/benchmarks/<op>.toml, every provider side by side in interleaved rounds);
 # `train` (the 1B train step against plain Flax); `bridge` (the PyTorch bridge); `scaling`
 # (both ops on 1, 2, 4 GPUs of the host; NCCL's NVLink multicast off).
@@ -26,7 +27,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case $part in
-    tests) python3 -m pytest -q -m gpu tests -n "${WORKERS:-8}" -p no:cacheprovider ;;
+    tests)  # the workers spread over the GPUs; then the mesh tests, every GPU in one process
+      GPUS=$(nvidia-smi -L | wc -l)
+      MEMEFF_TEST_GPUS=$GPUS python3 -m pytest -q -m gpu tests -n "${WORKERS:-$((8 * GPUS))}" \
+        -p no:cacheprovider --ignore tests/ops/test_meshes_gpu.py --durations 15
+      if [ "$GPUS" -gt 1 ]; then
+        NCCL_NVLS_ENABLE=0 python3 -m pytest -q tests/ops/test_meshes_gpu.py -p no:cacheprovider
+      fi ;;
     attention:*) python3 benchmarks/flash_attention.py --set "${part#*:}" --rounds "$ROUNDS" \
         ${ATTENTION_PROVIDERS:+--providers "$ATTENTION_PROVIDERS"} \
         --out "$RESULTS/flash_attention.jsonl" ;;

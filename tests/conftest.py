@@ -1,10 +1,15 @@
 """Test setup: `gpu` tests skipped without a GPU; JAX allocating GPU memory on demand, so
-that the README's `pytest -n 2` workers (pytest-xdist) can share one GPU; eight CPU devices
-for meshes; tuning tables of a test's own (`tuning_tables`)."""
+that the README's `pytest -n 2` workers (pytest-xdist) can share one GPU; with
+MEMEFF_TEST_GPUS=n, xdist worker i sees GPU i mod n only (benchmarks/gpu.sh spreads the
+workers over the host's GPUs so); eight CPU devices for meshes; tuning tables of a test's
+own (`tuning_tables`)."""
 
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+_WORKER, _GPUS = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("MEMEFF_TEST_GPUS", 0))
+if _WORKER and _GPUS > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
+  os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_WORKER.removeprefix("gw")) % _GPUS)
 # Eight CPU devices for the multi-device tests (a mesh on one host); one-device tests use the
 # first, as before. Set before jax is imported.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

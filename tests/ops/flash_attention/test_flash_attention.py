@@ -4,6 +4,8 @@ One parameterized base takes the implementation; subclasses run chunked_xla, the
 Triton kernels in the interpreter (CPU), and both on the GPU.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,18 +50,30 @@ def rel_err(got, ref):
 
 
 def run(impl, q, k, v, seg, ct, options):
+  """(out, lse, (dq, dk, dv)) of flash_attention with `options`: one jitted program per
+  implementation, options and shapes (compiled once, not op by op)."""
+  return _value_and_grads(impl, tuple(sorted(options.items())))(q, k, v, seg, ct)
+
+
+@functools.lru_cache(maxsize=None)
+def _value_and_grads(impl, options):
   options = dict(options)
   options.pop("segments", None)
-  if seg is not None:
-    options.update(q_segment_ids=seg[0], kv_segment_ids=seg[1])
 
-  def f(q, k, v):
-    out, lse = flash_attention(q, k, v, return_lse=True, implementation=impl, **options)
+  def f(q, k, v, seg, ct):
+    seg_ids = {} if seg is None else dict(q_segment_ids=seg[0], kv_segment_ids=seg[1])
+    out, lse = flash_attention(q, k, v, return_lse=True, implementation=impl, **options,
+                               **seg_ids)
     lse_ct = jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.25
     return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(lse_ct), (out, lse)
 
-  (_, (out, lse)), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-  return out, lse, grads
+  @jax.jit
+  def value_and_grads(q, k, v, seg, ct):
+    (_, (out, lse)), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
+        q, k, v, seg, ct)
+    return out, lse, grads
+
+  return value_and_grads
 
 
 class _FlashAttentionTest:

@@ -881,8 +881,6 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=False, pingpong=True),
       mb.MosaicBackwardConfig(dq_split=False, gqa_per_query_head=True),
       mb.MosaicBackwardConfig(dq_split=False, pingpong=True, gqa_per_query_head=True),
-      mb.MosaicBackwardConfig(dq_split=True),
-      mb.MosaicBackwardConfig(dq_split=True, stages=3),
       mb.MosaicBackwardConfig(dq_split=True, dq_stagger=True)])
   @pytest.mark.parametrize("causal", [False, True])
   @pytest.mark.parametrize("b, t, s, hq, hkv", [

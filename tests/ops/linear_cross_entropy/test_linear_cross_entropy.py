@@ -81,7 +81,8 @@ def value_and_grads(f, x, w, b, where, reduction):
     return out, out
 
   argnums = (0, 1, 2) if b is not None else (0, 1)
-  (_, out), grads = jax.value_and_grad(scalar, argnums=argnums, has_aux=True)(x, w, b)
+  # One compiled program (not op by op); labels and `where` are constants of it.
+  (_, out), grads = jax.jit(jax.value_and_grad(scalar, argnums=argnums, has_aux=True))(x, w, b)
   return out, grads
 
 

@@ -1,0 +1,158 @@
+"""Both ops on a mesh of real GPUs (2 or more of one host): the Hopper kernels run per shard
+inside custom_partitioning (Auto axes), on Explicit axes and inside jax.shard_map, and give
+what one GPU gives. `bash benchmarks/gpu.sh tests` runs this file with every GPU visible."""
+
+import jax
+from jax import shard_map
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import memeff_jax
+from memeff_jax.kernels import hopper
+from tests.ops.test_meshes import _run
+
+pytestmark = pytest.mark.gpu
+BF16 = jnp.bfloat16
+_MOSAIC = "mosaic_gpu"
+
+
+def _gpus() -> int:
+  return jax.device_count() if jax.default_backend() == "gpu" else 0
+
+
+@pytest.fixture(scope="module", params=[AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def mesh(request):
+  """('data', 'model') = (n/2, 2) over the host's first n = 2 or 4 GPUs."""
+  n = min(_gpus(), 4)
+  if n < 2 or hopper.hopper_available() is not None:
+    pytest.skip("needs 2 or more Hopper GPUs")
+  return jax.make_mesh((n // 2, 2), ("data", "model"), axis_types=(request.param,) * 2,
+                       devices=jax.devices()[:n])
+
+
+def _rel(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def _assert_close(got, want, tol):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.shape == w.shape and _rel(g, w) < tol, (g.shape, _rel(g, w))
+
+
+def _one_gpu(f, loss, argnums, *args):
+  """f's values and loss's gradients on the first GPU alone (the inputs unsharded)."""
+  args = jax.device_put(args, jax.devices()[0])
+  return jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=argnums)(*a)))(*args)
+
+
+def _in_mesh(mesh):
+  explicit = mesh.axis_types[0] == AxisType.Explicit
+  return jax.set_mesh(mesh) if explicit else _Nothing()
+
+
+class _Nothing:
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+@pytest.mark.parametrize("hkv, kw", [(2, dict(causal=True)),
+                                     (2, dict(causal=True, segments=True, logit_softcap=30.0)),
+                                     (1, dict(sliding_window=(256, 0)))])
+def test_attention_batch_and_heads_sharded(mesh, hkv, kw):
+  """The batch over 'data', the heads over 'model' (one key head, MQA: shared by the 'model'
+  shards): the Mosaic kernels per shard, nothing gathered, one GPU's values and gradients."""
+  kw = dict(kw)
+  ks = jax.random.split(jax.random.key(hkv), 4)
+  b, t, hq, d = 4, 1024, 8, 128
+  q = jax.random.normal(ks[0], (b, t, hq, d), BF16)
+  k, v = (jax.random.normal(key, (b, t, hkv, d), BF16) for key in ks[1:3])
+  seg = (jnp.arange(t) // 300)[None].repeat(b, 0) if kw.pop("segments", False) else None
+  f = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg, **kw)
+  ct = jax.random.normal(ks[3], q.shape, jnp.float32)
+  loss = lambda q, k, v, seg: jnp.sum(f(q, k, v, seg).astype(jnp.float32) * ct)
+  want, want_grads = _one_gpu(f, loss, (0, 1, 2), q, k, v, seg)
+  kv_spec = P("data", None, "model") if hkv > 1 else P("data")
+  with _in_mesh(mesh):
+    put = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+    args = (put(q, P("data", None, "model")), put(k, kv_spec), put(v, kv_spec),
+            put(seg, P("data")))
+    got, grads, collectives, text = _run(f, loss, (0, 1, 2), *args)
+  assert _MOSAIC in text
+  _assert_close(got, want, 1e-2)
+  _assert_close(grads, want_grads, 1e-2)
+  assert got.sharding.is_equivalent_to(args[0].sharding, 4)
+  assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
+  if hkv > 1:
+    assert collectives["all-reduce"] <= 1, collectives  # the scalar loss only
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_attention_in_shard_map(mesh, check_vma):
+  ks = jax.random.split(jax.random.key(3), 3)
+  q, k, v = (jax.random.normal(key, (4, 512, 8, 128), BF16) for key in ks)
+  f = lambda q, k, v: memeff_jax.flash_attention(q, k, v, causal=True)
+  spec = P("data", None, "model")
+  sharded = shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=check_vma)
+  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v).astype(jnp.float32)))
+  want, want_grads = _one_gpu(f, loss(f), (0, 1, 2), q, k, v)
+  with _in_mesh(mesh):
+    args = jax.device_put((q, k, v), NamedSharding(mesh, spec))
+    got, grads, _, text = _run(sharded, loss(sharded), (0, 1, 2), *args)
+  assert _MOSAIC in text
+  _assert_close(got, want, 1e-2)
+  _assert_close(grads, want_grads, 1e-2)
+
+
+@pytest.mark.parametrize("w_axis, kw", [(None, dict()),
+                                         ("model", dict(label_smoothing=0.1, z_loss=1e-4)),
+                                         ("model", dict(reduction="sum", weight_layout="vd"))])
+def test_loss_tokens_and_vocab_sharded(mesh, w_axis, kw):
+  """Tokens over 'data'; W replicated, or its vocabulary over 'model' (vocab parallel): the
+  Mosaic GPU loss per shard, one GPU's loss and gradients, W's gradient sharded as W."""
+  n, d, v = 4096, 1024, 32000
+  ks = jax.random.split(jax.random.key(7), 3)
+  layout = kw.get("weight_layout", "dv")
+  x = jax.random.normal(ks[0], (n, d), BF16)
+  w = (jax.random.normal(ks[1], (d, v) if layout == "dv" else (v, d)) / 32).astype(BF16)
+  y = jax.random.randint(ks[2], (n,), 0, v).at[:7].set(-100)
+  f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, y, **kw)
+  loss = lambda x, w: f(x, w) * 2.0
+  want, want_grads = _one_gpu(f, loss, (0, 1), x, w)
+  w_spec = P() if w_axis is None else P(None, w_axis) if layout == "dv" else P(w_axis)
+  with _in_mesh(mesh):
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    args = (put(x, P("data")), put(w, w_spec))
+    got, grads, collectives, text = _run(f, loss, (0, 1), *args)
+    assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
+  assert _MOSAIC in text
+  _assert_close(got, want, 2e-3)
+  _assert_close(grads, want_grads, 2e-2)
+  assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
+
+
+def test_loss_vocab_parallel_in_shard_map(mesh):
+  n, d, v = 2048, 1024, 32000
+  ks = jax.random.split(jax.random.key(8), 3)
+  x = jax.random.normal(ks[0], (n, d), BF16)
+  w = (jax.random.normal(ks[1], (d, v)) / 32).astype(BF16)
+  y = jax.random.randint(ks[2], (n,), 0, v)
+  local = lambda x, w, y, **vp: memeff_jax.linear_cross_entropy(x, w, y, reduction="sum", **vp)
+  total = shard_map(lambda x, w, y: jax.lax.psum(local(x, w, y, vocab_axis="model"), "data"),
+                    mesh=mesh, in_specs=(P("data"), P(None, "model"), P("data")),
+                    out_specs=P())
+  want, want_grads = _one_gpu(local, local, (0, 1), x, w, y)
+  with _in_mesh(mesh):
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    args = (put(x, P("data")), put(w, P(None, "model")), put(y, P("data")))
+    got, grads, _, text = _run(total, total, (0, 1), *args)
+  assert _MOSAIC in text
+  _assert_close(got, want, 2e-3)
+  _assert_close(grads, want_grads, 2e-2)
