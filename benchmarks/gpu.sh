@@ -30,7 +30,7 @@ for part in "$@"; do
     tests)  # the workers spread over the GPUs; then the mesh tests, every GPU in one process
       GPUS=$(nvidia-smi -L | wc -l)
       MEMEFF_TEST_GPUS=$GPUS python3 -m pytest -q -m gpu tests -n "${WORKERS:-$((8 * GPUS))}" \
-        -p no:cacheprovider --ignore tests/ops/test_meshes_gpu.py --durations 15
+        -p no:cacheprovider -p no:benchmark --ignore tests/ops/test_meshes_gpu.py --durations 15
       if [ "$GPUS" -gt 1 ]; then
         NCCL_NVLS_ENABLE=0 python3 -m pytest -q tests/ops/test_meshes_gpu.py -p no:cacheprovider
       fi ;;

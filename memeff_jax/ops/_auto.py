@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import jax
+from jax.experimental.custom_partitioning import ArrayMapping
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax.experimental.custom_partitioning import SdyShardingRule
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from memeff_jax.ops import _explicit
@@ -36,11 +39,51 @@ def available() -> bool:
 
 
 def partitioned(fn, partition, rule):
-  """fn as a custom_partitioning. partition(mesh, arg_shapes, result_shape) -> (mesh, the
-  per-shard function, output shardings, argument shardings) also gives GSPMD its output
-  shardings; rule(mesh, value_types, result_types) -> the Shardy rule."""
+  """fn(*arrays) as a custom_partitioning call. partition(mesh, arg_shapes, result_shape) ->
+  (mesh, the per-shard function, output shardings, argument shardings) also gives GSPMD
+  its output shardings; rule(mesh, value_types, result_types) -> the Shardy rule.
+
+  custom_partitioning refuses a function that closes over constants, and tracing a kernel
+  may make some (a persistent kernel's schedule table, built for the call's shapes): they
+  become operands of the call, replicated, which the per-shard function (traced anew for
+  the shard's shapes, with constants of its own) does not read."""
+  def call(*args):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    consts, n = tuple(closed.consts), len(args)
+    if not consts:
+      return _custom_partitioning(fn, partition, rule)(*args)
+    out_tree = jax.tree.structure(out_shape)
+    hoisted = lambda *a: jax.tree.unflatten(out_tree, _eval_jaxpr(closed.jaxpr, a[n:], *a[:n]))
+
+    def partition_with_consts(mesh, arg_shapes, result_shape):
+      mesh, per_shard, out_s, arg_s = partition(mesh, arg_shapes[:n], result_shape)
+      replicated = (NamedSharding(mesh, P()),) * len(consts)
+      return mesh, lambda *a: per_shard(*a[:n]), out_s, (*arg_s, *replicated)
+
+    def rule_with_consts(mesh, value_types, result_types):
+      r = rule(mesh, value_types[:n], result_types)
+      names = [tuple(f"const{i}_{j}" for j in range(c.ndim)) for i, c in enumerate(consts)]
+      return SdyShardingRule(
+          (*r.operand_mappings, *(ArrayMapping(*dims) for dims in names)), r.result_mappings,
+          reduction_factors=r.reduction_factors, permutation_factors=r.permutation_factors,
+          need_replication_factors=(*r.need_replication_factors, *sum(names, ())),
+          **r.factor_sizes)
+
+    return _custom_partitioning(hoisted, partition_with_consts, rule_with_consts)(
+        *args, *consts)
+  return call
+
+
+def _custom_partitioning(fn, partition, rule):
   part = custom_partitioning(fn)
   part.def_partition(partition=partition,
                      infer_sharding_from_operands=lambda *a: partition(*a)[2],
                      sharding_rule=rule)
   return part
+
+
+def _eval_jaxpr(jaxpr, consts, *args):
+  evaluate = getattr(jax.core, "eval_jaxpr", None)
+  if evaluate is None:  # pragma: no cover - where jax.core no longer exports it
+    from jax._src.core import eval_jaxpr as evaluate  # pylint: disable=import-outside-toplevel
+  return evaluate(jaxpr, consts, *args)

@@ -96,6 +96,27 @@ def test_attention_on_an_auto_mesh(mesh, hkv):
   assert collectives["all-reduce"] == (0 if hkv > 1 else 1), collectives
 
 
+def test_partitioned_functions_may_make_constants(mesh):
+  """Tracing a kernel may make constants for the call's shapes (a persistent kernel's
+  schedule table), which custom_partitioning refuses: _auto.partitioned passes them as
+  replicated operands, on one device and on a mesh."""
+  from jax.experimental.custom_partitioning import ArrayMapping  # pylint: disable=import-outside-toplevel
+  from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=import-outside-toplevel
+  from memeff_jax.ops import _auto  # pylint: disable=import-outside-toplevel
+  fn = lambda x: x * jnp.asarray(np.arange(1, x.shape[1] + 1, dtype=np.float32))
+  f = _auto.partitioned(
+      fn, lambda mesh, args, result: (mesh, fn, args[0].sharding, (args[0].sharding,)),
+      lambda mesh, values, results: SdyShardingRule((ArrayMapping("i", "j"),),
+                                                    (ArrayMapping("i", "j"),)))
+  x = jax.random.normal(jax.random.key(0), (8, 3))
+  want = np.asarray(x) * np.arange(1, 4)
+  np.testing.assert_allclose(jax.jit(f)(x), want, rtol=1e-6)
+  sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+  compiled = jax.jit(f).lower(sharded).compile()
+  np.testing.assert_allclose(compiled(sharded), want, rtol=1e-6)
+  assert " all-gather" not in compiled.as_text()
+
+
 def test_attention_under_vmap_folds_the_axis_into_the_batch():
   """custom_partitioning has no batching rule: vmap goes through custom_vmap."""
   q = jax.random.normal(jax.random.key(9), (3, 1, 32, 2, 8))
