@@ -131,11 +131,14 @@ def wait_stores_read() -> None:
   SM from its next CTA."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+def sm_count() -> int:
+  """The default device's SM count; 132, an H100's, where it has none (lowering on a CPU)."""
+  return getattr(jax.devices()[0], "core_count", None) or 132
+
 def persistent_ctas(num_sms: int | None, n_items: int) -> int:
-  """A persistent kernel's CTAs: one per SM (num_sms, else the default device's count; 132,
-  an H100's, where it has none, as when lowering on a CPU), at most one per work item."""
-  sms = num_sms or getattr(jax.devices()[0], "core_count", None) or 132
-  return min(sms, n_items)
+  """A persistent kernel's CTAs: one per SM (num_sms, else sm_count()), at most one per
+  work item."""
+  return min(num_sms or sm_count(), n_items)
 
 def greedy_schedule(costs, ctas: int, overhead: int):
   """(table [ctas, rounds], counts [ctas]) int32 for a persistent kernel: the work items

@@ -695,11 +695,12 @@ class Rows(NamedTuple):
 
 def ctas(config: GemmConfig, sms: int | None = None) -> int:
   """The CTAs a persistent launch of `config` runs (one per SM): config.num_sms, else
-  `sms`, else the default device's SM count, rounded down to whole clusters."""
+  `sms`, else the default device's SM count (hopper.sm_count), rounded down to whole
+  clusters."""
   if config.num_sms is not None:
     sms = config.num_sms
   elif sms is None:
-    sms = jax.devices()[0].core_count
+    sms = hopper.sm_count()
   return sms - sms % config.cluster_size()
 
 

@@ -7,6 +7,7 @@ import jax
 from jax.experimental.custom_partitioning import ArrayMapping
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.custom_partitioning import SdyShardingRule
+from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -32,10 +33,14 @@ def size(mesh, names: tuple) -> int:
 
 
 def available() -> bool:
-  """Whether calls may go through custom_partitioning: not under jax_enable_x64, where the
-  kernels are traced with 64-bit types off (hopper.without_x64), which custom_partitioning's
-  re-trace at lowering would undo; such calls run unpartitioned."""
-  return not jax.config.jax_enable_x64
+  """Whether calls may go through custom_partitioning: in a process with several devices,
+  outside jax.shard_map (whose axes are manual: the call is already per shard, and
+  custom_partitioning there would be lowered by re-evaluating the kernels' trace under
+  check_vma), and not under jax_enable_x64, where the kernels are traced with 64-bit types
+  off (hopper.without_x64), which custom_partitioning's re-trace at lowering would undo;
+  other calls run unpartitioned."""
+  manual = any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
+  return jax.device_count() > 1 and not manual and not jax.config.jax_enable_x64
 
 
 def partitioned(fn, partition, rule):
@@ -47,16 +52,20 @@ def partitioned(fn, partition, rule):
   may make some (a persistent kernel's schedule table, built for the call's shapes): they
   become operands of the call, replicated, which the per-shard function (traced anew for
   the shard's shapes, with constants of its own) does not read."""
+  def pure_partition(mesh, arg_shapes, result_shape):
+    mesh, per_shard, out_s, arg_s = partition(mesh, arg_shapes, result_shape)
+    return mesh, _pure(per_shard), out_s, arg_s
+
   def call(*args):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     consts, n = tuple(closed.consts), len(args)
     if not consts:
-      return _custom_partitioning(fn, partition, rule)(*args)
+      return _custom_partitioning(fn, pure_partition, rule)(*args)
     out_tree = jax.tree.structure(out_shape)
     hoisted = lambda *a: jax.tree.unflatten(out_tree, _eval_jaxpr(closed.jaxpr, a[n:], *a[:n]))
 
     def partition_with_consts(mesh, arg_shapes, result_shape):
-      mesh, per_shard, out_s, arg_s = partition(mesh, arg_shapes[:n], result_shape)
+      mesh, per_shard, out_s, arg_s = pure_partition(mesh, arg_shapes[:n], result_shape)
       replicated = (NamedSharding(mesh, P()),) * len(consts)
       return mesh, lambda *a: per_shard(*a[:n]), out_s, (*arg_s, *replicated)
 
@@ -72,6 +81,31 @@ def partitioned(fn, partition, rule):
     return _custom_partitioning(hoisted, partition_with_consts, rule_with_consts)(
         *args, *consts)
   return call
+
+
+def _pure(per_shard):
+  """per_shard with the mutable arrays that its kernels write into (jax.new_ref: a fused
+  backward's statistics, accumulators) discharged into values: custom_partitioning lowers
+  the per-shard function as a module of its own, which may not have effects (jax.jit
+  discharges them the same way before lowering)."""
+  def call(*args):
+    closed, out_shape = jax.make_jaxpr(per_shard, return_shape=True)(*args)
+    if not closed.effects:
+      return jax.tree.unflatten(jax.tree.structure(out_shape),
+                                _eval_jaxpr(closed.jaxpr, closed.consts, *args))
+    pure = _discharge_state(closed)
+    outs = _eval_jaxpr(pure.jaxpr, pure.consts, *args)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs[:len(closed.out_avals)])
+  return call
+
+
+def _discharge_state(closed):
+  from jax._src.state import discharge  # pylint: disable=import-outside-toplevel
+  try:
+    return discharge.discharge_state(closed)
+  except TypeError:  # the older spelling: (jaxpr, consts) -> (jaxpr, consts)
+    jaxpr, consts = discharge.discharge_state(closed.jaxpr, closed.consts)
+    return closed.replace(jaxpr=jaxpr, consts=consts)
 
 
 def _custom_partitioning(fn, partition, rule):

@@ -1,12 +1,17 @@
-"""Loop carries inside `jax.shard_map`: with check_vma, a value computed from a per-shard input
-varies over the mesh axes that input varies over, and a loop's carry must keep its type. A
-carry started from constants is therefore marked varying over the same axes as the inputs
-the loop reads, so the loop runs on one device, under shard_map with either check_vma
-setting, and anywhere else unchanged."""
+"""Types inside `jax.shard_map`: with check_vma, a value computed from a per-shard input varies
+over the mesh axes that input varies over. A loop's carry must keep its type, so a carry
+started from constants is marked varying over the same axes as the inputs the loop reads;
+a function of Pallas kernels is traced with the checks off (a kernel body mixes per-shard
+refs with constants, and its outputs have no types to check against) and its outputs are
+then declared varying over the axes of its inputs (`unchecked`). Code using these runs on
+one device, under shard_map with either check_vma setting, and anywhere else unchanged."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+from jax._src import config as _config  # check_vma's switch: no public spelling yet
 
 
 def _vma(x) -> frozenset:
@@ -18,9 +23,34 @@ def _vma(x) -> frozenset:
   return frozenset(getattr(aval, "vma", ()) or ())
 
 
+def _axes(refs) -> frozenset:
+  """The manual axes any array of `refs` varies over; none where check_vma is off (types
+  then carry no such axes: inside shard_map(check_vma=False) and inside `unchecked`)."""
+  if not _config._check_vma.value:  # pylint: disable=protected-access
+    return frozenset()
+  arrays = (r for r in jax.tree.leaves(refs) if isinstance(r, jax.Array))
+  return frozenset().union(*(_vma(r) for r in arrays))
+
+
+def unchecked(fn):
+  """fn (a function of Pallas kernels) traced with check_vma's checks off inside
+  jax.shard_map, its array outputs marked varying over every manual axis its array inputs
+  vary over; elsewhere fn itself. Each shard's kernel computes from that shard's values
+  only, so its outputs vary as its inputs do."""
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    axes = _axes((args, kwargs))
+    if not axes:
+      return fn(*args, **kwargs)
+    with _config._check_vma(False):  # pylint: disable=protected-access
+      out = fn(*args, **kwargs)
+    return varying_like(out, (args, kwargs))
+  return call
+
+
 def varying_like(tree, *refs):
   """`tree`'s arrays marked varying over every manual axis any of `refs` varies over."""
-  axes = frozenset().union(*(_vma(r) for r in jax.tree.leaves(refs)))
+  axes = _axes(refs)
   if not axes:
     return tree
 

@@ -98,12 +98,19 @@ def test_attention_on_an_auto_mesh(mesh, hkv):
 
 def test_partitioned_functions_may_make_constants(mesh):
   """Tracing a kernel may make constants for the call's shapes (a persistent kernel's
-  schedule table), which custom_partitioning refuses: _auto.partitioned passes them as
-  replicated operands, on one device and on a mesh."""
+  schedule table), which custom_partitioning refuses, and mutable arrays that the kernel
+  writes into (a fused backward's statistics), which its per-shard module may not hold:
+  _auto.partitioned passes the constants as replicated operands and discharges the
+  arrays, on one device and on a mesh."""
   from jax.experimental.custom_partitioning import ArrayMapping  # pylint: disable=import-outside-toplevel
   from jax.experimental.custom_partitioning import SdyShardingRule  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops import _auto  # pylint: disable=import-outside-toplevel
-  fn = lambda x: x * jnp.asarray(np.arange(1, x.shape[1] + 1, dtype=np.float32))
+
+  def fn(x):
+    acc = jax.new_ref(jnp.zeros_like(x))
+    acc[...] += x * jnp.asarray(np.arange(1, x.shape[1] + 1, dtype=np.float32))
+    return acc[...]
+
   f = _auto.partitioned(
       fn, lambda mesh, args, result: (mesh, fn, args[0].sharding, (args[0].sharding,)),
       lambda mesh, values, results: SdyShardingRule((ArrayMapping("i", "j"),),
@@ -342,3 +349,47 @@ def test_loss_refuses_vocab_and_tokens_on_one_axis(explicit_mesh):
     with pytest.raises(ValueError, match="vocab_axis='model' is for inside jax.shard_map"):
       memeff_jax.linear_cross_entropy(x, jnp.ones((32, 96)), jnp.zeros(8, jnp.int32),
                                       vocab_axis="model")
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("impl, causal", [("pallas_mosaic_gpu", False), ("pallas_mosaic_gpu", True),
+                                          ("pallas_triton", True)])
+def test_attention_kernels_lower_for_cuda_in_shard_map(mesh, monkeypatch, check_vma, impl,
+                                                       causal):
+  """The GPU kernels (fwd+bwd) traced inside jax.shard_map and lowered for CUDA on this host:
+  with check_vma, Pallas wants its outputs' types and refuses a kernel body that mixes
+  per-shard values with constants (_vma.unchecked); custom_partitioning stays out of the
+  way there (_auto.available)."""
+  from memeff_jax.kernels import hopper  # pylint: disable=import-outside-toplevel
+  from memeff_jax.ops.flash_attention import pallas_mosaic_gpu  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(pallas_mosaic_gpu, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  loss = lambda q, k, v: jnp.sum(memeff_jax.flash_attention(
+      q, k, v, causal=causal, implementation=impl).astype(jnp.float32))
+  spec = P("data", None, "model")
+  step = shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(spec,) * 3,
+                   out_specs=(spec,) * 3, check_vma=check_vma)
+  q = jax.ShapeDtypeStruct((8, 256, 8, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((8, 256, 2, 128), jnp.bfloat16)
+  text = jax.jit(step).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+  assert ("mosaic_gpu" if impl == "pallas_mosaic_gpu" else "triton") in text
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_loss_kernels_lower_for_cuda_in_shard_map(mesh, monkeypatch, check_vma):
+  """The GPU loss's softmax kernels in the chunk loop (the GEMMs on cuBLAS) with the tokens
+  over 'data' and the vocabulary over 'model', lowered for CUDA on this host."""
+  from memeff_jax.kernels import hopper  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(hopper, "unavailable", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  impl = memeff_jax.ops.linear_cross_entropy.PallasMosaicGpu(dw_accumulation="weight")
+  loss = lambda x, w, y: jax.lax.psum(memeff_jax.linear_cross_entropy(
+      x, w, y, reduction="sum", vocab_axis="model", implementation=impl), "data")
+  step = shard_map(jax.value_and_grad(loss, argnums=(0, 1)), mesh=mesh,
+                   in_specs=(P("data"), P(None, "model"), P("data")),
+                   out_specs=(P(), (P("data"), P(None, "model"))), check_vma=check_vma)
+  x = jax.ShapeDtypeStruct((8192, 1024), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((1024, 65536), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((8192,), jnp.int32)
+  text = jax.jit(step).trace(x, w, y).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text

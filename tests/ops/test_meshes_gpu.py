@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import memeff_jax
-from memeff_jax.kernels import hopper
+from memeff_jax.ops.flash_attention import pallas_mosaic_gpu
 from tests.ops.test_meshes import _run
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +28,7 @@ def _gpus() -> int:
 def mesh(request):
   """('data', 'model') = (n/2, 2) over the host's first n = 2 or 4 GPUs."""
   n = min(_gpus(), 4)
-  if n < 2 or hopper.hopper_available() is not None:
+  if n < 2 or pallas_mosaic_gpu.hopper_available() is not None:
     pytest.skip("needs 2 or more Hopper GPUs")
   return jax.make_mesh((n // 2, 2), ("data", "model"), axis_types=(request.param,) * 2,
                        devices=jax.devices()[:n])
@@ -64,6 +64,7 @@ class _Nothing:
 
 
 @pytest.mark.parametrize("hkv, kw", [(2, dict(causal=True)),
+                                     (8, dict(causal=True)),  # a fused backward's new_ref
                                      (2, dict(causal=True, segments=True, logit_softcap=30.0)),
                                      (1, dict(sliding_window=(256, 0)))])
 def test_attention_batch_and_heads_sharded(mesh, hkv, kw):

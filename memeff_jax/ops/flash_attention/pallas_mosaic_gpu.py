@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 
 from memeff_jax.kernels import hopper
 from memeff_jax.ops import _dispatch
+from memeff_jax.ops import _vma
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward
@@ -580,7 +581,8 @@ class _Static:
   dq: MosaicDqConfig | None = None
 
 
-_attention = _common.attention_vjp(_forward, _backward, "pallas_mosaic_gpu")
+_attention = _common.attention_vjp(_vma.unchecked(_forward), _vma.unchecked(_backward),
+                                    "pallas_mosaic_gpu")
 
 
 def hopper_available() -> str | None:

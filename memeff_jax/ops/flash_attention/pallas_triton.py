@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from memeff_jax.kernels import hopper
 from memeff_jax import _tuning
 from memeff_jax.ops import _dispatch
+from memeff_jax.ops import _vma
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import masks
 from memeff_jax.ops.flash_attention._common import AttentionOptions, Residuals
@@ -374,4 +375,5 @@ def _dkv_pass(st: TritonPlan, res: Residuals, d_out, delta):
                    q, k, res.v, d_out, res.lse, delta, *segs)
 
 
-_attention = _common.attention_vjp(_forward, backward_pass, "pallas_triton")
+_attention = _common.attention_vjp(_vma.unchecked(_forward), _vma.unchecked(backward_pass),
+                                    "pallas_triton")

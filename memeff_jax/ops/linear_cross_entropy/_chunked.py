@@ -138,6 +138,7 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
       jnp.zeros(bias.shape, jnp.float32) if with_grads and need_db else None,
   )
   carry = _vma.varying_like(carry, x, w, bias, labels, a, e, lse, reduced)
+  kernels = _vma.unchecked if getattr(backend, "runs_kernels", False) else lambda f: f
 
   def body(i, carry):
     stats, dx, dw, db = carry
@@ -155,7 +156,7 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
       else:
         a_c, e_c = (jnp.where(fresh, sl(t), 0.0) for t in (a, e))
       into = {"dx_into": Rows(dx, i, chunk)} if "dx" in rows and need_dx else {}
-      chunk_stats, dx_c, dw, db = backend.grads(
+      chunk_stats, dx_c, dw, db = kernels(backend.grads)(
           x_c, w, bias, labels_c, a_c, e_c, None if lse is None else sl(lse),
           dw, db, (need_dx, need_dw, need_db), **into)
       if into:
@@ -164,7 +165,7 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
         dx_c = jnp.where(fresh[:, None], dx_c.astype(dx.dtype), sl(dx))
         dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, axis=0)
     else:
-      chunk_stats = backend.stats(x_c, w, bias, labels_c)
+      chunk_stats = kernels(backend.stats)(x_c, w, bias, labels_c)
     if reduced is not None:
       per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts)
       stats = stats + _common.reduced_sum(per_token, counted, reduced.scale)

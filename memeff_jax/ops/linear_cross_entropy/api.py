@@ -8,7 +8,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from memeff_jax.kernels import hopper
@@ -182,13 +181,10 @@ def _vocab_axis(vocab_axis):
 def _auto_partitions(vocab_axis, reduction, return_aux, labels, x2, d, implementations) -> bool:
   """Whether the call goes through _partition (per shard on Auto meshes): a mean or summed
   loss without aux outputs by a custom_vjp implementation (the reference is plain JAX, which
-  XLA partitions itself), in a process with several devices, outside jax.shard_map; not
-  under jax_enable_x64 (_auto.available)."""
-  manual = any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
-  return (vocab_axis is None and reduction != "none" and not return_aux and not manual
+  XLA partitions itself), where _auto.available says custom_partitioning may be used."""
+  return (vocab_axis is None and reduction != "none" and not return_aux
           and not isinstance(labels, Int64Labels) and x2.shape[0] > 0 and d > 0
-          and not isinstance(implementations[0], Reference)
-          and jax.device_count() > 1 and _auto.available())
+          and not isinstance(implementations[0], Reference) and _auto.available())
 
 
 def _compute(x2, weight, bias, labels2, valid, opts: LossOptions, implementations, chunk_size,

@@ -349,6 +349,7 @@ class ChunkBackend:
   # that dW is neither zero-filled (1 GiB at llama3-8b: 0.62 ms on an H200) nor read back
   # by that chunk's GEMM (0.17 ms).
   first_chunk_writes_dw = True
+  runs_kernels = True  # Pallas kernels: traced without check_vma inside shard_map (_vma)
 
   def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
             dx_into=None):
