@@ -43,22 +43,32 @@ def unchecked(fn):
     if not axes:
       return fn(*args, **kwargs)
     with _config._check_vma(False):  # pylint: disable=protected-access
+      args, kwargs = jax.tree.map(_untyped, (args, kwargs))
       out = fn(*args, **kwargs)
-    return varying_like(out, (args, kwargs))
+    return _marked(out, axes)
   return call
+
+
+def _untyped(x):
+  """x with a type that names no manual axes (Mosaic GPU kernels refuse such inputs): with
+  the checks off, an elementwise product keeps no axes, and a product by one is removed by
+  XLA, so the bits are x's."""
+  if not isinstance(x, jax.Array) or not _vma(x):
+    return x
+  return jax.numpy.multiply(x, jax.numpy.ones((), x.dtype))
 
 
 def varying_like(tree, *refs):
   """`tree`'s arrays marked varying over every manual axis any of `refs` varies over."""
-  axes = _axes(refs)
-  if not axes:
-    return tree
+  return _marked(tree, _axes(refs))
 
+
+def _marked(tree, axes: frozenset):
   def mark(x):
     missing = tuple(sorted(axes - _vma(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
-  return jax.tree.map(mark, tree)
+  return jax.tree.map(mark, tree) if axes else tree
 
 
 def cotangents_like(cts, primals):
