@@ -96,11 +96,12 @@ def _problem(key, b, t, s, hq, hkv, d):
           jax.random.normal(kv, (b, s, hkv, d)))
 
 
-def _value_and_grads(impl, q, k, v, **kw):
+def _value_and_grads(impl, q, k, v, jit=True, **kw):
   def f(q, k, v):
     out, lse = flash_attention(q, k, v, return_lse=True, implementation=impl, **kw)
     return jnp.sum(out * jnp.cos(out)), (out, lse)
-  (_, (out, lse)), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  step = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
+  (_, (out, lse)), grads = (jax.jit(step) if jit else step)(q, k, v)
   return out, lse, grads
 
 
@@ -172,8 +173,8 @@ def test_jax_errors_while_tracing_are_not_a_reason_to_fall_through():
 def test_interpret_mode_kernels_run_under_x64():
   from memeff_jax.ops.flash_attention import PallasTriton  # pylint: disable=import-outside-toplevel
   q, k, v = _problem(jax.random.key(4), 1, 32, 32, 2, 1, 16)
-  with jax.enable_x64(True):
-    got = _value_and_grads(PallasTriton(interpret=True), q, k, v, causal=True)
+  with jax.enable_x64(True):  # eagerly: under jit the interpreter runs at lowering, with x64 on
+    got = _value_and_grads(PallasTriton(interpret=True), q, k, v, jit=False, causal=True)
   want = _value_and_grads("reference", q, k, v, causal=True)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
