@@ -40,7 +40,8 @@ def test_linen_head_equals_dense_plus_optax(use_bias):
 
   plain = lambda p, x: _optax_loss(dense.apply(p, x), y)
   fused = lambda p, x: head.apply(p, x, y)
-  (l1, g1), (l2, g2) = (jax.value_and_grad(f, argnums=(0, 1))(params, x) for f in (plain, fused))
+  (l1, g1), (l2, g2) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(params, x)
+                        for f in (plain, fused))
   np.testing.assert_allclose(l1, l2, rtol=1e-6)
   chex.assert_trees_all_close(g1, g2, rtol=1e-5, atol=1e-7)
   chex.assert_trees_all_close(head.apply(params, x, method="logits"), dense.apply(params, x),
@@ -112,12 +113,14 @@ def test_linen_attention_fn_equals_default():
   ours = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=64,
                                          attention_fn=mlinen.flash_attention_fn)
   params = plain.init(jax.random.key(0), x)
-  np.testing.assert_allclose(ours.apply(params, x), plain.apply(params, x), rtol=1e-5, atol=1e-6)
+  apply = lambda m: jax.jit(lambda p, mask: m.apply(p, x, mask=mask))  # one program each
+  np.testing.assert_allclose(apply(ours)(params, None), apply(plain)(params, None), rtol=1e-5,
+                             atol=1e-6)
   causal = nn.make_causal_mask(jnp.ones((2, 12)))
-  np.testing.assert_allclose(ours.apply(params, x, mask=causal),
-                             plain.apply(params, x, mask=causal), rtol=1e-5, atol=1e-6)
-  g1 = jax.grad(lambda p: jnp.sum(plain.apply(p, x, mask=causal) ** 2))(params)
-  g2 = jax.grad(lambda p: jnp.sum(ours.apply(p, x, mask=causal) ** 2))(params)
+  np.testing.assert_allclose(apply(ours)(params, causal), apply(plain)(params, causal),
+                             rtol=1e-5, atol=1e-6)
+  g1 = jax.jit(jax.grad(lambda p: jnp.sum(plain.apply(p, x, mask=causal) ** 2)))(params)
+  g2 = jax.jit(jax.grad(lambda p: jnp.sum(ours.apply(p, x, mask=causal) ** 2)))(params)
   # The key bias gradient is exactly 0 in exact arithmetic (it shifts a whole score row):
   # both sides hold rounding noise there, hence the absolute tolerance.
   chex.assert_trees_all_close(g1, g2, rtol=1e-4, atol=2e-5)
