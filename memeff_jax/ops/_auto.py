@@ -51,7 +51,8 @@ def partitioned(fn, partition, rule):
   custom_partitioning refuses a function that closes over constants, and tracing a kernel
   may make some (a persistent kernel's schedule table, built for the call's shapes): they
   become operands of the call, replicated, which the per-shard function (traced anew for
-  the shard's shapes, with constants of its own) does not read."""
+  the shard's shapes, with constants of its own) does not read. The per-shard function's
+  mutable arrays are discharged (_pure)."""
   def pure_partition(mesh, arg_shapes, result_shape):
     mesh, per_shard, out_s, arg_s = partition(mesh, arg_shapes, result_shape)
     return mesh, _pure(per_shard), out_s, arg_s
