@@ -286,6 +286,37 @@ def test_loss_on_an_auto_mesh(mesh, w_axis, kw):
   assert collectives["all-reduce"] >= 1, collectives  # dW's sum over the token shards
 
 
+@pytest.mark.parametrize("w_axis, kw", [(None, dict(reduction="none", where=True)),
+                                         ("model", dict(reduction="none", bias=True,
+                                                        label_smoothing=0.1, z_loss=1e-3)),
+                                         ("model", dict(reduction="none", weight_layout="vd"))])
+def test_per_token_loss_on_an_auto_mesh(mesh, monkeypatch, w_axis, kw):
+  """reduction="none" under jit with the tokens over 'data' (and W's vocabulary over
+  'model'): per shard through custom_partitioning (on a GPU XLA cannot partition the
+  kernels), the per-token losses sharded as the tokens, the gradients of a weighted sum of
+  them one device's, and nothing gathered."""
+  from memeff_jax.ops.linear_cross_entropy import _partition  # pylint: disable=import-outside-toplevel
+  calls, per_token_loss = [], _partition.per_token_loss
+  monkeypatch.setattr(_partition, "per_token_loss",
+                      lambda *a, **k: calls.append(1) or per_token_loss(*a, **k))
+  layout = kw.get("weight_layout", "dv")
+  x, w, y, b, where = _vocab_problem(12, layout=layout)
+  kw, call = _vocab_call(kw, y, b, where)
+  weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+  loss = lambda x, w, b: jnp.sum(call(x, w, b) * weights)
+  want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  w_spec = P() if w_axis is None else P(None, w_axis) if layout == "dv" else P(w_axis)
+  args = (put(x, P("data")), put(w, w_spec), put(b, P(w_axis)))
+  got, grads, collectives, _ = _run(call, loss, (0, 1, 2), *args)
+  assert calls
+  _close(got, want, 1e-5)
+  _close(grads, want_grads, 1e-5)
+  assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), got.ndim)
+  assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
+  assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
+
+
 def test_vocab_axis_needs_an_enclosing_shard_map():
   with pytest.raises(ValueError, match=r"vocab_axis='model' is not an axis of an enclosing"):
     memeff_jax.linear_cross_entropy(jnp.ones((4, 8)), jnp.ones((8, 16)),

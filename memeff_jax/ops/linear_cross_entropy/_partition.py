@@ -1,5 +1,5 @@
-"""Linear cross-entropy on Auto meshes: the mean or summed loss as a custom_vjp whose forward
-runs per shard through `custom_partitioning`, so that under `jax.jit` with sharded inputs XLA
+"""Linear cross-entropy on Auto meshes: the loss as a custom_vjp whose forward and backward
+run per shard through `custom_partitioning`, so that under `jax.jit` with sharded inputs XLA
 does not gather the tokens or the weight onto every device (it cannot partition a Pallas
 call).
 
@@ -9,8 +9,8 @@ shard the tokens (vocab parallelism, _vocab_parallel); D is replicated (W sharde
 gathered by XLA before the call). The forward computes the gradients too, as the chunked
 implementations do for a summed loss (G is made with the loss), and the backward scales
 them by the cotangent: the custom_vjp stays outermost, and a call that is not
-differentiated runs the loss alone. On one device, and inside `jax.shard_map`,
-`custom_partitioning` inlines the function.
+differentiated runs the loss alone. Per-token losses (reduction="none") get their gradients
+in the backward instead, from the tokens' cotangents (per_token_loss).
 """
 
 from __future__ import annotations
@@ -29,19 +29,26 @@ def _divides(mesh, axes: tuple, size: int) -> tuple:
   return axes if size % _auto.size(mesh, axes) == 0 else ()
 
 
-def _rule(layout: str, with_grads: bool):
+# A partitioned call's `mode`, what it returns: the reduced loss ("loss"), with its gradients
+# ("grads"), per-token losses ("tokens"), or the gradients for per-token cotangents, an extra
+# [N] operand ("vjp").
+
+
+def _rule(layout: str, mode: str):
   def rule(mesh, value_types, result_types):
     ops = [ArrayMapping("n", "d"),
            ArrayMapping("d", "v") if layout == "dv" else ArrayMapping("v", "d")]
-    if len(value_types) == 5:  # a bias
+    if len(value_types) - (mode == "vjp") == 5:  # a bias
       ops.append(ArrayMapping("v"))
-    ops += [ArrayMapping("n"), ArrayMapping("n")]  # labels, valid
-    results = (ArrayMapping(),) + (tuple(ops[:len(value_types) - 2]) if with_grads else ())
+    params = len(ops)
+    ops += [ArrayMapping("n"), ArrayMapping("n")] + [ArrayMapping("n")] * (mode == "vjp")
+    results = {"loss": (ArrayMapping(),), "grads": (ArrayMapping(), *ops[:params]),
+               "tokens": (ArrayMapping("n"),), "vjp": tuple(ops[:params])}[mode]
     return SdyShardingRule(tuple(ops), results, need_replication_factors=("d",))
   return rule
 
 
-def _partition(layout: str, with_grads: bool, local):
+def _partition(layout: str, mode: str, local):
   """The per-shard computation and shardings from the inputs' shardings."""
   def partition(mesh, arg_shapes, result_shape):
     x, w = arg_shapes[0], arg_shapes[1]
@@ -53,17 +60,31 @@ def _partition(layout: str, with_grads: bool, local):
       vocab = ()
     ns = lambda *dims: NamedSharding(mesh, _auto.spec(*dims))
     w_s = ns((), vocab) if layout == "dv" else ns(vocab, ())
-    has_bias = len(arg_shapes) == 5
-    args = [ns(tokens, ()), w_s] + [ns(vocab)] * has_bias + [ns(tokens), ns(tokens)]
-    outs = (ns(),) + (tuple(args[:len(args) - 2]) if with_grads else ())
+    has_bias = len(arg_shapes) - (mode == "vjp") == 5
+    params = [ns(tokens, ()), w_s] + [ns(vocab)] * has_bias
+    args = params + [ns(tokens)] * (2 + (mode == "vjp"))
+    outs = {"loss": (ns(),), "grads": (ns(), *params), "tokens": (ns(tokens),),
+            "vjp": tuple(params)}[mode]
 
     def per_shard(x, w, *rest):
       b = rest[0] if has_bias else None
-      labels, valid = rest[-2:]
-      return local(x, w, b, labels, valid, tokens=tokens, vocab=vocab)
+      return local(x, w, b, *rest[has_bias:], tokens=tokens, vocab=vocab)
 
     return mesh, per_shard, outs, tuple(args)
   return partition
+
+
+def _partitioned(layout: str, mode: str, local):
+  """local(x, w, b, labels, valid[, ct], tokens=, vocab=) as a custom_partitioning call of
+  the operands (x, w[, b], labels, valid[, ct])."""
+  def inner(x, w, *rest):
+    has_bias = len(rest) - (mode == "vjp") == 3
+    return local(x, w, rest[0] if has_bias else None, *rest[has_bias:], tokens=(), vocab=())
+  return _auto.partitioned(inner, _partition(layout, mode, local), _rule(layout, mode))
+
+
+def _operands(x, w, b, *rest):
+  return (x, w) + (() if b is None else (b,)) + rest
 
 
 def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, loss_fn,
@@ -97,28 +118,56 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
       loss, shared = jax.lax.psum((loss, shared), tokens)
     return (loss, dx, *shared)
 
-  def partitioned(with_grads: bool):
-    fn = local_with_grads if with_grads else local
-    inner = lambda x, w, *rest: fn(x, w, *((rest[0],) if len(rest) == 3 else (None,)),
-                                   *rest[-2:], tokens=(), vocab=())
-    return _auto.partitioned(inner, _partition(weight_layout, with_grads, fn),
-                             _rule(weight_layout, with_grads))
-
-  operands = lambda x, w, b, labels, valid: (x, w) + (() if b is None else (b,)) + (labels,
-                                                                                  valid)
-
   @jax.custom_vjp
   def loss(x, w, b, labels, valid):
-    return partitioned(False)(*operands(x, w, b, labels, valid))[0]
+    return _partitioned(weight_layout, "loss", local)(*_operands(x, w, b, labels, valid))[0]
 
   def fwd(x, w, b, labels, valid):
     x, w = _checks.first_order_only(name, x, w)
-    out = partitioned(True)(*operands(x, w, b, labels, valid))
+    out = _partitioned(weight_layout, "grads", local_with_grads)(
+        *_operands(x, w, b, labels, valid))
     return out[0], out[1:]
 
   def bwd(grads, ct):
     scaled = tuple((g * ct).astype(g.dtype) for g in grads)
     return (*scaled, *((None,) if len(scaled) == 2 else ()), None, None)
+
+  loss.defvjp(fwd, bwd)
+  return loss(x, w, b, labels, valid)
+
+
+def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name: str):
+  """The [N] per-token losses (reduction="none"), partitioned over the tokens and W's
+  vocabulary on Auto meshes: the forward runs loss_fn (as reduced_loss takes it) per shard;
+  the backward runs its vjp per shard for the tokens' cotangents (the shard's forward run
+  again, as under rematerialization), dx summed over the vocabulary slices, dW and the
+  bias's gradient over the token shards."""
+  def local(x, w, b, labels, valid, *, tokens, vocab):
+    del tokens
+    return (loss_fn(x, w, b, labels, valid, vocab or None, "none"),)
+
+  def local_vjp(x, w, b, labels, valid, ct, *, tokens, vocab):
+    f = lambda x, w, b: loss_fn(x, w, b, labels, valid, vocab or None, "none")
+    dx, dw, db = jax.vjp(f, x, w, b)[1](ct)
+    if vocab:  # each vocabulary slice's share of dx
+      dx = jax.lax.psum(dx, vocab)
+    shared = (dw,) if b is None else (dw, db)
+    if tokens:  # dW and the bias's gradient: summed over the token shards
+      shared = jax.lax.psum(shared, tokens)
+    return (dx, *shared)
+
+  @jax.custom_vjp
+  def loss(x, w, b, labels, valid):
+    return _partitioned(weight_layout, "tokens", local)(*_operands(x, w, b, labels, valid))[0]
+
+  def fwd(x, w, b, labels, valid):
+    x, w = _checks.first_order_only(name, x, w)
+    return loss(x, w, b, labels, valid), (x, w, b, labels, valid)
+
+  def bwd(res, ct):
+    x, w, b, labels, valid = res
+    grads = _partitioned(weight_layout, "vjp", local_vjp)(*_operands(x, w, b, labels, valid, ct))
+    return (*grads, *((None,) if b is None else ()), None, None)
 
   loss.defvjp(fwd, bwd)
   return loss(x, w, b, labels, valid)
