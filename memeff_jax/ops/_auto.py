@@ -32,15 +32,24 @@ def size(mesh, names: tuple) -> int:
   return n
 
 
-def available() -> bool:
-  """Whether calls may go through custom_partitioning: in a process with several devices,
-  outside jax.shard_map (whose axes are manual: the call is already per shard, and
-  custom_partitioning there would be lowered by re-evaluating the kernels' trace under
-  check_vma), and not under jax_enable_x64, where the kernels are traced with 64-bit types
-  off (hopper.without_x64), which custom_partitioning's re-trace at lowering would undo;
-  other calls run unpartitioned."""
+def available(*arrays) -> bool:
+  """Whether a call on `arrays` goes through custom_partitioning: where one of them lies on
+  a mesh of several devices (under jit, its type names that mesh; single-device code on a
+  host with several GPUs keeps the single-device path), outside jax.shard_map (whose axes
+  are manual: the call is already per shard, and custom_partitioning there would be lowered
+  by re-evaluating the kernels' trace under check_vma), and not under jax_enable_x64, where
+  the kernels are traced with 64-bit types off (hopper.without_x64), which
+  custom_partitioning's re-trace at lowering would undo."""
   manual = any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
-  return jax.device_count() > 1 and not manual and not jax.config.jax_enable_x64
+  return (not manual and not jax.config.jax_enable_x64 and jax.device_count() > 1
+          and any(_mesh_size(a) > 1 for a in arrays))
+
+
+def _mesh_size(a) -> int:
+  if a is None:
+    return 0
+  mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+  return getattr(mesh, "size", 0) or 0
 
 
 def partitioned(fn, partition, rule):

@@ -124,14 +124,34 @@ def test_partitioned_functions_may_make_constants(mesh):
   assert " all-gather" not in compiled.as_text()
 
 
-def test_attention_under_vmap_folds_the_axis_into_the_batch():
-  """custom_partitioning has no batching rule: vmap goes through custom_vmap."""
-  q = jax.random.normal(jax.random.key(9), (3, 1, 32, 2, 8))
+def test_attention_under_vmap_folds_the_axis_into_the_batch(mesh, monkeypatch):
+  """custom_partitioning has no batching rule: vmap goes through custom_vmap (q on the mesh,
+  replicated: the call is partitioned)."""
+  from memeff_jax.ops import _auto  # pylint: disable=import-outside-toplevel
+  calls, partitioned = [], _auto.partitioned
+  monkeypatch.setattr(_auto, "partitioned", lambda *a: calls.append(1) or partitioned(*a))
+  q = jax.device_put(jax.random.normal(jax.random.key(9), (3, 1, 32, 2, 8)),
+                     NamedSharding(mesh, P()))
   f = lambda q: memeff_jax.flash_attention(q, q, q, causal=True)
   flat = lambda q: f(q.reshape(-1, *q.shape[2:])).reshape(q.shape)  # rows are independent
   _close(jax.vmap(f)(q), flat(q))
   _close(jax.grad(lambda q: jnp.sum(jax.vmap(f)(q) ** 2))(q),
          jax.grad(lambda q: jnp.sum(flat(q) ** 2))(q), 1e-4)
+  assert calls
+
+
+def test_single_device_values_skip_the_partitioning(monkeypatch):
+  """Arrays on one device (single-device code on a host of several) take the single-device
+  path: no custom_partitioning, no per-shard recomputation."""
+  from memeff_jax.ops import _auto  # pylint: disable=import-outside-toplevel
+  calls, partitioned = [], _auto.partitioned
+  monkeypatch.setattr(_auto, "partitioned", lambda *a: calls.append(1) or partitioned(*a))
+  q = jax.random.normal(jax.random.key(10), (2, 16, 2, 8))
+  jax.jit(jax.grad(lambda q: jnp.sum(memeff_jax.flash_attention(q, q, q) ** 2)))(q)
+  x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
+  jax.jit(jax.grad(lambda x: jnp.sum(memeff_jax.linear_cross_entropy(
+      x, w, jnp.zeros(8, jnp.int32), reduction="none"))))(x)
+  assert not calls
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ whole GQA groups (Hkv divisible by the shards); one key head (MQA) stays whole, 
 backward sums its dk and dv over the query-head shards. The sequences and the head dim are
 replicated (context parallelism is for another path). The Shardy rules say as much:
 `b t (k g) d, b s k d, b s k e -> b t (k g) e, b (k g) t`, with t, s, d, e needing
-replication. On one device, and inside `jax.shard_map`, `custom_partitioning` inlines the
-function unchanged. It has no batching rule: `jax.custom_batching.custom_vmap` folds a
+replication. It has no batching rule: `jax.custom_batching.custom_vmap` folds a
 vmapped axis into the batch. The custom_vjp stays outermost (attention_vjp): its forward
-and backward rules call these. Under jax_enable_x64 the calls are not partitioned (_auto.available).
+and backward rules call these. Calls on one device, inside shard_map and under
+jax_enable_x64 are not partitioned (_auto.available).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def partitioned_forward(forward):
   """forward(static, q, k, v, q_seg, kv_seg) -> (out, lse), partitioned over the batch and
   heads of an Auto mesh."""
   def call(static, q, k, v, q_seg, kv_seg):
-    if not _auto.available():
+    if not _auto.available(q, k, v):
       return forward(static, q, k, v, q_seg, kv_seg)
     part = _auto.partitioned(
         lambda q, k, v, *segs: forward(static, q, k, v, *(segs or (None, None))),
@@ -156,7 +156,7 @@ def partitioned_backward(backward):
                           (d_out, d_lse))[:3])
 
   def call(static, res, cts):
-    if not _auto.available():
+    if not _auto.available(res.q, res.k, res.v, *cts):
       return backward(static, res, cts)
     d_out, d_lse = cts
     segs = () if res.q_segment_ids is None else (res.q_segment_ids, res.kv_segment_ids)

@@ -178,13 +178,13 @@ def _vocab_axis(vocab_axis):
                      f"(the weight's vocabulary must be sharded over it): {err}") from None
 
 
-def _auto_partitions(vocab_axis, return_aux, labels, x2, d, implementations) -> bool:
+def _auto_partitions(vocab_axis, return_aux, labels, x2, weight, d, implementations) -> bool:
   """Whether the call goes through _partition (per shard on Auto meshes): a loss without aux
   outputs by a custom_vjp implementation (the reference is plain JAX, which XLA partitions
   itself), where _auto.available says custom_partitioning may be used."""
   return (vocab_axis is None and not return_aux
           and not isinstance(labels, Int64Labels) and x2.shape[0] > 0 and d > 0
-          and not isinstance(implementations[0], Reference) and _auto.available())
+          and not isinstance(implementations[0], Reference) and _auto.available(x2, weight))
 
 
 def _compute(x2, weight, bias, labels2, valid, opts: LossOptions, implementations, chunk_size,
@@ -390,7 +390,7 @@ def linear_cross_entropy(
   implementations = _dispatch.resolve(implementation, IMPLEMENTATIONS, default)
   if x2.shape[0] == 0:  # no tokens: no chunks; the reference's (empty) computation
     implementations = [IMPLEMENTATIONS["reference"]]
-  if _auto_partitions(vocab_axis, return_aux, labels, x2, d, implementations):
+  if _auto_partitions(vocab_axis, return_aux, labels, x2, weight, d, implementations):
     def shard_loss(x, w, b, labels, valid, axis, reduction):  # W: a vocabulary slice
       return _compute(x, w, b, labels, valid, dataclasses.replace(opts, reduction=reduction),
                       implementations, chunk_size, axis, psum=_vocab_parallel.shared_sum)[0]
