@@ -41,7 +41,7 @@ def available(*arrays) -> bool:
   the kernels are traced with 64-bit types off (hopper.without_x64), which
   custom_partitioning's re-trace at lowering would undo."""
   manual = any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
-  return (not manual and not jax.config.jax_enable_x64 and jax.device_count() > 1
+  return (not manual and not jax.config.jax_enable_x64
           and any(_mesh_size(a) > 1 for a in arrays))
 
 
@@ -62,22 +62,17 @@ def partitioned(fn, partition, rule):
   become operands of the call, replicated, which the per-shard function (traced anew for
   the shard's shapes, with constants of its own) does not read. The per-shard function's
   mutable arrays are discharged (_pure)."""
-  def pure_partition(mesh, arg_shapes, result_shape):
-    mesh, per_shard, out_s, arg_s = partition(mesh, arg_shapes, result_shape)
-    return mesh, _pure(per_shard), out_s, arg_s
-
   def call(*args):
+    # Traced once here: custom_partitioning traces `hoisted`, which replays this trace.
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     consts, n = tuple(closed.consts), len(args)
-    if not consts:
-      return _custom_partitioning(fn, pure_partition, rule)(*args)
     out_tree = jax.tree.structure(out_shape)
     hoisted = lambda *a: jax.tree.unflatten(out_tree, _eval_jaxpr(closed.jaxpr, a[n:], *a[:n]))
 
     def partition_with_consts(mesh, arg_shapes, result_shape):
-      mesh, per_shard, out_s, arg_s = pure_partition(mesh, arg_shapes[:n], result_shape)
+      mesh, per_shard, out_s, arg_s = partition(mesh, arg_shapes[:n], result_shape)
       replicated = (NamedSharding(mesh, P()),) * len(consts)
-      return mesh, lambda *a: per_shard(*a[:n]), out_s, (*arg_s, *replicated)
+      return mesh, lambda *a: _pure(per_shard)(*a[:n]), out_s, (*arg_s, *replicated)
 
     def rule_with_consts(mesh, value_types, result_types):
       r = rule(mesh, value_types[:n], result_types)

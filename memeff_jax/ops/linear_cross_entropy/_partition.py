@@ -29,16 +29,19 @@ def _divides(mesh, axes: tuple, size: int) -> tuple:
   return axes if size % _auto.size(mesh, axes) == 0 else ()
 
 
-# A partitioned call's `mode`, what it returns: the reduced loss ("loss"), with its gradients
-# ("grads"), per-token losses ("tokens"), or the gradients for per-token cotangents, an extra
-# [N] operand ("vjp").
+def _has_bias(n_operands: int, mode: str) -> bool:
+  """Whether a partitioned call's operands (x, w[, b], labels, valid[, ct]) hold a bias.
+  `mode` says what the call returns: the reduced loss ("loss"), with its gradients
+  ("grads"), per-token losses ("tokens"), or the gradients for per-token cotangents, the
+  extra [N] operand ct ("vjp")."""
+  return n_operands - (mode == "vjp") == 5
 
 
 def _rule(layout: str, mode: str):
   def rule(mesh, value_types, result_types):
     ops = [ArrayMapping("n", "d"),
            ArrayMapping("d", "v") if layout == "dv" else ArrayMapping("v", "d")]
-    if len(value_types) - (mode == "vjp") == 5:  # a bias
+    if _has_bias(len(value_types), mode):
       ops.append(ArrayMapping("v"))
     params = len(ops)
     ops += [ArrayMapping("n"), ArrayMapping("n")] + [ArrayMapping("n")] * (mode == "vjp")
@@ -60,7 +63,7 @@ def _partition(layout: str, mode: str, local):
       vocab = ()
     ns = lambda *dims: NamedSharding(mesh, _auto.spec(*dims))
     w_s = ns((), vocab) if layout == "dv" else ns(vocab, ())
-    has_bias = len(arg_shapes) - (mode == "vjp") == 5
+    has_bias = _has_bias(len(arg_shapes), mode)
     params = [ns(tokens, ()), w_s] + [ns(vocab)] * has_bias
     args = params + [ns(tokens)] * (2 + (mode == "vjp"))
     outs = {"loss": (ns(),), "grads": (ns(), *params), "tokens": (ns(tokens),),
@@ -78,7 +81,7 @@ def _partitioned(layout: str, mode: str, local):
   """local(x, w, b, labels, valid[, ct], tokens=, vocab=) as a custom_partitioning call of
   the operands (x, w[, b], labels, valid[, ct])."""
   def inner(x, w, *rest):
-    has_bias = len(rest) - (mode == "vjp") == 3
+    has_bias = _has_bias(2 + len(rest), mode)
     return local(x, w, rest[0] if has_bias else None, *rest[has_bias:], tokens=(), vocab=())
   return _auto.partitioned(inner, _partition(layout, mode, local), _rule(layout, mode))
 
