@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from memeff_jax.ops import _explicit
+from memeff_jax.ops import _state
 
 
 def axes(entry) -> tuple:
@@ -61,18 +62,19 @@ def partitioned(fn, partition, rule):
   may make some (a persistent kernel's schedule table, built for the call's shapes): they
   become operands of the call, replicated, which the per-shard function (traced anew for
   the shard's shapes, with constants of its own) does not read. The per-shard function's
-  mutable arrays are discharged (_pure)."""
+  mutable arrays are discharged (_state.pure)."""
   def call(*args):
     # Traced once here: custom_partitioning traces `hoisted`, which replays this trace.
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     consts, n = tuple(closed.consts), len(args)
     out_tree = jax.tree.structure(out_shape)
-    hoisted = lambda *a: jax.tree.unflatten(out_tree, _eval_jaxpr(closed.jaxpr, a[n:], *a[:n]))
+    hoisted = lambda *a: jax.tree.unflatten(
+        out_tree, _state.eval_jaxpr(closed.jaxpr, a[n:], *a[:n]))
 
     def partition_with_consts(mesh, arg_shapes, result_shape):
       mesh, per_shard, out_s, arg_s = partition(mesh, arg_shapes[:n], result_shape)
       replicated = (NamedSharding(mesh, P()),) * len(consts)
-      return mesh, lambda *a: _pure(per_shard)(*a[:n]), out_s, (*arg_s, *replicated)
+      return mesh, lambda *a: _state.pure(per_shard)(*a[:n]), out_s, (*arg_s, *replicated)
 
     def rule_with_consts(mesh, value_types, result_types):
       r = rule(mesh, value_types[:n], result_types)
@@ -88,41 +90,9 @@ def partitioned(fn, partition, rule):
   return call
 
 
-def _pure(per_shard):
-  """per_shard with the mutable arrays that its kernels write into (jax.new_ref: a fused
-  backward's statistics, accumulators) discharged into values: custom_partitioning lowers
-  the per-shard function as a module of its own, which may not have effects (jax.jit
-  discharges them the same way before lowering)."""
-  def call(*args):
-    closed, out_shape = jax.make_jaxpr(per_shard, return_shape=True)(*args)
-    if not closed.effects:
-      return jax.tree.unflatten(jax.tree.structure(out_shape),
-                                _eval_jaxpr(closed.jaxpr, closed.consts, *args))
-    pure = _discharge_state(closed)
-    outs = _eval_jaxpr(pure.jaxpr, pure.consts, *args)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs[:len(closed.out_avals)])
-  return call
-
-
-def _discharge_state(closed):
-  from jax._src.state import discharge  # pylint: disable=import-outside-toplevel
-  try:
-    return discharge.discharge_state(closed)
-  except TypeError:  # the older spelling: (jaxpr, consts) -> (jaxpr, consts)
-    jaxpr, consts = discharge.discharge_state(closed.jaxpr, closed.consts)
-    return closed.replace(jaxpr=jaxpr, consts=consts)
-
-
 def _custom_partitioning(fn, partition, rule):
   part = custom_partitioning(fn)
   part.def_partition(partition=partition,
                      infer_sharding_from_operands=lambda *a: partition(*a)[2],
                      sharding_rule=rule)
   return part
-
-
-def _eval_jaxpr(jaxpr, consts, *args):
-  evaluate = getattr(jax.core, "eval_jaxpr", None)
-  if evaluate is None:  # pragma: no cover - where jax.core no longer exports it
-    from jax._src.core import eval_jaxpr as evaluate  # pylint: disable=import-outside-toplevel
-  return evaluate(jaxpr, consts, *args)

@@ -13,6 +13,8 @@ import functools
 import jax
 from jax._src import config as _config  # check_vma's switch: no public spelling yet
 
+from memeff_jax.ops import _state
+
 
 def _vma(x) -> frozenset:
   """The manual mesh axes x varies over (jax 0.10: aval.manual_axis_type; older: aval.vma)."""
@@ -36,15 +38,29 @@ def unchecked(fn):
   """fn (a function of Pallas kernels) traced with check_vma's checks off inside
   jax.shard_map, its array outputs marked varying over every manual axis its array inputs
   vary over; elsewhere fn itself. Each shard's kernel computes from that shard's values
-  only, so its outputs vary as its inputs do."""
+  only, so its outputs vary as its inputs do.
+
+  The region is traced as a jit of its own with its mutable arrays already discharged:
+  lowering discharges the state of the program around it by re-tracing each equation with
+  the checks on, which the region's untyped values would fail; a jit's equation is bound
+  whole."""
   @functools.wraps(fn)
   def call(*args, **kwargs):
     axes = _axes((args, kwargs))
     if not axes:
       return fn(*args, **kwargs)
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+    def region(*values):
+      full = list(leaves)
+      for i, x in zip(arrays, values):
+        full[i] = _untyped(x)
+      a, k = jax.tree.unflatten(tree, full)
+      return fn(*a, **k)
+
     with _config._check_vma(False):  # pylint: disable=protected-access
-      args, kwargs = jax.tree.map(_untyped, (args, kwargs))
-      out = fn(*args, **kwargs)
+      out = jax.jit(_state.pure(region))(*(leaves[i] for i in arrays))
     return _marked(out, axes)
   return call
 

@@ -403,14 +403,17 @@ def test_loss_refuses_vocab_and_tokens_on_one_axis(explicit_mesh):
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("impl, causal", [("pallas_mosaic_gpu", False), ("pallas_mosaic_gpu", True),
-                                          ("pallas_triton", True)])
+@pytest.mark.parametrize("impl, causal, hkv", [("pallas_mosaic_gpu", False, 2),
+                                               ("pallas_mosaic_gpu", True, 2),
+                                               ("pallas_mosaic_gpu", True, 8),
+                                               ("pallas_triton", True, 2)])
 def test_attention_kernels_lower_for_cuda_in_shard_map(mesh, monkeypatch, check_vma, impl,
-                                                       causal):
+                                                       causal, hkv):
   """The GPU kernels (fwd+bwd) traced inside jax.shard_map and lowered for CUDA on this host:
   with check_vma, Pallas wants its outputs' types and refuses a kernel body that mixes
   per-shard values with constants (_vma.unchecked); custom_partitioning stays out of the
-  way there (_auto.available)."""
+  way there (_auto.available). Causal MHA's fused backward writes into mutable arrays, whose
+  discharge at lowering re-traces the program with the checks on."""
   from memeff_jax.kernels import hopper  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.flash_attention import pallas_mosaic_gpu  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(pallas_mosaic_gpu, "hopper_available", lambda: None)
@@ -421,7 +424,7 @@ def test_attention_kernels_lower_for_cuda_in_shard_map(mesh, monkeypatch, check_
   step = shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(spec,) * 3,
                    out_specs=(spec,) * 3, check_vma=check_vma)
   q = jax.ShapeDtypeStruct((8, 256, 8, 128), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((8, 256, 2, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((8, 256, hkv, 128), jnp.bfloat16)
   text = jax.jit(step).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
   assert ("mosaic_gpu" if impl == "pallas_mosaic_gpu" else "triton") in text
 
