@@ -178,12 +178,13 @@ def train_step_section() -> tuple[list[str], str | None]:
 
 def _train_summary(runs_: list[dict]) -> list[str]:
   """Per kernel set: the largest batch that runs (exact where the next one failed), and
-  tokens/s and peak at the smallest batch every set ran and at its largest batch."""
+  tokens/s and peak at one batch (the one most sets ran, the smallest of those) and at its
+  largest batch."""
   fits = collections.defaultdict(dict)
   for r in runs_:
     fits[r["kernels"]].setdefault(r["batch"], r if r.get("fits") is not False else None)
-  common = set.intersection(*(set(b for b, r in by.items() if r) for by in fits.values()))
-  equal = min(common, default=None)
+  ran = collections.Counter(b for by in fits.values() for b, r in by.items() if r)
+  equal = min(ran, key=lambda b: (-ran[b], b), default=None)
   out = [f"| layers | largest batch that runs | tokens/s at batch {equal} | peak at batch "
          f"{equal} (GiB) | tokens/s at its largest batch |", "|---|---|---|---|---|"]
   for kernels in [k for k in LAYERS if k in fits]:

@@ -89,14 +89,17 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
     record["predicted_peak_bytes"] = prediction[-1]["predicted_peak_bytes"]
     record["temp_bytes"] = prediction[-1]["temp_bytes"]
   if proc.returncode or not lines:
-    oom = "RESOURCE_EXHAUSTED" in proc.stderr or "Out of memory" in proc.stderr
+    oom = [l for l in proc.stderr.splitlines()
+           if "RESOURCE_EXHAUSTED" in l or "Out of memory" in l]
     reason = "out of memory" if oom else \
         (proc.stderr.strip().splitlines()[-1:] or ["failed"])[0][:300]
     where = ("at compile" if not prediction else
              f"compiled peak {prediction[-1]['predicted_peak_bytes'] / 2**30:.2f} GiB")
     print(f"  {kernels:9s} batch {batch:4d}: does not run ({reason}, {where})", flush=True)
     if runs_out:
-      _append(runs_out, dict(record, fits=False, error=reason))
+      # the allocator's own words (which allocation, how large) where it ran out
+      _append(runs_out, dict(record, fits=False, error=reason,
+                             **({"oom_message": oom[0].strip()[:500]} if oom else {})))
     return None
   row = json.loads(lines[-1])
   if runs_out:
