@@ -23,6 +23,7 @@ import optax
 
 from memeff_jax import remat
 from memeff_jax.flax.nnx import FusedLMHead
+from memeff_jax.models import sharding
 from memeff_jax.ops.flash_attention import flash_attention
 
 KERNELS = ("memeff", "plain", "plain_xla")
@@ -175,13 +176,13 @@ class Llama(nnx.Module):
     policy = remat.resolve(self.cfg.remat_policy)
 
     def layer(x, block):
-      return block(x, positions, segment_ids)
+      return sharding.activations(block(x, positions, segment_ids))
 
     if policy is not None:
       layer = nnx.remat(layer, policy=policy)
-    x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(self.embed(tokens),
-                                                                        self.blocks)
-    return self.final_norm(x)
+    x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+        sharding.activations(self.embed(tokens)), self.blocks)
+    return sharding.activations(self.final_norm(x))
 
   def logits(self, tokens, segment_ids=None):
     h = self.hidden(tokens, segment_ids)

@@ -86,6 +86,36 @@ def state_shardings(state, mesh):
   return jax.tree_util.tree_map_with_path(sharding, state)
 
 
+def activations(x):
+  """x [B, ...] (the residual stream, the final hidden states) with its batch over the
+  data × fsdp axes of the mesh in context and its other dimensions whole; x itself outside
+  a mesh. Without it XLA's propagation carries the weights' fsdp-sharded D into the
+  activations and partitions each matmul over its contraction, all-reducing [B, T, F]
+  activations of the whole batch in every layer where FSDP gathers weights instead."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+  if not axes or x.shape[0] % _size(mesh, axes):
+    return x
+  return jax.lax.with_sharding_constraint(x, P(axes, *(None,) * (x.ndim - 1)))
+
+
+def in_mesh(fn, mesh):
+  """fn traced with `mesh` in context (for `activations`)."""
+  def call(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+  return call
+
+
+def _size(mesh, axes) -> int:
+  n = 1
+  for a in axes:
+    n *= mesh.shape[a]
+  return n
+
+
 def batch_sharding(mesh) -> NamedSharding:
   """Tokens, labels and segment ids [B, T]: the batch over data × fsdp."""
   axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape and mesh.shape[a] > 1)

@@ -40,7 +40,7 @@ def make_train_step(model: nnx.Module, learning_rate: float = 3e-3, weight_decay
   from memeff_jax.models import sharding  # pylint: disable=import-outside-toplevel
   placed = sharding.state_shardings(state, mesh)
   state = jax.device_put(state, placed)
-  return TrainState(graphdef, state), jax.jit(step, donate_argnums=0,
+  return TrainState(graphdef, state), jax.jit(sharding.in_mesh(step, mesh), donate_argnums=0,
                                               out_shardings=(placed, None))
 
 

@@ -53,6 +53,29 @@ def test_rules_shard_weights_and_moments(mesh):
   assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp"))
 
 
+@pytest.mark.parametrize("kernels", ["memeff", "plain"])
+def test_fsdp_gathers_weights_not_activations(kernels):
+  """On an fsdp mesh the compiled step all-gathers weights and all-reduces only
+  parameter-sized gradients: no collective carries activations of the whole batch (XLA's
+  propagation alone partitions the matmuls over their contraction instead, all-reducing
+  [B, T, F] in every layer)."""
+  import re  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import Llama, make_train_step  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh({"fsdp": 4})
+  state, step = make_train_step(Llama(CFG, kernels=kernels, rngs=nnx.Rngs(0)), mesh=mesh)
+  batch, seq = 8, 64
+  tokens = jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=sharding.batch_sharding(mesh))
+  text = step.lower(state.state, {"tokens": tokens, "labels": tokens}).compile().as_text()
+  ops = re.findall(r"= (\(?[^=]*?\)?) (all-gather|all-reduce|reduce-scatter|all-to-all)"
+                   r"(?:-start)?\(", text)
+  gathered = [shape for shape, op in ops if op == "all-gather"]
+  assert any(f"[{CFG.d_model}," in s or f",{CFG.d_model}]" in s for s in gathered), gathered
+  activations = [(op, shape) for shape, op in ops  # token ids may travel; floats may not
+                 if re.search(rf"(f32|bf16)\[{batch},{seq}\b", shape)]
+  assert not activations, activations
+
+
 def test_mesh_arguments_are_checked():
   assert sharding.parse_mesh("data=2,tensor=4") == {"data": 2, "tensor": 4}
   with pytest.raises(ValueError, match="name=size pairs"):
