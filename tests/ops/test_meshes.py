@@ -337,6 +337,28 @@ def test_per_token_loss_on_an_auto_mesh(mesh, monkeypatch, w_axis, kw):
   assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
 
 
+@pytest.mark.parametrize("kw", [dict(label_smoothing=0.1), dict(bias=True, weight_layout="vd"),
+                                dict(reduction="none", bias=True)])
+def test_loss_fsdp_weight_on_an_auto_mesh(mesh, kw):
+  """Tokens over 'data', W's D over 'data' too (FSDP) and its vocabulary over 'model', Auto
+  axes: W gathered for the call, dW reduce-scattered back into W's sharding."""
+  layout = kw.get("weight_layout", "dv")
+  x, w, y, b, where = _vocab_problem(13, layout=layout)
+  kw, call = _vocab_call(kw, y, b, where)
+  weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+  loss = lambda x, w, b: jnp.sum(jax.tree.leaves(call(x, w, b))[0] * weights)
+  want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  w_spec = P("data", "model") if layout == "dv" else P("model", "data")
+  args = (put(x, P("data")), put(w, w_spec), put(b, P("model")))
+  got, grads, _, text = _run(call, loss, (0, 1, 2), *args)
+  _close(got, want, 1e-5)
+  _close(grads, want_grads, 1e-5)
+  assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
+  assert " reduce-scatter(" in text or " reduce-scatter-start(" in text, \
+      "dW should leave by a reduce-scatter"
+
+
 def test_vocab_axis_needs_an_enclosing_shard_map():
   with pytest.raises(ValueError, match=r"vocab_axis='model' is not an axis of an enclosing"):
     memeff_jax.linear_cross_entropy(jnp.ones((4, 8)), jnp.ones((8, 16)),

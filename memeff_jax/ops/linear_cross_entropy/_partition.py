@@ -5,8 +5,10 @@ call).
 
 The tokens partition (data parallelism: each shard its tokens' loss, dW and the bias's
 gradient summed over the token shards); W's vocabulary partitions over axes that do not
-shard the tokens (vocab parallelism, _vocab_parallel); D is replicated (W sharded on D is
-gathered by XLA before the call). The forward computes the gradients too, as the chunked
+shard the tokens (vocab parallelism, _vocab_parallel); D is replicated in the call (W
+sharded on D is gathered by XLA before it). Where W's D is sharded over token axes (FSDP),
+dW and the bias's gradient leave the call reduce-scattered over those axes into W's own
+sharding: no device holds the whole summed dW. The forward computes the gradients too, as the chunked
 implementations do for a summed loss (G is made with the loss), and the backward scales
 them by the cotangent: the custom_vjp stays outermost, and a call that is not
 differentiated runs the loss alone. Per-token losses (reduction="none") get their gradients
@@ -61,17 +63,22 @@ def _partition(layout: str, mode: str, local):
     vocab = _divides(mesh, _auto.axes(w_spec[v_dim]), w.shape[v_dim])
     if set(vocab) & set(tokens):
       vocab = ()
+    # FSDP: the token axes that also shard W's D, where they split D evenly.
+    fsdp = tuple(a for a in _auto.axes(w_spec[1 - v_dim]) if a in tokens)
+    fsdp = _divides(mesh, fsdp, w.shape[1 - v_dim]) if mode in ("grads", "vjp") else ()
     ns = lambda *dims: NamedSharding(mesh, _auto.spec(*dims))
-    w_s = ns((), vocab) if layout == "dv" else ns(vocab, ())
+    w_dims = lambda d_axes: (d_axes, vocab) if layout == "dv" else (vocab, d_axes)
     has_bias = _has_bias(len(arg_shapes), mode)
-    params = [ns(tokens, ()), w_s] + [ns(vocab)] * has_bias
+    params = [ns(tokens, ()), ns(*w_dims(()))] + [ns(vocab)] * has_bias
     args = params + [ns(tokens)] * (2 + (mode == "vjp"))
-    outs = {"loss": (ns(),), "grads": (ns(), *params), "tokens": (ns(tokens),),
-            "vjp": tuple(params)}[mode]
+    grads = [params[0], ns(*w_dims(fsdp))] + [ns(vocab)] * has_bias
+    outs = {"loss": (ns(),), "grads": (ns(), *grads), "tokens": (ns(tokens),),
+            "vjp": tuple(grads)}[mode]
 
     def per_shard(x, w, *rest):
       b = rest[0] if has_bias else None
-      return local(x, w, b, *rest[has_bias:], tokens=tokens, vocab=vocab)
+      return local(x, w, b, *rest[has_bias:], tokens=tokens, vocab=vocab,
+                   scatter=(fsdp, 1 - v_dim))
 
     return mesh, per_shard, outs, tuple(args)
   return partition
@@ -82,12 +89,28 @@ def _partitioned(layout: str, mode: str, local):
   the operands (x, w[, b], labels, valid[, ct])."""
   def inner(x, w, *rest):
     has_bias = _has_bias(2 + len(rest), mode)
-    return local(x, w, rest[0] if has_bias else None, *rest[has_bias:], tokens=(), vocab=())
+    return local(x, w, rest[0] if has_bias else None, *rest[has_bias:], tokens=(), vocab=(),
+                 scatter=((), 0))
   return _auto.partitioned(inner, _partition(layout, mode, local), _rule(layout, mode))
 
 
 def _operands(x, w, b, *rest):
   return (x, w) + (() if b is None else (b,)) + rest
+
+
+def _summed(dw, db, tokens: tuple, scatter: tuple):
+  """dW and the bias's gradient (or None) summed over the token shards: dW reduce-scattered
+  over the axes `scatter` = (axes, D's dimension) names and summed over the other token axes;
+  the bias's gradient summed over all of them."""
+  axes, d_dim = scatter
+  rest = tuple(a for a in tokens if a not in axes)
+  if axes:
+    dw = jax.lax.psum_scatter(dw, axes, scatter_dimension=d_dim, tiled=True)
+  if rest:
+    dw = jax.lax.psum(dw, rest)
+  if db is not None and tokens:
+    db = jax.lax.psum(db, tokens)
+  return (dw,) if db is None else (dw, db)
 
 
 def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, loss_fn,
@@ -103,23 +126,23 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
       return loss_fn(x, w, b, labels, valid, vocab or None, "sum") / jax.numpy.maximum(count, 1.0)
     return loss_fn(x, w, b, labels, valid, vocab or None, reduction)
 
-  def local(x, w, b, labels, valid, *, tokens, vocab):
+  def local(x, w, b, labels, valid, *, tokens, vocab, scatter):
+    del scatter
     loss = shard_loss(x, w, b, labels, valid, tokens, vocab)
     return (jax.lax.psum(loss, tokens) if tokens else loss,)
 
-  def local_with_grads(x, w, b, labels, valid, *, tokens, vocab):
+  def local_with_grads(x, w, b, labels, valid, *, tokens, vocab, scatter):
     f = lambda x, w, b: shard_loss(x, w, b, labels, valid, tokens, vocab)
     if b is None:
       loss, (dx, dw) = jax.value_and_grad(lambda x, w: f(x, w, None), argnums=(0, 1))(x, w)
-      shared = (dw,)
+      db = None
     else:
       loss, (dx, dw, db) = jax.value_and_grad(f, argnums=(0, 1, 2))(x, w, b)
-      shared = (dw, db)
     if vocab:  # each vocabulary slice's share of dx
       dx = jax.lax.psum(dx, vocab)
-    if tokens:  # dW and the bias's gradient: summed over the token shards
-      loss, shared = jax.lax.psum((loss, shared), tokens)
-    return (loss, dx, *shared)
+    if tokens:
+      loss = jax.lax.psum(loss, tokens)
+    return (loss, dx, *_summed(dw, db, tokens, scatter))
 
   @jax.custom_vjp
   def loss(x, w, b, labels, valid):
@@ -145,19 +168,16 @@ def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name:
   the backward runs its vjp per shard for the tokens' cotangents (the shard's forward run
   again, as under rematerialization), dx summed over the vocabulary slices, dW and the
   bias's gradient over the token shards."""
-  def local(x, w, b, labels, valid, *, tokens, vocab):
-    del tokens
+  def local(x, w, b, labels, valid, *, tokens, vocab, scatter):
+    del tokens, scatter
     return (loss_fn(x, w, b, labels, valid, vocab or None, "none"),)
 
-  def local_vjp(x, w, b, labels, valid, ct, *, tokens, vocab):
+  def local_vjp(x, w, b, labels, valid, ct, *, tokens, vocab, scatter):
     f = lambda x, w, b: loss_fn(x, w, b, labels, valid, vocab or None, "none")
     dx, dw, db = jax.vjp(f, x, w, b)[1](ct)
     if vocab:  # each vocabulary slice's share of dx
       dx = jax.lax.psum(dx, vocab)
-    shared = (dw,) if b is None else (dw, db)
-    if tokens:  # dW and the bias's gradient: summed over the token shards
-      shared = jax.lax.psum(shared, tokens)
-    return (dx, *shared)
+    return (dx, *_summed(dw, db, tokens, scatter))
 
   @jax.custom_vjp
   def loss(x, w, b, labels, valid):
