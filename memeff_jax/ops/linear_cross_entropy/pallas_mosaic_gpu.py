@@ -71,11 +71,13 @@ class PallasMosaicGpu:
     memory_budget_bytes: bytes for the chunk's logits/G buffer; decides the token chunk.
     dw_accumulation: "weight" (accumulate dW in the weight's dtype, no extra buffer: each
       chunk's product is added to the running dW in float32 and rounded once), "float32"
-      (a float32 [D, V] accumulator, cast once at the end) or "tma_add" (in the weight's
-      dtype, with "dw" in mosaic_gemms: each chunk's product is rounded to the weight's
-      dtype and added to the running dW by TMA reduce-add stores in L2, so the GEMM never
-      reads dW into the SMs; two roundings per chunk instead of one). None (the default):
-      "tma_add" where the dW GEMM is Mosaic's, else "weight".
+      (a float32 [D, V] accumulator, cast once at the end: D·V·4 bytes more) or "tma_add"
+      (in the weight's dtype, with "dw" in mosaic_gemms: each chunk's product is rounded to
+      the weight's dtype and added to the running dW by TMA reduce-add stores in L2, so the
+      GEMM never reads dW into the SMs; two roundings per chunk instead of one). None (the
+      default): "float32" where a 16-bit dW would be rounded more than the tuning table's
+      `max_rounded_chunks` times (its error grows with the roundings), else "tma_add" where
+      the dW GEMM is Mosaic's, else "weight".
     kernel: tile config; None looks up configs/tuning for the device, else the default.
     vocab_multiple: pad the vocabulary of W (with zero columns) to a multiple of this, so
       that GEMM rows are 16-byte aligned (V = 50,257 otherwise leaves cuBLAS on slow
@@ -185,15 +187,22 @@ class PallasMosaicGpu:
     and the dW GEMM runs ping-pong on its warpgroups' own slots (mosaic_gemm.own_slots),
     the logits and dW GEMMs go on kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b on an H200:
     1.105x the floor against 1.174x all on cuBLAS). Elsewhere cuBLAS, with dW
-    added in the weight's dtype ("weight"). `shapes` as gemm_configs takes them; `sms`: the
+    added in the weight's dtype ("weight"). Where a 16-bit dW would be rounded after more
+    than `max_rounded_chunks` chunks, cuBLAS with a float32 dW ("float32"). `shapes` as gemm_configs takes them; `sms`: the
     GPU's SM count (default: the default device's), which mosaic_gemm.ctas turns into the
     dx launch's CTAs."""
     tokens, d = shapes[0], shapes[1]
+    rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
+    rounded = (jnp.dtype(shapes[4]).itemsize == 2
+               and -(-n_tokens // tokens) > rule.get("max_rounded_chunks", float("inf")))
     if self.mosaic_gemms is not None:  # only the accumulation is open
-      return self.mosaic_gemms, "tma_add" if "dw" in self.mosaic_gemms else "weight"
+      if "dw" in self.mosaic_gemms:
+        return self.mosaic_gemms, "tma_add"
+      return self.mosaic_gemms, "float32" if rounded else "weight"
     if self.dw_accumulation is not None:
       return (), self.dw_accumulation
-    rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
+    if rounded:  # cuBLAS dW into a float32 accumulator
+      return (), "float32"
     cublas = ((), "weight")
     if (not exp or self.interpret or self.fused_lse or n_tokens % tokens
         or shapes[-1] not in rule.get("layouts", ())):

@@ -508,6 +508,21 @@ def test_mosaic_gemms_match_reference(layout, reduction, gemms, dw_accumulation)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gemms", [None, ("logits", "dx")])
+def test_float32_dw_beyond_the_rounding_limit_matches_reference(gemms):
+  """Past max_rounded_chunks (33 chunks of 128 tokens) the default accumulates dW in float32
+  (cuBLAS, or after Mosaic logits and dx GEMMs): its dW is as close to the float32
+  reference as one chunk's, and the loss and dx match."""
+  options = dict(label_smoothing=0.1, z_loss=1e-3)
+  x, w, labels, _, _ = make_problem(jax.random.key(17), (33, 128), 256, 2000, jnp.bfloat16,
+                                    **options)
+  impl = PallasMosaicGpu(mosaic_gemms=gemms)
+  shapes = (128, 256, 2048, jnp.bfloat16, jnp.bfloat16, "dv")
+  assert impl.auto_gemms(33 * 128, shapes, exp=True)[1] == "float32"
+  assert_matches(impl, x, w, labels, options, chunk=128, tol=1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["dv", "vd"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("d", [256, 512])
@@ -649,7 +664,8 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   all three on kernels.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
   (the dx GEMM's 128 tiles fill 132 SMs to 97%); at Gemma-2's shape (36 dx tiles) dx alone
   on cuBLAS; cuBLAS in the "vd" layout, without the exp GEMM, with a chunk that does not
-  divide the tokens, in interpret mode, and wherever either option is set."""
+  divide the tokens, in interpret mode, and wherever either option is set; a float32 dW
+  beyond 32 chunks."""
   monkeypatch.setattr(hopper, "unavailable", lambda: None)
   bf16 = jnp.bfloat16
 
@@ -672,3 +688,14 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
       pallas_mosaic_gpu.GEMMS, "tma_add")
   # Off the tiles (a chunk of 1,000 tokens): cuBLAS, not an error.
   assert auto(n=16000, tokens=1000) == cublas
+  # More than 32 chunks (max_rounded_chunks): a bf16 dW would be rounded too often, so dW
+  # accumulates in float32 (on cuBLAS), unless the options say otherwise.
+  assert auto(n=32768) == (pallas_mosaic_gpu.GEMMS, "tma_add")
+  assert auto(n=33792) == auto(n=131072) == auto(n=131072, layout="vd") == ((), "float32")
+  assert auto(PallasMosaicGpu(mosaic_gemms=("logits", "dx")), n=131072) == (
+      ("logits", "dx"), "float32")
+  assert auto(PallasMosaicGpu(mosaic_gemms=("dw",)), n=131072) == (("dw",), "tma_add")
+  assert auto(PallasMosaicGpu(dw_accumulation="weight"), n=131072) == cublas
+  f32 = lambda: PallasMosaicGpu().auto_gemms(
+      131072, (1024, 4096, 128256, jnp.float32, jnp.float32, "dv"), exp=False, sms=132)
+  assert f32() == cublas  # a float32 weight: "weight" accumulates in float32 already
