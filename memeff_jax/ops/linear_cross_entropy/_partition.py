@@ -31,29 +31,30 @@ def _divides(mesh, axes: tuple, size: int) -> tuple:
   return axes if size % _auto.size(mesh, axes) == 0 else ()
 
 
-def _has_bias(n_operands: int, mode: str) -> bool:
-  """Whether a partitioned call's operands (x, w[, b], labels, valid[, ct]) hold a bias.
+def _has_bias(n_operands: int, mode: str, k: int = 1) -> bool:
+  """Whether a partitioned call's operands (x, w[, b], labels, valid[, cts]) hold a bias.
   `mode` says what the call returns: the reduced loss ("loss"), with its gradients
-  ("grads"), per-token losses ("tokens"), or the gradients for per-token cotangents, the
-  extra [N] operand ct ("vjp")."""
-  return n_operands - (mode == "vjp") == 5
+  ("grads"), `k` per-token outputs ("tokens": the losses, or with the auxiliary outputs the
+  losses, log-sum-exps and z-loss terms), or the gradients for their cotangents, `k` more
+  [N] operands ("vjp")."""
+  return n_operands - (k if mode == "vjp" else 0) == 5
 
 
-def _rule(layout: str, mode: str):
+def _rule(layout: str, mode: str, k: int):
   def rule(mesh, value_types, result_types):
     ops = [ArrayMapping("n", "d"),
            ArrayMapping("d", "v") if layout == "dv" else ArrayMapping("v", "d")]
-    if _has_bias(len(value_types), mode):
+    if _has_bias(len(value_types), mode, k):
       ops.append(ArrayMapping("v"))
     params = len(ops)
-    ops += [ArrayMapping("n"), ArrayMapping("n")] + [ArrayMapping("n")] * (mode == "vjp")
+    ops += [ArrayMapping("n"), ArrayMapping("n")] + [ArrayMapping("n")] * (k * (mode == "vjp"))
     results = {"loss": (ArrayMapping(),), "grads": (ArrayMapping(), *ops[:params]),
-               "tokens": (ArrayMapping("n"),), "vjp": tuple(ops[:params])}[mode]
+               "tokens": (ArrayMapping("n"),) * k, "vjp": tuple(ops[:params])}[mode]
     return SdyShardingRule(tuple(ops), results, need_replication_factors=("d",))
   return rule
 
 
-def _partition(layout: str, mode: str, local):
+def _partition(layout: str, mode: str, k: int, local):
   """The per-shard computation and shardings from the inputs' shardings."""
   def partition(mesh, arg_shapes, result_shape):
     x, w = arg_shapes[0], arg_shapes[1]
@@ -68,11 +69,11 @@ def _partition(layout: str, mode: str, local):
     fsdp = _divides(mesh, fsdp, w.shape[1 - v_dim]) if mode in ("grads", "vjp") else ()
     ns = lambda *dims: NamedSharding(mesh, _auto.spec(*dims))
     w_dims = lambda d_axes: (d_axes, vocab) if layout == "dv" else (vocab, d_axes)
-    has_bias = _has_bias(len(arg_shapes), mode)
+    has_bias = _has_bias(len(arg_shapes), mode, k)
     params = [ns(tokens, ()), ns(*w_dims(()))] + [ns(vocab)] * has_bias
-    args = params + [ns(tokens)] * (2 + (mode == "vjp"))
+    args = params + [ns(tokens)] * (2 + k * (mode == "vjp"))
     grads = [params[0], ns(*w_dims(fsdp))] + [ns(vocab)] * has_bias
-    outs = {"loss": (ns(),), "grads": (ns(), *grads), "tokens": (ns(tokens),),
+    outs = {"loss": (ns(),), "grads": (ns(), *grads), "tokens": (ns(tokens),) * k,
             "vjp": tuple(grads)}[mode]
 
     def per_shard(x, w, *rest):
@@ -84,14 +85,14 @@ def _partition(layout: str, mode: str, local):
   return partition
 
 
-def _partitioned(layout: str, mode: str, local):
-  """local(x, w, b, labels, valid[, ct], tokens=, vocab=) as a custom_partitioning call of
-  the operands (x, w[, b], labels, valid[, ct])."""
+def _partitioned(layout: str, mode: str, local, k: int = 1):
+  """local(x, w, b, labels, valid[, cts], tokens=, vocab=, scatter=) as a custom_partitioning
+  call of the operands (x, w[, b], labels, valid[, cts]); k: see _has_bias."""
   def inner(x, w, *rest):
-    has_bias = _has_bias(2 + len(rest), mode)
+    has_bias = _has_bias(2 + len(rest), mode, k)
     return local(x, w, rest[0] if has_bias else None, *rest[has_bias:], tokens=(), vocab=(),
                  scatter=((), 0))
-  return _auto.partitioned(inner, _partition(layout, mode, local), _rule(layout, mode))
+  return _auto.partitioned(inner, _partition(layout, mode, k, local), _rule(layout, mode, k))
 
 
 def _operands(x, w, b, *rest):
@@ -117,14 +118,15 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
                  name: str):
   """The mean or summed loss over counted tokens, partitioned over the tokens and W's
   vocabulary on Auto meshes. loss_fn(x, w, b, labels, valid, vocab_axis, reduction) -> the
-  single-device loss of a shard (vocab_axis: the mesh axes W's vocabulary is sharded over,
-  or None). With the tokens sharded, a mean is each shard's sum over the global count. name:
+  single-device (loss, lse, z-loss term) of a shard (vocab_axis: the mesh axes W's
+  vocabulary is sharded over, or None; lse and the z-loss term may be None). With the tokens sharded, a mean is each shard's sum over the global count. name:
   the implementation, for the error a second-order gradient raises."""
   def shard_loss(x, w, b, labels, valid, tokens, vocab):
     if tokens and reduction == "mean":
       count = jax.lax.psum(jax.numpy.sum(valid, dtype=jax.numpy.float32), tokens)
-      return loss_fn(x, w, b, labels, valid, vocab or None, "sum") / jax.numpy.maximum(count, 1.0)
-    return loss_fn(x, w, b, labels, valid, vocab or None, reduction)
+      total = loss_fn(x, w, b, labels, valid, vocab or None, "sum")[0]
+      return total / jax.numpy.maximum(count, 1.0)
+    return loss_fn(x, w, b, labels, valid, vocab or None, reduction)[0]
 
   def local(x, w, b, labels, valid, *, tokens, vocab, scatter):
     del scatter
@@ -162,34 +164,41 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
   return loss(x, w, b, labels, valid)
 
 
-def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name: str):
-  """The [N] per-token losses (reduction="none"), partitioned over the tokens and W's
-  vocabulary on Auto meshes: the forward runs loss_fn (as reduced_loss takes it) per shard;
-  the backward runs its vjp per shard for the tokens' cotangents (the shard's forward run
-  again, as under rematerialization), dx summed over the vocabulary slices, dW and the
-  bias's gradient over the token shards."""
+def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name: str,
+                   outputs: int = 1):
+  """The first `outputs` of loss_fn's per-token results (reduction="none": the [N] losses,
+  log-sum-exps and z-loss terms), partitioned over the tokens and W's vocabulary on Auto
+  meshes: the forward runs loss_fn (as reduced_loss takes it, returning that triple) per
+  shard; the backward runs its vjp per shard for the outputs' cotangents (the shard's
+  forward run again, as under rematerialization), dx summed over the vocabulary slices, dW
+  and the bias's gradient over the token shards. A tuple of `outputs` arrays."""
+  def shard(x, w, b, labels, valid, vocab):
+    return tuple(loss_fn(x, w, b, labels, valid, vocab or None, "none")[:outputs])
+
   def local(x, w, b, labels, valid, *, tokens, vocab, scatter):
     del tokens, scatter
-    return (loss_fn(x, w, b, labels, valid, vocab or None, "none"),)
+    return shard(x, w, b, labels, valid, vocab)
 
-  def local_vjp(x, w, b, labels, valid, ct, *, tokens, vocab, scatter):
-    f = lambda x, w, b: loss_fn(x, w, b, labels, valid, vocab or None, "none")
-    dx, dw, db = jax.vjp(f, x, w, b)[1](ct)
+  def local_vjp(x, w, b, labels, valid, *cts, tokens, vocab, scatter):
+    f = lambda x, w, b: shard(x, w, b, labels, valid, vocab)
+    dx, dw, db = jax.vjp(f, x, w, b)[1](cts)
     if vocab:  # each vocabulary slice's share of dx
       dx = jax.lax.psum(dx, vocab)
     return (dx, *_summed(dw, db, tokens, scatter))
 
   @jax.custom_vjp
   def loss(x, w, b, labels, valid):
-    return _partitioned(weight_layout, "tokens", local)(*_operands(x, w, b, labels, valid))[0]
+    return tuple(_partitioned(weight_layout, "tokens", local, outputs)(
+        *_operands(x, w, b, labels, valid)))
 
   def fwd(x, w, b, labels, valid):
     x, w = _checks.first_order_only(name, x, w)
     return loss(x, w, b, labels, valid), (x, w, b, labels, valid)
 
-  def bwd(res, ct):
+  def bwd(res, cts):
     x, w, b, labels, valid = res
-    grads = _partitioned(weight_layout, "vjp", local_vjp)(*_operands(x, w, b, labels, valid, ct))
+    grads = _partitioned(weight_layout, "vjp", local_vjp, outputs)(
+        *_operands(x, w, b, labels, valid, *cts))
     return (*grads, *((None,) if b is None else ()), None, None)
 
   loss.defvjp(fwd, bwd)

@@ -178,11 +178,11 @@ def _vocab_axis(vocab_axis):
                      f"(the weight's vocabulary must be sharded over it): {err}") from None
 
 
-def _auto_partitions(vocab_axis, return_aux, labels, x2, weight, d, implementations) -> bool:
-  """Whether the call goes through _partition (per shard on Auto meshes): a loss without aux
-  outputs by a custom_vjp implementation (the reference is plain JAX, which XLA partitions
-  itself), where _auto.available says custom_partitioning may be used."""
-  return (vocab_axis is None and not return_aux
+def _auto_partitions(vocab_axis, labels, x2, weight, d, implementations) -> bool:
+  """Whether the call goes through _partition (per shard on Auto meshes): a loss by a
+  custom_vjp implementation (the reference is plain JAX, which XLA partitions itself),
+  where _auto.available says custom_partitioning may be used."""
+  return (vocab_axis is None
           and not isinstance(labels, Int64Labels) and x2.shape[0] > 0 and d > 0
           and not isinstance(implementations[0], Reference) and _auto.available(x2, weight))
 
@@ -390,18 +390,25 @@ def linear_cross_entropy(
   implementations = _dispatch.resolve(implementation, IMPLEMENTATIONS, default)
   if x2.shape[0] == 0:  # no tokens: no chunks; the reference's (empty) computation
     implementations = [IMPLEMENTATIONS["reference"]]
-  if _auto_partitions(vocab_axis, return_aux, labels, x2, weight, d, implementations):
+  if _auto_partitions(vocab_axis, labels, x2, weight, d, implementations):
     def shard_loss(x, w, b, labels, valid, axis, reduction):  # W: a vocabulary slice
       return _compute(x, w, b, labels, valid, dataclasses.replace(opts, reduction=reduction),
-                      implementations, chunk_size, axis, psum=_vocab_parallel.shared_sum)[0]
+                      implementations, chunk_size, axis, psum=_vocab_parallel.shared_sum)
 
     name = getattr(implementations[0], "name", type(implementations[0]).__name__)
+    if reduction != "none" and not return_aux:
+      return _partition.reduced_loss(x2, weight, bias, labels2, valid, reduction=reduction,
+                                     weight_layout=weight_layout, loss_fn=shard_loss, name=name)
+    # Per-token outputs per shard; a reduced loss with its aux outputs reduced from them.
+    loss, *aux = _partition.per_token_loss(x2, weight, bias, labels2, valid,
+                                           weight_layout=weight_layout, loss_fn=shard_loss,
+                                           name=name, outputs=3 if return_aux else 1)
     if reduction == "none":
-      return _partition.per_token_loss(x2, weight, bias, labels2, valid,
-                                       weight_layout=weight_layout, loss_fn=shard_loss,
-                                       name=name).reshape(lead)
-    return _partition.reduced_loss(x2, weight, bias, labels2, valid, reduction=reduction,
-                                   weight_layout=weight_layout, loss_fn=shard_loss, name=name)
+      return (loss.reshape(lead), Aux(*(a.reshape(lead) for a in aux))) if return_aux \
+          else loss.reshape(lead)
+    r = _common.valid_scale(valid, reduction)
+    return _common.reduced_sum(loss, valid, r), Aux(lse=aux[0].reshape(lead),
+                                                    z_loss=jnp.sum(aux[1] * r))
   loss, lse, zterm = _compute(x2, weight, bias, labels2, valid, opts, implementations,
                               chunk_size, vocab_axis)
   if reduction == "none":
