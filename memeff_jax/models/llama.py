@@ -180,8 +180,11 @@ class Llama(nnx.Module):
 
     if policy is not None:
       layer = nnx.remat(layer, policy=policy)
+    # The table's rows looked up whole (D gathered, as FSDP gathers a layer's weights): from
+    # rows sharded on D, XLA cannot reach the batch-sharded activations without replicating.
+    table = sharding.gathered(self.embed.embedding[...].astype(self.cfg.dtype), 1)
     x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
-        sharding.activations(self.embed(tokens)), self.blocks)
+        sharding.activations(jnp.take(table, tokens, axis=0)), self.blocks)
     return sharding.activations(self.final_norm(x))
 
   def logits(self, tokens, segment_ids=None):

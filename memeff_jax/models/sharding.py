@@ -101,6 +101,16 @@ def activations(x):
   return jax.lax.with_sharding_constraint(x, P(axes, *(None,) * (x.ndim - 1)))
 
 
+def gathered(w, dim: int):
+  """w with dimension `dim` whole (gathered where fsdp shards it) and its other dimensions
+  left to XLA, on the mesh in context; w itself outside a mesh."""
+  if jax.sharding.get_abstract_mesh().empty:
+    return w
+  spec = [P.UNCONSTRAINED] * w.ndim
+  spec[dim] = None
+  return jax.lax.with_sharding_constraint(w, P(*spec))
+
+
 def in_mesh(fn, mesh):
   """fn traced with `mesh` in context (for `activations`)."""
   def call(*args, **kwargs):

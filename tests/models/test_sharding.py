@@ -53,16 +53,18 @@ def test_rules_shard_weights_and_moments(mesh):
   assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp"))
 
 
-@pytest.mark.parametrize("kernels", ["memeff", "plain"])
-def test_fsdp_gathers_weights_not_activations(kernels):
+@pytest.mark.parametrize("kernels, sizes", [("memeff", {"fsdp": 4}), ("plain", {"fsdp": 4}),
+                                            ("memeff", {"data": 2, "fsdp": 2, "tensor": 2})])
+def test_fsdp_gathers_weights_not_activations(kernels, sizes, capfd):
   """On an fsdp mesh the compiled step all-gathers weights and all-reduces only
   parameter-sized gradients: no collective carries activations of the whole batch (XLA's
   propagation alone partitions the matmuls over their contraction instead, all-reducing
-  [B, T, F] in every layer)."""
+  [B, T, F] in every layer), and XLA never falls back to replicating a value to reshard it
+  (its "involuntary full rematerialization", which the embedding's D-sharded rows caused)."""
   import re  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from memeff_jax.models import Llama, make_train_step  # pylint: disable=import-outside-toplevel
-  mesh = sharding.make_mesh({"fsdp": 4})
+  mesh = sharding.make_mesh(sizes)
   state, step = make_train_step(Llama(CFG, kernels=kernels, rngs=nnx.Rngs(0)), mesh=mesh)
   batch, seq = 8, 64
   tokens = jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=sharding.batch_sharding(mesh))
@@ -74,6 +76,7 @@ def test_fsdp_gathers_weights_not_activations(kernels):
   activations = [(op, shape) for shape, op in ops  # token ids may travel; floats may not
                  if re.search(rf"(f32|bf16)\[{batch},{seq}\b", shape)]
   assert not activations, activations
+  assert "Involuntary full rematerialization" not in capfd.readouterr().err
 
 
 def test_mesh_arguments_are_checked():
