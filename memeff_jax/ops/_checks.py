@@ -46,6 +46,29 @@ def static_real(name: str, value) -> float:
   return _scalar(name, value, "real")
 
 
+def manual_axis(name: str, axis, role: str):
+  """(axis, shards along it) for an argument naming the mesh axis (or a tuple of axes) of an
+  enclosing jax.shard_map that something is sharded over (`role` says what); None passes as
+  (None, 1). A clear error for anything else, outside such a shard_map too."""
+  if axis is None:
+    return None, 1
+  if isinstance(axis, (list, tuple)) and len(axis) == 1:
+    axis = axis[0]
+  elif isinstance(axis, list):
+    axis = tuple(axis)
+  names = axis if isinstance(axis, tuple) else (axis,)
+  if not names or not all(isinstance(a, str) for a in names):
+    raise TypeError(f"{name} must be a mesh axis name or a tuple of them, got {axis!r}")
+  size = 1
+  try:
+    for a in names:
+      size *= jax.lax.axis_size(a)
+  except NameError as err:
+    raise ValueError(f"{name}={axis!r} is not an axis of an enclosing jax.shard_map ({role}): "
+                     f"{err}") from None
+  return axis, size
+
+
 def logit_softcap(value) -> float | None:
   """None, or the cap c > 0 as a float; c = inf is no cap (c·tanh(s/c) → s), so None."""
   if value is None:

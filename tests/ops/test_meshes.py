@@ -197,13 +197,18 @@ def test_attention_on_an_explicit_mesh(explicit_mesh, hkv, kv_spec):
           else 1 <= collectives["all-reduce"] <= 2), collectives
 
 
-def test_attention_refuses_a_sharded_sequence(explicit_mesh):
+def test_attention_refuses_what_it_cannot_shard(explicit_mesh):
+  """The head dim sharded; the sequence of q sharded but not that of k and v (context
+  parallelism shards all three alike)."""
   q = jnp.ones((2, 16, 2, 8))
   with jax.set_mesh(explicit_mesh):
-    sharded = jax.device_put(q, NamedSharding(explicit_mesh, P(None, "data")))
-    with pytest.raises(ValueError, match=r"sequence \(context parallelism\) and the head dim "
-                       r"must not be sharded, got q: P\(None, 'data'"):
-      memeff_jax.flash_attention(sharded, sharded, sharded)
+    put = lambda spec: jax.device_put(q, NamedSharding(explicit_mesh, spec))
+    with pytest.raises(ValueError, match=r"the head dim must not be sharded, got q: "
+                       r"P\(None, None, None, 'data'\)"):
+      memeff_jax.flash_attention(*(put(P(None, None, None, "data")),) * 3)
+    with pytest.raises(ValueError, match=r"k and v must be sharded alike, on the batch and "
+                       r"sequence axes of q"):
+      memeff_jax.flash_attention(put(P(None, "data")), put(P()), put(P()))
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(reduction="sum"), dict(reduction="none"),

@@ -11,6 +11,7 @@ from memeff_jax.kernels import hopper
 from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops import _explicit
+from memeff_jax.ops.flash_attention import _context
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention.chunked_xla import ChunkedXla
 from memeff_jax.ops.flash_attention.masks import MaskSpec
@@ -101,27 +102,32 @@ def _masked(q, k, v, q_seg, kv_seg, mask, opts):
 def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, **options):
   """flash_attention on an Explicit mesh: the single-device call per shard under shard_map,
   for inputs sharded on the batch and the heads (q's and k/v's heads alike, or k/v's single
-  head shared)."""
+  head shared), and on the sequence (q's and k/v's alike: context parallelism)."""
   qd, kd, vd = (_explicit.dims_of(a, 4) for a in (q, k, v))
   where = f"q: {_explicit.spec(qd)}, k: {_explicit.spec(kd)}, v: {_explicit.spec(vd)}"
-  if any(d[1] or d[3] for d in (qd, kd, vd)):
-    raise ValueError("on an Explicit mesh flash_attention takes q, k, v sharded on the batch "
-                     "and heads only; the sequence (context parallelism) and the head dim "
-                     f"must not be sharded, got {where}")
-  if kd != vd or kd[0] != qd[0] or (kd[2] != qd[2] and not (not kd[2] and k.shape[2] == 1)):
-    raise ValueError("on an Explicit mesh k and v must be sharded alike, on the batch axes of "
-                     "q and on the heads as q is (or, with one key head, not on the heads), "
-                     f"got {where}")
-  batch, heads = qd[0], qd[2]
-  rows = lambda ids: None if ids is None else jax.sharding.reshard(ids, _explicit.spec([batch, ()]))
+  if any(d[3] for d in (qd, kd, vd)):
+    raise ValueError(f"on an Explicit mesh the head dim must not be sharded, got {where}")
+  if kd != vd or kd[0] != qd[0] or kd[1] != qd[1] or (
+      kd[2] != qd[2] and not (not kd[2] and k.shape[2] == 1)):
+    raise ValueError("on an Explicit mesh k and v must be sharded alike, on the batch and "
+                     "sequence axes of q and on the heads as q is (or, with one key head, not "
+                     f"on the heads), got {where}")
+  batch, seq, heads = qd[0], qd[1], qd[2]
+  if seq and mask is not None:
+    raise ValueError(f"a dense mask is not taken with the sequence sharded (got {where}); "
+                     "the structured masks are")
+  rows = lambda ids: None if ids is None else jax.sharding.reshard(
+      ids, _explicit.spec([batch, seq]))
   q_segment_ids, kv_segment_ids = rows(q_segment_ids), rows(kv_segment_ids)
   if mask is not None:
     b, t, hq, _ = q.shape
     mask = _check_mask(mask, b, hq, t, k.shape[1])
     mask = jax.sharding.reshard(mask, _explicit.spec(
         [batch if mask.shape[0] > 1 else (), heads if mask.shape[1] > 1 else (), (), ()]))
-  out_spec = _explicit.spec([batch, (), heads, ()])
-  lse_spec = _explicit.spec([batch, (), heads])
+  out_spec = _explicit.spec([batch, seq, heads, ()])
+  lse_spec = _explicit.spec([batch, seq, heads])
+  if seq:
+    options["context_axis"] = seq if len(seq) > 1 else seq[0]
 
   def local(q, k, v, q_seg, kv_seg, mask):
     return flash_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, mask=mask,
@@ -131,6 +137,30 @@ def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, *
   out, lse = jax.shard_map(local, mesh=mesh, in_specs=tuple(map(_explicit.spec_of, args)),
                            out_specs=(out_spec, lse_spec))(*args)
   return (out, lse) if return_lse else out
+
+
+def _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, context_axis,
+                      *, causal, sliding_window, **options):
+  """flash_attention inside shard_map with the sequence sharded over `context_axis`."""
+  axis, shards = _checks.manual_axis("context_axis", context_axis,
+                                     "q, k and v must be sharded over it on the sequence")
+  if mask is not None:
+    raise ValueError("context_axis takes the structured masks (causal, sliding_window, "
+                     "segment ids), not a dense mask")
+  _prepare(q, k, v, causal=causal, scale=options["scale"], q_segment_ids=q_segment_ids,
+           kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
+           logit_softcap=options["logit_softcap"], deterministic=options["deterministic"])
+  if kv_segment_ids is None:
+    kv_segment_ids = q_segment_ids
+  spec = MaskSpec.make(_checks.static_bool("causal", causal), _window(sliding_window), False)
+
+  def attend(q, k, v, q_seg, kv_seg, window):
+    return flash_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                           sliding_window=window, return_lse=True, **options)
+
+  out, lse = _context.attention(attend, q, k, v, q_segment_ids, kv_segment_ids, axis=axis,
+                                shards=shards, window=(spec.left, spec.right))
+  return (out, lse) if _checks.static_bool("return_lse", return_lse) else out
 
 
 def _default() -> tuple[str, ...]:
@@ -202,6 +232,7 @@ def flash_attention(
     return_lse: bool = False,
     deterministic: bool = True,
     implementation=None,
+    context_axis=None,
 ):
   """Scaled dot-product attention without the [T, S] score matrix.
 
@@ -247,9 +278,15 @@ def flash_attention(
   Memory: reference holds [B, Hq, T, S] float32 scores; chunked_xla [B, Hq, block_q,
   block_k]; pallas_triton and pallas_mosaic_gpu only the kernels' tiles.
 
+    context_axis: inside jax.shard_map, the mesh axis (or tuple of axes) that shards the
+      sequence: q, k, v and segment ids hold this shard's contiguous chunk of it, in shard
+      order, and attention runs over the whole sequence (context parallelism: every shard
+      gathers the keys and values, and its queries attend to the span their mask reaches).
+
   Meshes: with q, k, v sharded on the batch and heads (an Auto or Explicit mesh under jit,
-  or inside jax.shard_map) each shard runs its part; the sequence and head dim must not be
-  sharded (see docs/design/multi_device.md).
+  or inside jax.shard_map) each shard runs its part; on an Explicit mesh also on the
+  sequence (q's and k/v's alike, context parallelism); the head dim must not be sharded
+  (see docs/design/multi_device.md).
 
   Raises:
     ValueError / TypeError: bad shapes, dtypes or options; the message names the argument.
@@ -260,12 +297,16 @@ def flash_attention(
   >>> flash_attention(q, k, v, causal=True).shape
   (1, 128, 4, 64)
   """
+  options = dict(causal=causal, scale=scale, sliding_window=sliding_window,
+                 logit_softcap=logit_softcap, deterministic=deterministic,
+                 implementation=implementation)
+  if context_axis is not None:
+    return _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
+                             context_axis, **options)
   mesh = _explicit.common_mesh(q, k, v, q_segment_ids, kv_segment_ids)
   if mesh is not None:
     return _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
-                      causal=causal, scale=scale, sliding_window=sliding_window,
-                      logit_softcap=logit_softcap, deterministic=deterministic,
-                      implementation=implementation)
+                      **options)
   opts, q_segment_ids, kv_segment_ids = _prepare(
       q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,

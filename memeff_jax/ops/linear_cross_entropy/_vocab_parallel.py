@@ -25,15 +25,6 @@ import jax.numpy as jnp
 from memeff_jax.ops.linear_cross_entropy._common import Stats
 
 
-def axis_size(axis) -> int:
-  """The number of shards along `axis` (a mesh axis name or a tuple of them)."""
-  axes = axis if isinstance(axis, tuple) else (axis,)
-  size = 1
-  for a in axes:
-    size *= jax.lax.axis_size(a)
-  return size
-
-
 def shared_sum(x, axis):
   """psum for a per-shard context without shard_map's bookkeeping (custom_partitioning's): the
   sum is used alike by every shard downstream, so its cotangent is the same on each and

@@ -158,26 +158,6 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
   return (loss, aux) if return_aux else loss
 
 
-def _vocab_axis(vocab_axis):
-  """vocab_axis as a mesh axis name or a tuple of them (None: the vocabulary is whole), and
-  the number of shards along it; a clear error outside a shard_map that binds it."""
-  if vocab_axis is None:
-    return None, 1
-  if isinstance(vocab_axis, (list, tuple)) and len(vocab_axis) == 1:
-    vocab_axis = vocab_axis[0]
-  elif isinstance(vocab_axis, list):
-    vocab_axis = tuple(vocab_axis)
-  names = vocab_axis if isinstance(vocab_axis, tuple) else (vocab_axis,)
-  if not names or not all(isinstance(a, str) for a in names):
-    raise TypeError(f"vocab_axis must be a mesh axis name or a tuple of them, got "
-                    f"{vocab_axis!r}")
-  try:
-    return vocab_axis, _vocab_parallel.axis_size(vocab_axis)
-  except NameError as err:
-    raise ValueError(f"vocab_axis={vocab_axis!r} is not an axis of an enclosing jax.shard_map "
-                     f"(the weight's vocabulary must be sharded over it): {err}") from None
-
-
 def _auto_partitions(vocab_axis, labels, x2, weight, d, implementations) -> bool:
   """Whether the call goes through _partition (per shard on Auto meshes): a loss by a
   custom_vjp implementation (the reference is plain JAX, which XLA partitions itself),
@@ -363,7 +343,8 @@ def linear_cross_entropy(
   return_aux = _checks.static_bool("return_aux", return_aux)
   if vocab == 0:
     raise ValueError(f"the vocabulary is empty (weight.shape={weight.shape})")
-  vocab_axis, shards = _vocab_axis(vocab_axis)
+  vocab_axis, shards = _checks.manual_axis("vocab_axis", vocab_axis,
+                                           "the weight's vocabulary must be sharded over it")
   if vocab_axis is not None and isinstance(labels, Int64Labels):
     raise ValueError("vocab_axis takes int32 labels, not Int64Labels")
 

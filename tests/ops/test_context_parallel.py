@@ -1,0 +1,130 @@
+"""flash_attention with the sequence sharded (context parallelism) on 8 CPU devices: inside
+jax.shard_map (`context_axis=`) and on Explicit meshes, values and gradients against one
+device, and the compiled program's collectives."""
+
+import re
+
+import jax
+from jax import shard_map
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import memeff_jax
+from memeff_jax.ops.flash_attention import _context
+
+
+def _mesh(shape, names, kind=AxisType.Explicit):
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape))
+
+
+def _problem(seed, b=2, t=256, hq=4, hkv=2, d=32, segments=False):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (b, t, hq, d))
+  k, v = (jax.random.normal(key, (b, t, hkv, d)) for key in ks[1:3])
+  seg = None
+  if segments:  # documents of random lengths, some crossing shard boundaries
+    seg = jnp.cumsum(jax.random.bernoulli(ks[3], 0.02, (b, t)), axis=1)
+  return q, k, v, seg
+
+
+def _loss(f):
+  def loss(q, k, v, seg):
+    out, lse = f(q, k, v, seg)
+    w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+    return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.3)
+  return loss
+
+
+def _close(got, want, tol=2e-5):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+_CASES = [dict(causal=True), dict(causal=True, sliding_window=(40, 0)),
+          dict(sliding_window=(70, 20)), dict(segments=True, causal=True),
+          dict(segments=True), dict(causal=True, logit_softcap=5.0, hkv=1),
+          dict(sliding_window=(None, 33)), dict()]
+
+
+@pytest.mark.parametrize("kw", _CASES)
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_in_shard_map(kw, check_vma):
+  """context_axis='context' inside shard_map with the sequence over 4 shards and the batch
+  over 2: every mask, GQA/MQA, softcap and the log-sum-exp, values and gradients against one
+  device; K/V travel by all-gather (dK/dV by reduce-scatter), q never."""
+  kw = dict(kw)
+  q, k, v, seg = _problem(1, hkv=kw.pop("hkv", 2), segments=kw.pop("segments", False))
+  one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg,
+                                                        return_lse=True, **kw)
+  mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
+  spec, rows = P("data", "context"), P("data", "context")
+  many = shard_map(
+      lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg,
+                                                      return_lse=True, context_axis="context",
+                                                      **kw),
+      mesh=mesh, in_specs=(spec, spec, spec, rows if seg is not None else None),
+      out_specs=(spec, P("data", "context")), check_vma=check_vma)
+  argnums = (0, 1, 2)
+  want = jax.jit(one)(q, k, v, seg)
+  want_grads = jax.jit(jax.grad(_loss(one), argnums))(q, k, v, seg)
+  both = jax.jit(lambda *a: (many(*a), jax.grad(_loss(many), argnums)(*a)))
+  compiled = both.lower(q, k, v, seg).compile()
+  got, grads = compiled(q, k, v, seg)
+  _close(got, want)
+  _close(grads, want_grads)
+  text = compiled.as_text()
+  assert " all-gather" in text and " reduce-scatter" in text
+  hq = q.shape[2]
+  gathered = re.findall(r"(\S+\[[0-9,]*\])\S* all-gather(?:-start)?\(", text)
+  assert not [g for g in gathered if re.search(rf",{hq},{q.shape[3]}\]", g)], gathered
+
+
+def test_on_an_explicit_mesh():
+  """q, k, v and segment ids sharded on the sequence over an Explicit axis (and the batch
+  over another): per shard by the all-gather strategy; the output and gradients keep the
+  inputs' shardings."""
+  q, k, v, seg = _problem(2, segments=True)
+  f = lambda q, k, v, seg: memeff_jax.flash_attention(
+      q, k, v, q_segment_ids=seg, causal=True, sliding_window=(100, 0), return_lse=True)
+  want, want_grads = f(q, k, v, seg), jax.grad(_loss(f), (0, 1, 2))(q, k, v, seg)
+  mesh = _mesh((2, 4), ("data", "context"))
+  with jax.set_mesh(mesh):
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    args = (put(q, P("data", "context")), put(k, P("data", "context")),
+            put(v, P("data", "context")), put(seg, P("data", "context")))
+    got = jax.jit(f)(*args)
+    grads = jax.jit(jax.grad(_loss(f), (0, 1, 2)))(*args)
+    assert got[0].sharding.is_equivalent_to(args[0].sharding, 4)
+    assert grads[1].sharding.is_equivalent_to(args[1].sharding, 4)
+  _close(got, want)
+  _close(grads, want_grads)
+
+
+def test_key_spans_are_what_each_shard_can_see():
+  """Shard 3 of 4 (queries 768..1023): causal reaches every key before its last query, a
+  left window of 100 only from 668; a right window widens the span; local windows ≥ 0."""
+  assert _context.key_span(0, 256, 1024, (None, 0)) == (0, 256, (None, 0))
+  assert _context.key_span(3, 256, 1024, (None, 0)) == (0, 1024, (None, 768))
+  assert _context.key_span(3, 256, 1024, (100, 0)) == (668, 1024, (0, 100))
+  assert _context.key_span(1, 256, 1024, (1000, 3)) == (0, 515, (744, 259))
+  assert _context.key_span(0, 256, 1024, (0, None)) == (0, 1024, (0, None))
+
+
+def test_context_axis_errors():
+  q = jnp.ones((1, 128, 2, 16))
+  with pytest.raises(ValueError, match="context_axis='context' is not an axis of an enclosing"):
+    memeff_jax.flash_attention(q, q, q, context_axis="context")
+  with pytest.raises(TypeError, match="context_axis must be a mesh axis name"):
+    memeff_jax.flash_attention(q, q, q, context_axis=3)
+  mesh = _mesh((8,), ("context",), AxisType.Auto)
+  mask = jnp.ones((128, 128 * 8), bool)
+  with pytest.raises(ValueError, match="context_axis takes the structured masks"):
+    shard_map(lambda q: memeff_jax.flash_attention(q, q, q, mask=mask, context_axis="context"),
+              mesh=mesh, in_specs=P(None, "context"), out_specs=P(None, "context"))(
+                  jnp.ones((1, 1024, 2, 16)))
