@@ -314,21 +314,33 @@ def test_loss_on_an_auto_mesh(mesh, w_axis, kw):
 @pytest.mark.parametrize("w_axis, kw", [(None, dict(reduction="none", where=True)),
                                          ("model", dict(reduction="none", bias=True,
                                                         label_smoothing=0.1, z_loss=1e-3)),
-                                         ("model", dict(reduction="none", weight_layout="vd"))])
-def test_per_token_loss_on_an_auto_mesh(mesh, monkeypatch, w_axis, kw):
-  """reduction="none" under jit with the tokens over 'data' (and W's vocabulary over
-  'model'): per shard through custom_partitioning (on a GPU XLA cannot partition the
-  kernels), the per-token losses sharded as the tokens, the gradients of a weighted sum of
-  them one device's, and nothing gathered."""
+                                         ("model", dict(reduction="none", weight_layout="vd")),
+                                         (None, dict(return_aux=True, z_loss=1e-3)),
+                                         ("model", dict(return_aux=True, reduction="none",
+                                                        z_loss=1e-3, bias=True)),
+                                         ("model", dict(return_aux=True, reduction="sum",
+                                                        where=True, weight_layout="vd"))])
+def test_per_token_outputs_on_an_auto_mesh(mesh, monkeypatch, w_axis, kw):
+  """reduction="none" or return_aux under jit with the tokens over 'data' (and W's
+  vocabulary over 'model'): per shard through custom_partitioning (on a GPU XLA cannot
+  partition the kernels), the per-token losses, log-sum-exps and z-loss terms sharded as the
+  tokens (a reduced loss and z-loss reduced from them), the gradients of a weighted sum of
+  every output one device's, and nothing gathered."""
   from memeff_jax.ops.linear_cross_entropy import _partition  # pylint: disable=import-outside-toplevel
   calls, per_token_loss = [], _partition.per_token_loss
   monkeypatch.setattr(_partition, "per_token_loss",
                       lambda *a, **k: calls.append(1) or per_token_loss(*a, **k))
   layout = kw.get("weight_layout", "dv")
   x, w, y, b, where = _vocab_problem(12, layout=layout)
+  aux = kw.get("return_aux", False)
   kw, call = _vocab_call(kw, y, b, where)
   weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
-  loss = lambda x, w, b: jnp.sum(call(x, w, b) * weights)
+
+  def loss(x, w, b):
+    value, extra = call(x, w, b) if aux else (call(x, w, b), None)
+    return jnp.sum(value * weights) + (0.0 if extra is None else jnp.sum(
+        extra.lse * weights ** 2) + 5 * jnp.sum(extra.z_loss))
+
   want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
   w_spec = P() if w_axis is None else P(None, w_axis) if layout == "dv" else P(w_axis)
@@ -337,7 +349,8 @@ def test_per_token_loss_on_an_auto_mesh(mesh, monkeypatch, w_axis, kw):
   assert calls
   _close(got, want, 1e-5)
   _close(grads, want_grads, 1e-5)
-  assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), got.ndim)
+  per_token = got[1].lse if aux else got
+  assert per_token.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), per_token.ndim)
   assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
   assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
 
@@ -362,40 +375,6 @@ def test_loss_fsdp_weight_on_an_auto_mesh(mesh, kw):
   assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
   assert " reduce-scatter(" in text or " reduce-scatter-start(" in text, \
       "dW should leave by a reduce-scatter"
-
-
-@pytest.mark.parametrize("w_axis, kw", [(None, dict(return_aux=True, z_loss=1e-3)),
-                                         ("model", dict(return_aux=True, reduction="none",
-                                                        z_loss=1e-3, bias=True)),
-                                         ("model", dict(return_aux=True, reduction="sum",
-                                                        where=True, weight_layout="vd"))])
-def test_aux_outputs_on_an_auto_mesh(mesh, monkeypatch, w_axis, kw):
-  """return_aux under jit with the tokens over 'data' (and W's vocabulary over 'model'): the
-  per-token loss, log-sum-exp and z-loss term per shard (the reduced ones reduced from
-  them), each output's gradient one device's, nothing gathered."""
-  from memeff_jax.ops.linear_cross_entropy import _partition  # pylint: disable=import-outside-toplevel
-  calls, per_token_loss = [], _partition.per_token_loss
-  monkeypatch.setattr(_partition, "per_token_loss",
-                      lambda *a, **k: calls.append(1) or per_token_loss(*a, **k))
-  layout = kw.get("weight_layout", "dv")
-  x, w, y, b, where = _vocab_problem(14, layout=layout)
-  kw, call = _vocab_call(kw, y, b, where)
-  weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
-
-  def loss(x, w, b):
-    value, aux = call(x, w, b)
-    return jnp.sum(value * weights) + jnp.sum(aux.lse * weights ** 2) + 5 * jnp.sum(aux.z_loss)
-
-  want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
-  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-  w_spec = P() if w_axis is None else P(None, w_axis) if layout == "dv" else P(w_axis)
-  args = (put(x, P("data")), put(w, w_spec), put(b, P(w_axis)))
-  got, grads, collectives, _ = _run(call, loss, (0, 1, 2), *args)
-  assert calls
-  _close(got, want, 1e-5)
-  _close(grads, want_grads, 1e-5)
-  assert got[1].lse.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
-  assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
 
 
 def test_vocab_axis_needs_an_enclosing_shard_map():
