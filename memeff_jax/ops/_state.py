@@ -16,8 +16,9 @@ def pure(fn):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     if closed.effects:
       closed = _discharge_state(closed)
-    outs = eval_jaxpr(closed.jaxpr, closed.consts, *args)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs[:len(jax.tree.leaves(out_shape))])
+    leaves, tree = jax.tree.flatten(out_shape)
+    outs = eval_jaxpr(closed.jaxpr, closed.consts, *args)  # then the discharged state's
+    return jax.tree.unflatten(tree, outs[:len(leaves)])
   return call
 
 

@@ -15,6 +15,8 @@ import pytest
 
 import memeff_jax
 from memeff_jax.ops.flash_attention import _context
+from memeff_jax.ops.flash_attention import unzigzag
+from memeff_jax.ops.flash_attention import zigzag
 
 
 def _mesh(shape, names, kind=AxisType.Explicit):
@@ -52,8 +54,8 @@ _CASES = [dict(causal=True), dict(causal=True, sliding_window=(40, 0)),
           dict(sliding_window=(None, 33)), dict()]
 
 
-@pytest.mark.parametrize("kw", _CASES)
-@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("kw, check_vma", [(kw, True) for kw in _CASES]
+                         + [(_CASES[0], False), (_CASES[3], False)])
 def test_in_shard_map(kw, check_vma):
   """context_axis='context' inside shard_map with the sequence over 4 shards and the batch
   over 2: every mask, GQA/MQA, softcap and the log-sum-exp, values and gradients against one
@@ -106,13 +108,48 @@ def test_on_an_explicit_mesh():
   _close(grads, want_grads)
 
 
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, sliding_window=(40, 0)),
+                                dict(segments=True, causal=True, hkv=1)])
+def test_zigzag_order_in_shard_map(kw):
+  """context_order="zigzag": the sequence reordered by `zigzag` (shard i holds chunks i and
+  7 − i of 8) gives one device's output and gradients in that order."""
+  kw = dict(kw)
+  q, k, v, seg = _problem(3, hkv=kw.pop("hkv", 2), segments=kw.pop("segments", False))
+  one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg,
+                                                        return_lse=True, **kw)
+  mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
+  spec = P("data", "context")
+  many = shard_map(
+      lambda q, k, v, seg: memeff_jax.flash_attention(
+          q, k, v, q_segment_ids=seg, return_lse=True, context_axis="context",
+          context_order="zigzag", **kw),
+      mesh=mesh, in_specs=(spec, spec, spec, spec if seg is not None else None),
+      out_specs=(spec, spec))
+  zz = lambda a: None if a is None else zigzag(a, 4)
+  unzz = lambda a: None if a is None else unzigzag(a, 4)
+  # One device on the natural order, its results put in the zig-zag order.
+  reordered = lambda *a: jax.tree.map(zz, one(*map(unzz, a)))
+  args = tuple(map(zz, (q, k, v, seg)))
+  _close(jax.jit(many)(*args), reordered(*args))
+  _close(jax.jit(jax.grad(_loss(many), (0, 1, 2)))(*args),
+         jax.grad(_loss(reordered), (0, 1, 2))(*args))
+
+
+def test_zigzag_round_trips():
+  x = jnp.arange(2 * 16).reshape(2, 16)
+  assert zigzag(x, 4)[0].tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+  np.testing.assert_array_equal(unzigzag(zigzag(x, 4), 4), x)
+  with pytest.raises(ValueError, match="must split into 8 equal chunks"):
+    zigzag(jnp.ones((1, 12)), 4)
+
+
 def test_key_spans_are_what_each_shard_can_see():
-  """Shard 3 of 4 (queries 768..1023): causal reaches every key before its last query, a
-  left window of 100 only from 668; a right window widens the span; local windows ≥ 0."""
+  """Queries 768..1023 of 1024: causal reaches every key before their last, a left window of
+  100 only from 668; a right window widens the span; local windows ≥ 0."""
   assert _context.key_span(0, 256, 1024, (None, 0)) == (0, 256, (None, 0))
-  assert _context.key_span(3, 256, 1024, (None, 0)) == (0, 1024, (None, 768))
-  assert _context.key_span(3, 256, 1024, (100, 0)) == (668, 1024, (0, 100))
-  assert _context.key_span(1, 256, 1024, (1000, 3)) == (0, 515, (744, 259))
+  assert _context.key_span(768, 256, 1024, (None, 0)) == (0, 1024, (None, 768))
+  assert _context.key_span(768, 256, 1024, (100, 0)) == (668, 1024, (0, 100))
+  assert _context.key_span(256, 256, 1024, (1000, 3)) == (0, 515, (744, 259))
   assert _context.key_span(0, 256, 1024, (0, None)) == (0, 1024, (0, None))
 
 
@@ -122,6 +159,10 @@ def test_context_axis_errors():
     memeff_jax.flash_attention(q, q, q, context_axis="context")
   with pytest.raises(TypeError, match="context_axis must be a mesh axis name"):
     memeff_jax.flash_attention(q, q, q, context_axis=3)
+  with pytest.raises(ValueError, match="context_order must be one of"):
+    memeff_jax.flash_attention(q, q, q, context_order="ring")
+  with pytest.raises(ValueError, match="context_order='zigzag' is for a sequence sharded"):
+    memeff_jax.flash_attention(q, q, q, context_order="zigzag")
   mesh = _mesh((8,), ("context",), AxisType.Auto)
   mask = jnp.ones((128, 128 * 8), bool)
   with pytest.raises(ValueError, match="context_axis takes the structured masks"):

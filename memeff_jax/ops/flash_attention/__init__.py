@@ -1,5 +1,7 @@
 """Flash-style attention: forward and backward without the [T, S] scores."""
 
+from memeff_jax.ops.flash_attention._context import unzigzag
+from memeff_jax.ops.flash_attention._context import zigzag
 from memeff_jax.ops.flash_attention.api import flash_attention
 from memeff_jax.ops.flash_attention.api import flash_attention_backward
 from memeff_jax.ops.flash_attention.api import IMPLEMENTATIONS

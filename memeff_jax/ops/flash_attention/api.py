@@ -99,7 +99,8 @@ def _masked(q, k, v, q_seg, kv_seg, mask, opts):
   return call
 
 
-def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, **options):
+def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, context_order,
+               **options):
   """flash_attention on an Explicit mesh: the single-device call per shard under shard_map,
   for inputs sharded on the batch and the heads (q's and k/v's heads alike, or k/v's single
   head shared), and on the sequence (q's and k/v's alike: context parallelism)."""
@@ -127,7 +128,10 @@ def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, *
   out_spec = _explicit.spec([batch, seq, heads, ()])
   lse_spec = _explicit.spec([batch, seq, heads])
   if seq:
-    options["context_axis"] = seq if len(seq) > 1 else seq[0]
+    options.update(context_axis=seq if len(seq) > 1 else seq[0], context_order=context_order)
+  elif context_order != "contiguous":
+    raise ValueError(f"context_order={context_order!r} is for q, k, v sharded on the sequence, "
+                     f"got {where}")
 
   def local(q, k, v, q_seg, kv_seg, mask):
     return flash_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, mask=mask,
@@ -140,16 +144,19 @@ def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, *
 
 
 def _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, context_axis,
-                      *, causal, sliding_window, **options):
+                      context_order, *, causal, sliding_window, **options):
   """flash_attention inside shard_map with the sequence sharded over `context_axis`."""
   axis, shards = _checks.manual_axis("context_axis", context_axis,
                                      "q, k and v must be sharded over it on the sequence")
   if mask is not None:
     raise ValueError("context_axis takes the structured masks (causal, sliding_window, "
                      "segment ids), not a dense mask")
-  _prepare(q, k, v, causal=causal, scale=options["scale"], q_segment_ids=q_segment_ids,
+  _prepare(q, k, v, causal=causal, scale=options["scale"], q_segment_ids=q_segment_ids,  # checks
            kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
            logit_softcap=options["logit_softcap"], deterministic=options["deterministic"])
+  if context_order == "zigzag" and (q.shape[1] % 2 or k.shape[1] % 2):
+    raise ValueError("context_order='zigzag' holds two chunks of the sequence per shard: q and "
+                     f"k need even local lengths, got q.shape={q.shape}, k.shape={k.shape}")
   if kv_segment_ids is None:
     kv_segment_ids = q_segment_ids
   spec = MaskSpec.make(_checks.static_bool("causal", causal), _window(sliding_window), False)
@@ -159,7 +166,8 @@ def _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, 
                            sliding_window=window, return_lse=True, **options)
 
   out, lse = _context.attention(attend, q, k, v, q_segment_ids, kv_segment_ids, axis=axis,
-                                shards=shards, window=(spec.left, spec.right))
+                                shards=shards, window=(spec.left, spec.right),
+                                order=context_order)
   return (out, lse) if _checks.static_bool("return_lse", return_lse) else out
 
 
@@ -233,6 +241,7 @@ def flash_attention(
     deterministic: bool = True,
     implementation=None,
     context_axis=None,
+    context_order: str = "contiguous",
 ):
   """Scaled dot-product attention without the [T, S] score matrix.
 
@@ -282,6 +291,10 @@ def flash_attention(
       sequence: q, k, v and segment ids hold this shard's contiguous chunk of it, in shard
       order, and attention runs over the whole sequence (context parallelism: every shard
       gathers the keys and values, and its queries attend to the span their mask reaches).
+    context_order: how the sequence lies on the shards: "contiguous" (shard i holds the i-th
+      of n equal chunks) or "zigzag" (cut into 2n chunks, shard i holds chunks i and
+      2n − 1 − i, so a causal mask gives every shard the same work; `zigzag` in this
+      module puts tokens, positions, labels and segment ids in that order).
 
   Meshes: with q, k, v sharded on the batch and heads (an Auto or Explicit mesh under jit,
   or inside jax.shard_map) each shard runs its part; on an Explicit mesh also on the
@@ -300,13 +313,18 @@ def flash_attention(
   options = dict(causal=causal, scale=scale, sliding_window=sliding_window,
                  logit_softcap=logit_softcap, deterministic=deterministic,
                  implementation=implementation)
+  if context_order not in _context.ORDERS:
+    raise ValueError(f"context_order must be one of {_context.ORDERS}, got {context_order!r}")
   if context_axis is not None:
     return _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
-                             context_axis, **options)
+                             context_axis, context_order, **options)
   mesh = _explicit.common_mesh(q, k, v, q_segment_ids, kv_segment_ids)
   if mesh is not None:
     return _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
-                      **options)
+                      context_order, **options)
+  if context_order != "contiguous":
+    raise ValueError(f"context_order={context_order!r} is for a sequence sharded over a mesh "
+                     "axis (context_axis= inside shard_map, or an Explicit mesh)")
   opts, q_segment_ids, kv_segment_ids = _prepare(
       q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,

@@ -7,12 +7,13 @@ The tokens partition (data parallelism: each shard its tokens' loss, dW and the 
 gradient summed over the token shards); W's vocabulary partitions over axes that do not
 shard the tokens (vocab parallelism, _vocab_parallel); D is replicated in the call (W
 sharded on D is gathered by XLA before it). Where W's D is sharded over token axes (FSDP),
-dW and the bias's gradient leave the call reduce-scattered over those axes into W's own
-sharding: no device holds the whole summed dW. The forward computes the gradients too, as the chunked
-implementations do for a summed loss (G is made with the loss), and the backward scales
-them by the cotangent: the custom_vjp stays outermost, and a call that is not
-differentiated runs the loss alone. Per-token losses (reduction="none") get their gradients
-in the backward instead, from the tokens' cotangents (per_token_loss).
+dW leaves the call reduce-scattered over those axes into W's own sharding: no device holds
+the whole summed dW. The forward computes the gradients too, as
+the chunked implementations do for a summed loss (G is made with the loss), and the backward
+scales them by the cotangent: the custom_vjp stays outermost, and a call that is not
+differentiated runs the loss alone. Per-token outputs (reduction="none", or return_aux's
+log-sum-exps and z-loss terms) get their gradients in the backward instead, from their
+cotangents (per_token_loss).
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
   """The mean or summed loss over counted tokens, partitioned over the tokens and W's
   vocabulary on Auto meshes. loss_fn(x, w, b, labels, valid, vocab_axis, reduction) -> the
   single-device (loss, lse, z-loss term) of a shard (vocab_axis: the mesh axes W's
-  vocabulary is sharded over, or None; lse and the z-loss term may be None). With the tokens sharded, a mean is each shard's sum over the global count. name:
-  the implementation, for the error a second-order gradient raises."""
+  vocabulary is sharded over, or None; lse and the z-loss term may be None). With the tokens
+  sharded, a mean is each shard's sum over the global count. name: the implementation, for
+  the error a second-order gradient raises."""
   def shard_loss(x, w, b, labels, valid, tokens, vocab):
     if tokens and reduction == "mean":
       count = jax.lax.psum(jax.numpy.sum(valid, dtype=jax.numpy.float32), tokens)
