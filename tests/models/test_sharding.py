@@ -53,7 +53,7 @@ def test_rules_shard_weights_and_moments(mesh):
   assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp"))
 
 
-@pytest.mark.parametrize("kernels, sizes", [("memeff", {"fsdp": 4}), ("plain", {"fsdp": 4}),
+@pytest.mark.parametrize("kernels, sizes", [("plain", {"fsdp": 4}),
                                             ("memeff", {"data": 2, "fsdp": 2, "tensor": 2})])
 def test_fsdp_gathers_weights_not_activations(kernels, sizes, capfd):
   """On an fsdp mesh the compiled step all-gathers weights and all-reduces only
