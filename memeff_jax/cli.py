@@ -228,8 +228,8 @@ def parser() -> argparse.ArgumentParser:
   train.add_argument("--steps", type=int, default=None,
                      help="train steps (default: the config's)")
   train.add_argument("--mesh", default=None, metavar="AXIS=N,...",
-                     help="train on a mesh of data, fsdp and tensor axes, e.g. "
-                          "data=2,fsdp=2,tensor=2 (default: one device)")
+                     help="train on a mesh of data, fsdp, tensor and context axes, e.g. "
+                          "data=2,fsdp=2,tensor=2 or data=2,context=4 (default: one device)")
   train.add_argument("--distributed", action="store_true",
                      help="call jax.distributed.initialize() first: run the same command on "
                           "every host of a multi-host job (default: off)")

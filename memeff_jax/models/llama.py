@@ -99,8 +99,10 @@ class Attention(nnx.Module):
     v = checkpoint_name(self.v_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), "value_proj")
     q = checkpoint_name(rope(q, positions, cfg.rope_theta), "query_proj")
     k = checkpoint_name(rope(k, positions, cfg.rope_theta), "key_proj")
-    if self.kernels == "memeff":
-      out = flash_attention(q, k, v, causal=True, q_segment_ids=segment_ids)
+    if self.kernels == "memeff":  # per sequence shard where the mesh has a context axis
+      out = sharding.context_attention(
+          lambda q, k, v, ids, axis: flash_attention(q, k, v, causal=True, q_segment_ids=ids,
+                                                     context_axis=axis), q, k, v, segment_ids)
     else:
       mask = None
       if segment_ids is not None:  # [B, 1, T, T]: the same document
@@ -198,7 +200,7 @@ class Llama(nnx.Module):
     """Mean next-token cross-entropy over labels != -100."""
     h = self.hidden(tokens, segment_ids)
     if self.kernels == "memeff":
-      return self.lm_head(h, labels)
+      return self.lm_head(sharding.tokens(h), sharding.tokens(labels))
     logits = self._plain_logits(h)
     valid = labels != -100
     per = optax.softmax_cross_entropy_with_integer_labels(

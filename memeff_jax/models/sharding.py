@@ -1,7 +1,9 @@
-"""Sharding rules of memeff_jax.models.Llama for a mesh of "data", "fsdp" and "tensor" axes
-(any of them may be missing or of size 1), as MaxText lays out a decoder:
+"""Sharding rules of memeff_jax.models.Llama for a mesh of "data", "fsdp", "tensor" and
+"context" axes (any of them may be missing or of size 1), as MaxText lays out a decoder:
 
 - the batch is sharded over data × fsdp (data parallelism, FSDP's activations);
+- the sequence over context (context parallelism: attention gathers the keys and values,
+  flash_attention's `context_axis`);
 - every weight's model dimension D over fsdp (FSDP: gathered by XLA where a layer uses it);
 - the heads, the MLP's hidden units and the vocabulary over tensor (tensor parallelism: the
   attention runs per head shard, the loss per vocabulary shard, see
@@ -19,7 +21,7 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "tensor", "context")
 
 # The last two names of a parameter's path -> the mesh axes of its dimensions (a stacked
 # block's parameters have the layer axis in front, unsharded).
@@ -87,18 +89,66 @@ def state_shardings(state, mesh):
 
 
 def activations(x):
-  """x [B, ...] (the residual stream, the final hidden states) with its batch over the
-  data × fsdp axes of the mesh in context and its other dimensions whole; x itself outside
-  a mesh. Without it XLA's propagation carries the weights' fsdp-sharded D into the
-  activations and partitions each matmul over its contraction, all-reducing [B, T, F]
-  activations of the whole batch in every layer where FSDP gathers weights instead."""
+  """x [B, T, ...] (the residual stream, the final hidden states) with its batch over the
+  data × fsdp axes of the mesh in context, its sequence over context and its other
+  dimensions whole; x itself outside a mesh. Without it XLA's propagation carries the
+  weights' fsdp-sharded D into the activations and partitions each matmul over its
+  contraction, all-reducing [B, T, F] activations of the whole batch in every layer where
+  FSDP gathers weights instead."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
-  axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-  if not axes or x.shape[0] % _size(mesh, axes):
+  batch, seq = _token_axes(mesh, x.shape)
+  if not batch and not seq:
     return x
-  return jax.lax.with_sharding_constraint(x, P(axes, *(None,) * (x.ndim - 1)))
+  return jax.lax.with_sharding_constraint(x, P(batch or None, seq, *(None,) * (x.ndim - 2)))
+
+
+def _token_axes(mesh, shape) -> tuple:
+  """(the batch's axes, the sequence's axis or None) for an array of `shape` [B, T, ...] on
+  `mesh`, where they divide those dimensions."""
+  batch = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+  if batch and shape[0] % _size(mesh, batch):
+    batch = ()
+  seq = "context" if mesh.shape.get("context", 1) > 1 else None
+  if seq and shape[1] % mesh.shape[seq]:
+    seq = None
+  return batch, seq
+
+
+def tokens(x):
+  """x [B, T, ...] flattened to [B·T, ...], its tokens sharded over the batch's and the
+  sequence's axes together on the mesh in context (XLA, left alone, gathers a sequence
+  sharded over context before the flattened loss)."""
+  flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return flat
+  batch, seq = _token_axes(mesh, x.shape)
+  axes = batch + ((seq,) if seq else ())
+  if not axes:
+    return flat
+  return jax.lax.with_sharding_constraint(flat, P(axes, *(None,) * (flat.ndim - 1)))
+
+
+def context_attention(attend, q, k, v, segment_ids):
+  """attend(q, k, v, segment_ids, context_axis) per shard under jax.shard_map where the mesh
+  in context has a "context" axis (the sequence sharded over it, the batch over data ×
+  fsdp, the heads over tensor where it divides both head counts); attend(..., None) itself
+  elsewhere."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.shape.get("context", 1) == 1:
+    return attend(q, k, v, segment_ids, None)
+  batch, seq = _token_axes(mesh, q.shape)
+  if seq is None:
+    raise ValueError(f"the sequence ({q.shape[1]}) must split evenly over the context axis "
+                     f"({mesh.shape['context']})")
+  tensor = mesh.shape.get("tensor", 1)
+  heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 == k.shape[2] % tensor else None
+  qs, ks = P(batch or None, seq, heads, None), P(batch or None, seq, heads, None)
+  ids = None if segment_ids is None else P(batch or None, seq)
+  return jax.shard_map(lambda q, k, v, ids: attend(q, k, v, ids, seq), mesh=mesh,
+                       in_specs=(qs, ks, ks, ids), out_specs=qs)(q, k, v, segment_ids)
 
 
 def gathered(w, dim: int):
@@ -127,6 +177,9 @@ def _size(mesh, axes) -> int:
 
 
 def batch_sharding(mesh) -> NamedSharding:
-  """Tokens, labels and segment ids [B, T]: the batch over data × fsdp."""
+  """Tokens, labels and segment ids [B, T]: the batch over data × fsdp, the sequence over
+  context."""
   axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape and mesh.shape[a] > 1)
+  if mesh.shape.get("context", 1) > 1:
+    return NamedSharding(mesh, P(axes or None, "context"))
   return NamedSharding(mesh, P(axes or None))

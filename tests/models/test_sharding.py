@@ -36,6 +36,31 @@ def test_training_on_a_mesh_follows_one_device(mesh, tie):
   np.testing.assert_allclose(many.losses, one.losses, rtol=2e-5)
 
 
+@pytest.mark.parametrize("sizes", [{"data": 2, "context": 4},
+                                   {"fsdp": 2, "tensor": 2, "context": 2}])
+def test_context_parallel_training_follows_one_device(sizes):
+  """The sequence over a context axis (with data, fsdp and tensor axes): the same losses as
+  one device, K and V gathered in each layer and nothing else of the sequence (the loss's
+  tokens are flattened where they lie)."""
+  import re  # pylint: disable=import-outside-toplevel
+  kw = dict(kernels="memeff", steps=3, batch=4, seq_len=64, show_progress=False)
+  one = run.train(CFG, TRAIN, **kw)
+  mesh = sharding.make_mesh(sizes)
+  many = run.train(CFG, TRAIN, mesh=mesh, **kw)
+  np.testing.assert_allclose(many.losses, one.losses, rtol=2e-5)
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import Llama, make_train_step  # pylint: disable=import-outside-toplevel
+  state, step = make_train_step(Llama(CFG, rngs=nnx.Rngs(0)), mesh=mesh)
+  tokens = jax.ShapeDtypeStruct((4, 64), np.int32, sharding=sharding.batch_sharding(mesh))
+  text = step.lower(state.state, {"tokens": tokens, "labels": tokens}).compile().as_text()
+  gathered = [tuple(map(int, g.split(","))) for g in re.findall(
+      r"f32\[([0-9,]*)\]\S* all-gather(?:-start)?\(", text)]
+  activations = [g for g in gathered if len(g) > 2]  # weights (2-D) gather under fsdp
+  head_dim = CFG.d_model // CFG.n_heads
+  assert activations and all(len(g) == 4 and g[1] == 64 and g[3] == head_dim
+                             for g in activations), activations
+
+
 def test_rules_shard_weights_and_moments(mesh):
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from memeff_jax.models import Llama, make_train_step  # pylint: disable=import-outside-toplevel
