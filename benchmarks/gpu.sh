@@ -27,8 +27,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case $part in
-    tests)  # the workers spread over the GPUs; then the mesh tests, every GPU in one process
+    tests)  # the workers spread over the GPUs; then the mesh tests, every GPU in one process.
+      # No XLA autotuning: the suite is compile-bound (up to 5 min a test with it, under 1 without).
       GPUS=$(nvidia-smi -L | wc -l)
+      export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
       MEMEFF_TEST_GPUS=$GPUS python3 -m pytest -q -m gpu tests -n "${WORKERS:-$((8 * GPUS))}" \
         -p no:cacheprovider -p no:benchmark --ignore tests/ops/test_meshes_gpu.py --durations 15
       if [ "$GPUS" -gt 1 ]; then
