@@ -107,13 +107,18 @@ def activations(x):
 def _token_axes(mesh, shape) -> tuple:
   """(the batch's axes, the sequence's axis or None) for an array of `shape` [B, T, ...] on
   `mesh`, where they divide those dimensions."""
-  batch = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+  batch = _batch_axes(mesh)
   if batch and shape[0] % _size(mesh, batch):
     batch = ()
   seq = "context" if mesh.shape.get("context", 1) > 1 else None
   if seq and shape[1] % mesh.shape[seq]:
     seq = None
   return batch, seq
+
+
+def _batch_axes(mesh) -> tuple:
+  """The axes the batch is sharded over: data × fsdp, those of size > 1."""
+  return tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
 
 
 def tokens(x):
@@ -145,10 +150,10 @@ def context_attention(attend, q, k, v, segment_ids):
                      f"({mesh.shape['context']})")
   tensor = mesh.shape.get("tensor", 1)
   heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 == k.shape[2] % tensor else None
-  qs, ks = P(batch or None, seq, heads, None), P(batch or None, seq, heads, None)
+  spec = P(batch or None, seq, heads, None)  # q, k, v and the output alike
   ids = None if segment_ids is None else P(batch or None, seq)
   return jax.shard_map(lambda q, k, v, ids: attend(q, k, v, ids, seq), mesh=mesh,
-                       in_specs=(qs, ks, ks, ids), out_specs=qs)(q, k, v, segment_ids)
+                       in_specs=(spec, spec, spec, ids), out_specs=spec)(q, k, v, segment_ids)
 
 
 def gathered(w, dim: int):
@@ -179,7 +184,7 @@ def _size(mesh, axes) -> int:
 def batch_sharding(mesh) -> NamedSharding:
   """Tokens, labels and segment ids [B, T]: the batch over data × fsdp, the sequence over
   context."""
-  axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape and mesh.shape[a] > 1)
+  axes = _batch_axes(mesh)
   if mesh.shape.get("context", 1) > 1:
     return NamedSharding(mesh, P(axes or None, "context"))
   return NamedSharding(mesh, P(axes or None))

@@ -151,22 +151,22 @@ def _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, 
   if mask is not None:
     raise ValueError("context_axis takes the structured masks (causal, sliding_window, "
                      "segment ids), not a dense mask")
-  _prepare(q, k, v, causal=causal, scale=options["scale"], q_segment_ids=q_segment_ids,  # checks
-           kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
-           logit_softcap=options["logit_softcap"], deterministic=options["deterministic"])
+  opts, _, _ = _prepare(q, k, v, causal=causal, scale=options["scale"],
+                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                        sliding_window=sliding_window, logit_softcap=options["logit_softcap"],
+                        deterministic=options["deterministic"])
   if context_order == "zigzag" and (q.shape[1] % 2 or k.shape[1] % 2):
     raise ValueError("context_order='zigzag' holds two chunks of the sequence per shard: q and "
                      f"k need even local lengths, got q.shape={q.shape}, k.shape={k.shape}")
   if kv_segment_ids is None:
     kv_segment_ids = q_segment_ids
-  spec = MaskSpec.make(_checks.static_bool("causal", causal), _window(sliding_window), False)
 
   def attend(q, k, v, q_seg, kv_seg, window):
     return flash_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                            sliding_window=window, return_lse=True, **options)
 
   out, lse = _context.attention(attend, q, k, v, q_segment_ids, kv_segment_ids, axis=axis,
-                                shards=shards, window=(spec.left, spec.right),
+                                shards=shards, window=(opts.mask.left, opts.mask.right),
                                 order=context_order)
   return (out, lse) if _checks.static_bool("return_lse", return_lse) else out
 
