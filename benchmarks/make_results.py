@@ -327,8 +327,9 @@ def scaling_section() -> list[str]:
   out = ["## Scaling over the GPUs of one host", "",
          "`python benchmarks/scaling.py`: Auto meshes under jit, every provider on the same "
          "mesh. Weak scaling (attention, loss: a fixed shape per GPU): efficiency = one GPU's "
-         "time / n GPUs' time; strong scaling (vocab: one problem): one GPU's / (n · n GPUs').",
-         ""]
+         "time / n GPUs' time; strong scaling (vocab: one problem): one GPU's / (n · n GPUs'); "
+         "context parallelism (context-*: T tokens per GPU, the sequence n·T over the GPUs): "
+         "per-GPU throughput in visible query-key pairs / one GPU's at T.", ""]
   for (device,), group in _by_run(rows, "device"):
     counts = sorted({r["devices"] for r in group})
     out += [f"**{device}** (jax {group[0]['jax']})", "",

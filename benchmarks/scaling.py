@@ -1,6 +1,6 @@
 """Both ops on 1, 2, 4, ... devices of one host: every provider side by side on the same mesh.
 
-    python benchmarks/scaling.py [--devices 1,2,4] [--cases attention,loss,vocab,train]
+    python benchmarks/scaling.py [--devices 1,2,4] [--cases attention,loss,vocab,context,train]
 
 Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   attention  weak scaling, data parallel: B=4, T=4096, H=32, D=128 bf16 per device, the batch
@@ -12,6 +12,13 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
              [D, V] bf16 array is also timed alone ("dw_allreduce").
   vocab      strong scaling, vocab parallel: N=16,384 tokens in all, W's vocabulary over
              "tensor"; memeff. Efficiency: one device's time / (n · n devices' time).
+  context    context parallelism: B=1, T = 8k and 32k tokens per device (the sequence n·T over
+             "context", inside shard_map: K/V gathered, each shard's queries against the keys
+             their mask reaches), GQA 32:8, D=128 bf16, fwd+bwd; causal in the contiguous and
+             the zig-zag order, packed 4k-token documents (zig-zag) and a 4k sliding window.
+             Efficiency: per-device throughput in visible query-key pairs against one
+             device's at the same T (pairs, not tokens: a causal sequence n times longer
+             holds n² times the pairs); one device also runs cuDNN.
   train      the 1B model's train step (batch 4 × 4096 per data shard), memeff and plain
              (cuDNN attention) layers, on data × fsdp and fsdp × tensor meshes
              (models.sharding); ms per step, efficiency from tokens/s per device.
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import pathlib
+import re
 import sys
 
 import jax
@@ -41,8 +49,10 @@ import memeff_jax  # noqa: E402
 
 SHAPES = {
     False: dict(attention=dict(b=4, t=4096, h=32, d=128), loss=dict(n=16384, d=4096, v=128256),
+                context=dict(b=1, lengths=(8192, 32768), h=32, hkv=8, d=128, span=4096),
                 train=dict(config="1b", batch=4, seq_len=4096, steps=6)),
     True: dict(attention=dict(b=2, t=256, h=4, d=32), loss=dict(n=512, d=64, v=1024),
+               context=dict(b=1, lengths=(256,), h=4, hkv=2, d=32, span=64),
                train=dict(config="tiny", batch=2, seq_len=128, steps=3)),
 }
 
@@ -77,6 +87,59 @@ def attention_cases(n: int, shape: dict, causal: bool):
     return jax.jit(f)
 
   return {name: (fwd_bwd(a), (q, k, v, g)) for name, a in attends.items()}
+
+
+# Context-parallel variants: (flash_attention options, token order, packed documents).
+CONTEXT_VARIANTS = {"causal": ("causal", "contiguous"), "causal-zigzag": ("causal", "zigzag"),
+                    "packed-zigzag": ("packed", "zigzag"), "window": ("window", "contiguous")}
+
+
+def visible_pairs(length: int, mask: str, span: int) -> int:
+  """Query-key pairs a causal mask leaves visible over `length` tokens, with documents
+  (`packed`) or a left window (`window`) of `span` tokens."""
+  i = np.arange(length, dtype=np.int64)
+  lo = {"causal": 0 * i, "packed": i // span * span, "window": np.maximum(i - span, 0)}[mask]
+  return int(np.sum(i - lo + 1))
+
+
+def context_cases(n: int, shape: dict, t: int, variant: str):
+  """{provider: (fn, args)}: the sequence n·t over "context" (one device: the plain call)."""
+  mask, order = CONTEXT_VARIANTS[variant]
+  mesh = _mesh(n, "context")
+  b, length, h, hkv, d = shape["b"], t * n, shape["h"], shape["hkv"], shape["d"]
+  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+  keys = jax.random.split(jax.random.key(2), 4)
+  spec = P(None, "context")
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
+  q, g = (put(jax.random.normal(key, (b, length, h, d), dtype)) for key in keys[:2])
+  k, v = (put(jax.random.normal(key, (b, length, hkv, d), dtype)) for key in keys[2:])
+  seg = None
+  if mask == "packed":  # document ids in the order the tokens lie in
+    ids = (jnp.arange(length) // shape["span"])[None].repeat(b, 0)
+    seg = put(memeff_jax.ops.flash_attention.zigzag(ids, n) if n > 1 and order == "zigzag"
+              else ids)
+  opts = dict(causal=True, sliding_window=(shape["span"], 0) if mask == "window" else None)
+  if n == 1:
+    attend = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg, **opts)
+  else:
+    attend = jax.shard_map(
+        lambda q, k, v, seg: memeff_jax.flash_attention(
+            q, k, v, q_segment_ids=seg, context_axis="context", context_order=order, **opts),
+        mesh=mesh, in_specs=(spec, spec, spec, None if seg is None else spec), out_specs=spec)
+
+  def fwd_bwd(attend):
+    def f(q, k, v, g, seg):
+      out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, seg), q, k, v)
+      return out, vjp(g)
+    return jax.jit(f)
+
+  cases = {"memeff": (fwd_bwd(attend), (q, k, v, g, seg))}
+  if n == 1 and jax.default_backend() == "gpu" and mask != "packed":
+    cudnn = lambda q, k, v, seg: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn",
+        local_window_size=(shape["span"], 0) if mask == "window" else None)
+    cases["cudnn"] = (fwd_bwd(cudnn), (q, k, v, g, seg))
+  return cases
 
 
 def loss_cases(n: int, shape: dict, vocab_parallel: bool):
@@ -130,7 +193,7 @@ def train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
         ms = 1e3 * shape["batch"] * shards * shape["seq_len"] / r.tokens_per_s
         row = dict(op="scaling", case=f"train-{shape['config']}-{layout}", provider=kernels,
                    devices=n, mesh=sizes, ms=ms, tokens_per_s_per_device=per_device,
-                   efficiency=per_device / first, weak=True, **env)
+                   efficiency=per_device / first, **env)
         rows.append(row)
         _harness.append(out, [row])
         print(f"  {row['case']:18s} {kernels:13s} {n} devices: {ms:9.1f} ms/step, "
@@ -139,34 +202,45 @@ def train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
   return rows
 
 
-def run(cases: list[str], devices: list[int], rounds: int, small: bool, out) -> list[dict]:
+def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
+        match: str = "") -> list[dict]:
   env, rows = _harness.environment(), []
   shapes = SHAPES[small]
-  plans = []
+  plans = []  # (case, make(n) -> {provider: (fn, args)}, work(n): the problem's size)
   for case in cases:
     if case == "attention":
       plans += [("attention" + ("-causal" if c else ""), functools.partial(
-          attention_cases, shape=shapes["attention"], causal=c), True) for c in (False, True)]
+          attention_cases, shape=shapes["attention"], causal=c), float) for c in (False, True)]
     elif case in ("loss", "vocab"):
       plans.append((case, functools.partial(loss_cases, shape=shapes["loss"],
-                                            vocab_parallel=case == "vocab"), case != "vocab"))
+                                            vocab_parallel=case == "vocab"),
+                    (lambda n: 1.0) if case == "vocab" else float))
+    elif case == "context":
+      shape = shapes["context"]
+      for t in shape["lengths"]:
+        for variant, (mask, _) in CONTEXT_VARIANTS.items():
+          work = functools.partial(lambda n, t, mask: visible_pairs(n * t, mask, shape["span"]),
+                                   t=t, mask=mask)
+          label = f"{t // 1024}k" if t >= 1024 else str(t)
+          plans.append((f"context-{variant}-{label}", functools.partial(
+              context_cases, shape=shape, t=t, variant=variant), work))
     elif case == "train":
       rows += train_rows(shapes["train"], devices, env, out)
     else:
-      raise ValueError(f"unknown case {case!r} (attention, loss, vocab, train)")
-  for name, make, weak in plans:
-    base = {}
+      raise ValueError(f"unknown case {case!r} (attention, loss, vocab, context, train)")
+  for name, make, work in [p for p in plans if re.search(match, p[0])]:
+    base = {}  # provider: throughput per device (work per ms) at the first device count
     for n in devices:
       timers = {p: functools.partial(_harness.time_jax, fn, *args, reps=5)
                 for p, (fn, args) in make(n).items()}
       times = _harness.interleaved(timers, rounds)
       for provider, ts in times.items():
         ms = float(np.median(ts))
-        base.setdefault(provider, ms if n == devices[0] else None)
-        first = base[provider]
-        eff = None if first is None else (first / ms if weak else first / (n * ms))
+        rate = work(n) / (ms * n)
+        first = base.setdefault(provider, rate if n == devices[0] else None)
+        eff = None if first is None else rate / first
         row = dict(op="scaling", case=name, provider=provider, devices=n, ms=ms,
-                   efficiency=eff, weak=weak, small=small, rounds=rounds, **env)
+                   efficiency=eff, small=small, rounds=rounds, **env)
         rows.append(row)
         _harness.append(out, [row])
         print(f"  {name:18s} {provider:13s} {n} devices: {ms:9.3f} ms"
@@ -177,9 +251,11 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out) -> 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--devices", default=None, help="device counts (default: 1, 2, 4, ...)")
-  parser.add_argument("--cases", default="attention,loss,vocab,train")
+  parser.add_argument("--cases", default="attention,loss,vocab,context,train")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--small", action="store_true", help="CPU-sized shapes")
+  parser.add_argument("--match", default="", help="only the op cases whose name has a match "
+                      "for this regular expression (e.g. 'zigzag-8k')")
   parser.add_argument("--out", default=str(_harness.RESULTS / "scaling.jsonl"))
   args = parser.parse_args(argv)
   counts = ([int(c) for c in args.devices.split(",")] if args.devices else
@@ -187,7 +263,7 @@ def main(argv=None):
   if max(counts) > jax.device_count():
     raise SystemExit(f"--devices {args.devices}: this process sees {jax.device_count()}")
   print(f"scaling on {jax.device_count()} × {jax.devices()[0].device_kind}")
-  run(args.cases.split(","), counts, args.rounds, args.small, args.out)
+  run(args.cases.split(","), counts, args.rounds, args.small, args.out, args.match)
 
 
 if __name__ == "__main__":

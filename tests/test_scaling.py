@@ -12,13 +12,21 @@ def test_scaling_dry_run(tmp_path):
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   out = tmp_path / "scaling.jsonl"
-  scaling.main(["--small", "--devices", "1,2", "--cases", "loss,vocab", "--rounds", "1",
+  scaling.main(["--small", "--devices", "1,2", "--cases", "loss,vocab,context", "--rounds", "1",
                 "--out", str(out)])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   got = {(r["case"], r["provider"], r["devices"]) for r in rows}
   assert got == {("loss", "memeff", 1), ("loss", "jax_naive", 1), ("loss", "memeff", 2),
                  ("loss", "jax_naive", 2), ("loss", "dw_allreduce", 2), ("vocab", "memeff", 1),
-                 ("vocab", "memeff", 2)}
+                 ("vocab", "memeff", 2)} | {
+                     (f"context-{variant}-256", "memeff", n)
+                     for variant in scaling.CONTEXT_VARIANTS for n in (1, 2)}
   assert all(r["efficiency"] == 1.0 for r in rows if r["devices"] == 1)
   assert all(r["ms"] > 0 for r in rows)
+
+
+def test_visible_pairs():
+  assert scaling.visible_pairs(4, "causal", 2) == 10
+  assert scaling.visible_pairs(6, "packed", 3) == 12  # two documents of 3: 6 pairs each
+  assert scaling.visible_pairs(5, "window", 1) == 9  # 1 + 2 + 2 + 2 + 2
 

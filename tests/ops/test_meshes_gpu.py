@@ -13,6 +13,8 @@ import pytest
 
 import memeff_jax
 from memeff_jax.ops.flash_attention import pallas_mosaic_gpu
+from memeff_jax.ops.flash_attention import unzigzag
+from memeff_jax.ops.flash_attention import zigzag
 from tests.ops.test_meshes import _run
 
 pytestmark = pytest.mark.gpu
@@ -157,3 +159,42 @@ def test_loss_vocab_parallel_in_shard_map(mesh):
   assert _MOSAIC in text
   _assert_close(got, want, 2e-3)
   _assert_close(grads, want_grads, 2e-2)
+
+
+@pytest.mark.parametrize("order, kw", [("contiguous", dict(causal=True)),
+                                       ("zigzag", dict(causal=True)),
+                                       ("zigzag", dict(causal=True, segments=True)),
+                                       ("contiguous", dict(causal=True, sliding_window=(384, 0)))])
+def test_attention_sequence_sharded(order, kw):
+  """Context parallelism over every GPU (2 or 4): the sequence over 'context' inside
+  shard_map, K/V gathered, each shard's queries through the Mosaic kernels against the keys
+  their mask reaches (GQA 4:1), one GPU's values and gradients."""
+  n = min(_gpus(), 4)
+  if n < 2 or pallas_mosaic_gpu.hopper_available() is not None:
+    pytest.skip("needs 2 or more Hopper GPUs")
+  kw = dict(kw)
+  mesh = jax.make_mesh((n,), ("context",), devices=jax.devices()[:n])
+  ks = jax.random.split(jax.random.key(11), 4)
+  b, t, hq, hkv, d = 2, 512 * n, 8, 2, 128
+  q = jax.random.normal(ks[0], (b, t, hq, d), BF16)
+  k, v = (jax.random.normal(key, (b, t, hkv, d), BF16) for key in ks[1:3])
+  seg = (jnp.arange(t) // 700)[None].repeat(b, 0) if kw.pop("segments", False) else None
+  one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg, **kw)
+  zz = (lambda a: a) if order == "contiguous" else (lambda a: None if a is None else zigzag(a, n))
+  unzz = (lambda a: a) if order == "contiguous" else (lambda a: unzigzag(a, n))
+  ct = jax.random.normal(ks[3], q.shape, jnp.float32)
+  loss = lambda f, ct: lambda q, k, v, seg: jnp.sum(f(q, k, v, seg).astype(jnp.float32) * ct)
+  want, want_grads = _one_gpu(one, loss(one, ct), (0, 1, 2), q, k, v, seg)
+  spec = P(None, "context")
+  many = shard_map(
+      lambda q, k, v, seg: memeff_jax.flash_attention(
+          q, k, v, q_segment_ids=seg, context_axis="context", context_order=order, **kw),
+      mesh=mesh, in_specs=(spec, spec, spec, spec if seg is not None else None),
+      out_specs=spec)
+  args = jax.device_put(tuple(map(zz, (q, k, v, seg))), NamedSharding(mesh, spec))
+  got, grads, collectives, text = _run(many, loss(many, zz(ct)), (0, 1, 2), *args)
+  assert _MOSAIC in text
+  _assert_close(unzz(got), want, 1e-2)
+  _assert_close([unzz(g) for g in grads], want_grads, 1e-2)
+  assert collectives["all-gather"] >= 1 and " reduce-scatter" in text, collectives
+  assert collectives["all-to-all"] == 0, collectives
