@@ -13,9 +13,9 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   vocab      strong scaling, vocab parallel: N=16,384 tokens in all, W's vocabulary over
              "tensor"; memeff. Efficiency: one device's time / (n · n devices' time).
   context    context parallelism: B=1, T = 8k and 32k tokens per device (the sequence n·T over
-             "context", inside shard_map: K/V gathered, each shard's queries against the keys
-             their mask reaches), GQA 32:8, D=128 bf16, fwd+bwd; causal in the contiguous and
-             the zig-zag order, packed 4k-token documents (zig-zag) and a 4k sliding window.
+             "context", inside shard_map), GQA 32:8, D=128 bf16, fwd+bwd; causal in the
+             contiguous and the zig-zag order, packed 4k-token documents (zig-zag) and a 4k
+             sliding window, by the all-gather strategy, and the last three by the ring.
              Efficiency: per-device throughput in visible query-key pairs against one
              device's at the same T (pairs, not tokens: a causal sequence n times longer
              holds n² times the pairs); one device also runs cuDNN.
@@ -89,9 +89,16 @@ def attention_cases(n: int, shape: dict, causal: bool):
   return {name: (fwd_bwd(a), (q, k, v, g)) for name, a in attends.items()}
 
 
-# Context-parallel variants: (flash_attention options, token order, packed documents).
-CONTEXT_VARIANTS = {"causal": ("causal", "contiguous"), "causal-zigzag": ("causal", "zigzag"),
-                    "packed-zigzag": ("packed", "zigzag"), "window": ("window", "contiguous")}
+# Context-parallel variants: (mask, token order, strategy).
+CONTEXT_VARIANTS = {
+    "causal": ("causal", "contiguous", "all_gather"),
+    "causal-zigzag": ("causal", "zigzag", "all_gather"),
+    "packed-zigzag": ("packed", "zigzag", "all_gather"),
+    "window": ("window", "contiguous", "all_gather"),
+    "causal-zigzag-ring": ("causal", "zigzag", "ring"),
+    "packed-zigzag-ring": ("packed", "zigzag", "ring"),
+    "window-ring": ("window", "contiguous", "ring"),
+}
 
 
 def visible_pairs(length: int, mask: str, span: int) -> int:
@@ -104,7 +111,7 @@ def visible_pairs(length: int, mask: str, span: int) -> int:
 
 def context_cases(n: int, shape: dict, t: int, variant: str):
   """{provider: (fn, args)}: the sequence n·t over "context" (one device: the plain call)."""
-  mask, order = CONTEXT_VARIANTS[variant]
+  mask, order, strategy = CONTEXT_VARIANTS[variant]
   mesh = _mesh(n, "context")
   b, length, h, hkv, d = shape["b"], t * n, shape["h"], shape["hkv"], shape["d"]
   dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -124,7 +131,8 @@ def context_cases(n: int, shape: dict, t: int, variant: str):
   else:
     attend = jax.shard_map(
         lambda q, k, v, seg: memeff_jax.flash_attention(
-            q, k, v, q_segment_ids=seg, context_axis="context", context_order=order, **opts),
+            q, k, v, q_segment_ids=seg, context_axis="context", context_order=order,
+            context_strategy=strategy, **opts),
         mesh=mesh, in_specs=(spec, spec, spec, None if seg is None else spec), out_specs=spec)
 
   def fwd_bwd(attend):
@@ -218,7 +226,7 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
     elif case == "context":
       shape = shapes["context"]
       for t in shape["lengths"]:
-        for variant, (mask, _) in CONTEXT_VARIANTS.items():
+        for variant, (mask, *_) in CONTEXT_VARIANTS.items():
           work = functools.partial(lambda n, t, mask: visible_pairs(n * t, mask, shape["span"]),
                                    t=t, mask=mask)
           label = f"{t // 1024}k" if t >= 1024 else str(t)

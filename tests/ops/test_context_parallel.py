@@ -2,6 +2,7 @@
 jax.shard_map (`context_axis=`) and on Explicit meshes, values and gradients against one
 device, and the compiled program's collectives."""
 
+import functools
 import re
 
 import jax
@@ -54,12 +55,15 @@ _CASES = [dict(causal=True), dict(causal=True, sliding_window=(40, 0)),
           dict(sliding_window=(None, 33)), dict()]
 
 
-@pytest.mark.parametrize("kw, check_vma", [(kw, True) for kw in _CASES]
-                         + [(_CASES[0], False), (_CASES[3], False)])
-def test_in_shard_map(kw, check_vma):
+@pytest.mark.parametrize("kw, check_vma, strategy",
+                         [(kw, True, "all_gather") for kw in _CASES]
+                         + [(_CASES[0], False, "all_gather"), (_CASES[3], False, "all_gather")]
+                         + [(kw, i % 2 == 0, "ring") for i, kw in enumerate(_CASES[:7])])
+def test_in_shard_map(kw, check_vma, strategy):
   """context_axis='context' inside shard_map with the sequence over 4 shards and the batch
   over 2: every mask, GQA/MQA, softcap and the log-sum-exp, values and gradients against one
-  device; K/V travel by all-gather (dK/dV by reduce-scatter), q never."""
+  device. all_gather: K/V gathered, dK/dV reduce-scattered; ring: K/V (and dK/dV) passed
+  round by collective-permutes, no shard holding the whole sequence's keys; q never moves."""
   kw = dict(kw)
   q, k, v, seg = _problem(1, hkv=kw.pop("hkv", 2), segments=kw.pop("segments", False))
   one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg,
@@ -67,9 +71,9 @@ def test_in_shard_map(kw, check_vma):
   mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
   spec, rows = P("data", "context"), P("data", "context")
   many = shard_map(
-      lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg,
-                                                      return_lse=True, context_axis="context",
-                                                      **kw),
+      lambda q, k, v, seg: memeff_jax.flash_attention(
+          q, k, v, q_segment_ids=seg, return_lse=True, context_axis="context",
+          context_strategy=strategy, **kw),
       mesh=mesh, in_specs=(spec, spec, spec, rows if seg is not None else None),
       out_specs=(spec, P("data", "context")), check_vma=check_vma)
   argnums = (0, 1, 2)
@@ -81,20 +85,28 @@ def test_in_shard_map(kw, check_vma):
   _close(got, want)
   _close(grads, want_grads)
   text = compiled.as_text()
-  assert " all-gather" in text and " reduce-scatter" in text
-  hq = q.shape[2]
-  gathered = re.findall(r"(\S+\[[0-9,]*\])\S* all-gather(?:-start)?\(", text)
-  assert not [g for g in gathered if re.search(rf",{hq},{q.shape[3]}\]", g)], gathered
+  hq, t = q.shape[2], q.shape[1]
+  if strategy == "all_gather":
+    assert " all-gather" in text and " reduce-scatter" in text
+    gathered = re.findall(r"(\S+\[[0-9,]*\])\S* all-gather(?:-start)?\(", text)
+    assert not [g for g in gathered if re.search(rf",{hq},{q.shape[3]}\]", g)], gathered
+  else:
+    assert " collective-permute" in text and " all-gather" not in text
+    assert not re.search(rf"\[\d+,{t},", text), "a buffer of the whole sequence"
+    moved = re.findall(r"(\S+\[[0-9,]*\])\S* collective-permute(?:-start)?\(", text)
+    assert not [m for m in moved if re.search(rf",{hq},{q.shape[3]}\]", m)], moved
 
 
-def test_on_an_explicit_mesh():
+@pytest.mark.parametrize("strategy", _context.STRATEGIES)
+def test_on_an_explicit_mesh(strategy):
   """q, k, v and segment ids sharded on the sequence over an Explicit axis (and the batch
-  over another): per shard by the all-gather strategy; the output and gradients keep the
-  inputs' shardings."""
+  over another): per shard by either strategy; the output and gradients keep the inputs'
+  shardings."""
   q, k, v, seg = _problem(2, segments=True)
-  f = lambda q, k, v, seg: memeff_jax.flash_attention(
-      q, k, v, q_segment_ids=seg, causal=True, sliding_window=(100, 0), return_lse=True)
+  f = lambda q, k, v, seg, **kw: memeff_jax.flash_attention(
+      q, k, v, q_segment_ids=seg, causal=True, sliding_window=(100, 0), return_lse=True, **kw)
   want, want_grads = f(q, k, v, seg), jax.grad(_loss(f), (0, 1, 2))(q, k, v, seg)
+  f = functools.partial(f, context_strategy=strategy)
   mesh = _mesh((2, 4), ("data", "context"))
   with jax.set_mesh(mesh):
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
@@ -108,9 +120,11 @@ def test_on_an_explicit_mesh():
   _close(grads, want_grads)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, sliding_window=(40, 0)),
-                                dict(segments=True, causal=True, hkv=1)])
-def test_zigzag_order_in_shard_map(kw):
+@pytest.mark.parametrize("kw, strategy", [
+    (dict(causal=True), "all_gather"), (dict(causal=True, sliding_window=(40, 0)), "all_gather"),
+    (dict(segments=True, causal=True, hkv=1), "all_gather"), (dict(causal=True), "ring"),
+    (dict(segments=True, sliding_window=(70, 20)), "ring")])
+def test_zigzag_order_in_shard_map(kw, strategy):
   """context_order="zigzag": the sequence reordered by `zigzag` (shard i holds chunks i and
   7 − i of 8) gives one device's output and gradients in that order."""
   kw = dict(kw)
@@ -122,7 +136,7 @@ def test_zigzag_order_in_shard_map(kw):
   many = shard_map(
       lambda q, k, v, seg: memeff_jax.flash_attention(
           q, k, v, q_segment_ids=seg, return_lse=True, context_axis="context",
-          context_order="zigzag", **kw),
+          context_order="zigzag", context_strategy=strategy, **kw),
       mesh=mesh, in_specs=(spec, spec, spec, spec if seg is not None else None),
       out_specs=(spec, spec))
   zz = lambda a: None if a is None else zigzag(a, 4)
@@ -136,6 +150,7 @@ def test_zigzag_order_in_shard_map(kw):
 
 
 def test_zigzag_round_trips():
+
   x = jnp.arange(2 * 16).reshape(2, 16)
   assert zigzag(x, 4)[0].tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
   np.testing.assert_array_equal(unzigzag(zigzag(x, 4), 4), x)
@@ -153,6 +168,25 @@ def test_key_spans_are_what_each_shard_can_see():
   assert _context.key_span(0, 256, 1024, (0, None)) == (0, 1024, (0, None))
 
 
+def test_ring_plans_skip_what_no_mask_reaches():
+  """Causal zig-zag: every step after the first runs one of two dense plans (the shard's
+  two query chunks against the visitor's first, or its second query chunk against both),
+  equal work; a left window of 100 over chunks of 64 reaches two chunks back, so the ring
+  stops after step 2; a window pair is local to its slices."""
+  steps = _context.ring_plans(64, 4, (None, 0), "zigzag")
+  assert len(steps) == 4
+  for plans, which in steps[1:]:
+    assert len(plans) == 2 and sorted(set(which)) == [0, 1]
+    assert all(local == (None, None) for plan in plans for *_, local in plan)
+    assert sorted(sum((qb - qa) * (kb - ka) for qa, qb, ka, kb, _ in p) for p in plans) == [
+        2 * 32 * 32] * 2
+  assert len(_context.ring_plans(64, 8, (100, 0), "contiguous")) == 3
+  # Queries 64..127 with a left window of 30 see keys 34..63 of 0..63, from queries 64..93.
+  assert _context.pair_plan(64, 64, 0, 64, (30, 0)) == (0, 30, 34, 64, (0, None))
+  assert _context.pair_plan(64, 64, 0, 64, (100, 0)) == (0, 64, 0, 64, (36, None))
+  assert _context.pair_plan(0, 64, 64, 64, (None, 0)) is None
+
+
 def test_context_axis_errors():
   q = jnp.ones((1, 128, 2, 16))
   with pytest.raises(ValueError, match="context_axis='context' is not an axis of an enclosing"):
@@ -163,6 +197,10 @@ def test_context_axis_errors():
     memeff_jax.flash_attention(q, q, q, context_order="ring")
   with pytest.raises(ValueError, match="context_order='zigzag' is for a sequence sharded"):
     memeff_jax.flash_attention(q, q, q, context_order="zigzag")
+  with pytest.raises(ValueError, match="context_strategy must be one of"):
+    memeff_jax.flash_attention(q, q, q, context_strategy="ulysses")
+  with pytest.raises(ValueError, match="context_strategy='ring' is for a sequence sharded"):
+    memeff_jax.flash_attention(q, q, q, context_strategy="ring")
   mesh = _mesh((8,), ("context",), AxisType.Auto)
   mask = jnp.ones((128, 128 * 8), bool)
   with pytest.raises(ValueError, match="context_axis takes the structured masks"):

@@ -161,14 +161,17 @@ def test_loss_vocab_parallel_in_shard_map(mesh):
   _assert_close(grads, want_grads, 2e-2)
 
 
-@pytest.mark.parametrize("order, kw", [("contiguous", dict(causal=True)),
-                                       ("zigzag", dict(causal=True)),
-                                       ("zigzag", dict(causal=True, segments=True)),
-                                       ("contiguous", dict(causal=True, sliding_window=(384, 0)))])
-def test_attention_sequence_sharded(order, kw):
+@pytest.mark.parametrize("strategy, order, kw", [
+    ("all_gather", "contiguous", dict(causal=True)),
+    ("all_gather", "zigzag", dict(causal=True)),
+    ("all_gather", "zigzag", dict(causal=True, segments=True)),
+    ("all_gather", "contiguous", dict(causal=True, sliding_window=(384, 0))),
+    ("ring", "zigzag", dict(causal=True, segments=True)),
+    ("ring", "contiguous", dict(causal=True, sliding_window=(384, 0)))])
+def test_attention_sequence_sharded(strategy, order, kw):
   """Context parallelism over every GPU (2 or 4): the sequence over 'context' inside
-  shard_map, K/V gathered, each shard's queries through the Mosaic kernels against the keys
-  their mask reaches (GQA 4:1), one GPU's values and gradients."""
+  shard_map, each shard's queries through the Mosaic kernels against the keys their mask
+  reaches (GQA 4:1), gathered or passed round the ring; one GPU's values and gradients."""
   n = min(_gpus(), 4)
   if n < 2 or pallas_mosaic_gpu.hopper_available() is not None:
     pytest.skip("needs 2 or more Hopper GPUs")
@@ -188,7 +191,8 @@ def test_attention_sequence_sharded(order, kw):
   spec = P(None, "context")
   many = shard_map(
       lambda q, k, v, seg: memeff_jax.flash_attention(
-          q, k, v, q_segment_ids=seg, context_axis="context", context_order=order, **kw),
+          q, k, v, q_segment_ids=seg, context_axis="context", context_order=order,
+          context_strategy=strategy, **kw),
       mesh=mesh, in_specs=(spec, spec, spec, spec if seg is not None else None),
       out_specs=spec)
   args = jax.device_put(tuple(map(zz, (q, k, v, seg))), NamedSharding(mesh, spec))
@@ -196,5 +200,8 @@ def test_attention_sequence_sharded(order, kw):
   assert _MOSAIC in text
   _assert_close(unzz(got), want, 1e-2)
   _assert_close([unzz(g) for g in grads], want_grads, 1e-2)
-  assert collectives["all-gather"] >= 1 and " reduce-scatter" in text, collectives
+  if strategy == "all_gather":
+    assert collectives["all-gather"] >= 1 and " reduce-scatter" in text, collectives
+  else:
+    assert collectives["collective-permute"] >= 1 and not collectives["all-gather"], collectives
   assert collectives["all-to-all"] == 0, collectives

@@ -100,7 +100,7 @@ def _masked(q, k, v, q_seg, kv_seg, mask, opts):
 
 
 def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, context_order,
-               **options):
+               context_strategy, **options):
   """flash_attention on an Explicit mesh: the single-device call per shard under shard_map,
   for inputs sharded on the batch and the heads (q's and k/v's heads alike, or k/v's single
   head shared), and on the sequence (q's and k/v's alike: context parallelism)."""
@@ -128,7 +128,8 @@ def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, c
   out_spec = _explicit.spec([batch, seq, heads, ()])
   lse_spec = _explicit.spec([batch, seq, heads])
   if seq:
-    options.update(context_axis=seq if len(seq) > 1 else seq[0], context_order=context_order)
+    options.update(context_axis=seq if len(seq) > 1 else seq[0], context_order=context_order,
+                   context_strategy=context_strategy)
   elif context_order != "contiguous":
     raise ValueError(f"context_order={context_order!r} is for q, k, v sharded on the sequence, "
                      f"got {where}")
@@ -144,7 +145,7 @@ def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, c
 
 
 def _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, context_axis,
-                      context_order, *, causal, sliding_window, **options):
+                      context_order, context_strategy, *, causal, sliding_window, **options):
   """flash_attention inside shard_map with the sequence sharded over `context_axis`."""
   axis, shards = _checks.manual_axis("context_axis", context_axis,
                                      "q, k and v must be sharded over it on the sequence")
@@ -165,9 +166,18 @@ def _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, 
     return flash_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                            sliding_window=window, return_lse=True, **options)
 
-  out, lse = _context.attention(attend, q, k, v, q_segment_ids, kv_segment_ids, axis=axis,
-                                shards=shards, window=(opts.mask.left, opts.mask.right),
-                                order=context_order)
+  window = (opts.mask.left, opts.mask.right)
+  if context_strategy == "all_gather":
+    out, lse = _context.attention(attend, q, k, v, q_segment_ids, kv_segment_ids, axis=axis,
+                                  shards=shards, window=window, order=context_order)
+  else:
+    def attend_backward(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, window):
+      return flash_attention_backward(q, k, v, out, lse, d_out, d_lse, q_segment_ids=q_seg,
+                                      kv_segment_ids=kv_seg, sliding_window=window, **options)
+
+    out, lse = _context.ring_attention(attend, attend_backward, q, k, v, q_segment_ids,
+                                       kv_segment_ids, axis=axis, shards=shards, window=window,
+                                       order=context_order)
   return (out, lse) if _checks.static_bool("return_lse", return_lse) else out
 
 
@@ -242,6 +252,7 @@ def flash_attention(
     implementation=None,
     context_axis=None,
     context_order: str = "contiguous",
+    context_strategy: str = "all_gather",
 ):
   """Scaled dot-product attention without the [T, S] score matrix.
 
@@ -295,6 +306,13 @@ def flash_attention(
       of n equal chunks) or "zigzag" (cut into 2n chunks, shard i holds chunks i and
       2n − 1 − i, so a causal mask gives every shard the same work; `zigzag` in this
       module puts tokens, positions, labels and segment ids in that order).
+    context_strategy: how the keys reach the queries: "all_gather" (every shard gathers
+      all keys and values, then runs its queries against the span their mask reaches; the
+      backward reduce-scatters dK/dV in float32) or "ring" (keys and values pass from shard
+      to shard, each step's attention overlapping the next transfer and merged through the
+      log-sum-exp; the backward passes them round again with float32 dK/dV accumulators:
+      a shard holds at most two shards' keys, and a window stops the ring after the last
+      step it reaches).
 
   Meshes: with q, k, v sharded on the batch and heads (an Auto or Explicit mesh under jit,
   or inside jax.shard_map) each shard runs its part; on an Explicit mesh also on the
@@ -315,16 +333,21 @@ def flash_attention(
                  implementation=implementation)
   if context_order not in _context.ORDERS:
     raise ValueError(f"context_order must be one of {_context.ORDERS}, got {context_order!r}")
+  if context_strategy not in _context.STRATEGIES:
+    raise ValueError(f"context_strategy must be one of {_context.STRATEGIES}, got "
+                     f"{context_strategy!r}")
   if context_axis is not None:
     return _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
-                             context_axis, context_order, **options)
+                             context_axis, context_order, context_strategy, **options)
   mesh = _explicit.common_mesh(q, k, v, q_segment_ids, kv_segment_ids)
   if mesh is not None:
     return _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
-                      context_order, **options)
-  if context_order != "contiguous":
-    raise ValueError(f"context_order={context_order!r} is for a sequence sharded over a mesh "
-                     "axis (context_axis= inside shard_map, or an Explicit mesh)")
+                      context_order, context_strategy, **options)
+  for name, value, default in (("context_order", context_order, "contiguous"),
+                               ("context_strategy", context_strategy, "all_gather")):
+    if value != default:
+      raise ValueError(f"{name}={value!r} is for a sequence sharded over a mesh axis "
+                       "(context_axis= inside shard_map, or an Explicit mesh)")
   opts, q_segment_ids, kv_segment_ids = _prepare(
       q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
