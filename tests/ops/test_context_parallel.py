@@ -18,6 +18,7 @@ import memeff_jax
 from memeff_jax.ops.flash_attention import _context
 from memeff_jax.ops.flash_attention import unzigzag
 from memeff_jax.ops.flash_attention import zigzag
+from memeff_jax.ops.flash_attention.pallas_triton import PallasTriton
 
 
 def _mesh(shape, names, kind=AxisType.Explicit):
@@ -147,6 +148,22 @@ def test_zigzag_order_in_shard_map(kw, strategy):
   _close(jax.jit(many)(*args), reordered(*args))
   _close(jax.jit(jax.grad(_loss(many), (0, 1, 2)))(*args),
          jax.grad(_loss(reordered), (0, 1, 2))(*args))
+
+
+def test_ring_runs_pallas_kernels_under_check_vma():
+  """The ring's backward calls flash_attention_backward per step: a Pallas kernel (Triton,
+  interpreted) inside shard_map(check_vma=True) gives one device's gradients."""
+  q, k, v, _ = _problem(4, b=1, hq=2)
+  impl = PallasTriton(interpret=True)
+  one = lambda q, k, v: memeff_jax.flash_attention(q, k, v, causal=True, implementation=impl)
+  mesh = _mesh((8,), ("context",), AxisType.Auto)
+  many = shard_map(
+      lambda q, k, v: memeff_jax.flash_attention(
+          q, k, v, causal=True, implementation=impl, context_axis="context",
+          context_strategy="ring"),
+      mesh=mesh, in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"))
+  grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2)))(q, k, v)
+  _close(grads(many), grads(one))
 
 
 def test_zigzag_round_trips():

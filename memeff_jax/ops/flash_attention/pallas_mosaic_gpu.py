@@ -623,7 +623,7 @@ class PallasMosaicGpu:
   def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, opts: AttentionOptions):
     """(dq, dk, dv) from saved out and lse [B, Hq, T], without a forward pass."""
     res = _common.Residuals(q, k, v, q_seg, kv_seg, out, lse)
-    return _backward(self._static(q, k, opts), res, (d_out, d_lse))[:3]
+    return _vma.unchecked(_backward)(self._static(q, k, opts), res, (d_out, d_lse))[:3]
 
   def _static(self, q, k, opts: AttentionOptions) -> _Static:
     config = self.config or MosaicConfig.for_call(q.shape[-1], opts.mask)

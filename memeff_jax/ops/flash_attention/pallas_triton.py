@@ -80,7 +80,7 @@ class PallasTriton:
   def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, opts: AttentionOptions):
     """(dq, dk, dv) from saved out and lse [B, Hq, T], without a forward pass."""
     res = Residuals(q, k, v, q_seg, kv_seg, out, lse)
-    return backward_pass(self.plan(q, opts), res, (d_out, d_lse))[:3]
+    return _vma.unchecked(backward_pass)(self.plan(q, opts), res, (d_out, d_lse))[:3]
 
   def plan(self, q, opts: AttentionOptions) -> "TritonPlan":
     """The static settings of a call (NotImplementedError where the kernels cannot run)."""
