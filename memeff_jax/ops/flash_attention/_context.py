@@ -231,15 +231,20 @@ def _ring(attend, attend_backward, axis, shards, steps, q, k, v, q_seg, kv_seg):
 
 
 def _ring_fwd(attend, attend_backward, axis, shards, steps, q, k, v, q_seg, kv_seg):
+  """Each step's branch returns fresh arrays (its pairs merged, rows it does not reach 0 with
+  lse -inf), merged into the running result outside it, so no branch returns an operand
+  unchanged (XLA's GPU compiler crashed on a window's ring whose empty branch did)."""
   b, t, h, d = q.shape
-  acc, lse = _vma.varying_like((jnp.zeros((b, t, h, d), jnp.float32),
-                                jnp.full((b, t, h), -jnp.inf, jnp.float32)), q, k, v)
+  empty = lambda: _vma.varying_like((jnp.zeros((b, t, h, d), jnp.float32),
+                                     jnp.full((b, t, h), -jnp.inf, jnp.float32)), q, k, v)
+  acc = lse = None
   visiting = (k, v, kv_seg)
   for s, (plans, which) in enumerate(steps):
     arriving = _pass_on(axis, shards, visiting) if s + 1 < len(steps) else None
 
     def branch(plan):
-      def run(acc, lse, q, q_seg, k, v, kv_seg):
+      def run(q, q_seg, k, v, kv_seg):
+        acc, lse = empty()
         for qa, qb, ka, kb, local in plan:
           o, l = attend(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
                         _rows(kv_seg, ka, kb), local)
@@ -248,7 +253,8 @@ def _ring_fwd(attend, attend_backward, axis, shards, steps, q, k, v, q_seg, kv_s
         return acc, lse
       return run
 
-    acc, lse = _switch(axis, which, [branch(p) for p in plans], acc, lse, q, q_seg, *visiting)
+    step = _switch(axis, which, [branch(p) for p in plans], q, q_seg, *visiting)
+    acc, lse = step if acc is None else _merge(acc, lse, *step)
     visiting = arriving
   out = acc.astype(q.dtype)
   return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
@@ -257,21 +263,20 @@ def _ring_fwd(attend, attend_backward, axis, shards, steps, q, k, v, q_seg, kv_s
 def _ring_bwd(attend, attend_backward, axis, shards, steps, residuals, cts):
   """Step s: the keys of step s + 1 are already on their way, and the float32 dK/dV
   accumulators of this step's keys arrive from the shard that held them at step s − 1; this
-  step's contributions are computed apart and added to them after, so both transfers run
-  under the kernels."""
+  step's contributions are computed apart (fresh arrays, as in the forward) and added to
+  them after, so both transfers run under the kernels."""
   del attend
   q, k, v, q_seg, kv_seg, out, lse = residuals
   d_out, d_lse = cts
   zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
-  dq = _vma.varying_like(zeros(q), q, k, v, d_out)
-  visiting, dkv = (k, v, kv_seg), None
+  visiting, dq, dkv = (k, v, kv_seg), None, None
   for s, (plans, which) in enumerate(steps):
     arriving = _pass_on(axis, shards, visiting) if s + 1 < len(steps) else None
     carried = None if dkv is None else _pass_on(axis, shards, dkv)
 
     def branch(plan):
-      def run(dq, k, v, kv_seg):
-        dk, dv = _vma.varying_like((zeros(k), zeros(v)), q, k, v, d_out)
+      def run(k, v, kv_seg):
+        dq, dk, dv = _vma.varying_like((zeros(q), zeros(k), zeros(v)), q, k, v, d_out)
         for qa, qb, ka, kb, local in plan:
           r = lambda a: a[:, qa:qb]
           g = attend_backward(r(q), k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
@@ -282,7 +287,8 @@ def _ring_bwd(attend, attend_backward, axis, shards, steps, residuals, cts):
         return dq, dk, dv
       return run
 
-    dq, *mine = _switch(axis, which, [branch(p) for p in plans], dq, *visiting)
+    dq_step, *mine = _switch(axis, which, [branch(p) for p in plans], *visiting)
+    dq = dq_step if dq is None else dq + dq_step
     dkv = tuple(mine) if carried is None else tuple(a + b for a, b in zip(carried, mine))
     visiting = arriving
   # After the last step shard i holds the accumulators of shard i − (steps − 1): send them home.
