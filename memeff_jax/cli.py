@@ -88,7 +88,8 @@ def _train(args) -> int:
     mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh))
     print(f"mesh {dict(mesh.shape)} over {mesh.size} devices")
   r = run.train(cfg, train_cfg, kernels=args.kernels, steps=steps, batch=batch,
-                seq_len=seq_len, mesh=mesh)
+                seq_len=seq_len, mesh=mesh, context_order=args.context_order,
+                context_strategy=args.context_strategy)
   mem = "n/a" if r.temp_bytes is None else f"{r.temp_bytes / 2**30:.3f} GiB"
   peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 2**30:.3f} GiB"
   print(f"{args.kernels} layers: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f} in {steps} steps; "
@@ -230,6 +231,13 @@ def parser() -> argparse.ArgumentParser:
   train.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                      help="train on a mesh of data, fsdp, tensor and context axes, e.g. "
                           "data=2,fsdp=2,tensor=2 or data=2,context=4 (default: one device)")
+  train.add_argument("--context-strategy", choices=("all_gather", "ring"),
+                     default="all_gather",
+                     help="with a context axis: gather K/V in every layer, or pass them round "
+                          "the shards, holding two shards' at a time (default: all_gather)")
+  train.add_argument("--context-order", choices=("contiguous", "zigzag"), default="contiguous",
+                     help="with a context axis: each shard holds one run of the sequence, or "
+                          "runs i and 2n−1−i of 2n, equal causal work (default: contiguous)")
   train.add_argument("--distributed", action="store_true",
                      help="call jax.distributed.initialize() first: run the same command on "
                           "every host of a multi-host job (default: off)")

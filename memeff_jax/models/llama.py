@@ -25,6 +25,8 @@ from memeff_jax import remat
 from memeff_jax.flax.nnx import FusedLMHead
 from memeff_jax.models import sharding
 from memeff_jax.ops.flash_attention import flash_attention
+from memeff_jax.ops.flash_attention._context import ORDERS
+from memeff_jax.ops.flash_attention._context import STRATEGIES
 
 KERNELS = ("memeff", "plain", "plain_xla")
 
@@ -82,8 +84,8 @@ def rope(x, positions, theta: float):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, kernels: str, *, rngs: nnx.Rngs):
-    self.cfg, self.kernels = cfg, kernels
+  def __init__(self, cfg: LlamaConfig, kernels: str, context: tuple, *, rngs: nnx.Rngs):
+    self.cfg, self.kernels, self.context = cfg, kernels, context
     lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=cfg.dtype,
                                   param_dtype=cfg.param_dtype, rngs=rngs)
     hd = cfg.head_dim
@@ -100,9 +102,12 @@ class Attention(nnx.Module):
     q = checkpoint_name(rope(q, positions, cfg.rope_theta), "query_proj")
     k = checkpoint_name(rope(k, positions, cfg.rope_theta), "key_proj")
     if self.kernels == "memeff":  # per sequence shard where the mesh has a context axis
+      order, strategy = self.context
       out = sharding.context_attention(
-          lambda q, k, v, ids, axis: flash_attention(q, k, v, causal=True, q_segment_ids=ids,
-                                                     context_axis=axis), q, k, v, segment_ids)
+          lambda q, k, v, ids, axis: flash_attention(
+              q, k, v, causal=True, q_segment_ids=ids, context_axis=axis,
+              **({} if axis is None else dict(context_order=order, context_strategy=strategy))),
+          q, k, v, segment_ids)
     else:
       mask = None
       if segment_ids is not None:  # [B, 1, T, T]: the same document
@@ -132,10 +137,10 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, kernels: str, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, kernels: str, context: tuple, *, rngs: nnx.Rngs):
     norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.dtype,
                                param_dtype=cfg.param_dtype, rngs=rngs)
-    self.attn_norm, self.attn = norm(), Attention(cfg, kernels, rngs=rngs)
+    self.attn_norm, self.attn = norm(), Attention(cfg, kernels, context, rngs=rngs)
     self.mlp_norm, self.mlp = norm(), MLP(cfg, rngs=rngs)
 
   def __call__(self, x, positions, segment_ids):
@@ -144,19 +149,35 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
-  """tokens [B, T] -> loss, through `loss()`; `logits()` for inference."""
+  """tokens [B, T] -> loss, through `loss()`; `logits()` for inference.
 
-  def __init__(self, cfg: LlamaConfig, *, kernels: str = "memeff", rngs: nnx.Rngs):
+  On a mesh with a "context" axis (models.sharding) the memeff attention runs context
+  parallel: `context_strategy` "all_gather" or "ring", `context_order` "contiguous" or
+  "zigzag" (flash_attention's options of those names). With "zigzag" the batch's sequences
+  must come in that order with their positions (sharding.context_batch puts them so).
+  """
+
+  def __init__(self, cfg: LlamaConfig, *, kernels: str = "memeff",
+               context_order: str = "contiguous", context_strategy: str = "all_gather",
+               rngs: nnx.Rngs):
     if kernels not in KERNELS:
       raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    for name, value, allowed in (("context_order", context_order, ORDERS),
+                                 ("context_strategy", context_strategy, STRATEGIES)):
+      if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if kernels != "memeff" and (context_order, context_strategy) != ("contiguous", "all_gather"):
+      raise ValueError(f"context_order and context_strategy are for kernels='memeff', got "
+                       f"kernels={kernels!r}")
     self.cfg, self.kernels = cfg, kernels
+    context = (context_order, context_strategy)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
                            param_dtype=cfg.param_dtype, rngs=rngs)
 
     @nnx.split_rngs(splits=cfg.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make_blocks(rngs):
-      return Block(cfg, kernels, rngs=rngs)
+      return Block(cfg, kernels, context, rngs=rngs)
 
     self.blocks = make_blocks(rngs)
     self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.dtype,
@@ -196,9 +217,9 @@ class Llama(nnx.Module):
   def _plain_logits(self, h):
     return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
 
-  def loss(self, tokens, labels, segment_ids=None):
-    """Mean next-token cross-entropy over labels != -100."""
-    h = self.hidden(tokens, segment_ids)
+  def loss(self, tokens, labels, segment_ids=None, positions=None):
+    """Mean next-token cross-entropy over labels != -100 (positions: default 0..T-1)."""
+    h = self.hidden(tokens, segment_ids, positions)
     if self.kernels == "memeff":
       return self.lm_head(sharding.tokens(h), sharding.tokens(labels))
     logits = self._plain_logits(h)

@@ -50,16 +50,19 @@ def progress(prefix: str, i: int, n: int, loss: float, stream=sys.stderr):
 
 def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch: int,
           seq_len: int, seed: int = 0, show_progress: bool = True,
-          probe_batches: tuple[int, ...] = (), on_compiled=None, mesh=None) -> RunResult:
+          probe_batches: tuple[int, ...] = (), on_compiled=None, mesh=None,
+          context_order: str = "contiguous", context_strategy: str = "all_gather") -> RunResult:
   """Trains a fresh model (parameters from `seed`, so both kernel sets start equal).
 
   `probe_batches`: batch sizes whose train step is only compiled, after training, to
   report their predicted peak bytes (RunResult.probes); nothing runs at those sizes.
   `on_compiled(report)`: called with the step's MemoryReport before the first step runs
   (so a run that then fails still leaves its prediction). `mesh`: train on this mesh
-  (models.sharding: the batch over data × fsdp, weights by its rules).
+  (models.sharding: the batch over data × fsdp, weights by its rules); `context_order` and
+  `context_strategy`: the attention's on a mesh with a context axis (Llama).
   """
-  model = Llama(cfg, kernels=kernels, rngs=nnx.Rngs(seed))
+  model = Llama(cfg, kernels=kernels, context_order=context_order,
+                context_strategy=context_strategy, rngs=nnx.Rngs(seed))
   state, step = make_train_step(model, learning_rate=train_cfg.get("learning_rate", 3e-3),
                                 mesh=mesh)
   state = state.state
@@ -68,7 +71,8 @@ def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch:
     place = lambda b: {k: jnp.asarray(v) for k, v in b.items()}
   else:
     from memeff_jax.models import sharding  # pylint: disable=import-outside-toplevel
-    place = lambda b: jax.device_put(b, sharding.batch_sharding(mesh))
+    place = lambda b: jax.device_put(sharding.context_batch(b, mesh, context_order),
+                                     sharding.batch_sharding(mesh))
   first = place(next(stream))
   compiled = step.lower(state, first).compile()  # compiled once, run below
   report = memory.report_of(compiled)

@@ -20,6 +20,9 @@ import jax
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from memeff_jax.ops.flash_attention import zigzag
 
 AXES = ("data", "fsdp", "tensor", "context")
 
@@ -179,6 +182,20 @@ def _size(mesh, axes) -> int:
   for a in axes:
     n *= mesh.shape[a]
   return n
+
+
+def context_batch(batch: dict, mesh, order: str) -> dict:
+  """batch (tokens, labels, segment ids [B, T]) as a model with `context_order=order` takes
+  it on `mesh`: with "zigzag" and a context axis, every array's sequence in the zig-zag
+  order over that axis (flash_attention's `zigzag`) and the tokens' positions beside them
+  (the loss, a mean over tokens, is the same in any order); otherwise batch itself."""
+  shards = 1 if mesh is None else mesh.shape.get("context", 1)
+  if order != "zigzag" or shards == 1:
+    return batch
+  tokens = batch["tokens"]
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+  return {name: np.asarray(zigzag(np.asarray(x), shards))
+          for name, x in dict(batch, positions=positions).items()}
 
 
 def batch_sharding(mesh) -> NamedSharding:

@@ -39,22 +39,25 @@ def _one_device_losses(tie: bool) -> tuple:
   return tuple(run.train(dataclasses.replace(CFG, tie_embeddings=tie), TRAIN, **_KW).losses)
 
 
-@pytest.mark.parametrize("tie, sizes", [(True, {"data": 2, "fsdp": 2, "tensor": 2}),
-                                        (False, {"data": 2, "fsdp": 2, "tensor": 2}),
-                                        (True, {"fsdp": 2, "tensor": 2, "context": 2})])
-def test_training_on_a_mesh_follows_one_device(eight_devices, tie, sizes):
+@pytest.mark.parametrize("tie, sizes, context", [
+    (True, {"data": 2, "fsdp": 2, "tensor": 2}, {}),
+    (False, {"data": 2, "fsdp": 2, "tensor": 2}, {}),
+    (True, {"fsdp": 2, "tensor": 2, "context": 2}, {}),
+    (True, {"data": 2, "context": 4}, dict(context_order="zigzag", context_strategy="ring"))])
+def test_training_on_a_mesh_follows_one_device(eight_devices, tie, sizes, context):
   """Three steps on a mesh (packed documents, segment ids): the same losses as one device.
   With the sequence over a context axis, K and V are gathered in each layer and nothing else
-  of the sequence (the loss's tokens are flattened where they lie)."""
+  of the sequence (the loss's tokens are flattened where they lie); or passed round the
+  ring, the batch in the zig-zag order."""
   import re  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from memeff_jax.models import Llama, make_train_step  # pylint: disable=import-outside-toplevel
   del eight_devices
   cfg = dataclasses.replace(CFG, tie_embeddings=tie)
   mesh = sharding.make_mesh(sizes)
-  many = run.train(cfg, TRAIN, mesh=mesh, **_KW)
+  many = run.train(cfg, TRAIN, mesh=mesh, **_KW, **context)
   np.testing.assert_allclose(many.losses, _one_device_losses(tie), rtol=2e-5)
-  if "context" not in sizes:
+  if "context" not in sizes or context:
     return
   state, step = make_train_step(Llama(cfg, rngs=nnx.Rngs(0)), mesh=mesh)
   tokens = jax.ShapeDtypeStruct((4, 64), np.int32, sharding=sharding.batch_sharding(mesh))
@@ -125,3 +128,14 @@ def test_cli_trains_on_a_mesh(mesh, capsys):
                    "4", "--mesh", "data=2,fsdp=2,tensor=2"]) == 0
   out = capsys.readouterr().out
   assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2} over 8 devices" in out and "loss" in out
+
+
+def test_context_options_are_checked():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import Llama  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="context_order must be one of"):
+    Llama(CFG, context_order="ring", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="context_order and context_strategy are for"):
+    Llama(CFG, kernels="plain", context_strategy="ring", rngs=nnx.Rngs(0))
+  batch = {"tokens": np.arange(16).reshape(1, 16)}
+  assert sharding.context_batch(batch, None, "zigzag") is batch
