@@ -330,6 +330,8 @@ def scaling_section() -> list[str]:
          "time / n GPUs' time; strong scaling (vocab: one problem): one GPU's / (n · n GPUs'); "
          "context parallelism (context-*: T tokens per GPU, the sequence n·T over the GPUs): "
          "per-GPU throughput in visible query-key pairs / one GPU's at T.", ""]
+  if scaling_plot(ROOT / "docs" / "scaling.png"):
+    out += ["![scaling efficiency](../docs/scaling.png)", ""]
   for (device,), group in _by_run(rows, "device"):
     counts = sorted({r["devices"] for r in group})
     out += [f"**{device}** (jax {group[0]['jax']})", "",
@@ -345,6 +347,48 @@ def scaling_section() -> list[str]:
       out.append(f"| {case} | {provider} | " + " | ".join(row) + " |")
     out.append("")
   return out
+
+
+def scaling_plot(path) -> bool:
+  """Efficiency against GPU count, the latest GPU run of every case and provider: the ops
+  and the train step (left), context parallelism (right). False without matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return False
+  rows = [r for r in load("scaling") if r.get("platform") == "gpu" and not r.get("small")
+          and r.get("efficiency") is not None]
+  if not rows:
+    return False
+  latest_rows = {}
+  for r in rows:  # file order is time order: the last row of a point wins
+    latest_rows[(r["case"], r["provider"], r["devices"])] = r
+  curves = {}
+  for (case, provider, n), r in latest_rows.items():
+    curves.setdefault((case, provider), []).append((n, r["efficiency"]))
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+  for ax in axes:  # more curves than the default cycle's ten colours
+    ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
+  for (case, provider), points in curves.items():
+    if len(points) < 2:
+      continue
+    ax = axes[1] if case.startswith("context") else axes[0]
+    points.sort()
+    ax.plot(*zip(*points), marker="o", linestyle="-" if provider == "memeff" else "--",
+            label=f"{case} ({provider})")
+  device = rows[-1]["device"]
+  for ax, title in zip(axes, (f"data, vocab and model parallel ({device})",
+                              f"context parallel ({device})")):
+    ax.axhline(1.0, color="grey", linewidth=0.5)
+    ax.set(title=title, xlabel="GPUs", xticks=sorted({r["devices"] for r in rows}))
+    ax.legend(fontsize=6)
+  axes[0].set_ylabel("efficiency (see RESULTS.md)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
 
 
 def torch_bridge_section() -> list[str]:
