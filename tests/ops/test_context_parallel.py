@@ -150,6 +150,26 @@ def test_zigzag_order_in_shard_map(kw, strategy):
          jax.grad(_loss(reordered), (0, 1, 2))(*args))
 
 
+@pytest.mark.parametrize("strategy", _context.STRATEGIES)
+def test_more_keys_than_queries(strategy):
+  """T ≠ S (q 128 and k 256 long, over 4 shards): queries and keys compared by their
+  positions in their own sequences, as on one device."""
+  q, _, _, _ = _problem(5, t=128)
+  _, k, v, _ = _problem(6, t=256)
+  one = lambda q, k, v: memeff_jax.flash_attention(q, k, v, causal=True,
+                                                   sliding_window=(40, 10), return_lse=True)
+  mesh = _mesh((8,), ("context",), AxisType.Auto)
+  spec = P(None, "context")
+  many = shard_map(
+      lambda q, k, v: memeff_jax.flash_attention(
+          q, k, v, causal=True, sliding_window=(40, 10), return_lse=True,
+          context_axis="context", context_strategy=strategy),
+      mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec))
+  loss = lambda f: lambda q, k, v: _loss(lambda q, k, v, _: f(q, k, v))(q, k, v, None)
+  _close(jax.jit(many)(q, k, v), one(q, k, v))
+  _close(jax.jit(jax.grad(loss(many), (0, 1, 2)))(q, k, v), jax.grad(loss(one), (0, 1, 2))(q, k, v))
+
+
 def test_ring_runs_pallas_kernels_under_check_vma():
   """The ring's backward calls flash_attention_backward per step: a Pallas kernel (Triton,
   interpreted) inside shard_map(check_vma=True) gives one device's gradients."""
@@ -190,14 +210,14 @@ def test_ring_plans_skip_what_no_mask_reaches():
   two query chunks against the visitor's first, or its second query chunk against both),
   equal work; a left window of 100 over chunks of 64 reaches two chunks back, so the ring
   stops after step 2; a window pair is local to its slices."""
-  steps = _context.ring_plans(64, 4, (None, 0), "zigzag")
+  steps = _context.ring_plans(64, 64, 4, (None, 0), "zigzag")
   assert len(steps) == 4
   for plans, which in steps[1:]:
     assert len(plans) == 2 and sorted(set(which)) == [0, 1]
     assert all(local == (None, None) for plan in plans for *_, local in plan)
     assert sorted(sum((qb - qa) * (kb - ka) for qa, qb, ka, kb, _ in p) for p in plans) == [
         2 * 32 * 32] * 2
-  assert len(_context.ring_plans(64, 8, (100, 0), "contiguous")) == 3
+  assert len(_context.ring_plans(64, 64, 8, (100, 0), "contiguous")) == 3
   # Queries 64..127 with a left window of 30 see keys 34..63 of 0..63, from queries 64..93.
   assert _context.pair_plan(64, 64, 0, 64, (30, 0)) == (0, 30, 34, 64, (0, None))
   assert _context.pair_plan(64, 64, 0, 64, (100, 0)) == (0, 64, 0, 64, (36, None))

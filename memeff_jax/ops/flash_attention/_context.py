@@ -1,25 +1,37 @@
-"""Context parallelism by all-gathering the keys: attention over a sequence sharded across a
-mesh axis, inside jax.shard_map.
+"""Context parallelism: attention over a sequence sharded across a mesh axis, each shard's
+queries against every shard's keys, by one of two strategies. The code runs per shard, with
+the axis's collectives: inside jax.shard_map (`attention`, a custom_vjp) and inside the
+custom_partitioning of an Auto mesh (`forward` and `backward` alone, _partition).
 
-Shard i holds queries [i·T, (i+1)·T) and keys [i·S, (i+1)·S) of the whole sequence (contiguous
-chunks in shard order). It gathers every shard's keys, values and key segment ids, then runs
-the single-device attention of its queries against the span of keys its mask can reach. A
-query at global position i·T + a sees the key at global position j where j ≤ i·T + a + right
-and j ≥ i·T + a − left (causal is right = 0): against the keys [lo, hi) that any of its
-queries can reach, lo = max(0, i·T − left), that is the window (left − (i·T − lo),
-right + i·T − lo) of local positions, both sides ≥ 0. Where the model's lengths and window
-are multiples of 128 so are the slices, as the Hopper kernels want (others fall through to
-the next implementation). Each shard's bounds are static, so every shard's call is compiled
-once and `lax.switch` on the shard index picks its own (without a window or causal mask
-every shard makes the same call). The backward is autodiff's: the slice pads dk/dv back to
-the whole sequence, and the gather's transpose reduce-scatters them over the axis, in
-float32.
+Shard i holds queries [i·T, (i+1)·T) and keys [i·S, (i+1)·S) of the sequence (contiguous
+chunks in shard order). A query at position p sees the key at position j where
+p − left ≤ j ≤ p + right (causal is right = 0), so against the keys [lo, hi) its chunk's
+queries can reach, its mask is a window in positions local to the chunk and that span.
 
-Under a causal mask shard i then does (i + ½)·T² of the work. The zig-zag order balances
-it: the sequence cut into 2n chunks, shard i holds chunks i and 2n − 1 − i (`zigzag`
-reorders tokens, positions, labels and segment ids so; the loss is order-invariant). Each
-shard then runs its two query chunks, each against its own span of the keys, put back in
-their natural order.
+all_gather: every shard gathers all keys, values and key segment ids, then runs its queries
+  against the span their mask reaches (`key_span`). Each shard's bounds are static: every
+  shard's call is compiled once and `lax.switch` on the shard index picks its own. The
+  backward gathers them again, runs each span's backward and reduce-scatters dK/dV over the
+  axis in float32.
+ring: keys, values and key segment ids pass from shard to shard (ppermute), the next transfer
+  issued before the current step's kernels; each step's (query chunk, key chunk) pairs are
+  planned statically (`pair_plan`, `ring_plans`), shards with equal plans sharing a branch,
+  and partial results merge through their log-sum-exp. The backward passes the keys round
+  again with float32 dK/dV accumulators that end at their shard; each step calls the
+  single-device backward with the final output and log-sum-exp, which gives exactly that
+  step's share of the gradients. A shard holds at most two shards' keys, and a window stops
+  the ring after the last step it reaches.
+
+Under a causal mask shard i does (i + ½)·T² of the work. The zig-zag order balances it: the
+sequence cut into 2n chunks, shard i holds chunks i and 2n − 1 − i (`zigzag` reorders tokens,
+positions, labels and segment ids so; the loss is order-invariant). Each of a shard's two
+chunks then plans its own spans. Where lengths and windows are multiples of 128 so are the
+slices, as the Hopper kernels want (others fall through to the next implementation).
+
+`attend(q, k, v, q_seg, kv_seg, window) -> (out, lse [B, T, H])` and `attend_backward(q, k,
+v, q_seg, kv_seg, out, lse, d_out, d_lse, window) -> (dq, dk, dv)` are the single-device
+call with the call's other options; `window` is a (left, right) pair, a side None for
+unbounded.
 """
 
 from __future__ import annotations
@@ -30,26 +42,6 @@ import jax
 import jax.numpy as jnp
 
 from memeff_jax.ops import _vma
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gathered(x, axis):
-  """x's shards concatenated along dim 1 over `axis`; the cotangent reduce-scattered back in
-  float32 (a bf16 sum over many shards would round at every step)."""
-  return jax.lax.all_gather(x, axis, axis=1, tiled=True)
-
-
-def _gathered_fwd(x, axis):
-  return _gathered(x, axis), None
-
-
-def _gathered_bwd(axis, _, ct):
-  summed = jax.lax.psum_scatter(ct.astype(jnp.float32), axis, scatter_dimension=1, tiled=True)
-  return (summed.astype(ct.dtype),)
-
-
-_gathered.defvjp(_gathered_fwd, _gathered_bwd)
-
 
 ORDERS = ("contiguous", "zigzag")
 STRATEGIES = ("all_gather", "ring")
@@ -84,6 +76,16 @@ def unzigzag(x, shards: int, axis: int = 1):
   return jnp.concatenate([pieces[where[c]] for c in range(2 * shards)], axis=axis)
 
 
+def _starts(shard: int, length: int, shards: int, order: str) -> list[tuple[int, int, int]]:
+  """(start in the sequence, start in the shard, length) of each chunk shard `shard` holds
+  of a sequence `length` long per shard."""
+  if order == "contiguous":
+    return [(shard * length, 0, length)]
+  half = length // 2
+  return [(c * half, h * half, half)
+          for h, c in enumerate(zigzag_chunks(shards)[2 * shard:2 * shard + 2])]
+
+
 def key_span(start: int, t: int, s_total: int, window) -> tuple[int, int, tuple]:
   """(lo, hi, window) for queries [start, start + t) of the sequence: the keys [lo, hi) their
   mask can reach and their (left, right) window in positions local to them and to that
@@ -94,45 +96,6 @@ def key_span(start: int, t: int, s_total: int, window) -> tuple[int, int, tuple]
   offset = start - lo
   local = (None if left is None else left - offset, None if right is None else right + offset)
   return lo, hi, local
-
-
-def attention(attend, q, k, v, q_seg, kv_seg, *, axis, shards: int, window, order: str):
-  """attend(q, k, v, q_seg, kv_seg, window) -> (out, lse [B, T, H]) over the whole sequence,
-  for this shard's q (and segment ids) against every shard's keys. `window`: the (left,
-  right) bounds of the call's mask (None: unbounded; causal is right = 0). `order`:
-  "contiguous" (shard i holds the i-th of `shards` chunks) or "zigzag" (see zigzag)."""
-  k, v = _gathered(k, axis), _gathered(v, axis)
-  kv_seg = None if kv_seg is None else jax.lax.all_gather(kv_seg, axis, axis=1, tiled=True)
-  if window == (None, None):  # every key for every query: the keys' order does not matter
-    return attend(q, k, v, q_seg, kv_seg, None)
-  t, s_total = q.shape[1], k.shape[1]
-  if order == "zigzag":  # the keys in their natural order; q as its two chunks
-    k, v = unzigzag(k, shards), unzigzag(v, shards)
-    kv_seg = None if kv_seg is None else unzigzag(kv_seg, shards)
-    t //= 2
-
-  def span(q, k, v, q_seg, kv_seg, start):
-    lo, hi, local = key_span(start, t, s_total, window)
-    if hi == lo:  # no key in reach: output 0, lse -inf (as one device gives)
-      return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-    cut = lambda a: None if a is None else a[:, lo:hi]
-    return attend(q, cut(k), cut(v), q_seg, cut(kv_seg), local)
-
-  def branch(shard):
-    def run(q, k, v, q_seg, kv_seg):
-      if order == "contiguous":
-        return span(q, k, v, q_seg, kv_seg, shard * t)
-      halves = [span(q[:, h * t:(h + 1) * t], k, v,
-                     None if q_seg is None else q_seg[:, h * t:(h + 1) * t], kv_seg, c * t)
-                for h, c in enumerate(zigzag_chunks(shards)[2 * shard:2 * shard + 2])]
-      return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*halves))
-    return run
-
-  index = jax.lax.axis_index(axis)
-  return jax.lax.switch(index, [branch(i) for i in range(shards)], q, k, v, q_seg, kv_seg)
-
-
-# The ring strategy: no shard ever holds more than its own keys and the ones passing through.
 
 
 def pair_plan(q_start: int, tq: int, k_start: int, tk: int, window):
@@ -154,29 +117,21 @@ def pair_plan(q_start: int, tq: int, k_start: int, tk: int, window):
   return qa - q_start, qb - q_start, lo - k_start, hi - k_start, (local_left, local_right)
 
 
-def _starts(shard: int, t: int, shards: int, order: str) -> list[tuple[int, int, int]]:
-  """(start in the sequence, start in the shard, length) of each chunk shard `shard` holds."""
-  if order == "contiguous":
-    return [(shard * t, 0, t)]
-  half = t // 2
-  return [(c * half, h * half, half)
-          for h, c in enumerate(zigzag_chunks(shards)[2 * shard:2 * shard + 2])]
-
-
-def ring_plans(t: int, shards: int, window, order: str) -> list[tuple[list, list[int]]]:
-  """Per ring step s (shard i then holds the keys of shard (i − s) mod n): the distinct
-  plans of that step and which plan each shard runs. A plan is a tuple of pair_plan slices
-  (rows of the shard's queries, rows of the visiting keys, window); shards with equal plans
-  share a branch. Steps after the last one with any visible pair are dropped."""
+def ring_plans(t: int, s: int, shards: int, window, order: str) -> list[tuple[list, list[int]]]:
+  """Per ring step k (shard i then holds the keys of shard (i − k) mod n; t queries and s
+  keys per shard): the distinct plans of that step and which plan each shard runs. A plan
+  is a tuple of pair_plan slices (rows of the shard's queries, rows of the visiting keys,
+  window); shards with equal plans share a branch. Steps after the last one with any
+  visible pair are dropped."""
   steps = []
-  for s in range(shards):
+  for step in range(shards):
     plans, which = [], []
     for i in range(shards):
-      src = (i - s) % shards
+      src = (i - step) % shards
       plan = tuple(
           (qo + p[0], qo + p[1], ko + p[2], ko + p[3], p[4])
           for qs, qo, tq in _starts(i, t, shards, order)
-          for ks, ko, tk in _starts(src, t, shards, order)
+          for ks, ko, tk in _starts(src, s, shards, order)
           if (p := pair_plan(qs, tq, ks, tk, window)) is not None)
       if plan not in plans:
         plans.append(plan)
@@ -197,7 +152,9 @@ def _merge(acc, lse_acc, out, lse):
 
 
 def _switch(axis, which: list[int], branches, *operands):
-  """branches[which[i]](*operands) on shard i of `axis` (one branch: no switch)."""
+  """branches[which[i]](*operands) on shard i of `axis` (one branch: no switch). Branches
+  return fresh arrays, never an operand unchanged (XLA's GPU compiler crashed on a
+  window's ring whose empty branch did)."""
   if len(branches) == 1:
     return branches[0](*operands)
   index = jnp.asarray(which, jnp.int32)[jax.lax.axis_index(axis)]
@@ -213,38 +170,98 @@ def _rows(a, lo, hi):
   return None if a is None else a[:, lo:hi]
 
 
-def ring_attention(attend, attend_backward, q, k, v, q_seg, kv_seg, *, axis, shards: int,
-                   window, order: str):
-  """attention() by the ring: the keys, values and key segment ids travel shard to shard
-  (ppermute), each step's pairs run as they arrive and merge through the log-sum-exp; the
-  backward sends them round again with float32 dK/dV accumulators, which end at their
-  shard. `attend_backward(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, window) ->
-  (dq, dk, dv)` is flash_attention_backward with the call's options."""
-  steps = ring_plans(q.shape[1], shards, window, order)
-  return _ring(attend, attend_backward, axis, shards, tuple(
-      (tuple(plans), tuple(which)) for plans, which in steps), q, k, v, q_seg, kv_seg)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _ring(attend, attend_backward, axis, shards, steps, q, k, v, q_seg, kv_seg):
-  return _ring_fwd(attend, attend_backward, axis, shards, steps, q, k, v, q_seg, kv_seg)[0]
-
-
-def _ring_fwd(attend, attend_backward, axis, shards, steps, q, k, v, q_seg, kv_seg):
-  """Each step's branch returns fresh arrays (its pairs merged, rows it does not reach 0 with
-  lse -inf), merged into the running result outside it, so no branch returns an operand
-  unchanged (XLA's GPU compiler crashed on a window's ring whose empty branch did)."""
+def _empty(q, *like):
+  """(output 0 in float32, lse -inf) for q's rows, typed varying like q and `like`."""
   b, t, h, d = q.shape
-  empty = lambda: _vma.varying_like((jnp.zeros((b, t, h, d), jnp.float32),
-                                     jnp.full((b, t, h), -jnp.inf, jnp.float32)), q, k, v)
+  return _vma.varying_like((jnp.zeros((b, t, h, d), jnp.float32),
+                            jnp.full((b, t, h), -jnp.inf, jnp.float32)), q, *like)
+
+
+def _gather(x, axis):
+  return None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def _gathered_keys(k, v, kv_seg, *, axis, shards: int, order: str):
+  """Every shard's keys, values and key segment ids, in the sequence's natural order."""
+  k, v, kv_seg = _gather(k, axis), _gather(v, axis), _gather(kv_seg, axis)
+  if order == "zigzag":
+    k, v = unzigzag(k, shards), unzigzag(v, shards)
+    kv_seg = None if kv_seg is None else unzigzag(kv_seg, shards)
+  return k, v, kv_seg
+
+
+def _gather_spans(t: int, s_total: int, shards: int, window, order: str):
+  """Per shard: (rows of its queries, key span lo, hi, local window) of each of its chunks
+  (hi == lo: no key in reach)."""
+  return [[(qo, qo + tq) + key_span(qs, tq, s_total, window)
+           for qs, qo, tq in _starts(i, t, shards, order)] for i in range(shards)]
+
+
+def _gather_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
+  k, v, kv_seg = _gathered_keys(k, v, kv_seg, axis=axis, shards=shards, order=order)
+  if window == (None, None):  # every key for every query: one call, the same on every shard
+    out, lse = attend(q, k, v, q_seg, kv_seg, None)
+    return out.astype(jnp.float32), lse
+  spans = _gather_spans(q.shape[1], k.shape[1], shards, window, order)
+
+  def branch(shard):
+    def run(q, q_seg, k, v, kv_seg):
+      out, lse = _empty(q, k, v)
+      for qa, qb, lo, hi, local in spans[shard]:
+        if hi > lo:
+          o, l = attend(q[:, qa:qb], k[:, lo:hi], v[:, lo:hi], _rows(q_seg, qa, qb),
+                        _rows(kv_seg, lo, hi), local)
+          out, lse = out.at[:, qa:qb].set(o.astype(jnp.float32)), lse.at[:, qa:qb].set(l)
+      return out, lse
+    return run
+
+  return _switch(axis, list(range(shards)), [branch(i) for i in range(shards)],
+                 q, q_seg, k, v, kv_seg)
+
+
+def _gather_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *,
+                     axis, shards, window, order):
+  kf, vf, kv_seg_f = _gathered_keys(k, v, kv_seg, axis=axis, shards=shards, order=order)
+  s_total = kf.shape[1]
+  spans = (_gather_spans(q.shape[1], s_total, shards, window, order)
+           if window != (None, None) else [[(0, q.shape[1], 0, s_total, None)]] * shards)
+
+  def branch(shard):
+    def run(kf, vf, kv_seg_f):
+      zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
+      dq, dk, dv = _vma.varying_like((zeros(q), zeros(kf), zeros(vf)), q, kf, vf, d_out)
+      for qa, qb, lo, hi, local in spans[shard]:
+        if hi > lo:
+          r = lambda a: a[:, qa:qb]
+          g = attend_backward(r(q), kf[:, lo:hi], vf[:, lo:hi], _rows(q_seg, qa, qb),
+                              _rows(kv_seg_f, lo, hi), r(out), r(lse), r(d_out), r(d_lse),
+                              local)
+          dq = dq.at[:, qa:qb].set(g[0].astype(jnp.float32))
+          dk = dk.at[:, lo:hi].add(g[1].astype(jnp.float32))
+          dv = dv.at[:, lo:hi].add(g[2].astype(jnp.float32))
+      return dq, dk, dv
+    return run
+
+  same = window == (None, None)
+  dq, dk, dv = _switch(axis, [0] * shards if same else list(range(shards)),
+                       [branch(i) for i in range(1 if same else shards)], kf, vf, kv_seg_f)
+  if order == "zigzag":  # back to the order the shards hold their keys in
+    dk, dv = zigzag(dk, shards), zigzag(dv, shards)
+  # Each shard's keys get every shard's share, summed in float32 (bf16 would round each add).
+  dk, dv = (jax.lax.psum_scatter(g, axis, scatter_dimension=1, tiled=True) for g in (dk, dv))
+  return dq, dk, dv
+
+
+def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
+  steps = ring_plans(q.shape[1], k.shape[1], shards, window, order)
   acc = lse = None
   visiting = (k, v, kv_seg)
-  for s, (plans, which) in enumerate(steps):
-    arriving = _pass_on(axis, shards, visiting) if s + 1 < len(steps) else None
+  for step, (plans, which) in enumerate(steps):
+    arriving = _pass_on(axis, shards, visiting) if step + 1 < len(steps) else None
 
     def branch(plan):
       def run(q, q_seg, k, v, kv_seg):
-        acc, lse = empty()
+        acc, lse = _empty(q, k, v)
         for qa, qb, ka, kb, local in plan:
           o, l = attend(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
                         _rows(kv_seg, ka, kb), local)
@@ -253,25 +270,23 @@ def _ring_fwd(attend, attend_backward, axis, shards, steps, q, k, v, q_seg, kv_s
         return acc, lse
       return run
 
-    step = _switch(axis, which, [branch(p) for p in plans], q, q_seg, *visiting)
-    acc, lse = step if acc is None else _merge(acc, lse, *step)
+    partial = _switch(axis, which, [branch(p) for p in plans], q, q_seg, *visiting)
+    acc, lse = partial if acc is None else _merge(acc, lse, *partial)
     visiting = arriving
-  out = acc.astype(q.dtype)
-  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+  return acc, lse
 
 
-def _ring_bwd(attend, attend_backward, axis, shards, steps, residuals, cts):
-  """Step s: the keys of step s + 1 are already on their way, and the float32 dK/dV
-  accumulators of this step's keys arrive from the shard that held them at step s − 1; this
-  step's contributions are computed apart (fresh arrays, as in the forward) and added to
-  them after, so both transfers run under the kernels."""
-  del attend
-  q, k, v, q_seg, kv_seg, out, lse = residuals
-  d_out, d_lse = cts
+def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, axis,
+                   shards, window, order):
+  """Step k: the keys of step k + 1 are already on their way, and the float32 dK/dV
+  accumulators of this step's keys arrive from the shard that held them at step k − 1; this
+  step's contributions are computed apart and added to them after, so both transfers run
+  under the kernels."""
+  steps = ring_plans(q.shape[1], k.shape[1], shards, window, order)
   zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
   visiting, dq, dkv = (k, v, kv_seg), None, None
-  for s, (plans, which) in enumerate(steps):
-    arriving = _pass_on(axis, shards, visiting) if s + 1 < len(steps) else None
+  for step, (plans, which) in enumerate(steps):
+    arriving = _pass_on(axis, shards, visiting) if step + 1 < len(steps) else None
     carried = None if dkv is None else _pass_on(axis, shards, dkv)
 
     def branch(plan):
@@ -293,8 +308,52 @@ def _ring_bwd(attend, attend_backward, axis, shards, steps, residuals, cts):
     visiting = arriving
   # After the last step shard i holds the accumulators of shard i − (steps − 1): send them home.
   dk, dv = _pass_on(axis, shards, dkv, shift=1 - len(steps)) if len(steps) > 1 else dkv
-  grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+  return dq, dk, dv
+
+
+def forward(attend, q, k, v, q_seg, kv_seg, *, strategy: str, **where):
+  """(out in q's dtype, lse [B, T, H] float32) over the whole sequence for this shard's q.
+  `where`: axis, shards, window (the call's (left, right)), order."""
+  run = _gather_forward if strategy == "all_gather" else _ring_forward
+  out, lse = run(attend, q, k, v, q_seg, kv_seg, **where)
+  return out.astype(q.dtype), lse
+
+
+def backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *,
+             strategy: str, **where):
+  """(dq, dk, dv) of forward, in the inputs' dtypes, from its output and log-sum-exp."""
+  run = _gather_backward if strategy == "all_gather" else _ring_backward
+  dq, dk, dv = run(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, **where)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def attention(attend, attend_backward, q, k, v, q_seg, kv_seg, *, axis, shards: int, window,
+              order: str, strategy: str):
+  """forward, differentiable (backward as its custom_vjp), inside jax.shard_map."""
+  where = (axis, shards, tuple(window), order, strategy)
+  return _attention(attend, attend_backward, where, q, k, v, q_seg, kv_seg)
+
+
+def _where(where) -> dict:
+  axis, shards, window, order, strategy = where
+  return dict(axis=axis, shards=shards, window=window, order=order, strategy=strategy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attention(attend, attend_backward, where, q, k, v, q_seg, kv_seg):
+  return forward(attend, q, k, v, q_seg, kv_seg, **_where(where))
+
+
+def _attention_fwd(attend, attend_backward, where, q, k, v, q_seg, kv_seg):
+  out, lse = forward(attend, q, k, v, q_seg, kv_seg, **_where(where))
+  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _attention_bwd(attend, attend_backward, where, residuals, cts):
+  del attend
+  q, k, v, q_seg, kv_seg, out, lse = residuals
+  grads = backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, *cts, **_where(where))
   return (*_vma.cotangents_like(grads, (q, k, v)), None, None)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -166,18 +166,14 @@ def _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, 
     return flash_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                            sliding_window=window, return_lse=True, **options)
 
-  window = (opts.mask.left, opts.mask.right)
-  if context_strategy == "all_gather":
-    out, lse = _context.attention(attend, q, k, v, q_segment_ids, kv_segment_ids, axis=axis,
-                                  shards=shards, window=window, order=context_order)
-  else:
-    def attend_backward(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, window):
-      return flash_attention_backward(q, k, v, out, lse, d_out, d_lse, q_segment_ids=q_seg,
-                                      kv_segment_ids=kv_seg, sliding_window=window, **options)
+  def attend_backward(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, window):
+    return flash_attention_backward(q, k, v, out, lse, d_out, d_lse, q_segment_ids=q_seg,
+                                    kv_segment_ids=kv_seg, sliding_window=window, **options)
 
-    out, lse = _context.ring_attention(attend, attend_backward, q, k, v, q_segment_ids,
-                                       kv_segment_ids, axis=axis, shards=shards, window=window,
-                                       order=context_order)
+  out, lse = _context.attention(attend, attend_backward, q, k, v, q_segment_ids,
+                                kv_segment_ids, axis=axis, shards=shards,
+                                window=(opts.mask.left, opts.mask.right), order=context_order,
+                                strategy=context_strategy)
   return (out, lse) if _checks.static_bool("return_lse", return_lse) else out
 
 
