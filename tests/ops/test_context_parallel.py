@@ -121,6 +121,48 @@ def test_on_an_explicit_mesh(strategy):
   _close(grads, want_grads)
 
 
+@pytest.mark.parametrize("order, strategy, kw", [
+    ("contiguous", "all_gather", dict(causal=True)),
+    ("zigzag", "ring", dict(causal=True)),
+    ("contiguous", "ring", dict(causal=True, sliding_window=(40, 0)))])
+def test_on_an_auto_mesh(order, strategy, kw):
+  """jit with q, k, v and segment ids sharded on the sequence over an Auto axis (and the
+  batch over another): the custom_partitioning runs context parallelism per shard, with the
+  order and strategy given to flash_attention; one device's values and gradients, the
+  output sequence-sharded, q never moved."""
+  q, k, v, seg = _problem(7, segments=True)
+  zz = (lambda a: a) if order == "contiguous" else (lambda a: zigzag(a, 4))
+  unzz = (lambda a: a) if order == "contiguous" else (lambda a: unzigzag(a, 4))
+  f = lambda q, k, v, seg, **c: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg,
+                                                           return_lse=True, **kw, **c)
+  one = lambda *a: jax.tree.map(zz, f(*map(unzz, a)))
+  args = tuple(map(zz, (q, k, v, seg)))
+  want, want_grads = one(*args), jax.grad(_loss(one), (0, 1, 2))(*args)
+  mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
+  args = jax.device_put(args, NamedSharding(mesh, P("data", "context")))
+  many = functools.partial(f, context_order=order, context_strategy=strategy)
+  both = jax.jit(lambda *a: (many(*a), jax.grad(_loss(many), (0, 1, 2))(*a)))
+  compiled = both.lower(*args).compile()
+  got, grads = compiled(*args)
+  _close(got, want)
+  _close(grads, want_grads)
+  assert got[0].sharding.spec == P("data", "context")
+  text = compiled.as_text()
+  moved = re.findall(r"(\S+\[[0-9,]*\])\S* (?:all-gather|collective-permute)(?:-start)?\(", text)
+  assert moved and not [m for m in moved if re.search(rf",{q.shape[2]},{q.shape[3]}\]", m)]
+  assert (" all-gather" in text) == (strategy == "all_gather")
+
+
+def test_context_options_need_the_sequence_sharded():
+  mesh = _mesh((8,), ("data",), AxisType.Auto)
+  q = jax.device_put(jnp.ones((8, 64, 2, 16)), NamedSharding(mesh, P("data")))
+  f = jax.jit(lambda q: memeff_jax.flash_attention(q, q, q, causal=True, context_order="zigzag"))
+  # Raised while XLA partitions the program: it arrives wrapped in a JaxRuntimeError.
+  with pytest.raises((ValueError, jax.errors.JaxRuntimeError),
+                     match="are for q, k and v sharded alike on the sequence"):
+    f(q)
+
+
 @pytest.mark.parametrize("kw, strategy", [
     (dict(causal=True), "all_gather"), (dict(causal=True, sliding_window=(40, 0)), "all_gather"),
     (dict(segments=True, causal=True, hkv=1), "all_gather"), (dict(causal=True), "ring"),

@@ -205,3 +205,34 @@ def test_attention_sequence_sharded(strategy, order, kw):
   else:
     assert collectives["collective-permute"] >= 1 and not collectives["all-gather"], collectives
   assert collectives["all-to-all"] == 0, collectives
+
+
+@pytest.mark.parametrize("strategy, order", [("all_gather", "contiguous"), ("ring", "zigzag")])
+def test_attention_sequence_sharded_on_an_auto_mesh(strategy, order):
+  """jit with the sequence sharded over an Auto axis of every GPU: the custom_partitioning
+  runs context parallelism through the Mosaic kernels; one GPU's values and gradients."""
+  n = min(_gpus(), 4)
+  if n < 2 or pallas_mosaic_gpu.hopper_available() is not None:
+    pytest.skip("needs 2 or more Hopper GPUs")
+  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:n])
+  ks = jax.random.split(jax.random.key(12), 4)
+  b, t, hq, hkv, d = 2, 512 * n, 8, 2, 128
+  q = jax.random.normal(ks[0], (b, t, hq, d), BF16)
+  k, v = (jax.random.normal(key, (b, t, hkv, d), BF16) for key in ks[1:3])
+  zz = (lambda a: a) if order == "contiguous" else (lambda a: zigzag(a, n))
+  unzz = (lambda a: a) if order == "contiguous" else (lambda a: unzigzag(a, n))
+  ct = zz(jax.random.normal(ks[3], q.shape, jnp.float32))
+  f = lambda q, k, v, **c: memeff_jax.flash_attention(q, k, v, causal=True, **c)
+  one = lambda q, k, v: zz(f(unzz(q), unzz(k), unzz(v)))
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * ct)
+  args = tuple(map(zz, (q, k, v)))
+  want, want_grads = _one_gpu(one, loss(one), (0, 1, 2), *args)
+  many = lambda q, k, v: f(q, k, v, context_order=order, context_strategy=strategy)
+  args = jax.device_put(args, NamedSharding(mesh, P(None, "context")))
+  got, grads, collectives, text = _run(many, loss(many), (0, 1, 2), *args)
+  assert _MOSAIC in text
+  _assert_close(got, want, 1e-2)
+  _assert_close(grads, want_grads, 1e-2)
+  assert got.sharding.is_equivalent_to(args[0].sharding, 4)
+  assert collectives["all-to-all"] == 0, collectives

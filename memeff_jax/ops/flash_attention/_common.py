@@ -25,6 +25,8 @@ class AttentionOptions:
   scale: float
   logit_softcap: float | None = None
   deterministic: bool = True  # the backward must give bitwise-identical gradients every run
+  # (context_order, context_strategy) where an Auto mesh shards the sequence (_partition).
+  context: tuple[str, str] = ("contiguous", "all_gather")
 
 
 class Residuals(NamedTuple):
@@ -38,33 +40,35 @@ class Residuals(NamedTuple):
 
 
 def attention_vjp(forward, backward, name: str):
-  """custom_vjp of forward(static, q, k, v, q_seg, kv_seg) -> (out, lse [B, Hq, T]).
+  """custom_vjp of forward(static, q, k, v, q_seg, kv_seg) -> (out, lse [B, Hq, T]), called
+  as attention(impl, static, q, k, v, q_seg, kv_seg) with `impl` the implementation object
+  that made `static` (on an Auto mesh that shards the sequence, its shards call it anew).
 
   The residuals are the inputs, the output and the float32 log-sum-exp (Residuals);
   backward(static, residuals, (d_out, d_lse)) -> (dq, dk, dv, None, None). The output and
   the log-sum-exp carry the checkpoint names "attention_out" and "attention_lse": a remat
   policy that saves both (memeff_jax.remat's "attention") never reruns the forward kernel.
   First order only: a second-order gradient raises, naming the implementation `name`.
-  On an Auto mesh both run per shard of the batch and heads (_partition).
+  On an Auto mesh both run per shard of the batch, heads and sequence (_partition).
   """
 
   from memeff_jax.ops.flash_attention import _partition  # pylint: disable=import-outside-toplevel
   forward = _partition.partitioned_forward(forward)  # per shard on Auto meshes
   backward = _partition.partitioned_backward(backward)
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-  def attention(static, q, k, v, q_seg, kv_seg):
-    return forward(static, q, k, v, q_seg, kv_seg)
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+  def attention(impl, static, q, k, v, q_seg, kv_seg):
+    return forward(impl, static, q, k, v, q_seg, kv_seg)
 
-  def fwd(static, q, k, v, q_seg, kv_seg):
-    out, lse = forward(static, *_checks.first_order_only(name, q, k, v), q_seg, kv_seg)
+  def fwd(impl, static, q, k, v, q_seg, kv_seg):
+    out, lse = forward(impl, static, *_checks.first_order_only(name, q, k, v), q_seg, kv_seg)
     out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
     return (out, lse), Residuals(q, k, v, q_seg, kv_seg, out, lse)
 
-  def bwd(static, res, cts):
+  def bwd(impl, static, res, cts):
     q, k, v, out, lse, *cts = _checks.first_order_only(name, res.q, res.k, res.v, res.out,
                                                        res.lse, *cts)
-    dq, dk, dv, *rest = backward(static, res._replace(q=q, k=k, v=v, out=out, lse=lse),
+    dq, dk, dv, *rest = backward(impl, static, res._replace(q=q, k=k, v=v, out=out, lse=lse),
                                  tuple(cts))
     return (*_vma.cotangents_like((dq, dk, dv), (res.q, res.k, res.v)), *rest)
 

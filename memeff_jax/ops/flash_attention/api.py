@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from memeff_jax.kernels import hopper
+from memeff_jax.ops import _auto
 from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops import _explicit
@@ -184,7 +185,7 @@ def _default() -> tuple[str, ...]:
 
 
 def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_window,
-             logit_softcap, deterministic):
+             logit_softcap, deterministic, context=("contiguous", "all_gather")):
   """Checks every argument; returns (AttentionOptions, q_segment_ids, kv_segment_ids)."""
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   for name, a in (("q", q), ("k", k), ("v", v)):
@@ -227,7 +228,8 @@ def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_w
 
   opts = AttentionOptions(
       mask=MaskSpec.make(causal, sliding_window, q_segment_ids is not None),
-      scale=float(scale), logit_softcap=logit_softcap, deterministic=deterministic)
+      scale=float(scale), logit_softcap=logit_softcap, deterministic=deterministic,
+      context=context)
   return opts, q_segment_ids, kv_segment_ids
 
 
@@ -339,15 +341,16 @@ def flash_attention(
   if mesh is not None:
     return _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
                       context_order, context_strategy, **options)
-  for name, value, default in (("context_order", context_order, "contiguous"),
-                               ("context_strategy", context_strategy, "all_gather")):
-    if value != default:
-      raise ValueError(f"{name}={value!r} is for a sequence sharded over a mesh axis "
-                       "(context_axis= inside shard_map, or an Explicit mesh)")
+  context = (context_order, context_strategy)
+  if context != ("contiguous", "all_gather") and not _auto.available(q, k, v):
+    name, value = (("context_order", context_order) if context_order != "contiguous" else
+                   ("context_strategy", context_strategy))
+    raise ValueError(f"{name}={value!r} is for a sequence sharded over a mesh axis "
+                     "(context_axis= inside shard_map, or an Explicit or Auto mesh)")
   opts, q_segment_ids, kv_segment_ids = _prepare(
       q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
-      logit_softcap=logit_softcap, deterministic=deterministic)
+      logit_softcap=logit_softcap, deterministic=deterministic, context=context)
   return_lse = _checks.static_bool("return_lse", return_lse)
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   implementations = _dispatch.resolve(implementation, IMPLEMENTATIONS, _default())

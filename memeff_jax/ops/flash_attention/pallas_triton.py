@@ -75,7 +75,7 @@ class PallasTriton:
   name: str = "pallas_triton"
 
   def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
-    return _attention(self.plan(q, opts), q, k, v, q_seg, kv_seg)
+    return _attention(self, self.plan(q, opts), q, k, v, q_seg, kv_seg)
 
   def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *, opts: AttentionOptions):
     """(dq, dk, dv) from saved out and lse [B, Hq, T], without a forward pass."""
