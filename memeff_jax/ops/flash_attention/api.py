@@ -313,9 +313,10 @@ def flash_attention(
       step it reaches).
 
   Meshes: with q, k, v sharded on the batch and heads (an Auto or Explicit mesh under jit,
-  or inside jax.shard_map) each shard runs its part; on an Explicit mesh also on the
-  sequence (q's and k/v's alike, context parallelism); the head dim must not be sharded
-  (see docs/design/multi_device.md).
+  or inside jax.shard_map) each shard runs its part; on an Auto or Explicit mesh also on
+  the sequence (q's and k/v's alike, T == S on Auto meshes: context parallelism with
+  `context_order` and `context_strategy`); the head dim must not be sharded (see
+  docs/design/multi_device.md).
 
   Raises:
     ValueError / TypeError: bad shapes, dtypes or options; the message names the argument.
