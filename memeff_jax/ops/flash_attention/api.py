@@ -131,9 +131,9 @@ def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, c
   if seq:
     options.update(context_axis=seq if len(seq) > 1 else seq[0], context_order=context_order,
                    context_strategy=context_strategy)
-  elif context_order != "contiguous":
-    raise ValueError(f"context_order={context_order!r} is for q, k, v sharded on the sequence, "
-                     f"got {where}")
+  elif (context_order, context_strategy) != ("contiguous", "all_gather"):
+    raise ValueError(f"context_order={context_order!r}, context_strategy={context_strategy!r} "
+                     f"are for q, k, v sharded on the sequence, got {where}")
 
   def local(q, k, v, q_seg, kv_seg, mask):
     return flash_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, mask=mask,
