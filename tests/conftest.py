@@ -1,8 +1,8 @@
 """Test setup: `gpu` tests skipped without a GPU; JAX allocating GPU memory on demand, so
 that the README's `pytest -n 2` workers (pytest-xdist) can share one GPU; with
 MEMEFF_TEST_GPUS=n, xdist worker i sees GPU i mod n only (benchmarks/gpu.sh spreads the
-workers over the host's GPUs so); eight CPU devices for meshes; LLVM at -O1; tuning tables
-of a test's own (`tuning_tables`)."""
+workers over the host's GPUs so); eight CPU devices for meshes; LLVM at -O1; a compilation
+cache per run on CPU; tuning tables of a test's own (`tuning_tables`)."""
 
 import os
 
@@ -26,6 +26,23 @@ def _has_gpu() -> bool:
     return jax.default_backend() == "gpu"
   except RuntimeError:
     return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(tmp_path_factory):
+  """On CPU, a compilation cache shared by the run's xdist workers, in the run's temporary
+  directory (pytest keeps the last three): many tests compile the same programs (one-device
+  references, shared shapes and options), and reusing them takes about a sixth off the
+  suite. Results are XLA's either way (the cache's key is the program, its options and the
+  jaxlib)."""
+  if _has_gpu():
+    return
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):  # .../pytest-N/popen-gwK: the run's is the parent
+    root = root.parent
+  jax.config.update("jax_compilation_cache_dir", str(root / "compilation-cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_collection_modifyitems(config, items):
