@@ -28,7 +28,7 @@ def _has_gpu() -> bool:
     return False
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def _compilation_cache(tmp_path_factory):
   """On CPU, a compilation cache shared by the run's xdist workers, in the run's temporary
   directory (pytest keeps the last three): many tests compile the same programs (one-device

@@ -25,6 +25,7 @@ from memeff_jax import remat
 from memeff_jax.flax.nnx import FusedLMHead
 from memeff_jax.models import sharding
 from memeff_jax.ops.flash_attention import flash_attention
+from memeff_jax.ops.flash_attention._context import DEFAULT
 from memeff_jax.ops.flash_attention._context import ORDERS
 from memeff_jax.ops.flash_attention._context import STRATEGIES
 
@@ -166,7 +167,7 @@ class Llama(nnx.Module):
                                  ("context_strategy", context_strategy, STRATEGIES)):
       if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    if kernels != "memeff" and (context_order, context_strategy) != ("contiguous", "all_gather"):
+    if kernels != "memeff" and (context_order, context_strategy) != DEFAULT:
       raise ValueError(f"context_order and context_strategy are for kernels='memeff', got "
                        f"kernels={kernels!r}")
     self.cfg, self.kernels = cfg, kernels

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from memeff_jax.ops import _checks
 from memeff_jax.ops import _vma
+from memeff_jax.ops.flash_attention import _context
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
 
@@ -26,7 +27,7 @@ class AttentionOptions:
   logit_softcap: float | None = None
   deterministic: bool = True  # the backward must give bitwise-identical gradients every run
   # (context_order, context_strategy) where an Auto mesh shards the sequence (_partition).
-  context: tuple[str, str] = ("contiguous", "all_gather")
+  context: tuple[str, str] = _context.DEFAULT
 
 
 class Residuals(NamedTuple):

@@ -45,6 +45,7 @@ from memeff_jax.ops import _vma
 
 ORDERS = ("contiguous", "zigzag")
 STRATEGIES = ("all_gather", "ring")
+DEFAULT = ("contiguous", "all_gather")  # (order, strategy) of a call with nothing to shard
 
 
 def _chunks(x, pieces: int, axis: int):

@@ -165,7 +165,7 @@ def _forward_partition(impl, static, forward, mesh, arg_shapes, result_shape):
 
 def _no_context(static):
   """Context options name a sequence sharding the call does not have: an error, not ignored."""
-  if static.opts.context != ("contiguous", "all_gather"):
+  if static.opts.context != _context.DEFAULT:
     order, strategy = static.opts.context
     raise ValueError(f"context_order={order!r}, context_strategy={strategy!r} are for q, k and "
                      "v sharded alike on the sequence (T == S), which this call's are not")

@@ -131,7 +131,7 @@ def _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, c
   if seq:
     options.update(context_axis=seq if len(seq) > 1 else seq[0], context_order=context_order,
                    context_strategy=context_strategy)
-  elif (context_order, context_strategy) != ("contiguous", "all_gather"):
+  elif (context_order, context_strategy) != _context.DEFAULT:
     raise ValueError(f"context_order={context_order!r}, context_strategy={context_strategy!r} "
                      f"are for q, k, v sharded on the sequence, got {where}")
 
@@ -185,7 +185,7 @@ def _default() -> tuple[str, ...]:
 
 
 def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_window,
-             logit_softcap, deterministic, context=("contiguous", "all_gather")):
+             logit_softcap, deterministic, context=_context.DEFAULT):
   """Checks every argument; returns (AttentionOptions, q_segment_ids, kv_segment_ids)."""
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   for name, a in (("q", q), ("k", k), ("v", v)):
@@ -343,7 +343,7 @@ def flash_attention(
     return _per_shard(mesh, q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
                       context_order, context_strategy, **options)
   context = (context_order, context_strategy)
-  if context != ("contiguous", "all_gather") and not _auto.available(q, k, v):
+  if context != _context.DEFAULT and not _auto.available(q, k, v):
     name, value = (("context_order", context_order) if context_order != "contiguous" else
                    ("context_strategy", context_strategy))
     raise ValueError(f"{name}={value!r} is for a sequence sharded over a mesh axis "
