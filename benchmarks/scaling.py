@@ -65,6 +65,14 @@ def _mesh(n: int, axis: str):
   return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
 
 
+def _fwd_bwd(attend):
+  """jit of (q, k, v, g, *rest) -> (attend(q, k, v, *rest), its vjp at g for q, k, v)."""
+  def f(q, k, v, g, *rest):
+    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, *rest), q, k, v)
+    return out, vjp(g)
+  return jax.jit(f)
+
+
 def attention_cases(n: int, shape: dict, causal: bool):
   """{provider: (fn, args)} at n devices: per-device batch b, the global batch n·b."""
   mesh = _mesh(n, "data")
@@ -80,13 +88,7 @@ def attention_cases(n: int, shape: dict, causal: bool):
                                                          implementation=peer),
   }
 
-  def fwd_bwd(attend):
-    def f(q, k, v, g):
-      out, vjp = jax.vjp(attend, q, k, v)
-      return out, vjp(g)
-    return jax.jit(f)
-
-  return {name: (fwd_bwd(a), (q, k, v, g)) for name, a in attends.items()}
+  return {name: (_fwd_bwd(a), (q, k, v, g)) for name, a in attends.items()}
 
 
 # Context-parallel variants: (mask, token order, strategy).
@@ -135,18 +137,12 @@ def context_cases(n: int, shape: dict, t: int, variant: str):
             context_strategy=strategy, **opts),
         mesh=mesh, in_specs=(spec, spec, spec, None if seg is None else spec), out_specs=spec)
 
-  def fwd_bwd(attend):
-    def f(q, k, v, g, seg):
-      out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, seg), q, k, v)
-      return out, vjp(g)
-    return jax.jit(f)
-
-  cases = {"memeff": (fwd_bwd(attend), (q, k, v, g, seg))}
+  cases = {"memeff": (_fwd_bwd(attend), (q, k, v, g, seg))}
   if n == 1 and jax.default_backend() == "gpu" and mask != "packed":
     cudnn = lambda q, k, v, seg: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn",
         local_window_size=(shape["span"], 0) if mask == "window" else None)
-    cases["cudnn"] = (fwd_bwd(cudnn), (q, k, v, g, seg))
+    cases["cudnn"] = (_fwd_bwd(cudnn), (q, k, v, g, seg))
   return cases
 
 

@@ -2,8 +2,8 @@
 "context" axes (any of them may be missing or of size 1), as MaxText lays out a decoder:
 
 - the batch is sharded over data × fsdp (data parallelism, FSDP's activations);
-- the sequence over context (context parallelism: attention gathers the keys and values,
-  flash_attention's `context_axis`);
+- the sequence over context (context parallelism: flash_attention's `context_axis`, the keys
+  and values gathered or passed round the ring);
 - every weight's model dimension D over fsdp (FSDP: gathered by XLA where a layer uses it);
 - the heads, the MLP's hidden units and the vocabulary over tensor (tensor parallelism: the
   attention runs per head shard, the loss per vocabulary shard, see
