@@ -239,6 +239,17 @@ def test_zigzag_round_trips():
     zigzag(jnp.ones((1, 12)), 4)
 
 
+def test_a_whole_range_update_is_no_scatter():
+  """_put over all rows is the value itself (jaxlib 0.11's GPU partitioner crashes on a
+  whole-array .at update inside shard_map); a partial range is a scatter."""
+  a, x = jnp.zeros((2, 8, 3)), jnp.ones((2, 8, 3))
+  whole = str(jax.make_jaxpr(lambda a, x: (_context._put(a, 0, 8, x),
+                                           _context._put(a, 0, 8, x, add=True)))(a, x))
+  assert "scatter" not in whole and "dynamic_update_slice" not in whole
+  part = jax.jit(lambda a, x: _context._put(a, 2, 6, x[:, :4], add=True))(a + 1, x)
+  np.testing.assert_array_equal(part[0, :, 0], [1, 1, 2, 2, 2, 2, 1, 1])
+
+
 def test_key_spans_are_what_each_shard_can_see():
   """Queries 768..1023 of 1024: causal reaches every key before their last, a left window of
   100 only from 668; a right window widens the span; local windows ≥ 0."""

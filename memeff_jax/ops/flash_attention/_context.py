@@ -153,9 +153,7 @@ def _merge(acc, lse_acc, out, lse):
 
 
 def _switch(axis, which: list[int], branches, *operands):
-  """branches[which[i]](*operands) on shard i of `axis` (one branch: no switch). Branches
-  return fresh arrays, never an operand unchanged (XLA's GPU compiler crashed on a
-  window's ring whose empty branch did)."""
+  """branches[which[i]](*operands) on shard i of `axis` (one branch: no switch)."""
   if len(branches) == 1:
     return branches[0](*operands)
   index = jnp.asarray(which, jnp.int32)[jax.lax.axis_index(axis)]
@@ -169,6 +167,15 @@ def _pass_on(axis, shards: int, x, shift: int = 1):
 
 def _rows(a, lo, hi):
   return None if a is None else a[:, lo:hi]
+
+
+def _put(a, lo, hi, x, add: bool = False):
+  """a with rows lo:hi (axis 1) set to x, or x added to them. A range covering all of a is
+  the value itself: XLA's GPU partitioner (jaxlib 0.11) crashes on a whole-array `.at` update
+  inside shard_map."""
+  if (lo, hi) == (0, a.shape[1]):
+    return a + x if add else x
+  return a.at[:, lo:hi].add(x) if add else a.at[:, lo:hi].set(x)
 
 
 def _empty(q, *like):
@@ -212,7 +219,7 @@ def _gather_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, ord
         if hi > lo:
           o, l = attend(q[:, qa:qb], k[:, lo:hi], v[:, lo:hi], _rows(q_seg, qa, qb),
                         _rows(kv_seg, lo, hi), local)
-          out, lse = out.at[:, qa:qb].set(o.astype(jnp.float32)), lse.at[:, qa:qb].set(l)
+          out, lse = _put(out, qa, qb, o.astype(jnp.float32)), _put(lse, qa, qb, l)
       return out, lse
     return run
 
@@ -237,9 +244,9 @@ def _gather_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d
           g = attend_backward(r(q), kf[:, lo:hi], vf[:, lo:hi], _rows(q_seg, qa, qb),
                               _rows(kv_seg_f, lo, hi), r(out), r(lse), r(d_out), r(d_lse),
                               local)
-          dq = dq.at[:, qa:qb].set(g[0].astype(jnp.float32))
-          dk = dk.at[:, lo:hi].add(g[1].astype(jnp.float32))
-          dv = dv.at[:, lo:hi].add(g[2].astype(jnp.float32))
+          dq = _put(dq, qa, qb, g[0].astype(jnp.float32))
+          dk = _put(dk, lo, hi, g[1].astype(jnp.float32), add=True)
+          dv = _put(dv, lo, hi, g[2].astype(jnp.float32), add=True)
       return dq, dk, dv
     return run
 
@@ -267,7 +274,7 @@ def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order
           o, l = attend(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
                         _rows(kv_seg, ka, kb), local)
           merged = _merge(acc[:, qa:qb], lse[:, qa:qb], o, l)
-          acc, lse = acc.at[:, qa:qb].set(merged[0]), lse.at[:, qa:qb].set(merged[1])
+          acc, lse = _put(acc, qa, qb, merged[0]), _put(lse, qa, qb, merged[1])
         return acc, lse
       return run
 
@@ -297,9 +304,9 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
           r = lambda a: a[:, qa:qb]
           g = attend_backward(r(q), k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
                               _rows(kv_seg, ka, kb), r(out), r(lse), r(d_out), r(d_lse), local)
-          dq = dq.at[:, qa:qb].add(g[0].astype(jnp.float32))
-          dk = dk.at[:, ka:kb].add(g[1].astype(jnp.float32))
-          dv = dv.at[:, ka:kb].add(g[2].astype(jnp.float32))
+          dq = _put(dq, qa, qb, g[0].astype(jnp.float32), add=True)
+          dk = _put(dk, ka, kb, g[1].astype(jnp.float32), add=True)
+          dv = _put(dv, ka, kb, g[2].astype(jnp.float32), add=True)
         return dq, dk, dv
       return run
 
