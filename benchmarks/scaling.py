@@ -1,6 +1,7 @@
 """Both ops on 1, 2, 4, ... devices of one host: every provider side by side on the same mesh.
 
     python benchmarks/scaling.py [--devices 1,2,4] [--cases attention,loss,vocab,context,train]
+    python benchmarks/scaling.py --devices 1,4 --cases context-train
 
 Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   attention  weak scaling, data parallel: B=4, T=4096, H=32, D=128 bf16 per device, the batch
@@ -22,6 +23,13 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   train      the 1B model's train step (batch 4 × 4096 per data shard), memeff and plain
              (cuDNN attention) layers, on data × fsdp and fsdp × tensor meshes
              (models.sharding); ms per step, efficiency from tokens/s per device.
+  context-train  the 1B model's train step on one sequence of 32k and 128k tokens, over a
+             "context" axis of n devices in the zig-zag order (all_gather, and the ring at
+             the longest); memeff layers (cuDNN attention cannot shard the sequence). Tokens/s
+             per device against one device's at the same length, its peak memory, and the
+             first and last losses (the same data and parameters on every mesh); ms per
+             step; a length one device cannot hold is recorded as out of memory. Not in the
+             default cases.
 
 `--small` runs shapes a CPU can take (tests and a dry run: XLA_FLAGS=
 --xla_force_host_platform_device_count=8 before the run). Rows (op="scaling": case,
@@ -50,10 +58,12 @@ import memeff_jax  # noqa: E402
 SHAPES = {
     False: dict(attention=dict(b=4, t=4096, h=32, d=128), loss=dict(n=16384, d=4096, v=128256),
                 context=dict(b=1, lengths=(8192, 32768), h=32, hkv=8, d=128, span=4096),
-                train=dict(config="1b", batch=4, seq_len=4096, steps=6)),
+                train=dict(config="1b", batch=4, seq_len=4096, steps=6),
+                context_train=dict(config="1b", lengths=(32768, 131072), steps=4)),
     True: dict(attention=dict(b=2, t=256, h=4, d=32), loss=dict(n=512, d=64, v=1024),
                context=dict(b=1, lengths=(256,), h=4, hkv=2, d=32, span=64),
-               train=dict(config="tiny", batch=2, seq_len=128, steps=3)),
+               train=dict(config="tiny", batch=2, seq_len=128, steps=3),
+               context_train=dict(config="tiny", lengths=(256, 512), steps=3)),
 }
 
 # Train-step meshes per device count: the first axis takes the data, the second splits
@@ -206,6 +216,50 @@ def train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
   return rows
 
 
+def context_train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
+  """The train step with one sequence over a "context" axis (zig-zag order): tokens/s per
+  device at each length against one device's, peak memory and losses."""
+  from memeff_jax.cli import _config_path  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from memeff_jax.models import LlamaConfig, run as train_run, sharding
+  cfg, train_cfg = LlamaConfig.from_toml(_config_path(shape["config"]))
+  rows, longest = [], max(shape["lengths"])
+  for seq_len in shape["lengths"]:
+    base = None
+    for n in sorted(devices):  # one device first: the others' efficiency is against it
+      strategies = ["all_gather"] + (["ring"] if n > 1 and seq_len == longest else [])
+      for strategy in strategies:
+        label = f"{seq_len // 1024}k" if seq_len >= 1024 else str(seq_len)
+        row = dict(op="scaling", case=f"context-train-{shape['config']}-{label}",
+                   provider="memeff" if strategy == "all_gather" else "memeff:ring", devices=n,
+                   seq_len=seq_len, **env)
+        try:
+          r = train_run.train(
+              cfg, train_cfg, kernels="memeff", steps=shape["steps"], batch=1,
+              seq_len=seq_len, show_progress=False,
+              mesh=sharding.make_mesh({"context": n}) if n > 1 else None,
+              context_order="zigzag" if n > 1 else "contiguous", context_strategy=strategy)
+        except Exception as e:  # pylint: disable=broad-except
+          if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+          row.update(error="out of memory")
+          print(f"  {row['case']:22s} {row['provider']:18s} {n} devices: out of memory",
+                flush=True)
+        else:
+          per_device = r.tokens_per_s / n
+          base = per_device if n == 1 else base
+          row.update(ms=1e3 * seq_len / r.tokens_per_s, tokens_per_s_per_device=per_device,
+                     efficiency=None if base is None else per_device / base,
+                     peak_bytes=r.peak_bytes, first_loss=r.losses[0], last_loss=r.losses[-1])
+          print(f"  {row['case']:22s} {row['provider']:18s} {n} devices: {row['ms']:9.1f} "
+                f"ms/step, {per_device:,.0f} tokens/s per device, peak "
+                f"{(r.peak_bytes or 0) / 2**30:.1f} GiB, losses {r.losses[0]:.4f} → "
+                f"{r.losses[-1]:.4f}", flush=True)
+        rows.append(row)
+        _harness.append(out, [row])
+  return rows
+
+
 def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
         match: str = "") -> list[dict]:
   env, rows = _harness.environment(), []
@@ -230,8 +284,11 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
               context_cases, shape=shape, t=t, variant=variant), work))
     elif case == "train":
       rows += train_rows(shapes["train"], devices, env, out)
+    elif case == "context-train":
+      rows += context_train_rows(shapes["context_train"], devices, env, out)
     else:
-      raise ValueError(f"unknown case {case!r} (attention, loss, vocab, context, train)")
+      raise ValueError(f"unknown case {case!r} (attention, loss, vocab, context, train, "
+                       "context-train)")
   for name, make, work in [p for p in plans if re.search(match, p[0])]:
     base = {}  # provider: throughput per device (work per ms) at the first device count
     for n in devices:
