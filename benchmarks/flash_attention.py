@@ -123,7 +123,7 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1):
     v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.float32).astype(dtype)
     ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(dtype)
     seg = None if docs is None else jnp.broadcast_to(jnp.arange(t) * docs // t, (b, t))
-    for causal in spec.get("causal", [False]):
+    for causal in shape.get("causal", spec.get("causal", [False])):
       window = None if left is None else (left, 0 if causal else left)
       if window is None and docs is None:
         flops = 4.0 * b * h * t * s * d * (0.5 if causal else 1.0)

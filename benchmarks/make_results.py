@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import pathlib
 import re
 
@@ -91,18 +92,60 @@ def fa_runs(rows: list[dict]):
   grouped = collections.OrderedDict()
   for r in rows:
     key = (r["set"], r["device"], r["timestamp"], r["b"], r["t"], r["s"], r["h"], r["hkv"],
-           r["d"], r["docs"], r["dtype"])
+           r["d"], r["docs"], r["dtype"], (r.get("window") or [None])[0])
     grouped.setdefault(key, []).append(r)
   return latest(sorted(grouped.items(), key=lambda kv: kv[0][2], reverse=True), 2)
 
 
 def fa_heading(key, rows) -> str:
-  set_name, device, stamp, b, t, s, h, hkv, d, docs, dtype = key
+  set_name, device, stamp, b, t, s, h, hkv, d, docs, dtype, _ = key
   docs = f", {docs} documents per row" if docs else ""
   if rows[0].get("window"):
     docs += f", sliding window {rows[0]['window'][0]} (to the right too unless causal)"
   return (f"**{set_name}** (B={b}, T={t:,}, S={s:,}, H={h}/{hkv}, D={d}{docs}, {dtype}) on "
           f"{device}, {stamp} (jax {rows[0]['jax']}){_rounds(rows)}")
+
+
+def grid_section(rows: list[dict]) -> list[str]:
+  """The latest `grid` run on each GPU: memeff against cuDNN per row, forward+backward and
+  forward, and the geometric mean of the fwd+bwd ratios. A packed row, which cuDNN cannot
+  express through jax.nn, compares TFLOP/s per visible pair with cuDNN's unpacked row."""
+  runs_ = collections.defaultdict(list)
+  for r in rows:
+    if r["set"] == "grid" and "error" not in r:
+      runs_[(r["device"], r["timestamp"])].append(r)
+  latest_run = {}
+  for (device, stamp), group in sorted(runs_.items(), key=lambda kv: kv[0][1]):
+    latest_run[device] = (stamp, group)
+  out = []
+  for device, (stamp, group) in latest_run.items():
+    shape = lambda r: (r["b"], r["t"], r["h"], r["hkv"], r["d"], r["causal"])
+    cudnn = {(shape(r), r["docs"], tuple(r.get("window") or ())): r for r in group
+             if r["provider"] == "cudnn"}
+    out += [f"**grid** on {device}, {stamp} (jax {group[0]['jax']}){_rounds(group)}", "",
+            "| B | T | H | D | mask | memeff fwd+bwd TFLOP/s | cuDNN | × cuDNN fwd+bwd | "
+            "× cuDNN fwd |", "|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for r in (r for r in group if r["provider"] == "memeff"):
+      peer = (cudnn.get((shape(r), r["docs"], tuple(r.get("window") or ())))
+              or (cudnn.get((shape(r), None, ())) if r["docs"] else None))
+      mask = ("causal" if r["causal"] else "full") + (
+          f", window {r['window'][0]}" if r.get("window") else "") + (
+          f", {r['docs']} docs (vs unpacked)" if r["docs"] else "")
+      if peer is None:
+        out.append(f"| {r['b']} | {r['t']} | {r['h']}/{r['hkv']} | {r['d']} | {mask} | "
+                   f"{r['fwd_bwd_tflops']:.0f} | — | — | — |")
+        continue
+      ratio = r["fwd_bwd_tflops"] / peer["fwd_bwd_tflops"]
+      ratios.append(ratio)
+      out.append(f"| {r['b']} | {r['t']} | {r['h']}/{r['hkv']} | {r['d']} | {mask} | "
+                 f"{r['fwd_bwd_tflops']:.0f} | {peer['fwd_bwd_tflops']:.0f} | {ratio:.3f}× | "
+                 f"{r['fwd_tflops'] / peer['fwd_tflops']:.3f}× |")
+    if ratios:
+      out.append(f"\nGeometric mean, fwd+bwd: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}× cuDNN over "
+                 f"{len(ratios)} rows.")
+    out.append("")
+  return out
 
 
 def _rounds(rows) -> str:
@@ -458,6 +501,10 @@ def main():
             "the backward; the window and packed sets (from 2026-11-21T22:30) count 4·H·D per "
             "(query, key) pair their mask lets through. JAX peers: jax.nn.dot_product_attention "
             "(xla, cudnn) and tokamax.", ""]
+  grid = grid_section(fa_rows)
+  if grid:
+    lines += ["`python benchmarks/flash_attention.py --set grid`: memeff (default, "
+              "deterministic) against cuDNN through jax.nn.dot_product_attention.", ""] + grid
   fa_latest, halves = None, {}
   for key, group in fa_runs(fa_rows):
     lines += [fa_heading(key, group), "", fa_table(group), ""]
