@@ -119,16 +119,15 @@ def grid_section(rows: list[dict]) -> list[str]:
     latest_run[device] = (stamp, group)
   out = []
   for device, (stamp, group) in latest_run.items():
-    shape = lambda r: (r["b"], r["t"], r["h"], r["hkv"], r["d"], r["causal"])
-    cudnn = {(shape(r), r["docs"], tuple(r.get("window") or ())): r for r in group
-             if r["provider"] == "cudnn"}
+    case = lambda r: (r["b"], r["t"], r["h"], r["hkv"], r["d"], r["causal"], r["docs"],
+                      tuple(r.get("window") or ()))
+    cudnn = {case(r): r for r in group if r["provider"] == "cudnn"}
     out += [f"**grid** on {device}, {stamp} (jax {group[0]['jax']}){_rounds(group)}", "",
             "| B | T | H | D | mask | memeff fwd+bwd TFLOP/s | cuDNN | × cuDNN fwd+bwd | "
             "× cuDNN fwd |", "|---|---|---|---|---|---|---|---|---|"]
     ratios = []
     for r in (r for r in group if r["provider"] == "memeff"):
-      peer = (cudnn.get((shape(r), r["docs"], tuple(r.get("window") or ())))
-              or (cudnn.get((shape(r), None, ())) if r["docs"] else None))
+      peer = cudnn.get(case(r)) or (cudnn.get(case(r)[:6] + (None, ())) if r["docs"] else None)
       mask = ("causal" if r["causal"] else "full") + (
           f", window {r['window'][0]}" if r.get("window") else "") + (
           f", {r['docs']} docs (vs unpacked)" if r["docs"] else "")
@@ -142,8 +141,8 @@ def grid_section(rows: list[dict]) -> list[str]:
                  f"{r['fwd_bwd_tflops']:.0f} | {peer['fwd_bwd_tflops']:.0f} | {ratio:.3f}× | "
                  f"{r['fwd_tflops'] / peer['fwd_tflops']:.3f}× |")
     if ratios:
-      out.append(f"\nGeometric mean, fwd+bwd: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}× cuDNN over "
-                 f"{len(ratios)} rows.")
+      mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+      out.append(f"\nGeometric mean, fwd+bwd: {mean:.3f}× cuDNN over {len(ratios)} rows.")
     out.append("")
   return out
 

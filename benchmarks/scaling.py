@@ -225,11 +225,10 @@ def context_train_rows(shape: dict, devices: list[int], env: dict, out) -> list[
   cfg, train_cfg = LlamaConfig.from_toml(_config_path(shape["config"]))
   rows, longest = [], max(shape["lengths"])
   for seq_len in shape["lengths"]:
-    base = None
+    base, label = None, f"{seq_len // 1024}k" if seq_len >= 1024 else str(seq_len)
     for n in sorted(devices):  # one device first: the others' efficiency is against it
       strategies = ["all_gather"] + (["ring"] if n > 1 and seq_len == longest else [])
       for strategy in strategies:
-        label = f"{seq_len // 1024}k" if seq_len >= 1024 else str(seq_len)
         row = dict(op="scaling", case=f"context-train-{shape['config']}-{label}",
                    provider="memeff" if strategy == "all_gather" else "memeff:ring", devices=n,
                    seq_len=seq_len, **env)

@@ -31,3 +31,22 @@ def test_visible_pairs():
   assert scaling.visible_pairs(6, "packed", 3) == 12  # two documents of 3: 6 pairs each
   assert scaling.visible_pairs(5, "window", 1) == 9  # 1 + 2 + 2 + 2 + 2
 
+
+
+def test_context_train_dry_run(tmp_path):
+  """The train step on one sequence over a context axis: one device's losses on 2 devices,
+  by both strategies at the longest length; efficiency against one device's."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  out = tmp_path / "scaling.jsonl"
+  scaling.main(["--small", "--devices", "2,1", "--cases", "context-train", "--out", str(out)])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["case"], r["provider"], r["devices"]) for r in rows] == [
+      ("context-train-tiny-256", "memeff", 1), ("context-train-tiny-256", "memeff", 2),
+      ("context-train-tiny-512", "memeff", 1), ("context-train-tiny-512", "memeff", 2),
+      ("context-train-tiny-512", "memeff:ring", 2)]
+  for r in rows:
+    one = next(o for o in rows if o["case"] == r["case"] and o["devices"] == 1)
+    assert r["last_loss"] == pytest.approx(one["last_loss"], rel=1e-4)
+    assert r["efficiency"] == pytest.approx(r["tokens_per_s_per_device"]
+                                            / one["tokens_per_s_per_device"])
