@@ -304,3 +304,13 @@ def test_context_axis_errors():
     shard_map(lambda q: memeff_jax.flash_attention(q, q, q, mask=mask, context_axis="context"),
               mesh=mesh, in_specs=P(None, "context"), out_specs=P(None, "context"))(
                   jnp.ones((1, 1024, 2, 16)))
+  odd = jnp.ones((1, 8 * 65, 2, 16))  # 65 tokens per shard: no two equal chunks
+  with pytest.raises(ValueError, match="must be even, got T=65, S=65 per shard"):
+    shard_map(lambda q: memeff_jax.flash_attention(q, q, q, context_axis="context",
+                                                   context_order="zigzag"),
+              mesh=mesh, in_specs=P(None, "context"), out_specs=P(None, "context"))(odd)
+  # On an Auto mesh the partitioner raises it while compiling, wrapped by XLA.
+  with pytest.raises((ValueError, jax.errors.JaxRuntimeError),
+                     match="must be even, got T=65, S=65 per shard"):
+    x = jax.device_put(odd, NamedSharding(mesh, P(None, "context")))
+    jax.jit(lambda q: memeff_jax.flash_attention(q, q, q, context_order="zigzag"))(x)

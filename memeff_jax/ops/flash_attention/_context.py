@@ -77,6 +77,13 @@ def unzigzag(x, shards: int, axis: int = 1):
   return jnp.concatenate([pieces[where[c]] for c in range(2 * shards)], axis=axis)
 
 
+def check_lengths(order: str, t: int, s: int) -> None:
+  """A clear error where `order` cannot hold a shard's t queries and s keys."""
+  if order == "zigzag" and (t % 2 or s % 2):
+    raise ValueError(f"context_order='zigzag' holds two chunks of the sequence per shard: the "
+                     f"local lengths must be even, got T={t}, S={s} per shard")
+
+
 def _starts(shard: int, length: int, shards: int, order: str) -> list[tuple[int, int, int]]:
   """(start in the sequence, start in the shard, length) of each chunk shard `shard` holds
   of a sequence `length` long per shard."""

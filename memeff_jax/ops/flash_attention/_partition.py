@@ -88,15 +88,14 @@ def _sequence(mesh, q, k) -> tuple:
   return seq
 
 
-def _context_where(static, mesh, seq: tuple, t: int, s: int) -> dict:
-  """_context's arguments for a call sharded on the sequence over `seq`; a clear error
-  where the order cannot hold."""
+def _context_where(static, mesh, seq: tuple, q, k) -> dict:
+  """_context's arguments for q and k (global shapes) sharded on the sequence over `seq`; a
+  clear error where the order cannot hold."""
   opts = static.opts
   order, strategy = opts.context
-  if order == "zigzag" and (t % 2 or s % 2):
-    raise ValueError(f"context_order='zigzag' holds two chunks of the sequence per shard: the "
-                     f"local lengths must be even, got T={t}, S={s} per shard")
-  return dict(axis=seq[0] if len(seq) == 1 else seq, shards=_auto.size(mesh, seq),
+  n = _auto.size(mesh, seq)
+  _context.check_lengths(order, q.shape[1] // n, k.shape[1] // n)
+  return dict(axis=seq[0] if len(seq) == 1 else seq, shards=n,
               window=(opts.mask.left, opts.mask.right), order=order, strategy=strategy)
 
 
@@ -146,8 +145,7 @@ def _forward_partition(impl, static, forward, mesh, arg_shapes, result_shape):
   args = [q_s, kv_s, kv_s] + [ns(batch, seq)] * (len(arg_shapes) - 3)
   outs = (q_s, ns(batch, qh, seq))
   if seq:
-    n = _auto.size(mesh, seq)
-    where = _context_where(static, mesh, seq, q.shape[1] // n, k.shape[1] // n)
+    where = _context_where(static, mesh, seq, q, k)
     attend, _ = _pair_calls(impl, static)
 
     def per_shard(q, k, v, *segs):
@@ -180,8 +178,7 @@ def _backward_partition(impl, static, backward, mesh, arg_shapes, result_shape):
   segs = len(arg_shapes) == 9
   args = [q_s, kv_s, kv_s] + [ns(batch, seq)] * (2 * segs) + [q_s, lse_s, q_s, lse_s]
   if seq:
-    n = _auto.size(mesh, seq)
-    where = _context_where(static, mesh, seq, q.shape[1] // n, k.shape[1] // n)
+    where = _context_where(static, mesh, seq, q, k)
     _, attend_backward = _pair_calls(impl, static)
   else:
     _no_context(static)

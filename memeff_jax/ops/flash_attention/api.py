@@ -157,9 +157,7 @@ def _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, 
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                         sliding_window=sliding_window, logit_softcap=options["logit_softcap"],
                         deterministic=options["deterministic"])
-  if context_order == "zigzag" and (q.shape[1] % 2 or k.shape[1] % 2):
-    raise ValueError("context_order='zigzag' holds two chunks of the sequence per shard: q and "
-                     f"k need even local lengths, got q.shape={q.shape}, k.shape={k.shape}")
+  _context.check_lengths(context_order, q.shape[1], k.shape[1])
   if kv_segment_ids is None:
     kv_segment_ids = q_segment_ids
 
