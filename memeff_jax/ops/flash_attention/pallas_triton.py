@@ -135,6 +135,16 @@ def _load_rows(ref, start, size, n, d_ok, other=0.0):
                     other=other)
 
 
+def _store_rows(ref, start, size, value, mask, interpret):
+  """Stores value into rows [start, start + size) of a [n, Dp] ref where mask holds.
+
+  Interpreted, the column start is an int32 array rather than the `:`'s Python 0: the Pallas
+  interpreter discharges the store at lowering, where a Python 0 becomes int64 under
+  jax_enable_x64 beside the int32 row start, and its store (unlike its load) does not cast."""
+  cols = pl.ds(jnp.zeros((), jnp.int32), ref.shape[1]) if interpret else slice(None)
+  plgpu.store(ref.at[pl.ds(start, size), cols], value.astype(ref.dtype), mask=mask)
+
+
 def _load_vec(ref, start, size, n, other):
   ok = start + jnp.arange(size, dtype=jnp.int32) < n
   return plgpu.load(ref.at[pl.ds(start, size)], mask=ok, other=other)
@@ -193,8 +203,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *,
   lo, hi = masks.kv_block_range(st.opts.mask, q_start, bq, s, bk)
   m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
   out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-  plgpu.store(o_ref.at[pl.ds(q_start, bq), :], out.astype(o_ref.dtype),
-              mask=tile.q_ok[:, None] & tile.d_ok[None, :])
+  _store_rows(o_ref, q_start, bq, out, tile.q_ok[:, None] & tile.d_ok[None, :],
+              st.interpret)
   plgpu.store(lse_ref.at[pl.ds(q_start, bq)], _common.lse_from(m, l), mask=tile.q_ok)
 
 
@@ -229,8 +239,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg
 
   lo, hi = masks.kv_block_range(st.opts.mask, q_start, bq, s, bk)
   dq = jax.lax.fori_loop(lo, hi, body, jnp.zeros((bq, pl.next_power_of_2(d)), jnp.float32))
-  plgpu.store(dq_ref.at[pl.ds(q_start, bq), :], (dq * st.opts.scale).astype(dq_ref.dtype),
-              mask=tile.q_ok[:, None] & tile.d_ok[None, :])
+  _store_rows(dq_ref, q_start, bq, dq * st.opts.scale, tile.q_ok[:, None] & tile.d_ok[None, :],
+              st.interpret)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref,
@@ -278,9 +288,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_se
   zeros = jnp.zeros((bk, pl.next_power_of_2(d)), jnp.float32)
   dk, dv = jax.lax.fori_loop(0, groups, head, (zeros, zeros))
   mask = k_ok[:, None] & d_ok[None, :]
-  plgpu.store(dk_ref.at[pl.ds(k_start, bk), :], (dk * st.opts.scale).astype(dk_ref.dtype),
-              mask=mask)
-  plgpu.store(dv_ref.at[pl.ds(k_start, bk), :], dv.astype(dv_ref.dtype), mask=mask)
+  _store_rows(dk_ref, k_start, bk, dk * st.opts.scale, mask, st.interpret)
+  _store_rows(dv_ref, k_start, bk, dv, mask, st.interpret)
 
 
 def _call(kernel, st, grid, in_specs, out_specs, out_shape, name, warps, stages, cost):
