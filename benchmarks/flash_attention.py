@@ -108,12 +108,13 @@ def visible_pairs(causal, window, seg, b, t, s) -> int:
   return total
 
 
-def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1):
+def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
+        shapes: slice = slice(None)):
   spec = _harness.shape_sets("flash_attention")[set_name]
   dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
   env = _harness.environment()
   rows = []
-  for shape in spec["shapes"]:
+  for shape in spec["shapes"][shapes]:
     b, t, h, d = shape["b"], shape["t"], shape["h"], shape["d"]
     s, hkv, docs = shape.get("s", t), shape.get("hkv", h), shape.get("docs")
     left = shape.get("window")
@@ -192,10 +193,15 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--rounds", type=int, default=1,
                       help="interleaved rounds per case; each figure is the median over them")
+  parser.add_argument("--shapes", default=":",
+                      help="which of the set's shapes to run, as a Python slice (e.g. 0:3): "
+                      "a long set split over several processes or GPUs")
   parser.add_argument("--out", default=str(_harness.RESULTS / "flash_attention.jsonl"))
   args = parser.parse_args(argv)
+  shapes = slice(*(int(i) if i else None for i in args.shapes.split(":")))
   print(f"flash_attention [{args.set}] on {jax.devices()[0].device_kind}")
-  run(args.set, [p for p in args.providers.split(",") if p], args.out, args.reps, args.rounds)
+  run(args.set, [p for p in args.providers.split(",") if p], args.out, args.reps, args.rounds,
+      shapes)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
     python benchmarks/linear_cross_entropy.py --set llama3-8b [--providers a,b,...]
 
 Providers (those whose packages are missing are skipped, with a note):
-  floor              the three bf16 matmuls x@W, G@Wᵀ, xᵀ@G (XLA/cuBLAS) with a given G
+  floor              the three bf16 matmuls x@W, G@Wᵀ, xᵀ@G (XLA/cuBLAS) with a given G, the
+                     vocabulary padded to a multiple of 128 (gpt2's 50,257 to 50,304: cuBLAS
+                     is faster on the padded one, so the floor is what a padded head costs)
   jax_naive          x@W then optax.softmax_cross_entropy_with_integer_labels, jax.grad
   jax_scan_remat     jax.checkpoint of the naive loss over token chunks in a lax.scan
   memeff             memeff_jax.linear_cross_entropy, default implementation
@@ -62,6 +64,7 @@ def _loss_and_grads(loss_fn):
 def jax_case(provider, x, w, y, kg):
   """(jitted fn, args) computing the loss and (dx, dW) for a JAX provider."""
   if provider == "floor":
+    w = jnp.pad(w, ((0, 0), (0, -w.shape[1] % 128)))
     g = jax.random.normal(kg, (x.shape[0], w.shape[1]), jnp.float32).astype(x.dtype) * 1e-3
     fn = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
     return fn, (x, w, g)

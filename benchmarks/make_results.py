@@ -107,27 +107,38 @@ def fa_heading(key, rows) -> str:
 
 
 def grid_section(rows: list[dict]) -> list[str]:
-  """The latest `grid` run on each GPU: memeff against cuDNN per row, forward+backward and
-  forward, and the geometric mean of the fwd+bwd ratios. A packed row, which cuDNN cannot
-  express through jax.nn, compares TFLOP/s per visible pair with cuDNN's unpacked row."""
-  runs_ = collections.defaultdict(list)
-  for r in rows:
-    if r["set"] == "grid" and "error" not in r:
-      runs_[(r["device"], r["timestamp"])].append(r)
-  latest_run = {}
-  for (device, stamp), group in sorted(runs_.items(), key=lambda kv: kv[0][1]):
-    latest_run[device] = (stamp, group)
+  """The latest `grid` figures on each GPU: memeff against cuDNN per row, forward+backward
+  and forward, and the geometric mean of the fwd+bwd ratios. Each row comes from the latest
+  run of its case (a grid may be split over processes); memeff and cuDNN from the same run. A
+  packed row, which cuDNN cannot express through jax.nn, compares TFLOP/s per visible pair
+  with cuDNN's unpacked row of that run."""
+  case = lambda r: (r["b"], r["t"], r["h"], r["hkv"], r["d"], r["causal"], r["docs"],
+                    tuple(r.get("window") or ()))
+  latest_case = collections.defaultdict(dict)  # device -> case -> (stamp, {provider: row})
+  for r in sorted((r for r in rows if r["set"] == "grid" and "error" not in r),
+                  key=lambda r: r["timestamp"]):
+    stamp, group = latest_case[r["device"]].get(case(r), (None, {}))
+    if stamp != r["timestamp"]:
+      stamp, group = r["timestamp"], {}
+    group[r["provider"]] = r
+    latest_case[r["device"]][case(r)] = (stamp, group)
   out = []
-  for device, (stamp, group) in latest_run.items():
-    case = lambda r: (r["b"], r["t"], r["h"], r["hkv"], r["d"], r["causal"], r["docs"],
-                      tuple(r.get("window") or ()))
-    cudnn = {case(r): r for r in group if r["provider"] == "cudnn"}
-    out += [f"**grid** on {device}, {stamp} (jax {group[0]['jax']}){_rounds(group)}", "",
-            "| B | T | H | D | mask | memeff fwd+bwd TFLOP/s | cuDNN | × cuDNN fwd+bwd | "
+  for device, cases in latest_case.items():
+    stamps = sorted({stamp for stamp, _ in cases.values()})
+    first = next(iter(cases.values()))[1]
+    some = next(iter(first.values()))
+    out += [f"**grid** on {device}, {' and '.join(stamps)} (jax {some['jax']}){_rounds([some])}",
+            "", "| B | T | H | D | mask | memeff fwd+bwd TFLOP/s | cuDNN | × cuDNN fwd+bwd | "
             "× cuDNN fwd |", "|---|---|---|---|---|---|---|---|---|"]
     ratios = []
-    for r in (r for r in group if r["provider"] == "memeff"):
-      peer = cudnn.get(case(r)) or (cudnn.get(case(r)[:6] + (None, ())) if r["docs"] else None)
+    for key, (stamp, group) in cases.items():
+      r = group.get("memeff")
+      if r is None:
+        continue
+      peer = group.get("cudnn")
+      if peer is None and r["docs"]:
+        peer = cases.get(key[:6] + (None, ()), (None, {}))[1].get("cudnn")
+        peer = peer if peer and peer["timestamp"] == stamp else None
       mask = ("causal" if r["causal"] else "full") + (
           f", window {r['window'][0]}" if r.get("window") else "") + (
           f", {r['docs']} docs (vs unpacked)" if r["docs"] else "")
