@@ -69,6 +69,9 @@ class PallasMosaicGpu:
 
   Attributes:
     memory_budget_bytes: bytes for the chunk's logits/G buffer; decides the token chunk.
+      None (the default): 256 MiB, or as many as the tuning table's `min_chunk_tokens`
+      tokens take where that is more (Gemma-2's 256,000-entry vocabulary: 0.5 GiB for 1,024
+      tokens; the GEMM tiles are tuned at 1,024-token chunks, and 512 run them far slower).
     dw_accumulation: "weight" (accumulate dW in the weight's dtype, no extra buffer: each
       chunk's product is added to the running dW in float32 and rounded once), "float32"
       (a float32 [D, V] accumulator, cast once at the end: D·V·4 bytes more) or "tma_add"
@@ -113,7 +116,7 @@ class PallasMosaicGpu:
       NotImplementedError where it cannot run; False: never.
   """
 
-  memory_budget_bytes: int = 256 * 2**20
+  memory_budget_bytes: int | None = None
   dw_accumulation: str | None = None
   vocab_multiple: int = 64
   kernel: triton_softmax.SoftmaxKernelConfig | None = None
@@ -230,11 +233,15 @@ class PallasMosaicGpu:
                                     f"got {chunk_size=} with vocab size {vocab}")
         chunk_size = tokens
       return min(chunk_size, n_tokens)
-    tokens = self.memory_budget_bytes // (vocab * itemsize)
+    budget = self.memory_budget_bytes
+    if budget is None:
+      rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
+      budget = max(256 * 2**20, rule.get("min_chunk_tokens", 0) * vocab * itemsize)
+    tokens = budget // (vocab * itemsize)
     if tokens < 16:
       raise _dispatch.Unsupported(
           f"a vocabulary of {vocab} leaves fewer than 16 tokens per chunk in "
-          f"memory_budget_bytes={self.memory_budget_bytes}; pallas_mosaic_gpu does not chunk the "
+          f"memory_budget_bytes={budget}; pallas_mosaic_gpu does not chunk the "
           "vocabulary (chunked_xla does)")
     if tokens >= 128:
       tokens = tokens // 128 * 128
