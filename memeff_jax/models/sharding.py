@@ -155,9 +155,8 @@ def context_attention(attend, q, k, v, segment_ids):
   heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 == k.shape[2] % tensor else None
   spec = P(batch or None, seq, heads, None)  # q, k, v and the output alike
   ids = None if segment_ids is None else P(batch or None, seq)
-  # check_vma=False: the attention's forward and backward are explicit (one custom_vjp), and
-  # remat's partial evaluation of a layer re-binds the Pallas kernels' unchecked regions
-  # with the checks on, which they fail.
+  # check_vma=False: the one call inside is the attention's explicit forward and backward (one
+  # custom_vjp), which needs no type checks.
   return jax.shard_map(lambda q, k, v, ids: attend(q, k, v, ids, seq), mesh=mesh,
                        in_specs=(spec, spec, spec, ids), out_specs=spec,
                        check_vma=False)(q, k, v, segment_ids)

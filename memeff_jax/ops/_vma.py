@@ -12,6 +12,9 @@ import functools
 
 import jax
 from jax._src import config as _config  # check_vma's switch: no public spelling yet
+from jax.extend import core as jex_core
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 from memeff_jax.ops import _state
 
@@ -66,12 +69,25 @@ def unchecked(fn):
 
 
 def _untyped(x):
-  """x with a type that names no manual axes (Mosaic GPU kernels refuse such inputs): with
-  the checks off, an elementwise product keeps no axes, and a product by one is removed by
-  XLA, so the bits are x's."""
+  """x with a type that names no manual axes (Mosaic GPU kernels refuse such inputs); the
+  same bits."""
   if not isinstance(x, jax.Array) or not _vma(x):
     return x
-  return jax.numpy.multiply(x, jax.numpy.ones((), x.dtype))
+  return _untyped_p.bind(x)
+
+
+# The identity whose result type varies over no manual axis. A primitive of its own, so that
+# its type is the same whether check_vma is on or off: the region's jaxpr is re-traced with
+# the checks on wherever JAX transforms the program around it (the partial evaluation of
+# jax.checkpoint and of a scan's linearization), and an equation that drops the axes only
+# because the checks were off (x · 1) fails there.
+_untyped_p = jex_core.Primitive("memeff_untyped")
+_untyped_p.def_impl(lambda x: x)
+_untyped_p.def_abstract_eval(
+    lambda aval: jax.core.ShapedArray(aval.shape, aval.dtype, aval.weak_type,
+                                      sharding=aval.sharding))
+mlir.register_lowering(_untyped_p, lambda ctx, x: [x])
+batching.primitive_batchers[_untyped_p] = lambda args, dims: (_untyped_p.bind(*args), dims[0])
 
 
 def varying_like(tree, *refs):

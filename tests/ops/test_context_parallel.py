@@ -230,6 +230,30 @@ def test_ring_runs_pallas_kernels_under_check_vma():
   _close(grads(many), grads(one))
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_pallas_kernels_under_check_vma_remat_and_scan(strategy):
+  """Layers of interpreted Triton kernels under jax.checkpoint with a policy, in a scan,
+  inside shard_map(check_vma=True): remat's partial evaluation re-traces the kernels' region
+  with the checks on, and it still gives one device's gradients."""
+  q, k, v, _ = _problem(5, b=4, t=64, hq=2)
+  impl = PallasTriton(interpret=True)
+  policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+  def layers(context):
+    attend = lambda q, k, v: memeff_jax.flash_attention(q, k, v, causal=True, implementation=impl,
+                                                        **context)
+    return lambda q, k, v: jax.lax.scan(
+        lambda x, _: (jax.checkpoint(attend, policy=policy)(x, k, v), None), q, None,
+        length=2)[0]
+
+  mesh = _mesh((4, 2), ("data", "context"), AxisType.Auto)
+  many = shard_map(layers(dict(context_axis="context", context_strategy=strategy)),
+                   mesh=mesh, in_specs=(P("data", "context"),) * 3,
+                   out_specs=P("data", "context"), check_vma=True)
+  grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2)))(q, k, v)
+  _close(grads(many), grads(layers({})))
+
+
 def test_zigzag_round_trips():
 
   x = jnp.arange(2 * 16).reshape(2, 16)
