@@ -23,9 +23,9 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   train      the 1B model's train step (batch 4 × 4096 per data shard), memeff and plain
              (cuDNN attention) layers, on data × fsdp and fsdp × tensor meshes
              (models.sharding); ms per step, efficiency from tokens/s per device.
-  context-train  the 1B model's train step on one sequence of 32k and 128k tokens, over a
-             "context" axis of n devices in the zig-zag order (all_gather, and the ring at
-             the longest); memeff layers (cuDNN attention cannot shard the sequence). Tokens/s
+  context-train  the 1B model's train step on one sequence of 32k and 128k tokens (or
+             --lengths), over a "context" axis of n devices in the zig-zag order
+             (all_gather, and the ring at the longest); memeff layers (cuDNN attention cannot shard the sequence). Tokens/s
              per device against one device's at the same length, its peak memory, and the
              first and last losses (the same data and parameters on every mesh); ms per
              step; a length one device cannot hold is recorded as out of memory. Not in the
@@ -260,9 +260,11 @@ def context_train_rows(shape: dict, devices: list[int], env: dict, out) -> list[
 
 
 def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
-        match: str = "") -> list[dict]:
+        match: str = "", lengths: tuple[int, ...] | None = None) -> list[dict]:
   env, rows = _harness.environment(), []
   shapes = SHAPES[small]
+  if lengths:
+    shapes = dict(shapes, context_train=dict(shapes["context_train"], lengths=lengths))
   plans = []  # (case, make(n) -> {provider: (fn, args)}, work(n): the problem's size)
   for case in cases:
     if case == "attention":
@@ -316,6 +318,8 @@ def main(argv=None):
   parser.add_argument("--small", action="store_true", help="CPU-sized shapes")
   parser.add_argument("--match", default="", help="only the op cases whose name has a match "
                       "for this regular expression (e.g. 'zigzag-8k')")
+  parser.add_argument("--lengths", default="", help="context-train's sequence lengths, e.g. "
+                      "393216 (one that a single device cannot hold; default 32k and 128k)")
   parser.add_argument("--out", default=str(_harness.RESULTS / "scaling.jsonl"))
   args = parser.parse_args(argv)
   counts = ([int(c) for c in args.devices.split(",")] if args.devices else
@@ -323,7 +327,8 @@ def main(argv=None):
   if max(counts) > jax.device_count():
     raise SystemExit(f"--devices {args.devices}: this process sees {jax.device_count()}")
   print(f"scaling on {jax.device_count()} × {jax.devices()[0].device_kind}")
-  run(args.cases.split(","), counts, args.rounds, args.small, args.out, args.match)
+  run(args.cases.split(","), counts, args.rounds, args.small, args.out, args.match,
+      tuple(int(t) for t in args.lengths.split(",") if t))
 
 
 if __name__ == "__main__":
