@@ -25,11 +25,11 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
              (models.sharding); ms per step, efficiency from tokens/s per device.
   context-train  the 1B model's train step on one sequence of 32k and 128k tokens (or
              --lengths), over a "context" axis of n devices in the zig-zag order
-             (all_gather, and the ring at the longest); memeff layers (cuDNN attention cannot shard the sequence). Tokens/s
-             per device against one device's at the same length, its peak memory, and the
-             first and last losses (the same data and parameters on every mesh); ms per
-             step; a length one device cannot hold is recorded as out of memory. Not in the
-             default cases.
+             (all_gather, and the ring at the longest); memeff layers (cuDNN attention
+             cannot shard the sequence). Tokens/s per device against one device's at the
+             same length, its peak memory, and the first and last losses (the same data and
+             parameters on every mesh); ms per step; a length one device cannot hold is
+             recorded as out of memory. Not in the default cases.
 
 `--small` runs shapes a CPU can take (tests and a dry run: XLA_FLAGS=
 --xla_force_host_platform_device_count=8 before the run). Rows (op="scaling": case,
