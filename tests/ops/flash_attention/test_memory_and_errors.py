@@ -175,9 +175,6 @@ def test_interpret_mode_kernels_run_under_x64():
   q, k, v = _problem(jax.random.key(4), 1, 32, 32, 2, 1, 16)
   with jax.enable_x64(True):  # under jit too: the interpreter runs at lowering, with x64 on
     got = _value_and_grads(PallasTriton(interpret=True), q, k, v, jit=True, causal=True)
-    eager = _value_and_grads(PallasTriton(interpret=True), q, k, v, jit=False, causal=True)
-  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(eager)):
-    np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
   want = _value_and_grads("reference", q, k, v, causal=True)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
