@@ -251,15 +251,6 @@ class TestChunkedXla(_LinearCrossEntropyTest):
     # 87 tokens fit; 48 chunks are needed either way, so they are balanced at 86.
     assert impl.plan(4096, 1000, None) == (86, 1000)
 
-  def test_gpu_chunks_hold_the_tuned_tokens(self):
-    """256 MiB of bf16 logits, or min_chunk_tokens' worth where that holds fewer tokens."""
-    impl = PallasMosaicGpu()
-    assert impl.plan(16384, 128256, 2, None) == 1024  # Llama-3: 256 MiB holds 1,046
-    assert impl.plan(16384, 256000, 2, None) == 1024  # Gemma-2: 0.5 GiB for 1,024
-    assert impl.plan(16384, 152064, 2, None) == 1024  # Qwen2.5: 768 at 256 MiB
-    assert impl.plan(16384, 32768, 2, None) == 4096
-    assert PallasMosaicGpu(memory_budget_bytes=256 * 2**20).plan(16384, 256000, 2, None) == 512
-
   def test_balanced_chunk(self):
     from memeff_jax.ops.linear_cross_entropy._chunked import balanced_chunk
     assert balanced_chunk(16384, 1024) == 1024
@@ -708,3 +699,14 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   f32 = lambda: PallasMosaicGpu().auto_gemms(
       131072, (1024, 4096, 128256, jnp.float32, jnp.float32, "dv"), exp=False, sms=132)
   assert f32() == cublas  # a float32 weight: "weight" accumulates in float32 already
+
+
+def test_gpu_chunks_hold_the_tuned_tokens():
+  """pallas_mosaic_gpu's chunk: 256 MiB of bf16 logits, or min_chunk_tokens' worth where
+  that holds fewer tokens; an explicit memory budget is kept."""
+  impl = PallasMosaicGpu()
+  assert impl.plan(16384, 128256, 2, None) == 1024  # Llama-3: 256 MiB holds 1,046
+  assert impl.plan(16384, 256000, 2, None) == 1024  # Gemma-2: 0.5 GiB for 1,024
+  assert impl.plan(16384, 152064, 2, None) == 1024  # Qwen2.5: 768 at 256 MiB
+  assert impl.plan(16384, 32768, 2, None) == 4096
+  assert PallasMosaicGpu(memory_budget_bytes=256 * 2**20).plan(16384, 256000, 2, None) == 512
