@@ -28,10 +28,15 @@ def _vma(x) -> frozenset:
   return frozenset(getattr(aval, "vma", ()) or ())
 
 
+def checking() -> bool:
+  """Whether check_vma's checks are on (inside jax.shard_map(check_vma=True))."""
+  return bool(_config._check_vma.value)  # pylint: disable=protected-access
+
+
 def _axes(refs) -> frozenset:
   """The manual axes any array of `refs` varies over; none where check_vma is off (types
   then carry no such axes: inside shard_map(check_vma=False) and inside `unchecked`)."""
-  if not _config._check_vma.value:  # pylint: disable=protected-access
+  if not checking():
     return frozenset()
   arrays = (r for r in jax.tree.leaves(refs) if isinstance(r, jax.Array))
   return frozenset().union(*(_vma(r) for r in arrays))
@@ -101,6 +106,19 @@ def _marked(tree, axes: frozenset):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(mark, tree) if axes else tree
+
+
+def invariant_over(tree, axis):
+  """`tree`'s arrays typed invariant over the manual axes `axis` (a name or a tuple) where
+  they vary over them: for values every shard of those axes holds alike (a pmax of equal
+  values, which changes no bit)."""
+  axes = frozenset((axis,) if isinstance(axis, str) else axis)
+
+  def fix(x):
+    over = tuple(sorted(axes & _vma(x))) if isinstance(x, jax.Array) else ()
+    return jax.lax.pmax(x, over) if over else x
+
+  return jax.tree.map(fix, tree)
 
 
 def cotangents_like(cts, primals):

@@ -288,6 +288,63 @@ def test_loss_vocab_parallel_in_shard_map(mesh, check_vma, kw):
   _close(grads, jax.grad(obj(want), argnums=(0, 1, 2))(x, w, b), 1e-5)
 
 
+_VOCAB_IMPLEMENTATIONS = {
+    "reference": "reference",
+    "pallas_softmax": memeff_jax.ops.linear_cross_entropy.PallasMosaicGpu(interpret=True,
+                                                                         exp_logits=False),
+    "pallas_exp_logits": memeff_jax.ops.linear_cross_entropy.PallasMosaicGpu(interpret=True,
+                                                                            exp_logits=True),
+}
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("impl, scale, kw", [
+    ("reference", 1.0, dict(label_smoothing=0.1, z_loss=1e-3, bias=True)),
+    ("pallas_softmax", 1.0, dict(label_smoothing=0.1, logit_softcap=5.0)),
+    ("pallas_exp_logits", 1.0, dict(z_loss=1e-3)),
+    ("pallas_exp_logits", 40.0, dict()),  # lse > 60 on most rows: the softmax fallback
+    ("pallas_exp_logits", 1.0, dict(reduction="none", return_aux=True))])
+def test_loss_vocab_parallel_implementations(mesh, check_vma, impl, scale, kw):
+  """Vocab parallel in shard_map by the reference (JAX's autodiff through the merge) and
+  the GPU loss's kernels in interpret mode: the softmax pass on merged statistics, and
+  exp_logits merging E's row sums (its fallback too), against one device."""
+  x, w, y, b, _ = _vocab_problem(9)
+  x = x * scale
+  _, ref = _vocab_call(dict(kw, implementation="reference"), y, b, None)
+  kw, call = _vocab_call(dict(kw, implementation=_VOCAB_IMPLEMENTATIONS[impl]), y, b, None)
+  none = kw.get("reduction") == "none"
+  per_shard = lambda out: jax.tree.leaves(out)[0] if none else jax.tree.leaves(out)[0][None]
+  sharded = shard_map(
+      lambda x, w, b, y_: per_shard(call(x, w, b, y_, vocab_axis="model")), mesh=mesh,
+      in_specs=(P("data"), P(None, "model"), P("model"), P("data")), out_specs=P("data"),
+      check_vma=check_vma)
+  got = lambda x, w, b: sharded(x, w, b, y)
+
+  def want(x, w, b):  # the reference on one device, each 'data' shard's tokens on their own
+    return jnp.concatenate([per_shard(ref(x[r:r + 2], w, b, y[r:r + 2]))
+                            for r in range(0, 8, 2)])
+
+  obj = lambda f: lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b)))
+  values, grads, _, _ = _run(got, obj(got), (0, 1, 2), x, w, b)
+  _close(values, want(x, w, b), 1e-4)
+  _close(grads, jax.grad(obj(want), argnums=(0, 1, 2))(x, w, b), 1e-4)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_loss_vocab_parallel_runs_three_matmuls(mesh, check_vma):
+  """A vocabulary shard's loss and gradients cost the single-device loss's three matmuls on
+  its slice: the statistics are merged inside the chunk loop, never a second logits pass
+  for a global log-sum-exp; dx is summed over 'model' once."""
+  x, w, y, _, _ = _vocab_problem(11)
+  loss = lambda x, w, y: jax.lax.psum(memeff_jax.linear_cross_entropy(
+      x, w, y, reduction="sum", vocab_axis="model", chunk_size=8), "data")
+  step = shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh,
+                   in_specs=(P("data"), P(None, "model"), P("data")),
+                   out_specs=(P("data"), P(None, "model")), check_vma=check_vma)
+  text = jax.jit(step).lower(x, w, y).compile().as_text()
+  assert text.count(" dot(") == 3, text.count(" dot(")
+
+
 @pytest.mark.parametrize("w_axis, kw", [(None, dict(reduction="sum")), ("model", _VOCAB_OPTIONS[1]),
                                          ("model", _VOCAB_OPTIONS[2]),
                                          ("model", dict(weight_layout="vd", where=True)),
@@ -472,11 +529,15 @@ def test_attention_kernels_lower_for_cuda_in_shard_map(mesh, monkeypatch, check_
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_loss_kernels_lower_for_cuda_in_shard_map(mesh, monkeypatch, check_vma):
   """The GPU loss's softmax kernels in the chunk loop (the GEMMs on cuBLAS) with the tokens
-  over 'data' and the vocabulary over 'model', lowered for CUDA on this host."""
+  over 'data' and the vocabulary over 'model', lowered for CUDA on this host: the slice's
+  statistics, their merge and G, two passes. (exp_logits' conditional fallback GEMM, which
+  writes into a mutable array, does not trace on CPU jaxlib 0.10; tests/ops/test_meshes_gpu.py
+  runs it.)"""
   from memeff_jax.kernels import hopper  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(hopper, "unavailable", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
-  impl = memeff_jax.ops.linear_cross_entropy.PallasMosaicGpu(dw_accumulation="weight")
+  impl = memeff_jax.ops.linear_cross_entropy.PallasMosaicGpu(dw_accumulation="weight",
+                                                             exp_logits=False)
   loss = lambda x, w, y: jax.lax.psum(memeff_jax.linear_cross_entropy(
       x, w, y, reduction="sum", vocab_axis="model", implementation=impl), "data")
   step = shard_map(jax.value_and_grad(loss, argnums=(0, 1)), mesh=mesh,
@@ -486,4 +547,4 @@ def test_loss_kernels_lower_for_cuda_in_shard_map(mesh, monkeypatch, check_vma):
   w = jax.ShapeDtypeStruct((1024, 65536), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((8192,), jnp.int32)
   text = jax.jit(step).trace(x, w, y).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triton" in text
+  assert text.count("linear_cross_entropy_lse") and text.count("linear_cross_entropy_softmax_grad")

@@ -9,6 +9,12 @@ Both implementations walk the tokens in chunks of `token_chunk` and hand each ch
 
 `grads` computes G (see _common) for the chunk and applies the two matmuls that consume it,
 accumulating dW and db into the running sums it is given. Nothing of size [N, V] exists.
+
+Vocab parallel (`Static.vocab`, see _vocab_parallel): W is this shard's slice of the
+vocabulary and the backend's options name the slice. It is given the labels local to the
+slice, and `grads` a `vocab=` (VocabShards) whose merge turns the chunk's statistics into
+the whole vocabulary's before G is made; `stats` is merged here. Each shard's dx is its
+slice's share (summed by cotangents_like under check_vma, else by the caller).
 A backend with `first_chunk_writes_dw = True` is given dw_acc=None for the first chunk,
 which runs before the loop, and returns that chunk's dW as the running sum (no zero-filled
 dW to add to).
@@ -44,6 +50,7 @@ from memeff_jax.ops import _checks
 from memeff_jax.ops import _vma
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
+from memeff_jax.ops.linear_cross_entropy._vocab_parallel import VocabShards
 from memeff_jax.kernels.mosaic_gemm import Rows
 
 
@@ -51,8 +58,9 @@ class Static(NamedTuple):
   """Hashable, static half of a call."""
 
   backend: Any  # a frozen dataclass with .stats / .grads / .dw_dtype(weight), .implementation
-  opts: LossOptions
+  opts: LossOptions  # the whole vocabulary's (the backend's name its slice's, vocab parallel)
   token_chunk: int
+  vocab: VocabShards | None = None  # W's vocabulary sharded over these axes
 
 
 class Residuals(NamedTuple):
@@ -139,6 +147,11 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   )
   carry = _vma.varying_like(carry, x, w, bias, labels, a, e, lse, reduced)
   kernels = _vma.unchecked if getattr(backend, "runs_kernels", False) else lambda f: f
+  vocab = static.vocab
+  if vocab is not None:  # the labels' ids within this shard's slice of the vocabulary
+    offset = vocab.offset(backend.opts.vocab_size)
+  local = (lambda labels_c: labels_c) if vocab is None else (lambda labels_c: labels_c - offset)
+  parallel = {} if vocab is None else {"vocab": vocab}
 
   def body(i, carry):
     stats, dx, dw, db = carry
@@ -157,15 +170,17 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
         a_c, e_c = (jnp.where(fresh, sl(t), 0.0) for t in (a, e))
       into = {"dx_into": Rows(dx, i, chunk)} if "dx" in rows and need_dx else {}
       chunk_stats, dx_c, dw, db = kernels(backend.grads)(
-          x_c, w, bias, labels_c, a_c, e_c, None if lse is None else sl(lse),
-          dw, db, (need_dx, need_dw, need_db), **into)
+          x_c, w, bias, local(labels_c), a_c, e_c, None if lse is None else sl(lse),
+          dw, db, (need_dx, need_dw, need_db), **into, **parallel)
       if into:
         dx = dx_c
       elif need_dx:
         dx_c = jnp.where(fresh[:, None], dx_c.astype(dx.dtype), sl(dx))
         dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, axis=0)
     else:
-      chunk_stats = kernels(backend.stats)(x_c, w, bias, labels_c)
+      chunk_stats = kernels(backend.stats)(x_c, w, bias, local(labels_c))
+      if vocab is not None:
+        chunk_stats = vocab.merge(Stats(*chunk_stats))
     if reduced is not None:
       per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts)
       stats = stats + _common.reduced_sum(per_token, counted, reduced.scale)
@@ -203,9 +218,14 @@ def chunked_loss(static: Static, x, w, bias, labels, valid):
     scale = _common.valid_scale(valid, static.opts.reduction)
     loss, *_ = run_chunks(static, x, w, bias, labels,
                           reduced=Reduced(valid, scale, grads=False))
-    return loss, None, None
+    return _alike(static, (loss, None, None))
   stats, *_ = run_chunks(static, x, w, bias, labels)
-  return _common.finish(stats, _common.int32_labels(labels), valid, static.opts)
+  return _alike(static, _common.finish(stats, _common.int32_labels(labels), valid, static.opts))
+
+
+def _alike(static: Static, out):
+  """The outputs, which every shard of a vocabulary axis computes alike, typed so."""
+  return out if static.vocab is None else static.vocab.invariant(out)
 
 
 def _fwd(static: Static, x, w, bias, labels, valid):
@@ -220,12 +240,13 @@ def _fwd(static: Static, x, w, bias, labels, valid):
     scale = _common.valid_scale(valid, opts.reduction)
     loss, *grads = run_chunks(static, x, w, bias, labels,
                               reduced=Reduced(valid, scale, grads=True), need=need)
-    return (loss, None, None), Residuals(x, w, bias, labels, valid, None, *grads)
+    return _alike(static, (loss, None, None)), Residuals(x, w, bias, labels, valid, None,
+                                                         *grads)
   else:  # scalar loss: gradients now, for a unit cotangent.
     r = _common.token_scale(valid, opts.reduction)
     stats, *grads = run_chunks(static, x, w, bias, labels, a=r, e=jnp.zeros_like(r),
                                need=need)
-  out = _common.finish(stats, _common.int32_labels(labels), valid, opts)
+  out = _alike(static, _common.finish(stats, _common.int32_labels(labels), valid, opts))
   return out, Residuals(x, w, bias, labels, valid, stats.lse, *grads)
 
 
@@ -243,6 +264,8 @@ def _add(t, u):
 
 def _bwd(static: Static, res: Residuals, cts):
   g_loss, g_lse, g_z = map(_nonzero, cts)
+  if static.vocab is not None:
+    g_loss, g_lse, g_z = static.vocab.cotangents(g_loss, g_lse, g_z)
   res, g_loss, g_lse, g_z = _checks.first_order_only(static.backend.implementation, res, g_loss, g_lse,
                                                      g_z)
   opts = static.opts

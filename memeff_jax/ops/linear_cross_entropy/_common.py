@@ -45,6 +45,14 @@ class LossOptions:
   # the chunked implementations reduce a mean/sum loss inside their chunk loop and hold no
   # [N] statistics.
   aux_outputs: bool = True
+  # Vocab parallel: a shard's options name its slice's size in vocab_size and the whole
+  # vocabulary's here, over which label smoothing spreads ε; None: vocab_size is the whole.
+  whole_vocab: int | None = None
+
+  @property
+  def smoothing_vocab(self) -> int:
+    """V of label smoothing's ε / V: the whole vocabulary's size."""
+    return self.whole_vocab or self.vocab_size
 
 
 class Stats(NamedTuple):
@@ -88,6 +96,11 @@ def dw_dot(x, g, layout: str, out_dtype) -> jax.Array:
   if layout == "dv":
     return jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=out_dtype)
   return jax.lax.dot_general(g, x, (((0,), (0,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def vocab_of(w, opts) -> int:
+  """The number of vocabulary columns `w` holds (a shard's slice, vocab parallel)."""
+  return int(w.shape[1] if opts.weight_layout == "dv" else w.shape[0])
 
 
 def vocab_slice(w, start, size: int, layout: str):
@@ -161,7 +174,7 @@ def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions, *, padded: bool =
   b = grad_scale(a, e, lse, opts)
   g = b[:, None] * jnp.exp(zc - lse[:, None])
   if eps:
-    g = g - (a * (eps / opts.vocab_size))[:, None]
+    g = g - (a * (eps / opts.smoothing_vocab))[:, None]
   if labels is not None:
     hit = cols[None, :] == labels[:, None]
     g = jnp.where(hit, g - (a * (1.0 - eps))[:, None], g)
@@ -194,7 +207,7 @@ def token_loss(stats: Stats, labels, valid, opts: LossOptions):
   eps = opts.label_smoothing
   ce = stats.lse - (1.0 - eps) * label_logit
   if eps:
-    ce = ce - eps / opts.vocab_size * stats.logit_sum
+    ce = ce - eps / opts.smoothing_vocab * stats.logit_sum
   # Without a z-loss the term is 0, not 0·lse² (NaN where lse overflowed).
   zterm = opts.z_loss * jnp.square(stats.lse) if opts.z_loss else jnp.zeros_like(stats.lse)
   return jnp.where(valid, ce + zterm, 0.0), jnp.where(valid, zterm, 0.0)

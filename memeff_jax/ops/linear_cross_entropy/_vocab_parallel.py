@@ -1,68 +1,82 @@
 """Linear cross-entropy with the vocabulary sharded over a mesh axis (Megatron's vocab-parallel
-loss), run per shard inside `jax.shard_map`.
+loss), run per shard inside `jax.shard_map` or `custom_partitioning`.
 
-Each shard holds W's columns [o, o + V_s) (and the bias's) and every token. It runs the fused
-loss on its slice, which gives each token's log-sum-exp over the slice, lse_s, as a
-differentiable output; the shards' slices then merge through [N]-sized collectives only:
+Each shard holds W's columns [o, o + V_s) (and the bias's) and every token. The chunked
+implementations merge each token chunk's row statistics across the axis inside their chunk
+loop, between the logits GEMM and G (see _chunked):
 
-  lse   = m + log Σ_s exp(lse_s − m)          m = max_s lse_s (pmax; a constant for autodiff)
-  z_y   = Σ_s [y ∈ slice s] ẑ(x · W[:, y] + b_y)   (psum; ẑ the softcap)
-  Σ_v ẑ = Σ_s V_s · (lse_s − loss_s)         label smoothing's term: the slice's loss with
-                                             ε = 1 is lse_s − mean_v ẑ
-  loss  = lse − (1 − ε) z_y − (ε / V) Σ_v ẑ + λ lse²   (_common.finish, as on one device)
+  1. z = x_c · W_s, the slice's statistics: lse_s, the label logit where the label is in
+     the slice (else 0), Σ_v ẑ for label smoothing;
+  2. merged over the axis through [C]-sized collectives only (`VocabShards.merge`):
+       lse = m + log Σ_s exp(lse_s − m)      m = max_s lse_s (pmax)
+     and psums of the label logit and Σ_v ẑ;
+  3. G of the slice with the global lse: exp(ẑ − lse) is the global softmax restricted to
+     the slice, so dx_c = G W_sᵀ is the slice's share of dx and dW_s = x_cᵀ G is exactly
+     dW's slice.
 
-Autodiff through these gives each slice exactly its part of the single-device gradient:
-∂lse/∂lse_s = exp(lse_s − lse), so the slice's logits get exp(ẑ − lse), the global softmax;
-dW and the bias stay local, and dx (a sum over the slices) is summed over the axis by
-shard_map's transpose of the replicated x. Nothing of size [N, V] or [D, V] crosses devices.
+So a shard runs the single-device loss's three matmuls on its slice (no logits recomputed
+for a global lse), dW and the bias's gradient stay local, and each shard's dx is its
+slice's share, summed over the axis once: by `_vma.cotangents_like` under check_vma (x is
+invariant over the axis, its share varies), by shard_map's own transpose of a replicated
+input without it, by _partition under custom_partitioning. Nothing of size [N, V] or
+[D, V] crosses devices.
+
+Every shard computes the same loss. Under shard_map with check_vma off, JAX's transpose
+hands each shard 1/n of a replicated output's cotangent (its psum transposes to the psum
+that adds the shares back), so the backward sums the cotangents over the axis first
+(`cotangent_shares`); under check_vma, and per shard of custom_partitioning, each shard
+gets the whole cotangent.
+
+The reference merges the same statistics of its whole slice and is differentiated by JAX.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from memeff_jax.ops.linear_cross_entropy._common import Stats
+from memeff_jax.ops import _vma
+from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
 
 
-def shared_sum(x, axis):
-  """psum for a per-shard context without shard_map's bookkeeping (custom_partitioning's): the
-  sum is used alike by every shard downstream, so its cotangent is the same on each and
-  passes through unchanged (JAX's psum transposes to another psum there)."""
-  @jax.custom_vjp
-  def total(x):
-    return jax.lax.psum(x, axis)
+@dataclasses.dataclass(frozen=True)
+class VocabShards:
+  """The mesh axis (or axes) W's vocabulary is sharded over; hashable, for a custom_vjp's
+  static arguments."""
 
-  total.defvjp(lambda x: (jax.lax.psum(x, axis), None), lambda _, ct: (ct,))
-  return total(x)
+  axis: str | tuple[str, ...]
+  cotangent_shares: bool = False  # the outputs' cotangents arrive split over the axis
 
+  def offset(self, v_local: int) -> jax.Array:
+    """The first global class id of this shard's slice of `v_local` columns."""
+    return jax.lax.axis_index(self.axis) * v_local
 
-def stats(x, weight, bias, labels, valid, *, axis, weight_layout: str, smoothing: bool,
-          logit_softcap, loss_fn, psum=jax.lax.psum) -> Stats:
-  """Every token's Stats over the whole vocabulary, for `weight`/`bias` this shard's slice of
-  it along `axis` (_common.finish makes the loss of them). labels: [N] int32 global class
-  ids; valid: [N] bool. loss_fn(x, weight, labels, bias, label_smoothing) -> (per-token loss,
-  lse): the single-device fused loss (no z-loss, reduction "none") on the slice."""
-  v_local = weight.shape[1] if weight_layout == "dv" else weight.shape[0]
-  offset = jax.lax.axis_index(axis) * v_local
-  # The slice's lse (and with smoothing, its mean logit): every token, any label in range.
-  slice_loss, lse_s = loss_fn(x, weight, jnp.zeros_like(labels), bias, 1.0 if smoothing else 0.0)
-  m = jax.lax.pmax(jax.lax.stop_gradient(lse_s), axis)
-  lse = m + jnp.log(psum(jnp.exp(lse_s - m), axis))
+  def options(self, opts: LossOptions, v_local: int) -> LossOptions:
+    """A shard's options: its slice's size, and the whole vocabulary's for label smoothing."""
+    return dataclasses.replace(opts, vocab_size=int(v_local), whole_vocab=opts.vocab_size)
 
-  # The label's logit, from the shard that holds its column.
-  local = labels - offset
-  mine = valid & (local >= 0) & (local < v_local)
-  idx = jnp.clip(local, 0, v_local - 1)
-  cols = jnp.take(weight, idx, axis=1).T if weight_layout == "dv" else jnp.take(weight, idx, 0)
-  z = jnp.sum(x.astype(jnp.float32) * cols.astype(jnp.float32), axis=-1)
-  if bias is not None:
-    z = z + jnp.take(bias, idx).astype(jnp.float32)
-  if logit_softcap is not None:
-    z = logit_softcap * jnp.tanh(z / logit_softcap)
-  label_logit = psum(jnp.where(mine, z, 0.0), axis)
+  def merge(self, local: Stats) -> Stats:
+    """The whole vocabulary's Stats from every shard's Stats of its slice (the label logit 0
+    where the label lies in another slice): a pmax and a psum of [3, C]."""
+    m = jax.lax.pmax(jax.lax.stop_gradient(local.lse), self.axis)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))  # all -inf: no −inf − −inf
+    s, label_logit, logit_sum = jax.lax.psum(
+        jnp.stack([jnp.exp(local.lse - m), local.label_logit, local.logit_sum]), self.axis)
+    return Stats(m + jnp.log(s), label_logit, logit_sum)
 
-  logit_sum = jnp.zeros_like(lse)
-  if smoothing:  # the slice's loss with ε = 1 is lse_s − Σ_v ẑ / V_s
-    logit_sum = psum(v_local * (lse_s - slice_loss), axis)
-  return Stats(lse, label_logit, logit_sum)
+  def sum(self, x):
+    return jax.lax.psum(x, self.axis)
+
+  def cotangents(self, *cts):
+    """The outputs' whole cotangents (None for a zero one) from what this shard was given."""
+    if not self.cotangent_shares:
+      return cts
+    return tuple(None if ct is None else self.sum(ct) for ct in cts)
+
+  def invariant(self, tree):
+    """`tree`'s arrays, which every shard of the axis holds alike, typed as invariant over it
+    under check_vma (a pmax of equal values: exact). A chunk loop's outputs are typed varying
+    over every axis its inputs vary over, W's vocabulary axis among them."""
+    return _vma.invariant_over(tree, self.axis)

@@ -15,6 +15,7 @@ from memeff_jax.ops import _auto
 from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops import _explicit
+from memeff_jax.ops import _vma
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy import _partition
 from memeff_jax.ops.linear_cross_entropy import _vocab_parallel
@@ -168,28 +169,16 @@ def _auto_partitions(vocab_axis, labels, x2, weight, d, implementations) -> bool
 
 
 def _compute(x2, weight, bias, labels2, valid, opts: LossOptions, implementations, chunk_size,
-             vocab_axis, psum=jax.lax.psum):
+             vocab_axis, in_shard_map: bool = True):
   """(loss, lse, z-loss term) of [N, D] tokens by the first implementation that serves them;
-  with vocab_axis, `weight` (and `bias`) are this shard's slice of opts.vocab_size, merged
-  by `psum` (see _vocab_parallel.stats)."""
-  if vocab_axis is None:
-    return _dispatch.first_that_serves(
-        implementations,
-        lambda impl: impl(x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size))
-  v_local = weight.shape[1] if opts.weight_layout == "dv" else weight.shape[0]
-
-  def slice_loss(x, w, labels, b, eps):  # per token over this shard's slice: (loss, lse)
-    local = dataclasses.replace(opts, vocab_size=int(v_local), reduction="none",
-                                label_smoothing=eps, z_loss=0.0, aux_outputs=True)
-    return _dispatch.first_that_serves(implementations, lambda impl: impl(
-        x, w, b, labels, jnp.ones_like(valid), opts=local, chunk_size=chunk_size))[:2]
-
-  stats = _vocab_parallel.stats(x2, weight, bias, labels2, valid, axis=vocab_axis,
-                                weight_layout=opts.weight_layout,
-                                smoothing=opts.label_smoothing > 0,
-                                logit_softcap=opts.logit_softcap, loss_fn=slice_loss,
-                                psum=psum)
-  return _common.finish(stats, labels2, valid, opts)
+  with vocab_axis, `weight` (and `bias`) are this shard's slice of opts.vocab_size (see
+  _vocab_parallel), inside jax.shard_map or (not in_shard_map) custom_partitioning."""
+  vocab = {}
+  if vocab_axis is not None:
+    shares = in_shard_map and not _vma.checking()
+    vocab = {"vocab": _vocab_parallel.VocabShards(vocab_axis, cotangent_shares=shares)}
+  return _dispatch.first_that_serves(implementations, lambda impl: impl(
+      x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size, **vocab))
 
 
 def _check_float(name, a):
@@ -374,7 +363,7 @@ def linear_cross_entropy(
   if _auto_partitions(vocab_axis, labels, x2, weight, d, implementations):
     def shard_loss(x, w, b, labels, valid, axis, reduction):  # W: a vocabulary slice
       return _compute(x, w, b, labels, valid, dataclasses.replace(opts, reduction=reduction),
-                      implementations, chunk_size, axis, psum=_vocab_parallel.shared_sum)
+                      implementations, chunk_size, axis, in_shard_map=False)
 
     name = getattr(implementations[0], "name", type(implementations[0]).__name__)
     if reduction != "none" and not return_aux:

@@ -22,6 +22,7 @@ from memeff_jax.ops import _vma
 from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
+from memeff_jax.ops.linear_cross_entropy._vocab_parallel import VocabShards
 
 # float32 logits + float32 G + G in the compute dtype, per logit element.
 _BYTES_PER_LOGIT = 12
@@ -65,10 +66,12 @@ class ChunkedXla:
     cols = max(128, budget // (tokens * _BYTES_PER_LOGIT) // 128 * 128)
     return tokens, min(cols, vocab)
 
-  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
-    tokens, cols = self.plan(x.shape[0], opts.vocab_size, chunk_size)
-    backend = XlaChunkBackend(opts=opts, vocab_chunk=cols)
-    return _chunked.chunked_loss(_chunked.Static(backend, opts, tokens),
+  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None,
+               vocab: VocabShards | None = None):
+    local = opts if vocab is None else vocab.options(opts, _common.vocab_of(weight, opts))
+    tokens, cols = self.plan(x.shape[0], local.vocab_size, chunk_size)
+    backend = XlaChunkBackend(opts=local, vocab_chunk=cols)
+    return _chunked.chunked_loss(_chunked.Static(backend, opts, tokens, vocab),
                                  x, weight, bias, labels, valid)
 
 
@@ -113,8 +116,10 @@ class XlaChunkBackend:
           init)
     return Stats(m + jnp.log(s), y, t)
 
-  def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need):
+  def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
+            vocab: VocabShards | None = None):
     need_dx, need_dw, need_db = need
+    shards = vocab
     opts, layout, vocab = self.opts, self.opts.weight_layout, self.opts.vocab_size
     single = self.vocab_chunk >= vocab
     # One vocabulary block, statistics wanted: form the logits once for both uses.
@@ -128,6 +133,8 @@ class XlaChunkBackend:
       stats = self.stats(x_c, w, bias, labels_c)
     else:  # the backward pass: statistics are known and not returned
       stats = Stats(lse_c, jnp.zeros_like(lse_c), jnp.zeros_like(lse_c))
+    if shards is not None and lse_c is None:  # G from the whole vocabulary's statistics
+      stats = shards.merge(stats)
     dx_c = jnp.zeros(x_c.shape, jnp.float32) if need_dx else None
 
     def block(start, size, carry):

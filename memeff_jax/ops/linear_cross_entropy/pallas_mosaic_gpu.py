@@ -43,6 +43,7 @@ from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy import triton_softmax
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
+from memeff_jax.ops.linear_cross_entropy._vocab_parallel import VocabShards
 
 
 GEMMS = ("logits", "dx", "dw")
@@ -247,7 +248,8 @@ class PallasMosaicGpu:
       tokens = tokens // 128 * 128
     return _chunked.balanced_chunk(n_tokens, tokens)
 
-  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
+  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None,
+               vocab: VocabShards | None = None):
     if triton_softmax.plgpu is None:
       raise _dispatch.Unsupported("jax.experimental.pallas.triton is not importable")
     if not self.interpret and not hopper.on_nvidia_gpu():
@@ -257,6 +259,8 @@ class PallasMosaicGpu:
           "Pallas interpreter")
     kernel = self.kernel or triton_softmax.SoftmaxKernelConfig(**_tuning.lookup(
         "linear_cross_entropy", "triton_softmax", fields=triton_softmax.SoftmaxKernelConfig))
+    whole, opts = opts, opts if vocab is None else vocab.options(opts, _common.vocab_of(weight,
+                                                                                        opts))
     pad = -opts.vocab_size % self.vocab_multiple
     tokens = self.plan(x.shape[0], opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize,
                        chunk_size)
@@ -273,7 +277,7 @@ class PallasMosaicGpu:
     if self.mosaic_gemms is None or self.dw_accumulation is None:
       gemms, accumulation = self.auto_gemms(x.shape[0], shapes, exp=wanted)
       return dataclasses.replace(self, mosaic_gemms=gemms, dw_accumulation=accumulation)(
-          x, weight, bias, labels, valid, opts=opts, chunk_size=chunk_size)
+          x, weight, bias, labels, valid, opts=whole, chunk_size=chunk_size, vocab=vocab)
     gemms = self.gemm_configs(*shapes)
     exp_logits, exp_gemm = False, None
     if wanted:
@@ -303,7 +307,7 @@ class PallasMosaicGpu:
       axis = 1 if opts.weight_layout == "dv" else 0
       weight = jnp.pad(weight, [(0, pad if i == axis else 0) for i in range(2)])
       bias = None if bias is None else jnp.pad(bias, (0, pad))
-    return _chunked.chunked_loss(_chunked.Static(backend, opts, tokens),
+    return _chunked.chunked_loss(_chunked.Static(backend, whole, tokens, vocab),
                                  x, weight, bias, labels, valid)
 
 
@@ -356,10 +360,13 @@ class ChunkBackend:
       z = (z.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x_c.dtype)
     return z
 
+  def _softmax(self, z, labels_c, *args, **kwargs):
+    """triton_softmax.softmax_pass over the chunk's logits with this backend's settings."""
+    return triton_softmax.softmax_pass(z, labels_c, *args, opts=self.opts, config=self.kernel,
+                                       interpret=self.interpret, **kwargs)
+
   def stats(self, x_c, w, bias, labels_c) -> Stats:
-    out = triton_softmax.softmax_pass(self._logits(x_c, w, bias), labels_c, opts=self.opts,
-                       config=self.kernel, interpret=self.interpret)
-    return Stats(*out)
+    return Stats(*self._softmax(self._logits(x_c, w, bias), labels_c))
 
   # The chunk loop runs the first chunk on its own with dw_acc=None: its GEMM writes dW, so
   # that dW is neither zero-filled (1 GiB at llama3-8b: 0.62 ms on an H200) nor read back
@@ -368,7 +375,7 @@ class ChunkBackend:
   runs_kernels = True  # Pallas kernels: traced without check_vma inside shard_map (_vma)
 
   def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
-            dx_into=None):
+            dx_into=None, vocab: VocabShards | None = None):
     need_dx, need_dw, need_db = need
     # dx's rows of the chunk, written in place (no [C, D] buffer where the dx GEMM is
     # Mosaic's); until then they are scratch, where fused_lse's partials or exp_logits'
@@ -378,7 +385,11 @@ class ChunkBackend:
       dx_rows = dx_into._replace(array=jax.new_ref(dx_into.array))
     scale = None  # exp_logits: the per-row factor of G that the buffer does not hold
     if self.exp_logits and lse_c is None:
-      g, scale, stats = self._exp_chunk(x_c, w, labels_c, a_c, e_c)
+      g, scale, stats = self._exp_chunk(x_c, w, labels_c, a_c, e_c, vocab)
+    elif vocab is not None and lse_c is None:  # the slice's statistics, merged, then G
+      z = self._logits(x_c, w, bias)
+      stats = vocab.merge(Stats(*self._softmax(z, labels_c)))
+      g, *_ = self._softmax(z, labels_c, a_c, e_c, stats.lse)
     else:
       if self.fused_lse and lse_c is None:
         fits = self._mosaic("dx") is not None and mosaic_gemm.stats_window_error(
@@ -387,9 +398,7 @@ class ChunkBackend:
                                    partials_into=dx_rows if fits else None)
       else:
         z, partials = self._logits(x_c, w, bias), None
-      g, *stats = triton_softmax.softmax_pass(
-          z, labels_c, a_c, e_c, lse_c, opts=self.opts, config=self.kernel,
-          interpret=self.interpret, partials=partials)
+      g, *stats = self._softmax(z, labels_c, a_c, e_c, lse_c, partials=partials)
       stats = Stats(*stats)
     dx_c, dw_acc = self._apply(g, x_c, w, dw_acc, (need_dx, need_dw), dx_rows, scale)
     if need_db:
@@ -483,7 +492,7 @@ class ChunkBackend:
     in_vocab = jnp.arange(e.shape[1]) < vocab
     return e.astype(x_c.dtype), jnp.sum(jnp.where(in_vocab, e, 0.0), axis=1)[None]
 
-  def _exp_chunk(self, x_c, w, labels_c, a_c, e_c):
+  def _exp_chunk(self, x_c, w, labels_c, a_c, e_c, vocab: VocabShards | None = None):
     """G of the chunk without a softmax pass: (buffer, scale, Stats) with G = diag(scale)
     buffer.
 
@@ -497,21 +506,34 @@ class ChunkBackend:
     over E, then the pass over it) and the scale is 1. That choice is made by the kernels
     themselves (their `enabled`, and the patch's indices dropped), not by lax.cond, whose
     branches would each copy the [C, V] buffer.
+
+    Vocab parallel, E's row sums need no shift to be merged: one psum gives the whole
+    vocabulary's, with the label logit and the label checks of the shard holding the label,
+    so every shard makes the same choice; the fallback merges its pass's statistics
+    (VocabShards.merge) before making G.
     """
     opts = self.opts
     rows = jnp.arange(labels_c.shape[0])
     e, partials = self._exp_logits(x_c, w)
-    lse = jnp.log(jnp.sum(partials, axis=0))  # -inf where every entry underflowed
     in_range = (labels_c >= 0) & (labels_c < opts.vocab_size)
     col = jnp.where(in_range, labels_c, 0)
     # The barrier keeps XLA from gathering E[n, y] again inside later fusions, after the
     # fallback may have written over E (which would make it copy E to keep it).
     e_y, e = jax.lax.optimization_barrier((e[rows, col].astype(jnp.float32), e))
+    z_y = jnp.log(e_y)
+    low = in_range & (a_c != 0) & (e_y < math.exp(MIN_LABEL_LOGIT))
+    # Per row: Σ E (0 where every entry underflowed), the label logit, whether the label is
+    # in the vocabulary and whether its entry is too small to patch.
+    rowwise = jnp.stack([jnp.sum(partials, axis=0), jnp.where(in_range, z_y, 0.0),
+                         in_range.astype(jnp.float32), low.astype(jnp.float32)])
+    if vocab is not None:
+      rowwise = vocab.sum(rowwise)
+    lse, label_logit = jnp.log(rowwise[0]), rowwise[1]
     b = _common.grad_scale(a_c, e_c, lse, opts)
-    counts, patch = (a_c != 0) | (b != 0), in_range & (a_c != 0)
+    counts, labelled = (a_c != 0) | (b != 0), (rowwise[2] > 0) & (a_c != 0)
     lo, hi = LSE_RANGE
     ok = (jnp.all(~counts | ((lse >= lo) & (lse <= hi)))
-          & jnp.all(~patch | ((b != 0) & (e_y >= math.exp(MIN_LABEL_LOGIT)))))
+          & jnp.all(~labelled | ((b != 0) & (rowwise[3] == 0))))
 
     # Fallback: the logits over E (every kernel a no-op where ok), then the softmax pass.
     if (config := self.exp_gemm) is not None:
@@ -522,17 +544,20 @@ class ChunkBackend:
       e = ref[...]
     else:  # interpret mode: XLA, which has no in-place conditional GEMM
       e = jnp.where(ok, e, self._logits(x_c, w, None))
-    e, *slow = triton_softmax.softmax_pass(e, labels_c, a_c, e_c, opts=opts, config=self.kernel,
-                            interpret=self.interpret, enabled=~ok)
+    if vocab is None:
+      e, *slow = self._softmax(e, labels_c, a_c, e_c, enabled=~ok)
+    else:
+      slow = vocab.merge(Stats(*self._softmax(e, labels_c, enabled=~ok)))
+      e, *_ = self._softmax(e, labels_c, a_c, e_c, slow.lse, enabled=~ok)
 
-    z_y = jnp.log(e_y)
+    patch = in_range & (a_c != 0)
     safe_b = jnp.where(b != 0, b, 1.0)
     entry = jnp.exp(lse) * (jnp.expm1(z_y - lse) + (1.0 - a_c / safe_b))
     target = jnp.where(ok, rows, rows + rows.shape[0])  # out of bounds: dropped
     e = e.at[target, col].set(jnp.where(patch, entry, e_y).astype(e.dtype), mode="drop",
                               unique_indices=True, indices_are_sorted=True)
     scale = jnp.where(counts, b * jnp.exp(-jnp.where(counts, lse, 0.0)), 0.0)
-    fast = Stats(lse, jnp.where(in_range, z_y, 0.0), jnp.zeros_like(lse))
+    fast = Stats(lse, label_logit, jnp.zeros_like(lse))
     stats = Stats(*(jnp.where(ok, f, s) for f, s in zip(fast, slow)))
     return e, jnp.where(ok, scale, 1.0), stats
 

@@ -14,9 +14,12 @@ import jax.numpy as jnp
 
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
+from memeff_jax.ops.linear_cross_entropy._vocab_parallel import VocabShards
 
 
 def reference_stats(x, weight, bias, labels, opts: LossOptions) -> Stats:
+  """Stats of every token over the vocabulary `weight` holds; the label logit 0 where the
+  label is outside it."""
   x = x.astype(jnp.float32)
   w = weight.astype(jnp.float32)
   z = x @ w if opts.weight_layout == "dv" else x @ w.T  # [N, V]
@@ -24,8 +27,9 @@ def reference_stats(x, weight, bias, labels, opts: LossOptions) -> Stats:
     z = z + bias.astype(jnp.float32)
   z = _common.cap_logits(z, opts.logit_softcap)
   lse = jax.nn.logsumexp(z, axis=-1)
-  safe = jnp.clip(labels, 0, opts.vocab_size - 1)
-  label_logit = jnp.take_along_axis(z, safe[:, None], axis=-1)[:, 0]
+  inside = (labels >= 0) & (labels < opts.vocab_size)
+  safe = jnp.where(inside, labels, 0)
+  label_logit = jnp.where(inside, jnp.take_along_axis(z, safe[:, None], axis=-1)[:, 0], 0.0)
   return Stats(lse, label_logit, jnp.sum(z, axis=-1))
 
 
@@ -35,8 +39,14 @@ class Reference:
 
   name: str = "reference"
 
-  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None):
+  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None,
+               vocab: VocabShards | None = None):
     del chunk_size  # the reference holds everything at once
     labels = _common.int32_labels(labels)
-    stats = reference_stats(x, weight, bias, labels, opts)
+    if vocab is None:
+      stats = reference_stats(x, weight, bias, labels, opts)
+    else:  # its slice's statistics, merged over the vocabulary's axis
+      v_local = _common.vocab_of(weight, opts)
+      stats = vocab.merge(reference_stats(x, weight, bias, labels - vocab.offset(v_local),
+                                          vocab.options(opts, v_local)))
     return _common.finish(stats, labels, valid, opts)
