@@ -10,7 +10,8 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   loss       weak scaling, data parallel: N=16,384 tokens per device at Llama-3-8B's head
              (D=4096, V=128,256), W replicated; fwd+bwd of memeff and the plain XLA loss
              (x @ W, optax), each with the dW all-reduce the step pays; that all-reduce of a
-             [D, V] bf16 array is also timed alone ("dw_allreduce").
+             [D, V] bf16 array is also timed alone ("dw_allreduce"), and each loss without
+             it (":local_dw": every device its own copy of W and its own dW).
   vocab      strong scaling, vocab parallel: N=16,384 tokens in all, W's vocabulary over
              "tensor"; memeff. Efficiency: one device's time / (n · n devices' time).
   context    context parallelism: B=1, T = 8k and 32k tokens per device (the sequence n·T over
@@ -172,12 +173,21 @@ def loss_cases(n: int, shape: dict, vocab_parallel: bool):
           P(None, "tensor") if vocab_parallel else P())
   y = put(jax.random.randint(ky, (tokens,), 0, vocab), P() if vocab_parallel else P("data"))
   grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
-  cases = {"memeff": (grad(lambda x, w, y: memeff_jax.linear_cross_entropy(x, w, y)),
-                      (x, w, y))}
+  memeff = lambda x, w, y: memeff_jax.linear_cross_entropy(x, w, y)
+  cases = {"memeff": (grad(memeff), (x, w, y))}
   if not vocab_parallel:
     plain = lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
         (x @ w).astype(jnp.float32), y).mean()
     cases["jax_naive"] = (grad(plain), (x, w, y))
+    # The same without the dW all-reduce: each device its own copy of W and its own dW
+    # (a stacked [n, D, V], one per device).
+    copies = jax.jit(lambda w: jnp.broadcast_to(w, (n, *w.shape)),
+                     out_shardings=NamedSharding(mesh, P("data")))(w)
+    for name, f in (("memeff", memeff), ("jax_naive", plain)):
+      local = jax.shard_map(lambda x, ws, y, f=f: f(x, ws[0], y)[None], mesh=mesh,
+                            in_specs=(P("data"),) * 3, out_specs=P("data"))
+      cases[f"{name}:local_dw"] = (grad(lambda x, ws, y, local=local: local(x, ws, y).sum()),
+                                   (x, copies, y))
     if n > 1:  # the dW all-reduce alone: a [D, V] sum over the data shards
       parts = put(jnp.zeros((n, d, vocab), dtype), P("data"))
       cases["dw_allreduce"] = (jax.jit(lambda p: p.sum(0), out_shardings=NamedSharding(

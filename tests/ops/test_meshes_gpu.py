@@ -20,6 +20,7 @@ from tests.ops.test_meshes import _run
 pytestmark = pytest.mark.gpu
 BF16 = jnp.bfloat16
 _MOSAIC = "mosaic_gpu"
+_TRITON = "__gpu$xla.gpu.triton"
 
 
 def _gpus() -> int:
@@ -135,7 +136,8 @@ def test_loss_tokens_and_vocab_sharded(mesh, w_axis, kw):
     args = (put(x, P("data")), put(w, w_spec))
     got, grads, collectives, text = _run(f, loss, (0, 1), *args)
     assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
-  assert _MOSAIC in text
+  # Mosaic GEMMs; with label smoothing cuBLAS around the Triton softmax kernel
+  assert _MOSAIC in text or _TRITON in text
   _assert_close(got, want, 2e-3)
   _assert_close(grads, want_grads, 2e-2)
   assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
