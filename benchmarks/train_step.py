@@ -2,6 +2,7 @@
 
     python benchmarks/train_step.py --config 1b [--kernels plain,plain_xla,memeff] [--steps 10]
     python benchmarks/train_step.py --config 125m --curve 1000 --batch 4
+    python benchmarks/train_step.py --config 1b --mesh data=2,fsdp=2 --batch 16
 
 Kernel sets (memeff_jax.models.llama): memeff; plain (Flax, optax, cuDNN attention);
 plain_xla (the same with XLA's attention). For each: tokens/s and peak device memory at the
@@ -11,6 +12,9 @@ batch where the compiled peak reaches the limit. Real runs at that batch and the
 confirm it (and step on from there if the prediction was off). Every run is a fresh process,
 so `peak_bytes_in_use` starts from zero and an out-of-memory failure only means "does not
 fit". JAX may use 95% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set).
+With `--mesh` (as `memeff-jax train --mesh` takes it) the step trains on that mesh of the
+host's devices; batches are global, searched in multiples of the data × fsdp shards, and the
+peak is the first device's.
 `--curve STEPS` instead trains each kernel set STEPS steps from the same parameters on the
 same data and keeps every step's loss (an op="train_curve" row each), to compare the curves.
 Rows go to benchmarks/results/train_step.jsonl (or --out).
@@ -37,6 +41,7 @@ def worker(args) -> None:
   from memeff_jax.cli import _config_path  # pylint: disable=import-outside-toplevel
   from memeff_jax.models import LlamaConfig  # pylint: disable=import-outside-toplevel
   from memeff_jax.models import run  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import sharding  # pylint: disable=import-outside-toplevel
 
   cfg, train_cfg = LlamaConfig.from_toml(_config_path(args.config))
   if args.remat_policy:
@@ -47,8 +52,10 @@ def worker(args) -> None:
     print(json.dumps(dict(compiled=True, predicted_peak_bytes=report.peak_bytes,
                           temp_bytes=report.temp_bytes)), flush=True)
 
+  mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh)) if args.mesh else None
   r = run.train(cfg, train_cfg, kernels=args.kernels, steps=args.steps, batch=args.batch,
-                seq_len=seq, show_progress=False, probe_batches=probes, on_compiled=compiled)
+                seq_len=seq, show_progress=False, probe_batches=probes, on_compiled=compiled,
+                mesh=mesh)
   stats = jax.devices()[0].memory_stats() or {}
   print(json.dumps(dict(kernels=args.kernels, batch=args.batch, seq_len=seq,
                         remat_policy=cfg.remat_policy,
@@ -62,7 +69,7 @@ def worker(args) -> None:
 
 def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | None,
             remat_policy: str | None = None, probe: tuple[int, ...] = (), runs_out=None,
-            keep_losses: bool = False):
+            keep_losses: bool = False, mesh: str | None = None):
   """One fresh-process run; its JSON row, or None if it did not run (out of memory).
   With `runs_out`, every run, fitting or not, is appended there as an op="train_step_run"
   row as soon as it ends."""
@@ -76,13 +83,15 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
     cmd += ["--probe", ",".join(map(str, probe))]
   if keep_losses:
     cmd += ["--keep-losses"]
+  if mesh:
+    cmd += ["--mesh", mesh]
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   record = dict(op="train_step_run", config=config, kernels=kernels, batch=batch,
-                remat_policy=remat_policy)
+                remat_policy=remat_policy, **({"mesh": mesh} if mesh else {}))
   prediction = [json.loads(l) for l in lines if l.startswith('{"compiled"')]
   lines = [l for l in lines if not l.startswith('{"compiled"')]
   if prediction:
@@ -126,35 +135,38 @@ def predict_largest(row: dict) -> int | None:
 
 
 def largest_batch(config, kernels, start, steps, seq_len, max_batch, start_fits=None,
-                  runs_out=None):
+                  runs_out=None, mesh: str | None = None, unit: int = 1):
   """Largest batch ≤ max_batch that runs, searched outward from `start` (a known-good batch
-  or a prediction): steps of 1, 2, 4, ... until the answer flips, then bisection."""
-  start = min(start, max_batch)
+  or a prediction): steps of 1, 2, 4, ... `unit`s (the batch's shards on a mesh) until the
+  answer flips, then bisection."""
+  runs = lambda k: measure(config, kernels, k * unit, steps, seq_len, runs_out=runs_out,
+                           mesh=mesh)
+  start, max_batch = max(min(start, max_batch) // unit, 1), max_batch // unit
   if start_fits is None:
-    start_fits = bool(measure(config, kernels, start, steps, seq_len, runs_out=runs_out))
+    start_fits = bool(runs(start))
   if start_fits:
     good, bad, step = start, None, 1
     while bad is None:
       if good + step > max_batch:
-        return good  # a lower bound: everything tried fits
-      if measure(config, kernels, good + step, steps, seq_len, runs_out=runs_out):
+        return good * unit  # a lower bound: everything tried fits
+      if runs(good + step):
         good, step = good + step, step * 2
       else:
         bad = good + step
   else:
     good, bad, step = 0, start, 1
     while good == 0 and bad - step >= 1:
-      if measure(config, kernels, bad - step, steps, seq_len, runs_out=runs_out):
+      if runs(bad - step):
         good = bad - step
       else:
         bad, step = bad - step, step * 2
   while bad - good > 1:
     mid = (good + bad) // 2
-    if measure(config, kernels, mid, steps, seq_len, runs_out=runs_out):
+    if runs(mid):
       good = mid
     else:
       bad = mid
-  return good
+  return good * unit
 
 
 def main(argv=None):
@@ -172,6 +184,8 @@ def main(argv=None):
                  help="start the largest-batch search here instead of at the prediction")
   p.add_argument("--curve", type=int, default=None, metavar="STEPS",
                  help="train STEPS steps per kernel set and keep every loss (no timing search)")
+  p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                 help="train on this mesh of the host's devices, e.g. data=2,fsdp=2")
   p.add_argument("--keep-losses", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_step.jsonl"))
@@ -182,10 +196,18 @@ def main(argv=None):
   from benchmarks import _harness  # pylint: disable=import-outside-toplevel
   from memeff_jax.cli import _config_path  # pylint: disable=import-outside-toplevel
   from memeff_jax.models import LlamaConfig  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import sharding  # pylint: disable=import-outside-toplevel
 
   _, train_cfg = LlamaConfig.from_toml(_config_path(args.config))
   batch = args.batch or train_cfg["batch"]
   env = _harness.environment()
+  mesh = {}
+  if args.mesh:  # global batches: whole multiples of the batch's shards
+    mesh = sharding.parse_mesh(args.mesh)
+    env = dict(env, mesh=mesh)
+  unit = mesh.get("data", 1) * mesh.get("fsdp", 1)
+  if batch % unit:
+    raise SystemExit(f"--batch {batch} must be a multiple of the data × fsdp shards ({unit})")
   if args.curve:
     for kernels in args.kernels.split(","):
       row = measure(args.config, kernels, batch, args.curve, args.seq_len, keep_losses=True)
@@ -194,7 +216,8 @@ def main(argv=None):
     return
   for kernels in args.kernels.split(","):
     row = measure(args.config, kernels, batch, args.steps, args.seq_len,
-                  probe=() if args.no_search else (2 * batch,), runs_out=args.out) or {}
+                  probe=() if args.no_search else (2 * batch,), runs_out=args.out,
+                  mesh=args.mesh) or {}
     row = {"op": "train_step", "config": args.config, "kernels": kernels, "batch": batch,
            **env, **row}
     if not args.no_search:
@@ -204,7 +227,8 @@ def main(argv=None):
       start = args.search_from or predicted
       row["largest_batch"] = largest_batch(
           args.config, kernels, start or batch, 2, args.seq_len, args.max_batch,
-          start_fits=None if start else "tokens_per_s" in row, runs_out=args.out)
+          start_fits=None if start else "tokens_per_s" in row, runs_out=args.out,
+          mesh=args.mesh, unit=unit)
       print(f"  {kernels}: largest batch that fits: {row['largest_batch']}", flush=True)
     _harness.append(args.out, [row])
 
