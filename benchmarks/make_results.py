@@ -202,9 +202,10 @@ def train_step_section() -> tuple[list[str], str | None]:
          "`peak_bytes_in_use` of the device, tokens/s over the steps after the first. "
          "Predicted peak: `memeff_jax.memory.analyze` of the compiled step. Layers: "
          + "; ".join(f"{v}" for v in LAYERS.values()) + " (memeff_jax.models.llama).", ""]
-  for (config, device), group in _by_run(rows, "config", "device"):
+  for (config, mesh, device), group in _by_run(rows, "config", "mesh", "device"):
     runs_ = [r for r in group if r["op"] == "train_step_run" or "tokens_per_s" in r]
-    out += [f"**{config}** on {device} (jax {group[0]['jax']})", "",
+    where = f"on {device}" if mesh is None else f"on a {_mesh_name(mesh)} mesh of {device}s"
+    out += [f"**{config}** {where} (jax {group[0]['jax']})", "",
             "| layers | batch | runs? | tokens/s | peak (GiB) | predicted peak (GiB) | "
             "temporaries (GiB) |", "|---|---|---|---|---|---|---|"]
     last = {(r["kernels"], r["batch"]): r for r in runs_}  # file order is time order
@@ -217,12 +218,19 @@ def train_step_section() -> tuple[list[str], str | None]:
                  f"{_gib(r.get('temp_bytes'))} |")
     table = _train_summary(runs_)
     out += [""] + table + [""]
-    if readme is None or "H100" in device and "H100" not in readme:  # the 80 GB card's
+    if mesh is None and (readme is None or "H100" in device and "H100" not in readme):
+      # one GPU, the 80 GB card's where one ran
       readme = (f"**{config}** (sequence {runs_[0].get('seq_len', '?')}, bf16) on {device}:\n\n"
                 + "\n".join(table) + "\n")
     notes = sorted({r["source"] for r in group if r.get("source")})
     out += [f"Note: some rows are the {n}." for n in notes] + ([""] if notes else [])
   return out, readme
+
+
+def _mesh_name(mesh) -> str:
+  """"data=2,fsdp=2" (or {"data": 2, "fsdp": 2}) -> "data=2 × fsdp=2"."""
+  parts = mesh.split(",") if isinstance(mesh, str) else [f"{k}={v}" for k, v in mesh.items()]
+  return " × ".join(parts)
 
 
 def _train_summary(runs_: list[dict]) -> list[str]:
@@ -369,8 +377,18 @@ def branches_section() -> list[str]:
   return out
 
 
+def _latest_scaling(rows: list[dict]) -> list[dict]:
+  """Each (case, provider)'s rows from its latest run (one timestamp per run)."""
+  last = {}
+  for r in rows:
+    key = (r["case"], r["provider"])
+    last[key] = max(last.get(key, ""), r["timestamp"])
+  return [r for r in rows if r["timestamp"] == last[(r["case"], r["provider"])]]
+
+
 def scaling_section() -> list[str]:
-  rows = [r for r in load("scaling") if r.get("platform") == "gpu" and not r.get("small")]
+  rows = _latest_scaling([r for r in load("scaling")
+                          if r.get("platform") == "gpu" and not r.get("small")])
   if not rows:
     return []
   out = ["## Scaling over the GPUs of one host", "",
@@ -409,8 +427,9 @@ def scaling_plot(path) -> bool:
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   except ImportError:
     return False
-  rows = [r for r in load("scaling") if r.get("platform") == "gpu" and not r.get("small")
-          and r.get("efficiency") is not None]
+  rows = [r for r in _latest_scaling([r for r in load("scaling")
+                                      if r.get("platform") == "gpu" and not r.get("small")])
+          if r.get("efficiency") is not None]
   if not rows:
     return False
   latest_rows = {}

@@ -17,9 +17,10 @@ def test_scaling_dry_run(tmp_path):
                 "--out", str(out)])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   got = {(r["case"], r["provider"], r["devices"]) for r in rows}
-  assert got == {("loss", "memeff", 1), ("loss", "jax_naive", 1), ("loss", "memeff", 2),
-                 ("loss", "jax_naive", 2), ("loss", "dw_allreduce", 2), ("vocab", "memeff", 1),
-                 ("vocab", "memeff", 2)} | {
+  losses = {("loss", p, n) for p in ("memeff", "jax_naive", "memeff:local_dw",
+                                      "jax_naive:local_dw") for n in (1, 2)}
+  assert got == losses | {("loss", "dw_allreduce", 2), ("vocab", "memeff", 1),
+                          ("vocab", "memeff", 2)} | {
                      (f"context-{variant}-256", "memeff", n)
                      for variant in ("causal-zigzag-ring",) for n in (1, 2)}
   assert all(r["efficiency"] == 1.0 for r in rows if r["devices"] == 1)

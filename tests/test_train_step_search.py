@@ -1,0 +1,24 @@
+"""benchmarks/train_step.py's largest-batch search, with a fake run in place of the GPU's."""
+
+import pytest
+
+from benchmarks import train_step
+
+
+@pytest.mark.parametrize("start, unit, limit, want", [
+    (10, 1, 37, 37),    # one GPU: any batch
+    (24, 4, 37, 36),    # a data × fsdp = 4 mesh: multiples of 4 only
+    (200, 4, 37, 36),   # a prediction far too high: down, then bisection
+    (8, 4, 1000, 36)])  # all fit; 68 is past --max-batch: 36, a lower bound
+def test_largest_batch_in_multiples_of_the_shards(monkeypatch, start, unit, limit, want):
+  tried = []
+
+  def fake(config, kernels, batch, steps, seq_len, **kw):
+    tried.append(batch)
+    return {"tokens_per_s": 1.0} if batch <= limit else None
+
+  monkeypatch.setattr(train_step, "measure", fake)
+  got = train_step.largest_batch("1b", "memeff", start, 2, None, max_batch=64,
+                                 mesh="data=2,fsdp=2" if unit > 1 else None, unit=unit)
+  assert got == want
+  assert all(b % unit == 0 for b in tried)
