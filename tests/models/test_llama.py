@@ -4,7 +4,6 @@ import dataclasses
 
 import chex
 from flax import nnx
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -202,7 +202,6 @@ def test_more_keys_than_queries(strategy):
   one = lambda q, k, v: memeff_jax.flash_attention(q, k, v, causal=True,
                                                    sliding_window=(40, 10), return_lse=True)
   mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
-  spec = P(None, "context")
   many = shard_map(
       lambda q, k, v: memeff_jax.flash_attention(
           q, k, v, causal=True, sliding_window=(40, 10), return_lse=True,

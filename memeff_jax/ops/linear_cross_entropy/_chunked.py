@@ -10,11 +10,6 @@ Both implementations walk the tokens in chunks of `token_chunk` and hand each ch
 `grads` computes G (see _common) for the chunk and applies the two matmuls that consume it,
 accumulating dW and db into the running sums it is given. Nothing of size [N, V] exists.
 
-Vocab parallel (`Static.vocab`, see _vocab_parallel): W is this shard's slice of the
-vocabulary and the backend's options name the slice. It is given the labels local to the
-slice, and `grads` a `vocab=` (VocabShards) whose merge turns the chunk's statistics into
-the whole vocabulary's before G is made; `stats` is merged here. Each shard's dx is its
-slice's share (summed by cotangents_like under check_vma, else by the caller).
 A backend with `first_chunk_writes_dw = True` is given dw_acc=None for the first chunk,
 which runs before the loop, and returns that chunk's dW as the running sum (no zero-filled
 dW to add to).
@@ -24,6 +19,12 @@ which of "x" and "dx" it takes as windows (the chunk must then divide the tokens
 it is given x_c as `Rows(x, i, C)`, the i-th chunk of x unsliced; for "dx", where dx is
 wanted, `dx_into=Rows(dx, i, C)`: it writes the chunk's rows of dx in place and returns
 the whole dx. The loop then holds no chunk-sized copy of x or dx next to the chunk's logits.
+
+Vocab parallel (`Static.vocab`, see _vocab_parallel): W is this shard's slice of the
+vocabulary and the backend's options name the slice. It is given the labels local to the
+slice, and `grads` a `vocab=` (VocabShards) whose merge turns the chunk's statistics into
+the whole vocabulary's before G is made; `stats` is merged here. Each shard's dx is its
+slice's share (summed by cotangents_like under check_vma, else by the caller).
 
 Gradients in the forward pass. For reduction "mean"/"sum" the loss's cotangent is a single
 scalar, so the forward pass computes the gradients for a cotangent of 1 while the chunk's

@@ -12,7 +12,6 @@ import pytest
 
 from memeff_jax.kernels import hopper
 from memeff_jax.ops.flash_attention import flash_attention
-from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import MosaicConfig
 from memeff_jax.ops.flash_attention import PallasMosaicGpu
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward as mb

@@ -8,7 +8,6 @@ import pytest
 import memeff_jax
 from memeff_jax import memory
 from memeff_jax.kernels import hopper
-from memeff_jax.kernels import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy.pallas_mosaic_gpu import GEMMS, PallasMosaicGpu
 
 
