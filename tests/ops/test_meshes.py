@@ -5,6 +5,8 @@ custom_partitioning) and on Explicit meshes with the batch, heads or tokens shar
 vocabulary (vocab parallel) or W's D (FSDP): the outputs keep their shardings, and the
 compiled programs' collectives are only the expected ones."""
 
+import re
+
 import jax
 from jax import shard_map
 import jax.numpy as jnp
@@ -487,16 +489,77 @@ def test_loss_fsdp_weight_on_an_explicit_mesh(explicit_mesh, layout):
   assert " reduce-scatter(" in text, "dW should leave by a reduce-scatter"
 
 
-def test_loss_refuses_vocab_and_tokens_on_one_axis(explicit_mesh):
+def test_loss_refuses_x_sharded_on_d(explicit_mesh):
   with jax.set_mesh(explicit_mesh):
-    w = jax.device_put(jnp.ones((32, 96)), NamedSharding(explicit_mesh, P(None, "data")))
+    x = jax.device_put(jnp.ones((8, 32)), NamedSharding(explicit_mesh, P(None, "data")))
+    with pytest.raises(ValueError, match=r"x sharded on its token dims, not D"):
+      memeff_jax.linear_cross_entropy(x, jnp.ones((32, 96)), jnp.zeros(8, jnp.int32))
     x = jax.device_put(jnp.ones((8, 32)), NamedSharding(explicit_mesh, P("data")))
-    with pytest.raises(ValueError, match=r"vocabulary sharded over axes that do not shard the "
-                                         r"tokens"):
-      memeff_jax.linear_cross_entropy(x, w, jnp.zeros(8, jnp.int32))
     with pytest.raises(ValueError, match="vocab_axis='model' is for inside jax.shard_map"):
       memeff_jax.linear_cross_entropy(x, jnp.ones((32, 96)), jnp.zeros(8, jnp.int32),
                                       vocab_axis="model")
+
+
+def _gathered_shapes(text: str) -> list[str]:
+  """The result types of a compiled program's all-gathers, e.g. "f32[32,96]"."""
+  return re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", text)
+
+
+@pytest.mark.parametrize("x_spec, kw", [
+    (P(("data", "model")), dict()),
+    (P(("data", "model")), dict(reduction="none", bias=True)),
+    (P(("data", "model")), dict(return_aux=True, z_loss=1e-3, label_smoothing=0.1,
+                                weight_layout="vd")),
+    (P(("model", "data")), dict(reduction="sum"))])  # 'model' not minor: W replicated
+def test_loss_sequence_parallel_on_an_auto_mesh(mesh, x_spec, kw):
+  """The tokens sharded over 'data' and 'model', W's vocabulary over 'model' too (Megatron's
+  sequence parallelism): the call gathers the tokens over 'model', never W, and dx leaves it
+  reduce-scattered over 'model'. Where 'model' is not the tokens' minor axis, gathering
+  would reorder them: W is replicated instead."""
+  layout = kw.get("weight_layout", "dv")
+  x, w, y, b, where = _vocab_problem(14, layout=layout)
+  kw, call = _vocab_call(kw, y, b, where)
+  weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+  loss = lambda x, w, b: jnp.sum(jax.tree.leaves(call(x, w, b))[0] * weights)
+  want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  w_spec = P(None, "model") if layout == "dv" else P("model")
+  args = (put(x, x_spec), put(w, w_spec), put(b, P("model")))
+  got, grads, _, text = _run(call, loss, (0, 1, 2), *args)
+  _close(got, want, 1e-5)
+  _close(grads, want_grads, 1e-5)
+  assert grads[0].sharding.is_equivalent_to(args[0].sharding, 3)
+  assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
+  if x_spec == P(("data", "model")):
+    assert "f32[%d,%d]" % w.shape not in _gathered_shapes(text), _gathered_shapes(text)
+    assert " reduce-scatter(" in text or " reduce-scatter-start(" in text
+
+
+@pytest.mark.parametrize("x_spec, kw", [(P("data", "model"), dict()),
+                                        (P("data", "model"), dict(reduction="none", bias=True)),
+                                        (P(("model", "data")), dict(
+                                            return_aux=True, reduction="sum", where=True,
+                                            label_smoothing=0.1))])
+def test_loss_sequence_parallel_on_an_explicit_mesh(explicit_mesh, x_spec, kw):
+  """Sequence parallelism on an Explicit mesh: the tokens (here the sequence, or the batch
+  over 'model' then 'data') gathered over 'model' inside the call, W never gathered, dx
+  reduce-scattered by the gather's transpose; per-token outputs keep the tokens' sharding."""
+  x, w, y, b, where = _vocab_problem(15)
+  kw, call = _vocab_call(kw, y, b, where)
+  weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+  loss = lambda x, w, b: (lambda o: jnp.sum(o * (weights if o.ndim else 3.0)))(
+      jax.tree.leaves(call(x, w, b))[0])
+  want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+  with jax.set_mesh(explicit_mesh):
+    put = lambda a, spec: jax.device_put(a, NamedSharding(explicit_mesh, spec))
+    args = (put(x, x_spec), put(w, P(None, "model")), put(b, P("model")))
+    got, grads, _, text = _run(call, loss, (0, 1, 2), *args)
+    assert grads[0].sharding.is_equivalent_to(args[0].sharding, 3)
+    assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
+  _close(got, want, 1e-5)
+  _close(grads, want_grads, 1e-5)
+  assert "f32[%d,%d]" % w.shape not in _gathered_shapes(text), _gathered_shapes(text)
+  assert " reduce-scatter(" in text or " reduce-scatter-start(" in text
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

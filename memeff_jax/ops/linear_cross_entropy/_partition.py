@@ -4,9 +4,12 @@ does not gather the tokens or the weight onto every device (it cannot partition 
 call).
 
 The tokens partition (data parallelism: each shard its tokens' loss, dW and the bias's
-gradient summed over the token shards); W's vocabulary partitions over axes that do not
-shard the tokens (vocab parallelism, _vocab_parallel); D is replicated in the call (W
-sharded on D is gathered by XLA before it). Where W's D is sharded over token axes (FSDP),
+gradient summed over the token shards); W's vocabulary partitions too (vocab parallelism,
+_vocab_parallel). Where the tokens' last (minor) axes also shard the vocabulary (sequence
+parallelism, Megatron's: the hidden states sharded over the tensor axis), the call takes
+the tokens gathered over those axes (XLA all-gathers x, [N, D], never W) and dx leaves it
+reduce-scattered over them. D is replicated in the call (W sharded on D is gathered by XLA
+before it). Where W's D is sharded over token axes (FSDP),
 dW leaves the call reduce-scattered over those axes into W's own sharding: no device holds
 the whole summed dW. The forward computes the gradients too, as
 the chunked implementations do for a summed loss (G is made with the loss), and the backward
@@ -63,8 +66,11 @@ def _partition(layout: str, mode: str, k: int, local):
     w_spec = tuple(w.sharding.spec) + (None, None)
     v_dim = 1 if layout == "dv" else 0
     vocab = _divides(mesh, _auto.axes(w_spec[v_dim]), w.shape[v_dim])
-    if set(vocab) & set(tokens):
-      vocab = ()
+    shared = tuple(a for a in tokens if a in vocab)  # sequence parallel: gathered in the call
+    if shared and tokens[len(tokens) - len(shared):] == shared:
+      tokens = tokens[:len(tokens) - len(shared)]
+    elif shared:  # the tokens' order over the axes would change: W replicated instead
+      vocab, shared = (), ()
     # FSDP: the token axes that also shard W's D, where they split D evenly.
     fsdp = tuple(a for a in _auto.axes(w_spec[1 - v_dim]) if a in tokens)
     fsdp = _divides(mesh, fsdp, w.shape[1 - v_dim]) if mode in ("grads", "vjp") else ()
@@ -73,31 +79,43 @@ def _partition(layout: str, mode: str, k: int, local):
     has_bias = _has_bias(len(arg_shapes), mode, k)
     params = [ns(tokens, ()), ns(*w_dims(()))] + [ns(vocab)] * has_bias
     args = params + [ns(tokens)] * (2 + k * (mode == "vjp"))
-    grads = [params[0], ns(*w_dims(fsdp))] + [ns(vocab)] * has_bias
+    grads = [ns(tokens + shared, ()), ns(*w_dims(fsdp))] + [ns(vocab)] * has_bias
     outs = {"loss": (ns(),), "grads": (ns(), *grads), "tokens": (ns(tokens),) * k,
             "vjp": tuple(grads)}[mode]
 
     def per_shard(x, w, *rest):
       b = rest[0] if has_bias else None
       return local(x, w, b, *rest[has_bias:], tokens=tokens, vocab=vocab,
-                   scatter=(fsdp, 1 - v_dim))
+                   scatter=(fsdp, 1 - v_dim), sequence=shared)
 
     return mesh, per_shard, outs, tuple(args)
   return partition
 
 
 def _partitioned(layout: str, mode: str, local, k: int = 1):
-  """local(x, w, b, labels, valid[, cts], tokens=, vocab=, scatter=) as a custom_partitioning
-  call of the operands (x, w[, b], labels, valid[, cts]); k: see _has_bias."""
+  """local(x, w, b, labels, valid[, cts], tokens=, vocab=, scatter=, sequence=) as a
+  custom_partitioning call of the operands (x, w[, b], labels, valid[, cts]); k: see
+  _has_bias."""
   def inner(x, w, *rest):
     has_bias = _has_bias(2 + len(rest), mode, k)
     return local(x, w, rest[0] if has_bias else None, *rest[has_bias:], tokens=(), vocab=(),
-                 scatter=((), 0))
+                 scatter=((), 0), sequence=())
   return _auto.partitioned(inner, _partition(layout, mode, k, local), _rule(layout, mode, k))
 
 
 def _operands(x, w, b, *rest):
   return (x, w) + (() if b is None else (b,)) + rest
+
+
+def _dx_summed(dx, vocab: tuple, sequence: tuple):
+  """Each vocabulary slice's share of dx summed over `vocab`; reduce-scattered into token
+  shards over `sequence`, the vocabulary axes the call gathered the tokens over."""
+  rest = tuple(a for a in vocab if a not in sequence)
+  if rest:
+    dx = jax.lax.psum(dx, rest)
+  if sequence:
+    dx = jax.lax.psum_scatter(dx, sequence, scatter_dimension=0, tiled=True)
+  return dx
 
 
 def _summed(dw, db, tokens: tuple, scatter: tuple):
@@ -130,20 +148,19 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
       return total / jax.numpy.maximum(count, 1.0)
     return loss_fn(x, w, b, labels, valid, vocab or None, reduction)[0]
 
-  def local(x, w, b, labels, valid, *, tokens, vocab, scatter):
-    del scatter
+  def local(x, w, b, labels, valid, *, tokens, vocab, scatter, sequence):
+    del scatter, sequence
     loss = shard_loss(x, w, b, labels, valid, tokens, vocab)
     return (jax.lax.psum(loss, tokens) if tokens else loss,)
 
-  def local_with_grads(x, w, b, labels, valid, *, tokens, vocab, scatter):
+  def local_with_grads(x, w, b, labels, valid, *, tokens, vocab, scatter, sequence):
     f = lambda x, w, b: shard_loss(x, w, b, labels, valid, tokens, vocab)
     if b is None:
       loss, (dx, dw) = jax.value_and_grad(lambda x, w: f(x, w, None), argnums=(0, 1))(x, w)
       db = None
     else:
       loss, (dx, dw, db) = jax.value_and_grad(f, argnums=(0, 1, 2))(x, w, b)
-    if vocab:  # each vocabulary slice's share of dx
-      dx = jax.lax.psum(dx, vocab)
+    dx = _dx_summed(dx, vocab, sequence)
     if tokens:
       loss = jax.lax.psum(loss, tokens)
     return (loss, dx, *_summed(dw, db, tokens, scatter))
@@ -172,20 +189,19 @@ def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name:
   log-sum-exps and z-loss terms), partitioned over the tokens and W's vocabulary on Auto
   meshes: the forward runs loss_fn (as reduced_loss takes it, returning that triple) per
   shard; the backward runs its vjp per shard for the outputs' cotangents (the shard's
-  forward run again, as under rematerialization), dx summed over the vocabulary slices, dW
-  and the bias's gradient over the token shards. A tuple of `outputs` arrays."""
+  forward run again, as under rematerialization), dx summed over the vocabulary slices
+  (_dx_summed), dW and the bias's gradient over the token shards. A tuple of `outputs` arrays."""
   def shard(x, w, b, labels, valid, vocab):
     return tuple(loss_fn(x, w, b, labels, valid, vocab or None, "none")[:outputs])
 
-  def local(x, w, b, labels, valid, *, tokens, vocab, scatter):
-    del tokens, scatter
+  def local(x, w, b, labels, valid, *, tokens, vocab, scatter, sequence):
+    del tokens, scatter, sequence
     return shard(x, w, b, labels, valid, vocab)
 
-  def local_vjp(x, w, b, labels, valid, *cts, tokens, vocab, scatter):
+  def local_vjp(x, w, b, labels, valid, *cts, tokens, vocab, scatter, sequence):
     f = lambda x, w, b: shard(x, w, b, labels, valid, vocab)
     dx, dw, db = jax.vjp(f, x, w, b)[1](cts)
-    if vocab:  # each vocabulary slice's share of dx
-      dx = jax.lax.psum(dx, vocab)
+    dx = _dx_summed(dx, vocab, sequence)
     return (dx, *_summed(dw, db, tokens, scatter))
 
   @jax.custom_vjp

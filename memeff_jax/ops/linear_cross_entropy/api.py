@@ -104,9 +104,11 @@ def _chunk_size(chunk_size):
 def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction, return_aux,
                weight_layout, **options):
   """linear_cross_entropy on an Explicit mesh. x's token dims may be sharded (data
-  parallelism); W's vocabulary over other axes (vocab parallelism: each shard runs the loss
-  on its slice, see _vocab_parallel, the bias sharded with it), and W's D (FSDP: W gathered
-  inside the call, dW reduce-scattered by the gather's transpose). Each shard computes its
+  parallelism); W's vocabulary too (vocab parallelism: each shard runs the loss on its
+  slice, see _vocab_parallel, the bias sharded with it), and W's D (FSDP: W gathered
+  inside the call, dW reduce-scattered by the gather's transpose). Token axes that also
+  shard the vocabulary (sequence parallelism) have the tokens gathered over them inside the
+  call, so dx is reduce-scattered by the gather's transpose. Each shard computes its
   tokens' loss; a sum (and a mean's count of counted tokens) is summed over the token
   shards, so every reduction keeps its single-device meaning."""
   if weight_layout not in _common.WEIGHT_LAYOUTS:
@@ -118,12 +120,13 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
   wd = _explicit.dims_of(weight, 2) if weight.ndim == 2 else [()] * weight.ndim
   d_dim = 0 if weight_layout == "dv" else 1
   d_axes, v_axes = (wd[d_dim], wd[1 - d_dim]) if weight.ndim == 2 else ((), ())
-  if xd[-1] or weight.ndim != 2 or set(v_axes) & set(axes) or set(d_axes) & set(v_axes):
+  if xd[-1] or weight.ndim != 2:
     raise ValueError(
-        "on an Explicit mesh linear_cross_entropy takes x sharded on its token dims (not D), "
-        "and the weight's vocabulary sharded over axes that do not shard the tokens (or "
-        f"replicated), its D over others or none; got x: {_explicit.spec(xd)}, weight "
-        f"({weight_layout!r}): {_explicit.spec(wd)}")
+        "on an Explicit mesh linear_cross_entropy takes x sharded on its token dims, not D, "
+        f"and a 2-D weight; got x: {_explicit.spec(xd)}, weight ({weight_layout!r}): "
+        f"{_explicit.spec(wd)}")
+  # Sequence parallel: per token dim, the vocabulary's axes that also shard it.
+  shared = [tuple(a for a in dim if a in v_axes) for dim in token_dims]
   if bias is not None:
     if any(a not in v_axes for dim in _explicit.dims_of(bias, bias.ndim) for a in dim):
       raise ValueError(f"bias must be sharded like the weight's vocabulary ({v_axes or 'not'}),"
@@ -134,22 +137,39 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
   where = None if where is None else jax.sharding.reshard(where, tokens)
   local_reduction = "none" if reduction == "none" else "sum"
 
+  def gathered(t):  # the tokens of every shard of the shared axes
+    for dim, names in enumerate(shared):
+      if names and t is not None:
+        t = jax.lax.all_gather(t, names, axis=dim, tiled=True)
+    return t
+
+  def own(t):  # this shard's tokens of a gathered per-token output
+    for dim, names in enumerate(shared):
+      if names:
+        size = t.shape[dim] // _auto.size(mesh, names)
+        t = jax.lax.dynamic_slice_in_dim(t, jax.lax.axis_index(names) * size, size, axis=dim)
+    return t
+
   def local(x, weight, labels, bias, where):
     if d_axes:  # FSDP: this call's whole D; the gather's transpose reduce-scatters dW
       weight = jax.lax.all_gather(weight, d_axes, axis=d_dim, tiled=True)
-    out = linear_cross_entropy(x, weight, labels, bias=bias, where=where,
+    out = linear_cross_entropy(gathered(x), weight, gathered(labels), bias=bias,
+                               where=gathered(where),
                                ignore_index=ignore_index, reduction=local_reduction,
                                return_aux=return_aux, weight_layout=weight_layout,
                                vocab_axis=v_axes or None, **options)
     loss, aux = out if return_aux else (out, None)
     if reduction == "none":
-      return loss, aux
-    sums = jax.lax.psum(jnp.stack([loss] + ([aux.z_loss] if return_aux else [])), axes)
-    if reduction == "mean":
+      return own(loss), aux and Aux(*map(own, aux))
+    # Its tokens were gathered over the shared axes: the sums are over the other ones.
+    summed = tuple(a for a in axes if not any(a in names for names in shared))
+    sums = jnp.stack([loss] + ([aux.z_loss] if return_aux else []))
+    sums = jax.lax.psum(sums, summed) if summed else sums
+    if reduction == "mean":  # counted over the shard's own tokens, summed over all token axes
       valid = _int32_labels(labels, ignore_index)[1]
       valid = valid if where is None else valid & where.reshape(-1)
       sums = sums / jnp.maximum(jax.lax.psum(jnp.sum(valid, dtype=jnp.float32), axes), 1.0)
-    return sums[0], aux and aux._replace(z_loss=sums[1])
+    return sums[0], aux and Aux(lse=own(aux.lse), z_loss=sums[1])
 
   reduced = tokens if reduction == "none" else P()  # a sum over the shards is replicated
   args = (x, weight, labels, bias, where)
@@ -243,15 +263,18 @@ def linear_cross_entropy(
       order, and every token; labels stay global class ids. The shards' slices merge
       through [N]-sized collectives (Megatron's vocab-parallel loss) and every option keeps
       its single-device meaning; dW and the bias's gradient stay local. On an Explicit mesh
-      a weight sharded on V does this by itself.
+      a weight sharded on V does this by itself. For tokens sharded over the same axis
+      (sequence parallelism), gather them first: `jax.lax.all_gather` transposes to the
+      reduce-scatter of dx.
 
   Returns:
     The loss (a scalar, or labels.shape for "none"), float32; with return_aux,
     (loss, Aux).
 
-  Meshes: tokens sharded, and W's vocabulary sharded over other axes (Auto or Explicit
-  meshes under jit, or vocab_axis inside jax.shard_map), run per shard; on Explicit meshes
-  W's D too (FSDP). See docs/design/multi_device.md.
+  Meshes: tokens sharded and W's vocabulary sharded (Auto or Explicit meshes under jit, or
+  vocab_axis inside jax.shard_map) run per shard; where an axis shards both (sequence
+  parallelism) the tokens are gathered over it in the call and dx reduce-scattered; W's D
+  sharded too (FSDP) is gathered in the call. See docs/design/multi_device.md.
 
   Memory: reference holds N·V float32 logits; chunked_xla about its budget plus a float32
   dW accumulator (D·V·4 bytes); pallas_mosaic_gpu about its budget, accumulating dW in the
