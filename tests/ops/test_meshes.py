@@ -258,6 +258,18 @@ def _vocab_call(kw, y, b, where):
       x, w, y_, bias=b_ if use_bias else None, where=m, **kw, **extra)
 
 
+def _weighted(seed, kw):
+  """(x, w, b, call, loss, one device's values and gradients) of the problem of `seed` with
+  kw's options (see _vocab_call): loss weights every token's output differently (a reduced
+  one by 3)."""
+  x, w, y, b, where = _vocab_problem(seed, layout=kw.get("weight_layout", "dv"))
+  kw, call = _vocab_call(kw, y, b, where)
+  weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+  loss = lambda x, w, b: (lambda o: jnp.sum(o * (weights if o.ndim else 3.0)))(
+      jax.tree.leaves(call(x, w, b))[0])
+  return x, w, b, call, loss, call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+
+
 @pytest.mark.parametrize("check_vma, kw", [(True, kw) for kw in _VOCAB_OPTIONS]
                          + [(False, _VOCAB_OPTIONS[2]), (False, _VOCAB_OPTIONS[3])])
 def test_loss_vocab_parallel_in_shard_map(mesh, check_vma, kw):
@@ -420,11 +432,7 @@ def test_loss_fsdp_weight_on_an_auto_mesh(mesh, kw):
   """Tokens over 'data', W's D over 'data' too (FSDP) and its vocabulary over 'model', Auto
   axes: W gathered for the call, dW reduce-scattered back into W's sharding."""
   layout = kw.get("weight_layout", "dv")
-  x, w, y, b, where = _vocab_problem(13, layout=layout)
-  kw, call = _vocab_call(kw, y, b, where)
-  weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
-  loss = lambda x, w, b: jnp.sum(jax.tree.leaves(call(x, w, b))[0] * weights)
-  want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+  x, w, b, call, loss, want, want_grads = _weighted(13, kw)
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
   w_spec = P("data", "model") if layout == "dv" else P("model", "data")
   args = (put(x, P("data")), put(w, w_spec), put(b, P("model")))
@@ -517,11 +525,7 @@ def test_loss_sequence_parallel_on_an_auto_mesh(mesh, x_spec, kw):
   reduce-scattered over 'model'. Where 'model' is not the tokens' minor axis, gathering
   would reorder them: W is replicated instead."""
   layout = kw.get("weight_layout", "dv")
-  x, w, y, b, where = _vocab_problem(14, layout=layout)
-  kw, call = _vocab_call(kw, y, b, where)
-  weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
-  loss = lambda x, w, b: jnp.sum(jax.tree.leaves(call(x, w, b))[0] * weights)
-  want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+  x, w, b, call, loss, want, want_grads = _weighted(14, kw)
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
   w_spec = P(None, "model") if layout == "dv" else P("model")
   args = (put(x, x_spec), put(w, w_spec), put(b, P("model")))
@@ -544,12 +548,7 @@ def test_loss_sequence_parallel_on_an_explicit_mesh(explicit_mesh, x_spec, kw):
   """Sequence parallelism on an Explicit mesh: the tokens (here the sequence, or the batch
   over 'model' then 'data') gathered over 'model' inside the call, W never gathered, dx
   reduce-scattered by the gather's transpose; per-token outputs keep the tokens' sharding."""
-  x, w, y, b, where = _vocab_problem(15)
-  kw, call = _vocab_call(kw, y, b, where)
-  weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
-  loss = lambda x, w, b: (lambda o: jnp.sum(o * (weights if o.ndim else 3.0)))(
-      jax.tree.leaves(call(x, w, b))[0])
-  want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+  x, w, b, call, loss, want, want_grads = _weighted(15, kw)
   with jax.set_mesh(explicit_mesh):
     put = lambda a, spec: jax.device_put(a, NamedSharding(explicit_mesh, spec))
     args = (put(x, x_spec), put(w, P(None, "model")), put(b, P("model")))
