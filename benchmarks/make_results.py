@@ -393,8 +393,9 @@ def scaling_section() -> list[str]:
     return []
   out = ["## Scaling over the GPUs of one host", "",
          "`python benchmarks/scaling.py`: Auto meshes under jit, every provider on the same "
-         "mesh. Weak scaling (attention, loss: a fixed shape per GPU): efficiency = one GPU's "
-         "time / n GPUs' time; strong scaling (vocab: one problem): one GPU's / (n · n GPUs'); "
+         "mesh; each case from its latest run. Weak scaling (attention, loss: a fixed shape "
+         "per GPU; the loss with its dW all-reduce, and `:local_dw` without it, every GPU its "
+         "own W and dW): efficiency = one GPU's time / n GPUs' time; strong scaling (vocab: one problem): one GPU's / (n · n GPUs'); "
          "context parallelism (context-*: T tokens per GPU, the sequence n·T over the GPUs): "
          "per-GPU throughput in visible query-key pairs / one GPU's at T; context-train-*: "
          "the 1B train step on one sequence of that length, ms per step, efficiency = "
