@@ -69,10 +69,10 @@ def worker(args) -> None:
 
 def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | None,
             remat_policy: str | None = None, probe: tuple[int, ...] = (), runs_out=None,
-            keep_losses: bool = False, mesh: str | None = None):
-  """One fresh-process run; its JSON row, or None if it did not run (out of memory).
-  With `runs_out`, every run, fitting or not, is appended there as an op="train_step_run"
-  row as soon as it ends."""
+            keep_losses: bool = False, mesh: str | None = None, timeout: float | None = None):
+  """One fresh-process run; its JSON row, or None if it did not run (out of memory, or not
+  done within `timeout` seconds). With `runs_out`, every run, fitting or not, is appended
+  there as an op="train_step_run" row as soon as it ends."""
   cmd = [sys.executable, __file__, "--worker", "--config", config, "--kernels", kernels,
          "--batch", str(batch), "--steps", str(steps)]
   if seq_len:
@@ -88,7 +88,12 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env,
+                          timeout=timeout)
+  except subprocess.TimeoutExpired as e:  # counted as not running: the search goes lower
+    out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+    proc = subprocess.CompletedProcess(cmd, -1, out, f"timed out after {timeout:.0f} s")
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   record = dict(op="train_step_run", config=config, kernels=kernels, batch=batch,
                 remat_policy=remat_policy, **({"mesh": mesh} if mesh else {}))
@@ -135,12 +140,13 @@ def predict_largest(row: dict) -> int | None:
 
 
 def largest_batch(config, kernels, start, steps, seq_len, max_batch, start_fits=None,
-                  runs_out=None, mesh: str | None = None, unit: int = 1):
+                  runs_out=None, mesh: str | None = None, unit: int = 1,
+                  timeout: float | None = None):
   """Largest batch ≤ max_batch that runs, searched outward from `start` (a known-good batch
   or a prediction): steps of 1, 2, 4, ... `unit`s (the batch's shards on a mesh) until the
   answer flips, then bisection."""
   runs = lambda k: measure(config, kernels, k * unit, steps, seq_len, runs_out=runs_out,
-                           mesh=mesh)
+                           mesh=mesh, timeout=timeout)
   start, max_batch = max(min(start, max_batch) // unit, 1), max_batch // unit
   if start_fits is None:
     start_fits = bool(runs(start))
@@ -186,6 +192,8 @@ def main(argv=None):
                  help="train STEPS steps per kernel set and keep every loss (no timing search)")
   p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                  help="train on this mesh of the host's devices, e.g. data=2,fsdp=2")
+  p.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+                 help="a run not done by then counts as not running (the search goes lower)")
   p.add_argument("--keep-losses", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_step.jsonl"))
@@ -217,7 +225,7 @@ def main(argv=None):
   for kernels in args.kernels.split(","):
     row = measure(args.config, kernels, batch, args.steps, args.seq_len,
                   probe=() if args.no_search else (2 * batch,), runs_out=args.out,
-                  mesh=args.mesh) or {}
+                  mesh=args.mesh, timeout=args.run_timeout) or {}
     row = {"op": "train_step", "config": args.config, "kernels": kernels, "batch": batch,
            **env, **row}
     if not args.no_search:
@@ -228,7 +236,7 @@ def main(argv=None):
       row["largest_batch"] = largest_batch(
           args.config, kernels, start or batch, 2, args.seq_len, args.max_batch,
           start_fits=None if start else "tokens_per_s" in row, runs_out=args.out,
-          mesh=args.mesh, unit=unit)
+          mesh=args.mesh, unit=unit, timeout=args.run_timeout)
       print(f"  {kernels}: largest batch that fits: {row['largest_batch']}", flush=True)
     _harness.append(args.out, [row])
 

@@ -22,3 +22,10 @@ def test_largest_batch_in_multiples_of_the_shards(monkeypatch, start, unit, limi
                                  mesh="data=2,fsdp=2" if unit > 1 else None, unit=unit)
   assert got == want
   assert all(b % unit == 0 for b in tried)
+
+
+def test_a_run_past_its_timeout_does_not_run(tmp_path):
+  """measure() gives up on a run after --run-timeout seconds and records why."""
+  out = tmp_path / "runs.jsonl"
+  assert train_step.measure("tiny", "memeff", 2, 1, None, runs_out=out, timeout=0.01) is None
+  assert "timed out after" in out.read_text()
