@@ -118,6 +118,14 @@ def _dx_summed(dx, vocab: tuple, sequence: tuple):
   return dx
 
 
+def _value_and_grads(f, x, w, b):
+  """(f(x, w, b), (dx, dw, db)), db None without a bias."""
+  if b is None:
+    loss, (dx, dw) = jax.value_and_grad(lambda x, w: f(x, w, None), argnums=(0, 1))(x, w)
+    return loss, (dx, dw, None)
+  return jax.value_and_grad(f, argnums=(0, 1, 2))(x, w, b)
+
+
 def _summed(dw, db, tokens: tuple, scatter: tuple):
   """dW and the bias's gradient (or None) summed over the token shards: dW reduce-scattered
   over the axes `scatter` = (axes, D's dimension) names and summed over the other token axes;
@@ -134,13 +142,19 @@ def _summed(dw, db, tokens: tuple, scatter: tuple):
 
 
 def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, loss_fn,
-                 name: str):
+                 name: str, rounded_tokens=None):
   """The mean or summed loss over counted tokens, partitioned over the tokens and W's
   vocabulary on Auto meshes. loss_fn(x, w, b, labels, valid, vocab_axis, reduction) -> the
   single-device (loss, lse, z-loss term) of a shard (vocab_axis: the mesh axes W's
   vocabulary is sharded over, or None; lse and the z-loss term may be None). With the tokens
   sharded, a mean is each shard's sum over the global count. name: the implementation, for
-  the error a second-order gradient raises."""
+  the error a second-order gradient raises.
+
+  rounded_tokens(v_local) -> the most tokens whose dW the implementation adds up in W's
+  16-bit dtype (beyond them it holds a float32 dW), or None. Where W's D is sharded over
+  token axes (FSDP) and a shard has more tokens, they are taken in groups of at most that
+  many: each group's dW is reduce-scattered as it comes and added to a float32 shard of dW,
+  so no device holds a whole float32 dW."""
   def shard_loss(x, w, b, labels, valid, tokens, vocab):
     if tokens and reduction == "mean":
       count = jax.lax.psum(jax.numpy.sum(valid, dtype=jax.numpy.float32), tokens)
@@ -154,16 +168,42 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
     return (jax.lax.psum(loss, tokens) if tokens else loss,)
 
   def local_with_grads(x, w, b, labels, valid, *, tokens, vocab, scatter, sequence):
+    group = rounded_tokens and scatter[0] and rounded_tokens(w.shape[1 - scatter[1]])
+    if group and x.shape[0] > group:
+      return grouped_grads(x, w, b, labels, valid, group, tokens, vocab, scatter, sequence)
     f = lambda x, w, b: shard_loss(x, w, b, labels, valid, tokens, vocab)
-    if b is None:
-      loss, (dx, dw) = jax.value_and_grad(lambda x, w: f(x, w, None), argnums=(0, 1))(x, w)
-      db = None
-    else:
-      loss, (dx, dw, db) = jax.value_and_grad(f, argnums=(0, 1, 2))(x, w, b)
+    loss, (dx, dw, db) = _value_and_grads(f, x, w, b)
     dx = _dx_summed(dx, vocab, sequence)
     if tokens:
       loss = jax.lax.psum(loss, tokens)
     return (loss, dx, *_summed(dw, db, tokens, scatter))
+
+  def grouped_grads(x, w, b, labels, valid, group, tokens, vocab, scatter, sequence):
+    """local_with_grads in token groups of at most `group`, dW reduce-scattered per group."""
+    f32 = jax.numpy.float32
+    count = jax.numpy.sum(valid, dtype=f32)
+    count = jax.lax.psum(count, tokens) if tokens else count
+    scale = 1.0 / jax.numpy.maximum(count, 1.0) if reduction == "mean" else 1.0
+    n = x.shape[0]
+    size = -(-n // -(-n // group))  # equal groups (the last one may be shorter)
+    total, dxs, dw, db = 0.0, [], 0.0, None if b is None else 0.0
+    for start in range(0, n, size):
+      rows = slice(start, min(start + size, n))
+      f = lambda x, w, b, rows=rows: loss_fn(x, w, b, labels[rows], valid[rows],
+                                             vocab or None, "sum")[0]
+      loss_g, (dx_g, dw_g, db_g) = _value_and_grads(f, x[rows], w, b)
+      dw_g, *db_g = _summed(dw_g, db_g, tokens, scatter)
+      total, dw = total + loss_g, dw + dw_g.astype(f32)
+      db = None if b is None else db + db_g[0].astype(f32)
+      dxs.append(dx_g)
+    dx = jax.numpy.concatenate(dxs)
+    dx = _dx_summed((dx.astype(f32) * scale).astype(dx.dtype), vocab, sequence)
+    loss = total * scale
+    if tokens:
+      loss = jax.lax.psum(loss, tokens)
+    grads = ((dw * scale).astype(w.dtype),) + (() if b is None else
+                                               ((db * scale).astype(b.dtype),))
+    return (loss, dx, *grads)
 
   @jax.custom_vjp
   def loss(x, w, b, labels, valid):

@@ -188,6 +188,21 @@ def _auto_partitions(vocab_axis, labels, x2, weight, d, implementations) -> bool
           and not isinstance(implementations[0], Reference) and _auto.available(x2, weight))
 
 
+def _rounded_tokens(impl, dtype, chunk_size):
+  """v_local -> the most tokens whose dW `impl` adds up in a 16-bit dtype, or None (see
+  _partition.reduced_loss); None where the implementation sets no such limit."""
+  limit = getattr(impl, "rounded_tokens", None)
+  if limit is None:
+    return None
+
+  def tokens(v_local):
+    try:
+      return limit(v_local, jnp.dtype(dtype).itemsize, chunk_size)
+    except _dispatch.Unsupported:
+      return None
+  return tokens
+
+
 def _compute(x2, weight, bias, labels2, valid, opts: LossOptions, implementations, chunk_size,
              vocab_axis, in_shard_map: bool = True):
   """(loss, lse, z-loss term) of [N, D] tokens by the first implementation that serves them;
@@ -390,8 +405,10 @@ def linear_cross_entropy(
 
     name = getattr(implementations[0], "name", type(implementations[0]).__name__)
     if reduction != "none" and not return_aux:
-      return _partition.reduced_loss(x2, weight, bias, labels2, valid, reduction=reduction,
-                                     weight_layout=weight_layout, loss_fn=shard_loss, name=name)
+      return _partition.reduced_loss(
+          x2, weight, bias, labels2, valid, reduction=reduction, weight_layout=weight_layout,
+          loss_fn=shard_loss, name=name,
+          rounded_tokens=_rounded_tokens(implementations[0], dtype, chunk_size))
     # Per-token outputs per shard; a reduced loss with its aux outputs reduced from them.
     loss, *aux = _partition.per_token_loss(x2, weight, bias, labels2, valid,
                                            weight_layout=weight_layout, loss_fn=shard_loss,

@@ -225,6 +225,15 @@ class PallasMosaicGpu:
       return ("logits", "dw"), "tma_add"
     return cublas
 
+  def rounded_tokens(self, vocab: int, itemsize: int, chunk_size) -> int | None:
+    """The most tokens whose dW a call adds up in the weight's 16-bit dtype: its chunks, at
+    most the tuning table's `max_rounded_chunks` of them (beyond that the default
+    accumulates a float32 dW, see auto_gemms). None where no such limit applies."""
+    limit = _tuning.lookup("linear_cross_entropy", "mosaic_default").get("max_rounded_chunks")
+    if limit is None or itemsize != 2 or self.dw_accumulation is not None:
+      return None
+    return limit * self.plan(2**31, vocab + -vocab % self.vocab_multiple, itemsize, chunk_size)
+
   def plan(self, n_tokens: int, vocab: int, itemsize: int, chunk_size) -> int:
     if chunk_size is not None:
       if not isinstance(chunk_size, int):
