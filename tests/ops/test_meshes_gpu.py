@@ -143,6 +143,52 @@ def test_loss_tokens_and_vocab_sharded(mesh, w_axis, kw):
   assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
 
 
+def test_loss_sequence_parallel(mesh):
+  """The tokens over 'data' and 'model', W's vocabulary over 'model' too: the tokens are
+  gathered over 'model' (never W) and dx reduce-scattered back, one GPU's loss and
+  gradients."""
+  from tests.ops.test_meshes import _gathered_shapes  # pylint: disable=import-outside-toplevel
+  n, d, v = 4096, 1024, 32000
+  ks = jax.random.split(jax.random.key(9), 3)
+  x = jax.random.normal(ks[0], (n, d), BF16)
+  w = (jax.random.normal(ks[1], (d, v)) / 32).astype(BF16)
+  y = jax.random.randint(ks[2], (n,), 0, v)
+  f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, y)
+  want, want_grads = _one_gpu(f, f, (0, 1), x, w)
+  with _in_mesh(mesh):
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    args = (put(x, P(("data", "model"))), put(w, P(None, "model")))
+    got, grads, _, text = _run(f, f, (0, 1), *args)
+    assert grads[0].sharding.is_equivalent_to(args[0].sharding, 2)
+  assert _MOSAIC in text
+  assert f"bf16[{d},{v}]" not in _gathered_shapes(text)
+  assert " reduce-scatter(" in text or " reduce-scatter-start(" in text
+  _assert_close(got, want, 2e-3)
+  _assert_close(grads, want_grads, 2e-2)
+
+
+def test_loss_fsdp_in_token_groups(mesh):
+  """W's D over 'data' (FSDP) and its vocabulary over 'model', with more tokens per shard
+  than the loss adds up in bf16 (32 chunks of 128): token groups, each group's dW
+  reduce-scattered; one GPU's loss and gradients."""
+  n, d, v = 16384, 1024, 32000
+  ks = jax.random.split(jax.random.key(10), 3)
+  x = jax.random.normal(ks[0], (n, d), BF16)
+  w = (jax.random.normal(ks[1], (d, v)) / 32).astype(BF16)
+  y = jax.random.randint(ks[2], (n,), 0, v)
+  f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, y, chunk_size=128)
+  want, want_grads = _one_gpu(f, f, (0, 1), x, w)
+  with _in_mesh(mesh):
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    args = (put(x, P("data")), put(w, P("data", "model")))
+    got, grads, _, text = _run(f, f, (0, 1), *args)
+    assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
+  scatters = text.count(" reduce-scatter(") + text.count(" reduce-scatter-start(")
+  assert scatters >= (2 if mesh.shape["data"] > 1 else 0)
+  _assert_close(got, want, 2e-3)
+  _assert_close(grads, want_grads, 2e-2)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_loss_vocab_parallel_in_shard_map(mesh, check_vma):
   """The exp_logits path merges E's row sums over 'model' inside its chunk loop."""
