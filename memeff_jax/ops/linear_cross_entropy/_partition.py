@@ -126,6 +126,27 @@ def _value_and_grads(f, x, w, b):
   return jax.value_and_grad(f, argnums=(0, 1, 2))(x, w, b)
 
 
+def _token_groups(n: int, group: int, rows_grads, x, w, b, tokens: tuple, scatter: tuple,
+                  scale=1.0):
+  """A shard's gradients from its tokens in groups of at most `group` (FSDP: see
+  reduced_loss's rounded_tokens). rows_grads(rows) -> (value, dx, dW, db) of the tokens
+  `rows`; each group's dW (and db) is summed over the token shards as it comes (_summed)
+  and added up in float32. Returns (Σ value, dx, dW, [db]), all times `scale`, the
+  gradients in their inputs' dtypes."""
+  f32 = jax.numpy.float32
+  size = -(-n // -(-n // group))  # equal groups (the last one may be shorter)
+  total, dxs, dw, db = 0.0, [], 0.0, 0.0
+  for start in range(0, n, size):
+    value, dx_g, dw_g, db_g = rows_grads(slice(start, min(start + size, n)))
+    dw_g, *db_g = _summed(dw_g, db_g, tokens, scatter)
+    total, dw, db = total + value, dw + dw_g.astype(f32), db + sum(
+        g.astype(f32) for g in db_g)
+    dxs.append(dx_g)
+  dx = jax.numpy.concatenate(dxs)
+  grads = ((dx.astype(f32) * scale).astype(x.dtype), (dw * scale).astype(w.dtype))
+  return (total * scale, *grads) + (() if b is None else ((db * scale).astype(b.dtype),))
+
+
 def _summed(dw, db, tokens: tuple, scatter: tuple):
   """dW and the bias's gradient (or None) summed over the token shards: dW reduce-scattered
   over the axes `scatter` = (axes, D's dimension) names and summed over the other token axes;
@@ -153,8 +174,8 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
   rounded_tokens(v_local) -> the most tokens whose dW the implementation adds up in W's
   16-bit dtype (beyond them it holds a float32 dW), or None. Where W's D is sharded over
   token axes (FSDP) and a shard has more tokens, they are taken in groups of at most that
-  many: each group's dW is reduce-scattered as it comes and added to a float32 shard of dW,
-  so no device holds a whole float32 dW."""
+  many (_token_groups): each group's dW is reduce-scattered as it comes and added to a
+  float32 shard of dW, so no device holds a whole float32 dW."""
   def shard_loss(x, w, b, labels, valid, tokens, vocab):
     if tokens and reduction == "mean":
       count = jax.lax.psum(jax.numpy.sum(valid, dtype=jax.numpy.float32), tokens)
@@ -179,31 +200,21 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
     return (loss, dx, *_summed(dw, db, tokens, scatter))
 
   def grouped_grads(x, w, b, labels, valid, group, tokens, vocab, scatter, sequence):
-    """local_with_grads in token groups of at most `group`, dW reduce-scattered per group."""
-    f32 = jax.numpy.float32
-    count = jax.numpy.sum(valid, dtype=f32)
+    """local_with_grads in token groups of at most `group` (see _token_groups)."""
+    count = jax.numpy.sum(valid, dtype=jax.numpy.float32)
     count = jax.lax.psum(count, tokens) if tokens else count
     scale = 1.0 / jax.numpy.maximum(count, 1.0) if reduction == "mean" else 1.0
-    n = x.shape[0]
-    size = -(-n // -(-n // group))  # equal groups (the last one may be shorter)
-    total, dxs, dw, db = 0.0, [], 0.0, None if b is None else 0.0
-    for start in range(0, n, size):
-      rows = slice(start, min(start + size, n))
-      f = lambda x, w, b, rows=rows: loss_fn(x, w, b, labels[rows], valid[rows],
-                                             vocab or None, "sum")[0]
-      loss_g, (dx_g, dw_g, db_g) = _value_and_grads(f, x[rows], w, b)
-      dw_g, *db_g = _summed(dw_g, db_g, tokens, scatter)
-      total, dw = total + loss_g, dw + dw_g.astype(f32)
-      db = None if b is None else db + db_g[0].astype(f32)
-      dxs.append(dx_g)
-    dx = jax.numpy.concatenate(dxs)
-    dx = _dx_summed((dx.astype(f32) * scale).astype(dx.dtype), vocab, sequence)
-    loss = total * scale
+
+    def rows_grads(rows):
+      f = lambda x, w, b: loss_fn(x, w, b, labels[rows], valid[rows], vocab or None, "sum")[0]
+      loss_g, grads = _value_and_grads(f, x[rows], w, b)
+      return (loss_g, *grads)
+
+    loss, *grads = _token_groups(x.shape[0], group, rows_grads, x, w, b, tokens, scatter,
+                                 scale)
     if tokens:
       loss = jax.lax.psum(loss, tokens)
-    grads = ((dw * scale).astype(w.dtype),) + (() if b is None else
-                                               ((db * scale).astype(b.dtype),))
-    return (loss, dx, *grads)
+    return (loss, _dx_summed(grads[0], vocab, sequence), *grads[1:])
 
   @jax.custom_vjp
   def loss(x, w, b, labels, valid):
@@ -224,13 +235,14 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
 
 
 def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name: str,
-                   outputs: int = 1):
+                   outputs: int = 1, rounded_tokens=None):
   """The first `outputs` of loss_fn's per-token results (reduction="none": the [N] losses,
   log-sum-exps and z-loss terms), partitioned over the tokens and W's vocabulary on Auto
   meshes: the forward runs loss_fn (as reduced_loss takes it, returning that triple) per
   shard; the backward runs its vjp per shard for the outputs' cotangents (the shard's
   forward run again, as under rematerialization), dx summed over the vocabulary slices
-  (_dx_summed), dW and the bias's gradient over the token shards. A tuple of `outputs` arrays."""
+  (_dx_summed), dW and the bias's gradient over the token shards, under FSDP in token groups
+  as reduced_loss takes them (`rounded_tokens`). A tuple of `outputs` arrays."""
   def shard(x, w, b, labels, valid, vocab):
     return tuple(loss_fn(x, w, b, labels, valid, vocab or None, "none")[:outputs])
 
@@ -239,10 +251,17 @@ def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name:
     return shard(x, w, b, labels, valid, vocab)
 
   def local_vjp(x, w, b, labels, valid, *cts, tokens, vocab, scatter, sequence):
-    f = lambda x, w, b: shard(x, w, b, labels, valid, vocab)
-    dx, dw, db = jax.vjp(f, x, w, b)[1](cts)
-    dx = _dx_summed(dx, vocab, sequence)
-    return (dx, *_summed(dw, db, tokens, scatter))
+    def rows_grads(rows):
+      f = lambda x, w, b: shard(x, w, b, labels[rows], valid[rows], vocab)
+      return (0.0, *jax.vjp(f, x[rows], w, b)[1](tuple(ct[rows] for ct in cts)))
+
+    group = rounded_tokens and scatter[0] and rounded_tokens(w.shape[1 - scatter[1]])
+    if group and x.shape[0] > group:
+      _, dx, *grads = _token_groups(x.shape[0], group, rows_grads, x, w, b, tokens, scatter)
+    else:
+      _, dx, dw, db = rows_grads(slice(None))
+      grads = _summed(dw, db, tokens, scatter)
+    return (_dx_summed(dx, vocab, sequence), *grads)
 
   @jax.custom_vjp
   def loss(x, w, b, labels, valid):

@@ -410,9 +410,10 @@ def linear_cross_entropy(
           loss_fn=shard_loss, name=name,
           rounded_tokens=_rounded_tokens(implementations[0], dtype, chunk_size))
     # Per-token outputs per shard; a reduced loss with its aux outputs reduced from them.
-    loss, *aux = _partition.per_token_loss(x2, weight, bias, labels2, valid,
-                                           weight_layout=weight_layout, loss_fn=shard_loss,
-                                           name=name, outputs=3 if return_aux else 1)
+    loss, *aux = _partition.per_token_loss(
+        x2, weight, bias, labels2, valid, weight_layout=weight_layout, loss_fn=shard_loss,
+        name=name, outputs=3 if return_aux else 1,
+        rounded_tokens=_rounded_tokens(implementations[0], dtype, chunk_size))
     if reduction == "none":
       return (loss.reshape(lead), Aux(*(a.reshape(lead) for a in aux))) if return_aux \
           else loss.reshape(lead)
