@@ -126,6 +126,14 @@ def _value_and_grads(f, x, w, b):
   return jax.value_and_grad(f, argnums=(0, 1, 2))(x, w, b)
 
 
+def _group(rounded_tokens, x, w, scatter: tuple) -> int | None:
+  """The token group size a shard's FSDP gradients take (see reduced_loss's rounded_tokens),
+  or None where its tokens go in one piece: no FSDP, no limit, or no more tokens than it."""
+  axes, d_dim = scatter
+  group = rounded_tokens(w.shape[1 - d_dim]) if rounded_tokens and axes else None
+  return group if group and x.shape[0] > group else None
+
+
 def _token_groups(n: int, group: int, rows_grads, x, w, b, tokens: tuple, scatter: tuple,
                   scale=1.0):
   """A shard's gradients from its tokens in groups of at most `group` (FSDP: see
@@ -189,8 +197,8 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
     return (jax.lax.psum(loss, tokens) if tokens else loss,)
 
   def local_with_grads(x, w, b, labels, valid, *, tokens, vocab, scatter, sequence):
-    group = rounded_tokens and scatter[0] and rounded_tokens(w.shape[1 - scatter[1]])
-    if group and x.shape[0] > group:
+    group = _group(rounded_tokens, x, w, scatter)
+    if group:
       return grouped_grads(x, w, b, labels, valid, group, tokens, vocab, scatter, sequence)
     f = lambda x, w, b: shard_loss(x, w, b, labels, valid, tokens, vocab)
     loss, (dx, dw, db) = _value_and_grads(f, x, w, b)
@@ -255,8 +263,8 @@ def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name:
       f = lambda x, w, b: shard(x, w, b, labels[rows], valid[rows], vocab)
       return (0.0, *jax.vjp(f, x[rows], w, b)[1](tuple(ct[rows] for ct in cts)))
 
-    group = rounded_tokens and scatter[0] and rounded_tokens(w.shape[1 - scatter[1]])
-    if group and x.shape[0] > group:
+    group = _group(rounded_tokens, x, w, scatter)
+    if group:
       _, dx, *grads = _token_groups(x.shape[0], group, rows_grads, x, w, b, tokens, scatter)
     else:
       _, dx, dw, db = rows_grads(slice(None))

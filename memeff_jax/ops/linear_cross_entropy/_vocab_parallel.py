@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from memeff_jax.ops import _vma
+from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
 
 
@@ -53,9 +54,11 @@ class VocabShards:
     """The first global class id of this shard's slice of `v_local` columns."""
     return jax.lax.axis_index(self.axis) * v_local
 
-  def options(self, opts: LossOptions, v_local: int) -> LossOptions:
-    """A shard's options: its slice's size, and the whole vocabulary's for label smoothing."""
-    return dataclasses.replace(opts, vocab_size=int(v_local), whole_vocab=opts.vocab_size)
+  def options(self, opts: LossOptions, weight) -> LossOptions:
+    """A shard's options for its slice `weight` of W: the slice's size, and the whole
+    vocabulary's for label smoothing."""
+    return dataclasses.replace(opts, vocab_size=_common.vocab_of(weight, opts),
+                               whole_vocab=opts.vocab_size)
 
   def merge(self, local: Stats) -> Stats:
     """The whole vocabulary's Stats from every shard's Stats of its slice (the label logit 0

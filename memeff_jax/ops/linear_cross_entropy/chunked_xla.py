@@ -68,7 +68,7 @@ class ChunkedXla:
 
   def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None,
                vocab: VocabShards | None = None):
-    local = opts if vocab is None else vocab.options(opts, _common.vocab_of(weight, opts))
+    local = opts if vocab is None else vocab.options(opts, weight)
     tokens, cols = self.plan(x.shape[0], local.vocab_size, chunk_size)
     backend = XlaChunkBackend(opts=local, vocab_chunk=cols)
     return _chunked.chunked_loss(_chunked.Static(backend, opts, tokens, vocab),

@@ -268,8 +268,7 @@ class PallasMosaicGpu:
           "Pallas interpreter")
     kernel = self.kernel or triton_softmax.SoftmaxKernelConfig(**_tuning.lookup(
         "linear_cross_entropy", "triton_softmax", fields=triton_softmax.SoftmaxKernelConfig))
-    whole, opts = opts, opts if vocab is None else vocab.options(opts, _common.vocab_of(weight,
-                                                                                        opts))
+    whole, opts = opts, opts if vocab is None else vocab.options(opts, weight)
     pad = -opts.vocab_size % self.vocab_multiple
     tokens = self.plan(x.shape[0], opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize,
                        chunk_size)

@@ -46,7 +46,7 @@ class Reference:
     if vocab is None:
       stats = reference_stats(x, weight, bias, labels, opts)
     else:  # its slice's statistics, merged over the vocabulary's axis
-      v_local = _common.vocab_of(weight, opts)
-      stats = vocab.merge(reference_stats(x, weight, bias, labels - vocab.offset(v_local),
-                                          vocab.options(opts, v_local)))
+      local = vocab.options(opts, weight)
+      stats = vocab.merge(reference_stats(x, weight, bias,
+                                          labels - vocab.offset(local.vocab_size), local))
     return _common.finish(stats, labels, valid, opts)
