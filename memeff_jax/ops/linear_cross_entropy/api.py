@@ -403,17 +403,15 @@ def linear_cross_entropy(
       return _compute(x, w, b, labels, valid, dataclasses.replace(opts, reduction=reduction),
                       implementations, chunk_size, axis, in_shard_map=False)
 
-    name = getattr(implementations[0], "name", type(implementations[0]).__name__)
+    shared = dict(weight_layout=weight_layout, loss_fn=shard_loss,
+                  name=getattr(implementations[0], "name", type(implementations[0]).__name__),
+                  rounded_tokens=_rounded_tokens(implementations[0], dtype, chunk_size))
     if reduction != "none" and not return_aux:
-      return _partition.reduced_loss(
-          x2, weight, bias, labels2, valid, reduction=reduction, weight_layout=weight_layout,
-          loss_fn=shard_loss, name=name,
-          rounded_tokens=_rounded_tokens(implementations[0], dtype, chunk_size))
+      return _partition.reduced_loss(x2, weight, bias, labels2, valid, reduction=reduction,
+                                     **shared)
     # Per-token outputs per shard; a reduced loss with its aux outputs reduced from them.
-    loss, *aux = _partition.per_token_loss(
-        x2, weight, bias, labels2, valid, weight_layout=weight_layout, loss_fn=shard_loss,
-        name=name, outputs=3 if return_aux else 1,
-        rounded_tokens=_rounded_tokens(implementations[0], dtype, chunk_size))
+    loss, *aux = _partition.per_token_loss(x2, weight, bias, labels2, valid,
+                                           outputs=3 if return_aux else 1, **shared)
     if reduction == "none":
       return (loss.reshape(lead), Aux(*(a.reshape(lead) for a in aux))) if return_aux \
           else loss.reshape(lead)
