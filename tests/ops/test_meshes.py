@@ -5,6 +5,7 @@ custom_partitioning) and on Explicit meshes with the batch, heads or tokens shar
 vocabulary (vocab parallel) or W's D (FSDP): the outputs keep their shardings, and the
 compiled programs' collectives are only the expected ones."""
 
+import contextlib
 import re
 
 import jax
@@ -444,13 +445,16 @@ def test_loss_fsdp_weight_on_an_auto_mesh(mesh, kw):
       "dW should leave by a reduce-scatter"
 
 
-@pytest.mark.parametrize("groups, reduction", [(True, "mean"), (False, "mean"), (True, "none")])
-def test_loss_fsdp_groups_keep_no_float32_dw(mesh, monkeypatch, groups, reduction):
+@pytest.mark.parametrize("groups, reduction, kind", [
+    (True, "mean", "auto"), (False, "mean", "auto"), (True, "none", "auto"),
+    (True, "mean", "explicit"), (False, "mean", "explicit"), (True, "none", "explicit")])
+def test_loss_fsdp_groups_keep_no_float32_dw(request, monkeypatch, groups, reduction, kind):
   """FSDP (W's D over 'data', its vocabulary over 'model') with more tokens per shard than
   the GPU loss adds up in bf16 (max_rounded_chunks chunks, here 32 chunks of one token):
   the tokens go in groups, each group's bf16 dW reduce-scattered as it comes, so no chunk
   loop accumulates a float32 dW of the shard's whole [D, V_s] (without the groups, one
-  does); one device's loss and gradients either way."""
+  does); one device's loss and gradients either way, on Auto and Explicit meshes."""
+  mesh = request.getfixturevalue("mesh" if kind == "auto" else "explicit_mesh")
   from memeff_jax.ops.linear_cross_entropy import PallasMosaicGpu  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.linear_cross_entropy import api  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.linear_cross_entropy import pallas_mosaic_gpu  # pylint: disable=import-outside-toplevel
@@ -472,8 +476,9 @@ def test_loss_fsdp_groups_keep_no_float32_dw(mesh, monkeypatch, groups, reductio
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
   args = (put(x, P("data")), put(w, P("data", "model")))
   step = jax.jit(jax.value_and_grad(lambda x, w: f(x, w, implementation=impl), argnums=(0, 1)))
-  compiled = step.lower(*args).compile()
-  got, grads = compiled(*args)
+  with jax.set_mesh(mesh) if kind == "explicit" else contextlib.nullcontext():
+    compiled = step.lower(*args).compile()
+    got, grads = compiled(*args)
   _close(got, want, 2e-2)
   for g, wg in zip(grads, want_grads):  # bf16 dW: up to 32 roundings per group
     g, wg = np.asarray(g, np.float64), np.asarray(wg, np.float64)

@@ -110,7 +110,11 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
   shard the vocabulary (sequence parallelism) have the tokens gathered over them inside the
   call, so dx is reduce-scattered by the gather's transpose. Each shard computes its
   tokens' loss; a sum (and a mean's count of counted tokens) is summed over the token
-  shards, so every reduction keeps its single-device meaning."""
+  shards, so every reduction keeps its single-device meaning. Under FSDP a shard with more
+  tokens than the implementation adds up in W's 16-bit dtype (_rounded_tokens) takes them
+  in groups, each with its own gather of W, so each group's 16-bit dW is reduce-scattered
+  by its gather's transpose and the shards are added up in float32 (as _partition's
+  _token_groups does on Auto meshes): no device holds a whole float32 dW."""
   if weight_layout not in _common.WEIGHT_LAYOUTS:
     raise ValueError(f"weight_layout must be 'dv' ([D, V]) or 'vd' ([V, D]), got "
                      f"{weight_layout!r}")
@@ -150,15 +154,42 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
         t = jax.lax.dynamic_slice_in_dim(t, jax.lax.axis_index(names) * size, size, axis=dim)
     return t
 
+  def grouped_loss(x, weight, labels, bias, where):
+    """The shard's loss and aux outputs (local_reduction) of its tokens, under FSDP in
+    groups: W gathered whole per group, its transpose reduce-scattering that group's dW."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    n = math.prod(lead)
+    group = None
+    if d_axes:
+      limit = _rounded_tokens(_implementations(options["implementation"])[0], weight.dtype,
+                              _chunk_size(options["chunk_size"]))
+      group = limit and limit(weight.shape[1 - d_dim])
+    if not group or n <= group:  # one piece; with FSDP, one gather (and reduce-scatter)
+      if d_axes:
+        weight = jax.lax.all_gather(weight, d_axes, axis=d_dim, tiled=True)
+      out = linear_cross_entropy(x, weight, labels, bias=bias, where=where,
+                                 ignore_index=ignore_index, reduction=local_reduction,
+                                 return_aux=return_aux, weight_layout=weight_layout,
+                                 vocab_axis=v_axes or None, **options)
+      return out if return_aux else (out, None)
+    # The groups' gathers read a float32 copy: the shards of dW add up in float32.
+    w32, flat = weight.astype(jnp.float32), lambda t: None if t is None else t.reshape(n)
+    x, labels, where = x.reshape(n, d), flat(labels), flat(where)
+    size = -(-n // -(-n // group))  # equal groups (the last one may be shorter)
+    outs = []
+    for rows in (slice(i, min(i + size, n)) for i in range(0, n, size)):
+      w = jax.lax.all_gather(w32.astype(weight.dtype), d_axes, axis=d_dim, tiled=True)
+      outs.append(linear_cross_entropy(
+          x[rows], w, labels[rows], bias=bias, where=None if where is None else where[rows],
+          ignore_index=ignore_index, reduction=local_reduction, return_aux=True,
+          weight_layout=weight_layout, vocab_axis=v_axes or None, **options))
+    join = (lambda ts: jnp.concatenate(ts).reshape(lead)) if local_reduction == "none" else sum
+    aux = Aux(lse=jnp.concatenate([o[1].lse for o in outs]).reshape(lead),
+              z_loss=join([o[1].z_loss for o in outs]))
+    return join([o[0] for o in outs]), aux if return_aux else None
+
   def local(x, weight, labels, bias, where):
-    if d_axes:  # FSDP: this call's whole D; the gather's transpose reduce-scatters dW
-      weight = jax.lax.all_gather(weight, d_axes, axis=d_dim, tiled=True)
-    out = linear_cross_entropy(gathered(x), weight, gathered(labels), bias=bias,
-                               where=gathered(where),
-                               ignore_index=ignore_index, reduction=local_reduction,
-                               return_aux=return_aux, weight_layout=weight_layout,
-                               vocab_axis=v_axes or None, **options)
-    loss, aux = out if return_aux else (out, None)
+    loss, aux = grouped_loss(gathered(x), weight, gathered(labels), bias, gathered(where))
     if reduction == "none":
       return own(loss), aux and Aux(*map(own, aux))
     # Its tokens were gathered over the shared axes: the sums are over the other ones.
@@ -186,6 +217,12 @@ def _auto_partitions(vocab_axis, labels, x2, weight, d, implementations) -> bool
   return (vocab_axis is None
           and not isinstance(labels, Int64Labels) and x2.shape[0] > 0 and d > 0
           and not isinstance(implementations[0], Reference) and _auto.available(x2, weight))
+
+
+def _implementations(implementation):
+  """The implementations to try, in order, for the `implementation` argument."""
+  default = ("pallas_mosaic_gpu", "chunked_xla") if hopper.on_nvidia_gpu() else ("chunked_xla",)
+  return _dispatch.resolve(implementation, IMPLEMENTATIONS, default)
 
 
 def _rounded_tokens(impl, dtype, chunk_size):
@@ -394,8 +431,7 @@ def linear_cross_entropy(
   if where is not None:
     valid = valid & where.reshape(-1)
 
-  default = ("pallas_mosaic_gpu", "chunked_xla") if hopper.on_nvidia_gpu() else ("chunked_xla",)
-  implementations = _dispatch.resolve(implementation, IMPLEMENTATIONS, default)
+  implementations = _implementations(implementation)
   if x2.shape[0] == 0:  # no tokens: no chunks; the reference's (empty) computation
     implementations = [IMPLEMENTATIONS["reference"]]
   if _auto_partitions(vocab_axis, labels, x2, weight, d, implementations):
