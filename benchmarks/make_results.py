@@ -407,7 +407,8 @@ def scaling_section() -> list[str]:
     out += [f"**{device}** (jax {group[0]['jax']})", "",
             "| case | provider | " + " | ".join(f"{n} GPU ms (eff.)" for n in counts) + " |",
             "|---|---|" + "---|" * len(counts)]
-    cells = {(r["case"], r["provider"], r["devices"]): r for r in group}
+    cells = {(r["case"], r["provider"], r["devices"]): r for r in group
+             if not r.get("device_index")}
     for case, provider in dict.fromkeys((r["case"], r["provider"]) for r in group):
       row = []
       for n in counts:
@@ -415,8 +416,32 @@ def scaling_section() -> list[str]:
         eff = "" if r is None or r.get("efficiency") is None else f" ({r['efficiency']:.3f})"
         row.append("—" if r is None else f"{r['ms']:.2f}{eff}")
       out.append(f"| {case} | {provider} | " + " | ".join(row) + " |")
-    out.append("")
+    out += [""] + _alone_table(group, cells, counts[-1])
   return out
+
+
+def _alone_table(group: list[dict], cells: dict, widest: int) -> list[str]:
+  """Weak scaling's one-GPU case timed alone on each GPU, and the widest mesh's time as a
+  fraction of the slowest one's (n GPUs finish when their slowest does)."""
+  alone = {}
+  for r in group:
+    if r["devices"] == 1:
+      alone.setdefault((r["case"], r["provider"]), {})[r.get("device_index", 0)] = r["ms"]
+  alone = {k: v for k, v in alone.items() if len(v) > 1}
+  if not alone:
+    return []
+  gpus = sorted({i for v in alone.values() for i in v})
+  out = ["Each GPU alone (the one-GPU case on GPU i), ms; the widest mesh against the slowest:",
+         "", "| case | provider | " + " | ".join(f"GPU {i}" for i in gpus)
+         + f" | {widest} GPUs | eff. against the slowest |",
+         "|---|---|" + "---|" * (len(gpus) + 2)]
+  for (case, provider), times in alone.items():
+    wide = cells.get((case, provider, widest))
+    out.append(f"| {case} | {provider} | " + " | ".join(
+        f"{times[i]:.2f}" if i in times else "—" for i in gpus) + " | " + (
+        "— | —" if wide is None else f"{wide['ms']:.2f} | {max(times.values()) / wide['ms']:.3f}")
+        + " |")
+  return out + [""]
 
 
 def scaling_plot(path) -> bool:

@@ -24,6 +24,10 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   train      the 1B model's train step (batch 4 × 4096 per data shard), memeff and plain
              (cuDNN attention) layers, on data × fsdp and fsdp × tensor meshes
              (models.sharding); ms per step, efficiency from tokens/s per device.
+
+n devices in weak scaling finish when the slowest one does, so attention's and the loss's
+one-device case is also timed alone on each other device (rows with "device_index"):
+their spread bounds the efficiency that any code could reach on this host.
   context-train  the 1B model's train step on one sequence of 32k and 128k tokens (or
              --lengths), over a "context" axis of n devices in the zig-zag order
              (all_gather, and the ring at the longest); memeff layers (cuDNN attention
@@ -72,8 +76,10 @@ SHAPES = {
 TRAIN_MESHES = {"data×fsdp": ("data", "fsdp"), "fsdp×tensor": ("fsdp", "tensor")}
 
 
-def _mesh(n: int, axis: str):
-  return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+def _mesh(n: int, axis: str, first: int = 0):
+  """An Auto mesh of one axis over devices first, ..., first + n - 1."""
+  return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[first:first + n])
 
 
 def _fwd_bwd(attend):
@@ -84,9 +90,10 @@ def _fwd_bwd(attend):
   return jax.jit(f)
 
 
-def attention_cases(n: int, shape: dict, causal: bool):
-  """{provider: (fn, args)} at n devices: per-device batch b, the global batch n·b."""
-  mesh = _mesh(n, "data")
+def attention_cases(n: int, shape: dict, causal: bool, first: int = 0):
+  """{provider: (fn, args)} at n devices from `first`: per-device batch b, the global batch
+  n·b."""
+  mesh = _mesh(n, "data", first)
   b, t, h, d = shape["b"] * n, shape["t"], shape["h"], shape["d"]
   dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
   keys = jax.random.split(jax.random.key(0), 4)
@@ -157,12 +164,12 @@ def context_cases(n: int, shape: dict, t: int, variant: str):
   return cases
 
 
-def loss_cases(n: int, shape: dict, vocab_parallel: bool):
-  """{provider: (fn, args)}: data parallel (tokens n·N over "data", W replicated), or vocab
-  parallel (N tokens, W's vocabulary over "tensor")."""
+def loss_cases(n: int, shape: dict, vocab_parallel: bool, first: int = 0):
+  """{provider: (fn, args)} at n devices from `first`: data parallel (tokens n·N over
+  "data", W replicated), or vocab parallel (N tokens, W's vocabulary over "tensor")."""
   import optax  # pylint: disable=import-outside-toplevel
   axis = "tensor" if vocab_parallel else "data"
-  mesh = _mesh(n, axis)
+  mesh = _mesh(n, axis, first)
   tokens = shape["n"] * (1 if vocab_parallel else n)
   d, vocab = shape["d"], shape["v"]
   dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -302,20 +309,29 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
                        "context-train)")
   for name, make, work in [p for p in plans if re.search(match, p[0])]:
     base = {}  # provider: throughput per device (work per ms) at the first device count
-    for n in devices:
+    # Weak scaling's n devices finish with the slowest of them: one device's case is also
+    # timed alone on every other device of the largest mesh (rows with device_index).
+    alone = range(1, max(devices)) if name.startswith(("attention", "loss")) else ()
+    runs = [(n, 0) for n in devices]
+    if devices[0] == 1:
+      runs[1:1] = [(1, i) for i in alone]
+    for n, first_device in runs:
+      cases = make(n, first=first_device) if first_device else make(n)
       timers = {p: functools.partial(_harness.time_jax, fn, *args, reps=5)
-                for p, (fn, args) in make(n).items()}
+                for p, (fn, args) in cases.items()}
       times = _harness.interleaved(timers, rounds)
       for provider, ts in times.items():
         ms = float(np.median(ts))
         rate = work(n) / (ms * n)
         first = base.setdefault(provider, rate if n == devices[0] else None)
-        eff = None if first is None else rate / first
+        eff = None if first is None or first_device else rate / first
         row = dict(op="scaling", case=name, provider=provider, devices=n, ms=ms,
-                   efficiency=eff, small=small, rounds=rounds, **env)
+                   efficiency=eff, small=small, rounds=rounds, **env,
+                   **({"device_index": first_device} if first_device else {}))
         rows.append(row)
         _harness.append(out, [row])
-        print(f"  {name:18s} {provider:13s} {n} devices: {ms:9.3f} ms"
+        where = f"device {first_device} alone" if first_device else f"{n} devices"
+        print(f"  {name:18s} {provider:13s} {where}: {ms:9.3f} ms"
               + ("" if eff is None else f"  efficiency {eff:.3f}"), flush=True)
   return rows
 

@@ -16,15 +16,21 @@ def test_scaling_dry_run(tmp_path):
                 "--match", "^(loss|vocab|context-causal-zigzag-ring)", "--rounds", "1",
                 "--out", str(out)])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
-  got = {(r["case"], r["provider"], r["devices"]) for r in rows}
+  got = {(r["case"], r["provider"], r["devices"]) for r in rows}  # device_index rows too
   losses = {("loss", p, n) for p in ("memeff", "jax_naive", "memeff:local_dw",
                                       "jax_naive:local_dw") for n in (1, 2)}
   assert got == losses | {("loss", "dw_allreduce", 2), ("vocab", "memeff", 1),
                           ("vocab", "memeff", 2)} | {
                      (f"context-{variant}-256", "memeff", n)
                      for variant in ("causal-zigzag-ring",) for n in (1, 2)}
-  assert all(r["efficiency"] == 1.0 for r in rows if r["devices"] == 1)
+  base = [r for r in rows if "device_index" not in r]
+  assert all(r["efficiency"] == 1.0 for r in base if r["devices"] == 1)
   assert all(r["ms"] > 0 for r in rows)
+  # the loss's one-device case also ran alone on device 1 (no efficiency: no baseline there)
+  alone = {(r["case"], r["provider"]) for r in rows if r.get("device_index") == 1}
+  assert alone == {("loss", p) for p in ("memeff", "jax_naive", "memeff:local_dw",
+                                         "jax_naive:local_dw")}
+  assert all(r["devices"] == 1 and r["efficiency"] is None for r in rows if "device_index" in r)
 
 
 def test_visible_pairs():
