@@ -53,18 +53,24 @@ def worker(args) -> None:
                           temp_bytes=report.temp_bytes)), flush=True)
 
   mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh)) if args.mesh else None
+
+  def trained(r):  # printed before the probes compile: a run whose probes fail still ran
+    stats = jax.devices()[0].memory_stats() or {}
+    print(json.dumps(dict(kernels=args.kernels, batch=args.batch, seq_len=seq,
+                          remat_policy=cfg.remat_policy,
+                          tokens_per_s=r.tokens_per_s, temp_bytes=r.temp_bytes,
+                          peak_bytes=r.peak_bytes, predicted_peak_bytes=r.predicted_peak_bytes,
+                          bytes_limit=stats.get("bytes_limit"),
+                          first_loss=r.losses[0], last_loss=r.losses[-1],
+                          **({"losses": r.losses} if args.keep_losses else {}),
+                          device=jax.devices()[0].device_kind, jax=jax.__version__)),
+          flush=True)
+
   r = run.train(cfg, train_cfg, kernels=args.kernels, steps=args.steps, batch=args.batch,
                 seq_len=seq, show_progress=False, probe_batches=probes, on_compiled=compiled,
-                mesh=mesh)
-  stats = jax.devices()[0].memory_stats() or {}
-  print(json.dumps(dict(kernels=args.kernels, batch=args.batch, seq_len=seq,
-                        remat_policy=cfg.remat_policy,
-                        tokens_per_s=r.tokens_per_s, temp_bytes=r.temp_bytes,
-                        peak_bytes=r.peak_bytes, predicted_peak_bytes=r.predicted_peak_bytes,
-                        probes=r.probes, bytes_limit=stats.get("bytes_limit"),
-                        first_loss=r.losses[0], last_loss=r.losses[-1],
-                        **({"losses": r.losses} if args.keep_losses else {}),
-                        device=jax.devices()[0].device_kind, jax=jax.__version__)))
+                on_trained=trained, mesh=mesh)
+  if probes:
+    print(json.dumps(dict(probes=r.probes)), flush=True)
 
 
 def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | None,
@@ -98,11 +104,12 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
   record = dict(op="train_step_run", config=config, kernels=kernels, batch=batch,
                 remat_policy=remat_policy, **({"mesh": mesh} if mesh else {}))
   prediction = [json.loads(l) for l in lines if l.startswith('{"compiled"')]
-  lines = [l for l in lines if not l.startswith('{"compiled"')]
+  probes = [json.loads(l)["probes"] for l in lines if l.startswith('{"probes"')]
+  lines = [l for l in lines if not l.startswith(('{"compiled"', '{"probes"'))]
   if prediction:
     record["predicted_peak_bytes"] = prediction[-1]["predicted_peak_bytes"]
     record["temp_bytes"] = prediction[-1]["temp_bytes"]
-  if proc.returncode or not lines:
+  if not lines:  # it did not train (a run that trained and then failed to probe did)
     oom = [l for l in proc.stderr.splitlines()
            if "RESOURCE_EXHAUSTED" in l or "Out of memory" in l]
     reason = "out of memory" if oom else \
@@ -115,7 +122,7 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
       _append(runs_out, dict(record, fits=False, error=reason,
                              **({"oom_message": oom[0].strip()[:500]} if oom else {})))
     return None
-  row = json.loads(lines[-1])
+  row = dict(json.loads(lines[-1]), probes=probes[-1] if probes else {})
   if runs_out:
     _append(runs_out, dict(record, **row, fits=True))
   print(f"  {kernels:9s} batch {batch:4d}: {row['tokens_per_s']:9.0f} tokens/s, peak "
@@ -224,7 +231,8 @@ def main(argv=None):
     return
   for kernels in args.kernels.split(","):
     row = measure(args.config, kernels, batch, args.steps, args.seq_len,
-                  probe=() if args.no_search else (2 * batch,), runs_out=args.out,
+                  probe=() if args.no_search or args.search_from else (2 * batch,),
+                  runs_out=args.out,
                   mesh=args.mesh, timeout=args.run_timeout) or {}
     row = {"op": "train_step", "config": args.config, "kernels": kernels, "batch": batch,
            **env, **row}
@@ -232,10 +240,10 @@ def main(argv=None):
       predicted = predict_largest(row) if row.get("probes") else None
       print(f"  {kernels}: predicted largest batch: {predicted}", flush=True)
       row["predicted_largest_batch"] = predicted
-      start = args.search_from or predicted
+      start = args.search_from or predicted or batch
       row["largest_batch"] = largest_batch(
-          args.config, kernels, start or batch, 2, args.seq_len, args.max_batch,
-          start_fits=None if start else "tokens_per_s" in row, runs_out=args.out,
+          args.config, kernels, start, 2, args.seq_len, args.max_batch,
+          start_fits="tokens_per_s" in row if start == batch else None, runs_out=args.out,
           mesh=args.mesh, unit=unit, timeout=args.run_timeout)
       print(f"  {kernels}: largest batch that fits: {row['largest_batch']}", flush=True)
     _harness.append(args.out, [row])

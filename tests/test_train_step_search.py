@@ -29,3 +29,24 @@ def test_a_run_past_its_timeout_does_not_run(tmp_path):
   out = tmp_path / "runs.jsonl"
   assert train_step.measure("tiny", "memeff", 2, 1, None, runs_out=out, timeout=0.01) is None
   assert "timed out after" in out.read_text()
+
+
+def test_a_run_that_trained_counts_though_its_probe_did_not_finish(tmp_path, monkeypatch):
+  """The worker prints its trained row before compiling the probes: a run cut off while
+  probing still trained (and is recorded so), without a prediction."""
+  import json  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  trained = {"kernels": "memeff", "batch": 2, "tokens_per_s": 5.0, "peak_bytes": 7,
+             "temp_bytes": 3}
+  stdout = "\n".join([json.dumps({"compiled": True, "predicted_peak_bytes": 6,
+                                  "temp_bytes": 3}), json.dumps(trained)])
+
+  def run(cmd, **kw):
+    raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=stdout.encode())
+
+  monkeypatch.setattr(subprocess, "run", run)
+  out = tmp_path / "runs.jsonl"
+  row = train_step.measure("tiny", "memeff", 2, 1, None, probe=(4,), runs_out=out, timeout=9)
+  assert row["tokens_per_s"] == 5.0 and row["probes"] == {}
+  recorded = json.loads(out.read_text())
+  assert recorded["fits"] and recorded["predicted_peak_bytes"] == 6

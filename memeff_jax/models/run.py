@@ -50,14 +50,15 @@ def progress(prefix: str, i: int, n: int, loss: float, stream=sys.stderr):
 
 def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch: int,
           seq_len: int, seed: int = 0, show_progress: bool = True,
-          probe_batches: tuple[int, ...] = (), on_compiled=None, mesh=None,
+          probe_batches: tuple[int, ...] = (), on_compiled=None, on_trained=None, mesh=None,
           context_order: str = "contiguous", context_strategy: str = "all_gather") -> RunResult:
   """Trains a fresh model (parameters from `seed`, so both kernel sets start equal).
 
   `probe_batches`: batch sizes whose train step is only compiled, after training, to
   report their predicted peak bytes (RunResult.probes); nothing runs at those sizes.
   `on_compiled(report)`: called with the step's MemoryReport before the first step runs
-  (so a run that then fails still leaves its prediction). `mesh`: train on this mesh
+  (so a run that then fails still leaves its prediction); `on_trained(result)` with the
+  result before the probes compile (so a run whose probes take too long still counts). `mesh`: train on this mesh
   (models.sharding: the batch over data × fsdp, weights by its rules); `context_order` and
   `context_strategy`: the attention's on a mesh with a context axis (Llama).
   """
@@ -82,21 +83,24 @@ def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch:
   batch_data = first
   for i in range(steps):
     state, loss = compiled(state, batch_data)
+    if i + 1 < steps:  # the next batch is made and sent while the step runs
+      batch_data = place(next(stream))
     losses.append(float(loss))  # waits for the step
     if i == 0:
       t_start = time.perf_counter()  # the first step includes compilation
     if show_progress:
       progress(f"{kernels:6s}", i + 1, steps, losses[-1])
-    batch_data = place(next(stream))
   elapsed = time.perf_counter() - t_start if steps > 1 else float("nan")
   stats = jax.devices()[0].memory_stats() or {}
-  probes = {}
+  result = RunResult(kernels, losses, report.temp_bytes, stats.get("peak_bytes_in_use"),
+                     (steps - 1) * batch * seq_len / elapsed if steps > 1 else float("nan"),
+                     report.peak_bytes)
+  if on_trained is not None:
+    on_trained(result)
   for b in probe_batches:
     spec = {k: jax.ShapeDtypeStruct((b,) + v.shape[1:], v.dtype) for k, v in first.items()}
-    probes[b] = memory.analyze(step, state, spec).peak_bytes
-  return RunResult(kernels, losses, report.temp_bytes, stats.get("peak_bytes_in_use"),
-                   (steps - 1) * batch * seq_len / elapsed if steps > 1 else float("nan"),
-                   report.peak_bytes, probes)
+    result.probes[b] = memory.analyze(step, state, spec).peak_bytes
+  return result
 
 
 def plot(results: list[RunResult], path: str, title: str):
