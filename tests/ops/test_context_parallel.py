@@ -302,6 +302,32 @@ def test_ring_plans_skip_what_no_mask_reaches():
   assert _context.pair_plan(0, 64, 64, 64, (None, 0)) is None
 
 
+def test_ring_passes_only_the_rows_later_steps_reach():
+  """Under a left window of 40 over shards of 64 keys the ring passes each shard's last 40
+  keys (and their dK/dV) to the next, not all 64: the compiled program's collective-permutes
+  move [.., 40, ..] buffers only; values and gradients stay one device's. A causal mask
+  reaches every row."""
+  assert _context.passed_rows(_context.ring_plans(64, 64, 4, (40, 0), "contiguous")) == (24, 64)
+  assert _context.passed_rows(_context.ring_plans(64, 64, 4, (None, 0), "zigzag")) == (0, 64)
+  assert _context.passed_rows(_context.ring_plans(64, 64, 4, (0, 0), "contiguous")) is None
+  q, k, v, seg = _problem(3, segments=True)
+  kw = dict(causal=True, sliding_window=(40, 0), return_lse=True)
+  one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg, **kw)
+  mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
+  spec = P("data", "context")
+  many = shard_map(lambda q, k, v, seg: memeff_jax.flash_attention(
+      q, k, v, q_segment_ids=seg, context_axis="context", context_strategy="ring", **kw),
+                   mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec))
+  want, want_grads = _value_and_grads(one, q, k, v, seg)
+  both = jax.jit(lambda *a: (many(*a), jax.grad(_loss(many), (0, 1, 2))(*a)))
+  compiled = both.lower(q, k, v, seg).compile()
+  got, grads = compiled(q, k, v, seg)
+  _close(got, want)
+  _close(grads, want_grads)
+  moved = re.findall(r"\S+\[([0-9,]*)\]\S* collective-permute(?:-start)?\(", compiled.as_text())
+  assert moved and {m.split(",")[1] for m in moved} == {"40"}, moved
+
+
 def test_context_axis_errors():
   q = jnp.ones((1, 128, 2, 16))
   with pytest.raises(ValueError, match="context_axis='context' is not an axis of an enclosing"):

@@ -16,10 +16,11 @@ all_gather: every shard gathers all keys, values and key segment ids, then runs 
 ring: keys, values and key segment ids pass from shard to shard (ppermute), the next transfer
   issued before the current step's kernels; each step's (query chunk, key chunk) pairs are
   planned statically (`pair_plan`, `ring_plans`), shards with equal plans sharing a branch,
-  and partial results merge through their log-sum-exp. The backward passes the keys round
-  again with float32 dK/dV accumulators that end at their shard; each step calls the
-  single-device backward with the final output and log-sum-exp, which gives exactly that
-  step's share of the gradients. A shard holds at most two shards' keys, and a window stops
+  and partial results merge through their log-sum-exp. Only the key rows that some step
+  after the first reaches go round (`passed_rows`: under a window, the halo of the last w
+  keys). The backward passes them round again with float32 dK/dV accumulators that end at
+  their shard; each step calls the single-device backward with the final output and
+  log-sum-exp, which gives exactly that step's share of the gradients. A shard holds at most two shards' keys, and a window stops
   the ring after the last step it reaches.
 
 Under a causal mask shard i does (i + ½)·T² of the work. The zig-zag order balances it: the
@@ -150,6 +151,16 @@ def ring_plans(t: int, s: int, shards: int, window, order: str) -> list[tuple[li
   return steps
 
 
+def passed_rows(steps) -> tuple[int, int] | None:
+  """The rows [lo, hi) of a shard's keys that any ring step after the first reaches, on any
+  shard (None: one step). Only they go round the ring, and only their dK/dV: under a window
+  of w ≤ S keys that is the last w rows, the halo the next shard needs."""
+  spans = [(ka, kb) for plans, _ in steps[1:] for plan in plans for _, _, ka, kb, _ in plan]
+  if not spans:
+    return None
+  return min(a for a, _ in spans), max(b for _, b in spans)
+
+
 def _merge(acc, lse_acc, out, lse):
   """Two partial softmax results over disjoint keys, merged through their log-sum-exps
   (rows that see no key in either stay 0 with lse -inf)."""
@@ -269,15 +280,21 @@ def _gather_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d
 
 def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
   steps = ring_plans(q.shape[1], k.shape[1], shards, window, order)
+  rows = passed_rows(steps)
   acc = lse = None
   visiting = (k, v, kv_seg)
   for step, (plans, which) in enumerate(steps):
-    arriving = _pass_on(axis, shards, visiting) if step + 1 < len(steps) else None
+    arriving = None
+    if step + 1 < len(steps):  # from the first step on, only the rows that later steps reach
+      arriving = _pass_on(axis, shards, visiting if step else
+                          tuple(_rows(a, *rows) for a in visiting))
+    first = rows[0] if step else 0  # the visiting keys' first row among their shard's
 
-    def branch(plan):
+    def branch(plan, first=first):
       def run(q, q_seg, k, v, kv_seg):
         acc, lse = _empty(q, k, v)
         for qa, qb, ka, kb, local in plan:
+          ka, kb = ka - first, kb - first
           o, l = attend(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
                         _rows(kv_seg, ka, kb), local)
           merged = _merge(acc[:, qa:qb], lse[:, qa:qb], o, l)
@@ -296,18 +313,25 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
   """Step k: the keys of step k + 1 are already on their way, and the float32 dK/dV
   accumulators of this step's keys arrive from the shard that held them at step k − 1; this
   step's contributions are computed apart and added to them after, so both transfers run
-  under the kernels."""
+  under the kernels. The first step's contributions, to the shard's own keys, stay home;
+  the accumulators that go round hold only the passed rows (passed_rows)."""
   steps = ring_plans(q.shape[1], k.shape[1], shards, window, order)
+  rows = passed_rows(steps)
   zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
-  visiting, dq, dkv = (k, v, kv_seg), None, None
+  visiting, dq, home, dkv = (k, v, kv_seg), None, None, None
   for step, (plans, which) in enumerate(steps):
-    arriving = _pass_on(axis, shards, visiting) if step + 1 < len(steps) else None
+    arriving = None
+    if step + 1 < len(steps):
+      arriving = _pass_on(axis, shards, visiting if step else
+                          tuple(_rows(a, *rows) for a in visiting))
     carried = None if dkv is None else _pass_on(axis, shards, dkv)
+    first = rows[0] if step else 0
 
-    def branch(plan):
+    def branch(plan, first=first):
       def run(k, v, kv_seg):
         dq, dk, dv = _vma.varying_like((zeros(q), zeros(k), zeros(v)), q, k, v, d_out)
         for qa, qb, ka, kb, local in plan:
+          ka, kb = ka - first, kb - first
           r = lambda a: a[:, qa:qb]
           g = attend_backward(r(q), k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
                               _rows(kv_seg, ka, kb), r(out), r(lse), r(d_out), r(d_lse), local)
@@ -319,10 +343,16 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
 
     dq_step, *mine = _switch(axis, which, [branch(p) for p in plans], *visiting)
     dq = dq_step if dq is None else dq + dq_step
-    dkv = tuple(mine) if carried is None else tuple(a + b for a, b in zip(carried, mine))
+    if step == 0:
+      home = tuple(mine)
+    else:
+      dkv = tuple(mine) if carried is None else tuple(a + b for a, b in zip(carried, mine))
     visiting = arriving
+  if dkv is None:
+    return dq, *home
   # After the last step shard i holds the accumulators of shard i − (steps − 1): send them home.
-  dk, dv = _pass_on(axis, shards, dkv, shift=1 - len(steps)) if len(steps) > 1 else dkv
+  dkv = _pass_on(axis, shards, dkv, shift=1 - len(steps))
+  dk, dv = (_put(h, *rows, a, add=True) for h, a in zip(home, dkv))
   return dq, dk, dv
 
 
