@@ -17,7 +17,9 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   context    context parallelism: B=1, T = 8k and 32k tokens per device (the sequence n·T over
              "context", inside shard_map), GQA 32:8, D=128 bf16, fwd+bwd; causal in the
              contiguous and the zig-zag order, packed 4k-token documents (zig-zag) and a 4k
-             sliding window, by the all-gather strategy, and the last three by the ring.
+             sliding window, by the all-gather strategy, and the last three by the ring;
+             and the packed documents in the contiguous order with a 4k left window, which
+             leaves their mask as it is and has the ring pass only a 4k halo.
              Efficiency: per-device throughput in visible query-key pairs against one
              device's at the same T (pairs, not tokens: a causal sequence n times longer
              holds n² times the pairs); one device also runs cuDNN.
@@ -118,6 +120,10 @@ CONTEXT_VARIANTS = {
     "causal-zigzag-ring": ("causal", "zigzag", "ring"),
     "packed-zigzag-ring": ("packed", "zigzag", "ring"),
     "window-ring": ("window", "contiguous", "ring"),
+    # documents of at most `span` tokens: a left window of span keys leaves the mask as it is
+    # and lets the ring pass only that halo (the order need not balance: the work per token
+    # is the same everywhere)
+    "packed-bounded-ring": ("packed+window", "contiguous", "ring"),
 }
 
 
@@ -125,7 +131,9 @@ def visible_pairs(length: int, mask: str, span: int) -> int:
   """Query-key pairs a causal mask leaves visible over `length` tokens, with documents
   (`packed`) or a left window (`window`) of `span` tokens."""
   i = np.arange(length, dtype=np.int64)
-  lo = {"causal": 0 * i, "packed": i // span * span, "window": np.maximum(i - span, 0)}[mask]
+  packed = i // span * span
+  lo = {"causal": 0 * i, "packed": packed, "packed+window": packed,
+        "window": np.maximum(i - span, 0)}[mask]
   return int(np.sum(i - lo + 1))
 
 
@@ -141,11 +149,12 @@ def context_cases(n: int, shape: dict, t: int, variant: str):
   q, g = (put(jax.random.normal(key, (b, length, h, d), dtype)) for key in keys[:2])
   k, v = (put(jax.random.normal(key, (b, length, hkv, d), dtype)) for key in keys[2:])
   seg = None
-  if mask == "packed":  # document ids in the order the tokens lie in
+  if mask.startswith("packed"):  # document ids in the order the tokens lie in
     ids = (jnp.arange(length) // shape["span"])[None].repeat(b, 0)
     seg = put(memeff_jax.ops.flash_attention.zigzag(ids, n) if n > 1 and order == "zigzag"
               else ids)
-  opts = dict(causal=True, sliding_window=(shape["span"], 0) if mask == "window" else None)
+  opts = dict(causal=True,
+              sliding_window=(shape["span"], 0) if mask.endswith("window") else None)
   if n == 1:
     attend = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg, **opts)
   else:
@@ -156,7 +165,7 @@ def context_cases(n: int, shape: dict, t: int, variant: str):
         mesh=mesh, in_specs=(spec, spec, spec, None if seg is None else spec), out_specs=spec)
 
   cases = {"memeff": (_fwd_bwd(attend), (q, k, v, g, seg))}
-  if n == 1 and jax.default_backend() == "gpu" and mask != "packed":
+  if n == 1 and jax.default_backend() == "gpu" and not mask.startswith("packed"):
     cudnn = lambda q, k, v, seg: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn",
         local_window_size=(shape["span"], 0) if mask == "window" else None)

@@ -13,7 +13,8 @@ def test_scaling_dry_run(tmp_path):
     pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   out = tmp_path / "scaling.jsonl"
   scaling.main(["--small", "--devices", "1,2", "--cases", "loss,vocab,context",
-                "--match", "^(loss|vocab|context-causal-zigzag-ring)", "--rounds", "1",
+                "--match", "^(loss|vocab|context-(causal-zigzag|packed-bounded)-ring)",
+                "--rounds", "1",
                 "--out", str(out)])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   got = {(r["case"], r["provider"], r["devices"]) for r in rows}  # device_index rows too
@@ -22,7 +23,8 @@ def test_scaling_dry_run(tmp_path):
   assert got == losses | {("loss", "dw_allreduce", 2), ("vocab", "memeff", 1),
                           ("vocab", "memeff", 2)} | {
                      (f"context-{variant}-256", "memeff", n)
-                     for variant in ("causal-zigzag-ring",) for n in (1, 2)}
+                     for variant in ("causal-zigzag-ring", "packed-bounded-ring")
+                     for n in (1, 2)}
   base = [r for r in rows if "device_index" not in r]
   assert all(r["efficiency"] == 1.0 for r in base if r["devices"] == 1)
   assert all(r["ms"] > 0 for r in rows)
@@ -36,6 +38,7 @@ def test_scaling_dry_run(tmp_path):
 def test_visible_pairs():
   assert scaling.visible_pairs(4, "causal", 2) == 10
   assert scaling.visible_pairs(6, "packed", 3) == 12  # two documents of 3: 6 pairs each
+  assert scaling.visible_pairs(6, "packed+window", 3) == 12  # a window that cuts nothing
   assert scaling.visible_pairs(5, "window", 1) == 9  # 1 + 2 + 2 + 2 + 2
 
 

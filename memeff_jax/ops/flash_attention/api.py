@@ -308,7 +308,9 @@ def flash_attention(
       to shard, each step's attention overlapping the next transfer and merged through the
       log-sum-exp; the backward passes them round again with float32 dK/dV accumulators:
       a shard holds at most two shards' keys, and a window stops the ring after the last
-      step it reaches).
+      step it reaches and has it pass only the keys it reaches). Packed documents of at
+      most m tokens: sliding_window=(m, 0) leaves their mask as it is and lets the ring
+      pass only a halo of m keys.
 
   Meshes: with q, k, v sharded on the batch and heads (an Auto or Explicit mesh under jit,
   or inside jax.shard_map) each shard runs its part; on an Auto or Explicit mesh also on
