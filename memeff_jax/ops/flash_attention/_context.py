@@ -20,8 +20,8 @@ ring: keys, values and key segment ids pass from shard to shard (ppermute), the 
   after the first reaches go round (`passed_rows`: under a window, the halo of the last w
   keys). The backward passes them round again with float32 dK/dV accumulators that end at
   their shard; each step calls the single-device backward with the final output and
-  log-sum-exp, which gives exactly that step's share of the gradients. A shard holds at most two shards' keys, and a window stops
-  the ring after the last step it reaches.
+  log-sum-exp, which gives exactly that step's share of the gradients. A shard holds at
+  most two shards' keys, and a window stops the ring after the last step it reaches.
 
 Under a causal mask shard i does (i + ½)·T² of the work. The zig-zag order balances it: the
 sequence cut into 2n chunks, shard i holds chunks i and 2n − 1 − i (`zigzag` reorders tokens,

@@ -161,7 +161,8 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
     n = math.prod(lead)
     group = None
     if d_axes:
-      limit = _rounded_tokens(_implementations(options["implementation"])[0], weight.dtype,
+      limit = _rounded_tokens(_implementations(options["implementation"])[0],
+                              jnp.result_type(x.dtype, weight.dtype),
                               _chunk_size(options["chunk_size"]))
       group = limit and limit(weight.shape[1 - d_dim])
     if not group or n <= group:  # one piece; with FSDP, one gather (and reduce-scatter)
