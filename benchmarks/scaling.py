@@ -285,13 +285,11 @@ def context_train_rows(shape: dict, devices: list[int], env: dict, out) -> list[
   return rows
 
 
-def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
-        match: str = "", lengths: tuple[int, ...] | None = None) -> list[dict]:
-  env, rows = _harness.environment(), []
-  shapes = SHAPES[small]
-  if lengths:
-    shapes = dict(shapes, context_train=dict(shapes["context_train"], lengths=lengths))
-  plans = []  # (case, make(n) -> {provider: (fn, args)}, work(n): the problem's size)
+def op_plans(cases: list[str], shapes: dict) -> list[tuple]:
+  """(case name, make(n, first=0) -> {provider: (fn, args)}, work(n): the problem's size) of
+  each op case (attention, loss, vocab, context; train and context-train are rows of their
+  own)."""
+  plans = []
   for case in cases:
     if case == "attention":
       plans += [("attention" + ("-causal" if c else ""), functools.partial(
@@ -309,13 +307,23 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
           label = f"{t // 1024}k" if t >= 1024 else str(t)
           plans.append((f"context-{variant}-{label}", functools.partial(
               context_cases, shape=shape, t=t, variant=variant), work))
-    elif case == "train":
-      rows += train_rows(shapes["train"], devices, env, out)
-    elif case == "context-train":
-      rows += context_train_rows(shapes["context_train"], devices, env, out)
-    else:
+    elif case not in ("train", "context-train"):
       raise ValueError(f"unknown case {case!r} (attention, loss, vocab, context, train, "
                        "context-train)")
+  return plans
+
+
+def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
+        match: str = "", lengths: tuple[int, ...] | None = None) -> list[dict]:
+  env, rows = _harness.environment(), []
+  shapes = SHAPES[small]
+  if lengths:
+    shapes = dict(shapes, context_train=dict(shapes["context_train"], lengths=lengths))
+  plans = op_plans(cases, shapes)
+  if "train" in cases:
+    rows += train_rows(shapes["train"], devices, env, out)
+  if "context-train" in cases:
+    rows += context_train_rows(shapes["context_train"], devices, env, out)
   for name, make, work in [p for p in plans if re.search(match, p[0])]:
     base = {}  # provider: throughput per device (work per ms) at the first device count
     # Weak scaling's n devices finish with the slowest of them: one device's case is also

@@ -1,0 +1,162 @@
+"""Where a case's GPU time goes: kernel by kernel, on each GPU, from a JAX profile.
+
+    python benchmarks/profile_kernels.py --case attention-causal --devices 1,4
+    python benchmarks/profile_kernels.py --case loss --devices 4 --provider memeff:local_dw
+    python benchmarks/profile_kernels.py --case context-window-ring-32k --devices 2
+    python benchmarks/profile_kernels.py --train 1b --mesh fsdp=2,tensor=2
+
+--case names one of scaling.py's op cases (its shapes; --small for a CPU's); after two
+warm-up calls, --calls calls run under `jax.profiler.trace`, each waited for, as
+scaling.py times them. --train profiles that many steps of the model's train step
+(models.run, --mesh as `memeff-jax train` takes it; the first step compiles, then runs the
+same kernels as the others).
+
+Per GPU, per call: busy (the time at least one kernel runs, over all streams) and the
+kernels by total time, collectives (NCCL) marked. A GPU whose busy time is the one-GPU
+figure while the call takes longer waits (launches, host syncs, other GPUs); busy time that
+grows with the GPU count is slower kernels. Summaries go to --out as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import pathlib
+import sys
+import tempfile
+
+import jax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks import scaling  # noqa: E402
+
+ALL_CASES = ["attention", "loss", "vocab", "context"]
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+  """The length of the union of [start, end) intervals."""
+  total, reach = 0, None
+  for start, end in sorted(intervals):
+    if reach is None or start > reach:
+      total, reach = total + end - start, end
+    elif end > reach:
+      total, reach = total + end - reach, end
+  return total
+
+
+def summarize(data: jax.profiler.ProfileData, calls: int, top: int = 12) -> dict[str, dict]:
+  """{GPU plane: {busy_ms, kernels: [(name, ms, launches)], collectives_ms}} per call, from
+  the kernels on the planes' stream lines (a profile's derived lines, such as "XLA Ops",
+  repeat them and are skipped)."""
+  out = {}
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    events = [(e.name, e.start_ns, e.end_ns) for line in plane.lines
+              if line.name.startswith("Stream") for e in line.events]
+    if not events:
+      continue
+    kernels = {}
+    for name, start, end in events:
+      total = kernels.setdefault(name, [0, 0])
+      total[0], total[1] = total[0] + end - start, total[1] + 1
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    out[plane.name] = dict(
+        busy_ms=_union_ns([(s, e) for _, s, e in events]) / 1e6 / calls,
+        collectives_ms=sum(t for n, (t, _) in kernels.items() if "nccl" in n.lower())
+        / 1e6 / calls,
+        kernels=[(n, t / 1e6 / calls, c / calls) for n, (t, c) in ranked[:top]])
+  return out
+
+
+def profile(fn, calls: int) -> jax.profiler.ProfileData:
+  """fn() run `calls` times under the profiler, each call waited for; its profile."""
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir):
+      for _ in range(calls):
+        jax.block_until_ready(fn())
+    path, = glob.glob(f"{log_dir}/plugins/profile/*/*.xplane.pb")
+    return jax.profiler.ProfileData.from_file(path)
+
+
+def _print(title: str, summary: dict[str, dict]) -> None:
+  print(title)
+  if not summary:
+    print("  no GPU kernels in the profile (a CPU run has none)")
+  for plane, s in summary.items():
+    print(f"  {plane}: busy {s['busy_ms']:.3f} ms per call, collectives "
+          f"{s['collectives_ms']:.3f} ms")
+    for name, ms, launches in s["kernels"]:
+      print(f"    {ms:9.3f} ms  {launches:6.1f}×  {name[:100]}")
+
+
+def _case(name: str, small: bool):
+  plans = {p[0]: p[1] for p in scaling.op_plans(ALL_CASES, scaling.SHAPES[small])}
+  if name not in plans:
+    raise SystemExit(f"--case {name!r}: one of {', '.join(plans)}")
+  return plans[name]
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--case", help="a scaling.py op case, e.g. attention-causal")
+  p.add_argument("--devices", default="1", help="device counts, e.g. 1,4")
+  p.add_argument("--provider", default=None, help="only this provider (default: all)")
+  p.add_argument("--train", metavar="CONFIG", help="profile the model's train step instead")
+  p.add_argument("--mesh", default=None, help="with --train: e.g. fsdp=2,tensor=2")
+  p.add_argument("--kernels", default="memeff", help="with --train: memeff or plain")
+  p.add_argument("--calls", type=int, default=5)
+  p.add_argument("--top", type=int, default=12, help="kernels listed per GPU")
+  p.add_argument("--small", action="store_true", help="CPU-sized shapes")
+  p.add_argument("--out", default=None, help="append the summaries here as JSON lines")
+  args = p.parse_args(argv)
+  if bool(args.case) == bool(args.train):
+    raise SystemExit("give --case or --train")
+  rows = []
+  if args.train:
+    rows.append(_train_row(args))
+  else:
+    make = _case(args.case, args.small)
+    for n in (int(c) for c in args.devices.split(",")):
+      for provider, (fn, fn_args) in make(n).items():
+        if args.provider not in (None, provider):
+          continue
+        for _ in range(2):
+          jax.block_until_ready(fn(*fn_args))
+        summary = summarize(profile(lambda fn=fn, a=fn_args: fn(*a), args.calls), args.calls,
+                            args.top)
+        _print(f"{args.case} {provider} on {n} devices", summary)
+        rows.append(dict(case=args.case, provider=provider, devices=n, gpus=summary))
+  if args.out:
+    with open(args.out, "a", encoding="utf-8") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+
+
+def _train_row(args) -> dict:
+  """The train step's kernels per step, over `calls` steps (the first one compiles, then
+  runs the same kernels)."""
+  # pylint: disable-next=import-outside-toplevel
+  from memeff_jax.cli import _config_path
+  # pylint: disable-next=import-outside-toplevel
+  from memeff_jax.models import LlamaConfig, run, sharding
+  cfg, train_cfg = LlamaConfig.from_toml(_config_path(args.train))
+  sizes = sharding.parse_mesh(args.mesh) if args.mesh else {}
+  mesh = sharding.make_mesh(sizes) if sizes else None
+  batch = train_cfg["batch"] * sizes.get("data", 1) * sizes.get("fsdp", 1)
+  with tempfile.TemporaryDirectory() as log_dir:
+    jax.profiler.start_trace(log_dir)
+    result = run.train(cfg, train_cfg, kernels=args.kernels, steps=args.calls, batch=batch,
+                       seq_len=train_cfg["seq_len"], show_progress=False, mesh=mesh)
+    jax.profiler.stop_trace()
+    path, = glob.glob(f"{log_dir}/plugins/profile/*/*.xplane.pb")
+    summary = summarize(jax.profiler.ProfileData.from_file(path), args.calls, args.top)
+  _print(f"train step of {args.train} ({args.kernels} layers) on {args.mesh or 'one device'}"
+         f", {result.tokens_per_s:,.0f} tokens/s", summary)
+  return dict(train=args.train, kernels=args.kernels, mesh=args.mesh,
+              tokens_per_s=result.tokens_per_s, gpus=summary)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,56 @@
+"""benchmarks/profile_kernels.py: the kernel summary of a profile, and a CPU run end to end."""
+
+import json
+
+import jax
+import pytest
+
+from benchmarks import profile_kernels
+
+# One GPU plane: two overlapping kernels on a stream (busy 3 µs, not 4), and a derived
+# "XLA Ops" line that repeats one of them and must not count.
+_PROFILE = """
+planes {
+  id: 1
+  name: "/device:GPU:0"
+  lines {
+    id: 1
+    name: "Stream #13(compute)"
+    timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 }
+    events { metadata_id: 2 offset_ps: 1000000 duration_ps: 2000000 }
+    events { metadata_id: 1 offset_ps: 9000000 duration_ps: 1000000 }
+  }
+  lines {
+    id: 2
+    name: "XLA Ops"
+    timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 }
+  }
+  event_metadata { key: 1 value { id: 1 name: "attention_kernel" } }
+  event_metadata { key: 2 value { id: 2 name: "ncclDevKernel_AllReduce_Sum_bf16" } }
+}
+planes { id: 2 name: "/host:CPU" }
+"""
+
+
+def test_summary_counts_stream_kernels_once():
+  data = jax.profiler.ProfileData.from_text_proto(_PROFILE)
+  got = profile_kernels.summarize(data, calls=2)
+  assert list(got) == ["/device:GPU:0"]
+  gpu = got["/device:GPU:0"]
+  assert gpu["busy_ms"] == pytest.approx(4e-3 / 2)  # [0, 3) ∪ [9, 10) µs, over 2 calls
+  assert gpu["collectives_ms"] == pytest.approx(2e-3 / 2)
+  assert gpu["kernels"] == [("attention_kernel", pytest.approx(3e-3 / 2), 1.0),
+                            ("ncclDevKernel_AllReduce_Sum_bf16", pytest.approx(2e-3 / 2), 0.5)]
+
+
+def test_a_case_profiles_on_cpu(tmp_path, capsys):
+  """On a CPU the profile has no GPU plane: the run says so and records an empty summary."""
+  out = tmp_path / "kernels.jsonl"
+  profile_kernels.main(["--case", "attention-causal", "--small", "--devices", "1",
+                        "--provider", "memeff", "--calls", "2", "--out", str(out)])
+  row, = [json.loads(line) for line in out.read_text().splitlines()]
+  assert (row["case"], row["provider"], row["devices"], row["gpus"]) == (
+      "attention-causal", "memeff", 1, {})
+  assert "no GPU kernels" in capsys.readouterr().out
