@@ -19,7 +19,7 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
              contiguous and the zig-zag order, packed 4k-token documents (zig-zag) and a 4k
              sliding window, by the all-gather strategy, and the last three by the ring;
              and the packed documents in the contiguous order with a 4k left window, which
-             leaves their mask as it is and has the ring pass only a 4k halo.
+             leaves their mask as it is and has either strategy move only a 4k halo.
              Efficiency: per-device throughput in visible query-key pairs against one
              device's at the same T (pairs, not tokens: a causal sequence n times longer
              holds n² times the pairs); one device also runs cuDNN.
@@ -123,6 +123,7 @@ CONTEXT_VARIANTS = {
     # documents of at most `span` tokens: a left window of span keys leaves the mask as it is
     # and lets the ring pass only that halo (the order need not balance: the work per token
     # is the same everywhere)
+    "packed-bounded": ("packed+window", "contiguous", "all_gather"),
     "packed-bounded-ring": ("packed+window", "contiguous", "ring"),
 }
 

@@ -18,6 +18,7 @@ import memeff_jax
 from memeff_jax.ops.flash_attention import _context
 from memeff_jax.ops.flash_attention import unzigzag
 from memeff_jax.ops.flash_attention import zigzag
+from memeff_jax.ops.flash_attention.masks import MaskSpec
 from memeff_jax.ops.flash_attention.pallas_triton import PallasTriton
 
 
@@ -90,7 +91,13 @@ def test_in_shard_map(kw, check_vma, strategy):
   _close(grads, want_grads)
   text = compiled.as_text()
   hq, t = q.shape[2], q.shape[1]
-  if strategy == "all_gather":
+  mask = MaskSpec.make(kw.get("causal", False), kw.get("sliding_window"), False)
+  halo = _context.halo_rows(t // 4, t // 4, 4, (mask.left, mask.right), "contiguous")
+  if strategy == "all_gather" and halo:  # only the neighbours' rows in reach pass
+    assert " all-gather" not in text and " reduce-scatter" not in text
+    moved = re.findall(r"\S+\[([0-9,]*)\]\S* collective-permute(?:-start)?\(", text)
+    assert moved and {int(m.split(",")[1]) for m in moved} <= set(halo), moved
+  elif strategy == "all_gather":
     assert " all-gather" in text and " reduce-scatter" in text
     gathered = re.findall(r"(\S+\[[0-9,]*\])\S* all-gather(?:-start)?\(", text)
     assert not [g for g in gathered if re.search(rf",{hq},{q.shape[3]}\]", g)], gathered
@@ -127,7 +134,8 @@ def test_on_an_explicit_mesh(strategy):
 @pytest.mark.parametrize("order, strategy, kw", [
     ("contiguous", "all_gather", dict(causal=True)),
     ("zigzag", "ring", dict(causal=True)),
-    ("contiguous", "ring", dict(causal=True, sliding_window=(40, 0)))])
+    ("contiguous", "ring", dict(causal=True, sliding_window=(40, 0))),
+    ("contiguous", "all_gather", dict(causal=True, sliding_window=(40, 0)))])
 def test_on_an_auto_mesh(order, strategy, kw):
   """jit with q, k, v and segment ids sharded on the sequence over an Auto axis (and the
   batch over another): the custom_partitioning runs context parallelism per shard, with the
@@ -153,7 +161,8 @@ def test_on_an_auto_mesh(order, strategy, kw):
   text = compiled.as_text()
   moved = re.findall(r"(\S+\[[0-9,]*\])\S* (?:all-gather|collective-permute)(?:-start)?\(", text)
   assert moved and not [m for m in moved if re.search(rf",{q.shape[2]},{q.shape[3]}\]", m)]
-  assert (" all-gather" in text) == (strategy == "all_gather")
+  halo = "sliding_window" in kw  # a window within the neighbours: halos, not a gather
+  assert (" all-gather" in text) == (strategy == "all_gather" and not halo)
 
 
 def test_context_options_need_the_sequence_sharded():
@@ -302,21 +311,22 @@ def test_ring_plans_skip_what_no_mask_reaches():
   assert _context.pair_plan(0, 64, 64, 64, (None, 0)) is None
 
 
-def test_ring_passes_only_the_rows_later_steps_reach():
-  """Under a left window of 40 over shards of 64 keys the ring passes each shard's last 40
-  keys (and their dK/dV) to the next, not all 64: the compiled program's collective-permutes
-  move [.., 40, ..] buffers only; values and gradients stay one device's. A causal mask
-  reaches every row."""
-  assert _context.passed_rows(_context.ring_plans(64, 64, 4, (40, 0), "contiguous")) == (24, 64)
-  assert _context.passed_rows(_context.ring_plans(64, 64, 4, (None, 0), "zigzag")) == (0, 64)
-  assert _context.passed_rows(_context.ring_plans(64, 64, 4, (0, 0), "contiguous")) is None
+@pytest.mark.parametrize("strategy, window, rows", [("ring", (40, 0), {40}),
+                                                    ("all_gather", (40, 0), {40}),
+                                                    ("all_gather", (30, 20), {30, 20})])
+def test_windows_pass_only_the_keys_they_reach(strategy, window, rows):
+  """Under a window that reaches at most the neighbouring shards (shards of 64 keys) only
+  the rows in reach move: the ring passes each shard's last 40 keys (and their dK/dV) on,
+  the all-gather strategy exchanges halos (the previous shard's last rows, the next one's
+  first) instead of gathering; the compiled program's collective-permutes move only such
+  rows, values and gradients stay one device's."""
   q, k, v, seg = _problem(3, segments=True)
-  kw = dict(causal=True, sliding_window=(40, 0), return_lse=True)
+  kw = dict(sliding_window=window, return_lse=True)
   one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg, **kw)
   mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
   spec = P("data", "context")
   many = shard_map(lambda q, k, v, seg: memeff_jax.flash_attention(
-      q, k, v, q_segment_ids=seg, context_axis="context", context_strategy="ring", **kw),
+      q, k, v, q_segment_ids=seg, context_axis="context", context_strategy=strategy, **kw),
                    mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec))
   want, want_grads = _value_and_grads(one, q, k, v, seg)
   both = jax.jit(lambda *a: (many(*a), jax.grad(_loss(many), (0, 1, 2))(*a)))
@@ -324,8 +334,24 @@ def test_ring_passes_only_the_rows_later_steps_reach():
   got, grads = compiled(q, k, v, seg)
   _close(got, want)
   _close(grads, want_grads)
-  moved = re.findall(r"\S+\[([0-9,]*)\]\S* collective-permute(?:-start)?\(", compiled.as_text())
-  assert moved and {m.split(",")[1] for m in moved} == {"40"}, moved
+  text = compiled.as_text()
+  moved = re.findall(r"\S+\[([0-9,]*)\]\S* collective-permute(?:-start)?\(", text)
+  assert moved and {int(m.split(",")[1]) for m in moved} == rows, moved
+  assert " all-gather" not in text and " reduce-scatter" not in text
+
+
+def test_rows_in_reach():
+  """What goes round: the ring's rows after its first step, the all-gather strategy's halos
+  (None: gather every shard's keys)."""
+  plans = lambda window, order="contiguous": _context.ring_plans(64, 64, 4, window, order)
+  assert _context.passed_rows(plans((40, 0))) == (24, 64)
+  assert _context.passed_rows(plans((None, 0), "zigzag")) == (0, 64)
+  assert _context.passed_rows(plans((0, 0))) is None
+  assert _context.halo_rows(64, 64, 4, (40, 0), "contiguous") == (40, 0)
+  assert _context.halo_rows(64, 64, 4, (30, 20), "contiguous") == (30, 20)
+  assert _context.halo_rows(64, 64, 4, (70, 20), "contiguous") is None  # past a neighbour
+  assert _context.halo_rows(64, 64, 2, (None, 0), "contiguous") is None  # no fewer rows
+  assert _context.halo_rows(64, 64, 4, (40, 0), "zigzag") is None
 
 
 def test_context_axis_errors():

@@ -12,7 +12,9 @@ all_gather: every shard gathers all keys, values and key segment ids, then runs 
   against the span their mask reaches (`key_span`). Each shard's bounds are static: every
   shard's call is compiled once and `lax.switch` on the shard index picks its own. The
   backward gathers them again, runs each span's backward and reduce-scatters dK/dV over the
-  axis in float32.
+  axis in float32. Where a window keeps every shard's span within its neighbours (contiguous
+  order, `halo_rows`), only those rows move: the previous shard's last keys and the next
+  one's first come by ppermute (a halo exchange), and their dK/dV go back the same way.
 ring: keys, values and key segment ids pass from shard to shard (ppermute), the next transfer
   issued before the current step's kernels; each step's (query chunk, key chunk) pairs are
   planned statically (`pair_plan`, `ring_plans`), shards with equal plans sharing a branch,
@@ -223,18 +225,76 @@ def _gather_spans(t: int, s_total: int, shards: int, window, order: str):
            for qs, qo, tq in _starts(i, t, shards, order)] for i in range(shards)]
 
 
+def halo_rows(t: int, s: int, shards: int, window, order: str) -> tuple[int, int] | None:
+  """(left, right): how many of the previous and of the next shard's keys (t queries and s
+  keys per shard, contiguous order) some shard's window reaches, where no shard reaches past
+  its neighbours and those rows are fewer than the other shards' keys; None otherwise (the
+  keys are gathered whole)."""
+  if order != "contiguous" or shards < 2:
+    return None
+  left = right = 0
+  for i in range(shards):
+    lo, hi, _ = key_span(i * t, t, shards * s, window)
+    if hi > lo:
+      left, right = max(left, i * s - lo), max(right, hi - (i + 1) * s)
+  if left > s or right > s or left + right >= (shards - 1) * s:
+    return None
+  return left, right
+
+
+def _halo_keys(k, v, kv_seg, *, axis, shards: int, halo):
+  """The shard's keys, values and key segment ids with the previous shard's last `left` rows
+  in front and the next shard's first `right` rows behind (a halo exchange)."""
+  left, right = halo
+  s, own = k.shape[1], (k, v, kv_seg)
+  before = _pass_on(axis, shards, tuple(_rows(a, s - left, s) for a in own)) if left else None
+  after = _pass_on(axis, shards, tuple(_rows(a, 0, right) for a in own), -1) if right else None
+  def joined(i):
+    parts = [p[i] for p in (before, own, after) if p is not None]
+    return None if own[i] is None else jnp.concatenate(parts, axis=1)
+  return joined(0), joined(1), joined(2)
+
+
+def _halo_home(g, *, axis, shards: int, halo, s: int):
+  """A [B, left + s + right, ...] gradient of _halo_keys' rows, its halo rows sent back to
+  the shards that own them and added there: the shard's own [B, s, ...]."""
+  left, right = halo
+  own = g[:, left:left + s]
+  if left:
+    own = _put(own, s - left, s, _pass_on(axis, shards, g[:, :left], -1), add=True)
+  if right:
+    own = _put(own, 0, right, _pass_on(axis, shards, g[:, left + s:]), add=True)
+  return own
+
+
+def _keys_in_reach(k, v, kv_seg, *, axis, shards: int, window, order: str, t: int):
+  """(k, v, kv_seg, halo, first): the keys the shard's spans read, by a halo exchange where
+  halo_rows allows it, else every shard's (in the sequence's natural order); first(shard):
+  the sequence position of their first row."""
+  s = k.shape[1]
+  halo = halo_rows(t, s, shards, window, order)
+  if halo is None:
+    return (*_gathered_keys(k, v, kv_seg, axis=axis, shards=shards, order=order), None,
+            lambda shard: 0)
+  return (*_halo_keys(k, v, kv_seg, axis=axis, shards=shards, halo=halo), halo,
+          lambda shard: shard * s - halo[0])
+
+
 def _gather_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
-  k, v, kv_seg = _gathered_keys(k, v, kv_seg, axis=axis, shards=shards, order=order)
+  s_total = shards * k.shape[1]
+  k, v, kv_seg, _, first = _keys_in_reach(k, v, kv_seg, axis=axis, shards=shards,
+                                          window=window, order=order, t=q.shape[1])
   if window == (None, None):  # every key for every query: one call, the same on every shard
     out, lse = attend(q, k, v, q_seg, kv_seg, None)
     return out.astype(jnp.float32), lse
-  spans = _gather_spans(q.shape[1], k.shape[1], shards, window, order)
+  spans = _gather_spans(q.shape[1], s_total, shards, window, order)
 
   def branch(shard):
     def run(q, q_seg, k, v, kv_seg):
       out, lse = _empty(q, k, v)
       for qa, qb, lo, hi, local in spans[shard]:
         if hi > lo:
+          lo, hi = lo - first(shard), hi - first(shard)
           o, l = attend(q[:, qa:qb], k[:, lo:hi], v[:, lo:hi], _rows(q_seg, qa, qb),
                         _rows(kv_seg, lo, hi), local)
           out, lse = _put(out, qa, qb, o.astype(jnp.float32)), _put(lse, qa, qb, l)
@@ -247,10 +307,11 @@ def _gather_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, ord
 
 def _gather_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, *,
                      axis, shards, window, order):
-  kf, vf, kv_seg_f = _gathered_keys(k, v, kv_seg, axis=axis, shards=shards, order=order)
-  s_total = kf.shape[1]
-  spans = (_gather_spans(q.shape[1], s_total, shards, window, order)
-           if window != (None, None) else [[(0, q.shape[1], 0, s_total, None)]] * shards)
+  s = k.shape[1]
+  kf, vf, kv_seg_f, halo, first = _keys_in_reach(k, v, kv_seg, axis=axis, shards=shards,
+                                                 window=window, order=order, t=q.shape[1])
+  spans = (_gather_spans(q.shape[1], shards * s, shards, window, order)
+           if window != (None, None) else [[(0, q.shape[1], 0, shards * s, None)]] * shards)
 
   def branch(shard):
     def run(kf, vf, kv_seg_f):
@@ -258,6 +319,7 @@ def _gather_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d
       dq, dk, dv = _vma.varying_like((zeros(q), zeros(kf), zeros(vf)), q, kf, vf, d_out)
       for qa, qb, lo, hi, local in spans[shard]:
         if hi > lo:
+          lo, hi = lo - first(shard), hi - first(shard)
           r = lambda a: a[:, qa:qb]
           g = attend_backward(r(q), kf[:, lo:hi], vf[:, lo:hi], _rows(q_seg, qa, qb),
                               _rows(kv_seg_f, lo, hi), r(out), r(lse), r(d_out), r(d_lse),
@@ -271,6 +333,8 @@ def _gather_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d
   same = window == (None, None)
   dq, dk, dv = _switch(axis, [0] * shards if same else list(range(shards)),
                        [branch(i) for i in range(1 if same else shards)], kf, vf, kv_seg_f)
+  if halo is not None:  # the halo rows' gradients go back to their shards, in float32
+    return dq, *(_halo_home(g, axis=axis, shards=shards, halo=halo, s=s) for g in (dk, dv))
   if order == "zigzag":  # back to the order the shards hold their keys in
     dk, dv = zigzag(dk, shards), zigzag(dv, shards)
   # Each shard's keys get every shard's share, summed in float32 (bf16 would round each add).

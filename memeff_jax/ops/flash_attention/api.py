@@ -304,13 +304,15 @@ def flash_attention(
       module puts tokens, positions, labels and segment ids in that order).
     context_strategy: how the keys reach the queries: "all_gather" (every shard gathers
       all keys and values, then runs its queries against the span their mask reaches; the
-      backward reduce-scatters dK/dV in float32) or "ring" (keys and values pass from shard
+      backward reduce-scatters dK/dV in float32; a window that reaches only the
+      neighbouring shards' keys, in the contiguous order, has only those rows exchanged)
+      or "ring" (keys and values pass from shard
       to shard, each step's attention overlapping the next transfer and merged through the
       log-sum-exp; the backward passes them round again with float32 dK/dV accumulators:
       a shard holds at most two shards' keys, and a window stops the ring after the last
       step it reaches and has it pass only the keys it reaches). Packed documents of at
-      most m tokens: sliding_window=(m, 0) leaves their mask as it is and lets the ring
-      pass only a halo of m keys.
+      most m tokens: sliding_window=(m, 0) leaves their mask as it is and, in the
+      contiguous order, lets either strategy move only a halo of m keys.
 
   Meshes: with q, k, v sharded on the batch and heads (an Auto or Explicit mesh under jit,
   or inside jax.shard_map) each shard runs its part; on an Auto or Explicit mesh also on
