@@ -409,7 +409,8 @@ def scaling_section() -> list[str]:
             "|---|---|" + "---|" * len(counts)]
     cells = {(r["case"], r["provider"], r["devices"]): r for r in group
              if not r.get("device_index")}
-    for case, provider in dict.fromkeys((r["case"], r["provider"]) for r in group):
+    for case, provider in sorted(dict.fromkeys((r["case"], r["provider"]) for r in group),
+                                 key=lambda cp: _scaling_order(cp[0])):
       row = []
       for n in counts:
         r = cells.get((case, provider, n))
@@ -418,6 +419,14 @@ def scaling_section() -> list[str]:
       out.append(f"| {case} | {provider} | " + " | ".join(row) + " |")
     out += [""] + _alone_table(group, cells, counts[-1])
   return out
+
+
+def _scaling_order(case: str) -> int:
+  """Scaling cases in the order scaling.py's docstring lists them (a stable sort keeps each
+  family's own order)."""
+  ranks = (("attention", 0), ("loss", 1), ("vocab", 2), ("context-train", 4),
+           ("context", 3), ("train", 5), ("", 6))  # the first prefix that matches
+  return next(rank for prefix, rank in ranks if case.startswith(prefix))
 
 
 def _alone_table(group: list[dict], cells: dict, widest: int) -> list[str]:
