@@ -33,6 +33,10 @@ def environment() -> dict:
       "python": platform.python_version(),
       "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                   if not f.startswith("--xla_force_host_platform_device_count"))
+  if flags:  # a run under other compiler settings than the defaults says so
+    env["xla_flags"] = flags
   try:
     import torch  # pylint: disable=import-outside-toplevel
     env["torch"] = torch.__version__

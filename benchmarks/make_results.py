@@ -378,7 +378,10 @@ def branches_section() -> list[str]:
 
 
 def _latest_scaling(rows: list[dict]) -> list[dict]:
-  """Each (case, provider)'s rows from its latest run (one timestamp per run)."""
+  """Each (case, provider)'s rows from its latest run (one timestamp per run); a run under
+  XLA_FLAGS counts as a provider of its own, named with them."""
+  rows = [dict(r, provider=f"{r['provider']} (XLA_FLAGS={r['xla_flags']})")
+          if r.get("xla_flags") else r for r in rows]
   last = {}
   for r in rows:
     key = (r["case"], r["provider"])
