@@ -11,8 +11,9 @@ scaling.py times them. --train profiles that many steps of the model's train ste
 (models.run, --mesh as `memeff-jax train` takes it; the first step compiles, then runs the
 same kernels as the others).
 
-Per GPU, per call: busy (the time at least one kernel runs, over all streams) and the
-kernels by total time, collectives (NCCL) marked. A GPU whose busy time is the one-GPU
+The compiled program's collectives (op, shape and dtype, count); per GPU, per call: busy
+(the time at least one kernel runs, over all streams) and the kernels by total time,
+collectives (NCCL) apart. A GPU whose busy time is the one-GPU
 figure while the call takes longer waits (launches, host syncs, other GPUs); busy time that
 grows with the GPU count is slower kernels. Summaries go to --out as JSON lines.
 """
@@ -23,6 +24,7 @@ import argparse
 import glob
 import json
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -70,6 +72,17 @@ def summarize(data: jax.profiler.ProfileData, calls: int, top: int = 12) -> dict
   return out
 
 
+def collectives(text: str) -> dict[str, int]:
+  """{"op shape": count} of a compiled program's collectives (its HLO text): what moves,
+  in which dtype, how often."""
+  found = {}
+  for shape, op in re.findall(r"= (\(?[^=]*?\)?) (all-gather|all-reduce|reduce-scatter|"
+                              r"all-to-all|collective-permute)(?:-start)?\(", text):
+    key = f"{op} {re.sub(r'[{][^}]*[}]', '', shape)}"
+    found[key] = found.get(key, 0) + 1
+  return dict(sorted(found.items()))
+
+
 def profile(fn, calls: int) -> jax.profiler.ProfileData:
   """fn() run `calls` times under the profiler, each call waited for; its profile."""
   with tempfile.TemporaryDirectory() as log_dir:
@@ -80,8 +93,10 @@ def profile(fn, calls: int) -> jax.profiler.ProfileData:
     return jax.profiler.ProfileData.from_file(path)
 
 
-def _print(title: str, summary: dict[str, dict]) -> None:
+def _print(title: str, summary: dict[str, dict], moved: dict[str, int]) -> None:
   print(title)
+  for what, count in moved.items():
+    print(f"  {count:4d}× {what}")
   if not summary:
     print("  no GPU kernels in the profile (a CPU run has none)")
   for plane, s in summary.items():
@@ -124,10 +139,12 @@ def main(argv=None):
           continue
         for _ in range(2):
           jax.block_until_ready(fn(*fn_args))
+        moved = collectives(fn.lower(*fn_args).compile().as_text())
         summary = summarize(profile(lambda fn=fn, a=fn_args: fn(*a), args.calls), args.calls,
                             args.top)
-        _print(f"{args.case} {provider} on {n} devices", summary)
-        rows.append(dict(case=args.case, provider=provider, devices=n, gpus=summary))
+        _print(f"{args.case} {provider} on {n} devices", summary, moved)
+        rows.append(dict(case=args.case, provider=provider, devices=n, collectives=moved,
+                         gpus=summary))
   if args.out:
     with open(args.out, "a", encoding="utf-8") as f:
       for row in rows:
@@ -145,17 +162,19 @@ def _train_row(args) -> dict:
   sizes = sharding.parse_mesh(args.mesh) if args.mesh else {}
   mesh = sharding.make_mesh(sizes) if sizes else None
   batch = train_cfg["batch"] * sizes.get("data", 1) * sizes.get("fsdp", 1)
+  moved = {}
   with tempfile.TemporaryDirectory() as log_dir:
     jax.profiler.start_trace(log_dir)
     result = run.train(cfg, train_cfg, kernels=args.kernels, steps=args.calls, batch=batch,
-                       seq_len=train_cfg["seq_len"], show_progress=False, mesh=mesh)
+                       seq_len=train_cfg["seq_len"], show_progress=False, mesh=mesh,
+                       on_compiled=lambda c, _: moved.update(collectives(c.as_text())))
     jax.profiler.stop_trace()
     path, = glob.glob(f"{log_dir}/plugins/profile/*/*.xplane.pb")
     summary = summarize(jax.profiler.ProfileData.from_file(path), args.calls, args.top)
   _print(f"train step of {args.train} ({args.kernels} layers) on {args.mesh or 'one device'}"
-         f", {result.tokens_per_s:,.0f} tokens/s", summary)
+         f", {result.tokens_per_s:,.0f} tokens/s", summary, moved)
   return dict(train=args.train, kernels=args.kernels, mesh=args.mesh,
-              tokens_per_s=result.tokens_per_s, gpus=summary)
+              tokens_per_s=result.tokens_per_s, collectives=moved, gpus=summary)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def worker(args) -> None:
     cfg = dataclasses.replace(cfg, remat_policy=args.remat_policy)
   seq = args.seq_len or train_cfg["seq_len"]
   probes = tuple(int(b) for b in args.probe.split(",") if b)
-  def compiled(report):  # printed first: a run that then fails still reports its prediction
+  def compiled(_, report):  # printed first: a run that then fails still reports its prediction
     print(json.dumps(dict(compiled=True, predicted_peak_bytes=report.peak_bytes,
                           temp_bytes=report.temp_bytes)), flush=True)
 

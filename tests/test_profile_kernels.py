@@ -1,6 +1,7 @@
 """benchmarks/profile_kernels.py: the kernel summary of a profile, and a CPU run end to end."""
 
 import json
+import re
 
 import jax
 import pytest
@@ -46,11 +47,26 @@ def test_summary_counts_stream_kernels_once():
 
 
 def test_a_case_profiles_on_cpu(tmp_path, capsys):
-  """On a CPU the profile has no GPU plane: the run says so and records an empty summary."""
+  """On a CPU the profile has no GPU plane: the run says so and records an empty summary,
+  with the compiled program's collectives (the data-parallel loss on 2 devices: its float32
+  dW all-reduced)."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   out = tmp_path / "kernels.jsonl"
-  profile_kernels.main(["--case", "attention-causal", "--small", "--devices", "1",
-                        "--provider", "memeff", "--calls", "2", "--out", str(out)])
-  row, = [json.loads(line) for line in out.read_text().splitlines()]
-  assert (row["case"], row["provider"], row["devices"], row["gpus"]) == (
-      "attention-causal", "memeff", 1, {})
+  profile_kernels.main(["--case", "loss", "--small", "--devices", "1,2",
+                        "--provider", "jax_naive", "--calls", "2", "--out", str(out)])
+  one, two = [json.loads(line) for line in out.read_text().splitlines()]
+  assert (one["case"], one["provider"], one["devices"], one["gpus"]) == (
+      "loss", "jax_naive", 1, {})
+  assert one["collectives"] == {} and two["devices"] == 2
+  assert any(k.startswith("all-reduce") and re.search(r"f32\[(64,1024|1024,64)\]", k)
+             for k in two["collectives"]), two["collectives"]  # dW, [D, V] = [64, 1024]
   assert "no GPU kernels" in capsys.readouterr().out
+
+
+def test_collectives_of_hlo_text():
+  text = ("%ag = bf16[64,1024]{1,0} all-gather-start(bf16[32,1024]{1,0} %p), dimensions={0}\n"
+          "%ar = (f32[8]{0}, f32[]) all-reduce(f32[8]{0} %a, f32[] %b), to_apply=%add\n"
+          "%ag2 = bf16[64,1024]{1,0} all-gather(bf16[32,1024]{1,0} %q), dimensions={0}\n")
+  assert profile_kernels.collectives(text) == {"all-gather bf16[64,1024]": 2,
+                                               "all-reduce (f32[8], f32[])": 1}

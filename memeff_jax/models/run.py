@@ -56,7 +56,8 @@ def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch:
 
   `probe_batches`: batch sizes whose train step is only compiled, after training, to
   report their predicted peak bytes (RunResult.probes); nothing runs at those sizes.
-  `on_compiled(report)`: called with the step's MemoryReport before the first step runs
+  `on_compiled(compiled, report)`: called with the compiled step and its MemoryReport
+  before the first step runs
   (so a run that then fails still leaves its prediction); `on_trained(result)`: called
   with the result before the probes compile (so a run whose probes take too long still
   counts). `mesh`: train on this mesh (models.sharding: the batch over data × fsdp, weights
@@ -79,7 +80,7 @@ def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch:
   compiled = step.lower(state, first).compile()  # compiled once, run below
   report = memory.report_of(compiled)
   if on_compiled is not None:
-    on_compiled(report)
+    on_compiled(compiled, report)
   losses, t_start = [], None
   batch_data = first
   for i in range(steps):
