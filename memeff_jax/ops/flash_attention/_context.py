@@ -342,16 +342,21 @@ def _gather_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d
   return dq, dk, dv
 
 
+def _next_visitor(axis, shards: int, visiting, step: int, rows):
+  """The keys, values and segment ids ring step `step` passes on: after the first step the
+  visitors hold only the rows later steps reach (passed_rows), so a shard's own are cut to
+  them as they first leave."""
+  return _pass_on(axis, shards, visiting if step else tuple(_rows(a, *rows) for a in visiting))
+
+
 def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
   steps = ring_plans(q.shape[1], k.shape[1], shards, window, order)
   rows = passed_rows(steps)
   acc = lse = None
   visiting = (k, v, kv_seg)
   for step, (plans, which) in enumerate(steps):
-    arriving = None
-    if step + 1 < len(steps):  # from the first step on, only the rows that later steps reach
-      arriving = _pass_on(axis, shards, visiting if step else
-                          tuple(_rows(a, *rows) for a in visiting))
+    arriving = _next_visitor(axis, shards, visiting, step, rows) \
+        if step + 1 < len(steps) else None
     first = rows[0] if step else 0  # the visiting keys' first row among their shard's
 
     def branch(plan, first=first):
@@ -384,10 +389,8 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
   zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
   visiting, dq, home, dkv = (k, v, kv_seg), None, None, None
   for step, (plans, which) in enumerate(steps):
-    arriving = None
-    if step + 1 < len(steps):
-      arriving = _pass_on(axis, shards, visiting if step else
-                          tuple(_rows(a, *rows) for a in visiting))
+    arriving = _next_visitor(axis, shards, visiting, step, rows) \
+        if step + 1 < len(steps) else None
     carried = None if dkv is None else _pass_on(axis, shards, dkv)
     first = rows[0] if step else 0
 
