@@ -121,8 +121,8 @@ CONTEXT_VARIANTS = {
     "packed-zigzag-ring": ("packed", "zigzag", "ring"),
     "window-ring": ("window", "contiguous", "ring"),
     # documents of at most `span` tokens: a left window of span keys leaves the mask as it is
-    # and lets the ring pass only that halo (the order need not balance: the work per token
-    # is the same everywhere)
+    # and lets either strategy move only that halo (the order need not balance: the work per
+    # token is the same everywhere)
     "packed-bounded": ("packed+window", "contiguous", "all_gather"),
     "packed-bounded-ring": ("packed+window", "contiguous", "ring"),
 }
@@ -334,9 +334,9 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
     if devices[0] == 1:
       runs[1:1] = [(1, i) for i in alone]
     for n, first_device in runs:
-      cases = make(n, first=first_device) if first_device else make(n)
+      providers = make(n, first=first_device) if first_device else make(n)
       timers = {p: functools.partial(_harness.time_jax, fn, *args, reps=5)
-                for p, (fn, args) in cases.items()}
+                for p, (fn, args) in providers.items()}
       times = _harness.interleaved(timers, rounds)
       for provider, ts in times.items():
         ms = float(np.median(ts))
