@@ -311,23 +311,24 @@ def test_ring_plans_skip_what_no_mask_reaches():
   assert _context.pair_plan(0, 64, 64, 64, (None, 0)) is None
 
 
-@pytest.mark.parametrize("strategy, window, rows", [("ring", (40, 0), {40}),
-                                                    ("all_gather", (40, 0), {40}),
-                                                    ("all_gather", (30, 20), {30, 20})])
-def test_windows_pass_only_the_keys_they_reach(strategy, window, rows):
+@pytest.mark.parametrize("strategy, window, rows, hkv, check_vma", [
+    ("ring", (40, 0), {40}, 2, True), ("all_gather", (40, 0), {40}, 2, True),
+    ("all_gather", (30, 20), {30, 20}, 1, False)])
+def test_windows_pass_only_the_keys_they_reach(strategy, window, rows, hkv, check_vma):
   """Under a window that reaches at most the neighbouring shards (shards of 64 keys) only
   the rows in reach move: the ring passes each shard's last 40 keys (and their dK/dV) on,
   the all-gather strategy exchanges halos (the previous shard's last rows, the next one's
   first) instead of gathering; the compiled program's collective-permutes move only such
-  rows, values and gradients stay one device's."""
-  q, k, v, seg = _problem(3, segments=True)
+  rows, values and gradients stay one device's (MQA and check_vma off too)."""
+  q, k, v, seg = _problem(3, hkv=hkv, segments=True)
   kw = dict(sliding_window=window, return_lse=True)
   one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg, **kw)
   mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
   spec = P("data", "context")
   many = shard_map(lambda q, k, v, seg: memeff_jax.flash_attention(
       q, k, v, q_segment_ids=seg, context_axis="context", context_strategy=strategy, **kw),
-                   mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec))
+                   mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec),
+                   check_vma=check_vma)
   want, want_grads = _value_and_grads(one, q, k, v, seg)
   both = jax.jit(lambda *a: (many(*a), jax.grad(_loss(many), (0, 1, 2))(*a)))
   compiled = both.lower(q, k, v, seg).compile()
