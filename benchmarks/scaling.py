@@ -2,6 +2,7 @@
 
     python benchmarks/scaling.py [--devices 1,2,4] [--cases attention,loss,vocab,context,train]
     python benchmarks/scaling.py --devices 1,4 --cases context-train
+    python benchmarks/scaling.py --devices 2,1 --cases context-train --lengths 655360 --steps 2
 
 Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   attention  weak scaling, data parallel: B=4, T=4096, H=32, D=128 bf16 per device, the batch
@@ -315,11 +316,14 @@ def op_plans(cases: list[str], shapes: dict) -> list[tuple]:
 
 
 def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
-        match: str = "", lengths: tuple[int, ...] | None = None) -> list[dict]:
+        match: str = "", lengths: tuple[int, ...] | None = None,
+        steps: int | None = None) -> list[dict]:
   env, rows = _harness.environment(), []
   shapes = SHAPES[small]
   if lengths:
     shapes = dict(shapes, context_train=dict(shapes["context_train"], lengths=lengths))
+  if steps:
+    shapes = dict(shapes, **{c: dict(shapes[c], steps=steps) for c in ("train", "context_train")})
   plans = op_plans(cases, shapes)
   if "train" in cases:
     rows += train_rows(shapes["train"], devices, env, out)
@@ -364,15 +368,19 @@ def main(argv=None):
                       "for this regular expression (e.g. 'zigzag-8k')")
   parser.add_argument("--lengths", default="", help="context-train's sequence lengths, e.g. "
                       "393216 (one that a single device cannot hold; default 32k and 128k)")
+  parser.add_argument("--steps", type=int, default=None, help="train and context-train steps "
+                      "(default 6 and 4; at least 2: the first one compiles)")
   parser.add_argument("--out", default=str(_harness.RESULTS / "scaling.jsonl"))
   args = parser.parse_args(argv)
+  if args.steps is not None and args.steps < 2:
+    parser.error(f"--steps must be at least 2 (the first step compiles), got {args.steps}")
   counts = ([int(c) for c in args.devices.split(",")] if args.devices else
             [c for c in (1, 2, 4, 8) if c <= jax.device_count()])
   if max(counts) > jax.device_count():
     raise SystemExit(f"--devices {args.devices}: this process sees {jax.device_count()}")
   print(f"scaling on {jax.device_count()} × {jax.devices()[0].device_kind}")
   run(args.cases.split(","), counts, args.rounds, args.small, args.out, args.match,
-      tuple(int(t) for t in args.lengths.split(",") if t))
+      tuple(int(t) for t in args.lengths.split(",") if t), args.steps)
 
 
 if __name__ == "__main__":

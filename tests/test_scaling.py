@@ -51,7 +51,7 @@ def test_context_train_dry_run(tmp_path):
     pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   out = tmp_path / "scaling.jsonl"
   scaling.main(["--small", "--devices", "2,1", "--cases", "context-train", "--lengths", "512",
-                "--out", str(out)])
+                "--steps", "2", "--out", str(out)])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert [(r["case"], r["provider"], r["devices"]) for r in rows] == [
       ("context-train-tiny-512", "memeff", 1), ("context-train-tiny-512", "memeff", 2),
