@@ -11,9 +11,9 @@ scaling.py times them. --train profiles that many steps of the model's train ste
 (models.run, --mesh as `memeff-jax train` takes it; the first step compiles, then runs the
 same kernels as the others).
 
-The compiled program's collectives (op, shape and dtype, count); per GPU, per call: busy
-(the time at least one kernel runs, over all streams) and the kernels by total time,
-collectives (NCCL) apart. A GPU whose busy time is the one-GPU
+Per call: its time as the host sees it; the compiled program's collectives (op, shape and
+dtype, count); per GPU, busy time (at least one kernel running, over all streams) and the
+kernels by total time, collectives (NCCL) apart. A GPU whose busy time is the one-GPU
 figure while the call takes longer waits (launches, host syncs, other GPUs); busy time that
 grows with the GPU count is slower kernels. Summaries go to --out as JSON lines.
 """
@@ -25,8 +25,10 @@ import glob
 import json
 import pathlib
 import re
+import statistics
 import sys
 import tempfile
+import time
 
 import jax
 
@@ -83,14 +85,19 @@ def collectives(text: str) -> dict[str, int]:
   return dict(sorted(found.items()))
 
 
-def profile(fn, calls: int) -> jax.profiler.ProfileData:
-  """fn() run `calls` times under the profiler, each call waited for; its profile."""
+def profile(fn, calls: int) -> tuple[jax.profiler.ProfileData, float]:
+  """fn() run `calls` times under the profiler, each call waited for: its profile, and the
+  median milliseconds from a call's dispatch to its end as the host sees them (the profiler
+  adds a little)."""
+  times = []
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir):
       for _ in range(calls):
+        start = time.perf_counter()
         jax.block_until_ready(fn())
+        times.append(1e3 * (time.perf_counter() - start))
     path, = glob.glob(f"{log_dir}/plugins/profile/*/*.xplane.pb")
-    return jax.profiler.ProfileData.from_file(path)
+    return jax.profiler.ProfileData.from_file(path), statistics.median(times)
 
 
 def _print(title: str, summary: dict[str, dict], moved: dict[str, int]) -> None:
@@ -140,12 +147,13 @@ def main(argv=None):
         compiled = fn.lower(*fn_args).compile()  # run below as compiled, not again by jit
         for _ in range(2):
           jax.block_until_ready(compiled(*fn_args))
-        summary = summarize(profile(lambda c=compiled, a=fn_args: c(*a), args.calls),
-                            args.calls, args.top)
+        data, wall_ms = profile(lambda c=compiled, a=fn_args: c(*a), args.calls)
+        summary = summarize(data, args.calls, args.top)
         moved = collectives(compiled.as_text())
-        _print(f"{args.case} {provider} on {n} devices", summary, moved)
-        rows.append(dict(case=args.case, provider=provider, devices=n, collectives=moved,
-                         gpus=summary))
+        _print(f"{args.case} {provider} on {n} devices: {wall_ms:.3f} ms per call", summary,
+               moved)
+        rows.append(dict(case=args.case, provider=provider, devices=n, wall_ms=wall_ms,
+                         collectives=moved, gpus=summary))
   if args.out:
     with open(args.out, "a", encoding="utf-8") as f:
       for row in rows:

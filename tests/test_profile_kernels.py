@@ -58,7 +58,7 @@ def test_a_case_profiles_on_cpu(tmp_path, capsys):
   one, two = [json.loads(line) for line in out.read_text().splitlines()]
   assert (one["case"], one["provider"], one["devices"], one["gpus"]) == (
       "loss", "jax_naive", 1, {})
-  assert one["collectives"] == {} and two["devices"] == 2
+  assert one["collectives"] == {} and two["devices"] == 2 and one["wall_ms"] > 0
   assert any(k.startswith("all-reduce") and re.search(r"f32\[(64,1024|1024,64)\]", k)
              for k in two["collectives"]), two["collectives"]  # dW, [D, V] = [64, 1024]
   assert "no GPU kernels" in capsys.readouterr().out
