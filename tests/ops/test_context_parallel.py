@@ -339,6 +339,7 @@ def test_windows_pass_only_the_keys_they_reach(strategy, window, rows, hkv, chec
   moved = re.findall(r"\S+\[([0-9,]*)\]\S* collective-permute(?:-start)?\(", text)
   assert moved and {int(m.split(",")[1]) for m in moved} == rows, moved
   assert " all-gather" not in text and " reduce-scatter" not in text
+  assert not re.search(rf"\[\d+,{q.shape[1]},", text), "a buffer of the whole sequence"
 
 
 def test_rows_in_reach():
