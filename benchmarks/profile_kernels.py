@@ -3,9 +3,11 @@
     python benchmarks/profile_kernels.py --case attention-causal --devices 1,4
     python benchmarks/profile_kernels.py --case loss --devices 4 --provider memeff:local_dw
     python benchmarks/profile_kernels.py --case context-window-ring-32k --devices 2
+    python benchmarks/profile_kernels.py --attention b=4,t=4096,h=64,d=64,causal=1
     python benchmarks/profile_kernels.py --train 1b --mesh fsdp=2,tensor=2
 
---case names one of scaling.py's op cases (its shapes; --small for a CPU's); after two
+--case names one of scaling.py's op cases (its shapes; --small for a CPU's), --attention
+one GPU's attention forward+backward at a shape (flash_attention.py's providers); after two
 warm-up calls, --calls calls run under `jax.profiler.trace`, each waited for, as
 scaling.py times them. --train profiles that many steps of the model's train step
 (models.run, --mesh as `memeff-jax train` takes it; the first step compiles, then runs the
@@ -120,11 +122,47 @@ def _case(name: str, small: bool):
   return plans[name]
 
 
+def _attention(shape: str, provider: str | None):
+  """make(n) -> {provider: (fwd+bwd, args)} of flash_attention.py's providers (memeff and
+  cudnn on a GPU, memeff and xla elsewhere, or --provider) at `shape` on one device."""
+  # pylint: disable-next=import-outside-toplevel
+  from benchmarks.flash_attention import attention_fn
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  sizes = {k: int(v) for k, v in (part.split("=") for part in shape.split(","))}
+  b, t, h, d = (sizes.pop(k) for k in "bthd")
+  hkv, docs, left = sizes.pop("hkv", h), sizes.pop("docs", None), sizes.pop("window", None)
+  causal = bool(sizes.pop("causal", 1))
+  if sizes:
+    raise SystemExit(f"--attention: unknown sizes {sorted(sizes)} (b, t, h, d, hkv, docs, "
+                     "window, causal)")
+  keys = jax.random.split(jax.random.key(0), 4)
+  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+  q, ct = (jax.random.normal(key, (b, t, h, d), dtype) for key in keys[::3])
+  k, v = (jax.random.normal(key, (b, t, hkv, d), dtype) for key in keys[1:3])
+  seg = None if docs is None else jnp.broadcast_to(jnp.arange(t) * docs // t, (b, t))
+  window = None if left is None else (left, 0 if causal else left)
+  peer = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  cases = {}
+  for name in [provider] if provider else ["memeff", peer]:
+    f = attention_fn(name, causal, seg, window)
+    if f is not None:  # (the peers take no segment ids)
+      cases[name] = (jax.jit(lambda q, k, v, f=f: jax.vjp(f, q, k, v)[1](ct)), (q, k, v))
+
+  def make(n):
+    if n != 1:
+      raise SystemExit(f"--attention runs on one device, not {n}")
+    return cases
+  return make
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--case", help="a scaling.py op case, e.g. attention-causal")
   p.add_argument("--devices", default="1", help="device counts, e.g. 1,4")
   p.add_argument("--provider", default=None, help="only this provider (default: all)")
+  p.add_argument("--attention", metavar="SHAPE", help="one GPU's attention fwd+bwd at a shape "
+                 "of configs/benchmarks/flash_attention.toml's kind, e.g. b=4,t=4096,h=64,d=64,"
+                 "causal=1 (also hkv, docs, window)")
   p.add_argument("--train", metavar="CONFIG", help="profile the model's train step instead")
   p.add_argument("--mesh", default=None, help="with --train: e.g. fsdp=2,tensor=2")
   p.add_argument("--kernels", default="memeff", help="with --train: memeff or plain")
@@ -133,13 +171,16 @@ def main(argv=None):
   p.add_argument("--small", action="store_true", help="CPU-sized shapes")
   p.add_argument("--out", default=None, help="append the summaries here as JSON lines")
   args = p.parse_args(argv)
-  if bool(args.case) == bool(args.train):
-    raise SystemExit("give --case or --train")
+  if sum(map(bool, (args.case, args.train, args.attention))) != 1:
+    raise SystemExit("give one of --case, --attention or --train")
   rows = []
   if args.train:
     rows.append(_train_row(args))
   else:
-    make = _case(args.case, args.small)
+    if args.case:
+      make, name = _case(args.case, args.small), args.case
+    else:
+      make, name = _attention(args.attention, args.provider), f"attention {args.attention}"
     for n in (int(c) for c in args.devices.split(",")):
       for provider, (fn, fn_args) in make(n).items():
         if args.provider not in (None, provider):
@@ -150,9 +191,8 @@ def main(argv=None):
         data, wall_ms = profile(lambda c=compiled, a=fn_args: c(*a), args.calls)
         summary = summarize(data, args.calls, args.top)
         moved = collectives(compiled.as_text())
-        _print(f"{args.case} {provider} on {n} devices: {wall_ms:.3f} ms per call", summary,
-               moved)
-        rows.append(dict(case=args.case, provider=provider, devices=n, wall_ms=wall_ms,
+        _print(f"{name} {provider} on {n} devices: {wall_ms:.3f} ms per call", summary, moved)
+        rows.append(dict(case=name, provider=provider, devices=n, wall_ms=wall_ms,
                          collectives=moved, gpus=summary))
   if args.out:
     with open(args.out, "a", encoding="utf-8") as f:

@@ -70,3 +70,14 @@ def test_collectives_of_hlo_text():
           "%ag2 = bf16[64,1024]{1,0} all-gather(bf16[32,1024]{1,0} %q), dimensions={0}\n")
   assert profile_kernels.collectives(text) == {"all-gather bf16[64,1024]": 2,
                                                "all-reduce (f32[8], f32[])": 1}
+
+
+def test_an_attention_shape_profiles_on_cpu(tmp_path):
+  """--attention: one device's forward+backward at a shape, memeff beside the peer."""
+  out = tmp_path / "kernels.jsonl"
+  profile_kernels.main(["--attention", "b=1,t=256,h=4,hkv=2,d=32,window=64", "--calls", "2",
+                        "--out", str(out)])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["provider"], r["devices"]) for r in rows] == [("memeff", 1), ("xla", 1)]
+  with pytest.raises(SystemExit, match="unknown sizes"):
+    profile_kernels.main(["--attention", "b=1,t=256,h=4,d=32,heads=2"])
