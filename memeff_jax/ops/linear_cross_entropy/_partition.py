@@ -126,12 +126,19 @@ def _value_and_grads(f, x, w, b):
   return jax.value_and_grad(f, argnums=(0, 1, 2))(x, w, b)
 
 
-def _group(rounded_tokens, x, w, scatter: tuple) -> int | None:
+def token_group(rounded_tokens, x, w, scatter: tuple) -> int | None:
   """The token group size a shard's FSDP gradients take (see reduced_loss's rounded_tokens),
-  or None where its tokens go in one piece: no FSDP, no limit, or no more tokens than it."""
+  or None where its tokens (x's rows) go in one piece: no FSDP, no limit, or no more tokens
+  than it. scatter: (the FSDP axes, W's D dimension)."""
   axes, d_dim = scatter
   group = rounded_tokens(w.shape[1 - d_dim]) if rounded_tokens and axes else None
   return group if group and x.shape[0] > group else None
+
+
+def token_slices(n: int, group: int) -> list[slice]:
+  """n tokens in equal groups of at most `group` (the last one may be shorter)."""
+  size = -(-n // -(-n // group))
+  return [slice(start, min(start + size, n)) for start in range(0, n, size)]
 
 
 def _token_groups(n: int, group: int, rows_grads, x, w, b, tokens: tuple, scatter: tuple,
@@ -142,10 +149,9 @@ def _token_groups(n: int, group: int, rows_grads, x, w, b, tokens: tuple, scatte
   and added up in float32. Returns (Σ value, dx, dW, [db]), all times `scale`, the
   gradients in their inputs' dtypes."""
   f32 = jax.numpy.float32
-  size = -(-n // -(-n // group))  # equal groups (the last one may be shorter)
   total, dxs, dw, db = 0.0, [], 0.0, 0.0
-  for start in range(0, n, size):
-    value, dx_g, dw_g, db_g = rows_grads(slice(start, min(start + size, n)))
+  for rows in token_slices(n, group):
+    value, dx_g, dw_g, db_g = rows_grads(rows)
     dw_g, *db_g = _summed(dw_g, db_g, tokens, scatter)
     total, dw, db = total + value, dw + dw_g.astype(f32), db + sum(
         g.astype(f32) for g in db_g)
@@ -197,7 +203,7 @@ def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, 
     return (jax.lax.psum(loss, tokens) if tokens else loss,)
 
   def local_with_grads(x, w, b, labels, valid, *, tokens, vocab, scatter, sequence):
-    group = _group(rounded_tokens, x, w, scatter)
+    group = token_group(rounded_tokens, x, w, scatter)
     if group:
       return grouped_grads(x, w, b, labels, valid, group, tokens, vocab, scatter, sequence)
     f = lambda x, w, b: shard_loss(x, w, b, labels, valid, tokens, vocab)
@@ -263,7 +269,7 @@ def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name:
       f = lambda x, w, b: shard(x, w, b, labels[rows], valid[rows], vocab)
       return (0.0, *jax.vjp(f, x[rows], w, b)[1](tuple(ct[rows] for ct in cts)))
 
-    group = _group(rounded_tokens, x, w, scatter)
+    group = token_group(rounded_tokens, x, w, scatter)
     if group:
       _, dx, *grads = _token_groups(x.shape[0], group, rows_grads, x, w, b, tokens, scatter)
     else:

@@ -159,13 +159,11 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
     groups: W gathered whole per group, its transpose reduce-scattering that group's dW."""
     lead, d = x.shape[:-1], x.shape[-1]
     n = math.prod(lead)
-    group = None
-    if d_axes:
-      limit = _rounded_tokens(_implementations(options["implementation"])[0],
-                              jnp.result_type(x.dtype, weight.dtype),
-                              _chunk_size(options["chunk_size"]))
-      group = limit and limit(weight.shape[1 - d_dim])
-    if not group or n <= group:  # one piece; with FSDP, one gather (and reduce-scatter)
+    limit = _rounded_tokens(_implementations(options["implementation"])[0],
+                            jnp.result_type(x.dtype, weight.dtype),
+                            _chunk_size(options["chunk_size"])) if d_axes else None
+    group = _partition.token_group(limit, x.reshape(n, d), weight, (d_axes, d_dim))
+    if not group:  # one piece; with FSDP, one gather (and reduce-scatter)
       if d_axes:
         weight = jax.lax.all_gather(weight, d_axes, axis=d_dim, tiled=True)
       out = linear_cross_entropy(x, weight, labels, bias=bias, where=where,
@@ -176,9 +174,8 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
     # The groups' gathers read a float32 copy: the shards of dW add up in float32.
     w32, flat = weight.astype(jnp.float32), lambda t: None if t is None else t.reshape(n)
     x, labels, where = x.reshape(n, d), flat(labels), flat(where)
-    size = -(-n // -(-n // group))  # equal groups (the last one may be shorter)
     outs = []
-    for rows in (slice(i, min(i + size, n)) for i in range(0, n, size)):
+    for rows in _partition.token_slices(n, group):
       w = jax.lax.all_gather(w32.astype(weight.dtype), d_axes, axis=d_dim, tiled=True)
       outs.append(linear_cross_entropy(
           x[rows], w, labels[rows], bias=bias, where=None if where is None else where[rows],
