@@ -95,6 +95,27 @@ def attention_fn(provider, causal, seg, window=None):
   raise KeyError(provider)
 
 
+def inputs(shape: dict, dtype):
+  """(q, k, v, the output's cotangent, segment ids or None) of a shape set's row: b, t, h,
+  d, and optionally s, hkv and docs (that many equal documents per row)."""
+  b, t, h, d = shape["b"], shape["t"], shape["h"], shape["d"]
+  s, hkv, docs = shape.get("s", t), shape.get("hkv", h), shape.get("docs")
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (b, t, h, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.float32).astype(dtype)
+  ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(dtype)
+  seg = None if docs is None else jnp.broadcast_to(jnp.arange(t) * docs // t, (b, t))
+  return q, k, v, ct, seg
+
+
+def window_of(shape: dict, causal: bool):
+  """A row's `window` keys to the left as a (left, right) pair (a causal mask: none to the
+  right), or None."""
+  left = shape.get("window")
+  return None if left is None else (left, 0 if causal else left)
+
+
 def visible_pairs(causal, window, seg, b, t, s) -> int:
   """Pairs a masked call computes (all rows of the batch), counted from the mask itself."""
   spec = MaskSpec.make(causal, window, seg is not None)
@@ -117,15 +138,9 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
   for shape in spec["shapes"][shapes]:
     b, t, h, d = shape["b"], shape["t"], shape["h"], shape["d"]
     s, hkv, docs = shape.get("s", t), shape.get("hkv", h), shape.get("docs")
-    left = shape.get("window")
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (b, t, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.float32).astype(dtype)
-    ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(dtype)
-    seg = None if docs is None else jnp.broadcast_to(jnp.arange(t) * docs // t, (b, t))
+    q, k, v, ct, seg = inputs(shape, dtype)
     for causal in shape.get("causal", spec.get("causal", [False])):
-      window = None if left is None else (left, 0 if causal else left)
+      window = window_of(shape, causal)
       if window is None and docs is None:
         flops = 4.0 * b * h * t * s * d * (0.5 if causal else 1.0)
       else:  # the (query, key) pairs the window or the documents let through

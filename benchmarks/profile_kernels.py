@@ -126,21 +126,17 @@ def _attention(shape: str, provider: str | None):
   """make(n) -> {provider: (fwd+bwd, args)} of flash_attention.py's providers (memeff and
   cudnn on a GPU, memeff and xla elsewhere, or --provider) at `shape` on one device."""
   # pylint: disable-next=import-outside-toplevel
-  from benchmarks.flash_attention import attention_fn
+  from benchmarks.flash_attention import attention_fn, inputs, window_of
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   sizes = {k: int(v) for k, v in (part.split("=") for part in shape.split(","))}
-  b, t, h, d = (sizes.pop(k) for k in "bthd")
-  hkv, docs, left = sizes.pop("hkv", h), sizes.pop("docs", None), sizes.pop("window", None)
   causal = bool(sizes.pop("causal", 1))
-  if sizes:
-    raise SystemExit(f"--attention: unknown sizes {sorted(sizes)} (b, t, h, d, hkv, docs, "
+  unknown = set(sizes) - {"b", "t", "h", "d", "hkv", "docs", "window"}
+  if unknown:
+    raise SystemExit(f"--attention: unknown sizes {sorted(unknown)} (b, t, h, d, hkv, docs, "
                      "window, causal)")
-  keys = jax.random.split(jax.random.key(0), 4)
   dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-  q, ct = (jax.random.normal(key, (b, t, h, d), dtype) for key in keys[::3])
-  k, v = (jax.random.normal(key, (b, t, hkv, d), dtype) for key in keys[1:3])
-  seg = None if docs is None else jnp.broadcast_to(jnp.arange(t) * docs // t, (b, t))
-  window = None if left is None else (left, 0 if causal else left)
+  q, k, v, ct, seg = inputs(sizes, dtype)
+  window = window_of(sizes, causal)
   peer = "cudnn" if jax.default_backend() == "gpu" else "xla"
   cases = {}
   for name in [provider] if provider else ["memeff", peer]:
