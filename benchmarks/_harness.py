@@ -33,6 +33,9 @@ def environment() -> dict:
       "python": platform.python_version(),
       "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:  # what the allocator may hold (XLA_PYTHON_CLIENT_MEM_FRACTION)
+    env["memory_limit_bytes"] = stats["bytes_limit"]
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                    if not f.startswith("--xla_force_host_platform_device_count"))
   if flags:  # a run under other compiler settings than the defaults says so

@@ -68,14 +68,13 @@ def jax_case(provider, x, w, y, kg):
     g = jax.random.normal(kg, (x.shape[0], w.shape[1]), jnp.float32).astype(x.dtype) * 1e-3
     fn = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
     return fn, (x, w, g)
+  import optax  # pylint: disable=import-outside-toplevel
   if provider == "jax_naive":
-    import optax  # pylint: disable=import-outside-toplevel
     def loss(x, w):
       logits = (x @ w).astype(jnp.float32)
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return _loss_and_grads(loss), (x, w)
   if provider == "jax_scan_remat":
-    import optax  # pylint: disable=import-outside-toplevel
     chunk = math.gcd(x.shape[0], 1024)
     n = x.shape[0]
     def loss(x, w):

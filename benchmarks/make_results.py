@@ -378,15 +378,20 @@ def branches_section() -> list[str]:
 
 
 def _latest_scaling(rows: list[dict]) -> list[dict]:
-  """Each (case, provider)'s rows from its latest run (one timestamp per run); a run under
+  """Each (case, provider)'s rows from its latest run (one timestamp per run) on each host
+  (GPU kind and the most GPUs the run used: `host`, e.g. "4 × NVIDIA H200"); a run under
   XLA_FLAGS counts as a provider of its own, named with them."""
   rows = [dict(r, provider=f"{r['provider']} (XLA_FLAGS={r['xla_flags']})")
           if r.get("xla_flags") else r for r in rows]
+  widest = {}
+  for r in rows:
+    widest[r["timestamp"]] = max(widest.get(r["timestamp"], 0), r["devices"])
+  rows = [dict(r, host=f"{widest[r['timestamp']]} × {r['device']}") for r in rows]
   last = {}
   for r in rows:
-    key = (r["case"], r["provider"])
+    key = (r["case"], r["provider"], r["host"])
     last[key] = max(last.get(key, ""), r["timestamp"])
-  return [r for r in rows if r["timestamp"] == last[(r["case"], r["provider"])]]
+  return [r for r in rows if r["timestamp"] == last[(r["case"], r["provider"], r["host"])]]
 
 
 def scaling_section() -> list[str]:
@@ -405,11 +410,12 @@ def scaling_section() -> list[str]:
          "tokens/s per GPU / one GPU's at the same length (ring: memeff:ring).", ""]
   if scaling_plot(ROOT / "docs" / "scaling.png"):
     out += ["![scaling efficiency](../docs/scaling.png)", ""]
-  for (device,), group in _by_run(rows, "device"):
+  for (host,), group in sorted(_by_run(rows, "host"), key=lambda kv: kv[0][0].split(" × ")[::-1],
+                               reverse=True):
     counts = sorted({r["devices"] for r in group})
-    out += [f"**{device}** (jax {group[0]['jax']})", "",
-            "| case | provider | " + " | ".join(f"{n} GPU ms (eff.)" for n in counts) + " |",
-            "|---|---|" + "---|" * len(counts)]
+    out += [f"**{host}** (jax {group[0]['jax']})", "",
+            "| case | provider | " + " | ".join(f"{n} GPU ms (eff.)" for n in counts)
+            + " | run |", "|---|---|" + "---|" * (len(counts) + 1)]
     cells = {(r["case"], r["provider"], r["devices"]): r for r in group
              if not r.get("device_index")}
     for case, provider in sorted(dict.fromkeys((r["case"], r["provider"]) for r in group),
@@ -418,8 +424,10 @@ def scaling_section() -> list[str]:
       for n in counts:
         r = cells.get((case, provider, n))
         eff = "" if r is None or r.get("efficiency") is None else f" ({r['efficiency']:.3f})"
-        row.append("—" if r is None else f"{r['ms']:.2f}{eff}")
-      out.append(f"| {case} | {provider} | " + " | ".join(row) + " |")
+        row.append("—" if r is None else "out of memory" if r.get("error") else
+                   f"{r['ms']:.2f}{eff}")
+      run = max(r["timestamp"] for r in group if (r["case"], r["provider"]) == (case, provider))
+      out.append(f"| {case} | {provider} | " + " | ".join(row) + f" | {run[:10]} |")
     out += [""] + _alone_table(group, cells, counts[-1])
   return out
 
@@ -457,8 +465,10 @@ def _alone_table(group: list[dict], cells: dict, widest: int) -> list[str]:
 
 
 def scaling_plot(path) -> bool:
-  """Efficiency against GPU count, the latest GPU run of every case and provider: the ops
-  and the train step (left), context parallelism (right). False without matplotlib."""
+  """Efficiency against GPU count on the GPU kind of the widest runs (of those, the kind with
+  the most rows): every case and provider
+  from its latest run on the most GPUs; the ops and the train step (left), context
+  parallelism (right). False without matplotlib."""
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
@@ -470,12 +480,17 @@ def scaling_plot(path) -> bool:
           if r.get("efficiency") is not None]
   if not rows:
     return False
-  latest_rows = {}
-  for r in rows:  # file order is time order: the last row of a point wins
-    latest_rows[(r["case"], r["provider"], r["devices"])] = r
+  kinds = collections.Counter(r["device"] for r in rows)
+  device = max(rows, key=lambda r: (r["devices"], kinds[r["device"]]))["device"]
+  rows = [r for r in rows if r["device"] == device]
+  widest = {}
+  for r in rows:
+    key = (r["case"], r["provider"])
+    widest[key] = max(widest.get(key, 0), int(r["host"].split(" × ")[0]))
   curves = {}
-  for (case, provider, n), r in latest_rows.items():
-    curves.setdefault((case, provider), []).append((n, r["efficiency"]))
+  for r in rows:
+    if r["host"].startswith(f"{widest[(r['case'], r['provider'])]} × "):
+      curves.setdefault((r["case"], r["provider"]), []).append((r["devices"], r["efficiency"]))
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
   for ax in axes:  # more curves than the default cycle's ten colours
     ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
@@ -486,12 +501,12 @@ def scaling_plot(path) -> bool:
     points.sort()
     ax.plot(*zip(*points), marker="o", linestyle="-" if provider == "memeff" else "--",
             label=f"{case} ({provider})")
-  device = rows[-1]["device"]
   for ax, title in zip(axes, (f"data, vocab and model parallel ({device})",
                               f"context parallel ({device})")):
     ax.axhline(1.0, color="grey", linewidth=0.5)
     ax.set(title=title, xlabel="GPUs", xticks=sorted({r["devices"] for r in rows}))
-    ax.legend(fontsize=6)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=6)
   axes[0].set_ylabel("efficiency (see RESULTS.md)")
   fig.tight_layout()
   fig.savefig(path, dpi=120)

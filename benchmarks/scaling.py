@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import pathlib
 import re
 import sys
@@ -270,6 +271,7 @@ def context_train_rows(shape: dict, devices: list[int], env: dict, out) -> list[
           if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
             raise
           row.update(error="out of memory")
+          gc.collect()  # the failed run's arrays, held by its traceback, before the next run
           print(f"  {row['case']:22s} {row['provider']:18s} {n} devices: out of memory",
                 flush=True)
         else:
@@ -334,12 +336,15 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
     # Weak scaling's n devices finish with the slowest of them: one device's case is also
     # timed alone on every other device of the largest mesh (rows with device_index).
     alone = range(1, max(devices)) if name.startswith(("attention", "loss")) else ()
+    # Calls of a few milliseconds run back to back between waits, as in a train step: one
+    # wait per call would charge each call the host's round trip to every device.
+    inner = 1 if name.startswith(("loss", "vocab")) else 4
     runs = [(n, 0) for n in devices]
     if devices[0] == 1:
       runs[1:1] = [(1, i) for i in alone]
     for n, first_device in runs:
       providers = make(n, first=first_device) if first_device else make(n)
-      timers = {p: functools.partial(_harness.time_jax, fn, *args, reps=5)
+      timers = {p: functools.partial(_harness.time_jax, fn, *args, reps=5, inner=inner)
                 for p, (fn, args) in providers.items()}
       times = _harness.interleaved(timers, rounds)
       for provider, ts in times.items():
@@ -348,7 +353,7 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
         first = base.setdefault(provider, rate if n == devices[0] else None)
         eff = None if first is None or first_device else rate / first
         row = dict(op="scaling", case=name, provider=provider, devices=n, ms=ms,
-                   efficiency=eff, small=small, rounds=rounds, **env,
+                   efficiency=eff, small=small, rounds=rounds, inner=inner, **env,
                    **({"device_index": first_device} if first_device else {}))
         rows.append(row)
         _harness.append(out, [row])

@@ -61,3 +61,27 @@ def test_context_train_dry_run(tmp_path):
     assert r["last_loss"] == pytest.approx(one["last_loss"], rel=1e-4)
     assert r["efficiency"] == pytest.approx(r["tokens_per_s_per_device"]
                                             / one["tokens_per_s_per_device"])
+
+
+def test_results_keep_each_host_s_latest_run(monkeypatch):
+  """RESULTS.md's scaling tables: one per host (GPU kind × the most GPUs a run used), each
+  case from its latest run there, so a later run on fewer GPUs keeps the wider one's rows;
+  a run that did not fit says so."""
+  from benchmarks import make_results  # pylint: disable=import-outside-toplevel
+
+  def row(n, ms, stamp, **kw):
+    return dict(op="scaling", case="attention", provider="memeff", devices=n, ms=ms,
+                efficiency=ms and 7.0 / ms, platform="gpu", device="NVIDIA H200", jax="0.11.2",
+                timestamp=stamp, **kw)
+  rows = [row(1, 7.0, "2026-01-01T00:00"), row(4, 7.7, "2026-01-01T00:00"),
+          row(1, 7.0, "2026-01-02T00:00"), row(2, 7.1, "2026-01-02T00:00"),
+          dict(row(1, None, "2026-01-03T00:00", error="out of memory"),
+               case="context-train-1b-640k", efficiency=None)]
+  monkeypatch.setattr(make_results, "load", lambda op: rows if op == "scaling" else [])
+  monkeypatch.setattr(make_results, "scaling_plot", lambda path: False)
+  text = "\n".join(make_results.scaling_section())
+  four, two, one = (text.index(f"**{n} × NVIDIA H200**") for n in (4, 2, 1))
+  assert four < two < one
+  assert "| attention | memeff | 7.00 (1.000) | 7.70 (0.909) | 2026-01-01 |" in text[four:two]
+  assert "| attention | memeff | 7.00 (1.000) | 7.10 (0.986) | 2026-01-02 |" in text[two:one]
+  assert "| context-train-1b-640k | memeff | out of memory | 2026-01-03 |" in text[one:]
