@@ -342,6 +342,36 @@ def test_windows_pass_only_the_keys_they_reach(strategy, window, rows, hkv, chec
   assert not re.search(rf"\[\d+,{q.shape[1]},", text), "a buffer of the whole sequence"
 
 
+def test_halos_move_bf16_rows_and_windows_of_both_halos_keep_float32():
+  """bf16 inputs: the halo exchange's keys, values and their dK/dV travel in bf16 (a key
+  row's gradient is its shard's term plus at most one neighbour's: bf16's add rounds it
+  once, as a float32 sum's final cast would); where both halos would cover a row (left +
+  right > a shard's 64 keys) the dK/dV travel in float32. Values and gradients stay close
+  to one device's bf16 call."""
+  q, k, v, _ = _problem(5, hkv=2)
+  q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
+  mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
+  spec = P("data", "context")
+  for window, dk_dtype in (((40, 0), "bf16"), ((40, 30), "f32")):
+    kw = dict(sliding_window=window, return_lse=True)
+    one = lambda q, k, v, seg, kw=kw: memeff_jax.flash_attention(q, k, v, **kw)
+    many = shard_map(lambda q, k, v, kw=kw: memeff_jax.flash_attention(
+        q, k, v, context_axis="context", **kw), mesh=mesh, in_specs=(spec,) * 3,
+                     out_specs=(spec, spec))
+    want, want_grads = _value_and_grads(one, q, k, v, None)
+    both = jax.jit(lambda q, k, v, many=many: (many(q, k, v), jax.grad(
+        _loss(lambda q, k, v, seg: many(q, k, v)), (0, 1, 2))(q, k, v, None)))
+    lowered = both.lower(q, k, v)
+    got, grads = lowered.compile()(q, k, v)
+    for g, w in zip(jax.tree.leaves((got, grads)), jax.tree.leaves((want, want_grads))):
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                 rtol=3e-2, atol=3e-2)
+    # The program as written (XLA's CPU backend then widens bf16 collectives to float32).
+    moved = set(re.findall(r"collective_permute.*\(tensor<1x\d+x2x32x(\w+)>\)",
+                           lowered.as_text()))
+    assert moved == {"bf16", dk_dtype}, (window, moved)
+
+
 def test_rows_in_reach():
   """What goes round: the ring's rows after its first step, the all-gather strategy's halos
   (None: gather every shard's keys)."""

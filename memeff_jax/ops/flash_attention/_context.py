@@ -14,7 +14,10 @@ all_gather: every shard gathers all keys, values and key segment ids, then runs 
   backward gathers them again, runs each span's backward and reduce-scatters dK/dV over the
   axis in float32. Where a window keeps every shard's span within its neighbours (contiguous
   order, `halo_rows`), only those rows move: the previous shard's last keys and the next
-  one's first come by ppermute (a halo exchange), and their dK/dV go back the same way.
+  one's first come by ppermute (a halo exchange), and their dK/dV go back the same way, in
+  the keys' dtype where no row lies in both halos (one neighbour's term to add: bf16's add
+  rounds that sum once, as float32 would). Where each shard's queries read one span (the
+  contiguous order), outputs and dQ are the kernel call's own, with no float32 buffer.
 ring: keys, values and key segment ids pass from shard to shard (ppermute), the next transfer
   issued before the current step's kernels; each step's (query chunk, key chunk) pairs are
   planned statically (`pair_plan`, `ring_plans`), shards with equal plans sharing a branch,
@@ -280,17 +283,28 @@ def _keys_in_reach(k, v, kv_seg, *, axis, shards: int, window, order: str, t: in
           lambda shard: shard * s - halo[0])
 
 
+def _one_span(spans, t: int) -> bool:
+  """Every shard's queries all read one key span: each output row, and each key row's
+  gradient on that shard, is one kernel call's, with nothing to add up."""
+  return all(len(chunks) == 1 and chunks[0][:2] == (0, t) and chunks[0][3] > chunks[0][2]
+             for chunks in spans)
+
+
 def _gather_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
   s_total = shards * k.shape[1]
   k, v, kv_seg, _, first = _keys_in_reach(k, v, kv_seg, axis=axis, shards=shards,
                                           window=window, order=order, t=q.shape[1])
   if window == (None, None):  # every key for every query: one call, the same on every shard
-    out, lse = attend(q, k, v, q_seg, kv_seg, None)
-    return out.astype(jnp.float32), lse
+    return attend(q, k, v, q_seg, kv_seg, None)
   spans = _gather_spans(q.shape[1], s_total, shards, window, order)
+  one_span = _one_span(spans, q.shape[1])
 
   def branch(shard):
     def run(q, q_seg, k, v, kv_seg):
+      if one_span:  # the call's output as it is (no float32 buffer to assemble)
+        (_, _, lo, hi, local), = spans[shard]
+        lo, hi = lo - first(shard), hi - first(shard)
+        return attend(q, k[:, lo:hi], v[:, lo:hi], q_seg, _rows(kv_seg, lo, hi), local)
       out, lse = _empty(q, k, v)
       for qa, qb, lo, hi, local in spans[shard]:
         if hi > lo:
@@ -312,9 +326,23 @@ def _gather_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d
                                                  window=window, order=order, t=q.shape[1])
   spans = (_gather_spans(q.shape[1], shards * s, shards, window, order)
            if window != (None, None) else [[(0, q.shape[1], 0, shards * s, None)]] * shards)
+  one_span = _one_span(spans, q.shape[1])
+  # A key row's gradient is a sum over the shards that read it, in float32 (bf16 would round
+  # each add), except under a halo where no row is in both halos: there it is at most its own
+  # shard's term and one neighbour's, and bf16's add rounds their sum once, as float32's
+  # final cast would, at half the bytes sent.
+  key_dtype = (k.dtype if one_span and halo is not None and sum(halo) <= s else jnp.float32)
 
   def branch(shard):
     def run(kf, vf, kv_seg_f):
+      if one_span:  # dq as the call gives it; dK/dV rows placed in the keys' span
+        (_, _, lo, hi, local), = spans[shard]
+        lo, hi = lo - first(shard), hi - first(shard)
+        g = attend_backward(q, kf[:, lo:hi], vf[:, lo:hi], q_seg, _rows(kv_seg_f, lo, hi),
+                            out, lse, d_out, d_lse, local)
+        place = lambda a, x: _put(_vma.varying_like(jnp.zeros(a.shape, key_dtype), q, a,
+                                                    d_out), lo, hi, x.astype(key_dtype))
+        return g[0], place(kf, g[1]), place(vf, g[2])
       zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
       dq, dk, dv = _vma.varying_like((zeros(q), zeros(kf), zeros(vf)), q, kf, vf, d_out)
       for qa, qb, lo, hi, local in spans[shard]:
@@ -333,7 +361,7 @@ def _gather_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d
   same = window == (None, None)
   dq, dk, dv = _switch(axis, [0] * shards if same else list(range(shards)),
                        [branch(i) for i in range(1 if same else shards)], kf, vf, kv_seg_f)
-  if halo is not None:  # the halo rows' gradients go back to their shards, in float32
+  if halo is not None:  # the halo rows' gradients go back to their shards
     return dq, *(_halo_home(g, axis=axis, shards=shards, halo=halo, s=s) for g in (dk, dv))
   if order == "zigzag":  # back to the order the shards hold their keys in
     dk, dv = zigzag(dk, shards), zigzag(dv, shards)
