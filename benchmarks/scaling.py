@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py [--devices 1,2,4] [--cases attention,loss,vocab,context,train]
     python benchmarks/scaling.py --devices 1,4 --cases context-train
-    python benchmarks/scaling.py --devices 2,1 --cases context-train --lengths 655360 --steps 2
+    python benchmarks/scaling.py --devices 1,2 --cases context-train --lengths 655360 --steps 2
 
 Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   attention  weak scaling, data parallel: B=4, T=4096, H=32, D=128 bf16 per device, the batch
@@ -37,7 +37,9 @@ their spread bounds the efficiency that any code could reach on this host.
              cannot shard the sequence). Tokens/s per device against one device's at the
              same length, its peak memory, and the first and last losses (the same data and
              parameters on every mesh); ms per step; a length one device cannot hold is
-             recorded as out of memory. Not in the default cases.
+             recorded as out of memory. Each run is a fresh process (train_step.py's, JAX
+             allowed 95% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise),
+             stopped after --run-timeout seconds. Not in the default cases.
 
 `--small` runs shapes a CPU can take (tests and a dry run: XLA_FLAGS=
 --xla_force_host_platform_device_count=8 before the run). Rows (op="scaling": case,
@@ -48,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import pathlib
 import re
 import sys
@@ -245,13 +246,14 @@ def train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
   return rows
 
 
-def context_train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
+def context_train_rows(shape: dict, devices: list[int], env: dict, out,
+                       timeout: float | None = None) -> list[dict]:
   """The train step with one sequence over a "context" axis (zig-zag order): tokens/s per
-  device at each length against one device's, peak memory and losses."""
-  from memeff_jax.cli import _config_path  # pylint: disable=import-outside-toplevel
-  # pylint: disable-next=import-outside-toplevel
-  from memeff_jax.models import LlamaConfig, run as train_run, sharding
-  cfg, train_cfg = LlamaConfig.from_toml(_config_path(shape["config"]))
+  device at each length against one device's, peak memory and losses. Each run is a fresh
+  process (train_step.measure): one that runs out of memory leaves nothing behind for the
+  next, and one not done within `timeout` seconds (a device out of memory can leave the
+  others waiting in a collective) is recorded as such."""
+  from benchmarks import train_step  # pylint: disable=import-outside-toplevel
   rows, longest = [], max(shape["lengths"])
   for seq_len in shape["lengths"]:
     base, label = None, f"{seq_len // 1024}k" if seq_len >= 1024 else str(seq_len)
@@ -261,29 +263,24 @@ def context_train_rows(shape: dict, devices: list[int], env: dict, out) -> list[
         row = dict(op="scaling", case=f"context-train-{shape['config']}-{label}",
                    provider="memeff" if strategy == "all_gather" else "memeff:ring", devices=n,
                    seq_len=seq_len, **env)
-        try:
-          r = train_run.train(
-              cfg, train_cfg, kernels="memeff", steps=shape["steps"], batch=1,
-              seq_len=seq_len, show_progress=False,
-              mesh=sharding.make_mesh({"context": n}) if n > 1 else None,
-              context_order="zigzag" if n > 1 else "contiguous", context_strategy=strategy)
-        except Exception as e:  # pylint: disable=broad-except
-          if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
-            raise
-          row.update(error="out of memory")
-          gc.collect()  # the failed run's arrays, held by its traceback, before the next run
-          print(f"  {row['case']:22s} {row['provider']:18s} {n} devices: out of memory",
-                flush=True)
+        failures = []
+        r = train_step.measure(shape["config"], "memeff", 1, shape["steps"], seq_len,
+                               mesh=f"context={n}" if n > 1 else None, timeout=timeout,
+                               context=("zigzag", strategy), failures=failures)
+        where = f"  {row['case']:22s} {row['provider']:18s} {n} devices:"
+        if r is None:
+          row.update(error=failures[-1])
+          print(f"{where} {row['error']}", flush=True)
         else:
-          per_device = r.tokens_per_s / n
+          per_device = r["tokens_per_s"] / n
           base = per_device if n == 1 else base
-          row.update(ms=1e3 * seq_len / r.tokens_per_s, tokens_per_s_per_device=per_device,
+          row.update(ms=1e3 * seq_len / r["tokens_per_s"], tokens_per_s_per_device=per_device,
                      efficiency=None if base is None else per_device / base,
-                     peak_bytes=r.peak_bytes, first_loss=r.losses[0], last_loss=r.losses[-1])
-          print(f"  {row['case']:22s} {row['provider']:18s} {n} devices: {row['ms']:9.1f} "
-                f"ms/step, {per_device:,.0f} tokens/s per device, peak "
-                f"{(r.peak_bytes or 0) / 2**30:.1f} GiB, losses {r.losses[0]:.4f} → "
-                f"{r.losses[-1]:.4f}", flush=True)
+                     peak_bytes=r["peak_bytes"], memory_limit_bytes=r["bytes_limit"],
+                     first_loss=r["first_loss"], last_loss=r["last_loss"])
+          print(f"{where} {row['ms']:9.1f} ms/step, {per_device:,.0f} tokens/s per device, "
+                f"peak {(r['peak_bytes'] or 0) / 2**30:.1f} GiB, losses "
+                f"{r['first_loss']:.4f} → {r['last_loss']:.4f}", flush=True)
         rows.append(row)
         _harness.append(out, [row])
   return rows
@@ -319,7 +316,7 @@ def op_plans(cases: list[str], shapes: dict) -> list[tuple]:
 
 def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
         match: str = "", lengths: tuple[int, ...] | None = None,
-        steps: int | None = None) -> list[dict]:
+        steps: int | None = None, run_timeout: float | None = None) -> list[dict]:
   env, rows = _harness.environment(), []
   shapes = SHAPES[small]
   if lengths:
@@ -330,7 +327,7 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
   if "train" in cases:
     rows += train_rows(shapes["train"], devices, env, out)
   if "context-train" in cases:
-    rows += context_train_rows(shapes["context_train"], devices, env, out)
+    rows += context_train_rows(shapes["context_train"], devices, env, out, run_timeout)
   for name, make, work in [p for p in plans if re.search(match, p[0])]:
     base = {}  # provider: throughput per device (work per ms) at the first device count
     # Weak scaling's n devices finish with the slowest of them: one device's case is also
@@ -375,6 +372,8 @@ def main(argv=None):
                       "393216 (one that a single device cannot hold; default 32k and 128k)")
   parser.add_argument("--steps", type=int, default=None, help="train and context-train steps "
                       "(default 6 and 4; at least 2: the first one compiles)")
+  parser.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+                      help="context-train: a run not done by then is recorded as timed out")
   parser.add_argument("--out", default=str(_harness.RESULTS / "scaling.jsonl"))
   args = parser.parse_args(argv)
   if args.steps is not None and args.steps < 2:
@@ -385,7 +384,7 @@ def main(argv=None):
     raise SystemExit(f"--devices {args.devices}: this process sees {jax.device_count()}")
   print(f"scaling on {jax.device_count()} × {jax.devices()[0].device_kind}")
   run(args.cases.split(","), counts, args.rounds, args.small, args.out, args.match,
-      tuple(int(t) for t in args.lengths.split(",") if t), args.steps)
+      tuple(int(t) for t in args.lengths.split(",") if t), args.steps, args.run_timeout)
 
 
 if __name__ == "__main__":

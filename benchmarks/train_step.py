@@ -68,17 +68,21 @@ def worker(args) -> None:
 
   r = run.train(cfg, train_cfg, kernels=args.kernels, steps=args.steps, batch=args.batch,
                 seq_len=seq, show_progress=False, probe_batches=probes, on_compiled=compiled,
-                on_trained=trained, mesh=mesh)
+                on_trained=trained, mesh=mesh, context_order=args.context_order,
+                context_strategy=args.context_strategy)
   if probes:
     print(json.dumps(dict(probes=r.probes)), flush=True)
 
 
 def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | None,
             remat_policy: str | None = None, probe: tuple[int, ...] = (), runs_out=None,
-            keep_losses: bool = False, mesh: str | None = None, timeout: float | None = None):
+            keep_losses: bool = False, mesh: str | None = None, timeout: float | None = None,
+            context: tuple[str, str] = ("contiguous", "all_gather"), failures: list | None = None):
   """One fresh-process run; its JSON row, or None if it did not run (out of memory, or not
-  done within `timeout` seconds). With `runs_out`, every run, fitting or not, is appended
-  there as an op="train_step_run" row as soon as it ends."""
+  done within `timeout` seconds: a device that ran out of memory can leave the others
+  waiting in a collective). With `runs_out`, every run, fitting or not, is appended there
+  as an op="train_step_run" row as soon as it ends; `failures` gets why a run did not.
+  `context`: the attention's (order, strategy) on a mesh with a context axis."""
   cmd = [sys.executable, __file__, "--worker", "--config", config, "--kernels", kernels,
          "--batch", str(batch), "--steps", str(steps)]
   if seq_len:
@@ -90,7 +94,7 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
   if keep_losses:
     cmd += ["--keep-losses"]
   if mesh:
-    cmd += ["--mesh", mesh]
+    cmd += ["--mesh", mesh, "--context-order", context[0], "--context-strategy", context[1]]
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -117,6 +121,8 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
     where = ("at compile" if not prediction else
              f"compiled peak {prediction[-1]['predicted_peak_bytes'] / 2**30:.2f} GiB")
     print(f"  {kernels:9s} batch {batch:4d}: does not run ({reason}, {where})", flush=True)
+    if failures is not None:
+      failures.append(reason)
     if runs_out:
       # the allocator's own words (which allocation, how large) where it ran out
       _append(runs_out, dict(record, fits=False, error=reason,
@@ -199,6 +205,8 @@ def main(argv=None):
                  help="train STEPS steps per kernel set and keep every loss (no timing search)")
   p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                  help="train on this mesh of the host's devices, e.g. data=2,fsdp=2")
+  p.add_argument("--context-order", default="contiguous", help=argparse.SUPPRESS)
+  p.add_argument("--context-strategy", default="all_gather", help=argparse.SUPPRESS)
   p.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
                  help="a run not done by then counts as not running (the search goes lower)")
   p.add_argument("--keep-losses", action="store_true", help=argparse.SUPPRESS)

@@ -62,6 +62,13 @@ def test_context_train_dry_run(tmp_path):
     assert r["efficiency"] == pytest.approx(r["tokens_per_s_per_device"]
                                             / one["tokens_per_s_per_device"])
 
+  # A run not done within --run-timeout (here: before it could start) is recorded as such.
+  scaling.main(["--small", "--devices", "2", "--cases", "context-train", "--lengths", "256",
+                "--steps", "2", "--run-timeout", "0.01", "--out", str(out)])
+  late = [json.loads(line) for line in out.read_text().splitlines()][len(rows):]
+  assert [(r["devices"], r["error"], "ms" in r) for r in late] == [
+      (2, "timed out after 0 s", False), (2, "timed out after 0 s", False)]
+
 
 def test_results_keep_each_host_s_latest_run(monkeypatch):
   """RESULTS.md's scaling tables: one per host (GPU kind × the most GPUs a run used), each
