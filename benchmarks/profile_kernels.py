@@ -4,10 +4,12 @@
     python benchmarks/profile_kernels.py --case loss --devices 4 --provider memeff:local_dw
     python benchmarks/profile_kernels.py --case context-window-ring-32k --devices 2
     python benchmarks/profile_kernels.py --attention b=4,t=4096,h=64,d=64,causal=1
+    python benchmarks/profile_kernels.py --loss n=16384,d=2304,v=256000
     python benchmarks/profile_kernels.py --train 1b --mesh fsdp=2,tensor=2
 
 --case names one of scaling.py's op cases (its shapes; --small for a CPU's), --attention
-one GPU's attention forward+backward at a shape (flash_attention.py's providers); after two
+one GPU's attention forward+backward at a shape (flash_attention.py's providers), --loss one
+GPU's linear cross-entropy and its gradients at a head (linear_cross_entropy.py's); after two
 warm-up calls, --calls calls run under `jax.profiler.trace`, each waited for, as
 scaling.py times them. --train profiles that many steps of the model's train step
 (models.run, --mesh as `memeff-jax train` takes it; the first step compiles, then runs the
@@ -151,6 +153,28 @@ def _attention(shape: str, provider: str | None):
   return make
 
 
+def _loss(shape: str, provider: str | None):
+  """make(n) -> {provider: (loss and grads, args)} of linear_cross_entropy.py's JAX providers
+  (memeff, the three-matmul floor and plain XLA, or --provider: any of them, memeff's
+  options included) at `shape` (n tokens, d, v) on one device."""
+  # pylint: disable-next=import-outside-toplevel
+  from benchmarks.linear_cross_entropy import jax_case, make_inputs
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  sizes = {k: int(v) for k, v in (part.split("=") for part in shape.split(","))}
+  if set(sizes) != {"n", "d", "v"}:
+    raise SystemExit(f"--loss: give n, d and v (e.g. n=16384,d=2304,v=256000), got {shape!r}")
+  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+  inputs = make_inputs(sizes["n"], sizes["d"], sizes["v"], dtype)
+  names = [provider] if provider else ["memeff", "floor", "jax_naive"]
+  cases = {name: jax_case(name, *inputs) for name in names}
+
+  def make(n):
+    if n != 1:
+      raise SystemExit(f"--loss runs on one device, not {n}")
+    return cases
+  return make
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--case", help="a scaling.py op case, e.g. attention-causal")
@@ -159,6 +183,9 @@ def main(argv=None):
   p.add_argument("--attention", metavar="SHAPE", help="one GPU's attention fwd+bwd at a shape "
                  "of configs/benchmarks/flash_attention.toml's kind, e.g. b=4,t=4096,h=64,d=64,"
                  "causal=1 (also hkv, docs, window)")
+  p.add_argument("--loss", metavar="SHAPE", help="one GPU's linear cross-entropy with its "
+                 "gradients at a head, e.g. n=16384,d=2304,v=256000: memeff, the three-matmul "
+                 "floor and plain XLA (--provider: one of linear_cross_entropy.py's JAX ones)")
   p.add_argument("--train", metavar="CONFIG", help="profile the model's train step instead")
   p.add_argument("--mesh", default=None, help="with --train: e.g. fsdp=2,tensor=2")
   p.add_argument("--kernels", default="memeff", help="with --train: memeff or plain")
@@ -167,16 +194,18 @@ def main(argv=None):
   p.add_argument("--small", action="store_true", help="CPU-sized shapes")
   p.add_argument("--out", default=None, help="append the summaries here as JSON lines")
   args = p.parse_args(argv)
-  if sum(map(bool, (args.case, args.train, args.attention))) != 1:
-    raise SystemExit("give one of --case, --attention or --train")
+  if sum(map(bool, (args.case, args.train, args.attention, args.loss))) != 1:
+    raise SystemExit("give one of --case, --attention, --loss or --train")
   rows = []
   if args.train:
     rows.append(_train_row(args))
   else:
     if args.case:
       make, name = _case(args.case, args.small), args.case
-    else:
+    elif args.attention:
       make, name = _attention(args.attention, args.provider), f"attention {args.attention}"
+    else:
+      make, name = _loss(args.loss, args.provider), f"loss {args.loss}"
     for n in (int(c) for c in args.devices.split(",")):
       for provider, (fn, fn_args) in make(n).items():
         if args.provider not in (None, provider):

@@ -81,3 +81,15 @@ def test_an_attention_shape_profiles_on_cpu(tmp_path):
   assert [(r["provider"], r["devices"]) for r in rows] == [("memeff", 1), ("xla", 1)]
   with pytest.raises(SystemExit, match="unknown sizes"):
     profile_kernels.main(["--attention", "b=1,t=256,h=4,d=32,heads=2"])
+
+
+def test_a_loss_head_profiles_on_cpu(tmp_path):
+  """--loss: one device's linear cross-entropy with gradients at a head, memeff beside the
+  three-matmul floor and plain XLA."""
+  out = tmp_path / "kernels.jsonl"
+  profile_kernels.main(["--loss", "n=256,d=64,v=1000", "--calls", "2", "--out", str(out)])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["case"], r["provider"]) for r in rows] == [
+      ("loss n=256,d=64,v=1000", p) for p in ("memeff", "floor", "jax_naive")]
+  with pytest.raises(SystemExit, match="give n, d and v"):
+    profile_kernels.main(["--loss", "n=256,d=64"])
