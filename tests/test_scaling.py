@@ -70,7 +70,7 @@ def test_context_train_dry_run(tmp_path):
       (2, "timed out after 0 s", False), (2, "timed out after 0 s", False)]
 
 
-def test_results_keep_each_host_s_latest_run(monkeypatch):
+def test_results_keep_the_latest_run_of_each_host(monkeypatch):
   """RESULTS.md's scaling tables: one per host (GPU kind × the most GPUs a run used), each
   case from its latest run there, so a later run on fewer GPUs keeps the wider one's rows;
   a run that did not fit says so."""
