@@ -457,10 +457,10 @@ def _alone_table(group: list[dict], cells: dict, widest: int) -> list[str]:
          "|---|---|" + "---|" * (len(gpus) + 2)]
   for (case, provider), times in alone.items():
     wide = cells.get((case, provider, widest))
+    widest_cells = ("— | —" if wide is None else
+                    f"{wide['ms']:.2f} | {max(times.values()) / wide['ms']:.3f}")
     out.append(f"| {case} | {provider} | " + " | ".join(
-        f"{times[i]:.2f}" if i in times else "—" for i in gpus) + " | " + (
-        "— | —" if wide is None else f"{wide['ms']:.2f} | {max(times.values()) / wide['ms']:.3f}")
-        + " |")
+        f"{times[i]:.2f}" if i in times else "—" for i in gpus) + f" | {widest_cells} |")
   return out + [""]
 
 

@@ -59,9 +59,9 @@ def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch:
   `on_compiled(compiled, report)`: called with the compiled step and its MemoryReport
   before the first step runs (so a run that then fails still leaves its prediction);
   `on_trained(result)`: called with the result before the probes compile (so a run whose
-  probes take too long still counts). `mesh`: train on this mesh (models.sharding: the batch over data × fsdp, weights
-  by its rules); `context_order` and `context_strategy`: the attention's on a mesh with a
-  context axis (Llama).
+  probes take too long still counts). `mesh`: train on this mesh (models.sharding: the
+  batch over data × fsdp, weights by its rules); `context_order` and `context_strategy`:
+  the attention's on a mesh with a context axis (Llama).
   """
   model = Llama(cfg, kernels=kernels, context_order=context_order,
                 context_strategy=context_strategy, rngs=nnx.Rngs(seed))
