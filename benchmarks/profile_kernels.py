@@ -124,6 +124,15 @@ def _case(name: str, small: bool):
   return plans[name]
 
 
+def _one_device(cases: dict, flag: str):
+  """make(n) -> cases, for one device only."""
+  def make(n):
+    if n != 1:
+      raise SystemExit(f"{flag} runs on one device, not {n}")
+    return cases
+  return make
+
+
 def _attention(shape: str, provider: str | None):
   """make(n) -> {provider: (fwd+bwd, args)} of flash_attention.py's providers (memeff and
   cudnn on a GPU, memeff and xla elsewhere, or --provider) at `shape` on one device."""
@@ -145,12 +154,7 @@ def _attention(shape: str, provider: str | None):
     f = attention_fn(name, causal, seg, window)
     if f is not None:  # (the peers take no segment ids)
       cases[name] = (jax.jit(lambda q, k, v, f=f: jax.vjp(f, q, k, v)[1](ct)), (q, k, v))
-
-  def make(n):
-    if n != 1:
-      raise SystemExit(f"--attention runs on one device, not {n}")
-    return cases
-  return make
+  return _one_device(cases, "--attention")
 
 
 def _loss(shape: str, provider: str | None):
@@ -167,12 +171,7 @@ def _loss(shape: str, provider: str | None):
   inputs = make_inputs(sizes["n"], sizes["d"], sizes["v"], dtype)
   names = [provider] if provider else ["memeff", "floor", "jax_naive"]
   cases = {name: jax_case(name, *inputs) for name in names}
-
-  def make(n):
-    if n != 1:
-      raise SystemExit(f"--loss runs on one device, not {n}")
-    return cases
-  return make
+  return _one_device(cases, "--loss")
 
 
 def main(argv=None):
