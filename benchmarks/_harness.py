@@ -19,6 +19,11 @@ from memeff_jax import memory
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
+# GPU memory allocated on demand, as benchmarks/gpu.sh runs every benchmark: read when JAX
+# first touches a device, so a benchmark that then starts fresh-process workers
+# (train_step.py, scaling.py's context-train) holds none of the memory they need.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 
 def shape_sets(name: str) -> dict:
   with (ROOT / "configs" / "benchmarks" / f"{name}.toml").open("rb") as f:
