@@ -145,13 +145,18 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
     PallasMosaicGpu(backward_config=triton_dq, dq_config=MosaicDqConfig())._static(q, k, det)  # pylint: disable=protected-access
   with pytest.raises(NotImplementedError, match="block_kv 64 or 128"):
     PallasMosaicGpu(dq_config=MosaicDqConfig(block_kv=32))._static(q, k, det)  # pylint: disable=protected-access
-  # D = 256: 64-key blocks for dq, two Q/dO stages for the column-split dK/dV kernel.
+  # D = 256: the column-split kernel whole, dq in rank order; under GQA (no
+  # d256_gqa_ordered section) its dK/dV-only form with two Q/dO stages, and a dq kernel of
+  # 64-key blocks.
   q256 = jax.ShapeDtypeStruct((1, 256, 4, 256), BF16)
   k256 = jax.ShapeDtypeStruct((1, 256, hkv, 256), BF16)
   st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
-  assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2,
-                                                with_dq=False)
-  assert st.dq == MosaicDqConfig(block_kv=64, stages=2, v_stages=1) and st.triton is None
+  if hkv == 4:
+    assert st.backward.dq_ordered and st.backward.column_split and st.dq is None
+  else:
+    assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2,
+                                                  with_dq=False)
+    assert st.dq == MosaicDqConfig(block_kv=64, stages=2, v_stages=1) and st.triton is None
   # D = 192: no Mosaic backward; pallas_triton's computes dq with the rest.
   q192 = jax.ShapeDtypeStruct((1, 256, 4, 192), BF16)
   st = PallasMosaicGpu()._static(q192, q192, det)  # pylint: disable=protected-access
@@ -712,7 +717,11 @@ def test_tuned_backward_configs_serve_their_calls():
     assert ordered == dataclasses.replace(
         mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True, dq_buffers=2,
         dq_rotate=not causal, fused_delta=causal and not gqa, dq_stagger=not (causal or gqa))
-  for d, causal, gqa in ((64, False, False), (256, True, False),
+  # d256[_causal]_ordered: the column-split kernel, dq in rank order (rotated without a mask)
+  for causal in (False, True):
+    assert mb.MosaicBackwardConfig.for_deterministic(256, causal) == mb.MosaicBackwardConfig(
+        dq_split=False, column_split=True, stages=1, dq_ordered=True, dq_rotate=not causal)
+  for d, causal, gqa in ((64, False, False), (256, True, True),
                          (128, True, True)):  # no _ordered section: the dK/dV-only kernel
     assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
             == mb.MosaicBackwardConfig.tuned(d, causal, gqa, with_dq=False))
@@ -1018,14 +1027,18 @@ class TestMosaicGpu:
   @pytest.mark.parametrize("backward", [
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2),
-      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True)],
-      ids=["one_slot", "two_slots", "rotate"])
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True),
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
+                              dq_rotate=True)],
+      ids=["one_slot", "two_slots", "rotate", "d256"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
     """dq_ordered: the one-pass kernel (deterministic by default) gives identical bits on
-    every call, and the reference's gradients. 16 key blocks per query row, GQA 4:1."""
-    q, k, v, _, ct = make_problem(jax.random.key(22), 2, 1024, 2048, 8, 2, 128, BF16)
+    every call, and the reference's gradients. 16 key blocks per query row (32 at D = 256),
+    GQA 4:1."""
+    d = 256 if backward.column_split else 128
+    q, k, v, _, ct = make_problem(jax.random.key(22), 2, 1024, 2048, 8, 2, d, BF16)
     impl = PallasMosaicGpu(backward_config=backward)
     # Through `run`, as the reference: both with the same output and LSE cotangents.
     step = jax.jit(lambda q, k, v: run(impl, q, k, v, None, ct, opts)[2])
