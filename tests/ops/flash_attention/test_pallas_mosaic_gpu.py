@@ -1288,6 +1288,16 @@ class TestMosaicGpuFeaturesDeterministicD256(TestMosaicGpuFeaturesD256):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesDeterministicD256Mha(TestMosaicGpuFeaturesD256):
+  """One query head per key head: the ordered column-split kernel (d256[_causal]_ordered),
+  where GQA takes the dK/dV-only kernel beside the dq kernel."""
+
+  extra = {}
+  shape = dict(b=1, t=256, s=384, hq=4, hkv=4, d=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuOrderedDqD256(TestMosaicGpuFeaturesD256):
   """D = 256: the column-split one-pass backward with dq_ordered, deterministic calls."""
 
