@@ -152,7 +152,9 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   k256 = jax.ShapeDtypeStruct((1, 256, hkv, 256), BF16)
   st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
   if hkv == 4:
-    assert st.backward.dq_ordered and st.backward.column_split and st.dq is None
+    assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
+                                                  dq_ordered=True, dq_rotate=not causal)
+    assert st.dq is None and st.triton is None
   else:
     assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2,
                                                   with_dq=False)
