@@ -712,6 +712,8 @@ def test_tuned_backward_configs_serve_their_calls():
   assert mb.MosaicBackwardConfig.tuned(128, False, with_dq=False).block_q == 80  # d128_dkv
   assert mb.MosaicBackwardConfig.tuned(128, False, gqa=True, with_dq=False).block_q == 80
   assert mb.MosaicBackwardConfig.tuned(128, True, with_dq=False).block_q == 64  # d128_causal_dkv
+  assert mb.MosaicBackwardConfig.tuned(64, True, with_dq=False).block_q == 96  # d64_causal_dkv
+  assert mb.MosaicBackwardConfig.tuned(64, False, with_dq=False).block_q == 64
   assert mb.MosaicBackwardConfig.tuned(128, True, gqa=True, with_dq=False).pingpong  # _gqa_dkv
   # d128[_causal][_gqa]_ordered: the whole kernel, dq in rank order
   for causal, gqa in ((False, False), (True, False), (False, True)):
