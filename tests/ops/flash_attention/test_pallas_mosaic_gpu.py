@@ -368,20 +368,22 @@ def test_backward_support_error_names_what_is_not_served(q_shape, k_shape, dtype
   assert re.search(match, mb.support_error(q_shape, k_shape, dtype, opts, config))
 
 
-@pytest.mark.parametrize("causal, window, segments, softcap, pingpong, block_q, t, s, hkv", [
-    (False, None, False, None, True, 80, 256, 384, 2),   # 256 = 3·80 + 16: a ragged last step
-    (True, None, False, 30.0, False, 80, 384, 256, 4),
-    (False, (100, 7), True, None, True, 80, 192, 256, 1),
-    (True, 200, True, None, False, 96, 256, 384, 2),
-    (False, None, False, None, False, 96, 384, 256, 1)])
+@pytest.mark.parametrize("causal, window, segments, softcap, pingpong, block_q, t, s, hkv, d", [
+    (False, None, False, None, True, 80, 256, 384, 2, 128),  # 256 = 3·80 + 16: ragged last step
+    (True, None, False, 30.0, False, 80, 384, 256, 4, 128),
+    (False, (100, 7), True, None, True, 80, 192, 256, 1, 128),
+    (True, 200, True, None, False, 96, 256, 384, 2, 128),
+    (False, None, False, None, False, 96, 384, 256, 1, 128),
+    (True, None, False, None, False, 96, 256, 384, 1, 64),  # d64_causal_dkv
+    (True, None, True, None, False, 96, 384, 256, 2, 64)])
 def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap, pingpong, block_q,
-                                              t, s, hkv):
+                                              t, s, hkv, d):
   """The dK/dV-only kernel with block_q query rows per step, T not a multiple of it."""
   config = mb.MosaicBackwardConfig(dq_split=False, pingpong=pingpong, block_q=block_q,
                                    with_dq=False)
-  assert mb.support_error((2, t, 4, 128), (2, s, hkv, 128), BF16, _opts(causal), config) is None
+  assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, _opts(causal), config) is None
   opts = _opts(causal, window, segments, softcap)
-  assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, 128, segments))
+  assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
 
 
 @pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, buffers", [
