@@ -45,8 +45,8 @@ for part in "$@"; do
     train) python3 benchmarks/train_step.py --config 1b --out "$RESULTS/train_step.jsonl" ;;
     bridge) python3 benchmarks/torch_bridge.py --out "$RESULTS/torch_bridge.jsonl" ;;
     # A loss call's time varies by 3% between rounds: scaling takes at least 7 of them.
-    scaling) NCCL_NVLS_ENABLE=0 python3 benchmarks/scaling.py --rounds "$((ROUNDS > 7 ? ROUNDS : 7))" \
-        --out "$RESULTS/scaling.jsonl" ;;
+    scaling) NCCL_NVLS_ENABLE=0 python3 benchmarks/scaling.py \
+        --rounds "$((ROUNDS > 7 ? ROUNDS : 7))" --out "$RESULTS/scaling.jsonl" ;;
     *) echo "unknown part: $part (tests, attention:SET, lce:SET, train, bridge, scaling)"
        exit 2 ;;
   esac
