@@ -29,6 +29,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -74,13 +76,56 @@ def worker(args) -> None:
     print(json.dumps(dict(probes=r.probes)), flush=True)
 
 
+# What the allocator or XLA writes to stderr when a device runs out of memory.
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "ran out of memory")
+
+
+def _out_of_memory(line: str) -> bool:
+  return any(m in line for m in OUT_OF_MEMORY)
+
+
+def run_worker(cmd: list[str], env: dict | None = None, timeout: float | None = None,
+               grace: float = 30.0) -> subprocess.CompletedProcess:
+  """Runs a worker to its end, or stops it: `timeout` seconds after it started (stderr then
+  ends with "timed out after ... s"), or `grace` seconds after it reported running out of
+  memory. On a mesh the devices that did not fail wait in their next collective for the
+  one that did, and the process would never exit by itself."""
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env)
+  out, err, oom_at = [], [], []
+
+  def read_stderr():
+    for line in proc.stderr:
+      err.append(line)
+      if not oom_at and _out_of_memory(line):
+        oom_at.append(time.monotonic())
+
+  readers = [threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True),
+             threading.Thread(target=read_stderr, daemon=True)]
+  for r in readers:
+    r.start()
+  start, timed_out = time.monotonic(), False
+  while proc.poll() is None:
+    now = time.monotonic()
+    timed_out = timeout is not None and now - start > timeout
+    if timed_out or (oom_at and now - oom_at[0] > grace):
+      proc.kill()
+      break
+    time.sleep(0.1)
+  proc.wait()
+  for r in readers:
+    r.join()
+  if timed_out:  # counted as not running: the search goes lower
+    err.append(f"timed out after {timeout:.0f} s\n")
+  return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out), "".join(err))
+
+
 def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | None,
             remat_policy: str | None = None, probe: tuple[int, ...] = (), runs_out=None,
             keep_losses: bool = False, mesh: str | None = None, timeout: float | None = None,
             context: tuple[str, str] = ("contiguous", "all_gather"), failures: list | None = None):
-  """One fresh-process run; its JSON row, or None if it did not run (out of memory, or not
-  done within `timeout` seconds: a device that ran out of memory can leave the others
-  waiting in a collective). With `runs_out`, every run, fitting or not, is appended there
+  """One fresh-process run (run_worker); its JSON row, or None if it did not run (out of
+  memory, or not done within `timeout` seconds). With `runs_out`, every run, fitting or not, is appended there
   as an op="train_step_run" row as soon as it ends; `failures` gets why a run did not.
   `context`: the attention's (order, strategy) on a mesh with a context axis."""
   cmd = [sys.executable, __file__, "--worker", "--config", config, "--kernels", kernels,
@@ -98,12 +143,7 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env,
-                          timeout=timeout)
-  except subprocess.TimeoutExpired as e:  # counted as not running: the search goes lower
-    out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
-    proc = subprocess.CompletedProcess(cmd, -1, out, f"timed out after {timeout:.0f} s")
+  proc = run_worker(cmd, env, timeout)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   record = dict(op="train_step_run", config=config, kernels=kernels, batch=batch,
                 remat_policy=remat_policy, **({"mesh": mesh} if mesh else {}))
@@ -114,8 +154,7 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
     record["predicted_peak_bytes"] = prediction[-1]["predicted_peak_bytes"]
     record["temp_bytes"] = prediction[-1]["temp_bytes"]
   if not lines:  # it did not train (a run that trained and then failed to probe did)
-    oom = [l for l in proc.stderr.splitlines()
-           if "RESOURCE_EXHAUSTED" in l or "Out of memory" in l]
+    oom = [l for l in proc.stderr.splitlines() if _out_of_memory(l)]
     reason = "out of memory" if oom else \
         (proc.stderr.strip().splitlines()[-1:] or ["failed"])[0][:300]
     where = ("at compile" if not prediction else
@@ -227,7 +266,7 @@ def main(argv=None):
   mesh = {}
   if args.mesh:  # global batches: whole multiples of the batch's shards
     mesh = sharding.parse_mesh(args.mesh)
-    env = dict(env, mesh=mesh)
+    env = dict(env, mesh=args.mesh)  # as the runs record it
   unit = mesh.get("data", 1) * mesh.get("fsdp", 1)
   if batch % unit:
     raise SystemExit(f"--batch {batch} must be a multiple of the data × fsdp shards ({unit})")

@@ -31,6 +31,21 @@ def test_a_run_past_its_timeout_does_not_run(tmp_path):
   assert "timed out after" in out.read_text()
 
 
+def test_a_worker_that_ran_out_of_memory_is_stopped():
+  """On a mesh a device out of memory leaves the others waiting in a collective: the worker
+  is stopped `grace` seconds after the allocator's message, not at its timeout."""
+  import sys  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  hang = ("import sys, time; print('{\"compiled\": true}', flush=True); "
+          "print('Allocator (GPU_0_bfc) ran out of memory trying to allocate 65.86GiB', "
+          "file=sys.stderr, flush=True); time.sleep(60)")
+  start = time.monotonic()
+  proc = train_step.run_worker([sys.executable, "-c", hang], timeout=50, grace=0.5)
+  assert time.monotonic() - start < 20
+  assert proc.returncode != 0 and '{"compiled": true}' in proc.stdout
+  assert "ran out of memory" in proc.stderr and "timed out" not in proc.stderr
+
+
 def test_a_run_that_trained_counts_though_its_probe_did_not_finish(tmp_path, monkeypatch):
   """The worker prints its trained row before compiling the probes: a run cut off while
   probing still trained (and is recorded so), without a prediction."""
@@ -41,10 +56,10 @@ def test_a_run_that_trained_counts_though_its_probe_did_not_finish(tmp_path, mon
   stdout = "\n".join([json.dumps({"compiled": True, "predicted_peak_bytes": 6,
                                   "temp_bytes": 3}), json.dumps(trained)])
 
-  def run(cmd, **kw):
-    raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=stdout.encode())
+  def run(cmd, env, timeout):
+    return subprocess.CompletedProcess(cmd, -9, stdout, f"timed out after {timeout} s\n")
 
-  monkeypatch.setattr(subprocess, "run", run)
+  monkeypatch.setattr(train_step, "run_worker", run)
   out = tmp_path / "runs.jsonl"
   row = train_step.measure("tiny", "memeff", 2, 1, None, probe=(4,), runs_out=out, timeout=9)
   assert row["tokens_per_s"] == 5.0 and row["probes"] == {}
