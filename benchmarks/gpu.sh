@@ -8,7 +8,8 @@
 # Parts run in the order given: `tests` (8 pytest-xdist workers per GPU, then the mesh tests
 # on all of the host's GPUs); `attention:SET` and `lce:SET` (a shape set of
 # configs/benchmarks/<op>.toml, every provider side by side in interleaved rounds);
-# `train` (the 1B train step against plain Flax); `bridge` (the PyTorch bridge); `scaling`
+# `train` (the 1B train step against plain Flax; `train:fsdp=4` on a mesh of the host's
+# GPUs, each run 3 steps, its largest batch searched); `bridge` (the PyTorch bridge); `scaling`
 # (both ops on 1, 2, 4 GPUs of the host; NCCL's NVLink multicast off).
 # The peers' wheels (tokamax, Liger-Kernel, Cut Cross-Entropy) are installed first from .whl/
 # when present (`bash benchmarks/fetch_peer_wheels.sh` downloads them). Results are
@@ -43,11 +44,13 @@ for part in "$@"; do
         ${LCE_PROVIDERS:+--providers "$LCE_PROVIDERS"} \
         --out "$RESULTS/linear_cross_entropy.jsonl" ;;
     train) python3 benchmarks/train_step.py --config 1b --out "$RESULTS/train_step.jsonl" ;;
+    train:*) NCCL_NVLS_ENABLE=0 python3 benchmarks/train_step.py --config 1b --mesh "${part#*:}" \
+        --steps 3 --run-timeout 600 --out "$RESULTS/train_step.jsonl" ;;
     bridge) python3 benchmarks/torch_bridge.py --out "$RESULTS/torch_bridge.jsonl" ;;
     # A loss call's time varies by 3% between rounds: scaling takes at least 7 of them.
     scaling) NCCL_NVLS_ENABLE=0 python3 benchmarks/scaling.py \
         --rounds "$((ROUNDS > 7 ? ROUNDS : 7))" --out "$RESULTS/scaling.jsonl" ;;
-    *) echo "unknown part: $part (tests, attention:SET, lce:SET, train, bridge, scaling)"
+    *) echo "unknown part: $part (tests, attention:SET, lce:SET, train[:MESH], bridge, scaling)"
        exit 2 ;;
   esac
 done
