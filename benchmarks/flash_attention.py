@@ -6,9 +6,10 @@ Providers: memeff (default implementation, deterministic backward), memeff:nonde
 (default implementation with deterministic=False: on Hopper the one-pass Mosaic backward),
 memeff:NAME[:key=value] (e.g. memeff:pallas_triton:block_q=128,
 memeff:pallas_mosaic_gpu:bwd=triton or :bwd_dq_split=0; a Mosaic backward runs with
-deterministic=False), xla and cudnn (jax.nn.dot_product_attention),
+deterministic=False), xla and cudnn (jax.nn.dot_product_attention; packed documents on
+cudnn through its packed layout, jax's cuDNN attention with sequence lengths and offsets),
 tokamax:mosaic and tokamax:triton (if importable). A provider that cannot express a case
-(segment ids for jax.nn) is skipped with a note. memeff:chunked_xla is not in the default
+(segment ids for xla and tokamax) is skipped with a note. memeff:chunked_xla is not in the default
 list: on a GPU it compiles for minutes at T=4096 (memeff is chunked_xla on CPU anyway).
 
 TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal; with a sliding window or
@@ -78,6 +79,8 @@ def attention_fn(provider, causal, seg, window=None):
     return lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, sliding_window=window,
                                               deterministic=deterministic,
                                               implementation=impl, **kw)
+  if provider == "cudnn" and seg is not None:
+    return cudnn_packed_fn(causal, seg, window)
   if provider in ("xla", "cudnn"):
     if seg is not None:
       return None
@@ -93,6 +96,41 @@ def attention_fn(provider, causal, seg, window=None):
     return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal,
                                                          implementation=impl, **kw)
   raise KeyError(provider)
+
+
+def cudnn_packed_layout(seg):
+  """(sequence lengths [B, M], offsets [B, M + 1]) of segment ids [B, T] in the packed layout
+  of jax's cuDNN attention: row b's documents start at offsets[b, :m] and run lengths[b, :m]
+  tokens, -1 past its m documents (M the most in a row). None where a row's ids are not
+  contiguous runs of distinct ids (one id in two runs is one document for segment ids, two
+  for the packed layout)."""
+  ids = np.asarray(seg)
+  b, t = ids.shape
+  starts = [np.flatnonzero(np.r_[True, row[1:] != row[:-1]]) for row in ids]
+  if any(len(np.unique(row[st])) != len(st) for row, st in zip(ids, starts)):
+    return None
+  m = max(len(st) for st in starts)
+  lengths = np.full((b, m), -1, np.int32)
+  offsets = np.full((b, m + 1), -1, np.int32)
+  for i, st in enumerate(starts):
+    lengths[i, :len(st)] = np.diff(np.r_[st, t])
+    offsets[i, :len(st)] = st
+  return jnp.asarray(lengths), jnp.asarray(offsets)
+
+
+def cudnn_packed_fn(causal, seg, window):
+  """f(q, k, v) on cuDNN with the documents of `seg` in its packed layout (what the jax.nn
+  entry point cannot express), or None for a window or ids that are not contiguous runs."""
+  layout = cudnn_packed_layout(seg)
+  if window is not None or layout is None:
+    return None
+  # pylint: disable-next=import-outside-toplevel
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  lengths, offsets = layout
+  mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+  return lambda q, k, v: cudnn.dot_product_attention(
+      q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+      scale=1.0 / np.sqrt(q.shape[-1]), mask_type=mask)
 
 
 def inputs(shape: dict, dtype):
@@ -155,7 +193,7 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
             row["deterministic"] = parse_memeff(provider)[1]
           f = attention_fn(provider, causal, seg, window)
           if f is None:
-            print(f"  skip {provider}: cannot express segment ids")
+            print(f"  skip {provider}: cannot express this mask")
             continue
           fwd = jax.jit(f)
           step = jax.jit(lambda q, k, v, f=f: jax.vjp(f, q, k, v)[1](ct))

@@ -1,0 +1,62 @@
+"""benchmarks/flash_attention.py's cuDNN peer on packed documents (its packed layout)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import flash_attention as bench
+import memeff_jax
+
+
+def test_packed_layout_of_contiguous_documents():
+  seg = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2],
+                   [5, 5, 5, 5, 7, 7, 7, 7]])
+  lengths, offsets = bench.cudnn_packed_layout(seg)
+  np.testing.assert_array_equal(lengths, [[3, 2, 3], [4, 4, -1]])
+  np.testing.assert_array_equal(offsets, [[0, 3, 5, -1], [0, 4, -1, -1]])
+
+
+def test_an_id_in_two_runs_has_no_packed_layout():
+  """Segment ids see the two runs of id 0 as one document; the packed layout cannot."""
+  assert bench.cudnn_packed_layout(jnp.array([[0, 0, 1, 1, 0, 0]])) is None
+  assert bench.cudnn_packed_fn(True, jnp.array([[0, 0, 1, 1, 0, 0]]), None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_packed_documents_match_segment_ids(causal):
+  """The peer computes what memeff computes with segment ids, forward and gradients."""
+  b, t, h, d = 2, 1024, 4, 128
+  seg = jnp.array([[0] * 300 + [1] * 500 + [2] * 224, [3] * 1024])
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, ct = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+                 for kk in keys)
+  peer = bench.cudnn_packed_fn(causal, seg, None)
+  ours = lambda q, k, v: memeff_jax.flash_attention(
+      q, k, v, causal=causal, q_segment_ids=seg, kv_segment_ids=seg,
+      implementation="reference")
+
+  def out_and_grads(f):
+    out, pull = jax.vjp(lambda *a: f(*a).astype(jnp.float32), q, k, v)
+    return (out, *pull(ct.astype(jnp.float32)))
+
+  for got, want in zip(jax.jit(lambda: out_and_grads(peer))(),
+                       jax.jit(lambda: out_and_grads(ours))()):
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_grid_keeps_the_packed_row_per_visible_pair_and_adds_cudnn_packed():
+  """The packed row's ratio (in the mean) stays against cuDNN's unpacked row; cuDNN on the
+  same documents gets a line of its own, outside the mean."""
+  from benchmarks import make_results  # pylint: disable=import-outside-toplevel
+  base = dict(set="grid", device="GPU", jax="0", timestamp="t", b=4, t=4096, h=32, hkv=32,
+              d=128, causal=True, window=None, rounds=3)
+  rate = {("memeff", None): 400.0, ("cudnn", None): 500.0, ("memeff", 8): 200.0,
+          ("cudnn", 8): 160.0}
+  rows = [dict(base, provider=p, docs=docs, fwd_bwd_tflops=v, fwd_tflops=v)
+          for (p, docs), v in rate.items()]
+  text = "\n".join(make_results.grid_section(rows))
+  assert "| causal, 8 docs (vs unpacked) | 200 | 500 | 0.400× | 0.400× |" in text
+  assert "| causal, 8 docs (vs cuDNN packed) | 200 | 160 | 1.250× | 1.250× |" in text
+  assert f"{(0.8 * 0.4) ** 0.5:.3f}× cuDNN over 2 rows" in text
