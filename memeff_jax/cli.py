@@ -89,7 +89,8 @@ def _train(args) -> int:
     print(f"mesh {dict(mesh.shape)} over {mesh.size} devices")
   r = run.train(cfg, train_cfg, kernels=args.kernels, steps=steps, batch=batch,
                 seq_len=seq_len, mesh=mesh, context_order=args.context_order,
-                context_strategy=args.context_strategy)
+                context_strategy=args.context_strategy,
+                sequence_parallel=args.sequence_parallel)
   mem = "n/a" if r.temp_bytes is None else f"{r.temp_bytes / 2**30:.3f} GiB"
   peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 2**30:.3f} GiB"
   print(f"{args.kernels} layers: loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f} in {steps} steps; "
@@ -238,6 +239,11 @@ def parser() -> argparse.ArgumentParser:
   train.add_argument("--context-order", choices=("contiguous", "zigzag"), default="contiguous",
                      help="with a context axis: each shard holds one run of the sequence, or "
                           "runs i and 2n−1−i of 2n, equal causal work (default: contiguous)")
+  train.add_argument("--sequence-parallel", action="store_true",
+                     help="with a tensor axis (and no context axis): shard the residual "
+                          "stream on the sequence over it, each block gathering its "
+                          "branches' inputs and reduce-scattering their outputs: less "
+                          "memory per GPU (default: off)")
   train.add_argument("--distributed", action="store_true",
                      help="call jax.distributed.initialize() first: run the same command on "
                           "every host of a multi-host job (default: off)")

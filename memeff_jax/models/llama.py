@@ -12,6 +12,7 @@ identical parameter trees, so a checkpoint of one loads into the others.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import tomllib
 
@@ -83,10 +84,20 @@ def rope(x, positions, theta: float):
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
+def _tensor_sharded(sequence_parallel: bool):
+  """x -> x with its dimension 2 (heads, or the MLP's hidden units) over tensor, where the
+  model runs sequence parallel (sharding.tensor_sharded); the identity elsewhere."""
+  if not sequence_parallel:
+    return lambda x: x
+  return functools.partial(sharding.tensor_sharded, dim=2)
+
+
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, kernels: str, context: tuple, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, kernels: str, context: tuple,
+               sequence_parallel: bool = False, *, rngs: nnx.Rngs):
     self.cfg, self.kernels, self.context = cfg, kernels, context
+    self.sequence_parallel = sequence_parallel
     lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=cfg.dtype,
                                   param_dtype=cfg.param_dtype, rngs=rngs)
     hd = cfg.head_dim
@@ -97,9 +108,11 @@ class Attention(nnx.Module):
 
   def __call__(self, x, positions, segment_ids):
     cfg, (b, t, _) = self.cfg, x.shape
-    q = self.q_proj(x).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    k = self.k_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = checkpoint_name(self.v_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), "value_proj")
+    heads = _tensor_sharded(self.sequence_parallel)
+    q = heads(self.q_proj(x).reshape(b, t, cfg.n_heads, cfg.head_dim))
+    k = heads(self.k_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim))
+    v = checkpoint_name(heads(self.v_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)),
+                        "value_proj")
     q = checkpoint_name(rope(q, positions, cfg.rope_theta), "query_proj")
     k = checkpoint_name(rope(k, positions, cfg.rope_theta), "key_proj")
     if self.kernels == "memeff":  # per sequence shard where the mesh has a context axis
@@ -123,30 +136,42 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU (Shazeer 2020)."""
 
-  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, sequence_parallel: bool = False, *, rngs: nnx.Rngs):
     lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=cfg.dtype,
                                   param_dtype=cfg.param_dtype, rngs=rngs)
+    self.sequence_parallel = sequence_parallel
     self.gate = lin(cfg.d_model, cfg.d_ff)
     self.up = lin(cfg.d_model, cfg.d_ff)
     self.down = lin(cfg.d_ff, cfg.d_model)
 
   def __call__(self, x):
-    h = jax.nn.silu(checkpoint_name(self.gate(x), "mlp_gate")) * checkpoint_name(self.up(x),
-                                                                                    "mlp_up")
-    return self.down(h)
+    units = _tensor_sharded(self.sequence_parallel)
+    gate = checkpoint_name(units(self.gate(x)), "mlp_gate")
+    return self.down(jax.nn.silu(gate) * checkpoint_name(units(self.up(x)), "mlp_up"))
 
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, kernels: str, context: tuple, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, kernels: str, context: tuple,
+               sequence_parallel: bool = False, *, rngs: nnx.Rngs):
+    self.sequence_parallel = sequence_parallel
     norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.dtype,
                                param_dtype=cfg.param_dtype, rngs=rngs)
-    self.attn_norm, self.attn = norm(), Attention(cfg, kernels, context, rngs=rngs)
-    self.mlp_norm, self.mlp = norm(), MLP(cfg, rngs=rngs)
+    self.attn_norm = norm()
+    self.attn = Attention(cfg, kernels, context, sequence_parallel, rngs=rngs)
+    self.mlp_norm, self.mlp = norm(), MLP(cfg, sequence_parallel, rngs=rngs)
 
   def __call__(self, x, positions, segment_ids):
-    x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-    return x + self.mlp(self.mlp_norm(x))
+    x = x + self._branch(self.attn_norm(x), lambda h: self.attn(h, positions, segment_ids))
+    return x + self._branch(self.mlp_norm(x), self.mlp)
+
+  def _branch(self, h, fn):
+    """fn(h). With sequence parallelism h comes sharded on the sequence over the tensor axis
+    (as the residual stream is): it is gathered whole for fn, and fn's output, partial sums
+    over the tensor shards of its last matmul, reduce-scattered back to that layout."""
+    if not self.sequence_parallel:
+      return fn(h)
+    return sharding.scatter_sequence(fn(sharding.gather_sequence(h)))
 
 
 class Llama(nnx.Module):
@@ -156,11 +181,16 @@ class Llama(nnx.Module):
   parallel: `context_strategy` "all_gather" or "ring", `context_order` "contiguous" or
   "zigzag" (flash_attention's options of those names). With "zigzag" the batch's sequences
   must come in that order with their positions (sharding.context_batch puts them so).
+
+  `sequence_parallel` (Megatron's, Korthikanti et al. 2022), on a mesh with a "tensor" axis
+  and no "context" one: the residual stream is sharded on the sequence over tensor, so each
+  tensor rank keeps, normalizes and adds 1/tensor of it; every block gathers its branches'
+  inputs and reduce-scatters their outputs where it would all-reduce them.
   """
 
   def __init__(self, cfg: LlamaConfig, *, kernels: str = "memeff",
                context_order: str = "contiguous", context_strategy: str = "all_gather",
-               rngs: nnx.Rngs):
+               sequence_parallel: bool = False, rngs: nnx.Rngs):
     if kernels not in KERNELS:
       raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     for name, value, allowed in (("context_order", context_order, ORDERS),
@@ -170,7 +200,7 @@ class Llama(nnx.Module):
     if kernels != "memeff" and (context_order, context_strategy) != DEFAULT:
       raise ValueError(f"context_order and context_strategy are for kernels='memeff', got "
                        f"kernels={kernels!r}")
-    self.cfg, self.kernels = cfg, kernels
+    self.cfg, self.kernels, self.sequence_parallel = cfg, kernels, sequence_parallel
     context = (context_order, context_strategy)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
                            param_dtype=cfg.param_dtype, rngs=rngs)
@@ -178,7 +208,7 @@ class Llama(nnx.Module):
     @nnx.split_rngs(splits=cfg.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make_blocks(rngs):
-      return Block(cfg, kernels, context, rngs=rngs)
+      return Block(cfg, kernels, context, sequence_parallel, rngs=rngs)
 
     self.blocks = make_blocks(rngs)
     self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.dtype,
@@ -198,18 +228,21 @@ class Llama(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     policy = remat.resolve(self.cfg.remat_policy)
+    residual = functools.partial(sharding.activations, sequence_parallel=self.sequence_parallel)
 
     def layer(x, block):
-      return sharding.activations(block(x, positions, segment_ids))
+      return residual(block(x, positions, segment_ids))
 
     if policy is not None:
       layer = nnx.remat(layer, policy=policy)
     # The table's rows looked up whole (D gathered, as FSDP gathers a layer's weights): from
     # rows sharded on D, XLA cannot reach the batch-sharded activations without replicating.
     table = sharding.gathered(self.embed.embedding[...].astype(self.cfg.dtype), 1)
-    x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
-        sharding.activations(jnp.take(table, tokens, axis=0)), self.blocks)
-    return sharding.activations(self.final_norm(x))
+    x = jnp.take(table, tokens, axis=0)
+    if self.sequence_parallel:  # looked up whole, then split: not the table gathered
+      x = sharding.whole_sequence(x)
+    x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(residual(x), self.blocks)
+    return residual(self.final_norm(x))
 
   def logits(self, tokens, segment_ids=None):
     h = self.hidden(tokens, segment_ids)
@@ -222,7 +255,8 @@ class Llama(nnx.Module):
     """Mean next-token cross-entropy over labels != -100 (positions: default 0..T-1)."""
     h = self.hidden(tokens, segment_ids, positions)
     if self.kernels == "memeff":
-      return self.lm_head(sharding.tokens(h), sharding.tokens(labels))
+      flat = functools.partial(sharding.tokens, sequence_parallel=self.sequence_parallel)
+      return self.lm_head(flat(h), flat(labels))
     logits = self._plain_logits(h)
     valid = labels != -100
     per = optax.softmax_cross_entropy_with_integer_labels(

@@ -51,7 +51,8 @@ def progress(prefix: str, i: int, n: int, loss: float, stream=sys.stderr):
 def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch: int,
           seq_len: int, seed: int = 0, show_progress: bool = True,
           probe_batches: tuple[int, ...] = (), on_compiled=None, on_trained=None, mesh=None,
-          context_order: str = "contiguous", context_strategy: str = "all_gather") -> RunResult:
+          context_order: str = "contiguous", context_strategy: str = "all_gather",
+          sequence_parallel: bool = False) -> RunResult:
   """Trains a fresh model (parameters from `seed`, so both kernel sets start equal).
 
   `probe_batches`: batch sizes whose train step is only compiled, after training, to
@@ -61,10 +62,12 @@ def train(cfg: LlamaConfig, train_cfg: dict, *, kernels: str, steps: int, batch:
   `on_trained(result)`: called with the result before the probes compile (so a run whose
   probes take too long still counts). `mesh`: train on this mesh (models.sharding: the
   batch over data × fsdp, weights by its rules); `context_order` and `context_strategy`:
-  the attention's on a mesh with a context axis (Llama).
+  the attention's on a mesh with a context axis; `sequence_parallel`: the residual stream
+  sharded on the sequence over a tensor axis (Llama).
   """
   model = Llama(cfg, kernels=kernels, context_order=context_order,
-                context_strategy=context_strategy, rngs=nnx.Rngs(seed))
+                context_strategy=context_strategy, sequence_parallel=sequence_parallel,
+                rngs=nnx.Rngs(seed))
   state, step = make_train_step(model, learning_rate=train_cfg.get("learning_rate", 3e-3),
                                 mesh=mesh)
   state = state.state

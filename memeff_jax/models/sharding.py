@@ -7,7 +7,8 @@
 - every weight's model dimension D over fsdp (FSDP: gathered by XLA where a layer uses it);
 - the heads, the MLP's hidden units and the vocabulary over tensor (tensor parallelism: the
   attention runs per head shard, the loss per vocabulary shard, see
-  docs/design/multi_device.md).
+  docs/design/multi_device.md); with sequence parallelism the residual stream's sequence
+  over tensor too, gathered and reduce-scattered around each block's branches.
 
 The optimizer's moments take their parameter's sharding. A dimension that the mesh axis
 does not divide stays replicated. The mesh's axes are Auto: XLA propagates the shardings
@@ -91,29 +92,99 @@ def state_shardings(state, mesh):
   return jax.tree_util.tree_map_with_path(sharding, state)
 
 
-def activations(x):
+def activations(x, sequence_parallel: bool = False):
   """x [B, T, ...] (the residual stream, the final hidden states) with its batch over the
-  data × fsdp axes of the mesh in context, its sequence over context and its other
-  dimensions whole; x itself outside a mesh. Without it XLA's propagation carries the
-  weights' fsdp-sharded D into the activations and partitions each matmul over its
-  contraction, all-reducing [B, T, F] activations of the whole batch in every layer where
-  FSDP gathers weights instead."""
+  data × fsdp axes of the mesh in context, its sequence over context (with
+  `sequence_parallel`, over tensor) and its other dimensions whole; x itself outside a mesh.
+  Without it XLA's propagation carries the weights' fsdp-sharded D into the activations and
+  partitions each matmul over its contraction, all-reducing [B, T, F] activations of the
+  whole batch in every layer where FSDP gathers weights instead."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
-  batch, seq = _token_axes(mesh, x.shape)
+  batch, seq = _token_axes(mesh, x.shape, sequence_parallel)
   if not batch and not seq:
     return x
   return jax.lax.with_sharding_constraint(x, P(batch or None, seq, *(None,) * (x.ndim - 2)))
 
 
-def _token_axes(mesh, shape) -> tuple:
+def whole_sequence(x):
+  """x [B, T, ...] with its batch laid out as `activations` lays it out and its sequence and
+  other dimensions whole (replicated over tensor): a sequence-parallel branch's input,
+  gathered before its first matmuls; x itself outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  batch, _ = _token_axes(mesh, x.shape)
+  return jax.lax.with_sharding_constraint(x, P(batch or None, *(None,) * (x.ndim - 1)))
+
+
+@jax.custom_vjp
+def gather_sequence(x):
+  """Sequence parallelism's gather: x [B, T, ...], sharded on the sequence over tensor,
+  whole on every tensor rank (whole_sequence); its cotangent, partial sums over the
+  tensor ranks, reduce-scattered back to the sequence shards."""
+  return whole_sequence(x)
+
+
+def _gather_fwd(x):
+  return whole_sequence(x), None
+
+
+def _gather_bwd(_, ct):
+  return (activations(ct, sequence_parallel=True),)
+
+
+gather_sequence.defvjp(_gather_fwd, _gather_bwd)
+
+
+@jax.custom_vjp
+def scatter_sequence(x):
+  """Sequence parallelism's reduce-scatter: x [B, T, ...], partial sums over the tensor ranks
+  (a row-parallel matmul's output), summed onto the sequence shards; its cotangent gathered
+  whole, so that the matmul's backward runs on whole sequences, as its forward did."""
+  return activations(x, sequence_parallel=True)
+
+
+def _scatter_fwd(x):
+  return activations(x, sequence_parallel=True), None
+
+
+def _scatter_bwd(_, ct):
+  return (whole_sequence(ct),)
+
+
+scatter_sequence.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+def tensor_sharded(x, dim: int):
+  """x [B, T, ...] (a projection's heads, the MLP's hidden units) with dimension `dim` over
+  tensor, its batch and sequence laid out as `activations` lays them out and its other
+  dimensions whole; x itself outside a mesh or where tensor does not divide the dimension.
+  Under sequence parallelism XLA's propagation otherwise carries the residual stream's
+  sequence sharding into the matmuls and gathers their weights."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.shape.get("tensor", 1) == 1 or x.shape[dim] % mesh.shape["tensor"]:
+    return x
+  batch, seq = _token_axes(mesh, x.shape)
+  spec = [batch or None, seq] + [None] * (x.ndim - 2)
+  spec[dim] = "tensor"
+  return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def _token_axes(mesh, shape, sequence_parallel: bool = False) -> tuple:
   """(the batch's axes, the sequence's axis or None) for an array of `shape` [B, T, ...] on
-  `mesh`, where they divide those dimensions."""
+  `mesh`, where they divide those dimensions: the sequence over context, or with
+  `sequence_parallel` over tensor."""
   batch = _batch_axes(mesh)
   if batch and shape[0] % _size(mesh, batch):
     batch = ()
   seq = "context" if mesh.shape.get("context", 1) > 1 else None
+  if sequence_parallel and mesh.shape.get("tensor", 1) > 1:
+    if seq:
+      raise ValueError("sequence_parallel shards the sequence over the tensor axis, which "
+                       f"cannot combine with a context axis (mesh {dict(mesh.shape)})")
+    seq = "tensor"
   if seq and shape[1] % mesh.shape[seq]:
     seq = None
   return batch, seq
@@ -124,7 +195,7 @@ def _batch_axes(mesh) -> tuple:
   return tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
 
 
-def tokens(x):
+def tokens(x, sequence_parallel: bool = False):
   """x [B, T, ...] flattened to [B·T, ...], its tokens sharded over the batch's and the
   sequence's axes together on the mesh in context (XLA, left alone, gathers a sequence
   sharded over context before the flattened loss)."""
@@ -132,7 +203,7 @@ def tokens(x):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return flat
-  batch, seq = _token_axes(mesh, x.shape)
+  batch, seq = _token_axes(mesh, x.shape, sequence_parallel)
   axes = batch + ((seq,) if seq else ())
   if not axes:
     return flat

@@ -130,6 +130,13 @@ def test_cli_trains_on_a_mesh(mesh, capsys):
   assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2} over 8 devices" in out and "loss" in out
 
 
+def test_cli_trains_sequence_parallel(eight_devices, capsys):
+  del eight_devices
+  assert cli.main(["train", "--config", "tiny", "--steps", "2", "--seq-len", "64", "--batch",
+                   "2", "--mesh", "tensor=2", "--sequence-parallel"]) == 0
+  assert "loss" in capsys.readouterr().out
+
+
 def test_context_options_are_checked():
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from memeff_jax.models import Llama  # pylint: disable=import-outside-toplevel
@@ -139,3 +146,53 @@ def test_context_options_are_checked():
     Llama(CFG, kernels="plain", context_strategy="ring", rngs=nnx.Rngs(0))
   batch = {"tokens": np.arange(16).reshape(1, 16)}
   assert sharding.context_batch(batch, None, "zigzag") is batch
+
+
+@pytest.mark.parametrize("kernels, sizes", [("memeff", {"tensor": 2}),
+                                            ("memeff", {"data": 2, "fsdp": 2, "tensor": 2}),
+                                            ("plain", {"fsdp": 2, "tensor": 2})])
+def test_sequence_parallel_follows_one_device(eight_devices, kernels, sizes):
+  """The residual stream sharded on the sequence over tensor: the same losses as one
+  device (packed documents, segment ids)."""
+  del eight_devices
+  kw = dict(_KW, kernels=kernels)
+  one = run.train(CFG, TRAIN, **kw).losses if kernels != "memeff" else _one_device_losses(True)
+  many = run.train(CFG, TRAIN, mesh=sharding.make_mesh(sizes), sequence_parallel=True, **kw)
+  np.testing.assert_allclose(many.losses, one, rtol=2e-5)
+
+
+def test_sequence_parallel_keeps_a_shard_of_the_residual_stream(eight_devices):
+  """On tensor=2 the compiled step gathers each branch's input ([B, T, D] all-gathers),
+  gathers no weight (tensor shards every one of them; XLA's propagation alone computed the
+  backward's dW on sequence shards and gathered weights), and needs fewer temporary bytes
+  than with the residual stream replicated: each rank keeps half of it."""
+  import re  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import Llama, make_train_step  # pylint: disable=import-outside-toplevel
+  del eight_devices
+  mesh = sharding.make_mesh({"tensor": 2})
+  tokens = jax.ShapeDtypeStruct((8, 64), np.int32, sharding=sharding.batch_sharding(mesh))
+  compiled = {}
+  for sp in (False, True):
+    state, step = make_train_step(Llama(CFG, sequence_parallel=sp, rngs=nnx.Rngs(0)),
+                                  mesh=mesh)
+    compiled[sp] = step.lower(state.state, {"tokens": tokens, "labels": tokens}).compile()
+  gathered = re.findall(r"= (f32\[[0-9,]*\])\S* all-gather(?:-start)?\(", compiled[True].as_text())
+  assert f"f32[8,64,{CFG.d_model}]" in gathered, gathered
+  d, kv, f, v = CFG.d_model, CFG.n_kv_heads * CFG.d_model // CFG.n_heads, CFG.d_ff, CFG.vocab_size
+  weights = {f"f32[{a},{b}]" for a, b in ((d, d), (d, kv), (kv, d), (d, f), (f, d), (v, d))}
+  assert not weights & set(gathered), gathered
+  temp = {sp: c.memory_analysis().temp_size_in_bytes for sp, c in compiled.items()}
+  assert temp[True] < 0.95 * temp[False], temp
+
+
+def test_sequence_parallel_and_a_context_axis_exclude_each_other(eight_devices):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import Llama, make_train_step  # pylint: disable=import-outside-toplevel
+  del eight_devices
+  mesh = sharding.make_mesh({"tensor": 2, "context": 2})
+  state, step = make_train_step(Llama(CFG, sequence_parallel=True, rngs=nnx.Rngs(0)),
+                                mesh=mesh)
+  tokens = jax.ShapeDtypeStruct((4, 64), np.int32, sharding=sharding.batch_sharding(mesh))
+  with pytest.raises(ValueError, match="cannot combine with a context axis"):
+    step.lower(state.state, {"tokens": tokens, "labels": tokens})
