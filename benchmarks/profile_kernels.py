@@ -188,6 +188,8 @@ def main(argv=None):
   p.add_argument("--train", metavar="CONFIG", help="profile the model's train step instead")
   p.add_argument("--mesh", default=None, help="with --train: e.g. fsdp=2,tensor=2")
   p.add_argument("--kernels", default="memeff", help="with --train: memeff or plain")
+  p.add_argument("--sequence-parallel", action="store_true",
+                 help="with --train and a tensor axis: the model's sequence parallelism")
   p.add_argument("--calls", type=int, default=5)
   p.add_argument("--top", type=int, default=12, help="kernels listed per GPU")
   p.add_argument("--small", action="store_true", help="CPU-sized shapes")
@@ -240,13 +242,16 @@ def _train_row(args) -> dict:
     jax.profiler.start_trace(log_dir)
     result = run.train(cfg, train_cfg, kernels=args.kernels, steps=args.calls, batch=batch,
                        seq_len=train_cfg["seq_len"], show_progress=False, mesh=mesh,
+                       sequence_parallel=args.sequence_parallel,
                        on_compiled=lambda c, _: moved.update(collectives(c.as_text())))
     jax.profiler.stop_trace()
     path, = glob.glob(f"{log_dir}/plugins/profile/*/*.xplane.pb")
     summary = summarize(jax.profiler.ProfileData.from_file(path), args.calls, args.top)
+  sp = ", sequence parallel" if args.sequence_parallel else ""
   _print(f"train step of {args.train} ({args.kernels} layers) on {args.mesh or 'one device'}"
-         f", {result.tokens_per_s:,.0f} tokens/s", summary, moved)
+         f"{sp}, {result.tokens_per_s:,.0f} tokens/s", summary, moved)
   return dict(train=args.train, kernels=args.kernels, mesh=args.mesh,
+              sequence_parallel=args.sequence_parallel,
               tokens_per_s=result.tokens_per_s, collectives=moved, gpus=summary)
 
 
