@@ -213,9 +213,11 @@ def train_step_section() -> tuple[list[str], str | None]:
          "`peak_bytes_in_use` of the device, tokens/s over the steps after the first. "
          "Predicted peak: `memeff_jax.memory.analyze` of the compiled step. Layers: "
          + "; ".join(f"{v}" for v in LAYERS.values()) + " (memeff_jax.models.llama).", ""]
-  for (config, mesh, device), group in _by_run(rows, "config", "mesh", "device"):
+  for (config, mesh, sp, device), group in _by_run(rows, "config", "mesh", "sequence_parallel",
+                                                   "device"):
     runs_ = [r for r in group if r["op"] == "train_step_run" or "tokens_per_s" in r]
-    where = f"on {device}" if mesh is None else f"on a {_mesh_name(mesh)} mesh of {device}s"
+    where = f"on {device}" if mesh is None else (
+        f"on a {_mesh_name(mesh)} mesh{' (sequence parallel)' if sp else ''} of {device}s")
     out += [f"**{config}** {where} (jax {group[0]['jax']})", "",
             "| layers | batch | runs? | tokens/s | peak (GiB) | predicted peak (GiB) | "
             "temporaries (GiB) |", "|---|---|---|---|---|---|---|"]

@@ -71,7 +71,8 @@ def worker(args) -> None:
   r = run.train(cfg, train_cfg, kernels=args.kernels, steps=args.steps, batch=args.batch,
                 seq_len=seq, show_progress=False, probe_batches=probes, on_compiled=compiled,
                 on_trained=trained, mesh=mesh, context_order=args.context_order,
-                context_strategy=args.context_strategy)
+                context_strategy=args.context_strategy,
+                sequence_parallel=args.sequence_parallel)
   if probes:
     print(json.dumps(dict(probes=r.probes)), flush=True)
 
@@ -123,11 +124,13 @@ def run_worker(cmd: list[str], env: dict | None = None, timeout: float | None = 
 def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | None,
             remat_policy: str | None = None, probe: tuple[int, ...] = (), runs_out=None,
             keep_losses: bool = False, mesh: str | None = None, timeout: float | None = None,
-            context: tuple[str, str] = ("contiguous", "all_gather"), failures: list | None = None):
+            context: tuple[str, str] = ("contiguous", "all_gather"), failures: list | None = None,
+            sequence_parallel: bool = False):
   """One fresh-process run (run_worker); its JSON row, or None if it did not run (out of
   memory, or not done within `timeout` seconds). With `runs_out`, every run, fitting or not, is appended there
   as an op="train_step_run" row as soon as it ends; `failures` gets why a run did not.
-  `context`: the attention's (order, strategy) on a mesh with a context axis."""
+  `context`: the attention's (order, strategy) on a mesh with a context axis;
+  `sequence_parallel`: the model's, on a mesh with a tensor axis."""
   cmd = [sys.executable, __file__, "--worker", "--config", config, "--kernels", kernels,
          "--batch", str(batch), "--steps", str(steps)]
   if seq_len:
@@ -140,13 +143,16 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
     cmd += ["--keep-losses"]
   if mesh:
     cmd += ["--mesh", mesh, "--context-order", context[0], "--context-strategy", context[1]]
+  if sequence_parallel:
+    cmd += ["--sequence-parallel"]
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   proc = run_worker(cmd, env, timeout)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   record = dict(op="train_step_run", config=config, kernels=kernels, batch=batch,
-                remat_policy=remat_policy, **({"mesh": mesh} if mesh else {}))
+                remat_policy=remat_policy, **({"mesh": mesh} if mesh else {}),
+                **({"sequence_parallel": True} if sequence_parallel else {}))
   prediction = [json.loads(l) for l in lines if l.startswith('{"compiled"')]
   probes = [json.loads(l)["probes"] for l in lines if l.startswith('{"probes"')]
   lines = [l for l in lines if not l.startswith(('{"compiled"', '{"probes"'))]
@@ -193,12 +199,12 @@ def predict_largest(row: dict) -> int | None:
 
 def largest_batch(config, kernels, start, steps, seq_len, max_batch, start_fits=None,
                   runs_out=None, mesh: str | None = None, unit: int = 1,
-                  timeout: float | None = None):
+                  timeout: float | None = None, sequence_parallel: bool = False):
   """Largest batch ≤ max_batch that runs, searched outward from `start` (a known-good batch
   or a prediction): steps of 1, 2, 4, ... `unit`s (the batch's shards on a mesh) until the
   answer flips, then bisection."""
   runs = lambda k: measure(config, kernels, k * unit, steps, seq_len, runs_out=runs_out,
-                           mesh=mesh, timeout=timeout)
+                           mesh=mesh, timeout=timeout, sequence_parallel=sequence_parallel)
   start, max_batch = max(min(start, max_batch) // unit, 1), max_batch // unit
   if start_fits is None:
     start_fits = bool(runs(start))
@@ -244,6 +250,8 @@ def main(argv=None):
                  help="train STEPS steps per kernel set and keep every loss (no timing search)")
   p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                  help="train on this mesh of the host's devices, e.g. data=2,fsdp=2")
+  p.add_argument("--sequence-parallel", action="store_true",
+                 help="with a tensor axis in --mesh: the model's sequence parallelism")
   p.add_argument("--context-order", default="contiguous", help=argparse.SUPPRESS)
   p.add_argument("--context-strategy", default="all_gather", help=argparse.SUPPRESS)
   p.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
@@ -267,6 +275,8 @@ def main(argv=None):
   if args.mesh:  # global batches: whole multiples of the batch's shards
     mesh = sharding.parse_mesh(args.mesh)
     env = dict(env, mesh=args.mesh)  # as the runs record it
+    if args.sequence_parallel:
+      env["sequence_parallel"] = True
   unit = mesh.get("data", 1) * mesh.get("fsdp", 1)
   if batch % unit:
     raise SystemExit(f"--batch {batch} must be a multiple of the data × fsdp shards ({unit})")
@@ -279,8 +289,8 @@ def main(argv=None):
   for kernels in args.kernels.split(","):
     row = measure(args.config, kernels, batch, args.steps, args.seq_len,
                   probe=() if args.no_search or args.search_from else (2 * batch,),
-                  runs_out=args.out,
-                  mesh=args.mesh, timeout=args.run_timeout) or {}
+                  runs_out=args.out, mesh=args.mesh, timeout=args.run_timeout,
+                  sequence_parallel=args.sequence_parallel) or {}
     row = {"op": "train_step", "config": args.config, "kernels": kernels, "batch": batch,
            **env, **row}
     if not args.no_search:
@@ -291,7 +301,8 @@ def main(argv=None):
       row["largest_batch"] = largest_batch(
           args.config, kernels, start, 2, args.seq_len, args.max_batch,
           start_fits="tokens_per_s" in row if start == batch else None, runs_out=args.out,
-          mesh=args.mesh, unit=unit, timeout=args.run_timeout)
+          mesh=args.mesh, unit=unit, timeout=args.run_timeout,
+          sequence_parallel=args.sequence_parallel)
       print(f"  {kernels}: largest batch that fits: {row['largest_batch']}", flush=True)
     _harness.append(args.out, [row])
 
