@@ -26,7 +26,8 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
              holds n² times the pairs); one device also runs cuDNN.
   train      the 1B model's train step (batch 4 × 4096 per data shard), memeff and plain
              (cuDNN attention) layers, on data × fsdp and fsdp × tensor meshes
-             (models.sharding); ms per step, efficiency from tokens/s per device.
+             (models.sharding), the latter also with the model's sequence parallelism
+             ("fsdp×tensor-sp"); ms per step, efficiency from tokens/s per device.
 
 n devices in weak scaling finish when the slowest one does, so attention's and the loss's
 one-device case is also timed alone on each other device (rows with "device_index"):
@@ -78,7 +79,9 @@ SHAPES = {
 
 # Train-step meshes per device count: the first axis takes the data, the second splits
 # each model copy (fsdp) or its layers (tensor).
-TRAIN_MESHES = {"data×fsdp": ("data", "fsdp"), "fsdp×tensor": ("fsdp", "tensor")}
+# layout -> (the outer axis, the inner axis of 2 devices, the model's sequence parallelism)
+TRAIN_MESHES = {"data×fsdp": ("data", "fsdp", False), "fsdp×tensor": ("fsdp", "tensor", False),
+                "fsdp×tensor-sp": ("fsdp", "tensor", True)}
 
 
 def _mesh(n: int, axis: str, first: int = 0):
@@ -223,7 +226,7 @@ def train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
   from memeff_jax.models import LlamaConfig, run as train_run, sharding
   cfg, train_cfg = LlamaConfig.from_toml(_config_path(shape["config"]))
   rows, base = [], {}
-  for layout, (outer, inner) in TRAIN_MESHES.items():
+  for layout, (outer, inner, sequence_parallel) in TRAIN_MESHES.items():
     for n in devices:
       sizes = {outer: max(n // 2, 1), inner: 2} if n > 1 else {}
       mesh = sharding.make_mesh(sizes) if sizes else None
@@ -231,7 +234,7 @@ def train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
       for kernels in ("memeff", "plain"):
         r = train_run.train(cfg, train_cfg, kernels=kernels, steps=shape["steps"],
                             batch=shape["batch"] * shards, seq_len=shape["seq_len"],
-                            show_progress=False, mesh=mesh)
+                            show_progress=False, mesh=mesh, sequence_parallel=sequence_parallel)
         per_device = r.tokens_per_s / max(n, 1)
         first = base.setdefault((layout, kernels), per_device)
         ms = 1e3 * shape["batch"] * shards * shape["seq_len"] / r.tokens_per_s

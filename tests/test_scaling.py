@@ -92,3 +92,17 @@ def test_results_keep_the_latest_run_of_each_host(monkeypatch):
   assert "| attention | memeff | 7.00 (1.000) | 7.70 (0.909) | 2026-01-01 |" in text[four:two]
   assert "| attention | memeff | 7.00 (1.000) | 7.10 (0.986) | 2026-01-02 |" in text[two:one]
   assert "| context-train-1b-640k | memeff | out of memory | 2026-01-03 |" in text[one:]
+
+
+def test_train_dry_run_with_sequence_parallelism(tmp_path, monkeypatch):
+  """The train case's sequence-parallel layout (tensor=2 of 2 devices), both layer sets."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  monkeypatch.setattr(scaling, "TRAIN_MESHES",
+                      {k: v for k, v in scaling.TRAIN_MESHES.items() if k.endswith("-sp")})
+  out = tmp_path / "scaling.jsonl"
+  scaling.main(["--small", "--devices", "2", "--cases", "train", "--out", str(out)])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {(r["case"], r["provider"], r["devices"]) for r in rows} == {
+      ("train-tiny-fsdp×tensor-sp", k, 2) for k in ("memeff", "plain")}
+  assert all(r["mesh"] == {"fsdp": 1, "tensor": 2} and r["ms"] > 0 for r in rows)
