@@ -94,15 +94,3 @@ def test_a_loss_head_profiles_on_cpu(tmp_path):
   with pytest.raises(SystemExit, match="give n, d and v"):
     profile_kernels.main(["--loss", "n=256,d=64"])
 
-
-def test_a_sequence_parallel_train_step_profiles_on_cpu(tmp_path):
-  """--train with a tensor axis and --sequence-parallel: the step's collectives gather the
-  residual stream's sequence shards."""
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 devices")
-  out = tmp_path / "kernels.jsonl"
-  profile_kernels.main(["--train", "tiny", "--mesh", "tensor=2", "--sequence-parallel",
-                        "--calls", "2", "--out", str(out)])
-  row, = [json.loads(line) for line in out.read_text().splitlines()]
-  assert row["sequence_parallel"] and row["tokens_per_s"] > 0
-  assert any(op.startswith("all-gather") for op in row["collectives"]), row["collectives"]

@@ -148,8 +148,7 @@ def test_context_options_are_checked():
   assert sharding.context_batch(batch, None, "zigzag") is batch
 
 
-@pytest.mark.parametrize("kernels, sizes", [("memeff", {"tensor": 2}),
-                                            ("memeff", {"data": 2, "fsdp": 2, "tensor": 2}),
+@pytest.mark.parametrize("kernels, sizes", [("memeff", {"data": 2, "tensor": 2}),
                                             ("plain", {"fsdp": 2, "tensor": 2})])
 def test_sequence_parallel_follows_one_device(eight_devices, kernels, sizes):
   """The residual stream sharded on the sequence over tensor: the same losses as one
