@@ -93,4 +93,3 @@ def test_a_loss_head_profiles_on_cpu(tmp_path):
       ("loss n=256,d=64,v=1000", p) for p in ("memeff", "floor", "jax_naive")]
   with pytest.raises(SystemExit, match="give n, d and v"):
     profile_kernels.main(["--loss", "n=256,d=64"])
-
