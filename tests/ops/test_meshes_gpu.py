@@ -290,3 +290,29 @@ def test_attention_sequence_sharded_on_an_auto_mesh(strategy, order):
   _assert_close(grads, want_grads, 1e-2)
   assert got.sharding.is_equivalent_to(args[0].sharding, 4)
   assert collectives["all-to-all"] == 0, collectives
+
+
+def test_model_sequence_parallel_reduce_scatters():
+  """The model's sequence parallelism on tensor=2 GPUs (bf16): one GPU's losses, and XLA's
+  GPU pipeline turns each block branch's all-reduce and slice into a reduce-scatter, so at
+  most the embedding lookup's all-reduce carries the whole residual stream."""
+  import re  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from memeff_jax.models import Llama, LlamaConfig, make_train_step, run, sharding  # pylint: disable=import-outside-toplevel
+  if _gpus() < 2 or pallas_mosaic_gpu.hopper_available() is not None:
+    pytest.skip("needs 2 or more Hopper GPUs")
+  cfg = LlamaConfig(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                    d_ff=512, tie_embeddings=True, dtype="bfloat16")
+  train = dict(learning_rate=3e-3, data="source")
+  kw = dict(kernels="memeff", steps=3, batch=2, seq_len=256, show_progress=False)
+  mesh = sharding.make_mesh({"tensor": 2})
+  many = run.train(cfg, train, mesh=mesh, sequence_parallel=True, **kw).losses
+  np.testing.assert_allclose(many, run.train(cfg, train, **kw).losses, rtol=5e-3)
+  state, step = make_train_step(Llama(cfg, sequence_parallel=True, rngs=nnx.Rngs(0)),
+                                mesh=mesh)
+  tokens = jax.ShapeDtypeStruct((2, 256), np.int32, sharding=sharding.batch_sharding(mesh))
+  text = step.lower(state.state, {"tokens": tokens, "labels": tokens}).compile().as_text()
+  whole, half = f"[2,256,{cfg.d_model}]", f"[2,128,{cfg.d_model}]"
+  scattered = re.findall(rf"(?:bf16|f32){re.escape(half)}\S* reduce-scatter(?:-start)?\(", text)
+  reduced = re.findall(rf"(?:bf16|f32){re.escape(whole)}\S* all-reduce(?:-start)?\(", text)
+  assert len(scattered) >= 2 * cfg.n_layers and len(reduced) <= 1, (scattered, reduced)
