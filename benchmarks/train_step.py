@@ -127,8 +127,9 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
             context: tuple[str, str] = ("contiguous", "all_gather"), failures: list | None = None,
             sequence_parallel: bool = False):
   """One fresh-process run (run_worker); its JSON row, or None if it did not run (out of
-  memory, or not done within `timeout` seconds). With `runs_out`, every run, fitting or not, is appended there
-  as an op="train_step_run" row as soon as it ends; `failures` gets why a run did not.
+  memory, or not done within `timeout` seconds). With `runs_out`, every run, fitting or
+  not, is appended there as an op="train_step_run" row as soon as it ends; `failures` gets
+  why a run did not.
   `context`: the attention's (order, strategy) on a mesh with a context axis;
   `sequence_parallel`: the model's, on a mesh with a tensor axis."""
   cmd = [sys.executable, __file__, "--worker", "--config", config, "--kernels", kernels,

@@ -298,7 +298,8 @@ def test_model_sequence_parallel_reduce_scatters():
   most the embedding lookup's all-reduce carries the whole residual stream."""
   import re  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from memeff_jax.models import Llama, LlamaConfig, make_train_step, run, sharding  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from memeff_jax.models import Llama, LlamaConfig, make_train_step, run, sharding
   if _gpus() < 2 or pallas_mosaic_gpu.hopper_available() is not None:
     pytest.skip("needs 2 or more Hopper GPUs")
   cfg = LlamaConfig(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
