@@ -218,26 +218,35 @@ def loss_cases(n: int, shape: dict, vocab_parallel: bool, first: int = 0):
   return cases
 
 
-def train_rows(shape: dict, devices: list[int], env: dict, out) -> list[dict]:
-  """The train step per mesh layout and device count: tokens/s per device against one
-  device's (batch `shape["batch"]` per data shard)."""
+def train_rows(shape: dict, devices: list[int], env: dict, out, match: str = "") -> list[dict]:
+  """The train step per mesh layout (those whose case name matches `match`) and device
+  count: tokens/s per device against one device's (batch `shape["batch"]` per data shard).
+  One device has no layout: it runs once per layer set and counts as every layout's first
+  row."""
   from memeff_jax.cli import _config_path  # pylint: disable=import-outside-toplevel
   # pylint: disable-next=import-outside-toplevel
   from memeff_jax.models import LlamaConfig, run as train_run, sharding
   cfg, train_cfg = LlamaConfig.from_toml(_config_path(shape["config"]))
-  rows, base = [], {}
-  for layout, (outer, inner, sequence_parallel) in TRAIN_MESHES.items():
+  rows, alone = [], {}
+  layouts = {layout: how for layout, how in TRAIN_MESHES.items()
+             if re.search(match, f"train-{shape['config']}-{layout}")}
+  for layout, (outer, inner, sequence_parallel) in layouts.items():
     for n in devices:
       sizes = {outer: max(n // 2, 1), inner: 2} if n > 1 else {}
-      mesh = sharding.make_mesh(sizes) if sizes else None
       shards = sizes.get("data", 1) * sizes.get("fsdp", 1)
       for kernels in ("memeff", "plain"):
-        r = train_run.train(cfg, train_cfg, kernels=kernels, steps=shape["steps"],
-                            batch=shape["batch"] * shards, seq_len=shape["seq_len"],
-                            show_progress=False, mesh=mesh, sequence_parallel=sequence_parallel)
-        per_device = r.tokens_per_s / max(n, 1)
-        first = base.setdefault((layout, kernels), per_device)
-        ms = 1e3 * shape["batch"] * shards * shape["seq_len"] / r.tokens_per_s
+        if n > 1 or kernels not in alone:
+          r = train_run.train(cfg, train_cfg, kernels=kernels, steps=shape["steps"],
+                              batch=shape["batch"] * shards, seq_len=shape["seq_len"],
+                              show_progress=False, mesh=sharding.make_mesh(sizes) if sizes
+                              else None, sequence_parallel=sequence_parallel and n > 1)
+          per_device = r.tokens_per_s / max(n, 1)
+          if n == 1:
+            alone[kernels] = per_device
+        else:
+          per_device = alone[kernels]
+        first = alone.get(kernels, per_device)
+        ms = 1e3 * shape["batch"] * shards * shape["seq_len"] / (per_device * max(n, 1))
         row = dict(op="scaling", case=f"train-{shape['config']}-{layout}", provider=kernels,
                    devices=n, mesh=sizes, ms=ms, tokens_per_s_per_device=per_device,
                    efficiency=per_device / first, **env)
@@ -328,7 +337,7 @@ def run(cases: list[str], devices: list[int], rounds: int, small: bool, out,
     shapes = dict(shapes, **{c: dict(shapes[c], steps=steps) for c in ("train", "context_train")})
   plans = op_plans(cases, shapes)
   if "train" in cases:
-    rows += train_rows(shapes["train"], devices, env, out)
+    rows += train_rows(shapes["train"], devices, env, out, match)
   if "context-train" in cases:
     rows += context_train_rows(shapes["context_train"], devices, env, out, run_timeout)
   for name, make, work in [p for p in plans if re.search(match, p[0])]:
@@ -369,8 +378,8 @@ def main(argv=None):
   parser.add_argument("--cases", default="attention,loss,vocab,context,train")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--small", action="store_true", help="CPU-sized shapes")
-  parser.add_argument("--match", default="", help="only the op cases whose name has a match "
-                      "for this regular expression (e.g. 'zigzag-8k')")
+  parser.add_argument("--match", default="", help="only the cases whose name has a match for "
+                      "this regular expression (e.g. 'zigzag-8k', 'tensor')")
   parser.add_argument("--lengths", default="", help="context-train's sequence lengths, e.g. "
                       "393216 (one that a single device cannot hold; default 32k and 128k)")
   parser.add_argument("--steps", type=int, default=None, help="train and context-train steps "
