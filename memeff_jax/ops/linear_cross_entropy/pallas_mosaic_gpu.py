@@ -54,14 +54,17 @@ def tuned_gemm_config(key: str, layout: str, k: int) -> mosaic_gemm.GemmConfig:
   "dx", "dw" or "dw_tma") for a weight `layout` and contraction size k: the section
   `<key>_<layout>`, else `<key>`. Ping-pong tiles tuned for each warpgroup on its own slots
   name in `fallback` the section to run where k's steps do not allow that
-  (mosaic_gemm.own_slots)."""
+  (mosaic_gemm.own_slots), which may name a further one: the first that k allows runs."""
   tuned = _tuning.lookup("linear_cross_entropy", "mosaic_gemm")
   section = dict(tuned.get(f"{key}_{layout}", tuned.get(key, {})))
-  fallback = section.pop("fallback", None)
-  config = mosaic_gemm.GemmConfig(**section)
-  if fallback is not None and not mosaic_gemm.own_slots(config, k):
-    config = mosaic_gemm.GemmConfig(**tuned[fallback])
-  return config
+  for _ in range(len(tuned) + 1):
+    fallback = section.pop("fallback", None)
+    config = mosaic_gemm.GemmConfig(**section)
+    if fallback is None or mosaic_gemm.own_slots(config, k):
+      return config
+    section = dict(tuned[fallback])
+  raise ValueError(f"tuning/linear_cross_entropy.toml: the fallbacks of {key}_{layout} "
+                   "form a cycle")
 
 
 @dataclasses.dataclass(frozen=True)

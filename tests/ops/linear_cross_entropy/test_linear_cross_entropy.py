@@ -569,17 +569,18 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemms", [pallas_mosaic_gpu.GEMMS, ("logits", "dw")])
-def test_own_slot_ping_pong_gemms_match_reference(gemms):
-  """Two chunks of 512 tokens at D = 512: the exp GEMM's 8 K steps and the dW GEMM's 8 run
+@pytest.mark.parametrize("gemms, d", [(pallas_mosaic_gpu.GEMMS, 512), (("logits", "dw"), 512),
+                                      (("logits", "dw"), 768)])
+def test_own_slot_ping_pong_gemms_match_reference(gemms, d):
+  """Two chunks of 512 tokens: at D = 512 the exp GEMM's 8 K steps and the dW GEMM's 8 run
   the tuned "dv" ping-pong tiles on each warpgroup's own slots (mosaic_gemm.own_slots), as
-  at Llama-3-8B's shape (the other tests' 256-token chunks take the ring's fallback); the
-  second chunk adds into dW by TMA. With ("logits", "dw") dx is cuBLAS's, as the default
-  at Gemma-2's shape."""
-  for key in ("logits", "dw_tma"):
-    assert mosaic_gemm.own_slots(pallas_mosaic_gpu.tuned_gemm_config(key, "dv", 512), 512)
+  at Llama-3-8B's shape (the other tests' 256-token chunks take the ring's fallback); at
+  D = 768 (GPT-2's) the exp GEMM's 12 steps its 6-slot fallback. The second chunk adds into
+  dW by TMA. With ("logits", "dw") dx is cuBLAS's, as the default at Gemma-2's shape."""
+  for key, k in (("logits", d), ("dw_tma", 512)):
+    assert mosaic_gemm.own_slots(pallas_mosaic_gpu.tuned_gemm_config(key, "dv", k), k)
   options = dict(weight_layout="dv", z_loss=1e-3)
-  x, w, labels, _, _ = make_problem(jax.random.key(17), (2, 512), 512, 2000, jnp.bfloat16,
+  x, w, labels, _, _ = make_problem(jax.random.key(17), (2, 512), d, 2000, jnp.bfloat16,
                                     **options)
   impl = PallasMosaicGpu(mosaic_gemms=gemms, dw_accumulation="tma_add", exp_logits=True)
   assert_matches(impl, x, w, labels, options, chunk=512)
@@ -646,17 +647,31 @@ def test_mosaic_gemms_refuse_shapes_off_their_tiles():
 def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
   """The "dv" exp and dW GEMMs' tuned ping-pong tiles need K's steps of 64 to be a multiple
   of twice their 4 slots (each warpgroup on its own slots); elsewhere their `fallback`
-  sections, the ring's tiles, run."""
+  sections run: the exp GEMM's 6-slot ping-pong where its steps are a multiple of 12, then
+  the ring's tiles."""
   tiles = pallas_mosaic_gpu.tuned_gemm_config
   for key, k in (("logits", 4096), ("logits", 2048), ("dw_tma", 1024), ("dw_tma", 512)):
     config = tiles(key, "dv", k)
     assert (config.schedule, config.tile_n) == ("pingpong", 192), (key, k)
     assert mosaic_gemm.own_slots(config, k)
-  for key, k in (("logits", 2304), ("logits", 768), ("dw_tma", 256), ("dw_tma", 768)):
+  for k in (768, 2304):
+    config = tiles("logits", "dv", k)
+    assert (config.schedule, config.tile_n, config.max_concurrent_steps) == ("pingpong", 128, 6)
+    assert mosaic_gemm.own_slots(config, k)
+  for key, k in (("logits", 1088), ("logits", 320), ("dw_tma", 256), ("dw_tma", 768)):
     config = tiles(key, "dv", k)
     assert (config.schedule, config.tile_n) == ("ring", 128), (key, k)
   assert tiles("logits", "vd", 4096).schedule == "ring"  # "vd" keeps its own sections
   assert not mosaic_gemm.own_slots(mosaic_gemm.GemmConfig(schedule="ring"), 4096)
+
+
+def test_tuned_fallbacks_that_cycle_are_an_error(monkeypatch):
+  ping = lambda fallback: dict(schedule="pingpong", tile_n=128, max_concurrent_steps=4,
+                               fallback=fallback)
+  monkeypatch.setattr(pallas_mosaic_gpu._tuning, "lookup",  # pylint: disable=protected-access
+                      lambda *a, **k: {"logits_dv": ping("a"), "a": ping("logits_dv")})
+  with pytest.raises(ValueError, match="fallbacks of logits_dv form a cycle"):
+    pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", 768)
 
 
 def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
