@@ -243,7 +243,7 @@ def parser() -> argparse.ArgumentParser:
                      help="with a tensor axis (and no context axis): shard the residual "
                           "stream on the sequence over it, each block gathering its "
                           "branches' inputs and reduce-scattering their outputs: less "
-                          "memory per GPU (default: off)")
+                          "memory per GPU, slower steps (default: off)")
   train.add_argument("--distributed", action="store_true",
                      help="call jax.distributed.initialize() first: run the same command on "
                           "every host of a multi-host job (default: off)")

@@ -185,7 +185,8 @@ class Llama(nnx.Module):
   `sequence_parallel` (Megatron's, Korthikanti et al. 2022), on a mesh with a "tensor" axis
   and no "context" one: the residual stream is sharded on the sequence over tensor, so each
   tensor rank keeps, normalizes and adds 1/tensor of it; every block gathers its branches'
-  inputs and reduce-scatters their outputs where it would all-reduce them.
+  inputs and reduce-scatters their outputs where it would all-reduce them. Less memory, but
+  slower steps on GPUs (docs/design/multi_device.md).
   """
 
   def __init__(self, cfg: LlamaConfig, *, kernels: str = "memeff",
