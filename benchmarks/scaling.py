@@ -3,6 +3,7 @@
     python benchmarks/scaling.py [--devices 1,2,4] [--cases attention,loss,vocab,context,train]
     python benchmarks/scaling.py --devices 1,4 --cases context-train
     python benchmarks/scaling.py --devices 1,2 --cases context-train --lengths 655360 --steps 2
+    python benchmarks/scaling.py --devices 1,2 --cases train --match 'tensor$'
 
 Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   attention  weak scaling, data parallel: B=4, T=4096, H=32, D=128 bf16 per device, the batch
@@ -27,7 +28,8 @@ Cases (Auto meshes under jax.jit; the inputs sharded, the code single-device):
   train      the 1B model's train step (batch 4 × 4096 per data shard), memeff and plain
              (cuDNN attention) layers, on data × fsdp and fsdp × tensor meshes
              (models.sharding), the latter also with the model's sequence parallelism
-             ("fsdp×tensor-sp"); ms per step, efficiency from tokens/s per device.
+             ("fsdp×tensor-sp"); ms per step, efficiency from tokens/s per device. One
+             device runs once per layer set, every layout's first row; --match picks layouts.
 
 n devices in weak scaling finish when the slowest one does, so attention's and the loss's
 one-device case is also timed alone on each other device (rows with "device_index"):

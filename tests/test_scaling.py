@@ -94,14 +94,14 @@ def test_results_keep_the_latest_run_of_each_host(monkeypatch):
   assert "| context-train-1b-640k | memeff | out of memory | 2026-01-03 |" in text[one:]
 
 
-def test_train_dry_run_with_sequence_parallelism(tmp_path, monkeypatch):
-  """The train case's sequence-parallel layout (tensor=2 of 2 devices), both layer sets."""
+def test_train_dry_run_with_sequence_parallelism(tmp_path):
+  """The train case's sequence-parallel layout alone (--match; tensor=2 of 2 devices), both
+  layer sets."""
   if jax.device_count() < 2:
     pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-  monkeypatch.setattr(scaling, "TRAIN_MESHES",
-                      {k: v for k, v in scaling.TRAIN_MESHES.items() if k.endswith("-sp")})
   out = tmp_path / "scaling.jsonl"
-  scaling.main(["--small", "--devices", "2", "--cases", "train", "--out", str(out)])
+  scaling.main(["--small", "--devices", "2", "--cases", "train", "--match", "tensor-sp",
+                "--out", str(out)])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert {(r["case"], r["provider"], r["devices"]) for r in rows} == {
       ("train-tiny-fsdp×tensor-sp", k, 2) for k in ("memeff", "plain")}
