@@ -222,40 +222,41 @@ def loss_cases(n: int, shape: dict, vocab_parallel: bool, first: int = 0):
 
 def train_rows(shape: dict, devices: list[int], env: dict, out, match: str = "") -> list[dict]:
   """The train step per mesh layout (those whose case name matches `match`) and device
-  count: tokens/s per device against one device's (batch `shape["batch"]` per data shard).
-  One device has no layout: it runs once per layer set and counts as every layout's first
-  row."""
+  count: tokens/s per device against the first device count's (batch `shape["batch"]` per
+  data shard). One device has no layout: it runs once per layer set, a row of every
+  layout."""
   from memeff_jax.cli import _config_path  # pylint: disable=import-outside-toplevel
   # pylint: disable-next=import-outside-toplevel
   from memeff_jax.models import LlamaConfig, run as train_run, sharding
   cfg, train_cfg = LlamaConfig.from_toml(_config_path(shape["config"]))
-  rows, alone = [], {}
+  shards = lambda sizes: sizes.get("data", 1) * sizes.get("fsdp", 1)  # the batch's
   layouts = {layout: how for layout, how in TRAIN_MESHES.items()
              if re.search(match, f"train-{shape['config']}-{layout}")}
+
+  def per_device(kernels: str, n: int, sizes: dict, sequence_parallel: bool) -> float:
+    r = train_run.train(cfg, train_cfg, kernels=kernels, steps=shape["steps"],
+                        batch=shape["batch"] * shards(sizes), seq_len=shape["seq_len"],
+                        show_progress=False, mesh=sharding.make_mesh(sizes) if sizes else None,
+                        sequence_parallel=sequence_parallel)
+    return r.tokens_per_s / n
+
+  alone = ({k: per_device(k, 1, {}, False) for k in ("memeff", "plain")}
+           if layouts and 1 in devices else {})
+  rows, base = [], {}
   for layout, (outer, inner, sequence_parallel) in layouts.items():
     for n in devices:
       sizes = {outer: max(n // 2, 1), inner: 2} if n > 1 else {}
-      shards = sizes.get("data", 1) * sizes.get("fsdp", 1)
       for kernels in ("memeff", "plain"):
-        if n > 1 or kernels not in alone:
-          r = train_run.train(cfg, train_cfg, kernels=kernels, steps=shape["steps"],
-                              batch=shape["batch"] * shards, seq_len=shape["seq_len"],
-                              show_progress=False, mesh=sharding.make_mesh(sizes) if sizes
-                              else None, sequence_parallel=sequence_parallel and n > 1)
-          per_device = r.tokens_per_s / max(n, 1)
-          if n == 1:
-            alone[kernels] = per_device
-        else:
-          per_device = alone[kernels]
-        first = alone.get(kernels, per_device)
-        ms = 1e3 * shape["batch"] * shards * shape["seq_len"] / (per_device * max(n, 1))
+        rate = alone[kernels] if n == 1 else per_device(kernels, n, sizes, sequence_parallel)
+        first = base.setdefault((layout, kernels), rate)
+        ms = 1e3 * shape["batch"] * shards(sizes) * shape["seq_len"] / (rate * n)
         row = dict(op="scaling", case=f"train-{shape['config']}-{layout}", provider=kernels,
-                   devices=n, mesh=sizes, ms=ms, tokens_per_s_per_device=per_device,
-                   efficiency=per_device / first, **env)
+                   devices=n, mesh=sizes, ms=ms, tokens_per_s_per_device=rate,
+                   efficiency=rate / first, **env)
         rows.append(row)
         _harness.append(out, [row])
         print(f"  {row['case']:18s} {kernels:13s} {n} devices: {ms:9.1f} ms/step, "
-              f"{per_device:,.0f} tokens/s per device  efficiency {row['efficiency']:.3f}",
+              f"{rate:,.0f} tokens/s per device  efficiency {row['efficiency']:.3f}",
               flush=True)
   return rows
 
