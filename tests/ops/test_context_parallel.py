@@ -311,6 +311,22 @@ def test_ring_plans_skip_what_no_mask_reaches():
   assert _context.pair_plan(0, 64, 64, 64, (None, 0)) is None
 
 
+def test_ring_steps_merge_only_the_rows_they_reach():
+  """A step's partial result covers the query rows its plans reach, and only those are merged
+  with the steps before: under a left window of 40 the second step's first 40 rows. A plan
+  of one call over all of them and every visiting key keeps the call's result as it is."""
+  steps = _context.ring_plans(64, 64, 4, (40, 0), "contiguous")
+  assert [_context._step_rows(plans) for plans, _ in steps] == [(0, 64), (0, 40)]
+  assert all(_context._whole(plan, (0, 64), (0, 64)) for plan in steps[0][0])
+  # The second step: shard 0 reaches nothing; the others one call of their first 40 rows
+  # over the 40 keys passed round (rows 24..63 of the previous shard's).
+  assert steps[1][1] == [0, 1, 1, 1] and steps[1][0][0] == ()
+  assert _context._whole(steps[1][0][1], (0, 40), (24, 64))
+  # Causal zig-zag: a shard's two chunks reach every row at every step.
+  steps = _context.ring_plans(64, 64, 4, (None, 0), "zigzag")
+  assert {_context._step_rows(plans) for plans, _ in steps} == {(0, 64)}
+
+
 @pytest.mark.parametrize("strategy, window, rows, hkv, check_vma", [
     ("ring", (40, 0), {40}, 2, True), ("all_gather", (40, 0), {40}, 2, True),
     ("all_gather", (30, 20), {30, 20}, 1, False)])

@@ -21,12 +21,14 @@ all_gather: every shard gathers all keys, values and key segment ids, then runs 
 ring: keys, values and key segment ids pass from shard to shard (ppermute), the next transfer
   issued before the current step's kernels; each step's (query chunk, key chunk) pairs are
   planned statically (`pair_plan`, `ring_plans`), shards with equal plans sharing a branch,
-  and partial results merge through their log-sum-exp. Only the key rows that some step
-  after the first reaches go round (`passed_rows`: under a window, the halo of the last w
-  keys). The backward passes them round again with float32 dK/dV accumulators that end at
-  their shard; each step calls the single-device backward with the final output and
-  log-sum-exp, which gives exactly that step's share of the gradients. A shard holds at
-  most two shards' keys, and a window stops the ring after the last step it reaches.
+  and partial results merge through their log-sum-exp, on the query rows the step reaches
+  (`_step_rows`: under a window, the first w); a step of one call over all of them keeps
+  the call's result as it is. Only the key rows that some step after the first reaches go
+  round (`passed_rows`: under a window, the halo of the last w keys). The backward passes
+  them round again with float32 dK/dV accumulators that end at their shard; each step calls
+  the single-device backward with the final output and log-sum-exp, which gives exactly that
+  step's share of the gradients. A shard holds at most two shards' keys, and a window stops
+  the ring after the last step it reaches.
 
 Under a causal mask shard i does (i + ½)·T² of the work. The zig-zag order balances it: the
 sequence cut into 2n chunks, shard i holds chunks i and 2n − 1 − i (`zigzag` reorders tokens,
@@ -377,6 +379,18 @@ def _next_visitor(axis, shards: int, visiting, step: int, rows):
   return _pass_on(axis, shards, visiting if step else tuple(_rows(a, *rows) for a in visiting))
 
 
+def _step_rows(plans) -> tuple[int, int]:
+  """The query rows [r0, r1) that some plan of a ring step reaches ((0, 0): none). Only they
+  are merged with the steps before: under a window, the halo step's first w rows."""
+  spans = [(qa, qb) for plan in plans for qa, qb, *_ in plan]
+  return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
+
+
+def _whole(plan, rows, keys) -> bool:
+  """The plan is one call over every one of the step's query rows and the visitor's keys."""
+  return len(plan) == 1 and plan[0][:4] == (*rows, *keys)
+
+
 def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
   steps = ring_plans(q.shape[1], k.shape[1], shards, window, order)
   rows = passed_rows(steps)
@@ -386,21 +400,33 @@ def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order
     arriving = _next_visitor(axis, shards, visiting, step, rows) \
         if step + 1 < len(steps) else None
     first = rows[0] if step else 0  # the visiting keys' first row among their shard's
+    r0, r1 = _step_rows(plans)
 
-    def branch(plan, first=first):
+    def branch(plan, first=first, r0=r0, r1=r1):
       def run(q, q_seg, k, v, kv_seg):
-        acc, lse = _empty(q, k, v)
+        keys = (first, first + k.shape[1])
+        if _whole(plan, (r0, r1), keys):  # the call's result as it is: nothing to merge
+          o, l = attend(q[:, r0:r1], k, v, _rows(q_seg, r0, r1), kv_seg, plan[0][4])
+          return _vma.varying_like((o.astype(jnp.float32), l), q, k, v)
+        acc, lse = _empty(q[:, r0:r1], k, v)
         for qa, qb, ka, kb, local in plan:
           ka, kb = ka - first, kb - first
           o, l = attend(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
                         _rows(kv_seg, ka, kb), local)
+          qa, qb = qa - r0, qb - r0
           merged = _merge(acc[:, qa:qb], lse[:, qa:qb], o, l)
           acc, lse = _put(acc, qa, qb, merged[0]), _put(lse, qa, qb, merged[1])
         return acc, lse
       return run
 
     partial = _switch(axis, which, [branch(p) for p in plans], q, q_seg, *visiting)
-    acc, lse = partial if acc is None else _merge(acc, lse, *partial)
+    if acc is None and (r0, r1) == (0, q.shape[1]):
+      acc, lse = partial
+    else:
+      if acc is None:
+        acc, lse = _empty(q, k, v)
+      merged = _merge(acc[:, r0:r1], lse[:, r0:r1], *partial)
+      acc, lse = _put(acc, r0, r1, merged[0]), _put(lse, r0, r1, merged[1])
     visiting = arriving
   return acc, lse
 
@@ -421,23 +447,34 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
         if step + 1 < len(steps) else None
     carried = None if dkv is None else _pass_on(axis, shards, dkv)
     first = rows[0] if step else 0
+    r0, r1 = _step_rows(plans)
 
-    def branch(plan, first=first):
+    def branch(plan, first=first, r0=r0, r1=r1):
       def run(k, v, kv_seg):
-        dq, dk, dv = _vma.varying_like((zeros(q), zeros(k), zeros(v)), q, k, v, d_out)
+        f32 = lambda g: _vma.varying_like(tuple(x.astype(jnp.float32) for x in g), q, k, v,
+                                          d_out)
+        if _whole(plan, (r0, r1), (first, first + k.shape[1])):  # the call's as they are
+          r = lambda a: a[:, r0:r1]
+          return f32(attend_backward(r(q), k, v, _rows(q_seg, r0, r1), kv_seg, r(out), r(lse),
+                                     r(d_out), r(d_lse), plan[0][4]))
+        dq, dk, dv = f32((zeros(q[:, r0:r1]), zeros(k), zeros(v)))
         for qa, qb, ka, kb, local in plan:
           ka, kb = ka - first, kb - first
           r = lambda a: a[:, qa:qb]
           g = attend_backward(r(q), k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
                               _rows(kv_seg, ka, kb), r(out), r(lse), r(d_out), r(d_lse), local)
-          dq = _put(dq, qa, qb, g[0].astype(jnp.float32), add=True)
+          dq = _put(dq, qa - r0, qb - r0, g[0].astype(jnp.float32), add=True)
           dk = _put(dk, ka, kb, g[1].astype(jnp.float32), add=True)
           dv = _put(dv, ka, kb, g[2].astype(jnp.float32), add=True)
         return dq, dk, dv
       return run
 
     dq_step, *mine = _switch(axis, which, [branch(p) for p in plans], *visiting)
-    dq = dq_step if dq is None else dq + dq_step
+    if dq is None and (r0, r1) == (0, q.shape[1]):
+      dq = dq_step
+    else:
+      dq = _put(_vma.varying_like(zeros(q), q, d_out) if dq is None else dq, r0, r1, dq_step,
+                add=True)
     if step == 0:
       home = tuple(mine)
     else:
