@@ -177,6 +177,12 @@ def _merge(acc, lse_acc, out, lse):
   return acc * weight(lse_acc) + out.astype(jnp.float32) * weight(lse), new
 
 
+def _merge_rows(acc, lse_acc, lo, hi, out, lse):
+  """acc and lse_acc with their rows lo:hi merged with a partial result over those rows."""
+  merged = _merge(acc[:, lo:hi], lse_acc[:, lo:hi], out, lse)
+  return _put(acc, lo, hi, merged[0]), _put(lse_acc, lo, hi, merged[1])
+
+
 def _switch(axis, which: list[int], branches, *operands):
   """branches[which[i]](*operands) on shard i of `axis` (one branch: no switch)."""
   if len(branches) == 1:
@@ -413,9 +419,7 @@ def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order
           ka, kb = ka - first, kb - first
           o, l = attend(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
                         _rows(kv_seg, ka, kb), local)
-          qa, qb = qa - r0, qb - r0
-          merged = _merge(acc[:, qa:qb], lse[:, qa:qb], o, l)
-          acc, lse = _put(acc, qa, qb, merged[0]), _put(lse, qa, qb, merged[1])
+          acc, lse = _merge_rows(acc, lse, qa - r0, qb - r0, o, l)
         return acc, lse
       return run
 
@@ -425,8 +429,7 @@ def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order
     else:
       if acc is None:
         acc, lse = _empty(q, k, v)
-      merged = _merge(acc[:, r0:r1], lse[:, r0:r1], *partial)
-      acc, lse = _put(acc, r0, r1, merged[0]), _put(lse, r0, r1, merged[1])
+      acc, lse = _merge_rows(acc, lse, r0, r1, *partial)
     visiting = arriving
   return acc, lse
 
