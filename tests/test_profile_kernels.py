@@ -8,8 +8,9 @@ import pytest
 
 from benchmarks import profile_kernels
 
-# One GPU plane: two overlapping kernels on a stream (busy 3 µs, not 4), and a derived
-# "XLA Ops" line that repeats one of them and must not count.
+# One GPU plane: two overlapping kernels on a stream (busy 3 µs, not 4; the all-reduce runs
+# alone for 1 µs of its 2), and a derived "XLA Ops" line that repeats one of them and must
+# not count.
 _PROFILE = """
 planes {
   id: 1
@@ -42,6 +43,7 @@ def test_summary_counts_stream_kernels_once():
   gpu = got["/device:GPU:0"]
   assert gpu["busy_ms"] == pytest.approx(4e-3 / 2)  # [0, 3) ∪ [9, 10) µs, over 2 calls
   assert gpu["collectives_ms"] == pytest.approx(2e-3 / 2)
+  assert gpu["exposed_collectives_ms"] == pytest.approx(1e-3 / 2)  # [2, 3): the all-reduce alone
   assert gpu["kernels"] == [("attention_kernel", pytest.approx(3e-3 / 2), 1.0),
                             ("ncclDevKernel_AllReduce_Sum_bf16", pytest.approx(2e-3 / 2), 0.5)]
 
