@@ -327,6 +327,42 @@ def test_ring_steps_merge_only_the_rows_they_reach():
   assert {_context._step_rows(plans) for plans, _ in steps} == {(0, 64)}
 
 
+@pytest.mark.parametrize("order, check_vma", [("contiguous", True), ("zigzag", False)])
+def test_ring_skips_steps_whose_segment_ids_cannot_meet(order, check_vma):
+  """Packed documents of 48 tokens over 4 shards of 64: after the first step some visitors
+  hold only other documents, and those steps run no kernel and merge nothing (a conditional
+  on the ids' ranges), while documents that cross a shard's edge keep theirs; values and
+  gradients stay one device's."""
+  q, k, v, _ = _problem(6)
+  seg = jnp.broadcast_to(jnp.arange(q.shape[1]) // 48, q.shape[:2])
+  one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg,
+                                                        causal=True, return_lse=True)
+  mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
+  spec = P("data", "context")
+  many = shard_map(
+      lambda q, k, v, seg: memeff_jax.flash_attention(
+          q, k, v, q_segment_ids=seg, causal=True, return_lse=True, context_axis="context",
+          context_order=order, context_strategy="ring"),
+      mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec), check_vma=check_vma)
+  if order == "zigzag":
+    reordered = lambda *a: jax.tree.map(lambda x: zigzag(x, 4),
+                                        one(*(unzigzag(x, 4) for x in a)))
+    args = tuple(zigzag(x, 4) for x in (q, k, v, seg))
+  else:
+    reordered, args = one, (q, k, v, seg)
+  _close(_value_and_grads(many, *args), _value_and_grads(reordered, *args))
+  both = jax.jit(lambda *a: jax.grad(_loss(many), (0, 1, 2))(*a))
+  assert " conditional(" in both.lower(*args).compile().as_text()
+
+
+def test_segment_ranges_meet():
+  """A step is skipped only where no query's id can equal a key's in any batch row."""
+  ids = lambda *rows: jnp.asarray(rows, jnp.int32)
+  assert not _context._segments_meet(ids([0, 0, 1], [4, 4, 4]), ids([2, 3, 3], [5, 6, 6]))
+  assert _context._segments_meet(ids([0, 0, 1], [4, 4, 5]), ids([2, 3, 3], [5, 6, 6]))
+  assert _context._segments_meet(ids([3, 0]), ids([1, 2]))  # out of order: in range, kept
+
+
 @pytest.mark.parametrize("strategy, window, rows, hkv, check_vma", [
     ("ring", (40, 0), {40}, 2, True), ("all_gather", (40, 0), {40}, 2, True),
     ("all_gather", (30, 20), {30, 20}, 1, False)])

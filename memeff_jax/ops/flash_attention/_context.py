@@ -28,7 +28,10 @@ ring: keys, values and key segment ids pass from shard to shard (ppermute), the 
   them round again with float32 dK/dV accumulators that end at their shard; each step calls
   the single-device backward with the final output and log-sum-exp, which gives exactly that
   step's share of the gradients. A shard holds at most two shards' keys, and a window stops
-  the ring after the last step it reaches.
+  the ring after the last step it reaches. With segment ids, a step whose visiting keys'
+  ids cannot meet its query rows' (`_segments_meet`, by their ranges) runs no kernel and
+  merges nothing, forward or backward: the keys still pass on, but packed documents
+  shorter than a shard skip most steps' work.
 
 Under a causal mask shard i does (i + ½)·T² of the work. The zig-zag order balances it: the
 sequence cut into 2n chunks, shard i holds chunks i and 2n − 1 − i (`zigzag` reorders tokens,
@@ -397,6 +400,20 @@ def _whole(plan, rows, keys) -> bool:
   return len(plan) == 1 and plan[0][:4] == (*rows, *keys)
 
 
+def _skippable(step: int, q_seg, rows, visiting) -> bool:
+  """Whether ring step `step` may find no pair to compute at run time: a step after the
+  first, over some query rows, with segment ids on both sides."""
+  return step > 0 and rows[1] > rows[0] and q_seg is not None and visiting[2] is not None
+
+
+def _segments_meet(q_seg, kv_seg):
+  """Whether a query's segment id ([B, R]) may equal a key's ([B, K]) in any batch row, by
+  the ids' ranges: never false where a pair is visible, and exact for packed documents
+  (ids that never decrease along the sequence), whose visitors after the first few steps
+  hold only other documents."""
+  return jnp.any((kv_seg.min(1) <= q_seg.max(1)) & (q_seg.min(1) <= kv_seg.max(1)))
+
+
 def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
   steps = ring_plans(q.shape[1], k.shape[1], shards, window, order)
   rows = passed_rows(steps)
@@ -423,13 +440,19 @@ def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order
         return acc, lse
       return run
 
-    partial = _switch(axis, which, [branch(p) for p in plans], q, q_seg, *visiting)
-    if acc is None and (r0, r1) == (0, q.shape[1]):
-      acc, lse = partial
-    else:
+    def merged(acc, lse, plans=plans, which=which, visiting=visiting, r0=r0, r1=r1):
+      partial = _switch(axis, which, [branch(p) for p in plans], q, q_seg, *visiting)
+      if acc is None and (r0, r1) == (0, q.shape[1]):
+        return partial
       if acc is None:
         acc, lse = _empty(q, k, v)
-      acc, lse = _merge_rows(acc, lse, r0, r1, *partial)
+      return _merge_rows(acc, lse, r0, r1, *partial)
+
+    if _skippable(step, q_seg, (r0, r1), visiting):  # no kernel, no merge where ids differ
+      acc, lse = jax.lax.cond(_segments_meet(q_seg[:, r0:r1], visiting[2]), merged,
+                              lambda acc, lse: (acc, lse), acc, lse)
+    else:
+      acc, lse = merged(acc, lse)
     visiting = arriving
   return acc, lse
 
@@ -472,16 +495,24 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
         return dq, dk, dv
       return run
 
-    dq_step, *mine = _switch(axis, which, [branch(p) for p in plans], *visiting)
-    if dq is None and (r0, r1) == (0, q.shape[1]):
-      dq = dq_step
+    def added(dq, carried, plans=plans, which=which, visiting=visiting, r0=r0, r1=r1):
+      """dq with this step's rows added, and this step's dK/dV (added to `carried`)."""
+      dq_step, *mine = _switch(axis, which, [branch(p) for p in plans], *visiting)
+      if dq is None and (r0, r1) == (0, q.shape[1]):
+        dq = dq_step
+      else:
+        dq = _put(_vma.varying_like(zeros(q), q, d_out) if dq is None else dq, r0, r1,
+                  dq_step, add=True)
+      return dq, tuple(mine) if carried is None else tuple(a + b for a, b in zip(carried, mine))
+
+    if _skippable(step, q_seg, (r0, r1), visiting):  # no kernel where ids differ
+      if carried is None:  # what the step would carry on: nothing added yet
+        carried = _vma.varying_like(tuple(zeros(a) for a in visiting[:2]), q, k, v, d_out)
+      dq, dkv = jax.lax.cond(_segments_meet(q_seg[:, r0:r1], visiting[2]), added,
+                             lambda dq, carried: (dq, carried), dq, carried)
     else:
-      dq = _put(_vma.varying_like(zeros(q), q, d_out) if dq is None else dq, r0, r1, dq_step,
-                add=True)
-    if step == 0:
-      home = tuple(mine)
-    else:
-      dkv = tuple(mine) if carried is None else tuple(a + b for a, b in zip(carried, mine))
+      dq, mine = added(dq, None if step == 0 else carried)
+      home, dkv = (mine, dkv) if step == 0 else (home, mine)
     visiting = arriving
   if dkv is None:
     return dq, *home
