@@ -409,8 +409,7 @@ def _skippable(step: int, q_seg, rows, visiting) -> bool:
 def _segments_meet(q_seg, kv_seg):
   """Whether a query's segment id ([B, R]) may equal a key's ([B, K]) in any batch row, by
   the ids' ranges: never false where a pair is visible, and exact for packed documents
-  (ids that never decrease along the sequence), whose visitors after the first few steps
-  hold only other documents."""
+  (ids that never decrease along the sequence)."""
   return jnp.any((kv_seg.min(1) <= q_seg.max(1)) & (q_seg.min(1) <= kv_seg.max(1)))
 
 
@@ -512,7 +511,10 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
                              lambda dq, carried: (dq, carried), dq, carried)
     else:
       dq, mine = added(dq, None if step == 0 else carried)
-      home, dkv = (mine, dkv) if step == 0 else (home, mine)
+      if step == 0:
+        home = mine
+      else:
+        dkv = mine
     visiting = arriving
   if dkv is None:
     return dq, *home
