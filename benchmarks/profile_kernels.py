@@ -18,9 +18,10 @@ same kernels as the others).
 Per call: its time as the host sees it; the compiled program's collectives (op, shape and
 dtype, count); per GPU, busy time (at least one kernel running, over all streams) and the
 kernels by total time, collectives (NCCL) apart, with the part of the collectives' time in
-which no other kernel ran (exposed: the call waits on it). A GPU whose busy time is the
-one-GPU figure while the call takes longer waits (launches, host syncs, other GPUs); busy
-time that grows with the GPU count is slower kernels. Summaries go to --out as JSON lines.
+which no other kernel ran, copies aside (exposed: the call waits on it). A GPU whose busy
+time is the one-GPU figure while the call takes longer waits (launches, host syncs, other
+GPUs); busy time that grows with the GPU count is slower kernels. Summaries go to --out as
+JSON lines.
 """
 
 from __future__ import annotations
@@ -72,12 +73,15 @@ def summarize(data: jax.profiler.ProfileData, calls: int, top: int = 12) -> dict
       total[0], total[1] = total[0] + end - start, total[1] + 1
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     collective = lambda name: "nccl" in name.lower()
-    busy = _union_ns([(s, e) for _, s, e in events])
-    computing = _union_ns([(s, e) for n, s, e in events if not collective(n)])
+    # Kernels that do the call's work: neither collectives nor copies (memcpy, memset).
+    computing = [(s, e) for n, s, e in events
+                 if not collective(n) and not n.startswith(("Memcpy", "Memset"))]
+    collectives = [(s, e) for n, s, e in events if collective(n)]
+    exposed = _union_ns(computing + collectives) - _union_ns(computing)
     out[plane.name] = dict(
-        busy_ms=busy / 1e6 / calls,
+        busy_ms=_union_ns([(s, e) for _, s, e in events]) / 1e6 / calls,
         collectives_ms=sum(t for n, (t, _) in kernels.items() if collective(n)) / 1e6 / calls,
-        exposed_collectives_ms=(busy - computing) / 1e6 / calls,
+        exposed_collectives_ms=exposed / 1e6 / calls,
         kernels=[(n, t / 1e6 / calls, c / calls) for n, (t, c) in ranked[:top]])
   return out
 

@@ -8,9 +8,9 @@ import pytest
 
 from benchmarks import profile_kernels
 
-# One GPU plane: two overlapping kernels on a stream (busy 3 µs, not 4; the all-reduce runs
-# alone for 1 µs of its 2), and a derived "XLA Ops" line that repeats one of them and must
-# not count.
+# One GPU plane: two overlapping kernels on a stream (busy 3 µs, not 4), the all-reduce's
+# last µs beside a copy only (exposed all the same), and a derived "XLA Ops" line that
+# repeats one of them and must not count.
 _PROFILE = """
 planes {
   id: 1
@@ -24,6 +24,12 @@ planes {
     events { metadata_id: 1 offset_ps: 9000000 duration_ps: 1000000 }
   }
   lines {
+    id: 3
+    name: "Stream #14(copies)"
+    timestamp_ns: 1000
+    events { metadata_id: 3 offset_ps: 2000000 duration_ps: 1000000 }
+  }
+  lines {
     id: 2
     name: "XLA Ops"
     timestamp_ns: 1000
@@ -31,6 +37,7 @@ planes {
   }
   event_metadata { key: 1 value { id: 1 name: "attention_kernel" } }
   event_metadata { key: 2 value { id: 2 name: "ncclDevKernel_AllReduce_Sum_bf16" } }
+  event_metadata { key: 3 value { id: 3 name: "MemcpyD2D" } }
 }
 planes { id: 2 name: "/host:CPU" }
 """
@@ -43,9 +50,10 @@ def test_summary_counts_stream_kernels_once():
   gpu = got["/device:GPU:0"]
   assert gpu["busy_ms"] == pytest.approx(4e-3 / 2)  # [0, 3) ∪ [9, 10) µs, over 2 calls
   assert gpu["collectives_ms"] == pytest.approx(2e-3 / 2)
-  assert gpu["exposed_collectives_ms"] == pytest.approx(1e-3 / 2)  # [2, 3): the all-reduce alone
+  assert gpu["exposed_collectives_ms"] == pytest.approx(1e-3 / 2)  # [2, 3): beside the copy
   assert gpu["kernels"] == [("attention_kernel", pytest.approx(3e-3 / 2), 1.0),
-                            ("ncclDevKernel_AllReduce_Sum_bf16", pytest.approx(2e-3 / 2), 0.5)]
+                            ("ncclDevKernel_AllReduce_Sum_bf16", pytest.approx(2e-3 / 2), 0.5),
+                            ("MemcpyD2D", pytest.approx(1e-3 / 2), 0.5)]
 
 
 def test_a_case_profiles_on_cpu(tmp_path, capsys):
