@@ -413,6 +413,13 @@ def _segments_meet(q_seg, kv_seg):
   return jnp.any((kv_seg.min(1) <= q_seg.max(1)) & (q_seg.min(1) <= kv_seg.max(1)))
 
 
+def _if_segments_meet(q_seg, rows, kv_seg, run, *carry):
+  """run(*carry) where the query rows' segment ids may meet the visiting keys' (at run
+  time), else `carry` as it is: a skippable step's kernels and merges."""
+  meet = _segments_meet(q_seg[:, rows[0]:rows[1]], kv_seg)
+  return jax.lax.cond(meet, run, lambda *carry: carry, *carry)
+
+
 def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
   steps = ring_plans(q.shape[1], k.shape[1], shards, window, order)
   rows = passed_rows(steps)
@@ -448,8 +455,7 @@ def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order
       return _merge_rows(acc, lse, r0, r1, *partial)
 
     if _skippable(step, q_seg, (r0, r1), visiting):  # no kernel, no merge where ids differ
-      acc, lse = jax.lax.cond(_segments_meet(q_seg[:, r0:r1], visiting[2]), merged,
-                              lambda acc, lse: (acc, lse), acc, lse)
+      acc, lse = _if_segments_meet(q_seg, (r0, r1), visiting[2], merged, acc, lse)
     else:
       acc, lse = merged(acc, lse)
     visiting = arriving
@@ -507,8 +513,7 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
     if _skippable(step, q_seg, (r0, r1), visiting):  # no kernel where ids differ
       if carried is None:  # what the step would carry on: nothing added yet
         carried = _vma.varying_like(tuple(zeros(a) for a in visiting[:2]), q, k, v, d_out)
-      dq, dkv = jax.lax.cond(_segments_meet(q_seg[:, r0:r1], visiting[2]), added,
-                             lambda dq, carried: (dq, carried), dq, carried)
+      dq, dkv = _if_segments_meet(q_seg, (r0, r1), visiting[2], added, dq, carried)
     else:
       dq, mine = added(dq, None if step == 0 else carried)
       if step == 0:
