@@ -134,9 +134,9 @@ def grid_section(rows: list[dict]) -> list[str]:
   out = []
   for device, cases in latest_case.items():
     stamps = sorted({stamp for stamp, _ in cases.values()})
-    first = next(iter(cases.values()))[1]
-    some = next(iter(first.values()))
-    out += [f"**grid** on {device}, {' and '.join(stamps)} (jax {some['jax']}){_rounds([some])}",
+    shown = [r for _, group in cases.values() for r in group.values()]
+    out += [f"**grid** on {device}, {' and '.join(stamps)} (jax {shown[0]['jax']})"
+            f"{_rounds(shown)}",
             "", "| B | T | H | D | mask | memeff fwd+bwd TFLOP/s | cuDNN | × cuDNN fwd+bwd | "
             "× cuDNN fwd |", "|---|---|---|---|---|---|---|---|---|"]
     ratios = []
@@ -170,9 +170,12 @@ def grid_section(rows: list[dict]) -> list[str]:
 
 
 def _rounds(rows) -> str:
-  """', median of R interleaved rounds' for runs timed with --rounds R > 1."""
-  rounds = rows[0].get("rounds", 1)
-  return f", median of {rounds} interleaved rounds" if rounds > 1 else ""
+  """', median of R interleaved rounds' for runs timed with --rounds R > 1 (R as a range
+  where the rows come from runs of different R)."""
+  lo, hi = min(r.get("rounds", 1) for r in rows), max(r.get("rounds", 1) for r in rows)
+  if hi <= 1:
+    return ""
+  return f", median of {lo if lo == hi else f'{lo}–{hi}'} interleaved rounds"
 
 
 def runs(rows: list[dict]):

@@ -83,7 +83,7 @@ class MosaicBackwardConfig:
       past T load as zeros, which add nothing to dK or dV.
     stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split or without dq,
       4 without dq).
-    dq_split: the two compute warpgroups each compute half of dQ's columns (D = 128 only).
+    dq_split: the two compute warpgroups each compute half of dQ's columns (D = 64 or 128).
       A step exchanges dSᵀ first, then issues dQ = dS K with dV and dK and stores dQ while
       those two run (issued after dV and dK, with its own wait, the tensor cores idled
       meanwhile: see the design doc). The hand-offs through shared memory that an mbarrier
@@ -233,8 +233,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"column_split serves D=256, got D={d}"
   if config.column_split and config.dq_split:
     return "column_split and dq_split exclude each other"
-  if config.dq_split and d != 128:
-    return f"dq_split needs D=128, got D={d}"
+  if config.dq_split and d not in (64, 128):
+    return f"dq_split needs D=64 or 128, got D={d}"
   if config.dq_split and config.pingpong:
     return "pingpong and dq_split exclude each other"
   if config.dq_split and config.gqa_per_query_head:
@@ -325,11 +325,14 @@ def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
                                         transforms=hopper.swizzled_tiles(128, dtype)))
 
 
-def _operand_swizzle(block_q: int) -> int:
+def _operand_swizzle(block_q: int, half: int | None = None) -> int:
   """The widest swizzle (bytes) whose group of rows divides block_q, for the K, V, Q and dO
   tiles: dV = Pᵀ dO and dK = dSᵀ Q contract over the Q/dO tiles' block_q rows in swizzle / 2
-  steps, and the Sᵀ = K Qᵀ and dPᵀ = V dOᵀ WGMMAs need K and V in the same swizzle."""
-  return next(sw for sw in (128, 64, 32) if block_q % (sw // 2) == 0)
+  steps, and the Sᵀ = K Qᵀ and dPᵀ = V dOᵀ WGMMAs need K and V in the same swizzle. With
+  dq_split, `half` = D / 2: dQ = dS K reads K's columns by halves, each whole swizzle
+  groups (64 bytes at D = 64)."""
+  return next(sw for sw in (128, 64, 32)
+              if block_q % (sw // 2) == 0 and (half is None or (2 * half) % sw == 0))
 
 
 def _seg_len(block_q: int) -> int:
@@ -477,7 +480,9 @@ class _Scratch(NamedTuple):
   def shapes(cls, config: MosaicBackwardConfig, d: int, dtype, segments: bool, fused: bool):
     """The _Scratch of allocation types for pl.run_scoped."""
     bq, stages, keys = config.block_q, config.stages, config.cta_keys()
-    operand_tiles = hopper.swizzled_tiles(_operand_swizzle(bq))
+    # dQ = dS K: dS's slots in K's swizzle (the halves of a 64-column K need 64 bytes).
+    operand_tiles = hopper.swizzled_tiles(
+        _operand_swizzle(bq, d // 2 if config.dq_split else None))
     barrier, pair = plgpu.Barrier, dict(num_arrivals=2)
     optional = {}
     if segments:
@@ -498,7 +503,7 @@ class _Scratch(NamedTuple):
         q_smem=plgpu.SMEM((stages, bq, d), dtype, transforms=operand_tiles),
         do_smem=plgpu.SMEM((stages, bq, d), dtype, transforms=operand_tiles),
         stats_smem=plgpu.SMEM((stages, 2, bq), jnp.float32),
-        ds_smem=plgpu.SMEM(_ds_shape(config), dtype, transforms=hopper.swizzled_tiles()),
+        ds_smem=plgpu.SMEM(_ds_shape(config), dtype, transforms=operand_tiles),
         dq_smem=_dq_scratch(config, d, dtype),
         k_ready=barrier(), v_ready=barrier(),
         q_ready=barrier(num_barriers=stages), do_ready=barrier(num_barriers=stages),

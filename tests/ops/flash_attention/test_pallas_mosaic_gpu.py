@@ -73,13 +73,14 @@ def test_explicit_mosaic_on_cpu_says_why():
 @pytest.mark.parametrize("d, opts, overlap, persistent", [
     (128, _opts(), True, True), (128, _opts(causal=True), True, False),
     (256, _opts(), True, False), (256, _opts(causal=True), True, False),
-    (64, _opts(), False, False), (192, _opts(), False, False),
+    (64, _opts(), False, False), (64, _opts(causal=True), False, True),
+    (192, _opts(), False, False),
     (128, _opts(window=(100, 7)), False, False),
     (128, _opts(causal=True, segments=True), False, False)])
 def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap, persistent):
   """The default forward: intra-warpgroup overlap at D = 128 and 256 with no mask or a causal
   one, ping-pong elsewhere (masked blocks run without the overlap); persistent at D = 128
-  without a mask; an explicit config wins."""
+  without a mask and at D = 64 causal; an explicit config wins."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((1, 256, 4, d), BF16)
@@ -310,7 +311,9 @@ def test_persistent_forward_lowers_for_cuda(monkeypatch, causal, window, segment
     (True, 200, True, 128, True, False, 2, 256, 384, 4),
     (False, None, True, 64, False, False, 2, 192, 256, 1),
     (True, None, False, 256, False, False, 1, 256, 320, 2),
-    (False, (100, 7), True, 256, False, True, 1, 192, 256, 1)])
+    (False, (100, 7), True, 256, False, True, 1, 192, 256, 1),
+    (True, None, False, 64, True, False, 2, 256, 256, 2),
+    (False, (100, 7), True, 64, True, False, 3, 192, 256, 1)])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("per_query_head", [False, True])
 def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, pingpong, stages,
@@ -333,7 +336,6 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
      mb.MosaicBackwardConfig(column_split=True, stages=1), "exclude"),
     ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2), "shared memory"),
-    ((1, 256, 4, 64), (1, 256, 4, 64), BF16, _opts(), mb.MosaicBackwardConfig(), "dq_split"),
     ((1, 96, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(), "T=96"),
     ((1, 256, 4, 128), (1, 192, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(), "S=192"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(stages=3, dq_split=False),
@@ -394,11 +396,13 @@ def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap,
     (False, None, False, 128, 256, 384, 2, 2),
     (True, None, True, 128, 384, 256, 4, 1),
     (False, (100, 7), False, 128, 256, 512, 1, 2),
-    (True, None, False, 256, 256, 384, 2, 1)])
+    (True, None, False, 256, 256, 384, 2, 1),
+    (True, None, False, 64, 256, 256, 2, 2),
+    (False, (100, 7), True, 64, 256, 384, 1, 1)])
 def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv, buffers):
   """dq_ordered: the reductions wait on counters in global memory and release them, sent
   by a warp of their own, from one or two dQ tile slots."""
-  config = mb.MosaicBackwardConfig(dq_split=d == 128, column_split=d == 256,
+  config = mb.MosaicBackwardConfig(dq_split=d != 256, column_split=d == 256,
                                    stages=2 - (d == 256), dq_ordered=True, dq_buffers=buffers)
   opts = _opts(causal, window, segments)
   assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
@@ -439,15 +443,17 @@ def test_warps_lower_under_warpgroup_semantics(monkeypatch, causal, window, segm
   assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, 512, 384, 2, 128, segments))
 
 
-@pytest.mark.parametrize("causal, window, segments, ordered, rotate, softcap", [
-    (False, None, False, True, True, None),
-    (True, None, False, True, False, 30.0),
-    (False, (100, 7), True, True, False, None),
-    (False, None, False, False, False, None),
-    (True, 200, True, False, False, None)])
+@pytest.mark.parametrize("causal, window, segments, ordered, rotate, softcap, d", [
+    (False, None, False, True, True, None, 128),
+    (True, None, False, True, False, 30.0, 128),
+    (False, (100, 7), True, True, False, None, 128),
+    (False, None, False, False, False, None, 128),
+    (True, 200, True, False, False, None, 128),
+    (False, None, False, True, True, None, 64),
+    (True, None, False, False, False, None, 64)])
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
 def test_staggered_backward_lowers_for_cuda(monkeypatch, causal, window, segments, ordered,
-                                            rotate, softcap, semantics):
+                                            rotate, softcap, d, semantics):
   """dq_stagger: warpgroup 0 issues the last step's dQ with its step's dV and dK (and the
   key block's last at its end), in arrival order and ordered."""
   monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
@@ -456,8 +462,8 @@ def test_staggered_backward_lowers_for_cuda(monkeypatch, causal, window, segment
                                    dq_buffers=1 + (ordered and not segments), dq_rotate=rotate,
                                    dq_stagger=True)
   opts = dataclasses.replace(_opts(causal, window, segments), logit_softcap=softcap)
-  assert mb.support_error((2, 512, 4, 128), (2, 384, 2, 128), BF16, opts, config) is None
-  text = _backward_lowered_for_cuda(opts, config, 512, 384, 2, 128, segments)
+  assert mb.support_error((2, 512, 4, d), (2, 384, 2, d), BF16, opts, config) is None
+  text = _backward_lowered_for_cuda(opts, config, 512, 384, 2, d, segments)
   assert _MOSAIC_CALL.search(text)
 
 
@@ -497,18 +503,18 @@ def test_hand_offs_fence_per_thread(monkeypatch, fields, semantics):
   assert _MOSAIC_CALL.search(text) and "fence.proxy.async.shared::cta;" not in text
 
 
-@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("softcap, d", [(None, 128), (30.0, 128), (None, 64)])
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
-def test_fused_delta_lowers_for_cuda(monkeypatch, softcap, semantics):
+def test_fused_delta_lowers_for_cuda(monkeypatch, softcap, d, semantics):
   """fused_delta: a query block's first visitor loads O into a dQ slot, computes Δ, stores it
   and raises a flag, which the other visitors' loads wait for; under both lowerings."""
   monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
       mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
   config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, fused_delta=True)
   opts = dataclasses.replace(_opts(True), logit_softcap=softcap)
-  assert mb.support_error((2, 512, 4, 128), (2, 512, 4, 128), BF16, opts, config) is None
+  assert mb.support_error((2, 512, 4, d), (2, 512, 4, d), BF16, opts, config) is None
   assert mb._fuses_delta(config, opts.mask, 8, 4, 1)  # pylint: disable=protected-access
-  text = _backward_lowered_for_cuda(opts, config, 512, 512, 4, 128, False)
+  text = _backward_lowered_for_cuda(opts, config, 512, 512, 4, d, False)
   assert _MOSAIC_CALL.search(text)
 
 
@@ -727,7 +733,11 @@ def test_tuned_backward_configs_serve_their_calls():
   for causal in (False, True):
     assert mb.MosaicBackwardConfig.for_deterministic(256, causal) == mb.MosaicBackwardConfig(
         dq_split=False, column_split=True, stages=1, dq_ordered=True, dq_rotate=not causal)
-  for d, causal, gqa in ((64, False, False), (256, True, True),
+  # d64[_causal][_gqa]_ordered: the D = 128 kernel's dq_split, rotated, three Q/dO stages
+  for causal, gqa in ((False, False), (True, False), (False, True)):
+    assert mb.MosaicBackwardConfig.for_deterministic(64, causal, gqa) == mb.MosaicBackwardConfig(
+        dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True, stages=3)
+  for d, causal, gqa in ((64, True, True), (256, True, True),
                          (128, True, True)):  # no _ordered section: the dK/dV-only kernel
     assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
             == mb.MosaicBackwardConfig.tuned(d, causal, gqa, with_dq=False))
@@ -1110,6 +1120,38 @@ class TestMosaicGpu:
     for name, g, rg in zip("qkv", grads, r_grads):
       assert rel_err(g, rg) < 3e-2, name
 
+  @pytest.mark.parametrize("backward", [
+      mb.MosaicBackwardConfig(dq_split=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_stagger=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True,
+                              dq_stagger=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, fused_delta=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True,
+                              stages=3),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, fused_delta=True,
+                              stages=3)],
+      ids=["arrival", "stagger", "ordered_rotate", "ordered_fused", "ordered_one_slot",
+           "rotate_3_stages", "fused_3_stages"])
+  @pytest.mark.parametrize("opts, hkv", [(dict(causal=False), 4), (dict(causal=True), 4),
+                                         (dict(sliding_window=(300, 100)), 4),
+                                         (dict(causal=False), 2)])
+  def test_d64_dq_split_matches_reference(self, backward, opts, hkv):
+    """dq_split at D = 64 (K, V, Q, dO and dSᵀ in 64-byte swizzles, so that dQ reads K's
+    columns by 32-wide halves): the reference's gradients; the ordered kernels give the same
+    bits on every call."""
+    q, k, v, _, ct = make_problem(jax.random.key(27), 2, 1024, 1024, 4, hkv, 64, BF16)
+    impl = PallasMosaicGpu(backward_config=backward)
+    kw = {**opts, "deterministic": backward.dq_ordered}
+    _, _, grads = run(impl, q, k, v, None, ct, kw)
+    if backward.dq_ordered:
+      for g, h in zip(grads, run(impl, q, k, v, None, ct, kw)[2]):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
+    for name, g, rg in zip("qkv", grads, r_grads):
+      assert rel_err(g, rg) < 3e-2, name
+
   def test_default_picks_mosaic_where_it_serves(self):
     q = jnp.ones((1, 256, 4, 128), BF16)
     assert _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q, q, q).as_text())
@@ -1254,7 +1296,8 @@ class TestMosaicGpuPersistentForward(TestMosaicGpuFeatures):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesD64(TestMosaicGpuFeatures):
-  """D = 64 (the Mosaic backward without dq_split), MQA."""
+  """D = 64, MQA: the Mosaic backward without dq_split in arrival order, with it (dQ's
+  32-column halves) in a fixed order."""
 
   dtypes = (jnp.bfloat16,)
   shape = dict(b=1, t=384, s=512, hq=4, hkv=1, d=64)
