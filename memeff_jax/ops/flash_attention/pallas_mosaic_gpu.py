@@ -111,10 +111,10 @@ class MosaicConfig:
     and segment ids keep ping-pong.
 
     Persistent at D = 128 without a mask: the headline's forward took 1.830 against 1.916
-    ms on the grid (H100, 5 interleaved rounds); causal it took 1.089 against 1.068 (the static deal of unequal tiles does worse than the
-    hardware's dispatcher), and at D = 256 the output's buffer would cost a K/V stage. At
-    D = 64 persistent causal: 1.38 against 1.47 ms (H200, B=4 T=4096 H=64; cuDNN 1.39),
-    level without a mask (2.60 against 2.63)."""
+    ms on the grid (H100, 5 interleaved rounds); causal it took 1.089 against 1.068 (the
+    static deal of unequal tiles does worse than the hardware's dispatcher), and at D = 256
+    the output's buffer would cost a K/V stage. At D = 64 persistent causal: 1.38 against
+    1.47 ms (H200, B=4 T=4096 H=64; cuDNN 1.39), level without a mask (2.60 against 2.63)."""
     config = cls.for_head_dim(d)
     if d in (128, 256) and (mask.is_dense or mask.is_causal):
       config = dataclasses.replace(config, overlap=True, pingpong=False,
