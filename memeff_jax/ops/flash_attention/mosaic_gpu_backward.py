@@ -233,8 +233,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"column_split serves D=256, got D={d}"
   if config.column_split and config.dq_split:
     return "column_split and dq_split exclude each other"
-  if config.dq_split and d not in (64, 128):
-    return f"dq_split needs D=64 or 128, got D={d}"
   if config.dq_split and config.pingpong:
     return "pingpong and dq_split exclude each other"
   if config.dq_split and config.gqa_per_query_head:
