@@ -65,24 +65,45 @@ def band_blocks(before: int | None, after: int | None, start, length: int, n_blo
   return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
 
 def segment_block_ranges(ids, other_ids, block: int, other_block: int):
-  """[B, L/block, 2] int32: per block of `ids` ([B, L] segment ids), the [lo, hi) of the
+  """[B, L/block, 4] int32: per block of `ids` ([B, L] segment ids), the [lo, hi) of the
   blocks of `other_ids` ([B, M]) holding any id within that block's range of ids ([0, 0)
-  for none). Query blocks against key blocks for the forward, the reverse for the backward.
+  for none), and [full_lo, full_hi) ⊆ [lo, hi): the first run of blocks whose ids all
+  equal the block's one id, so that every pair of the two blocks shares a segment and
+  needs no segment mask ([hi, hi) where there is none, or the block's ids differ). Query
+  blocks against key blocks for the forward, the reverse for the backward.
 
-  A superset of the blocks with a visible pair whatever the ids' order, and exact for
-  packed documents (ids that never decrease along the sequence). Plain XLA, run before
-  the kernels, which read it as scalars.
+  [lo, hi) is a superset of the blocks with a visible pair whatever the ids' order, and
+  both ranges are exact for packed documents (ids that never decrease along the sequence).
+  Plain XLA, run before the kernels, which read it as scalars.
   """
   b, n = ids.shape
   m = other_ids.shape[1]
   mine = ids.reshape(b, n // block, block)
   other = other_ids.reshape(b, m // other_block, other_block)
-  overlap = ((other.min(-1)[:, None, :] <= mine.max(-1)[:, :, None])
-             & (mine.min(-1)[:, :, None] <= other.max(-1)[:, None, :]))  # [B, n/bl, m/obl]
+  my_lo, my_hi = mine.min(-1)[:, :, None], mine.max(-1)[:, :, None]
+  other_lo, other_hi = other.min(-1)[:, None, :], other.max(-1)[:, None, :]
+  overlap = (other_lo <= my_hi) & (my_lo <= other_hi)  # [B, n/bl, m/obl]
+  index = jnp.arange(m // other_block, dtype=jnp.int32)
   found = overlap.any(-1)
-  lo = jnp.argmax(overlap, -1).astype(jnp.int32)
-  hi = jnp.max(jnp.where(overlap, jnp.arange(1, m // other_block + 1, dtype=jnp.int32), 0), -1)
-  return jnp.stack([jnp.where(found, lo, 0), hi], -1).astype(jnp.int32)
+  lo = jnp.where(found, jnp.argmax(overlap, -1).astype(jnp.int32), 0)
+  hi = jnp.max(jnp.where(overlap, index + 1, 0), -1).astype(jnp.int32)
+  same = (other_lo == my_hi) & (other_hi == my_lo)  # both blocks hold one id, the same
+  full_lo = jnp.where(same.any(-1), jnp.argmax(same, -1).astype(jnp.int32), hi)
+  after_run = ~same & (index >= full_lo[..., None])
+  full_hi = jnp.where(after_run.any(-1), jnp.argmax(after_run, -1).astype(jnp.int32), hi)
+  full_hi = jnp.where(same.any(-1), jnp.minimum(full_hi, hi), hi)
+  return jnp.stack([lo, hi, full_lo, full_hi], -1)
+
+def segment_bounds(band, segment_range):
+  """(lo, hi, full_lo, full_hi) of blocks a block sees through the band (band_blocks) and
+  its segment ids (a row of segment_block_ranges): seen at all where both let it, and
+  whole (no mask) where both see it whole."""
+  lo, hi, full_lo, full_hi = band
+  seg_lo, seg_hi, seg_full_lo, seg_full_hi = segment_range
+  lo = jnp.maximum(lo, seg_lo)
+  hi = jnp.maximum(jnp.minimum(hi, seg_hi), lo)
+  full_lo = jnp.clip(jnp.maximum(full_lo, seg_full_lo), lo, hi)
+  return lo, hi, full_lo, jnp.clip(jnp.minimum(full_hi, seg_full_hi), full_lo, hi)
 
 def visible(mask, shape, key_axis: int, key_minus_query, row_ids=None, col_ids=None):
   """Bool tile (WGMMA layout) of which pairs a score tile keeps, or None for all of them.
@@ -128,8 +149,8 @@ def query_cta_key_blocks(mask, ranges_ref, b, qi, block_q: int, block_kv: int, n
   stream keys past resident queries (the forward, the dq kernel).
 
   Returns (per_block, cta_lo, cta_hi): per_block[w] = (lo, hi, full_lo, full_hi) for query
-  block w, which sees key blocks [lo, hi) in part and [full_lo, full_hi) whole (with segment
-  ids every block is masked); the CTA streams [cta_lo, cta_hi), the union of the two (an
+  block w, which sees key blocks [lo, hi) in part and [full_lo, full_hi) whole (by the
+  band and, with segment ids, their ranges: segment_bounds); the CTA streams [cta_lo, cta_hi), the union of the two (an
   empty range adds nothing). `ranges_ref` is segment_block_ranges(q_ids, kv_ids, ...) or
   None. Python ints where the mask is dense.
   """
@@ -140,9 +161,8 @@ def query_cta_key_blocks(mask, ranges_ref, b, qi, block_q: int, block_kv: int, n
     lo, hi, full_lo, full_hi = band_blocks(mask.left, mask.right, (2 * qi + w) * block_q,
                                            block_q, n_blocks, block_kv)
     if mask.segments:
-      lo = jnp.maximum(lo, ranges_ref[b, 2 * qi + w, 0])
-      hi = jnp.maximum(jnp.minimum(hi, ranges_ref[b, 2 * qi + w, 1]), lo)
-      full_lo = full_hi = hi
+      return segment_bounds((lo, hi, full_lo, full_hi),
+                            [ranges_ref[b, 2 * qi + w, i] for i in range(4)])
     return lo, hi, full_lo, full_hi
 
   per_block = [blocks_for(w) for w in (0, 1)]

@@ -27,12 +27,12 @@ Warpgroups:
 The softmax scale is applied once at the end (to dK, and to dq when it is cast back to the
 input dtype). Masks as in the forward, transposed: a CTA visits only the query blocks that
 see any of its keys (by the band, then by segment-id ranges), and masks those that do not
-see all of them (with segment ids, every one). Served: bf16/f16, D 64, 128 or 256 (256
-with column_split: each warpgroup owns half of the columns of dK, dV and dQ, and both
-compute the whole Sᵀ and dPᵀ of the CTA's 64 keys), T a multiple of 64, S of 128 (of 64
-with column_split), any mask, logit softcap. configs/tuning/flash_attention.toml picks the
-settings per head dim, causal and GQA; docs/design/flash_attention.md has what each variant
-measured.
+see all of them (with segment ids, all but those holding the keys' one id). Served:
+bf16/f16, D 64, 128 or 256 (256 with column_split: each warpgroup owns half of the columns
+of dK, dV and dQ, and both compute the whole Sᵀ and dPᵀ of the CTA's 64 keys), T a multiple
+of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
+configs/tuning/flash_attention.toml picks the settings per head dim, causal and GQA;
+docs/design/flash_attention.md has what each variant measured.
 """
 
 from __future__ import annotations
@@ -353,17 +353,13 @@ def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int, segments: b
 def _query_blocks(mask: MaskSpec, cta_key, cta_keys: int, n_q: int, bq: int, seg_range=None):
   """(first, last, full_lo, full_hi): the query blocks [first, last) that see any of the keys
   cta_key..cta_key+cta_keys-1, of which [full_lo, full_hi) see all of them (no mask).
-  seg_range: the (lo, hi) query blocks sharing a segment id with those keys. Scalars in the
-  kernel; arrays of key blocks for _reduction_ranks."""
+  seg_range: the keys' row of segment_block_ranges (the query blocks sharing a segment id
+  with them, and those sharing their one id). Scalars in the kernel; arrays of key blocks
+  for _reduction_ranks."""
   if mask.is_dense:
     return 0, n_q, 0, n_q
-  first, last, full_lo, full_hi = _mosaic.band_blocks(mask.right, mask.left, cta_key, cta_keys,
-                                                      n_q, bq)
-  if seg_range is not None:
-    first = jnp.maximum(first, seg_range[0])
-    last = jnp.maximum(jnp.minimum(last, seg_range[1]), first)
-    full_lo = full_hi = last
-  return first, last, full_lo, full_hi
+  band = _mosaic.band_blocks(mask.right, mask.left, cta_key, cta_keys, n_q, bq)
+  return band if seg_range is None else _mosaic.segment_bounds(band, seg_range)
 
 
 ROTATE_MAX_KV = 64  # dq_rotate's bound on a key head's CTAs: half an H100's SMs
@@ -401,7 +397,7 @@ def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: 
   block, how many key blocks add into that query block's dq before this one, and per query
   block how many add at all. In the plain walks later key blocks (launched first) add
   first; with `rotate` (dq_rotate, no mask), those that visit the block at an earlier step,
-  then those launched first. ranges: the backward's segment_block_ranges ([B, n_kv, 2]),
+  then those launched first. ranges: the backward's segment_block_ranges ([B, n_kv, 4]),
   with segment ids."""
   kv = jnp.arange(n_kv, dtype=jnp.int32)
   qb = jnp.arange(n_q, dtype=jnp.int32)
@@ -411,7 +407,7 @@ def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: 
     ranks = (turn[None, :, :] < turn[:, None, :]).sum(axis=1, dtype=jnp.int32)
     return (jnp.broadcast_to(ranks, (batch, n_kv, n_q)),
             jnp.full((batch, n_q), n_kv, jnp.int32))
-  seg = None if ranges is None else (ranges[..., 0], ranges[..., 1])
+  seg = None if ranges is None else [ranges[..., i] for i in range(4)]
   first, last, _, _ = _query_blocks(mask, kv * cta_keys, cta_keys, n_q, bq, seg)
   first, last = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, n_kv))[..., None]
                  for x in (first, last))
@@ -537,7 +533,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     """The work of grid position (b, h, kvi)."""
     if config.dq_ordered:  # the last key block launches first (see dq_ordered)
       kvi = n_kv - 1 - kvi
-    seg_range = (seg_refs[2][b, kvi, 0], seg_refs[2][b, kvi, 1]) if segments else None
+    seg_range = [seg_refs[2][b, kvi, i] for i in range(4)] if segments else None
     bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
     if per_query_head:  # this CTA's one query head, and its key head
       heads, kv_head = 1, hopper.div(h, group)
@@ -812,6 +808,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
         if masked:
           zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
+        elif segments:  # unread, but every load's barrier is waited on (its phase)
+          plgpu.barrier_wait(sc.q_seg_ready.at[slot])
         # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
         # 16 registers of a column vector decide whether the warpgroup spills.
         lse2 = hopper.load(sc.stats_smem.at[slot, 0], col_layout)

@@ -220,6 +220,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
         ok = _mosaic.visible(mask, z.shape, 1, j * bkv - row,
                              q_ids if segments else None, kv_ids)
         z = jnp.where(ok, z, -jnp.inf)
+      elif segments:  # unread, but every load's barrier is waited on (its phase)
+        plgpu.barrier_wait(seg.kv_ready.at[slot])
       p = jnp.exp2(z - lax.broadcast_in_dim(lse2, z.shape, [0]))
       if softcap is not None:
         p = p * (1.0 - tanh * tanh)

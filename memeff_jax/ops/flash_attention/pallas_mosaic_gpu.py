@@ -22,9 +22,10 @@ implementations save it) leave through shared memory by TMA.
 Masks: a CTA streams only the key blocks its rows can see. The causal and sliding-window
 band gives each query block a range of key blocks, of which the ones it sees whole run
 unmasked; segment ids narrow the range further by per-block ranges of the ids
-(_mosaic.segment_block_ranges, computed by XLA and read by the kernel as scalars) and mask
-every block they leave. Blocks that only the CTA's other query block sees are released
-without compute. A row that sees no key ends with output 0 and log-sum-exp -inf.
+(_mosaic.segment_block_ranges, computed by XLA and read by the kernel as scalars), and a
+block runs unmasked only where both blocks hold one id, the same (inside a document). Blocks
+that only the CTA's other query block sees are released without compute. A row that sees no
+key ends with output 0 and log-sum-exp -inf.
 
 Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of
 block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anything else
@@ -308,6 +309,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
           scores = jnp.tanh(scores * (scale / softcap)) * (softcap * hopper.LOG2E)
         if masked:
           scores = visible(j, scores)
+        elif segments:  # unread, but every load's barrier is waited on (its phase)
+          plgpu.barrier_wait(seg.kv_ready.at[slot])
         if segments:  # the slot's key ids have been read too
           plgpu.barrier_arrive(k_free.at[slot])
         if softcap is None:  # scale the row maximum, not the whole tile

@@ -597,6 +597,39 @@ def test_persistent_schedule_deals_each_block_once_in_launch_order(steps, ctas):
   assert max(ends) - min(ends) <= max(steps) + overhead
 
 
+@pytest.mark.parametrize("order", ["sorted", "random"])
+@pytest.mark.parametrize("block, other_block", [(64, 128), (128, 64)])
+def test_segment_block_ranges_against_every_pair(order, block, other_block):
+  """Per block, [lo, hi) holds every block of the other axis sharing an id with it, and
+  [full_lo, full_hi) ⊆ [lo, hi) only blocks whose every pair shares one (no mask); with
+  packed documents (sorted ids) both are exact."""
+  n, m = 1024, 768
+  key = jax.random.key(11)
+  # ids in runs of 64 tokens, so that some blocks hold one id even out of order
+  ids, other = (jnp.repeat(jax.random.randint(k, (3, size // 64), 0, 3), 64, axis=1)
+                for k, size in zip(jax.random.split(key), (n, m)))
+  if order == "sorted":
+    ids, other = jnp.sort(ids, -1), jnp.sort(other, -1)
+    other = other.at[1].set(ids[1, :m])  # a row of equal documents on both axes
+  ranges = np.asarray(pm._mosaic.segment_block_ranges(ids, other, block, other_block))  # pylint: disable=protected-access
+  assert ranges.shape == (3, n // block, 4)
+  mine = np.asarray(ids).reshape(3, n // block, 1, block, 1)
+  theirs = np.asarray(other).reshape(3, 1, m // other_block, 1, other_block)
+  pairs = mine == theirs
+  meets, whole = pairs.any((-2, -1)), pairs.all((-2, -1))
+  assert whole.any() and (~whole & meets).any()
+  for b in range(3):
+    for i in range(n // block):
+      lo, hi, full_lo, full_hi = ranges[b, i]
+      met, full = np.flatnonzero(meets[b, i]), np.flatnonzero(whole[b, i])
+      assert lo <= full_lo <= full_hi <= hi
+      assert all(lo <= j < hi for j in met)
+      assert all(whole[b, i, j] for j in range(full_lo, full_hi))
+      if order == "sorted":
+        assert (lo, hi) == ((met[0], met[-1] + 1) if met.size else (0, 0))
+        assert list(range(full_lo, full_hi)) == list(full)
+
+
 @pytest.mark.parametrize("causal, window, segments, t, s, cta_keys", [
     (False, None, None, 256, 384, 128),
     (True, None, None, 384, 256, 128),
@@ -1226,6 +1259,21 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
                                 opts)
     assert rel_err(out, r_out) < 3e-2
     np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
+    for g, rg in zip(grads, r_grads):
+      assert rel_err(g, rg) < 3e-2
+
+  @pytest.mark.parametrize("causal", [False, True])
+  def test_documents_over_several_blocks(self, causal):
+    """Documents of 300 to 600 tokens: blocks inside one document run without a mask
+    (segment_block_ranges' full ranges), those across a boundary with it."""
+    b, t, d = 2, 1024, self.shape["d"]
+    q, k, v, _, ct = make_problem(jax.random.key(12), b, t, t, 4, 2, d, BF16)
+    pos = jnp.arange(t)
+    seg = jnp.stack([(pos >= 300).astype(jnp.int32) + (pos >= 700), pos // 512])
+    out, lse, grads = run(self.impl, q, k, v, (seg, seg), ct, {**self.extra, "causal": causal})
+    r_out, r_lse, r_grads = run("reference", *(x.astype(jnp.float32) for x in (q, k, v)),
+                                (seg, seg), ct, dict(causal=causal))
+    assert rel_err(out, r_out) < 3e-2 and rel_err(lse, r_lse) < 1e-2
     for g, rg in zip(grads, r_grads):
       assert rel_err(g, rg) < 3e-2
 
