@@ -149,10 +149,10 @@ def query_cta_key_blocks(mask, ranges_ref, b, qi, block_q: int, block_kv: int, n
   stream keys past resident queries (the forward, the dq kernel).
 
   Returns (per_block, cta_lo, cta_hi): per_block[w] = (lo, hi, full_lo, full_hi) for query
-  block w, which sees key blocks [lo, hi) in part and [full_lo, full_hi) whole (by the
-  band and, with segment ids, their ranges: segment_bounds); the CTA streams [cta_lo, cta_hi), the union of the two (an
-  empty range adds nothing). `ranges_ref` is segment_block_ranges(q_ids, kv_ids, ...) or
-  None. Python ints where the mask is dense.
+  block w, which sees key blocks [lo, hi) in part and [full_lo, full_hi) whole (by the band
+  and, with segment ids, their ranges: segment_bounds); the CTA streams [cta_lo, cta_hi),
+  the union of the two (an empty range adds nothing). `ranges_ref` is
+  segment_block_ranges(q_ids, kv_ids, ...) or None. Python ints where the mask is dense.
   """
   if mask.is_dense:
     return [(0, n_blocks, 0, n_blocks)] * 2, 0, n_blocks
