@@ -21,6 +21,7 @@ from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pm
 from memeff_jax.ops.flash_attention import pallas_triton
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention._common import Residuals
+from memeff_jax.ops.flash_attention import masks
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 from tests.ops.flash_attention.test_flash_attention import _FlashAttentionTest
 from tests.ops.flash_attention.test_flash_attention import make_problem
@@ -628,6 +629,42 @@ def test_segment_block_ranges_against_every_pair(order, block, other_block):
       if order == "sorted":
         assert (lo, hi) == ((met[0], met[-1] + 1) if met.size else (0, 0))
         assert list(range(full_lo, full_hi)) == list(full)
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (False, (300, 7)),
+                                            (True, 300)])
+def test_kernels_leave_unmasked_only_blocks_seen_whole(causal, window):
+  """With segment ids, the blocks the kernels visit (the forward's and dq kernel's key
+  blocks per query block, the backward's query blocks per key block) hold every visible
+  pair, and those they run unmasked are visible whole: the band's bounds met with
+  segment_block_ranges'."""
+  t, bq, bkv, cta_keys = 1024, 64, 128, 128
+  mask = MaskSpec.make(causal, window, True)
+  lengths = [[300, 600, 124], [1024], [64, 448, 512]]  # documents per row
+  ids = jnp.asarray([np.repeat(np.arange(len(x)), x) for x in lengths], jnp.int32)
+  pos = jnp.arange(t)
+  seen = np.asarray(jax.vmap(lambda i: masks.visible(mask, pos, pos, i, i))(ids))  # [B, T, S]
+  fwd = pm._mosaic.segment_block_ranges(ids, ids, bq, bkv)  # pylint: disable=protected-access
+  bwd = pm._mosaic.segment_block_ranges(ids, ids, cta_keys, bq)  # pylint: disable=protected-access
+  whole_blocks = 0
+  for b in range(len(lengths)):
+    tiles = lambda r, c: seen[b, r * bq:(r + 1) * bq, c * bkv:(c + 1) * bkv]
+    for qi in range(t // (2 * bq)):
+      per_block, _, _ = pm._mosaic.query_cta_key_blocks(mask, fwd, b, qi, bq, bkv, t // bkv)  # pylint: disable=protected-access
+      for w, (lo, hi, full_lo, full_hi) in enumerate(per_block):
+        for j in range(t // bkv):
+          tile = tiles(2 * qi + w, j)
+          assert not tile.any() or lo <= j < hi
+          assert tile.all() or not full_lo <= j < full_hi
+          whole_blocks += int(full_lo <= j < full_hi)
+    for kvi in range(t // cta_keys):
+      first, last, full_lo, full_hi = mb._query_blocks(  # pylint: disable=protected-access
+          mask, kvi * cta_keys, cta_keys, t // bq, bq, [bwd[b, kvi, i] for i in range(4)])
+      for qb in range(t // bq):
+        tile = seen[b, qb * bq:(qb + 1) * bq, kvi * cta_keys:(kvi + 1) * cta_keys]
+        assert not tile.any() or first <= qb < last
+        assert tile.all() or not full_lo <= qb < full_hi
+  assert whole_blocks > 0
 
 
 @pytest.mark.parametrize("causal, window, segments, t, s, cta_keys", [
