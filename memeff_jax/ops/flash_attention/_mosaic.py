@@ -84,14 +84,14 @@ def segment_block_ranges(ids, other_ids, block: int, other_block: int):
   other_lo, other_hi = other.min(-1)[:, None, :], other.max(-1)[:, None, :]
   overlap = (other_lo <= my_hi) & (my_lo <= other_hi)  # [B, n/bl, m/obl]
   index = jnp.arange(m // other_block, dtype=jnp.int32)
-  found = overlap.any(-1)
-  lo = jnp.where(found, jnp.argmax(overlap, -1).astype(jnp.int32), 0)
+  first = lambda x: jnp.argmax(x, -1).astype(jnp.int32)  # 0 where x holds no True
+  lo = first(overlap)
   hi = jnp.max(jnp.where(overlap, index + 1, 0), -1).astype(jnp.int32)
   same = (other_lo == my_hi) & (other_hi == my_lo)  # both blocks hold one id, the same
-  full_lo = jnp.where(same.any(-1), jnp.argmax(same, -1).astype(jnp.int32), hi)
-  after_run = ~same & (index >= full_lo[..., None])
-  full_hi = jnp.where(after_run.any(-1), jnp.argmax(after_run, -1).astype(jnp.int32), hi)
-  full_hi = jnp.where(same.any(-1), jnp.minimum(full_hi, hi), hi)
+  full_lo = jnp.where(same.any(-1), first(same), hi)
+  # The run ends at the first block from full_lo on without the id (else at hi: none after).
+  run_ended = ~same & (index >= full_lo[..., None])
+  full_hi = jnp.where(run_ended.any(-1), first(run_ended), hi)
   return jnp.stack([lo, hi, full_lo, full_hi], -1)
 
 def segment_bounds(band, segment_range):
