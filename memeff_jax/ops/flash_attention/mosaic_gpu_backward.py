@@ -152,6 +152,11 @@ class MosaicBackwardConfig:
       launched after it, which took the headline's backward from 7.6 to 10.8 ms; a window or
       segment ids, T ≠ S, GQA) run the kernel with the pass, as dq_rotate
       applies only where it can.
+    dq_heavy_first: (dq_ordered, masked walks) the key blocks launch in grid order, the
+      first key block (under a causal mask the longest walk) first, as in arrival order,
+      rather than last first; the adders keep their order (descending key block), so a
+      CTA then waits on ones launched after it, which must find an SM: it applies where a
+      key head has at most ROTATE_MAX_KV CTAs, as dq_rotate does.
   """
 
   stages: int = 2
@@ -166,6 +171,7 @@ class MosaicBackwardConfig:
   dq_rotate: bool = False
   fused_delta: bool = False
   dq_stagger: bool = False
+  dq_heavy_first: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -243,8 +249,9 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
                                 and not config.gqa_per_query_head):
     return ("dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split), "
             "and not gqa_per_query_head (whose dK and dV reductions are unordered)")
-  if (config.dq_buffers != 1 or config.dq_rotate) and not config.dq_ordered:
-    return "dq_buffers and dq_rotate belong to dq_ordered"
+  if (config.dq_buffers != 1 or config.dq_rotate or config.dq_heavy_first
+      ) and not config.dq_ordered:
+    return "dq_buffers, dq_rotate and dq_heavy_first belong to dq_ordered"
   if config.fused_delta and not (config.dq_ordered and config.dq_split
                                  and config.dq_buffers == 2):
     return ("fused_delta needs dq_ordered with dq_split and dq_buffers=2 (its O tiles land in "
@@ -367,6 +374,12 @@ ROTATE_MAX_KV = 64  # dq_rotate's bound on a key head's CTAs: half an H100's SMs
 
 def _rotates(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> bool:
   return config.dq_ordered and config.dq_rotate and mask.is_dense and n_kv <= ROTATE_MAX_KV
+
+
+def _heavy_first(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> bool:
+  """Whether dq_ordered's key blocks launch first key block first (dq_heavy_first)."""
+  return (config.dq_ordered and config.dq_heavy_first and not _rotates(config, mask, n_kv)
+          and n_kv <= ROTATE_MAX_KV)
 
 
 def _rotation(kv, n_kv: int, n_q: int):
@@ -510,8 +523,8 @@ class _Scratch(NamedTuple):
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      dq_ref, dk_ref, dv_ref, sc: _Scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
-                     softcap: float | None, group: int, rotate: bool, order=None,
-                     delta=None):
+                     softcap: float | None, group: int, rotate: bool,
+                     heavy_first: bool = False, order=None, delta=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
   int32 zeros (see key_tiles). sc: the shared memory and barriers. order: with
@@ -531,7 +544,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   segments = mask.segments
   def item_at(b, h, kvi):
     """The work of grid position (b, h, kvi)."""
-    if config.dq_ordered:  # the last key block launches first (see dq_ordered)
+    if config.dq_ordered and not heavy_first:  # the last key block launches first
       kvi = n_kv - 1 - kvi
     seg_range = [seg_refs[2][b, kvi, i] for i in range(4)] if segments else None
     bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
@@ -1074,7 +1087,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
-                       rotate=rotate, order=order, delta=delta)
+                       rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
+                       order=order, delta=delta)
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused),
                   collective_axes="wg")

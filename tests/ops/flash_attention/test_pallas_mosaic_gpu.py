@@ -155,7 +155,8 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
   if hkv == 4:
     assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
-                                                  dq_ordered=True, dq_rotate=not causal)
+                                                  dq_ordered=True, dq_rotate=not causal,
+                                                  dq_heavy_first=causal)
     assert st.dq is None and st.triton is None
   else:
     assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2,
@@ -706,15 +707,17 @@ def test_reduction_ranks_order_each_query_blocks_adders(causal, window, segments
   assert ranks.min() >= 0
 
 
-def _run_ordered_schedule(ranks, walks, heads: int, sms: int, seed: int):
+def _run_ordered_schedule(ranks, walks, heads: int, sms: int, seed: int,
+                          heavy_first: bool = False):
   """dq_ordered's protocol, played out: `heads` key heads of CTAs launched in grid order
-  (last key block first) onto `sms` SMs; a CTA adds into its walk's next query block once
-  that block's counter equals its rank there, then counts it up. Resident CTAs move in a
-  random order. Returns each (head, query block)'s adders in the order they added, or None
-  if no CTA can move (deadlock)."""
+  (last key block first; first key block first with `heavy_first`) onto `sms` SMs; a CTA
+  adds into its walk's next query block once that block's counter equals its rank there,
+  then counts it up. Resident CTAs move in a random order. Returns each (head, query
+  block)'s adders in the order they added, or None if no CTA can move (deadlock)."""
   rng = np.random.default_rng(seed)
   n_kv = len(walks)
-  queue = [(hd, j) for hd in range(heads) for j in reversed(range(n_kv))]
+  order = list(range(n_kv) if heavy_first else reversed(range(n_kv)))
+  queue = [(hd, j) for hd in range(heads) for j in order]
   resident, done = {}, {}
   counters = collections.Counter()
   while queue or resident:
@@ -766,6 +769,32 @@ def test_rotated_walks_add_in_rank_order_without_deadlock(t, s):
     assert _run_ordered_schedule(n_kv - 1 - ranks, walks, heads=3, sms=n_kv + 1, seed=0) is None
 
 
+@pytest.mark.parametrize("causal, window", [(True, None), (False, (300, 0))])
+def test_heavy_first_walks_add_in_rank_order_without_deadlock(causal, window):
+  """dq_heavy_first: the masked walks launch first key block first while the adders keep
+  their order (descending key block), so a CTA waits on ones launched after it: the
+  protocol finishes whenever a key head's CTAs fit on the SMs at once (the bound it shares
+  with dq_rotate), and can deadlock with fewer."""
+  cta_keys, bq, n_kv = 2 * mb.BLOCK_KV, mb.BLOCK_Q, 6
+  n_q = n_kv * cta_keys // bq
+  mask = MaskSpec.make(causal, window, False)
+  config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_heavy_first=True)
+  assert mb._heavy_first(config, mask, n_kv)  # pylint: disable=protected-access
+  assert not mb._heavy_first(config, mask, mb.ROTATE_MAX_KV + 1)  # pylint: disable=protected-access
+  assert not mb._heavy_first(dataclasses.replace(config, dq_heavy_first=False), mask, n_kv)  # pylint: disable=protected-access
+  ranks = np.asarray(mb._reduction_ranks(mask, 1, n_kv, cta_keys, n_q, bq)[0])[0]  # pylint: disable=protected-access
+  walks = []
+  for j in range(n_kv):
+    first, last, _, _ = mb._query_blocks(mask, j * cta_keys, cta_keys, n_q, bq)  # pylint: disable=protected-access
+    walks.append(list(range(int(first), int(last))))
+  for seed in range(3):
+    done = _run_ordered_schedule(ranks, walks, heads=3, sms=n_kv, seed=seed, heavy_first=True)
+    assert done is not None and len(done) == 3 * n_q
+    for (_, qb), adders in done.items():  # descending key block, as ranked
+      assert adders == sorted(adders, reverse=True), qb
+  assert _run_ordered_schedule(ranks, walks, heads=3, sms=2, seed=0, heavy_first=True) is None
+
+
 def test_tuned_backward_configs_serve_their_calls():
   """The tuning table's sections name real fields and choices the kernel accepts."""
   for d in (64, 128, 256):
@@ -799,10 +828,12 @@ def test_tuned_backward_configs_serve_their_calls():
     assert ordered == dataclasses.replace(
         mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True, dq_buffers=2,
         dq_rotate=not causal, fused_delta=causal and not gqa, dq_stagger=not (causal or gqa))
-  # d256[_causal]_ordered: the column-split kernel, dq in rank order (rotated without a mask)
+  # d256[_causal]_ordered: the column-split kernel, dq in rank order (rotated without a mask,
+  # causal with the longest walk launched first)
   for causal in (False, True):
     assert mb.MosaicBackwardConfig.for_deterministic(256, causal) == mb.MosaicBackwardConfig(
-        dq_split=False, column_split=True, stages=1, dq_ordered=True, dq_rotate=not causal)
+        dq_split=False, column_split=True, stages=1, dq_ordered=True, dq_rotate=not causal,
+        dq_heavy_first=causal)
   # d64[_causal][_gqa]_ordered: the D = 128 kernel's dq_split, rotated, three Q/dO stages
   for causal, gqa in ((False, False), (True, False), (False, True)):
     assert mb.MosaicBackwardConfig.for_deterministic(64, causal, gqa) == mb.MosaicBackwardConfig(
@@ -1115,8 +1146,11 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
-                              dq_rotate=True)],
-      ids=["one_slot", "two_slots", "rotate", "d256"])
+                              dq_rotate=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_heavy_first=True),
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
+                              dq_heavy_first=True)],
+      ids=["one_slot", "two_slots", "rotate", "d256", "heavy_first", "d256_heavy_first"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
@@ -1137,13 +1171,15 @@ class TestMosaicGpu:
     for name, g, rg in zip("qkv", first, r_grads):
       assert rel_err(g, rg) < 3e-2, name
 
+  @pytest.mark.parametrize("heavy_first", [False, True])
   @pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=True, logit_softcap=20.0)])
-  def test_fused_delta_is_reproducible_and_matches(self, opts):
+  def test_fused_delta_is_reproducible_and_matches(self, opts, heavy_first):
     """fused_delta: Δ from each query block's first visitor (causal, one query head per key
     head, T = S) gives the same bits on every call, the unfused kernel's gradients up to Δ's
     rounding, and the reference's (with an LSE cotangent too)."""
     q, k, v, _, ct = make_problem(jax.random.key(24), 2, 1024, 1024, 4, 4, 128, BF16)
-    ordered = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2)
+    ordered = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2,
+                                      dq_heavy_first=heavy_first)
     fused = dataclasses.replace(ordered, fused_delta=True)
     assert mb._fuses_delta(fused, MaskSpec.make(True, None, False), 16, 8, 1)  # pylint: disable=protected-access
     step = lambda c: jax.jit(lambda q, k, v: run(PallasMosaicGpu(backward_config=c), q, k, v,
