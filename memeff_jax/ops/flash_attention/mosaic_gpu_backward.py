@@ -152,11 +152,13 @@ class MosaicBackwardConfig:
       launched after it, which took the headline's backward from 7.6 to 10.8 ms; a window or
       segment ids, T ≠ S, GQA) run the kernel with the pass, as dq_rotate
       applies only where it can.
-    dq_heavy_first: (dq_ordered, masked walks) the key blocks launch in grid order, the
-      first key block (under a causal mask the longest walk) first, as in arrival order,
-      rather than last first; the adders keep their order (descending key block), so a
-      CTA then waits on ones launched after it, which must find an SM: it applies where a
-      key head has at most ROTATE_MAX_KV CTAs, as dq_rotate does.
+    dq_heavy_first: (dq_ordered, walks not rotated) the key blocks launch in grid order,
+      the first key block (under a causal mask the longest walk) first, as in arrival
+      order, rather than last first; the adders keep their order (descending key block),
+      so a CTA then waits on ones launched after it (for their dq, and with fused_delta
+      for their Δ), which must find an SM: it applies where a key head has at most
+      ROTATE_MAX_KV CTAs, as dq_rotate does. See the design doc for why the launch order
+      matters under a causal mask.
   """
 
   stages: int = 2
