@@ -522,55 +522,6 @@ class _Scratch(NamedTuple):
         **optional)
 
 
-_TRACE = [None]
-_TRACES = []
-
-def _stamp(ref, col, heads, n_kv):
-  from jax.experimental.mosaic.gpu import utils as mu
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import llvm
-  cta = (lax.axis_index("b") * heads + lax.axis_index("h")) * n_kv + lax.axis_index("kv")
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def f(_, r):
-    addr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(r))
-    asm = ("{ .reg .u32 t; mov.u32 t, %globaltimer_lo; st.u32 [$0+" + str(4 * col) + "], t; "
-           + "mov.u32 t, %clock; st.u32 [$0+" + str(12 + 4 * col) + "], t; "
-           + ("mov.u32 t, %smid; st.u32 [$0+8], t; " if col == 0 else "") + "}")
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr], asm, "l", has_side_effects=True)
-  f(ref.at[cta])
-
-
-def _stamp_dep(i, col, heads, n_kv, z):
-  if _TRACE2[0] is None:
-    return
-  from jax.experimental.mosaic.gpu import utils as mu
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import llvm
-  cta = (lax.axis_index("b") * heads + lax.axis_index("h")) * n_kv + lax.axis_index("kv")
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
-  def f(_, r, zz):
-    addr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(r))
-    zv = zz.registers.flat[0]
-    asm = "{ .reg .u32 t; mov.u32 t, %globaltimer_lo; add.u32 t, t, $1; st.u32 [$0+" + str(4 * col) + "], t; }"
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, zv], asm, "l,r", has_side_effects=True)
-  f(_TRACE2[0].at[cta, i], z)
-
-def _stamp_step(i, col, heads, n_kv):
-  if _TRACE2[0] is None:
-    return
-  from jax.experimental.mosaic.gpu import utils as mu
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import llvm
-  cta = (lax.axis_index("b") * heads + lax.axis_index("h")) * n_kv + lax.axis_index("kv")
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def f(_, r):
-    addr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(r))
-    asm = "{ .reg .u32 t; mov.u32 t, %globaltimer_lo; st.u32 [$0+" + str(4 * col) + "], t; }"
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr], asm, "l", has_side_effects=True)
-  f(_TRACE2[0].at[cta, i])
-
-_TRACE2 = [None]
-
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      dq_ref, dk_ref, dv_ref, sc: _Scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
@@ -595,8 +546,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   segments = mask.segments
   def item_at(b, h, kvi):
     """The work of grid position (b, h, kvi)."""
-    import os as _os
-    if (config.dq_ordered and not heavy_first) or (not config.dq_ordered and _os.environ.get("MEMEFF_ARRIVAL_LAST_FIRST")):  # the last key block launches first
+    if config.dq_ordered and not heavy_first:  # the last key block launches first
       kvi = n_kv - 1 - kvi
     seg_range = [seg_refs[2][b, kvi, i] for i in range(4)] if segments else None
     bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
@@ -790,23 +740,17 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         if config.dq_ordered:
           slot, full, free = dq_slot(gi)
           tile = slot * 2 + wg
-          pl.when(wg == 0)(lambda: _stamp_step(i, 2, k_ref.shape[2], n_kv))
           plgpu.barrier_wait(free)  # the slot's last tiles have been read
-          pl.when(wg == 0)(lambda: _stamp_step(i, 3, k_ref.shape[2], n_kv))
           sc.dq_smem.at[tile][...] = dq
           hand_off(full)
           return
-        pl.when(wg == 0)(lambda: _stamp_step(i, 2, k_ref.shape[2], n_kv))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read the tile
-        pl.when(wg == 0)(lambda: _stamp_step(i, 3, k_ref.shape[2], n_kv))
         sc.dq_smem.at[wg][...] = dq
         plgpu.commit_smem()
         head, qb = step_block(it, i)
-        _mode = __import__("os").environ.get("MEMEFF_DQ_MODE", "add")
-        if _mode != "none":
-          plgpu.copy_smem_to_gmem(sc.dq_smem.at[wg],
-                                  dq_ref.at[it.b, pl.ds(qb * bq, bq), head, cols],
-                                  reduction_op="add" if _mode == "add" else None)
+        plgpu.copy_smem_to_gmem(sc.dq_smem.at[wg],
+                                dq_ref.at[it.b, pl.ds(qb * bq, bq), head, cols],
+                                reduction_op="add")
 
       def split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish):
         """The rest of dq_split's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
@@ -845,8 +789,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
       def step(i, carry, *, masked):
         dk, dv, z = carry
-        z_next = z if __import__("os").environ.get("MEMEFF_Z_CARRY") else zero_ref[0]  # the next step's offset (key_tiles)
-        pl.when(wg == 0)(lambda: _stamp_dep(i, 12, k_ref.shape[2], n_kv, z))
+        z_next = zero_ref[0]  # the next step's offset (key_tiles)
         return (*step_grads(i, dk, dv, z, masked=masked), z_next)
 
       def step_grads(i, dk, dv, z, *, masked):
@@ -855,11 +798,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         _, qb = step_block(it, i)
         q_tile, do_tile = sc.q_smem.at[slot], sc.do_smem.at[slot]
         k_step, v_step, k_cols = key_tiles(z)
-        pl.when(wg == 0)(lambda: _stamp_step(i, 0, k_ref.shape[2], n_kv))
         plgpu.barrier_wait(sc.q_ready.at[slot])
         plgpu.barrier_wait(sc.do_ready.at[slot])
         plgpu.barrier_wait(sc.stats_ready.at[slot])
-        pl.when(wg == 0)(lambda: _stamp_step(i, 1, k_ref.shape[2], n_kv))
         fused = delta is not None and (masked or mask.is_dense)  # causal: first visits mask
         # The flag's code goes into every loop body: only in the masked steps' (where it
         # runs), the ptxas report and the times were the same.
@@ -877,7 +818,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           pl.when((i == 0) & (wg == 1))(lambda: plgpu.barrier_wait(sc.lead))
         st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
                                         plgpu.ACC.init(zeros((bkv, bq)))))
-        pl.when(wg == 0)(lambda: _stamp_step(i, 8, k_ref.shape[2], n_kv))
         if config.dq_stagger:
           pl.when((i == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(sc.lead))
         zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
@@ -904,9 +844,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.wgmma(dk_ref, dst, q_tile.at[:, my_cols] if split else q_tile)
           take_turn()
 
-        pl.when(wg == 0)(lambda: _stamp_step(i, 9, k_ref.shape[2], n_kv))
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-        pl.when(wg == 0)(lambda: _stamp_step(i, 10, k_ref.shape[2], n_kv))
         if publish:
           publish_delta(it, i)
         plgpu.barrier_arrive(sc.do_free.at[slot])
@@ -915,7 +853,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           return dk, dv
 
         ds_buf = share_ds(gi, dst)
-        pl.when(wg == 0)(lambda: _stamp_step(i, 11, k_ref.shape[2], n_kv))
 
         def mm(acc_ref):  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
           plgpu.wgmma(acc_ref, ds_buf.at[pl.ds(wg * bkv, bkv)].T,
@@ -980,11 +917,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       hopper.wait_stores_read()
       return base + it.n_steps
 
-    if _TRACE[0] is not None:
-      pl.when(wg == 0)(lambda: _stamp(_TRACE[0], 0, k_ref.shape[2], n_kv))
     run_item(grid_item, jnp.int32(0))
-    if _TRACE[0] is not None:
-      pl.when(wg == 0)(lambda: _stamp(_TRACE[0], 1, k_ref.shape[2], n_kv))
 
   @pl.when(wg == 2)
   def _memory():
@@ -1049,30 +982,17 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       rows, half = pl.ds(qb * bq, bq), d // 2
       cols = lambda w: pl.ds(w * half, half)
 
-      if __import__("os").environ.get("MEMEFF_COUNTER_FIRST"):
-        plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
-        _stamp_step(i, 13, k_ref.shape[2], n_kv)
-        plgpu.barrier_wait(full)
-        _stamp_step(i, 4, k_ref.shape[2], n_kv)
-        _stamp_step(i, 5, k_ref.shape[2], n_kv)
-      else:
-        plgpu.barrier_wait(full)
-        _stamp_step(i, 4, k_ref.shape[2], n_kv)
-        plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+      plgpu.barrier_wait(full)
+      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
       for op, when in ((None, rank == 0), ("add", rank > 0)):
         @pl.when(when)
         def _(op=op):
           for w in range(2):
             plgpu.copy_smem_to_gmem(sc.dq_smem.at[slot * 2 + w],
                                     dq_ref.at[it.b, rows, head, cols(w)], reduction_op=op)
-      if not __import__("os").environ.get("MEMEFF_COUNTER_FIRST"):
-        _stamp_step(i, 5, k_ref.shape[2], n_kv)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      _stamp_step(i, 6, k_ref.shape[2], n_kv)
       plgpu.barrier_arrive(free)
-      if not __import__("os").environ.get("MEMEFF_NO_LAND"):
-        plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
-      _stamp_step(i, 7, k_ref.shape[2], n_kv)
+      plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
       plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
     @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
@@ -1145,16 +1065,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type)
   elif config.with_dq:
     dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
-  import os as _os
-  tracing = bool(_os.environ.get("MEMEFF_TRACE"))
-  trace_args = (jax.new_ref(jnp.zeros((b * grid_heads * n_kv, 8), jnp.int32)),
-                jax.new_ref(jnp.zeros((b * grid_heads * n_kv, n_q, 16), jnp.int32))) if tracing else ()
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
     out_ref = None
-    if tracing:
-      refs = list(refs)
-      _TRACE2[0] = refs.pop(len(refs) - len(out_type) - 1)
-      _TRACE[0] = refs.pop(len(refs) - len(out_type) - 1)
     if fused:  # the forward's output, for Δ
       out_ref, *refs = refs
     tables = ()
@@ -1195,10 +1107,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
   )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),
-    *rank_args, *seg_args, *dq_acc, *dkv_acc, *trace_args)
-  _TRACE[0] = _TRACE2[0] = None
-  if tracing:
-    jax.debug.callback(lambda x, y: _TRACES.append((__import__("numpy").asarray(x), __import__("numpy").asarray(y))), trace_args[0][...], trace_args[1][...])
+    *rank_args, *seg_args, *dq_acc, *dkv_acc)
   dq = None
   if config.dq_ordered:  # query blocks that no key block adds into were never written
     written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
