@@ -108,13 +108,12 @@ class MosaicBackwardConfig:
     dq_ordered: (dq_split or column_split) the key CTAs add into each query block's dq in
       one fixed order, descending key block, so that dq is bitwise reproducible. The
       compute warpgroups only leave their dQ tiles in shared memory; the memory warpgroup,
-      between its loads, waits for a counter in global memory (one per query block, head
-      and column half: each warpgroup's tile) to reach the CTA's rank, sends that tile to
-      its reduction, and adds one to the counter once it has landed, so that the next key
-      block starts on the first half while the second lands. The first adder stores, so the
-      float32 dq needs no zeroing. The CTAs of a key head launch in that same order (last
-      key block first), so a CTA only waits on one launched before it, never on one without
-      an SM (CUDA starts a grid's CTAs in order). The memory warpgroup's warp 1 sends dQ in its own loop, so
+      between its loads, waits for a counter in global memory (one per query block and
+      head) to reach the CTA's rank, sends both tiles to their reduction, and adds one to
+      the counter once they have landed. The first adder stores, so the float32 dq needs no
+      zeroing. The CTAs of a key head launch in that same order (last key block first), so
+      a CTA only waits on one launched before it, never on one without an SM (CUDA starts
+      a grid's CTAs in order). The memory warpgroup's warp 1 sends dQ in its own loop, so
       that a wait for a counter never holds up warp 0's loads.
     dq_buffers: (dq_ordered) dQ tile slots, 1 or 2: with 2 the compute warpgroups may leave
       a step's tiles while the last step's still wait for their turn. A most, like the
@@ -531,9 +530,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
   int32 zeros (see key_tiles). sc: the shared memory and barriers. order: with
-  config.dq_ordered, the _reduction_ranks table and the [B · Hq · n_q · 2] counters the
-  reductions wait on (one per column half). delta: where the call fuses Δ (_fuses_delta),
-  the forward's output O, the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
+  config.dq_ordered, the _reduction_ranks table and the [B · Hq · n_q] counters the
+  reductions wait on. delta: where the call fuses Δ (_fuses_delta), the forward's output O,
+  the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
   view in the input dtype."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
@@ -573,8 +572,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
   def block_index(it, head, qb):
     """Query block qb of `head` in the item's batch row, as an index into the
-    [B · Hq · n_q] semaphores (fused_delta's flags; dq_ordered's counters at twice it, plus
-    the column half)."""
+    [B · Hq · n_q] semaphores (dq_ordered's counters, fused_delta's flags)."""
     return (it.b * q_ref.shape[2] + head) * n_q + qb
 
   def step_block(it, i):
@@ -976,28 +974,26 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       """dq_ordered, on the memory warpgroup's warp 1 (so that a wait for a counter never
       holds up warp 0's loads): the item's step i (global step gi)'s dQ tiles, once both compute
       warpgroups have left them, into dq in rank order: after the `rank` key blocks before
-      this one, the first storing. Each column half has its own counter: the next key
-      block may add into the first half while the second still lands."""
+      this one, the first storing."""
       head, qb = step_block(it, i)
-      counters = [order[1].at[2 * block_index(it, head, qb) + w] for w in range(2)]
+      counter = order[1].at[block_index(it, head, qb)]
       rank = order[0][it.b, it.kvi, qb]
       slot, full, free = dq_slot(gi)
       rows, half = pl.ds(qb * bq, bq), d // 2
       cols = lambda w: pl.ds(w * half, half)
 
       plgpu.barrier_wait(full)
-      for w in range(2):  # one bulk group per half
-        plgpu.semaphore_wait(counters[w], rank, decrement=False, memory_scope="gpu")
-        for op, when in ((None, rank == 0), ("add", rank > 0)):
-          @pl.when(when)
-          def _(op=op, w=w):
+      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+      for op, when in ((None, rank == 0), ("add", rank > 0)):
+        @pl.when(when)
+        def _(op=op):
+          for w in range(2):
             plgpu.copy_smem_to_gmem(sc.dq_smem.at[slot * 2 + w],
                                     dq_ref.at[it.b, rows, head, cols(w)], reduction_op=op)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(free)
-      for w in range(2):  # landed, half by half: the next key block may add
-        plgpu.wait_smem_to_gmem(1 - w)
-        plgpu.semaphore_signal(counters[w], 1, memory_scope="gpu")
+      plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
+      plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
     @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
     def _per_warp():
@@ -1089,7 +1085,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         sc = sc._replace(dq_smem=sc.dq_smem[0])
       order = None
       if config.dq_ordered:  # with counters that start at zero in every call
-        order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((2 * b * hq * n_q,))))
+        order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))))
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
