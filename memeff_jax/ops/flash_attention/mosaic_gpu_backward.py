@@ -37,6 +37,7 @@ docs/design/flash_attention.md has what each variant measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -428,6 +429,21 @@ def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: 
                  for x in (first, last))
   adds = ((first <= qb) & (qb < last)).astype(jnp.int32)  # [B, n_kv, n_q]
   return jnp.cumsum(adds[:, ::-1], axis=1)[:, ::-1] - adds, adds.sum(axis=1)
+
+
+def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int, t: int,
+              ranges=None, rotate: bool = False):
+  """(ranks, written) for dq_ordered: _reduction_ranks' table, and where dq was written
+  ([B, T, 1, 1] bool; None where every query block has an adder). Without segment ids both
+  depend on the shapes alone: computed while tracing, they are constants of the program
+  rather than a handful of small kernels in every call."""
+  static = ranges is None
+  with jax.ensure_compile_time_eval() if static else contextlib.nullcontext():
+    ranks, adders = _reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, ranges,
+                                     rotate=rotate)
+    if static and bool(jnp.all(adders > 0)):
+      return ranks, None
+    return ranks, jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
 
 
 class _Item(NamedTuple):
@@ -1046,8 +1062,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   per_query_head = config.gqa_per_query_head and hq > hkv
   grid_heads = hq if per_query_head else hkv
   if config.dq_ordered:
-    ranks, adders = _reduction_ranks(mask, b, n_kv, config.cta_keys(), n_q, bq, ranges,
-                                     rotate=rotate)
+    ranks, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, t, ranges,
+                               rotate=rotate)
     rank_args = (ranks,)
   else:
     rank_args = ()
@@ -1109,10 +1125,11 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),
     *rank_args, *seg_args, *dq_acc, *dkv_acc)
   dq = None
-  if config.dq_ordered:  # query blocks that no key block adds into were never written
-    written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
+  if config.dq_ordered:
     dq_f32, *outs = outs
-    dq = (jnp.where(written, dq_f32, 0.0) * opts.scale).astype(q.dtype)
+    if written is not None:  # query blocks that no key block adds into were never written
+      dq_f32 = jnp.where(written, dq_f32, 0.0)
+    dq = (dq_f32 * opts.scale).astype(q.dtype)
   elif config.with_dq:
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
   if per_query_head:

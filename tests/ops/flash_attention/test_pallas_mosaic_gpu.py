@@ -707,6 +707,44 @@ def test_reduction_ranks_order_each_query_blocks_adders(causal, window, segments
   assert ranks.min() >= 0
 
 
+@pytest.mark.parametrize("causal, window, segments, t, s, rotate", [
+    (True, None, False, 512, 512, False),
+    (False, (2, 2), False, 512, 384, False),  # the last query block has no adder
+    (False, None, False, 512, 512, True),
+    (True, None, True, 512, 512, False)])
+def test_dq_order_is_computed_while_tracing(causal, window, segments, t, s, rotate):
+  """dq_ordered's rank table and the rows of dq it writes: without segment ids constants of
+  the program (no kernels in each call), equal to _reduction_ranks'; `written` is None only
+  where every query block has an adder. With segment ids they are computed in the call."""
+  bq, cta_keys, batch = mb.BLOCK_Q, 128, 2
+  n_q, n_kv = t // bq, s // cta_keys
+  mask = MaskSpec.make(causal, window, segments)
+  seen = {}
+
+  @jax.jit
+  def trace(seg):
+    ranges = pm._mosaic.segment_block_ranges(seg, seg, cta_keys, bq) if segments else None  # pylint: disable=protected-access
+    seen["order"] = mb._dq_order(mask, batch, n_kv, cta_keys, n_q, bq, t, ranges,  # pylint: disable=protected-access
+                                 rotate=rotate)
+    seen["ranges"] = ranges
+    return seg
+
+  trace(jnp.zeros((batch, t), jnp.int32))
+  ranks, written = seen["order"]
+  assert isinstance(ranks, jax.core.Tracer) == segments
+  if segments:
+    return
+  assert not isinstance(written, jax.core.Tracer)
+  want, adders = map(np.asarray, mb._reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq,  # pylint: disable=protected-access
+                                                     rotate=rotate))
+  np.testing.assert_array_equal(np.asarray(ranks), want)
+  if (adders > 0).all():
+    assert written is None
+  else:
+    np.testing.assert_array_equal(np.asarray(written)[..., 0, 0],
+                                  np.repeat(adders > 0, bq, axis=1)[:, :t])
+
+
 def _run_ordered_schedule(ranks, walks, heads: int, sms: int, seed: int,
                           heavy_first: bool = False):
   """dq_ordered's protocol, played out: `heads` key heads of CTAs launched in grid order
