@@ -726,7 +726,6 @@ def test_dq_order_is_computed_while_tracing(causal, window, segments, t, s, rota
     ranges = pm._mosaic.segment_block_ranges(seg, seg, cta_keys, bq) if segments else None  # pylint: disable=protected-access
     seen["order"] = mb._dq_order(mask, batch, n_kv, cta_keys, n_q, bq, t, ranges,  # pylint: disable=protected-access
                                  rotate=rotate)
-    seen["ranges"] = ranges
     return seg
 
   trace(jnp.zeros((batch, t), jnp.int32))
