@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from memeff_jax import _tuning
 from memeff_jax.kernels import hopper
 from memeff_jax.ops.flash_attention import flash_attention
 from memeff_jax.ops.flash_attention import MosaicConfig
@@ -833,7 +834,12 @@ def test_heavy_first_walks_add_in_rank_order_without_deadlock(causal, window):
 
 
 def test_tuned_backward_configs_serve_their_calls():
-  """The tuning table's sections name real fields and choices the kernel accepts."""
+  """The tuning table's sections name real fields and choices the kernel accepts, and none
+  that its calls would ignore: dq_rotate applies only without a mask, so no causal section
+  sets it."""
+  table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
+  assert not [name for name, fields in table.items()
+              if "causal" in name and fields.get("dq_rotate")]
   for d in (64, 128, 256):
     for causal in (False, True):
       config = mb.MosaicBackwardConfig.tuned(d, causal)
@@ -871,10 +877,11 @@ def test_tuned_backward_configs_serve_their_calls():
     assert mb.MosaicBackwardConfig.for_deterministic(256, causal) == mb.MosaicBackwardConfig(
         dq_split=False, column_split=True, stages=1, dq_ordered=True, dq_rotate=not causal,
         dq_heavy_first=causal)
-  # d64[_causal][_gqa]_ordered: the D = 128 kernel's dq_split, rotated, three Q/dO stages
+  # d64[_causal][_gqa]_ordered: the D = 128 kernel's dq_split, three Q/dO stages, rotated
+  # without a mask
   for causal, gqa in ((False, False), (True, False), (False, True)):
     assert mb.MosaicBackwardConfig.for_deterministic(64, causal, gqa) == mb.MosaicBackwardConfig(
-        dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True, stages=3)
+        dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=not causal, stages=3)
   for d, causal, gqa in ((64, True, True), (256, True, True),
                          (128, True, True)):  # no _ordered section: the dK/dV-only kernel
     assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
