@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -154,14 +153,6 @@ class MosaicBackwardConfig:
       launched after it, which took the headline's backward from 7.6 to 10.8 ms; a window or
       segment ids, T ≠ S, GQA) run the kernel with the pass, as dq_rotate
       applies only where it can.
-    dq_half_counters: (dq_ordered) a counter per column half (each compute warpgroup's dQ
-      tile): each half is sent once its own counter reaches the rank and counted up once
-      it has landed, so the next key block starts on the first half while the second lands.
-    dq_chains: (dq_ordered) 1 or 2: with 2 the even and the odd key blocks add into two
-      float32 accumulators, each in its own fixed order (descending key block), summed
-      after the kernel (even, then odd). Successive adders of a chain are two key blocks
-      apart, so a rank's wait on the one before it (that reduction's landing, the counter's
-      round trip) has two of its steps to hide under. One more float32 dq of memory.
     dq_heavy_first: (dq_ordered, walks not rotated) the key blocks launch in grid order,
       the first key block (under a causal mask the longest walk) first, as in arrival
       order, rather than last first; the adders keep their order (descending key block),
@@ -184,8 +175,6 @@ class MosaicBackwardConfig:
   fused_delta: bool = False
   dq_stagger: bool = False
   dq_heavy_first: bool = False
-  dq_half_counters: bool = False
-  dq_chains: int = 1
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
@@ -264,11 +253,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return ("dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split), "
             "and not gqa_per_query_head (whose dK and dV reductions are unordered)")
   if (config.dq_buffers != 1 or config.dq_rotate or config.dq_heavy_first
-      or config.dq_half_counters or config.dq_chains != 1) and not config.dq_ordered:
-    return ("dq_buffers, dq_rotate, dq_heavy_first, dq_half_counters and dq_chains belong to "
-            "dq_ordered")
-  if config.dq_chains not in (1, 2):
-    return f"dq_chains must be 1 or 2, got {config.dq_chains}"
+      ) and not config.dq_ordered:
+    return "dq_buffers, dq_rotate and dq_heavy_first belong to dq_ordered"
   if config.fused_delta and not (config.dq_ordered and config.dq_split
                                  and config.dq_buffers == 2):
     return ("fused_delta needs dq_ordered with dq_split and dq_buffers=2 (its O tiles land in "
@@ -422,52 +408,42 @@ def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: i
 
 
 def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
-                     ranges=None, rotate: bool = False, chains: int = 1):
-  """(ranks [B, n_kv, n_q], adders [chains, B, n_q]) int32 for dq_ordered: per key block
-  and query block, how many key blocks of its chain (dq_chains: key block mod chains) add
-  into that query block's dq before this one, and per chain and query block how many add
-  at all. In the plain walks later key blocks (launched first) add first; with `rotate`
-  (dq_rotate, no mask), those that visit the block at an earlier step, then those launched
-  first. ranges: the backward's segment_block_ranges ([B, n_kv, 4]), with segment ids."""
+                     ranges=None, rotate: bool = False):
+  """(ranks [B, n_kv, n_q], adders [B, n_q]) int32 for dq_ordered: per key block and query
+  block, how many key blocks add into that query block's dq before this one, and per query
+  block how many add at all. In the plain walks later key blocks (launched first) add
+  first; with `rotate` (dq_rotate, no mask), those that visit the block at an earlier step,
+  then those launched first. ranges: the backward's segment_block_ranges ([B, n_kv, 4]),
+  with segment ids."""
   kv = jnp.arange(n_kv, dtype=jnp.int32)
   qb = jnp.arange(n_q, dtype=jnp.int32)
-  chain = kv % chains
   if rotate:
     visit = lax.rem(qb[None] - _rotation(kv, n_kv, n_q)[:, None] + n_q, jnp.int32(n_q))
     turn = visit * n_kv + (n_kv - 1 - kv)[:, None]  # [n_kv, n_q], distinct per query block
-    same = (chain[:, None] == chain[None, :])[:, :, None]
-    ranks = ((turn[None, :, :] < turn[:, None, :]) & same).sum(axis=1, dtype=jnp.int32)
-    members = jnp.stack([(chain == c).sum(dtype=jnp.int32) for c in range(chains)])
+    ranks = (turn[None, :, :] < turn[:, None, :]).sum(axis=1, dtype=jnp.int32)
     return (jnp.broadcast_to(ranks, (batch, n_kv, n_q)),
-            jnp.broadcast_to(members[:, None, None], (chains, batch, n_q)))
+            jnp.full((batch, n_q), n_kv, jnp.int32))
   seg = None if ranges is None else [ranges[..., i] for i in range(4)]
   first, last, _, _ = _query_blocks(mask, kv * cta_keys, cta_keys, n_q, bq, seg)
   first, last = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, n_kv))[..., None]
                  for x in (first, last))
   adds = ((first <= qb) & (qb < last)).astype(jnp.int32)  # [B, n_kv, n_q]
-  ranks, adders = jnp.zeros_like(adds), []
-  for c in range(chains):
-    mine = (chain == c)[None, :, None]
-    a = jnp.where(mine, adds, 0)
-    ranks = jnp.where(mine, jnp.cumsum(a[:, ::-1], axis=1)[:, ::-1] - a, ranks)
-    adders.append(a.sum(axis=1))
-  return ranks, jnp.stack(adders)
+  return jnp.cumsum(adds[:, ::-1], axis=1)[:, ::-1] - adds, adds.sum(axis=1)
 
 
 def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int, t: int,
-              ranges=None, rotate: bool = False, chains: int = 1):
-  """(ranks, written) for dq_ordered: _reduction_ranks' table, and where each chain's dq
-  was written ([chains, B, T, 1, 1] bool; None where every query block has an adder in
-  every chain). Without segment ids both depend on the shapes alone: computed while
-  tracing, they are constants of the program rather than a handful of small kernels in
-  every call."""
+              ranges=None, rotate: bool = False):
+  """(ranks, written) for dq_ordered: _reduction_ranks' table, and where dq was written
+  ([B, T, 1, 1] bool; None where every query block has an adder). Without segment ids both
+  depend on the shapes alone: computed while tracing, they are constants of the program
+  rather than a handful of small kernels in every call."""
   static = ranges is None
   with jax.ensure_compile_time_eval() if static else contextlib.nullcontext():
     ranks, adders = _reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, ranges,
-                                     rotate=rotate, chains=chains)
+                                     rotate=rotate)
     if static and bool(jnp.all(adders > 0)):
       return ranks, None
-    return ranks, jnp.repeat(adders > 0, bq, axis=2)[:, :, :t, None, None]
+    return ranks, jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
 
 
 class _Item(NamedTuple):
@@ -570,10 +546,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
   int32 zeros (see key_tiles). sc: the shared memory and barriers. order: with
-  config.dq_ordered, the _reduction_ranks table and the counters the reductions wait on
-  ([dq_chains, B · Hq · n_q, 2 with dq_half_counters]). delta: where the call fuses Δ
-  (_fuses_delta), the forward's output O, the [B · Hq · n_q] flags that a query block's Δ
-  is in stats_ref, and the dQ tile slots' view in the input dtype."""
+  config.dq_ordered, the _reduction_ranks table and the [B · Hq · n_q] counters the
+  reductions wait on. delta: where the call fuses Δ (_fuses_delta), the forward's output O,
+  the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
+  view in the input dtype."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   t, d = q_ref.shape[1], q_ref.shape[-1]
@@ -612,7 +588,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
   def block_index(it, head, qb):
     """Query block qb of `head` in the item's batch row, as an index into the
-    [B · Hq · n_q] semaphores (fused_delta's flags; dq_ordered's counters, see send_dq)."""
+    [B · Hq · n_q] semaphores (dq_ordered's counters, fused_delta's flags)."""
     return (it.b * q_ref.shape[2] + head) * n_q + qb
 
   def step_block(it, i):
@@ -1013,34 +989,27 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     def send_dq(it, i, gi):
       """dq_ordered, on the memory warpgroup's warp 1 (so that a wait for a counter never
       holds up warp 0's loads): the item's step i (global step gi)'s dQ tiles, once both compute
-      warpgroups have left them, into its chain's dq (dq_chains) in rank order: after the
-      `rank` key blocks of the chain before this one, the first storing. With
-      dq_half_counters each half waits for and counts up its own counter."""
+      warpgroups have left them, into dq in rank order: after the `rank` key blocks before
+      this one, the first storing."""
       head, qb = step_block(it, i)
-      halves = 2 if config.dq_half_counters else 1
-      chain = hopper.rem(it.kvi, config.dq_chains) if config.dq_chains > 1 else 0
-      block = chain * (q_ref.shape[0] * q_ref.shape[2] * n_q) + block_index(it, head, qb)
-      counters = [order[1].at[block * halves + w] for w in range(halves)]
+      counter = order[1].at[block_index(it, head, qb)]
       rank = order[0][it.b, it.kvi, qb]
       slot, full, free = dq_slot(gi)
       rows, half = pl.ds(qb * bq, bq), d // 2
       cols = lambda w: pl.ds(w * half, half)
-      dq_rows = chain * q_ref.shape[0] + it.b  # the chain's accumulator: [chains · B, ...]
 
       plgpu.barrier_wait(full)
-      for w in range(2):  # one bulk group per half
-        if w < halves:
-          plgpu.semaphore_wait(counters[w], rank, decrement=False, memory_scope="gpu")
-        for op, when in ((None, rank == 0), ("add", rank > 0)):
-          @pl.when(when)
-          def _(op=op, w=w):
+      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+      for op, when in ((None, rank == 0), ("add", rank > 0)):
+        @pl.when(when)
+        def _(op=op):
+          for w in range(2):
             plgpu.copy_smem_to_gmem(sc.dq_smem.at[slot * 2 + w],
-                                    dq_ref.at[dq_rows, rows, head, cols(w)], reduction_op=op)
+                                    dq_ref.at[it.b, rows, head, cols(w)], reduction_op=op)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(free)
-      for w, counter in enumerate(counters):  # landed (half by half): the next may add
-        plgpu.wait_smem_to_gmem(halves - 1 - w)
-        plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
+      plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
+      plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
     @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
     def _per_warp():
@@ -1094,7 +1063,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   grid_heads = hq if per_query_head else hkv
   if config.dq_ordered:
     ranks, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, t, ranges,
-                               rotate=rotate, chains=config.dq_chains)
+                               rotate=rotate)
     rank_args = (ranks,)
   else:
     rank_args = ()
@@ -1108,9 +1077,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   # The float32 dq: zeros that every key block adds into; with dq_ordered an uninitialized
   # output, which each query block's first adder stores rather than adds into (no memset).
   dq_acc = ()
-  if config.dq_ordered:  # per chain (dq_chains) a [B, T, Hq, D] accumulator
-    out_type = (jax.ShapeDtypeStruct((config.dq_chains * b, *q.shape[1:]), jnp.float32),
-                *out_type)
+  if config.dq_ordered:
+    out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type)
   elif config.with_dq:
     dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
@@ -1133,8 +1101,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         sc = sc._replace(dq_smem=sc.dq_smem[0])
       order = None
       if config.dq_ordered:  # with counters that start at zero in every call
-        counters = config.dq_chains * (2 if config.dq_half_counters else 1) * b * hq * n_q
-        order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((counters,))))
+        order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))))
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
@@ -1160,11 +1127,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   dq = None
   if config.dq_ordered:
     dq_f32, *outs = outs
-    dq_f32 = dq_f32.reshape(config.dq_chains, *q.shape)
     if written is not None:  # query blocks that no key block adds into were never written
       dq_f32 = jnp.where(written, dq_f32, 0.0)
-    dq = functools.reduce(operator.add, list(dq_f32))  # the chains in order: fixed bits
-    dq = (dq * opts.scale).astype(q.dtype)
+    dq = (dq_f32 * opts.scale).astype(q.dtype)
   elif config.with_dq:
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
   if per_query_head:
