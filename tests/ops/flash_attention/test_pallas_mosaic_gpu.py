@@ -404,7 +404,8 @@ def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap,
     (False, (100, 7), True, 64, 256, 384, 1, 1)])
 def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv, buffers):
   """dq_ordered: the reductions wait on counters in global memory and release them, sent
-  by a warp of their own, from one or two dQ tile slots."""
+  by a warp of their own, from one or two dQ tile slots; without segment ids the program
+  computes no rank table per call."""
   config = mb.MosaicBackwardConfig(dq_split=d != 256, column_split=d == 256,
                                    stages=2 - (d == 256), dq_ordered=True, dq_buffers=buffers)
   opts = _opts(causal, window, segments)
@@ -412,6 +413,8 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv
   text = _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments)
   assert _MOSAIC_CALL.search(text)
   assert "red.release.gpu" in text and "ld.relaxed.gpu" in text  # signal, and wait
+  if not segments:  # the rank table is a constant of the program, not computed per call
+    assert "stablehlo.iota" not in text and "reduce_window" not in text
 
 
 @pytest.mark.parametrize("buffers", [2, 1])
