@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -94,10 +95,13 @@ class MosaicBackwardConfig:
     pingpong: the compute warpgroups take turns issuing their WGMMAs, so that one's softmax
       and stores run under the other's matmuls (not with dq_split: its exchange of dSᵀ
       would wait on a turn the other warpgroup cannot give).
-    gqa_per_query_head: under GQA, one CTA per query head rather than per key head: dK and
-      dV are added into float32 [B, S, Hkv, D] buffers by TMA reductions (as dq is), so
-      the grid has Hq/Hkv times more, shorter CTAs (not with dq_split, whose dQ tiles are
-      too small to carry a dK tile).
+    gqa_per_query_head: under GQA, one CTA per query head rather than per key head, so the
+      grid has Hq/Hkv times more, shorter CTAs. In arrival order dK and dV are added into
+      float32 [B, S, Hkv, D] buffers by TMA reductions (as dq is; not with dq_split, whose
+      dQ tiles are too small to carry a dK tile). With dq_ordered each CTA stores its query
+      head's share of dK and dV in the input dtype into [B, S, Hq, D] buffers, summed over
+      the group after the kernel in a fixed order (as FlashAttention-2 does): the kernel
+      of one query head per key head, deterministic, for two such buffers of memory.
     column_split: a CTA of 64 keys whose two compute warpgroups each own half of the
       columns of dK, dV and dQ; both compute the whole Sᵀ and dPᵀ (7 matmul units of
       64·64·D/2 per warpgroup against 5 of 64·64·D). It keeps dK and dV in registers at
@@ -244,14 +248,12 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return "column_split and dq_split exclude each other"
   if config.dq_split and config.pingpong:
     return "pingpong and dq_split exclude each other"
-  if config.dq_split and config.gqa_per_query_head:
-    return "gqa_per_query_head and dq_split exclude each other"
+  if config.dq_split and config.gqa_per_query_head and not config.dq_ordered:
+    return "gqa_per_query_head and dq_split exclude each other in arrival order"
   if not config.with_dq and (config.dq_split or config.gqa_per_query_head):
     return "with_dq=False excludes dq_split and gqa_per_query_head"
-  if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)
-                                and not config.gqa_per_query_head):
-    return ("dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split), "
-            "and not gqa_per_query_head (whose dK and dV reductions are unordered)")
+  if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)):
+    return "dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split)"
   if (config.dq_buffers != 1 or config.dq_rotate or config.dq_heavy_first
       ) and not config.dq_ordered:
     return "dq_buffers, dq_rotate and dq_heavy_first belong to dq_ordered"
@@ -403,7 +405,7 @@ def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: i
   n_q = 2·n_kv), launched before the others, and each key block walks one query head.
   dq_rotate's walks (no mask) never qualify: each key block there visits blocks whose first
   visitor launches after it."""
-  return (config.fused_delta and _SCRATCH_PARAM and group == 1
+  return (config.fused_delta and _SCRATCH_PARAM and (group == 1 or config.gqa_per_query_head)
           and n_q == 2 * n_kv and mask.is_causal)
 
 
@@ -544,7 +546,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      softcap: float | None, group: int, rotate: bool,
                      heavy_first: bool = False, order=None, delta=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
-  query head and dk_ref/dv_ref are float32 accumulators, else "h" is the key head. zero_ref:
+  query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
+  [B, S, Hq, D] outputs of each query head's share (dq_ordered), else "h" is the key head. zero_ref:
   int32 zeros (see key_tiles). sc: the shared memory and barriers. order: with
   config.dq_ordered, the _reduction_ranks table and the [B · Hq · n_q] counters the
   reductions wait on. delta: where the call fuses Δ (_fuses_delta), the forward's output O,
@@ -905,7 +908,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
       keys = pl.ds(my_key, bkv)
-      if per_query_head:  # add this head's share into the float32 dK and dV, via the dQ tile
+      if per_query_head and not config.dq_ordered:  # add this head's share into the float32
+        # dK and dV, via the dQ tile (ordered, it stores the share as without GQA)
         for acc, acc_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           sc.dq_smem.at[wg][...] = acc
@@ -1061,19 +1065,22 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     seg_args, ranges = (), None
   per_query_head = config.gqa_per_query_head and hq > hkv
   grid_heads = hq if per_query_head else hkv
+  shares = per_query_head and config.dq_ordered  # dK, dV per query head, summed below
   if config.dq_ordered:
     ranks, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, t, ranges,
                                rotate=rotate)
     rank_args = (ranks,)
   else:
     rank_args = ()
-  if per_query_head:  # dK and dV gather the group's query heads by TMA reductions too
-    dkv_acc = (jax.new_ref(jnp.zeros(k.shape, jnp.float32)),
+  if per_query_head and not shares:  # dK and dV gather the group's query heads by TMA
+    dkv_acc = (jax.new_ref(jnp.zeros(k.shape, jnp.float32)),  # reductions too
                jax.new_ref(jnp.zeros(v.shape, jnp.float32)))
     out_type = ()
   else:
     dkv_acc = ()
-    out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    dkv_shape = (b, s, hq, d) if shares else k.shape
+    out_type = (jax.ShapeDtypeStruct(dkv_shape, k.dtype),
+                jax.ShapeDtypeStruct(dkv_shape, v.dtype))
   # The float32 dq: zeros that every key block adds into; with dq_ordered an uninitialized
   # output, which each query block's first adder stores rather than adds into (no memset).
   dq_acc = ()
@@ -1132,6 +1139,11 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     dq = (dq_f32 * opts.scale).astype(q.dtype)
   elif config.with_dq:
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
-  if per_query_head:
+  if shares:  # each key head's query heads in order: fixed bits
+    group = hq // hkv
+    outs = tuple(functools.reduce(operator.add, [
+        x.reshape(b, s, hkv, group, d)[:, :, :, m].astype(jnp.float32) for m in range(group)
+    ]).astype(k.dtype) for x in outs)
+  elif per_query_head:
     outs = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)
   return dq, *outs, None, None

@@ -99,9 +99,9 @@ def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap
 def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv):
   """The Mosaic backward sums dq in arrival order: only deterministic=False may run it whole.
   Deterministic calls run it with dq_ordered where the table has an `_ordered` section
-  (D = 128, save causal GQA), else get dK, dV from it (with_dq=False) and dq from
-  mosaic_gpu_dq's kernel (pallas_triton's on request, or where that does not serve the
-  call)."""
+  (D = 128; causal GQA with one CTA per query head), else get dK, dV from it
+  (with_dq=False) and dq from mosaic_gpu_dq's kernel (pallas_triton's on request, or where
+  that does not serve the call)."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
@@ -110,11 +110,8 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   fast = dataclasses.replace(det, deterministic=False)
   assert det.deterministic  # the default
   st = PallasMosaicGpu()._static(q, k, det)  # pylint: disable=protected-access
-  if hkv == 4 or not causal:  # d128[_causal][_gqa]_ordered
-    assert st.backward.with_dq and st.backward.dq_ordered and st.dq is None
-  else:
-    assert not st.backward.with_dq and not st.backward.gqa_per_query_head
-    assert st.dq == MosaicDqConfig()
+  assert st.backward.with_dq and st.backward.dq_ordered and st.dq is None  # d128[...]_ordered
+  assert st.backward.gqa_per_query_head == (causal and hkv == 1)
   assert st.triton is None
   st = PallasMosaicGpu()._static(q, k, fast)  # pylint: disable=protected-access
   assert st.backward.with_dq and st.triton is None and st.dq is None
@@ -415,6 +412,34 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv
   assert "red.release.gpu" in text and "ld.relaxed.gpu" in text  # signal, and wait
   if not segments:  # the rank table is a constant of the program, not computed per call
     assert "stablehlo.iota" not in text and "reduce_window" not in text
+
+
+@pytest.mark.parametrize("causal, window, segments, t, s, hkv, fuses", [
+    (True, None, False, 512, 512, 1, True),     # T = S: Δ from each block's diagonal CTA
+    (True, None, False, 512, 512, 2, True),
+    (True, None, False, 512, 384, 2, False),    # T ≠ S: the Δ pass
+    (False, (100, 7), True, 384, 512, 1, False),
+    (True, 200, True, 512, 512, 2, False)])     # segment ids: one dQ slot, no fused Δ
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+def test_ordered_query_head_ctas_lower_for_cuda(monkeypatch, causal, window, segments, t, s,
+                                                hkv, fuses, semantics):
+  """gqa_per_query_head with dq_ordered: one CTA per query head stores that head's share of
+  dK and dV ([B, S, Hq, D] outputs of the kernel, summed over the group after it), and
+  computes its query head's Δ where the call fuses it."""
+  monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
+      mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
+  opts = _opts(causal, window, segments)
+  config = mb.fit_shared_memory(mb.MosaicBackwardConfig(
+      dq_split=True, dq_ordered=True, dq_buffers=2, fused_delta=True, gqa_per_query_head=True),
+      128, BF16, segments)
+  assert mb.support_error((2, t, 4, 128), (2, s, hkv, 128), BF16, opts, config) is None
+  assert mb._fuses_delta(config, opts.mask, t // 64, s // 128, 4 // hkv) == fuses  # pylint: disable=protected-access
+  text = _backward_lowered_for_cuda(opts, config, t, s, hkv, 128, segments)
+  call = next(line for line in text.splitlines() if _MOSAIC_CALL.search(line))
+  results = call.split("->")[-1]
+  assert results.count(f"tensor<2x{s}x4x128xbf16>") == 2  # dK's and dV's shares
+  assert f"x{hkv}x128xf32>" not in results  # no float32 accumulators added into
+  assert "red.release.gpu" in text
 
 
 @pytest.mark.parametrize("buffers", [2, 1])
@@ -869,11 +894,15 @@ def test_tuned_backward_configs_serve_their_calls():
   assert mb.MosaicBackwardConfig.tuned(64, False, with_dq=False).block_q == 64
   assert mb.MosaicBackwardConfig.tuned(128, True, gqa=True, with_dq=False).pingpong  # _gqa_dkv
   # d128[_causal][_gqa]_ordered: the whole kernel, dq in rank order
-  for causal, gqa in ((False, False), (True, False), (False, True)):
+  # (causal GQA: one CTA per query head, as without GQA)
+  for causal, gqa in ((False, False), (True, False), (False, True), (True, True)):
     ordered = mb.MosaicBackwardConfig.for_deterministic(128, causal, gqa)
     assert ordered == dataclasses.replace(
         mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True, dq_buffers=2,
-        dq_rotate=not causal, fused_delta=causal and not gqa, dq_stagger=not (causal or gqa))
+        dq_rotate=not causal, fused_delta=causal, dq_stagger=not (causal or gqa),
+        gqa_per_query_head=causal and gqa)
+    assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(causal),
+                            ordered) is None
   # d256[_causal]_ordered: the column-split kernel, dq in rank order (rotated without a mask,
   # causal with the longest walk launched first)
   for causal in (False, True):
@@ -885,8 +914,8 @@ def test_tuned_backward_configs_serve_their_calls():
   for causal, gqa in ((False, False), (True, False), (False, True)):
     assert mb.MosaicBackwardConfig.for_deterministic(64, causal, gqa) == mb.MosaicBackwardConfig(
         dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=not causal, stages=3)
-  for d, causal, gqa in ((64, True, True), (256, True, True),
-                         (128, True, True)):  # no _ordered section: the dK/dV-only kernel
+  for d, causal, gqa in ((64, True, True), (256, True, True)):  # no _ordered section: the
+    # dK/dV-only kernel
     assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
             == mb.MosaicBackwardConfig.tuned(d, causal, gqa, with_dq=False))
 
@@ -1196,8 +1225,11 @@ class TestMosaicGpu:
                               dq_rotate=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_heavy_first=True),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
-                              dq_heavy_first=True)],
-      ids=["one_slot", "two_slots", "rotate", "d256", "heavy_first", "d256_heavy_first"])
+                              dq_heavy_first=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2,
+                              gqa_per_query_head=True)],
+      ids=["one_slot", "two_slots", "rotate", "d256", "heavy_first", "d256_heavy_first",
+           "per_query_head"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
@@ -1218,17 +1250,18 @@ class TestMosaicGpu:
     for name, g, rg in zip("qkv", first, r_grads):
       assert rel_err(g, rg) < 3e-2, name
 
-  @pytest.mark.parametrize("heavy_first", [False, True])
+  @pytest.mark.parametrize("heavy_first, hkv", [(False, 4), (True, 4), (False, 1)])
   @pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=True, logit_softcap=20.0)])
-  def test_fused_delta_is_reproducible_and_matches(self, opts, heavy_first):
-    """fused_delta: Δ from each query block's first visitor (causal, one query head per key
-    head, T = S) gives the same bits on every call, the unfused kernel's gradients up to Δ's
-    rounding, and the reference's (with an LSE cotangent too)."""
-    q, k, v, _, ct = make_problem(jax.random.key(24), 2, 1024, 1024, 4, 4, 128, BF16)
+  def test_fused_delta_is_reproducible_and_matches(self, opts, heavy_first, hkv):
+    """fused_delta: Δ from each query block's first visitor (causal, T = S; one query head
+    per CTA, under MQA with gqa_per_query_head) gives the same bits on every call, the
+    unfused kernel's gradients up to Δ's rounding, and the reference's (with an LSE
+    cotangent too)."""
+    q, k, v, _, ct = make_problem(jax.random.key(24), 2, 1024, 1024, 4, hkv, 128, BF16)
     ordered = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2,
-                                      dq_heavy_first=heavy_first)
+                                      dq_heavy_first=heavy_first, gqa_per_query_head=hkv == 1)
     fused = dataclasses.replace(ordered, fused_delta=True)
-    assert mb._fuses_delta(fused, MaskSpec.make(True, None, False), 16, 8, 1)  # pylint: disable=protected-access
+    assert mb._fuses_delta(fused, MaskSpec.make(True, None, False), 16, 8, 4 // hkv)  # pylint: disable=protected-access
     step = lambda c: jax.jit(lambda q, k, v: run(PallasMosaicGpu(backward_config=c), q, k, v,
                                                  None, ct, opts)[2])
     fused_step = step(fused)
@@ -1484,8 +1517,8 @@ class TestMosaicGpuFeaturesD256(TestMosaicGpuFeatures):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesDeterministic(TestMosaicGpuFeatures):
   """The default deterministic backward: at this suite's GQA 4:1 the ordered one-pass
-  kernel (d128_gqa_ordered) unless the mask is causal alone, which takes the dK/dV-only
-  Mosaic kernel beside mosaic_gpu_dq's."""
+  kernel, one CTA per key head (d128_gqa_ordered), or under a causal mask one per query
+  head (d128_causal_gqa_ordered)."""
 
   extra = {}
   dtypes = (jnp.bfloat16,)
