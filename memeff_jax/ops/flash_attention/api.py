@@ -276,14 +276,14 @@ def flash_attention(
       structured masks, which the GPU kernels serve.
     return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
     deterministic: the backward gives bitwise-identical gradients on every run (the
-      default). pallas_mosaic_gpu's one-pass backward adds dq (and, for GQA with
-      gqa_per_query_head, dk and dv) into float32 buffers by TMA reductions. With
-      deterministic=False they land in whatever order the CTAs arrive; with True, at D = 128
-      and 256, in a fixed order (as fast as arrival order on an H100; causal GQA then runs
-      one CTA per query head and sums its per-query-head dk and dv, 2·B·S·Hq·D elements,
-      after the kernel), and elsewhere its kernel computes dk and dv alone and a Mosaic dq
-      kernel dq (no float32 dq buffer). Every other implementation is deterministic either
-      way.
+      default). pallas_mosaic_gpu's one-pass backward adds dq (and, for causal GQA in
+      arrival order, dk and dv) into float32 buffers by TMA reductions. With
+      deterministic=False they land in whatever order the CTAs arrive; with True, in a fixed
+      order (as fast as arrival order on an H100) where the tuning table names an ordered
+      kernel for the call (causal GQA at D = 128 then stores each query head's dk and dv,
+      2·B·S·Hq·D elements, and sums them after the kernel), and elsewhere its kernel
+      computes dk and dv alone and a Mosaic dq kernel dq (no float32 dq buffer). Every other
+      implementation is deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
       serves the call (Hopper, bf16/f16, D 64/128/192/256, T and S multiples of 128), then
       "pallas_triton", then "chunked_xla"), a name, an implementation object or a sequence

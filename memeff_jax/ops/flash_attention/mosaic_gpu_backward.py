@@ -547,8 +547,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      heavy_first: bool = False, order=None, delta=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
-  [B, S, Hq, D] outputs of each query head's share (dq_ordered), else "h" is the key head. zero_ref:
-  int32 zeros (see key_tiles). sc: the shared memory and barriers. order: with
+  [B, S, Hq, D] outputs of each query head's share (dq_ordered), else "h" is the key head.
+  zero_ref: int32 zeros (see key_tiles). sc: the shared memory and barriers. order: with
   config.dq_ordered, the _reduction_ranks table and the [B · Hq · n_q] counters the
   reductions wait on. delta: where the call fuses Δ (_fuses_delta), the forward's output O,
   the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
