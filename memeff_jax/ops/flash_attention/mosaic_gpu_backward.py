@@ -106,6 +106,11 @@ class MosaicBackwardConfig:
       columns of dK, dV and dQ; both compute the whole Sᵀ and dPᵀ (7 matmul units of
       64·64·D/2 per warpgroup against 5 of 64·64·D). It keeps dK and dV in registers at
       D = 256, where 64 keys of full width do not fit.
+    scores_split: (column_split) the warpgroups split Sᵀ and dPᵀ by the step's query halves
+      instead of both computing them whole (5 matmul units per warpgroup against 7), and
+      exchange their halves of Pᵀ and dSᵀ through shared memory (two slots each), where
+      dV, dK and dQ read them. A half is 32 queries, stored as columns of the exchange
+      slots: the operand tiles take 64-byte swizzles.
     with_dq: False computes dK and dV only (four matmuls per step, no float32 dq, no
       reductions): each key block has one CTA, so the result is deterministic, and dq comes
       from elsewhere (pallas_mosaic_gpu's deterministic backward: mosaic_gpu_dq's kernel, or
@@ -172,6 +177,7 @@ class MosaicBackwardConfig:
   pingpong: bool = False
   gqa_per_query_head: bool = False
   column_split: bool = False
+  scores_split: bool = False
   with_dq: bool = True
   dq_ordered: bool = False
   dq_buffers: int = 1
@@ -208,7 +214,8 @@ class MosaicBackwardConfig:
   def tuned(cls, d: int, causal: bool, gqa: bool = False,
             with_dq: bool = True) -> "MosaicBackwardConfig":
     """configs/tuning/flash_attention.toml's `d<D>[_causal][_gqa]` section for this GPU kind
-    (without `_gqa` where that has none), else dq_split where it applies (D = 128).
+    (without `_gqa` where that has none), else dq_split where it applies (D = 128) and the
+    column-split kernel with split scores at D = 256.
 
     with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
     (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
@@ -227,7 +234,7 @@ class MosaicBackwardConfig:
     if found:
       return cls(**found)
     if d == 256:
-      return cls(dq_split=False, column_split=True, stages=1)
+      return cls(dq_split=False, column_split=True, stages=1, scores_split=True)
     return cls(dq_split=d == 128)
 
 
@@ -246,6 +253,11 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"column_split serves D=256, got D={d}"
   if config.column_split and config.dq_split:
     return "column_split and dq_split exclude each other"
+  if config.scores_split and not (config.column_split and config.with_dq
+                                  and not config.pingpong):
+    return "scores_split needs column_split with dq, and not pingpong"
+  if config.scores_split and opts.mask.segments:  # 112 bytes short at D = 256
+    return "scores_split does not fit in shared memory beside segment ids"
   if config.dq_split and config.pingpong:
     return "pingpong and dq_split exclude each other"
   if config.dq_split and config.gqa_per_query_head and not config.dq_ordered:
@@ -291,6 +303,8 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   tile warpgroup 0 leaves only in this step (at the headline, three Q/dO stages and one
   slot: fwd+bwd 8.2 ms staggered against 7.6 without, H100)."""
   itemsize = jnp.dtype(dtype).itemsize
+  if config.scores_split and segments:
+    config = dataclasses.replace(config, scores_split=False)
   if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
     # fused_delta's O tiles need both slots; with segment ids it would not apply anyway.
     return dataclasses.replace(config, dq_buffers=1, fused_delta=False, dq_stagger=False)
@@ -299,11 +313,14 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
 
 def _ds_buffers(config: MosaicBackwardConfig) -> int:
   """dSᵀ slots: shared between the warpgroups, a slot is rewritten only two steps later."""
-  return 2 if config.dq_split else 1
+  return 2 if (config.dq_split or config.scores_split) else 1
 
 
 def _ds_shape(config: MosaicBackwardConfig) -> tuple[int, int, int]:
-  """dSᵀ slots; one 8 × 64 tile (unused) without dq."""
+  """dSᵀ slots (with scores_split, and as many Pᵀ slots); one 8 × 64 tile (unused) without
+  dq."""
+  if config.scores_split:
+    return (_ds_buffers(config), BLOCK_KV, BLOCK_Q)
   return (_ds_buffers(config), 2 * BLOCK_KV, BLOCK_Q) if config.with_dq else (1, 8, 64)
 
 
@@ -356,7 +373,7 @@ def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int, segments: b
   seg_ids = 4 * (config.cta_keys() + config.stages * _seg_len(bq)) + _SEG_RESERVE
   return (2 * config.cta_keys() * d * itemsize  # K, V
           + config.stages * (2 * bq * d * itemsize + 2 * bq * 4)  # Q, dO, lse₂, Δ
-          + math.prod(_ds_shape(config)) * itemsize
+          + (1 + config.scores_split) * math.prod(_ds_shape(config)) * itemsize  # dSᵀ (Pᵀ)
           + math.prod(_dq_tile_shape(config, d)) * 4
           + (seg_ids if segments else 0)
           + _SMEM_RESERVE)
@@ -502,14 +519,16 @@ class _Scratch(NamedTuple):
   ds_free: Any = None  # dq_stagger, per dSᵀ slot, 2 arrivals: both dQs reading it are done
   lead: Any = None  # ... warpgroup 0's first scores are done: warpgroup 1 may start
   turns: Any = None  # ... per warpgroup: its turn at the dQ, dV and dK WGMMAs
+  pt_smem: Any = None  # scores_split: Pᵀ's slots, as dSᵀ's
 
   @classmethod
   def shapes(cls, config: MosaicBackwardConfig, d: int, dtype, segments: bool, fused: bool):
     """The _Scratch of allocation types for pl.run_scoped."""
     bq, stages, keys = config.block_q, config.stages, config.cta_keys()
-    # dQ = dS K: dS's slots in K's swizzle (the halves of a 64-column K need 64 bytes).
-    operand_tiles = hopper.swizzled_tiles(
-        _operand_swizzle(bq, d // 2 if config.dq_split else None))
+    # dQ = dS K: dS's slots in K's swizzle (the halves of a 64-column K need 64 bytes; so do
+    # scores_split's 32-query halves of the Pᵀ and dSᵀ slots, and the tiles they meet).
+    operand_tiles = hopper.swizzled_tiles(_operand_swizzle(
+        bq // 2 if config.scores_split else bq, d // 2 if config.dq_split else None))
     barrier, pair = plgpu.Barrier, dict(num_arrivals=2)
     optional = {}
     if segments:
@@ -524,6 +543,8 @@ class _Scratch(NamedTuple):
     if config.dq_stagger:
       optional.update(ds_free=barrier(**pair, num_barriers=2), lead=barrier(),
                       turns=barrier(num_barriers=2))
+    if config.scores_split:
+      optional.update(pt_smem=plgpu.SMEM(_ds_shape(config), dtype, transforms=operand_tiles))
     return cls(
         k_smem=plgpu.SMEM((keys, d), dtype, transforms=operand_tiles),
         v_smem=plgpu.SMEM((keys, d), dtype, transforms=operand_tiles),
@@ -744,13 +765,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       if config.pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
         pl.when(wg == 1)(take_turn)
 
-      def visible(slot, qb, shape):
-        """Which keys (rows of Sᵀ) the queries of block qb (columns) see."""
+      def visible(slot, qb, shape, q0=0):
+        """Which keys (rows of Sᵀ) the queries q0.. of block qb (columns) see."""
         query_ids = None
         if segments:
           plgpu.barrier_wait(sc.q_seg_ready.at[slot])
-          query_ids = hopper.load(sc.q_seg.at[slot, pl.ds(0, bq)], col_layout)
-        return _mosaic.visible(mask, shape, 0, my_key - qb * bq,
+          query_ids = hopper.load(sc.q_seg.at[slot, pl.ds(q0, shape[1])], col_layout)
+        return _mosaic.visible(mask, shape, 0, my_key - qb * bq - q0,
                                key_ids if segments else None, query_ids)
 
       def store_dq(i, gi, dq, cols):
@@ -827,35 +848,49 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         if fused:
           own_delta(it, i, slot, qb, do_tile)
 
+        # scores_split: this warpgroup's half of the step's queries (columns of Sᵀ)
+        nq = bq // 2 if config.scores_split else bq
+        q0 = pl.multiple_of(wg * nq, nq) if config.scores_split else 0
+        qs = pl.ds(q0, nq)
+
         def scores(refs):
           s_ref, dp_ref = refs
-          plgpu.wgmma(s_ref, k_step, q_tile.T)
-          plgpu.wgmma(dp_ref, v_step, do_tile.T)
+          plgpu.wgmma(s_ref, k_step, (q_tile.at[qs] if config.scores_split else q_tile).T)
+          plgpu.wgmma(dp_ref, v_step, (do_tile.at[qs] if config.scores_split else do_tile).T)
           take_turn()
 
         if config.dq_stagger:  # warpgroup 1 starts once warpgroup 0's first scores are done
           pl.when((i == 0) & (wg == 1))(lambda: plgpu.barrier_wait(sc.lead))
-        st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, bq))),
-                                        plgpu.ACC.init(zeros((bkv, bq)))))
+        st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, nq))),
+                                        plgpu.ACC.init(zeros((bkv, nq)))))
         if config.dq_stagger:
           pl.when((i == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(sc.lead))
         zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
         if masked:
-          zt = jnp.where(visible(slot, qb, zt.shape), zt, -jnp.inf)
+          zt = jnp.where(visible(slot, qb, zt.shape, q0), zt, -jnp.inf)
         elif segments:  # unread, but every load's barrier is waited on (its phase)
           plgpu.barrier_wait(sc.q_seg_ready.at[slot])
         # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
         # 16 registers of a column vector decide whether the warpgroup spills.
-        lse2 = hopper.load(sc.stats_smem.at[slot, 0], col_layout)
+        lse2 = hopper.load(sc.stats_smem.at[slot, 0, qs], col_layout)
         pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
         p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
         pt = pt.astype(dtype)  # dV's operand
         if fused:  # warpgroup 0 wrote this step's Δ (own_delta)
           pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(sc.delta_ready))
-        row_delta = hopper.load(sc.stats_smem.at[slot, 1], col_layout)
+        row_delta = hopper.load(sc.stats_smem.at[slot, 1, qs], col_layout)
         dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, st.shape, [1]))).astype(dtype)
         if config.dq_split:
           return split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish)
+        ds_buf = None
+        if config.scores_split:  # the halves meet in the step's Pᵀ and dSᵀ slots
+          b = hopper.rem(gi, 2)
+          ds_buf, pt_buf = sc.ds_smem.at[b], sc.pt_smem.at[b]
+          pt_buf.at[:, qs][...] = pt
+          ds_buf.at[:, qs][...] = dst
+          hand_off(sc.ds_ready.at[b])
+          plgpu.barrier_wait(sc.ds_ready.at[b])
+          pt, dst = pt_buf, ds_buf
 
         def grads(refs):
           dv_ref, dk_ref = refs
@@ -871,11 +906,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         if not config.with_dq:
           return dk, dv
 
-        ds_buf = share_ds(gi, dst)
+        if ds_buf is None:
+          ds_buf = share_ds(gi, dst).at[pl.ds(wg * bkv, bkv)]
 
         def mm(acc_ref):  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
-          plgpu.wgmma(acc_ref, ds_buf.at[pl.ds(wg * bkv, bkv)].T,
-                      k_step.at[:, my_cols] if split else k_step)
+          plgpu.wgmma(acc_ref, ds_buf.T, k_step.at[:, my_cols] if split else k_step)
           take_turn()
           return acc_ref[...]
 
@@ -1123,10 +1158,12 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       out_type=out_type,
       mesh=plgpu.Mesh(grid=(b, grid_heads, n_kv), grid_names=("b", "h", "kv"),
                       num_threads=3, thread_name="wg"),
-      # Δ's row sums reduce within warps only: no shared-memory scratch (Mosaic GPU reserves
-      # 2 KiB for any reduction otherwise, which two dQ slots leave no room for).
-      compiler_params=plgpu.CompilerParams(approx_math=True,
-                                           **({"reduction_scratch_bytes": 0} if fused else {})),
+      # Δ's row sums reduce within warps only, and no other step reduces: no shared-memory
+      # scratch (Mosaic GPU reserves 2 KiB for any reduction otherwise, which two dQ slots,
+      # or scores_split's Pᵀ slots beside segment ids, leave no room for).
+      compiler_params=plgpu.CompilerParams(approx_math=True, **(
+          {"reduction_scratch_bytes": 0} if (fused or config.scores_split) and _SCRATCH_PARAM
+          else {})),
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
   )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),

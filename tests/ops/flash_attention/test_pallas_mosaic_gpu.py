@@ -442,6 +442,46 @@ def test_ordered_query_head_ctas_lower_for_cuda(monkeypatch, causal, window, seg
   assert "red.release.gpu" in text
 
 
+@pytest.mark.parametrize("causal, window, segments, softcap, ordered, t, s, hkv", [
+    (True, None, False, None, True, 512, 512, 4),
+    (False, None, False, 20.0, True, 256, 384, 2),
+    (True, 200, False, None, True, 384, 256, 1),
+    (False, (100, 7), False, None, False, 256, 512, 2),
+    (True, None, False, 30.0, False, 512, 384, 4)])
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+def test_split_scores_lower_for_cuda(monkeypatch, causal, window, segments, softcap, ordered, t,
+                                     s, hkv, semantics):
+  """scores_split (D = 256): each warpgroup computes Sᵀ and dPᵀ for half of the step's
+  queries and writes its halves of Pᵀ and dSᵀ as columns of shared slots (64-byte swizzles),
+  where dV, dK and dQ read them."""
+  monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
+      mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
+  config = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
+                                   scores_split=True, dq_ordered=ordered,
+                                   dq_heavy_first=ordered and causal)
+  opts = dataclasses.replace(_opts(causal, window, segments), logit_softcap=softcap)
+  assert mb.support_error((2, t, 4, 256), (2, s, hkv, 256), BF16, opts, config) is None
+  text = _backward_lowered_for_cuda(opts, config, t, s, hkv, 256, segments)
+  assert _MOSAIC_CALL.search(text)
+
+
+def test_split_scores_support_errors():
+  why = lambda **kw: mb.support_error((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(),
+                                      mb.MosaicBackwardConfig(**kw))
+  d256 = dict(dq_split=False, column_split=True, stages=1, scores_split=True)
+  assert why(**d256) is None
+  assert "scores_split needs" in why(**{**d256, "pingpong": True})
+  assert "scores_split needs" in mb.support_error(  # D = 128's dq_split kernel
+      (1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(scores_split=True))
+  assert "scores_split needs" in why(**{**d256, "with_dq": False})
+  config = mb.MosaicBackwardConfig(**d256)  # beside segment ids, the kernel without it
+  assert "segment ids" in mb.support_error((1, 256, 4, 256), (1, 256, 4, 256), BF16,
+                                           _opts(segments=True), config)
+  assert mb.fit_shared_memory(config, 256, BF16, segments=True) == dataclasses.replace(
+      config, scores_split=False)
+  assert mb.fit_shared_memory(config, 256, BF16, segments=False) == config
+
+
 @pytest.mark.parametrize("buffers", [2, 1])
 @pytest.mark.parametrize("hkv", [4, 1])
 def test_rotated_backward_lowers_for_cuda(buffers, hkv):
@@ -903,12 +943,15 @@ def test_tuned_backward_configs_serve_their_calls():
         gqa_per_query_head=causal and gqa)
     assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(causal),
                             ordered) is None
-  # d256[_causal]_ordered: the column-split kernel, dq in rank order (rotated without a mask,
-  # causal with the longest walk launched first)
+  # d256[_causal]_ordered: the column-split kernel with split scores, dq in rank order (rotated
+  # without a mask, causal with the longest walk launched first); in arrival order the same
+  # kernel, tuned (d256) or not (d256_causal has no section)
   for causal in (False, True):
     assert mb.MosaicBackwardConfig.for_deterministic(256, causal) == mb.MosaicBackwardConfig(
-        dq_split=False, column_split=True, stages=1, dq_ordered=True, dq_rotate=not causal,
-        dq_heavy_first=causal)
+        dq_split=False, column_split=True, stages=1, scores_split=True, dq_ordered=True,
+        dq_rotate=not causal, dq_heavy_first=causal)
+    assert mb.MosaicBackwardConfig.tuned(256, causal) == mb.MosaicBackwardConfig(
+        dq_split=False, column_split=True, stages=1, scores_split=True)
   # d64[_causal][_gqa]_ordered: the D = 128 kernel's dq_split, three Q/dO stages, rotated
   # without a mask
   for causal, gqa in ((False, False), (True, False), (False, True)):
@@ -1147,7 +1190,8 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, pingpong=True),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
-                              gqa_per_query_head=True)])
+                              gqa_per_query_head=True),
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, scores_split=True)])
   @pytest.mark.parametrize("causal", [False, True])
   @pytest.mark.parametrize("b, t, s, hq, hkv", [(2, 256, 320, 8, 2), (1, 384, 192, 4, 4)])
   def test_mosaic_backward_d256_column_split(self, backward, causal, b, t, s, hq, hkv):
@@ -1227,9 +1271,13 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
                               dq_heavy_first=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2,
-                              gqa_per_query_head=True)],
+                              gqa_per_query_head=True),
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
+                              dq_rotate=True, scores_split=True),
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
+                              dq_heavy_first=True, scores_split=True)],
       ids=["one_slot", "two_slots", "rotate", "d256", "heavy_first", "d256_heavy_first",
-           "per_query_head"])
+           "per_query_head", "d256_split_scores", "d256_heavy_first_split_scores"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
