@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -98,10 +97,11 @@ class MosaicBackwardConfig:
     gqa_per_query_head: under GQA, one CTA per query head rather than per key head, so the
       grid has Hq/Hkv times more, shorter CTAs. In arrival order dK and dV are added into
       float32 [B, S, Hkv, D] buffers by TMA reductions (as dq is; not with dq_split, whose
-      dQ tiles are too small to carry a dK tile). With dq_ordered each CTA stores its query
-      head's share of dK and dV in the input dtype into [B, S, Hq, D] buffers, summed over
-      the group after the kernel in a fixed order (as FlashAttention-2 does): the kernel
-      of one query head per key head, deterministic, for two such buffers of memory.
+      dQ tiles are too small to carry a dK tile). With dq_ordered each CTA adds its query
+      head's share of dK and dV into the outputs by TMA reductions in the input dtype, in
+      the order of the group's query heads (the first stores; a counter per key block and
+      warpgroup says when the last one's adds have landed): the kernel of one query head
+      per key head, deterministic, with no buffer beside the outputs.
     column_split: a CTA of 64 keys whose two compute warpgroups each own half of the
       columns of dK, dV and dQ; both compute the whole Sᵀ and dPᵀ (7 matmul units of
       64·64·D/2 per warpgroup against 5 of 64·64·D). It keeps dK and dV in registers at
@@ -568,10 +568,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      heavy_first: bool = False, order=None, delta=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
-  [B, S, Hq, D] outputs of each query head's share (dq_ordered), else "h" is the key head.
-  zero_ref: int32 zeros (see key_tiles). sc: the shared memory and barriers. order: with
-  config.dq_ordered, the _reduction_ranks table and the [B · Hq · n_q] counters the
-  reductions wait on. delta: where the call fuses Δ (_fuses_delta), the forward's output O,
+  the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
+  sc: the shared memory and barriers. order: with config.dq_ordered, the _reduction_ranks
+  table and the [B · Hq · n_q] counters the reductions wait on (with gqa_per_query_head
+  also [B · Hkv · n_kv · 2] counters, per key block and warpgroup, that dK and dV's adds
+  wait on). delta: where the call fuses Δ (_fuses_delta), the forward's output O,
   the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
   view in the input dtype."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
@@ -580,7 +581,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   dtype = q_ref.dtype
   wg = lax.axis_index("wg")
   cta_keys = config.cta_keys()
-  n_kv = k_ref.shape[1] // cta_keys
+  n_kv, kv_heads = k_ref.shape[1] // cta_keys, k_ref.shape[2]
   split = config.column_split
   n_q = -(-t // bq)  # the last block may reach past T (see MosaicBackwardConfig.block_q)
   segments = mask.segments
@@ -944,7 +945,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         pl.when(wg == 0)(take_turn)
       keys = pl.ds(my_key, bkv)
       if per_query_head and not config.dq_ordered:  # add this head's share into the float32
-        # dK and dV, via the dQ tile (ordered, it stores the share as without GQA)
+        # dK and dV, via the dQ tile (ordered: into dK and dV themselves, see put)
         for acc, acc_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           sc.dq_smem.at[wg][...] = acc
@@ -955,20 +956,38 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         return base + it.n_steps
       plgpu.barrier_arrive(sc.pair)  # the other warpgroup has finished reading all of K
       plgpu.barrier_wait(sc.pair)
+      def put(tiles):
+        """Stores this warpgroup's (smem tile, dK or dV ref) pairs at the item's head; with
+        dq_ordered under gqa_per_query_head, adds them into the key head's in the order of
+        the group's query heads (the first stores), each after the last has landed."""
+        if not per_query_head:
+          for tile, ref in tiles:
+            plgpu.copy_smem_to_gmem(tile, ref.at[it.b, keys, it.h])
+          return
+        member = hopper.rem(it.h, group)
+        counter = order[2].at[((it.b * kv_heads + it.kv_head) * n_kv + it.kvi) * 2 + wg]
+        plgpu.semaphore_wait(counter, member, decrement=False, memory_scope="gpu")
+        for op, when in ((None, member == 0), ("add", member > 0)):
+          @pl.when(when)
+          def _(op=op):
+            for tile, ref in tiles:
+              plgpu.copy_smem_to_gmem(tile, ref.at[it.b, keys, it.kv_head], reduction_op=op)
+        plgpu.wait_smem_to_gmem(0)  # landed: the next query head may add
+        plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
+
       if split:  # each writes its columns of the tile; then one stores dK, the other dV
         k_mine.at[:, my_cols][...] = (dk * scale).astype(dtype)
         v_mine.at[:, my_cols][...] = dv.astype(dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(sc.pair)
         plgpu.barrier_wait(sc.pair)
-        pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[it.b, keys, it.h]))
-        pl.when(wg == 1)(lambda: plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[it.b, keys, it.h]))
+        pl.when(wg == 0)(lambda: put([(k_mine, dk_ref)]))
+        pl.when(wg == 1)(lambda: put([(v_mine, dv_ref)]))
       else:
         k_mine[...] = (dk * scale).astype(dtype)
         v_mine[...] = dv.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_mine, dk_ref.at[it.b, keys, it.h])
-        plgpu.copy_smem_to_gmem(v_mine, dv_ref.at[it.b, keys, it.h])
+        put([(k_mine, dk_ref), (v_mine, dv_ref)])
       hopper.wait_stores_read()
       return base + it.n_steps
 
@@ -1100,22 +1119,19 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     seg_args, ranges = (), None
   per_query_head = config.gqa_per_query_head and hq > hkv
   grid_heads = hq if per_query_head else hkv
-  shares = per_query_head and config.dq_ordered  # dK, dV per query head, summed below
   if config.dq_ordered:
     ranks, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, t, ranges,
                                rotate=rotate)
     rank_args = (ranks,)
   else:
     rank_args = ()
-  if per_query_head and not shares:  # dK and dV gather the group's query heads by TMA
-    dkv_acc = (jax.new_ref(jnp.zeros(k.shape, jnp.float32)),  # reductions too
+  if per_query_head and not config.dq_ordered:  # dK and dV gather the group's query heads
+    dkv_acc = (jax.new_ref(jnp.zeros(k.shape, jnp.float32)),  # by TMA reductions too
                jax.new_ref(jnp.zeros(v.shape, jnp.float32)))
     out_type = ()
-  else:
+  else:  # (ordered, by reductions in the group's order into the outputs themselves)
     dkv_acc = ()
-    dkv_shape = (b, s, hq, d) if shares else k.shape
-    out_type = (jax.ShapeDtypeStruct(dkv_shape, k.dtype),
-                jax.ShapeDtypeStruct(dkv_shape, v.dtype))
+    out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   # The float32 dq: zeros that every key block adds into; with dq_ordered an uninitialized
   # output, which each query block's first adder stores rather than adds into (no memset).
   dq_acc = ()
@@ -1144,6 +1160,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       order = None
       if config.dq_ordered:  # with counters that start at zero in every call
         order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))))
+        if per_query_head:  # and per key block and warpgroup, for dK and dV
+          order += (pl.get_global(plgpu.SemaphoreType.REGULAR((b * hkv * n_kv * 2,))),)
       _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
@@ -1176,11 +1194,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     dq = (dq_f32 * opts.scale).astype(q.dtype)
   elif config.with_dq:
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
-  if shares:  # each key head's query heads in order: fixed bits
-    group = hq // hkv
-    outs = tuple(functools.reduce(operator.add, [
-        x.reshape(b, s, hkv, group, d)[:, :, :, m].astype(jnp.float32) for m in range(group)
-    ]).astype(k.dtype) for x in outs)
-  elif per_query_head:
+  if per_query_head and not config.dq_ordered:
     outs = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)
   return dq, *outs, None, None

@@ -423,9 +423,9 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
 def test_ordered_query_head_ctas_lower_for_cuda(monkeypatch, causal, window, segments, t, s,
                                                 hkv, fuses, semantics):
-  """gqa_per_query_head with dq_ordered: one CTA per query head stores that head's share of
-  dK and dV ([B, S, Hq, D] outputs of the kernel, summed over the group after it), and
-  computes its query head's Δ where the call fuses it."""
+  """gqa_per_query_head with dq_ordered: one CTA per query head adds that head's share of
+  dK and dV into the [B, S, Hkv, D] outputs in the group's order (counters waited on and
+  released), and computes its query head's Δ where the call fuses it."""
   monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
       mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
   opts = _opts(causal, window, segments)
@@ -437,8 +437,8 @@ def test_ordered_query_head_ctas_lower_for_cuda(monkeypatch, causal, window, seg
   text = _backward_lowered_for_cuda(opts, config, t, s, hkv, 128, segments)
   call = next(line for line in text.splitlines() if _MOSAIC_CALL.search(line))
   results = call.split("->")[-1]
-  assert results.count(f"tensor<2x{s}x4x128xbf16>") == 2  # dK's and dV's shares
-  assert f"x{hkv}x128xf32>" not in results  # no float32 accumulators added into
+  assert results.count(f"tensor<2x{s}x{hkv}x128xbf16>") == 2  # dK and dV, added into
+  assert f"x{hkv}x128xf32>" not in results  # no float32 accumulators
   assert "red.release.gpu" in text
 
 
