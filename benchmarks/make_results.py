@@ -14,6 +14,7 @@ import json
 import math
 import pathlib
 import re
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -131,8 +132,14 @@ def grid_section(rows: list[dict]) -> list[str]:
       stamp, group = r["timestamp"], {}
     group[r["provider"]] = r
     latest_case[r["device"]][case(r)] = (stamp, group)
+  with (ROOT / "configs" / "benchmarks" / "flash_attention.toml").open("rb") as f:
+    order = [(x["b"], x["t"], x["h"], x.get("hkv", x["h"]), x["d"], x.get("docs"),
+              x.get("window")) for x in tomllib.load(f)["grid"]["shapes"]]
+  place = lambda key: ((order.index(shape) if (shape := key[:5] + (key[6],) + (
+      key[7][0] if key[7] else None,)) in order else len(order)), key[5])
   out = []
   for device, cases in latest_case.items():
+    cases = dict(sorted(cases.items(), key=lambda kv: place(kv[0])))  # the grid's own order
     stamps = sorted({stamp for stamp, _ in cases.values()})
     shown = [r for _, group in cases.values() for r in group.values()]
     out += [f"**grid** on {device}, {' and '.join(stamps)} (jax {shown[0]['jax']})"
