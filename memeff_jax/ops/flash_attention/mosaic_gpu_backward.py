@@ -1178,7 +1178,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                       num_threads=3, thread_name="wg"),
       # Δ's row sums reduce within warps only, and no other step reduces: no shared-memory
       # scratch (Mosaic GPU reserves 2 KiB for any reduction otherwise, which two dQ slots,
-      # or scores_split's Pᵀ slots beside segment ids, leave no room for).
+      # or scores_split's Pᵀ slots, leave no room for).
       compiler_params=plgpu.CompilerParams(approx_math=True, **(
           {"reduction_scratch_bytes": 0} if (fused or config.scores_split) and _SCRATCH_PARAM
           else {})),

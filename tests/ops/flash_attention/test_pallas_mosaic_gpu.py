@@ -414,31 +414,39 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv
     assert "stablehlo.iota" not in text and "reduce_window" not in text
 
 
-@pytest.mark.parametrize("causal, window, segments, t, s, hkv, fuses", [
-    (True, None, False, 512, 512, 1, True),     # T = S: Δ from each block's diagonal CTA
-    (True, None, False, 512, 512, 2, True),
-    (True, None, False, 512, 384, 2, False),    # T ≠ S: the Δ pass
-    (False, (100, 7), True, 384, 512, 1, False),
-    (True, 200, True, 512, 512, 2, False)])     # segment ids: one dQ slot, no fused Δ
+@pytest.mark.parametrize("causal, window, segments, t, s, hkv, d, fuses", [
+    (True, None, False, 512, 512, 1, 128, True),     # T = S: Δ from each block's diagonal CTA
+    (True, None, False, 512, 512, 2, 128, True),
+    (True, None, False, 512, 384, 2, 128, False),    # T ≠ S: the Δ pass
+    (False, (100, 7), True, 384, 512, 1, 128, False),
+    (True, 200, True, 512, 512, 2, 128, False),      # segment ids: one dQ slot, no fused Δ
+    (True, None, False, 512, 512, 2, 64, True),      # three Q/dO stages, 64-byte swizzles
+    (True, None, False, 512, 512, 2, 256, False),    # column split, split scores
+    (True, 200, True, 384, 512, 1, 256, False)])     # ... whole scores beside segment ids
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
 def test_ordered_query_head_ctas_lower_for_cuda(monkeypatch, causal, window, segments, t, s,
-                                                hkv, fuses, semantics):
+                                                hkv, d, fuses, semantics):
   """gqa_per_query_head with dq_ordered: one CTA per query head adds that head's share of
   dK and dV into the [B, S, Hkv, D] outputs in the group's order (counters waited on and
-  released), and computes its query head's Δ where the call fuses it."""
+  released), and computes its query head's Δ where the call fuses it; at every head dim
+  the one-pass kernel serves."""
   monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
       mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
   opts = _opts(causal, window, segments)
-  config = mb.fit_shared_memory(mb.MosaicBackwardConfig(
-      dq_split=True, dq_ordered=True, dq_buffers=2, fused_delta=True, gqa_per_query_head=True),
-      128, BF16, segments)
-  assert mb.support_error((2, t, 4, 128), (2, s, hkv, 128), BF16, opts, config) is None
-  assert mb._fuses_delta(config, opts.mask, t // 64, s // 128, 4 // hkv) == fuses  # pylint: disable=protected-access
-  text = _backward_lowered_for_cuda(opts, config, t, s, hkv, 128, segments)
+  if d == 256:
+    config = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
+                                     scores_split=True, dq_heavy_first=True)
+  else:
+    config = mb.MosaicBackwardConfig(dq_buffers=2, fused_delta=True, stages=3 if d == 64 else 2)
+  config = mb.fit_shared_memory(dataclasses.replace(config, dq_ordered=True,
+                                                    gqa_per_query_head=True), d, BF16, segments)
+  assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
+  assert mb._fuses_delta(config, opts.mask, t // 64, s // config.cta_keys(), 4 // hkv) == fuses  # pylint: disable=protected-access
+  text = _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments)
   call = next(line for line in text.splitlines() if _MOSAIC_CALL.search(line))
   results = call.split("->")[-1]
-  assert results.count(f"tensor<2x{s}x{hkv}x128xbf16>") == 2  # dK and dV, added into
-  assert f"x{hkv}x128xf32>" not in results  # no float32 accumulators
+  assert results.count(f"tensor<2x{s}x{hkv}x{d}xbf16>") == 2  # dK and dV, added into
+  assert f"x{hkv}x{d}xf32>" not in results  # no float32 accumulators
   assert "red.release.gpu" in text
 
 
