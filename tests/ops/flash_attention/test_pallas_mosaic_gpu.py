@@ -145,16 +145,16 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
     PallasMosaicGpu(backward_config=triton_dq, dq_config=MosaicDqConfig())._static(q, k, det)  # pylint: disable=protected-access
   with pytest.raises(NotImplementedError, match="block_kv 64 or 128"):
     PallasMosaicGpu(dq_config=MosaicDqConfig(block_kv=32))._static(q, k, det)  # pylint: disable=protected-access
-  # D = 256: the column-split kernel whole, dq in rank order; under GQA (no
-  # d256_gqa_ordered section) its dK/dV-only form with two Q/dO stages, and a dq kernel of
-  # 64-key blocks.
+  # D = 256: the column-split kernel whole with split scores, dq in rank order; under GQA
+  # (no d256_gqa_ordered section) its dK/dV-only form with two Q/dO stages, and a dq kernel
+  # of 64-key blocks.
   q256 = jax.ShapeDtypeStruct((1, 256, 4, 256), BF16)
   k256 = jax.ShapeDtypeStruct((1, 256, hkv, 256), BF16)
   st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
   if hkv == 4:
     assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
-                                                  dq_ordered=True, dq_rotate=not causal,
-                                                  dq_heavy_first=causal)
+                                                  scores_split=True, dq_ordered=True,
+                                                  dq_rotate=not causal, dq_heavy_first=causal)
     assert st.dq is None and st.triton is None
   else:
     assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2,
