@@ -135,11 +135,17 @@ def grid_section(rows: list[dict]) -> list[str]:
   with (ROOT / "configs" / "benchmarks" / "flash_attention.toml").open("rb") as f:
     order = [(x["b"], x["t"], x["h"], x.get("hkv", x["h"]), x["d"], x.get("docs"),
               x.get("window")) for x in tomllib.load(f)["grid"]["shapes"]]
-  place = lambda key: ((order.index(shape) if (shape := key[:5] + (key[6],) + (
-      key[7][0] if key[7] else None,)) in order else len(order)), key[5])
+
+  def place(key):
+    """A case's place: its shape's index in the grid set (unlisted shapes last), then the
+    mask (full before causal)."""
+    b, t, h, hkv, d, causal, docs, window = key
+    shape = (b, t, h, hkv, d, docs, window[0] if window else None)
+    return (order.index(shape) if shape in order else len(order)), causal
+
   out = []
   for device, cases in latest_case.items():
-    cases = dict(sorted(cases.items(), key=lambda kv: place(kv[0])))  # the grid's own order
+    cases = dict(sorted(cases.items(), key=lambda kv: place(kv[0])))
     stamps = sorted({stamp for stamp, _ in cases.values()})
     shown = [r for _, group in cases.values() for r in group.values()]
     out += [f"**grid** on {device}, {' and '.join(stamps)} (jax {shown[0]['jax']})"
