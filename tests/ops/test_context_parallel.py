@@ -2,6 +2,7 @@
 jax.shard_map (`context_axis=`) and on Explicit meshes, values and gradients against one
 device, and the compiled program's collectives."""
 
+import collections
 import functools
 import re
 
@@ -16,6 +17,7 @@ import pytest
 
 import memeff_jax
 from memeff_jax.ops.flash_attention import _context
+from memeff_jax.ops.flash_attention import flash_attention_backward
 from memeff_jax.ops.flash_attention import unzigzag
 from memeff_jax.ops.flash_attention import zigzag
 from memeff_jax.ops.flash_attention.masks import MaskSpec
@@ -348,6 +350,46 @@ def test_ring_skips_steps_whose_segment_ids_cannot_meet():
   compiled = both.lower(q, k, v, seg).compile()
   _close(compiled(q, k, v, seg), _value_and_grads(one, q, k, v, seg))
   assert " conditional(" in compiled.as_text()
+
+
+def test_ring_skips_chunk_pairs_whose_segment_ids_cannot_meet():
+  """Zig-zag order with one document per chunk (4 shards of 64 rows, chunks of 32): no query
+  meets a key of another chunk, so of the chunk pairs a shard's causal plans hold (three at
+  the first step, two to four at the others) only its two diagonal ones run a kernel, in
+  the forward and in the backward; values and gradients stay one device's."""
+  calls = collections.Counter()
+  count = lambda name: jax.debug.callback(lambda: calls.update([name]))
+
+  def attend(q, k, v, q_seg, kv_seg, window):
+    count("forward")
+    return memeff_jax.flash_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                                      sliding_window=window, return_lse=True)
+
+  def attend_backward(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, window):
+    count("backward")
+    return flash_attention_backward(q, k, v, out, lse, d_out, d_lse,
+                                    q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                                    sliding_window=window)
+
+  q, k, v, _ = _problem(8)
+  seg = jnp.broadcast_to(jnp.arange(q.shape[1]) // 32, q.shape[:2])
+  one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg,
+                                                        causal=True, return_lse=True)
+  mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
+  spec = P("data", "context")
+  many = shard_map(
+      lambda q, k, v, seg: _context.attention(
+          attend, attend_backward, q, k, v, seg, seg, axis="context", shards=4,
+          window=(None, 0), order="zigzag", strategy="ring"),
+      mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec))
+  # One device on the natural order, its results put in the zig-zag order.
+  reordered = lambda *a: jax.tree.map(lambda x: zigzag(x, 4),
+                                      one(*(unzigzag(x, 4) for x in a)))
+  args = tuple(zigzag(a, 4) for a in (q, k, v, seg))
+  got = jax.block_until_ready(_value_and_grads(many, *args))
+  # 2 pairs on each of 8 devices; the forward runs for the value and for the gradient
+  assert calls == {"forward": 2 * 2 * 8, "backward": 2 * 8}, calls
+  _close(got, _value_and_grads(reordered, *args))
 
 
 def test_segment_ranges_meet():

@@ -413,11 +413,13 @@ def _segments_meet(q_seg, kv_seg):
   return jnp.any((kv_seg.min(1) <= q_seg.max(1)) & (q_seg.min(1) <= kv_seg.max(1)))
 
 
-def _if_segments_meet(q_seg, rows, kv_seg, run, *carry):
-  """run(*carry) where the query rows' segment ids may meet the visiting keys' (at run
-  time), else `carry` as it is: a skippable step's kernels and merges."""
-  meet = _segments_meet(q_seg[:, rows[0]:rows[1]], kv_seg)
-  return jax.lax.cond(meet, run, lambda *carry: carry, *carry)
+def _if_segments_meet(q_seg, kv_seg, run, *carry):
+  """run(*carry) where the queries' segment ids may meet the keys' (at run time), else
+  `carry` as it is: the kernels and merges of a step, or of one chunk pair, that would find
+  no visible pair. Without ids on both sides, run(*carry)."""
+  if q_seg is None or kv_seg is None:
+    return run(*carry)
+  return jax.lax.cond(_segments_meet(q_seg, kv_seg), run, lambda *carry: carry, *carry)
 
 
 def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
@@ -438,11 +440,13 @@ def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order
           o, l = attend(q[:, r0:r1], k, v, _rows(q_seg, r0, r1), kv_seg, plan[0][4])
           return _vma.varying_like((o.astype(jnp.float32), l), q, k, v)
         acc, lse = _empty(q[:, r0:r1], k, v)
-        for qa, qb, ka, kb, local in plan:
+        for qa, qb, ka, kb, local in plan:  # each pair skipped where its ids cannot meet
           ka, kb = ka - first, kb - first
-          o, l = attend(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
-                        _rows(kv_seg, ka, kb), local)
-          acc, lse = _merge_rows(acc, lse, qa - r0, qb - r0, o, l)
+          q_ids, kv_ids = _rows(q_seg, qa, qb), _rows(kv_seg, ka, kb)
+          def pair(acc, lse, qa=qa, qb=qb, ka=ka, kb=kb, local=local, ids=(q_ids, kv_ids)):
+            o, l = attend(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], *ids, local)
+            return _merge_rows(acc, lse, qa - r0, qb - r0, o, l)
+          acc, lse = _if_segments_meet(q_ids, kv_ids, pair, acc, lse)
         return acc, lse
       return run
 
@@ -455,7 +459,7 @@ def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order
       return _merge_rows(acc, lse, r0, r1, *partial)
 
     if _skippable(step, q_seg, (r0, r1), visiting):  # no kernel, no merge where ids differ
-      acc, lse = _if_segments_meet(q_seg, (r0, r1), visiting[2], merged, acc, lse)
+      acc, lse = _if_segments_meet(q_seg[:, r0:r1], visiting[2], merged, acc, lse)
     else:
       acc, lse = merged(acc, lse)
     visiting = arriving
@@ -489,14 +493,17 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
           return f32(attend_backward(r(q), k, v, _rows(q_seg, r0, r1), kv_seg, r(out), r(lse),
                                      r(d_out), r(d_lse), plan[0][4]))
         dq, dk, dv = f32((zeros(q[:, r0:r1]), zeros(k), zeros(v)))
-        for qa, qb, ka, kb, local in plan:
+        for qa, qb, ka, kb, local in plan:  # each pair skipped where its ids cannot meet
           ka, kb = ka - first, kb - first
-          r = lambda a: a[:, qa:qb]
-          g = attend_backward(r(q), k[:, ka:kb], v[:, ka:kb], _rows(q_seg, qa, qb),
-                              _rows(kv_seg, ka, kb), r(out), r(lse), r(d_out), r(d_lse), local)
-          dq = _put(dq, qa - r0, qb - r0, g[0].astype(jnp.float32), add=True)
-          dk = _put(dk, ka, kb, g[1].astype(jnp.float32), add=True)
-          dv = _put(dv, ka, kb, g[2].astype(jnp.float32), add=True)
+          q_ids, kv_ids = _rows(q_seg, qa, qb), _rows(kv_seg, ka, kb)
+          def pair(dq, dk, dv, qa=qa, qb=qb, ka=ka, kb=kb, local=local, ids=(q_ids, kv_ids)):
+            r = lambda a: a[:, qa:qb]
+            g = attend_backward(r(q), k[:, ka:kb], v[:, ka:kb], *ids, r(out), r(lse),
+                                r(d_out), r(d_lse), local)
+            return (_put(dq, qa - r0, qb - r0, g[0].astype(jnp.float32), add=True),
+                    _put(dk, ka, kb, g[1].astype(jnp.float32), add=True),
+                    _put(dv, ka, kb, g[2].astype(jnp.float32), add=True))
+          dq, dk, dv = _if_segments_meet(q_ids, kv_ids, pair, dq, dk, dv)
         return dq, dk, dv
       return run
 
@@ -513,7 +520,7 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
     if _skippable(step, q_seg, (r0, r1), visiting):  # no kernel where ids differ
       if carried is None:  # what the step would carry on: nothing added yet
         carried = _vma.varying_like(tuple(zeros(a) for a in visiting[:2]), q, k, v, d_out)
-      dq, dkv = _if_segments_meet(q_seg, (r0, r1), visiting[2], added, dq, carried)
+      dq, dkv = _if_segments_meet(q_seg[:, r0:r1], visiting[2], added, dq, carried)
     else:
       dq, mine = added(dq, None if step == 0 else carried)
       if step == 0:
