@@ -145,16 +145,17 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
     PallasMosaicGpu(backward_config=triton_dq, dq_config=MosaicDqConfig())._static(q, k, det)  # pylint: disable=protected-access
   with pytest.raises(NotImplementedError, match="block_kv 64 or 128"):
     PallasMosaicGpu(dq_config=MosaicDqConfig(block_kv=32))._static(q, k, det)  # pylint: disable=protected-access
-  # D = 256: the column-split kernel whole with split scores, dq in rank order; under GQA
-  # (no d256_gqa_ordered section) its dK/dV-only form with two Q/dO stages, and a dq kernel
-  # of 64-key blocks.
+  # D = 256: the column-split kernel whole with split scores, dq in rank order (causal GQA:
+  # one CTA per query head); non-causal GQA (no d256_gqa_ordered section) its dK/dV-only
+  # form with two Q/dO stages, and a dq kernel of 64-key blocks.
   q256 = jax.ShapeDtypeStruct((1, 256, 4, 256), BF16)
   k256 = jax.ShapeDtypeStruct((1, 256, hkv, 256), BF16)
   st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
-  if hkv == 4:
+  if hkv == 4 or causal:
     assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
                                                   scores_split=True, dq_ordered=True,
-                                                  dq_rotate=not causal, dq_heavy_first=causal)
+                                                  dq_rotate=not causal, dq_heavy_first=causal,
+                                                  gqa_per_query_head=hkv == 1)
     assert st.dq is None and st.triton is None
   else:
     assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2,
@@ -965,7 +966,11 @@ def test_tuned_backward_configs_serve_their_calls():
   for causal, gqa in ((False, False), (True, False), (False, True)):
     assert mb.MosaicBackwardConfig.for_deterministic(64, causal, gqa) == mb.MosaicBackwardConfig(
         dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=not causal, stages=3)
-  for d, causal, gqa in ((64, True, True), (256, True, True)):  # no _ordered section: the
+  # d256_causal_gqa_ordered: the same with one CTA per query head
+  assert mb.MosaicBackwardConfig.for_deterministic(256, True, True) == mb.MosaicBackwardConfig(
+      dq_split=False, column_split=True, stages=1, scores_split=True, dq_ordered=True,
+      dq_heavy_first=True, gqa_per_query_head=True)
+  for d, causal, gqa in ((64, True, True), (256, False, True)):  # no _ordered section: the
     # dK/dV-only kernel
     assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
             == mb.MosaicBackwardConfig.tuned(d, causal, gqa, with_dq=False))
@@ -1283,9 +1288,12 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
                               dq_rotate=True, scores_split=True),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
-                              dq_heavy_first=True, scores_split=True)],
+                              dq_heavy_first=True, scores_split=True),
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
+                              dq_heavy_first=True, scores_split=True, gqa_per_query_head=True)],
       ids=["one_slot", "two_slots", "rotate", "d256", "heavy_first", "d256_heavy_first",
-           "per_query_head", "d256_split_scores", "d256_heavy_first_split_scores"])
+           "per_query_head", "d256_split_scores", "d256_heavy_first_split_scores",
+           "d256_per_query_head"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
