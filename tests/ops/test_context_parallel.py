@@ -329,18 +329,25 @@ def test_ring_steps_merge_only_the_rows_they_reach():
   assert {_context._step_rows(plans) for plans, _ in steps} == {(0, 64)}
 
 
+def _documents(seed, length):
+  """q, k, v, documents of `length` tokens as segment ids, a data × context mesh (2 × 4) and
+  the spec that shards the sequence over context."""
+  q, k, v, _ = _problem(seed)
+  seg = jnp.broadcast_to(jnp.arange(q.shape[1]) // length, q.shape[:2])
+  return q, k, v, seg, _mesh((2, 4), ("data", "context"), AxisType.Auto), P("data", "context")
+
+
+def _causal_one(q, k, v, seg):
+  return memeff_jax.flash_attention(q, k, v, q_segment_ids=seg, causal=True, return_lse=True)
+
+
 def test_ring_skips_steps_whose_segment_ids_cannot_meet():
   """Packed documents of 48 tokens over 4 shards of 64: after the first step some visitors
   hold only other documents, and those steps run no kernel and merge nothing (a conditional
   on the ids' ranges), while documents that cross a shard's edge keep theirs; values and
   gradients stay one device's. (test_zigzag_order_in_shard_map's ring with random
   documents runs the zig-zag order through the same conditional.)"""
-  q, k, v, _ = _problem(6)
-  seg = jnp.broadcast_to(jnp.arange(q.shape[1]) // 48, q.shape[:2])
-  one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg,
-                                                        causal=True, return_lse=True)
-  mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
-  spec = P("data", "context")
+  q, k, v, seg, mesh, spec = _documents(6, 48)
   many = shard_map(
       lambda q, k, v, seg: memeff_jax.flash_attention(
           q, k, v, q_segment_ids=seg, causal=True, return_lse=True, context_axis="context",
@@ -348,7 +355,7 @@ def test_ring_skips_steps_whose_segment_ids_cannot_meet():
       mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec), check_vma=True)
   both = jax.jit(lambda *a: (many(*a), jax.grad(_loss(many), (0, 1, 2))(*a)))
   compiled = both.lower(q, k, v, seg).compile()
-  _close(compiled(q, k, v, seg), _value_and_grads(one, q, k, v, seg))
+  _close(compiled(q, k, v, seg), _value_and_grads(_causal_one, q, k, v, seg))
   assert " conditional(" in compiled.as_text()
 
 
@@ -371,12 +378,7 @@ def test_ring_skips_chunk_pairs_whose_segment_ids_cannot_meet():
                                     q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                                     sliding_window=window)
 
-  q, k, v, _ = _problem(8)
-  seg = jnp.broadcast_to(jnp.arange(q.shape[1]) // 32, q.shape[:2])
-  one = lambda q, k, v, seg: memeff_jax.flash_attention(q, k, v, q_segment_ids=seg,
-                                                        causal=True, return_lse=True)
-  mesh = _mesh((2, 4), ("data", "context"), AxisType.Auto)
-  spec = P("data", "context")
+  q, k, v, seg, mesh, spec = _documents(8, 32)
   many = shard_map(
       lambda q, k, v, seg: _context.attention(
           attend, attend_backward, q, k, v, seg, seg, axis="context", shards=4,
@@ -384,7 +386,7 @@ def test_ring_skips_chunk_pairs_whose_segment_ids_cannot_meet():
       mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec))
   # One device on the natural order, its results put in the zig-zag order.
   reordered = lambda *a: jax.tree.map(lambda x: zigzag(x, 4),
-                                      one(*(unzigzag(x, 4) for x in a)))
+                                      _causal_one(*(unzigzag(x, 4) for x in a)))
   args = tuple(zigzag(a, 4) for a in (q, k, v, seg))
   got = jax.block_until_ready(_value_and_grads(many, *args))
   # 2 pairs on each of 8 devices; the forward runs for the value and for the gradient
