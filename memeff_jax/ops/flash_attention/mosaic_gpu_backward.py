@@ -663,14 +663,18 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       hopper.fence_smem()
       plgpu.barrier_arrive(barrier)
 
+    def meet(barrier):
+      """hand_off, then wait at `barrier` for the other warpgroup's half of the same slots."""
+      hand_off(barrier)
+      plgpu.barrier_wait(barrier)
+
     def share_ds(i, dst):
       """Step i's dSᵀ slot, with this warpgroup's rows written (with column_split, both
       write the same dSᵀ); with dq_split, once the other warpgroup has written its rows."""
       ds_buf = sc.ds_smem.at[hopper.rem(i, _ds_buffers(config))]
       ds_buf.at[pl.ds(wg * bkv, bkv)][...] = dst
       if config.dq_split:
-        hand_off(sc.ds_ready.at[hopper.rem(i, 2)])
-        plgpu.barrier_wait(sc.ds_ready.at[hopper.rem(i, 2)])
+        meet(sc.ds_ready.at[hopper.rem(i, 2)])
       else:
         plgpu.commit_smem()
       return ds_buf
@@ -889,8 +893,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           ds_buf, pt_buf = sc.ds_smem.at[b], sc.pt_smem.at[b]
           pt_buf.at[:, qs][...] = pt
           ds_buf.at[:, qs][...] = dst
-          hand_off(sc.ds_ready.at[b])
-          plgpu.barrier_wait(sc.ds_ready.at[b])
+          meet(sc.ds_ready.at[b])
           pt, dst = pt_buf, ds_buf
 
         def grads(refs):
