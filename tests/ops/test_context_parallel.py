@@ -463,6 +463,24 @@ def test_halos_move_bf16_rows_and_windows_of_both_halos_keep_float32():
     assert moved == {"bf16", dk_dtype}, (window, moved)
 
 
+def test_ring_rows_that_round_once():
+  """Which rings may keep the inputs' dtype: the first step one call and no row reached by
+  two later steps (_merged_once); two steps whose visitors get one call's share per key
+  row (_one_term_per_key). Shards of 64 over 4."""
+  plans = lambda window, order="contiguous", shards=4: _context.ring_plans(
+      64, 64, shards, window, order)
+  merged_once = lambda steps: _context._merged_once(steps, 64, 64)
+  assert merged_once(plans((40, 0)))  # one halo step
+  assert merged_once(plans((20, 20)))  # halos at both ends, rows apart
+  assert not merged_once(plans((40, 30)))  # ... rows 34:40 in both
+  assert not merged_once(plans((None, 0)))  # causal: every later step reaches every row
+  assert not merged_once(plans((None, 0), "zigzag"))  # the first step is three calls
+  assert _context._one_term_per_key(plans((40, 0)))
+  assert not _context._one_term_per_key(plans((20, 20)))  # four steps
+  # Two shards: the visitor's first chunk gets both query chunks' shares.
+  assert not _context._one_term_per_key(plans((None, 0), "zigzag", 2))
+
+
 @pytest.mark.parametrize("kw, order, carried", [
     (dict(sliding_window=(40, 0)), "contiguous", {"bf16"}),
     (dict(causal=True), "zigzag", {"bf16", "f32"})])
