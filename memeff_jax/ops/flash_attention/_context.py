@@ -402,6 +402,12 @@ def _whole(plan, rows, keys) -> bool:
   return len(plan) == 1 and plan[0][:4] == (*rows, *keys)
 
 
+def _disjoint(spans) -> bool:
+  """No two of the [lo, hi) spans overlap."""
+  spans = sorted(spans)
+  return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
 def _merged_once(steps, t: int, s: int) -> bool:
   """Every shard's first ring step is one call over its t query rows and s keys, and no
   query row is reached by two later steps: each row of the output and of dq is that call's,
@@ -410,20 +416,14 @@ def _merged_once(steps, t: int, s: int) -> bool:
   each shard's own dK/dV, which get the passed rows' accumulators added once."""
   if not all(_whole(plan, (0, t), (0, s)) for plan in steps[0][0]):
     return False
-  spans = sorted(r for r in (_step_rows(plans) for plans, _ in steps[1:]) if r[1] > r[0])
-  return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+  return _disjoint(r for r in (_step_rows(plans) for plans, _ in steps[1:]) if r[1] > r[0])
 
 
 def _one_term_per_key(steps) -> bool:
   """Two steps, and each plan of the second adds at most one call's share to each visiting
   key row: the dK/dV accumulators that go round hold a kernel's values, exact in its dtype."""
-  if len(steps) != 2:
-    return False
-  for plan in steps[1][0]:
-    spans = sorted((ka, kb) for _, _, ka, kb, _ in plan)
-    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-      return False
-  return True
+  return len(steps) == 2 and all(_disjoint((ka, kb) for _, _, ka, kb, _ in plan)
+                                 for plan in steps[1][0])
 
 
 def _skippable(step: int, q_seg, rows, visiting) -> bool:
