@@ -146,21 +146,20 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   with pytest.raises(NotImplementedError, match="block_kv 64 or 128"):
     PallasMosaicGpu(dq_config=MosaicDqConfig(block_kv=32))._static(q, k, det)  # pylint: disable=protected-access
   # D = 256: the column-split kernel whole with split scores, dq in rank order (causal GQA:
-  # one CTA per query head); non-causal GQA (no d256_gqa_ordered section) its dK/dV-only
-  # form with two Q/dO stages, and a dq kernel of 64-key blocks.
+  # one CTA per query head); an explicit dK/dV-only form with two Q/dO stages gets a dq
+  # kernel of 64-key blocks.
   q256 = jax.ShapeDtypeStruct((1, 256, 4, 256), BF16)
   k256 = jax.ShapeDtypeStruct((1, 256, hkv, 256), BF16)
   st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
-  if hkv == 4 or causal:
-    assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
-                                                  scores_split=True, dq_ordered=True,
-                                                  dq_rotate=not causal, dq_heavy_first=causal,
-                                                  gqa_per_query_head=hkv == 1)
-    assert st.dq is None and st.triton is None
-  else:
-    assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2,
-                                                  with_dq=False)
-    assert st.dq == MosaicDqConfig(block_kv=64, stages=2, v_stages=1) and st.triton is None
+  assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
+                                                scores_split=True, dq_ordered=True,
+                                                dq_rotate=not causal, dq_heavy_first=causal,
+                                                gqa_per_query_head=causal and hkv == 1)
+  assert st.dq is None and st.triton is None
+  dkv256 = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2, with_dq=False)
+  st = PallasMosaicGpu(backward_config=dkv256)._static(q256, k256, det)  # pylint: disable=protected-access
+  assert st.backward == dkv256
+  assert st.dq == MosaicDqConfig(block_kv=64, stages=2, v_stages=1) and st.triton is None
   # D = 192: no Mosaic backward; pallas_triton's computes dq with the rest.
   q192 = jax.ShapeDtypeStruct((1, 256, 4, 192), BF16)
   st = PallasMosaicGpu()._static(q192, q192, det)  # pylint: disable=protected-access
@@ -970,10 +969,12 @@ def test_tuned_backward_configs_serve_their_calls():
   assert mb.MosaicBackwardConfig.for_deterministic(256, True, True) == mb.MosaicBackwardConfig(
       dq_split=False, column_split=True, stages=1, scores_split=True, dq_ordered=True,
       dq_heavy_first=True, gqa_per_query_head=True)
-  for d, causal, gqa in ((64, True, True), (256, False, True)):  # no _ordered section: the
-    # dK/dV-only kernel
-    assert (mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa)
-            == mb.MosaicBackwardConfig.tuned(d, causal, gqa, with_dq=False))
+  # d256_gqa_ordered: non-causal GQA at D = 256 as without GQA (one CTA per key head)
+  assert (mb.MosaicBackwardConfig.for_deterministic(256, False, True)
+          == mb.MosaicBackwardConfig.for_deterministic(256, False))
+  # no _ordered section for causal GQA at D = 64: the dK/dV-only kernel
+  assert (mb.MosaicBackwardConfig.for_deterministic(64, True, True)
+          == mb.MosaicBackwardConfig.tuned(64, True, True, with_dq=False))
 
 
 def test_deterministic_calls_take_an_ordered_section(monkeypatch, tuning_tables):
@@ -1604,7 +1605,8 @@ class TestMosaicGpuFeaturesDeterministicD256(TestMosaicGpuFeaturesD256):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesDeterministicD256Mha(TestMosaicGpuFeaturesD256):
   """One query head per key head: the ordered column-split kernel (d256[_causal]_ordered),
-  where GQA takes the dK/dV-only kernel beside the dq kernel."""
+  which the GQA suite runs one CTA per key head (d256_gqa_ordered) or causal per query head
+  (d256_causal_gqa_ordered)."""
 
   extra = {}
   shape = dict(b=1, t=256, s=384, hq=4, hkv=4, d=256)
