@@ -77,6 +77,20 @@ def attention_vjp(forward, backward, name: str):
   return attention
 
 
+def rank_segments(q_ids, kv_ids):
+  """(q_ids, kv_ids) with each row's ids replaced by their int32 rank among the row's
+  distinct ids (0, 1, ...): equal exactly where the given ids are, in the same order."""
+  both = jnp.concatenate([q_ids, kv_ids], axis=1)  # [B, T + S]
+  order = jnp.argsort(both, axis=1)
+  ranked = jnp.take_along_axis(both, order, axis=1)
+  new = jnp.concatenate([jnp.zeros_like(ranked[:, :1], jnp.bool_),
+                         ranked[:, 1:] != ranked[:, :-1]], axis=1)
+  rank = jnp.cumsum(new, axis=1, dtype=jnp.int32)
+  rows = jnp.arange(both.shape[0])[:, None]
+  rank = jnp.zeros_like(rank).at[rows, order].set(rank)
+  return rank[:, :q_ids.shape[1]], rank[:, q_ids.shape[1]:]
+
+
 def softmax_delta(out, d_out, d_lse):
   """Δ = rowsum(dO ∘ O) − d_lse, float32 [B, Hq, T]: what the backward kernels subtract from
   dP (a cotangent on the log-sum-exp enters here)."""

@@ -12,6 +12,7 @@ from memeff_jax.ops import _auto
 from memeff_jax.ops import _checks
 from memeff_jax.ops import _dispatch
 from memeff_jax.ops import _explicit
+from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _context
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention.chunked_xla import ChunkedXla
@@ -50,15 +51,7 @@ def _int32_segments(q_ids, kv_ids):
   if not jnp.issubdtype(common, jnp.integer):
     raise TypeError(f"q_segment_ids ({q_ids.dtype}) and kv_segment_ids ({kv_ids.dtype}) have "
                     "no common integer type; pass both as int32 or int64")
-  both = jnp.concatenate([q_ids.astype(common), kv_ids.astype(common)], axis=1)  # [B, T + S]
-  order = jnp.argsort(both, axis=1)
-  ranked = jnp.take_along_axis(both, order, axis=1)
-  new = jnp.concatenate([jnp.zeros_like(ranked[:, :1], jnp.bool_),
-                         ranked[:, 1:] != ranked[:, :-1]], axis=1)
-  rank = jnp.cumsum(new, axis=1, dtype=jnp.int32)
-  rows = jnp.arange(both.shape[0])[:, None]
-  rank = jnp.zeros_like(rank).at[rows, order].set(rank)
-  return rank[:, :q_ids.shape[1]], rank[:, q_ids.shape[1]:]
+  return _common.rank_segments(q_ids.astype(common), kv_ids.astype(common))
 
 
 def _window(sliding_window):
@@ -285,7 +278,8 @@ def flash_attention(
       and dv alone and a Mosaic dq kernel dq (no float32 dq buffer). Every other
       implementation is deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
-      serves the call (Hopper, bf16/f16, D 64/128/192/256, T and S multiples of 128), then
+      serves the call (Hopper, bf16/f16, D 64–256; lengths the kernels do not take and D
+      other than 64, 128, 192 and 256 on zero-padded copies), then
       "pallas_triton", then "chunked_xla"), a name, an implementation object or a sequence
       tried in order.
 

@@ -28,9 +28,10 @@ that only the CTA's other query block sees are released without compute. A row t
 key ends with output 0 and log-sum-exp -inf.
 
 Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of
-block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head. Anything else
-raises NotImplementedError with the reason, and `implementation=None` falls through to
-pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel where it serves the
+block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head; other lengths,
+and head dims 65–255, run on zero-padded copies (_padding). Anything else (float32, head
+dims under 64 or over 256) raises NotImplementedError with the reason, and
+`implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel where it serves the
 call (D 64, 128 and 256): whole for calls with deterministic=False (it sums dq by TMA
 reductions in arrival order) or with its reductions in a fixed order (dq_ordered), for dK
 and dV alone otherwise, beside mosaic_gpu_dq's dq kernel; else pallas_triton's dq and dk/dv
@@ -54,6 +55,7 @@ from memeff_jax.ops import _dispatch
 from memeff_jax.ops import _vma
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
+from memeff_jax.ops.flash_attention import _padding
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward
 from memeff_jax.ops.flash_attention import mosaic_gpu_dq
 from memeff_jax.ops.flash_attention import pallas_triton
@@ -486,6 +488,9 @@ _TILE_OVERHEAD = 2  # a forward tile's cost beyond its key blocks, in key blocks
 
 
 def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
+  if st.padding is not None:  # the kernels run on padded copies
+    return _padding.forward(st.padding, functools.partial(_forward, st.padded()),
+                            q, k, v, q_seg, kv_seg)
   cfg = st.config
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
@@ -558,6 +563,8 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
 
 
 def _backward(st: "_Static", res, cts):
+  if st.padding is not None:  # the kernels run on padded copies
+    return _padding.backward(st.padding, functools.partial(_backward, st.padded()), res, cts)
   if st.backward is None:
     return pallas_triton.backward_pass(st.triton, res, cts)
   if st.backward.with_dq:
@@ -586,6 +593,13 @@ class _Static:
   backward: MosaicBackwardConfig | None
   triton: pallas_triton.TritonPlan | None
   dq: MosaicDqConfig | None = None
+  # Where the kernels do not take the call's lengths or head dim: the sizes they run padded
+  # to. `opts` are then the call's, and the kernels' fields above the padded call's.
+  padding: _padding.Padding | None = None
+
+  def padded(self) -> "_Static":
+    """The static of the padded call that `padding` describes."""
+    return dataclasses.replace(self, opts=self.padding.options(self.opts), padding=None)
 
 
 _attention = _common.attention_vjp(_vma.unchecked(_forward), _vma.unchecked(_backward),
@@ -633,6 +647,27 @@ class PallasMosaicGpu:
     return _vma.unchecked(_backward)(self._static(q, k, opts), res, (d_out, d_lse))[:3]
 
   def _static(self, q, k, opts: AttentionOptions) -> _Static:
+    """The kernels and tiles of a call with q's and k's shapes, for the padded call where
+    the kernels do not take its lengths or head dim (_padding)."""
+    padding = self.padding(q.shape, k.shape, opts.mask)
+    if padding is None:
+      return self._static_as_is(q, k, opts)
+    b, _, hq, _ = q.shape
+    padded = self._static_as_is(
+        jax.ShapeDtypeStruct((b, padding.t, hq, padding.d), q.dtype),
+        jax.ShapeDtypeStruct((k.shape[0], padding.s, k.shape[2], padding.d), k.dtype),
+        padding.options(opts))
+    return dataclasses.replace(padded, opts=opts, padding=padding)
+
+  def padding(self, q_shape, k_shape, mask: MaskSpec) -> _padding.Padding | None:
+    """How a call of these shapes runs padded (_padding.plan with this config's tiles at the
+    padded head dim, and S a multiple of the backward's CTA keys), or None: as it is."""
+    d = q_shape[-1]
+    config = self.config or MosaicConfig.for_call(_padding.head_dim(d), mask)
+    return _padding.plan(q_shape[1], k_shape[1], d, mask, config.block_q, config.block_kv,
+                         2 * mosaic_gpu_backward.BLOCK_KV)
+
+  def _static_as_is(self, q, k, opts: AttentionOptions) -> _Static:
     config = self.config or MosaicConfig.for_call(q.shape[-1], opts.mask)
     why = hopper_available() or support_error(q.shape, k.shape, q.dtype, opts, config)
     if why is not None:

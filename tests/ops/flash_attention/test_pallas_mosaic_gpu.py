@@ -1406,8 +1406,10 @@ class TestMosaicGpu:
   def test_default_picks_mosaic_where_it_serves(self):
     q = jnp.ones((1, 256, 4, 128), BF16)
     assert _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q, q, q).as_text())
-    q96 = jnp.ones((1, 256, 4, 96), BF16)  # D = 96: falls through to pallas_triton
-    assert not _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q96, q96, q96).as_text())
+    q96 = jnp.ones((1, 1000, 4, 96), BF16)  # T = 1,000, D = 96: padded (_padding)
+    assert _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q96, q96, q96).as_text())
+    q32 = jnp.ones((1, 256, 4, 32), BF16)  # D = 32: falls through to pallas_triton
+    assert not _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q32, q32, q32).as_text())
 
   def test_backward_from_saved_residuals_equals_vjp(self):
     from memeff_jax.ops.flash_attention import flash_attention_backward  # pylint: disable=import-outside-toplevel
@@ -1620,3 +1622,48 @@ class TestMosaicGpuOrderedDqD256(TestMosaicGpuFeaturesD256):
   impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
       dq_split=False, column_split=True, stages=1, dq_ordered=True))
   extra = {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuPadded(_FlashAttentionTest):
+  """Lengths and a head dim the kernels do not take run on padded copies (_padding): T =
+  1,000 and S = 1,537 to 1,024 and 1,664, D = 96 to 128, GQA 4:1, deterministic; every
+  feature of the shared suite (segment ids, windows, softcap, an LSE cotangent)."""
+
+  impl = PallasMosaicGpu()
+  dtypes = (jnp.bfloat16,)
+  shape = dict(b=2, t=1000, s=1537, hq=8, hkv=2, d=96)
+
+  def test_rows_that_see_no_key_give_zero_and_finite_gradients(self):
+    """A segment id with no key: output 0, lse -inf, finite gradients, padded or not."""
+    b, t, s, h, d = 1, self.shape["t"], self.shape["s"], 4, self.shape["d"]
+    q, k, v, _, ct = make_problem(jax.random.key(3), b, t, s, h, 2, d, BF16)
+    q_seg = jnp.where(jnp.arange(t) < 300, 0, 7)[None]  # id 7 has no key
+    kv_seg = jnp.zeros((1, s), jnp.int32)
+    out, lse, grads = run(self.impl, q, k, v, (q_seg, kv_seg), ct, dict(causal=True))
+    assert np.all(np.asarray(out, np.float32)[0, 300:] == 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)[0, 300:]))
+    r_out, _, r_grads = run("reference", *(x.astype(jnp.float32) for x in (q, k, v)),
+                            (q_seg, kv_seg), ct, dict(causal=True))
+    assert rel_err(out, r_out) < 3e-2
+    for g, rg in zip(grads, r_grads):
+      assert np.all(np.isfinite(np.asarray(g, np.float32)))
+      assert rel_err(g, rg) < 3e-2
+
+  def test_matches_jax_nn(self):
+    q, k, v, _, _ = make_problem(jax.random.key(4), 2, 200, 200, 4, 2, 96, BF16)
+    for causal in (False, True):
+      got = flash_attention(q, k, v, causal=causal, implementation=self.impl)
+      want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                          is_causal=causal)
+      assert rel_err(got, want) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuPaddedD160(TestMosaicGpuPadded):
+  """D = 160 to 256 (the column-split backward), T = 300 > S = 200: causal rows past S see
+  the padded keys but for the ids the padding adds."""
+
+  shape = dict(b=2, t=300, s=200, hq=4, hkv=2, d=160)

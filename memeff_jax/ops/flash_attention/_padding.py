@@ -1,0 +1,149 @@
+"""Calls whose lengths or head dim the Mosaic kernels do not take, run on padded copies.
+
+The Mosaic GPU kernels take T a multiple of two query blocks, S a multiple of the key block
+and head dims 64, 128, 192 and 256 (the backward 64, 128 and 256, S a multiple of its CTA's
+keys). pallas_mosaic_gpu pads such a call (T = 1,000, D = 96, ...) with zeros, runs the
+kernels on the copies and cuts the output, the log-sum-exp and the gradients back:
+
+- head dims 65–255 go up to the next of 128 and 256, which is also what pallas_triton (the
+  kernels these calls ran on before) computes with, its tiles a power of two wide; under 64
+  the padding would be work pallas_triton does not do, and such calls stay with it;
+- zero features add nothing to q·k and give zero output columns (the scale is the call's);
+- padded query rows are cut away, and their zero dO gives them no share of dk and dv;
+- padded keys stay hidden from every real query: by the mask where it already hides keys
+  at and past S (causal, or a window whose right side ends before S), else by segment ids
+  that give the padded rows an id no real row has (ids 0 and 1 where the call has none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+from jax import lax
+import jax.numpy as jnp
+
+from memeff_jax.ops.flash_attention import _common
+from memeff_jax.ops.flash_attention.masks import MaskSpec
+
+HEAD_DIMS = (64, 128, 192, 256)  # what the Mosaic forward takes
+_INT32 = jnp.iinfo(jnp.int32)
+
+
+class Padding(NamedTuple):
+  """The padded sizes of a call's T, S and head dim, and whether the padded call passes
+  segment ids (the call's own, or 0 for real rows and 1 for padded ones)."""
+  t: int
+  s: int
+  d: int
+  segments: bool
+
+  def inputs(self, q, k, v, q_seg, kv_seg):
+    """q, k, v and the segment ids (None where the padded call takes none), padded."""
+    t, s = q.shape[1], k.shape[1]
+    q = _pad(_pad(q, 1, self.t), 3, self.d)
+    k, v = (_pad(_pad(x, 1, self.s), 3, self.d) for x in (k, v))
+    if not self.segments:
+      return q, k, v, None, None
+    b = q.shape[0]
+    if q_seg is None:  # hide the padded keys: real rows 0, padded rows 1
+      rows = lambda n, real: jnp.broadcast_to(
+          (jnp.arange(n) >= real).astype(jnp.int32)[None], (b, n))
+      return q, k, v, rows(self.t, t), rows(self.s, s)
+    q_seg, kv_seg, fresh = _with_fresh_id(q_seg, kv_seg)
+    pad_ids = lambda ids, n: jnp.concatenate(
+        [ids, jnp.broadcast_to(fresh, (b, n - ids.shape[1]))], axis=1)
+    return q, k, v, pad_ids(q_seg, self.t), pad_ids(kv_seg, self.s)
+
+  def options(self, opts):
+    """The call's AttentionOptions for the padded call (its mask with segment ids where the
+    padded call passes them)."""
+    return dataclasses.replace(opts, mask=dataclasses.replace(opts.mask,
+                                                              segments=self.segments))
+
+  def rows(self, x, axis: int, *, features: bool = True):
+    """A per-query array (out, d_out [B, T, H, D]; lse, d_lse [B, H, T]) padded with zeros."""
+    x = _pad(x, axis, self.t)
+    return _pad(x, 3, self.d) if features else x
+
+
+def head_dim(d: int) -> int:
+  """The head dim a call of head dim d runs at: d where the kernels take it or padding does
+  not pay (under 64, over 256), else the next of 128 and 256."""
+  if d in HEAD_DIMS or d < 64 or d > 256:
+    return d
+  return 128 if d <= 128 else 256
+
+
+def plan(t: int, s: int, d: int, mask: MaskSpec, block_q: int, block_kv: int,
+         backward_keys: int) -> Padding | None:
+  """How a call of lengths t, s and head dim d runs padded, or None where the kernels take it
+  as it is (or padding cannot help). `block_q`, `block_kv`: the forward's tiles at
+  head_dim(d); `backward_keys`: the keys of a backward CTA there, so that the padded call
+  runs the Mosaic backward too."""
+  d_pad = head_dim(d)
+  if d_pad not in HEAD_DIMS or (
+      d_pad == d and t % (2 * block_q) == 0 and s % block_kv == 0):
+    return None
+  t_pad = _round_up(t, math.lcm(2 * block_q, 128))
+  s_pad = _round_up(s, math.lcm(block_kv, backward_keys))
+  # A real query i sees keys up to i + right: the padded keys (from s on) only where that
+  # reaches s for the last real query.
+  reaches = s_pad > s and (mask.right is None or t - 1 + mask.right >= s)
+  return Padding(t_pad, s_pad, d_pad, mask.segments or reaches)
+
+
+def forward(pad: Padding, fn, q, k, v, q_seg, kv_seg):
+  """(out, lse [B, H, T]) of the call, from fn(q, k, v, q_seg, kv_seg) of the padded call."""
+  t, d = q.shape[1], q.shape[3]
+  out, lse = fn(*pad.inputs(q, k, v, q_seg, kv_seg))
+  return _cut(_cut(out, 1, t), 3, d), _cut(lse, 2, t)
+
+
+def backward(pad: Padding, fn, res: _common.Residuals, cts):
+  """(dq, dk, dv, *rest) of the call, from fn(residuals, cotangents) of the padded call."""
+  (t, d), s, (d_out, d_lse) = res.q.shape[1::2], res.k.shape[1], cts
+  padded = pad.inputs(res.q, res.k, res.v, res.q_segment_ids, res.kv_segment_ids)
+  # Padded query rows: zero output and cotangents, log-sum-exp 0 (a finite softmax that their
+  # zero dO turns into no share of dk and dv).
+  res = _common.Residuals(*padded, pad.rows(res.out, 1), pad.rows(res.lse, 2, features=False))
+  cts = (pad.rows(d_out, 1), pad.rows(d_lse, 2, features=False))
+  dq, dk, dv, *rest = fn(res, cts)
+  return (*(_cut(_cut(g, 1, n), 3, d) for g, n in ((dq, t), (dk, s), (dv, s))), *rest)
+
+
+def _cut(x, axis: int, n: int):
+  return lax.slice_in_dim(x, 0, n, axis=axis)
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _pad(x, axis: int, n: int):
+  if x.shape[axis] == n:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, n - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def _with_fresh_id(q_seg, kv_seg):
+  """(q_seg, kv_seg, fresh [B, 1]): int32 ids and, per row, an id none of them has: one past
+  the row's largest, else one before its smallest, else (a row holding both int32
+  extremes) the ids ranked and one past the ranks."""
+  both = jnp.concatenate([q_seg, kv_seg], axis=1)
+  hi, lo = both.max(axis=1, keepdims=True), both.min(axis=1, keepdims=True)
+  full = jnp.any((hi == _INT32.max) & (lo == _INT32.min))
+
+  def plain():
+    return q_seg, kv_seg, jnp.where(hi < _INT32.max, hi + 1, lo - 1)
+
+  def ranked():
+    rq, rk = _common.rank_segments(q_seg, kv_seg)
+    top = jnp.maximum(rq.max(axis=1, keepdims=True), rk.max(axis=1, keepdims=True))
+    return rq, rk, top + 1
+
+  return lax.cond(full, ranked, plain)
+

@@ -1,0 +1,147 @@
+"""pallas_mosaic_gpu's padded calls (_padding): lengths and head dims its kernels do not take.
+
+On CPU the padding runs around chunked_xla in place of the kernels (the same function of
+the padded call); the GPU suite runs it around the kernels (test_pallas_mosaic_gpu.py).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memeff_jax.kernels import hopper
+from memeff_jax.ops.flash_attention import _common
+from memeff_jax.ops.flash_attention import _padding
+from memeff_jax.ops.flash_attention import ChunkedXla
+from memeff_jax.ops.flash_attention import flash_attention
+from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pm
+from memeff_jax.ops.flash_attention import PallasMosaicGpu
+from memeff_jax.ops.flash_attention.masks import MaskSpec
+from tests.ops.flash_attention.test_flash_attention import _FlashAttentionTest
+
+_INNER = ChunkedXla(block_q=32, block_k=16)
+
+
+class _Static(NamedTuple):
+  opts: _common.AttentionOptions
+  padding: _padding.Padding
+
+
+def _forward(st, q, k, v, q_seg, kv_seg):
+  padded = st.padding.options(st.opts)
+  return _padding.forward(st.padding, lambda *args: _INNER(*args, opts=padded),
+                          q, k, v, q_seg, kv_seg)
+
+
+def _backward(st, res, cts):
+  padded = st.padding.options(st.opts)
+  inner = lambda res, cts: (*_INNER.backward(*res, *cts, opts=padded), None, None)
+  return _padding.backward(st.padding, inner, res, cts)
+
+
+_padded = _common.attention_vjp(_forward, _backward, "padded_chunked_xla")
+
+
+class PaddedChunkedXla:
+  """chunked_xla behind the padding pallas_mosaic_gpu plans for the call (its own custom_vjp,
+  so that gradients take _padding.backward as the kernels' do)."""
+
+  name = "padded_chunked_xla"
+
+  def __call__(self, q, k, v, q_seg, kv_seg, *, opts):
+    pad = PallasMosaicGpu().padding(q.shape, k.shape, opts.mask)
+    if pad is None:  # a head dim under 64: no padding
+      return _INNER(q, k, v, q_seg, kv_seg, opts=opts)
+    return _padded(self, _Static(opts, pad), q, k, v, q_seg, kv_seg)
+
+
+class TestPaddingOnChunkedXla(_FlashAttentionTest):
+  """T = 100 and S = 153 (padded to 128 and 256), D = 96 (to 128): causal and the (5, 3)
+  window hide the padded keys by themselves, the rest by segment ids."""
+
+  impl = PaddedChunkedXla()
+
+
+class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
+  """T = 200 > S = 130, D = 160 (padded to 256): causal rows past S see the padded keys but
+  for the ids the padding adds."""
+
+  impl = PaddedChunkedXla()
+  shape = dict(b=2, t=200, s=130, hq=4, hkv=2, d=160)
+
+
+@pytest.mark.parametrize("t, s, d, causal, want", [
+    (1000, 1000, 96, True, _padding.Padding(1024, 1024, 128, False)),
+    (1000, 1000, 96, False, _padding.Padding(1024, 1024, 128, True)),
+    (300, 200, 128, True, _padding.Padding(384, 256, 128, True)),  # rows 200.. see past S
+    (200, 300, 64, True, _padding.Padding(256, 384, 64, False)),
+    (256, 384, 160, False, _padding.Padding(256, 384, 256, False)),  # the head dim alone
+    (200, 320, 160, True, _padding.Padding(256, 384, 256, False)),  # S: the backward's 128
+    (256, 384, 128, False, None),  # the kernels take it as it is
+    (256, 320, 256, False, None),  # 64-key blocks at D = 256, forward and backward
+    (1000, 1000, 32, True, None),  # under 64: pallas_triton's
+    (1000, 1000, 320, True, None),  # over 256: no kernel takes it
+])
+def test_plan(t, s, d, causal, want):
+  mask = MaskSpec.make(causal, None, False)
+  assert PallasMosaicGpu().padding((1, t, 4, d), (1, s, 4, d), mask) == want
+
+
+def test_plan_window_and_segment_ids():
+  """A right window hides the padded keys where the last real query's reach ends before S;
+  a call with segment ids always passes them (padded with an id of their own)."""
+  plan = lambda mask: PallasMosaicGpu().padding((1, 1000, 4, 128), (1, 1000, 4, 128), mask)
+  assert not plan(MaskSpec(left=100, right=0)).segments
+  assert plan(MaskSpec(left=100, right=30)).segments  # 999 + 30 reaches key 1000
+  assert plan(MaskSpec(left=None, right=0, segments=True)).segments
+  short_window = PallasMosaicGpu().padding((1, 900, 4, 128), (1, 1000, 4, 128),
+                                           MaskSpec(left=None, right=100))
+  assert not short_window.segments  # 899 + 100 < 1000
+
+
+@pytest.mark.parametrize("ids", [
+    [[3, 3, 7, 7, 9]],
+    [[0, 5, 2**31 - 1, 2**31 - 1, 4]],  # the largest int32: the fresh id goes below
+    [[-2**31, 0, 2**31 - 1, 5, 5]],  # both extremes: ids ranked first
+])
+def test_padded_ids_keep_rows_apart(ids):
+  """Padded rows get an id no real row has; real rows keep which ids are equal."""
+  q_seg = jnp.asarray(ids, jnp.int32)
+  kv_seg = q_seg[:, ::-1]
+  pad = _padding.Padding(8, 7, 64, True)
+  x = jnp.zeros((1, 5, 1, 64))
+  _, _, _, pq, pk = pad.inputs(x, x, x, q_seg, kv_seg)
+  assert pq.shape == (1, 8) and pk.shape == (1, 7)
+  real = np.concatenate([np.asarray(pq)[0, :5], np.asarray(pk)[0, :5]])
+  given = np.concatenate([np.asarray(q_seg)[0], np.asarray(kv_seg)[0]])
+  np.testing.assert_array_equal(real[:, None] == real[None], given[:, None] == given[None])
+  fresh = set(np.asarray(pq)[0, 5:]) | set(np.asarray(pk)[0, 5:])
+  assert len(fresh) == 1 and not fresh & set(real)
+
+
+def test_padded_calls_take_the_mosaic_kernels(monkeypatch):
+  """On a Hopper GPU (faked here: the program is lowered for CUDA, not run) T = 1,000 and
+  D = 96 run the Mosaic forward and backward on padded copies, not pallas_triton's kernels;
+  the static keeps the call's options, its kernels describe the padded call."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  q = jax.ShapeDtypeStruct((1, 1000, 4, 96), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 1000, 2, 96), jnp.bfloat16)
+  for causal in (True, False):
+    opts = _common.AttentionOptions(mask=MaskSpec.make(causal, None, False), scale=96**-0.5)
+    st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
+    assert st.opts == opts and st.padding == _padding.Padding(1024, 1024, 128, not causal)
+    assert st.backward is not None and st.triton is None
+    assert st.padded().opts.mask.segments == (not causal)
+
+    def loss(q, k, v, causal=causal):
+      out = flash_attention(q, k, v, causal=causal, implementation="pallas_mosaic_gpu")
+      return jnp.sum(out.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
+        lowering_platforms=("cuda",)).as_text()
+    # The forward and the ordered one-pass backward, on the padded copies; no Triton kernel.
+    assert text.count("custom_call @mosaic_gpu") == 2 and "triton" not in text
+    assert "tensor<1x1024x4x128xbf16>" in text
