@@ -274,9 +274,9 @@ def flash_attention(
       deterministic=False they land in whatever order the CTAs arrive; with True, in a fixed
       order (as fast as arrival order on an H100) where the tuning table names an ordered
       kernel for the call (every call at D = 256; causal GQA at D = 128 and 256 then adds
-      each query head's dk and dv into the bf16 outputs in the group's order), and elsewhere its kernel computes dk
-      and dv alone and a Mosaic dq kernel dq (no float32 dq buffer). Every other
-      implementation is deterministic either way.
+      each query head's dk and dv into the bf16 outputs in the group's order), and
+      elsewhere its kernel computes dk and dv alone and a Mosaic dq kernel dq (no float32 dq
+      buffer). Every other implementation is deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
       serves the call (Hopper, bf16/f16, D 64–256; lengths the kernels do not take and D
       other than 64, 128, 192 and 256 on zero-padded copies), then

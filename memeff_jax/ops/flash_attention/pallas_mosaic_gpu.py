@@ -31,12 +31,13 @@ Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S
 block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head; other lengths,
 and head dims 65–255, run on zero-padded copies (_padding). Anything else (float32, head
 dims under 64 or over 256) raises NotImplementedError with the reason, and
-`implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel where it serves the
-call (D 64, 128 and 256): whole for calls with deterministic=False (it sums dq by TMA
-reductions in arrival order) or with its reductions in a fixed order (dq_ordered), for dK
-and dV alone otherwise, beside mosaic_gpu_dq's dq kernel; else pallas_triton's dq and dk/dv
-kernels. All run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's
-Mosaic GPU interpreter cannot run `plgpu.kernel` meshes.
+`implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's
+one-pass kernel where it serves the call (D 64, 128 and 256): whole for calls with
+deterministic=False (it sums dq by TMA reductions in arrival order) or with its reductions
+in a fixed order (dq_ordered), for dK and dV alone otherwise, beside mosaic_gpu_dq's dq
+kernel; else pallas_triton's dq and dk/dv kernels. All run on the saved output and
+log-sum-exp. GPU only (sm90): jax 0.10.2's Mosaic GPU interpreter cannot run `plgpu.kernel`
+meshes.
 """
 
 from __future__ import annotations
