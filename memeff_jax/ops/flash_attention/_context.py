@@ -181,8 +181,7 @@ def _merge(acc, lse_acc, out, lse):
 
 
 def _merge_rows(acc, lse_acc, lo, hi, out, lse):
-  """acc and lse_acc with their rows lo:hi merged with a partial result over those rows (in
-  float32, rounded once to acc's dtype)."""
+  """acc and lse_acc with their rows lo:hi merged with a partial result over those rows."""
   merged = _merge(acc[:, lo:hi], lse_acc[:, lo:hi], out, lse)
   return _put(acc, lo, hi, merged[0]), _put(lse_acc, lo, hi, merged[1])
 
@@ -205,13 +204,12 @@ def _rows(a, lo, hi):
 
 
 def _put(a, lo, hi, x, add: bool = False):
-  """a with rows lo:hi (axis 1) set to x, or x added to them in float32, in a's dtype (one
-  rounding). A range covering all of a is the value itself: XLA's GPU partitioner (jaxlib
-  0.11) crashes on a whole-array `.at` update inside shard_map."""
-  if add:
-    x = a[:, lo:hi].astype(jnp.float32) + x
-  x = x.astype(a.dtype)
-  return x if (lo, hi) == (0, a.shape[1]) else a.at[:, lo:hi].set(x)
+  """a with rows lo:hi (axis 1) set to x, or x added to them. A range covering all of a is
+  the value itself: XLA's GPU partitioner (jaxlib 0.11) crashes on a whole-array `.at` update
+  inside shard_map."""
+  if (lo, hi) == (0, a.shape[1]):
+    return a + x if add else x
+  return a.at[:, lo:hi].add(x) if add else a.at[:, lo:hi].set(x)
 
 
 def _empty(q, *like):
@@ -402,30 +400,6 @@ def _whole(plan, rows, keys) -> bool:
   return len(plan) == 1 and plan[0][:4] == (*rows, *keys)
 
 
-def _disjoint(spans) -> bool:
-  """No two of the [lo, hi) spans overlap."""
-  spans = sorted(spans)
-  return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-
-
-def _merged_once(steps, t: int, s: int) -> bool:
-  """Every shard's first ring step is one call over its t query rows and s keys, and no
-  query row is reached by two later steps: each row of the output and of dq is that call's,
-  or it with one later step's share merged or added (in float32, rounded once), so they may
-  stay in the inputs' dtype (as a float32 buffer's final cast would round them). So also
-  each shard's own dK/dV, which get the passed rows' accumulators added once."""
-  if not all(_whole(plan, (0, t), (0, s)) for plan in steps[0][0]):
-    return False
-  return _disjoint(r for r in (_step_rows(plans) for plans, _ in steps[1:]) if r[1] > r[0])
-
-
-def _one_term_per_key(steps) -> bool:
-  """Two steps, and each plan of the second adds at most one call's share to each visiting
-  key row: the dK/dV accumulators that go round hold a kernel's values, exact in its dtype."""
-  return len(steps) == 2 and all(_disjoint((ka, kb) for _, _, ka, kb, _ in plan)
-                                 for plan in steps[1][0])
-
-
 def _skippable(step: int, q_seg, rows, visiting) -> bool:
   """Whether ring step `step` may find no pair to compute at run time: a step after the
   first, over some query rows, with segment ids on both sides."""
@@ -451,7 +425,6 @@ def _if_segments_meet(q_seg, kv_seg, run, *carry):
 def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order):
   steps = ring_plans(q.shape[1], k.shape[1], shards, window, order)
   rows = passed_rows(steps)
-  first_dtype = q.dtype if _merged_once(steps, q.shape[1], k.shape[1]) else jnp.float32
   acc = lse = None
   visiting = (k, v, kv_seg)
   for step, (plans, which) in enumerate(steps):
@@ -460,12 +433,12 @@ def _ring_forward(attend, q, k, v, q_seg, kv_seg, *, axis, shards, window, order
     first = rows[0] if step else 0  # the visiting keys' first row among their shard's
     r0, r1 = _step_rows(plans)
 
-    def branch(plan, first=first, r0=r0, r1=r1, dtype=jnp.float32 if step else first_dtype):
+    def branch(plan, first=first, r0=r0, r1=r1):
       def run(q, q_seg, k, v, kv_seg):
         keys = (first, first + k.shape[1])
         if _whole(plan, (r0, r1), keys):  # the call's result as it is: nothing to merge
           o, l = attend(q[:, r0:r1], k, v, _rows(q_seg, r0, r1), kv_seg, plan[0][4])
-          return _vma.varying_like((o.astype(dtype), l), q, k, v)
+          return _vma.varying_like((o.astype(jnp.float32), l), q, k, v)
         acc, lse = _empty(q[:, r0:r1], k, v)
         for qa, qb, ka, kb, local in plan:  # each pair skipped where its ids cannot meet
           ka, kb = ka - first, kb - first
@@ -502,12 +475,7 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
   the accumulators that go round hold only the passed rows (passed_rows)."""
   steps = ring_plans(q.shape[1], k.shape[1], shards, window, order)
   rows = passed_rows(steps)
-  zeros = lambda a, dtype=jnp.float32: jnp.zeros(a.shape, dtype)
-  # The first step's dq, dK and dV in the inputs' dtypes where one later add rounds each row
-  # once; the accumulators that go round in the keys' where they carry one call's values.
-  first_dtypes = ((q.dtype, k.dtype, v.dtype) if _merged_once(steps, q.shape[1], k.shape[1])
-                  else (jnp.float32,) * 3)
-  carry_dtype = k.dtype if _one_term_per_key(steps) else jnp.float32
+  zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
   visiting, dq, home, dkv = (k, v, kv_seg), None, None, None
   for step, (plans, which) in enumerate(steps):
     arriving = _next_visitor(axis, shards, visiting, step, rows) \
@@ -516,16 +484,15 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
     first = rows[0] if step else 0
     r0, r1 = _step_rows(plans)
 
-    def branch(plan, first=first, r0=r0, r1=r1,
-               dtypes=(jnp.float32,) * 3 if step else first_dtypes):
+    def branch(plan, first=first, r0=r0, r1=r1):
       def run(k, v, kv_seg):
-        cast = lambda g, dtypes=(jnp.float32,) * 3: _vma.varying_like(
-            tuple(x.astype(t) for x, t in zip(g, dtypes)), q, k, v, d_out)
+        f32 = lambda g: _vma.varying_like(tuple(x.astype(jnp.float32) for x in g), q, k, v,
+                                          d_out)
         if _whole(plan, (r0, r1), (first, first + k.shape[1])):  # the call's as they are
           r = lambda a: a[:, r0:r1]
-          return cast(attend_backward(r(q), k, v, _rows(q_seg, r0, r1), kv_seg, r(out),
-                                      r(lse), r(d_out), r(d_lse), plan[0][4]), dtypes)
-        dq, dk, dv = cast((zeros(q[:, r0:r1]), zeros(k), zeros(v)))
+          return f32(attend_backward(r(q), k, v, _rows(q_seg, r0, r1), kv_seg, r(out), r(lse),
+                                     r(d_out), r(d_lse), plan[0][4]))
+        dq, dk, dv = f32((zeros(q[:, r0:r1]), zeros(k), zeros(v)))
         for qa, qb, ka, kb, local in plan:  # each pair skipped where its ids cannot meet
           ka, kb = ka - first, kb - first
           q_ids, kv_ids = _rows(q_seg, qa, qb), _rows(kv_seg, ka, kb)
@@ -543,8 +510,6 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
     def added(dq, carried, plans=plans, which=which, visiting=visiting, r0=r0, r1=r1):
       """dq with this step's rows added, and this step's dK/dV (added to `carried`)."""
       dq_step, *mine = _switch(axis, which, [branch(p) for p in plans], *visiting)
-      if step:
-        mine = [g.astype(carry_dtype) for g in mine]
       if dq is None and (r0, r1) == (0, q.shape[1]):
         dq = dq_step
       else:
@@ -554,8 +519,7 @@ def _ring_backward(attend_backward, q, k, v, q_seg, kv_seg, out, lse, d_out, d_l
 
     if _skippable(step, q_seg, (r0, r1), visiting):  # no kernel where ids differ
       if carried is None:  # what the step would carry on: nothing added yet
-        carried = _vma.varying_like(tuple(zeros(a, carry_dtype) for a in visiting[:2]), q, k,
-                                    v, d_out)
+        carried = _vma.varying_like(tuple(zeros(a) for a in visiting[:2]), q, k, v, d_out)
       dq, dkv = _if_segments_meet(q_seg[:, r0:r1], visiting[2], added, dq, carried)
     else:
       dq, mine = added(dq, None if step == 0 else carried)
