@@ -1,18 +1,25 @@
 """Calls whose lengths or head dim the Mosaic kernels do not take, run on padded copies.
 
 The Mosaic GPU kernels take T a multiple of two query blocks, S a multiple of the key block
-and head dims 64, 128, 192 and 256 (the backward 64, 128 and 256, S a multiple of its CTA's
-keys). pallas_mosaic_gpu pads such a call (T = 1,000, D = 96, ...) with zeros, runs the
-kernels on the copies and cuts the output, the log-sum-exp and the gradients back:
+(and of the backward CTA's keys) and head dims 64, 128 and 256. pallas_mosaic_gpu pads other
+calls (T = 1,000, D = 96, ...) with zeros, runs the kernels on the copies and cuts the
+output, the log-sum-exp and the gradients back:
 
-- head dims 65–255 go up to the next of 128 and 256, which is also what pallas_triton (the
-  kernels these calls ran on before) computes with, its tiles a power of two wide; under 64
-  the padding would be work pallas_triton does not do, and such calls stay with it;
+- head dims 65–255 go up to the next of 128 and 256, which is also what pallas_triton
+  computes with, its tiles a power of two wide; under 64 the padding would be work
+  pallas_triton does not do, and such calls stay with it;
 - zero features add nothing to q·k and give zero output columns (the scale is the call's);
 - padded query rows are cut away, and their zero dO gives them no share of dk and dv;
 - padded keys stay hidden from every real query: by the mask where it already hides keys
   at and past S (causal, or a window whose right side ends before S), else by segment ids
   that give the padded rows an id no real row has (ids 0 and 1 where the call has none).
+
+Padded lengths are work pallas_triton does not do (its blocks stop at T and S), so where
+they add more than its kernels lose (TRITON_SLOWDOWN: T = 257 runs at 384, 2.2× the
+work), `implementation=None` leaves the call to pallas_triton (PallasMosaicGpu's
+pad="where_faster"). The padded copies cost memory: about eight [B, T, H, D] arrays at the
+padded sizes live through the backward (q, k, v, out, dO and the three gradients), 1.1 GiB
+at B=4, T=4,096, H=32, D=96 against cuDNN's 0.29.
 """
 
 from __future__ import annotations
@@ -27,7 +34,12 @@ import jax.numpy as jnp
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
-HEAD_DIMS = (64, 128, 192, 256)  # what the Mosaic forward takes
+HEAD_DIMS = (64, 128, 256)  # what the Mosaic forward and backward both take
+# pallas_triton's forward+backward time over the Mosaic kernels' on the same work, by the
+# head dim the padded call runs at: the least measured (H200, `benchmarks/flash_attention.py
+# --set models` and `--set odd`; a padded call's time divided by its padding's work). A
+# padding pays while it multiplies the work by less.
+TRITON_SLOWDOWN = {64: 1.08, 128: 1.44, 256: 3.68}
 _INT32 = jnp.iinfo(jnp.int32)
 
 
@@ -56,6 +68,15 @@ class Padding(NamedTuple):
         [ids, jnp.broadcast_to(fresh, (b, n - ids.shape[1]))], axis=1)
     return q, k, v, pad_ids(q_seg, self.t), pad_ids(kv_seg, self.s)
 
+  def work(self, t: int, s: int) -> float:
+    """The padded call's attention work over that of the call (lengths t, s). The head dim
+    is left out: pallas_triton's tiles pad it as far."""
+    return self.t * self.s / (t * s)
+
+  def pays(self, t: int, s: int) -> bool:
+    """Whether the Mosaic kernels on the padded call beat pallas_triton on the call."""
+    return self.work(t, s) <= TRITON_SLOWDOWN[self.d]
+
   def options(self, opts):
     """The call's AttentionOptions for the padded call (its mask with segment ids where the
     padded call passes them)."""
@@ -70,7 +91,9 @@ class Padding(NamedTuple):
 
 def head_dim(d: int) -> int:
   """The head dim a call of head dim d runs at: d where the kernels take it or padding does
-  not pay (under 64, over 256), else the next of 128 and 256."""
+  not pay (under 64, over 256), else the next of 128 and 256. D = 192 too: the forward
+  would take it, but the backward would then be pallas_triton's (fwd+bwd 5.5 ms against
+  1.8 at 256 and 1.4 for cuDNN, B=2, T=3,000, H=16, causal, H200)."""
   if d in HEAD_DIMS or d < 64 or d > 256:
     return d
   return 128 if d <= 128 else 256

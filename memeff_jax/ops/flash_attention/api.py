@@ -27,6 +27,9 @@ IMPLEMENTATIONS = {
     "pallas_triton": PallasTriton(),
     "pallas_mosaic_gpu": PallasMosaicGpu(),
 }
+# The default order's Mosaic kernels: calls they would run padded at more work than
+# pallas_triton's kernels lose go to pallas_triton.
+_MOSAIC_WHERE_FASTER = PallasMosaicGpu(pad="where_faster")
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -169,9 +172,9 @@ def _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse, 
   return (out, lse) if _checks.static_bool("return_lse", return_lse) else out
 
 
-def _default() -> tuple[str, ...]:
+def _default() -> tuple:
   if hopper.on_nvidia_gpu():
-    return ("pallas_mosaic_gpu", "pallas_triton", "chunked_xla")
+    return (_MOSAIC_WHERE_FASTER, "pallas_triton", "chunked_xla")
   return ("chunked_xla",)
 
 
@@ -279,9 +282,9 @@ def flash_attention(
       buffer). Every other implementation is deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
       serves the call (Hopper, bf16/f16, D 64–256; lengths the kernels do not take and D
-      other than 64, 128, 192 and 256 on zero-padded copies), then
-      "pallas_triton", then "chunked_xla"), a name, an implementation object or a sequence
-      tried in order.
+      other than 64, 128 and 256 on zero-padded copies where that beats pallas_triton),
+      then "pallas_triton", then "chunked_xla"), a name, an implementation object or a
+      sequence tried in order.
 
   Returns:
     out [B, T, Hq, D] in q's dtype; with return_lse, (out, lse).

@@ -27,17 +27,17 @@ block runs unmasked only where both blocks hold one id, the same (inside a docum
 that only the CTA's other query block sees are released without compute. A row that sees no
 key ends with output 0 and log-sum-exp -inf.
 
-Served: bf16/f16, head dim 64, 128, 192 or 256, T a multiple of 2·block_q and S of
-block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head; other lengths,
-and head dims 65–255, run on zero-padded copies (_padding). Anything else (float32, head
-dims under 64 or over 256) raises NotImplementedError with the reason, and
-`implementation=None` falls through to pallas_triton. The backward is mosaic_gpu_backward's
-one-pass kernel where it serves the call (D 64, 128 and 256): whole for calls with
+Served: bf16/f16, head dim 64, 128 or 256, T a multiple of 2·block_q and S of block_kv,
+any mask, logit softcap, GQA/MQA by indexing the key/value head; other lengths, and head
+dims 65–255, run on zero-padded copies (_padding; with `implementation=None` only where
+that beats pallas_triton). Anything else (float32, head dims under 64 or over 256) raises
+NotImplementedError with the reason, and `implementation=None` falls through to
+pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel: whole for calls with
 deterministic=False (it sums dq by TMA reductions in arrival order) or with its reductions
 in a fixed order (dq_ordered), for dK and dV alone otherwise, beside mosaic_gpu_dq's dq
-kernel; else pallas_triton's dq and dk/dv kernels. All run on the saved output and
-log-sum-exp. GPU only (sm90): jax 0.10.2's Mosaic GPU interpreter cannot run `plgpu.kernel`
-meshes.
+kernel; or pallas_triton's dq and dk/dv kernels where a backward_config asks for them. All
+run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's Mosaic GPU
+interpreter cannot run `plgpu.kernel` meshes.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   s = k_shape[1]
   if (why := hopper.dtype_error(dtype)) is not None:
     return why
-  if d not in (64, 128, 192, 256):
-    return f"serves head dims 64, 128, 192 and 256, got D={d}"
+  if d not in _padding.HEAD_DIMS:
+    return f"serves head dims 64, 128 and 256, got D={d}"
   if t % (2 * config.block_q):
     return f"needs T a multiple of {2 * config.block_q}, got T={t}"
   if s % config.block_kv:
@@ -632,12 +632,22 @@ class PallasMosaicGpu:
   `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
   pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the
   call (D 64, 128 and 256), pallas_triton's elsewhere.
+
+  `pad` says which calls whose lengths or head dim the kernels do not take run on padded
+  copies (_padding): "always" every one, "where_faster" (flash_attention's default order)
+  only those whose padding adds less work than pallas_triton's kernels lose; the others
+  raise Unsupported, so that pallas_triton serves them.
   """
 
   config: MosaicConfig | None = None
   backward_config: MosaicBackwardConfig | pallas_triton.BlockConfig | None = None
   dq_config: MosaicDqConfig | pallas_triton.BlockConfig | None = None
+  pad: str = "always"
   name: str = "pallas_mosaic_gpu"
+
+  def __post_init__(self):
+    if self.pad not in ("always", "where_faster"):
+      raise ValueError(f"pad must be 'always' or 'where_faster', got {self.pad!r}")
 
   def __call__(self, q, k, v, q_seg, kv_seg, *, opts: AttentionOptions):
     return _attention(self, self._static(q, k, opts), q, k, v, q_seg, kv_seg)
@@ -653,6 +663,13 @@ class PallasMosaicGpu:
     padding = self.padding(q.shape, k.shape, opts.mask)
     if padding is None:
       return self._static_as_is(q, k, opts)
+    (t, d), s = q.shape[1::2], k.shape[1]
+    if self.pad == "where_faster" and not padding.pays(t, s):
+      raise _dispatch.Unsupported(
+          f"pallas_mosaic_gpu: T={t}, S={s} would run padded to {padding.t}, {padding.s} "
+          f"(D={d} at {padding.d}), {padding.work(t, s):.2f}× the work, more than "
+          f"pallas_triton's kernels lose at D={padding.d} "
+          f"({_padding.TRITON_SLOWDOWN[padding.d]}×)")
     b, _, hq, _ = q.shape
     padded = self._static_as_is(
         jax.ShapeDtypeStruct((b, padding.t, hq, padding.d), q.dtype),

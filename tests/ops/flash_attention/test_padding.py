@@ -4,6 +4,7 @@ On CPU the padding runs around chunked_xla in place of the kernels (the same fun
 the padded call); the GPU suite runs it around the kernels (test_pallas_mosaic_gpu.py).
 """
 
+import re
 from typing import NamedTuple
 
 import jax
@@ -99,6 +100,53 @@ def test_plan_window_and_segment_ids():
   short_window = PallasMosaicGpu().padding((1, 900, 4, 128), (1, 1000, 4, 128),
                                            MaskSpec(left=None, right=100))
   assert not short_window.segments  # 899 + 100 < 1000
+
+
+@pytest.mark.parametrize("t, s, d, pays", [
+    (1000, 1000, 96, True),  # 1.05× the work
+    (3000, 3000, 160, True),
+    (300, 200, 160, True),  # 1.64×, under pallas_triton's 3.68× at D = 256
+    (1000, 1000, 64, True),  # 1.05×, under 1.08×
+    (600, 600, 64, False),  # 640 × 640: 1.14×
+    (257, 257, 64, False),  # 384 × 384: 2.23×
+    (257, 257, 128, False),
+    (1000, 700, 128, True),  # 1,024 × 768: 1.12×
+    (3000, 3000, 192, True),  # D = 192 at 256: the backward's head dim
+])
+def test_padding_pays_where_the_work_stays_under_tritons_slowdown(t, s, d, pays):
+  pad = PallasMosaicGpu().padding((1, t, 4, d), (1, s, 4, d), MaskSpec.make(True, None, False))
+  assert pad.pays(t, s) == pays, (pad, pad.work(t, s))
+
+
+def test_default_order_leaves_costly_padding_to_triton(monkeypatch):
+  """implementation=None lowers T = 257 (384 padded, 2.23× the work) to pallas_triton's
+  kernels and T = 1,000 to the Mosaic ones on padded copies; asked for by name, the Mosaic
+  kernels run T = 257 padded all the same."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+
+  def lowered(t, implementation):
+    x = jax.ShapeDtypeStruct((2, t, 4, 64), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(flash_attention(
+        q, k, v, implementation=implementation).astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  def kernels(text):  # "mosaic" or "triton" per custom call (names vary by jax release)
+    return {"mosaic" if "mosaic_gpu" in name else "triton" if "triton" in name else name
+            for name in re.findall(r"custom_call @(\S+)\(", text)}
+
+  assert kernels(lowered(257, None)) == {"triton"}
+  assert kernels(lowered(1000, None)) == {"mosaic"}
+  assert "tensor<2x384x4x64xbf16>" in lowered(257, "pallas_mosaic_gpu")
+  with pytest.raises(NotImplementedError, match=r"T=257, S=257 would run padded to 384, 384"):
+    flash_attention(*(jnp.zeros((2, 257, 4, 64), jnp.bfloat16),) * 3,
+                    implementation=pm.PallasMosaicGpu(pad="where_faster"))
+
+
+def test_pad_takes_two_settings():
+  with pytest.raises(ValueError, match="pad must be 'always' or 'where_faster', got 'never'"):
+    PallasMosaicGpu(pad="never")
 
 
 @pytest.mark.parametrize("ids", [
