@@ -196,15 +196,17 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
             print(f"  skip {provider}: cannot express this mask")
             continue
           fwd = jax.jit(f)
-          step = jax.jit(lambda q, k, v, f=f: jax.vjp(f, q, k, v)[1](ct))
+          # The cotangent is an argument, as in a train step: a constant one would be folded
+          # into the program (with any padding of it) at compile time.
+          step = jax.jit(lambda q, k, v, ct, f=f: jax.vjp(f, q, k, v)[1](ct))
 
-          def fwd_bwd(q, k, v, f=f):  # the output and the gradients of one forward pass
+          def fwd_bwd(q, k, v, ct, f=f):  # the output and the gradients of one forward pass
             out, pull = jax.vjp(f, q, k, v)
             return out, pull(ct)
 
           fwd_bwd = jax.jit(fwd_bwd)
-          jax.block_until_ready((fwd(q, k, v), fwd_bwd(q, k, v)))  # compile; fail here
-          row["extra_bytes"] = _harness.jax_temp_bytes(step, q, k, v)
+          jax.block_until_ready((fwd(q, k, v), fwd_bwd(q, k, v, ct)))  # compile; fail here
+          row["extra_bytes"] = _harness.jax_temp_bytes(step, q, k, v, ct)
           cases[provider] = (row, fwd, fwd_bwd)
         except ImportError as err:
           print(f"  skip {provider}: {err}")
@@ -217,7 +219,7 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
 
       def timer(fwd, fwd_bwd):
         return lambda: (_harness.time_jax(fwd, q, k, v, reps=reps, inner=5),
-                        _harness.time_jax(fwd_bwd, q, k, v, reps=reps, inner=5))
+                        _harness.time_jax(fwd_bwd, q, k, v, ct, reps=reps, inner=5))
 
       timers = {p: timer(fwd, fwd_bwd) for p, (_, fwd, fwd_bwd) in cases.items()}
       for provider, times in _harness.interleaved(timers, rounds).items():
