@@ -1,13 +1,13 @@
 """Calls whose lengths or head dim the Mosaic kernels do not take, run on padded copies.
 
 The Mosaic GPU kernels take T a multiple of two query blocks, S a multiple of the key block
-(and of the backward CTA's keys) and head dims 64, 128 and 256. pallas_mosaic_gpu pads other
+(and of the backward CTA's keys) and head dims 64, 128, 192 and 256. pallas_mosaic_gpu pads other
 calls (T = 1,000, D = 96, ...) with zeros, runs the kernels on the copies and cuts the
 output, the log-sum-exp and the gradients back:
 
-- head dims 65–255 go up to the next of 128 and 256, which is also what pallas_triton
-  computes with, its tiles a power of two wide; under 64 the padding would be work
-  pallas_triton does not do, and such calls stay with it;
+- head dims 65–255 go up to the next of 128, 192 and 256 (pallas_triton computes with the
+  next power of two: as much or more); under 64 the padding would be work pallas_triton
+  does not do, and such calls stay with it;
 - zero features add nothing to q·k and give zero output columns (the scale is the call's);
 - padded query rows are cut away, and their zero dO gives them no share of dk and dv;
 - padded keys stay hidden from every real query: by the mask where it already hides keys
@@ -34,12 +34,13 @@ import jax.numpy as jnp
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
-HEAD_DIMS = (64, 128, 256)  # what the Mosaic forward and backward both take
+HEAD_DIMS = (64, 128, 192, 256)  # what the Mosaic forward and backward take
 # pallas_triton's forward+backward time over the Mosaic kernels' on the same work, by the
 # head dim the padded call runs at: the least measured (H200, `benchmarks/flash_attention.py
 # --set models` and `--set odd`; a padded call's time divided by its padding's work). A
-# padding pays while it multiplies the work by less.
-TRITON_SLOWDOWN = {64: 1.08, 128: 1.44, 256: 3.68}
+# padding pays while it multiplies the work by less. At 192 pallas_triton computes with 256
+# columns: 256's figure is a least.
+TRITON_SLOWDOWN = {64: 1.08, 128: 1.44, 192: 3.68, 256: 3.68}
 _INT32 = jnp.iinfo(jnp.int32)
 
 
@@ -91,12 +92,10 @@ class Padding(NamedTuple):
 
 def head_dim(d: int) -> int:
   """The head dim a call of head dim d runs at: d where the kernels take it or padding does
-  not pay (under 64, over 256), else the next of 128 and 256. D = 192 too: the forward
-  would take it, but the backward would then be pallas_triton's (fwd+bwd 5.5 ms against
-  1.8 at 256 and 1.4 for cuDNN, B=2, T=3,000, H=16, causal, H200)."""
+  not pay (under 64, over 256), else the next of 128, 192 and 256."""
   if d in HEAD_DIMS or d < 64 or d > 256:
     return d
-  return 128 if d <= 128 else 256
+  return next(h for h in HEAD_DIMS if h >= d)
 
 
 def plan(t: int, s: int, d: int, mask: MaskSpec, block_q: int, block_kv: int,

@@ -28,9 +28,9 @@ The softmax scale is applied once at the end (to dK, and to dq when it is cast b
 input dtype). Masks as in the forward, transposed: a CTA visits only the query blocks that
 see any of its keys (by the band, then by segment-id ranges), and masks those that do not
 see all of them (with segment ids, all but those holding the keys' one id). Served:
-bf16/f16, D 64, 128 or 256 (256 with column_split: each warpgroup owns half of the columns
-of dK, dV and dQ, and both compute the whole Sᵀ and dPᵀ of the CTA's 64 keys), T a multiple
-of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
+bf16/f16, D 64, 128, 192 or 256 (192 and 256 with column_split: each warpgroup owns half of
+the columns of dK, dV and dQ, and both compute the whole Sᵀ and dPᵀ of the CTA's 64 keys), T
+a multiple of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
 configs/tuning/flash_attention.toml picks the settings per head dim, causal and GQA;
 docs/design/flash_attention.md has what each variant measured.
 """
@@ -191,8 +191,9 @@ class MosaicBackwardConfig:
     """The Mosaic backward of deterministic calls: the whole kernel with dq_ordered where the
     tuning table has a `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA
     calls, whose schedule differs), else the dK/dV-only kernel (tuned(with_dq=False)),
-    which runs beside a dq kernel."""
+    which runs beside a dq kernel. D = 192 takes D = 256's sections (_section_dim)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
+    d = _section_dim(d)
     section = (f"d{d}_causal" if causal else f"d{d}") + ("_gqa" if gqa else "")
     found = table.get(section + "_ordered")
     if found:
@@ -215,13 +216,15 @@ class MosaicBackwardConfig:
             with_dq: bool = True) -> "MosaicBackwardConfig":
     """configs/tuning/flash_attention.toml's `d<D>[_causal][_gqa]` section for this GPU kind
     (without `_gqa` where that has none), else dq_split where it applies (D = 128) and the
-    column-split kernel with split scores at D = 256.
+    column-split kernel with split scores at D = 192 and 256 (D = 192 takes D = 256's
+    sections: _section_dim).
 
     with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
     (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
     one, else the section above without dq_split, gqa_per_query_head and dq_stagger (which
     only the kernel with dq serves)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
+    d = _section_dim(d)
     section = f"d{d}_causal" if causal else f"d{d}"
     if not with_dq:
       found = ((gqa and table.get(section + "_gqa_dkv")) or table.get(section + "_dkv")
@@ -238,6 +241,12 @@ class MosaicBackwardConfig:
     return cls(dq_split=d == 128)
 
 
+def _section_dim(d: int) -> int:
+  """The head dim whose tuning sections a call of head dim d takes: D = 192 runs the
+  column-split kernel, as D = 256 does, with its settings."""
+  return 256 if d == 192 else d
+
+
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
                   config: MosaicBackwardConfig) -> str | None:
   """Why the backward kernel cannot serve this call, or None when it can."""
@@ -245,12 +254,13 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   s = k_shape[1]
   if (why := hopper.dtype_error(dtype)) is not None:
     return why
-  if d not in (64, 128, 256):
-    return f"backward serves head dims 64, 128 and 256, got D={d}"
-  if d == 256 and not config.column_split:
-    return "D=256 needs column_split (dK and dV of 64 keys at full width do not fit in registers)"
-  if config.column_split and d != 256:
-    return f"column_split serves D=256, got D={d}"
+  if d not in (64, 128, 192, 256):
+    return f"backward serves head dims 64, 128, 192 and 256, got D={d}"
+  if d in (192, 256) and not config.column_split:
+    return (f"D={d} needs column_split (dK and dV of 64 keys at full width do not fit in "
+            "registers)")
+  if config.column_split and d not in (192, 256):
+    return f"column_split serves D=192 and 256, got D={d}"
   if config.column_split and config.dq_split:
     return "column_split and dq_split exclude each other"
   if config.scores_split and not (config.column_split and config.with_dq
@@ -356,8 +366,9 @@ def _operand_swizzle(block_q: int, half: int | None = None) -> int:
   """The widest swizzle (bytes) whose group of rows divides block_q, for the K, V, Q and dO
   tiles: dV = Pᵀ dO and dK = dSᵀ Q contract over the Q/dO tiles' block_q rows in swizzle / 2
   steps, and the Sᵀ = K Qᵀ and dPᵀ = V dOᵀ WGMMAs need K and V in the same swizzle. With
-  dq_split, `half` = D / 2: dQ = dS K reads K's columns by halves, each whole swizzle
-  groups (64 bytes at D = 64)."""
+  dq_split or column_split, `half` = D / 2: dQ = dS K reads K's columns by halves (and
+  column_split's dK, dV the Q and dO tiles'), each whole swizzle groups (64 bytes at D = 64
+  and 192)."""
   return next(sw for sw in (128, 64, 32)
               if block_q % (sw // 2) == 0 and (half is None or (2 * half) % sw == 0))
 
@@ -525,10 +536,12 @@ class _Scratch(NamedTuple):
   def shapes(cls, config: MosaicBackwardConfig, d: int, dtype, segments: bool, fused: bool):
     """The _Scratch of allocation types for pl.run_scoped."""
     bq, stages, keys = config.block_q, config.stages, config.cta_keys()
-    # dQ = dS K: dS's slots in K's swizzle (the halves of a 64-column K need 64 bytes; so do
-    # scores_split's 32-query halves of the Pᵀ and dSᵀ slots, and the tiles they meet).
+    # dQ = dS K: dS's slots in K's swizzle (the halves of a 64-column K need 64 bytes, as do
+    # column_split's 96-column halves at D = 192; so do scores_split's 32-query halves of the
+    # Pᵀ and dSᵀ slots, and the tiles they meet).
+    halves = config.dq_split or config.column_split
     operand_tiles = hopper.swizzled_tiles(_operand_swizzle(
-        bq // 2 if config.scores_split else bq, d // 2 if config.dq_split else None))
+        bq // 2 if config.scores_split else bq, d // 2 if halves else None))
     barrier, pair = plgpu.Barrier, dict(num_arrivals=2)
     optional = {}
     if segments:

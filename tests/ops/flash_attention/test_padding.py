@@ -66,7 +66,7 @@ class TestPaddingOnChunkedXla(_FlashAttentionTest):
 
 
 class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
-  """T = 200 > S = 130, D = 160 (padded to 256): causal rows past S see the padded keys but
+  """T = 200 > S = 130, D = 160 (padded to 192): causal rows past S see the padded keys but
   for the ids the padding adds."""
 
   impl = PaddedChunkedXla()
@@ -78,8 +78,8 @@ class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
     (1000, 1000, 96, False, _padding.Padding(1024, 1024, 128, True)),
     (300, 200, 128, True, _padding.Padding(384, 256, 128, True)),  # rows 200.. see past S
     (200, 300, 64, True, _padding.Padding(256, 384, 64, False)),
-    (256, 384, 160, False, _padding.Padding(256, 384, 256, False)),  # the head dim alone
-    (200, 320, 160, True, _padding.Padding(256, 384, 256, False)),  # S: the backward's 128
+    (256, 384, 160, False, _padding.Padding(256, 384, 192, False)),  # the head dim alone
+    (200, 320, 224, True, _padding.Padding(256, 384, 256, False)),  # S: the backward's 128
     (256, 384, 128, False, None),  # the kernels take it as it is
     (256, 320, 256, False, None),  # 64-key blocks at D = 256, forward and backward
     (1000, 1000, 32, True, None),  # under 64: pallas_triton's
@@ -105,13 +105,13 @@ def test_plan_window_and_segment_ids():
 @pytest.mark.parametrize("t, s, d, pays", [
     (1000, 1000, 96, True),  # 1.05× the work
     (3000, 3000, 160, True),
-    (300, 200, 160, True),  # 1.64×, under pallas_triton's 3.68× at D = 256
+    (300, 200, 160, True),  # 1.64×, under pallas_triton's 3.68× at D = 192
     (1000, 1000, 64, True),  # 1.05×, under 1.08×
     (600, 600, 64, False),  # 640 × 640: 1.14×
     (257, 257, 64, False),  # 384 × 384: 2.23×
     (257, 257, 128, False),
     (1000, 700, 128, True),  # 1,024 × 768: 1.12×
-    (3000, 3000, 192, True),  # D = 192 at 256: the backward's head dim
+    (3000, 3000, 192, True),
 ])
 def test_padding_pays_where_the_work_stays_under_tritons_slowdown(t, s, d, pays):
   pad = PallasMosaicGpu().padding((1, t, 4, d), (1, s, 4, d), MaskSpec.make(True, None, False))
@@ -193,3 +193,27 @@ def test_padded_calls_take_the_mosaic_kernels(monkeypatch):
     # The forward and the ordered one-pass backward, on the padded copies; no Triton kernel.
     assert text.count("custom_call @mosaic_gpu") == 2 and "triton" not in text
     assert "tensor<1x1024x4x128xbf16>" in text
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("hkv, segments", [(2, False), (4, False), (2, True)])
+def test_head_dim_192_lowers_to_the_mosaic_kernels(monkeypatch, causal, deterministic, hkv,
+                                                   segments):
+  """D = 192 (and D = 160, padded to it) runs the Mosaic forward and the column-split
+  backward (96 columns a warpgroup; with segment ids without split scores): the program
+  lowers for CUDA (not run) with no Triton kernel and no copy wider than 192."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+  for d in (192, 160):
+    q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 512, hkv, d), jnp.bfloat16)
+    loss = lambda q, k, v, ids: jnp.sum(flash_attention(
+        q, k, v, causal=causal, deterministic=deterministic,
+        q_segment_ids=ids if segments else None).astype(jnp.float32))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, ids).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @(\S+)\(", text)
+    assert len(calls) == 2 and all("mosaic_gpu" in c for c in calls), calls
+    assert "x256xbf16" not in text

@@ -57,7 +57,7 @@ def test_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, c
 
 def test_support_error_admits_the_served_calls():
   for causal in (False, True):
-    for d in (64, 128, 256):
+    for d in (64, 128, 192, 256):
       for softcap in (None, 20.0):
         for window, segments in ((None, False), ((100, 3), False), (None, True), (64, True)):
           opts = _opts(causal, window, segments, softcap)
@@ -76,7 +76,7 @@ def test_explicit_mosaic_on_cpu_says_why():
     (128, _opts(), True, True), (128, _opts(causal=True), True, False),
     (256, _opts(), True, False), (256, _opts(causal=True), True, False),
     (64, _opts(), False, False), (64, _opts(causal=True), False, True),
-    (192, _opts(), True, False),  # runs at 256, padded
+    (192, _opts(), False, False),
     (128, _opts(window=(100, 7)), False, False),
     (128, _opts(causal=True, segments=True), False, False)])
 def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap, persistent):
@@ -160,10 +160,11 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   st = PallasMosaicGpu(backward_config=dkv256)._static(q256, k256, det)  # pylint: disable=protected-access
   assert st.backward == dkv256
   assert st.dq == MosaicDqConfig(block_kv=64, stages=2, v_stages=1) and st.triton is None
-  # D = 192: padded to 256 for the Mosaic backward, whose kernel it then runs.
+  # D = 192: the column-split kernel with D = 256's settings, not padded.
   q192 = jax.ShapeDtypeStruct((1, 256, 4, 192), BF16)
   st = PallasMosaicGpu()._static(q192, q192, det)  # pylint: disable=protected-access
-  assert st.padding.d == 256 and st.backward.column_split and st.triton is None
+  assert st.padding is None and st.triton is None and st.dq is None
+  assert st.backward == PallasMosaicGpu()._static(q256, q256, det).backward  # pylint: disable=protected-access
   triton = PallasMosaicGpu(backward_config=triton_dq)
   for opts in (det, fast):  # a Triton backward asked for is deterministic either way
     assert triton._static(q, k, opts).triton is not None  # pylint: disable=protected-access
@@ -329,9 +330,9 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
 @pytest.mark.parametrize("q_shape, k_shape, dtype, opts, config, match", [
     ((1, 256, 4, 96), (1, 256, 4, 96), BF16, _opts(), mb.MosaicBackwardConfig(), "D=96"),
     ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(), mb.MosaicBackwardConfig(), "D=256"),
-    ((1, 256, 4, 192), (1, 256, 4, 192), BF16, _opts(), mb.MosaicBackwardConfig(), "D=192"),
+    ((1, 256, 4, 192), (1, 256, 4, 192), BF16, _opts(), mb.MosaicBackwardConfig(), "D=192 needs column_split"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
-     mb.MosaicBackwardConfig(dq_split=False, column_split=True), "column_split serves D=256"),
+     mb.MosaicBackwardConfig(dq_split=False, column_split=True), "column_split serves D=192 and 256, got D=128"),
     ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(),
      mb.MosaicBackwardConfig(column_split=True, stages=1), "exclude"),
     ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(),
@@ -1626,6 +1627,31 @@ class TestMosaicGpuOrderedDqD256(TestMosaicGpuFeaturesD256):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesD192(TestMosaicGpuFeatures):
+  """D = 192: the forward with 64-key blocks, the column-split backward with 96 columns a
+  warpgroup (64-byte swizzles), dq in arrival order."""
+
+  dtypes = (jnp.bfloat16,)
+  shape = dict(b=1, t=256, s=384, hq=4, hkv=2, d=192)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesDeterministicD192(TestMosaicGpuFeaturesD192):
+  """D = 192, deterministic: the ordered column-split kernel with D = 256's settings."""
+
+  extra = {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesDeterministicD192Mha(TestMosaicGpuFeaturesDeterministicD192):
+  extra = {}
+  shape = dict(b=1, t=256, s=384, hq=4, hkv=4, d=192)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuPadded(_FlashAttentionTest):
   """Lengths and a head dim the kernels do not take run on padded copies (_padding): T =
   1,000 and S = 1,537 to 1,024 and 1,664, D = 96 to 128, GQA 4:1, deterministic; every
@@ -1663,7 +1689,7 @@ class TestMosaicGpuPadded(_FlashAttentionTest):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuPaddedD160(TestMosaicGpuPadded):
-  """D = 160 to 256 (the column-split backward), T = 300 > S = 200: causal rows past S see
+  """D = 160 to 192 (the column-split backward), T = 300 > S = 200: causal rows past S see
   the padded keys but for the ids the padding adds."""
 
   shape = dict(b=2, t=300, s=200, hq=4, hkv=2, d=160)
