@@ -34,13 +34,13 @@ import jax.numpy as jnp
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
-HEAD_DIMS = (64, 128, 192, 256)  # what the Mosaic forward and backward take
+HEAD_DIMS = (64, 96, 128, 192, 256)  # what the Mosaic forward and backward take
 # pallas_triton's forward+backward time over the Mosaic kernels' on the same work, by the
 # head dim the padded call runs at: the least measured (H200, `benchmarks/flash_attention.py
 # --set models` and `--set odd`; a padded call's time divided by its padding's work). A
 # padding pays while it multiplies the work by less. At 192 pallas_triton computes with 256
 # columns: 256's figure is a least.
-TRITON_SLOWDOWN = {64: 1.08, 128: 1.44, 192: 3.68, 256: 3.68}
+TRITON_SLOWDOWN = {64: 1.08, 96: 1.44, 128: 1.44, 192: 3.68, 256: 3.68}
 _INT32 = jnp.iinfo(jnp.int32)
 
 

@@ -243,8 +243,8 @@ class MosaicBackwardConfig:
 
 def _section_dim(d: int) -> int:
   """The head dim whose tuning sections a call of head dim d takes: D = 192 runs the
-  column-split kernel, as D = 256 does, with its settings."""
-  return 256 if d == 192 else d
+  column-split kernel, as D = 256 does, with its settings; D = 96 those of D = 128."""
+  return {96: 128, 192: 256}.get(d, d)
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
@@ -254,8 +254,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   s = k_shape[1]
   if (why := hopper.dtype_error(dtype)) is not None:
     return why
-  if d not in (64, 128, 192, 256):
-    return f"backward serves head dims 64, 128, 192 and 256, got D={d}"
+  if d not in (64, 96, 128, 192, 256):
+    return f"backward serves head dims 64, 96, 128, 192 and 256, got D={d}"
   if d in (192, 256) and not config.column_split:
     return (f"D={d} needs column_split (dK and dV of 64 keys at full width do not fit in "
             "registers)")
@@ -279,6 +279,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if (config.dq_buffers != 1 or config.dq_rotate or config.dq_heavy_first
       ) and not config.dq_ordered:
     return "dq_buffers, dq_rotate and dq_heavy_first belong to dq_ordered"
+  if config.fused_delta and d % 64:
+    return f"fused_delta needs D a multiple of 64, got D={d}"
   if config.fused_delta and not (config.dq_ordered and config.dq_split
                                  and config.dq_buffers == 2):
     return ("fused_delta needs dq_ordered with dq_split and dq_buffers=2 (its O tiles land in "
@@ -315,6 +317,8 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   itemsize = jnp.dtype(dtype).itemsize
   if config.scores_split and segments:
     config = dataclasses.replace(config, scores_split=False)
+  if config.fused_delta and d % 64:  # its O tiles and Δ go by 64-column swizzle groups
+    config = dataclasses.replace(config, fused_delta=False)
   if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
     # fused_delta's O tiles need both slots; with segment ids it would not apply anyway.
     return dataclasses.replace(config, dq_buffers=1, fused_delta=False, dq_stagger=False)
@@ -340,12 +344,15 @@ def _dq_tile_shape(config: MosaicBackwardConfig, d: int) -> tuple[int, int, int]
   return (2 * config.dq_buffers, BLOCK_Q, config.dq_cols(d)) if config.with_dq else (2, 8, 8)
 
 
-def _dq_tile_transforms(config: MosaicBackwardConfig) -> tuple:
-  """The float32 dQ tiles in 128-byte swizzled tiles of 8 × 32. Row-major, a WGMMA
+def _dq_tile_transforms(config: MosaicBackwardConfig, d: int) -> tuple:
+  """The float32 dQ tiles in 128-byte swizzled tiles of 8 × 32 (64-byte ones of 8 × 16 where
+  a tile's columns are not a multiple of 32: dq_split's 48 at D = 96). Row-major, a WGMMA
   accumulator's stores to a 64- or 128-column float32 tile put a warp's rows in the same
   shared-memory banks (Mosaic GPU finds no conflict-free plan without a swizzle); swizzled
   they are conflict-free, and the TMA reductions read the tiles as they are."""
-  return hopper.swizzled_tiles(128, jnp.float32) if config.with_dq else ()
+  if not config.with_dq:
+    return ()
+  return hopper.swizzled_tiles(128 if config.dq_cols(d) % 32 == 0 else 64, jnp.float32)
 
 
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
@@ -354,7 +361,7 @@ def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
   the bytes of one float32 dQ tile of dq_split), which the walk's first two steps hold
   before their dQ tiles are written; each is read only through the view it was written
   through."""
-  f32 = plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32, transforms=_dq_tile_transforms(config))
+  f32 = plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32, transforms=_dq_tile_transforms(config, d))
   slots, rows, cols = _dq_tile_shape(config, d)
   if not config.fused_delta:
     return f32
@@ -362,15 +369,16 @@ def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
                                         transforms=hopper.swizzled_tiles(128, dtype)))
 
 
-def _operand_swizzle(block_q: int, half: int | None = None) -> int:
+def _operand_swizzle(block_q: int, d: int, half: int | None = None) -> int:
   """The widest swizzle (bytes) whose group of rows divides block_q, for the K, V, Q and dO
   tiles: dV = Pᵀ dO and dK = dSᵀ Q contract over the Q/dO tiles' block_q rows in swizzle / 2
   steps, and the Sᵀ = K Qᵀ and dPᵀ = V dOᵀ WGMMAs need K and V in the same swizzle. With
   dq_split or column_split, `half` = D / 2: dQ = dS K reads K's columns by halves (and
   column_split's dK, dV the Q and dO tiles'), each whole swizzle groups (64 bytes at D = 64
-  and 192)."""
+  and 192, 32 at D = 96); a row of D columns too (64 bytes at D = 96)."""
   return next(sw for sw in (128, 64, 32)
-              if block_q % (sw // 2) == 0 and (half is None or (2 * half) % sw == 0))
+              if block_q % (sw // 2) == 0 and (2 * d) % sw == 0
+              and (half is None or (2 * half) % sw == 0))
 
 
 def _seg_len(block_q: int) -> int:
@@ -541,7 +549,7 @@ class _Scratch(NamedTuple):
     # Pᵀ and dSᵀ slots, and the tiles they meet).
     halves = config.dq_split or config.column_split
     operand_tiles = hopper.swizzled_tiles(_operand_swizzle(
-        bq // 2 if config.scores_split else bq, d // 2 if halves else None))
+        bq // 2 if config.scores_split else bq, d, d // 2 if halves else None))
     barrier, pair = plgpu.Barrier, dict(num_arrivals=2)
     optional = {}
     if segments:

@@ -498,7 +498,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   stages = max(1, min(cfg.stages, s // cfg.block_kv,
                       _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
   cfg = dataclasses.replace(cfg, stages=stages)
-  layout = hopper.swizzled_tiles()
+  layout = hopper.swizzled_tiles(128 if d % 64 == 0 else 64)
   mask = st.opts.mask
   segments = mask.segments
   if segments:

@@ -59,10 +59,11 @@ class PaddedChunkedXla:
 
 
 class TestPaddingOnChunkedXla(_FlashAttentionTest):
-  """T = 100 and S = 153 (padded to 128 and 256), D = 96 (to 128): causal and the (5, 3)
+  """T = 100 and S = 153 (padded to 128 and 256), D = 80 (to 96): causal and the (5, 3)
   window hide the padded keys by themselves, the rest by segment ids."""
 
   impl = PaddedChunkedXla()
+  shape = dict(b=2, t=100, s=153, hq=4, hkv=1, d=80)
 
 
 class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
@@ -74,8 +75,10 @@ class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
 
 
 @pytest.mark.parametrize("t, s, d, causal, want", [
-    (1000, 1000, 96, True, _padding.Padding(1024, 1024, 128, False)),
-    (1000, 1000, 96, False, _padding.Padding(1024, 1024, 128, True)),
+    (1000, 1000, 96, True, _padding.Padding(1024, 1024, 96, False)),
+    (1000, 1000, 96, False, _padding.Padding(1024, 1024, 96, True)),
+    (1024, 1024, 80, True, _padding.Padding(1024, 1024, 96, False)),  # the head dim alone
+    (1024, 1024, 112, True, _padding.Padding(1024, 1024, 128, False)),
     (300, 200, 128, True, _padding.Padding(384, 256, 128, True)),  # rows 200.. see past S
     (200, 300, 64, True, _padding.Padding(256, 384, 64, False)),
     (256, 384, 160, False, _padding.Padding(256, 384, 192, False)),  # the head dim alone
@@ -171,16 +174,16 @@ def test_padded_ids_keep_rows_apart(ids):
 
 def test_padded_calls_take_the_mosaic_kernels(monkeypatch):
   """On a Hopper GPU (faked here: the program is lowered for CUDA, not run) T = 1,000 and
-  D = 96 run the Mosaic forward and backward on padded copies, not pallas_triton's kernels;
+  D = 80 run the Mosaic forward and backward on padded copies, not pallas_triton's kernels;
   the static keeps the call's options, its kernels describe the padded call."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
-  q = jax.ShapeDtypeStruct((1, 1000, 4, 96), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((1, 1000, 2, 96), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((1, 1000, 4, 80), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 1000, 2, 80), jnp.bfloat16)
   for causal in (True, False):
-    opts = _common.AttentionOptions(mask=MaskSpec.make(causal, None, False), scale=96**-0.5)
+    opts = _common.AttentionOptions(mask=MaskSpec.make(causal, None, False), scale=80**-0.5)
     st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
-    assert st.opts == opts and st.padding == _padding.Padding(1024, 1024, 128, not causal)
+    assert st.opts == opts and st.padding == _padding.Padding(1024, 1024, 96, not causal)
     assert st.backward is not None and st.triton is None
     assert st.padded().opts.mask.segments == (not causal)
 
@@ -192,28 +195,30 @@ def test_padded_calls_take_the_mosaic_kernels(monkeypatch):
         lowering_platforms=("cuda",)).as_text()
     # The forward and the ordered one-pass backward, on the padded copies; no Triton kernel.
     assert text.count("custom_call @mosaic_gpu") == 2 and "triton" not in text
-    assert "tensor<1x1024x4x128xbf16>" in text
+    assert "tensor<1x1024x4x96xbf16>" in text
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("hkv, segments", [(2, False), (4, False), (2, True)])
-def test_head_dim_192_lowers_to_the_mosaic_kernels(monkeypatch, causal, deterministic, hkv,
-                                                   segments):
-  """D = 192 (and D = 160, padded to it) runs the Mosaic forward and the column-split
-  backward (96 columns a warpgroup; with segment ids without split scores): the program
-  lowers for CUDA (not run) with no Triton kernel and no copy wider than 192."""
+@pytest.mark.parametrize("d, runs_at", [(96, 96), (80, 96), (192, 192), (160, 192)])
+def test_head_dims_96_and_192_lower_to_the_mosaic_kernels(monkeypatch, causal, deterministic,
+                                                          hkv, segments, d, runs_at):
+  """D = 96 (64-byte swizzles; dq_split's 48-column halves 32-byte ones) and D = 192 (the
+  column-split backward, 96 columns a warpgroup; with segment ids without split scores), and
+  D = 80 and 160 padded to them, run the Mosaic forward and backward: the program lowers for
+  CUDA (not run) with no Triton kernel and no copy wider than the head dim it runs at."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
-  for d in (192, 160):
-    q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((1, 512, hkv, d), jnp.bfloat16)
-    loss = lambda q, k, v, ids: jnp.sum(flash_attention(
-        q, k, v, causal=causal, deterministic=deterministic,
-        q_segment_ids=ids if segments else None).astype(jnp.float32))
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, ids).lower(
-        lowering_platforms=("cuda",)).as_text()
-    calls = re.findall(r"custom_call @(\S+)\(", text)
-    assert len(calls) == 2 and all("mosaic_gpu" in c for c in calls), calls
-    assert "x256xbf16" not in text
+  q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 512, hkv, d), jnp.bfloat16)
+  loss = lambda q, k, v, ids: jnp.sum(flash_attention(
+      q, k, v, causal=causal, deterministic=deterministic,
+      q_segment_ids=ids if segments else None).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, ids).lower(
+      lowering_platforms=("cuda",)).as_text()
+  calls = re.findall(r"custom_call @(\S+)\(", text)
+  assert len(calls) == 2 and all("mosaic_gpu" in c for c in calls), calls
+  widths = {int(w) for w in re.findall(r"tensor<1x512x\dx(\d+)xbf16>", text)}
+  assert widths == {d, runs_at}, widths

@@ -40,7 +40,7 @@ def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
 
 @pytest.mark.parametrize("q_shape, k_shape, dtype, opts, config, match", [
     ((1, 256, 4, 128), (1, 256, 4, 128), jnp.float32, _opts(), MosaicConfig(), "bfloat16 or float16"),
-    ((1, 256, 4, 96), (1, 256, 4, 96), BF16, _opts(), MosaicConfig(), "D=96"),
+    ((1, 256, 4, 80), (1, 256, 4, 80), BF16, _opts(), MosaicConfig(), "D=80"),
     ((1, 200, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(), "T=200"),
     ((1, 256, 4, 128), (1, 300, 4, 128), BF16, _opts(), MosaicConfig(), "S=300"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(scale=-1.0), MosaicConfig(), "scale > 0"),
@@ -328,7 +328,7 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
 
 
 @pytest.mark.parametrize("q_shape, k_shape, dtype, opts, config, match", [
-    ((1, 256, 4, 96), (1, 256, 4, 96), BF16, _opts(), mb.MosaicBackwardConfig(), "D=96"),
+    ((1, 256, 4, 80), (1, 256, 4, 80), BF16, _opts(), mb.MosaicBackwardConfig(), "D=80"),
     ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(), mb.MosaicBackwardConfig(), "D=256"),
     ((1, 256, 4, 192), (1, 256, 4, 192), BF16, _opts(), mb.MosaicBackwardConfig(), "D=192 needs column_split"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
@@ -1407,7 +1407,7 @@ class TestMosaicGpu:
   def test_default_picks_mosaic_where_it_serves(self):
     q = jnp.ones((1, 256, 4, 128), BF16)
     assert _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q, q, q).as_text())
-    q96 = jnp.ones((1, 1000, 4, 96), BF16)  # T = 1,000, D = 96: padded (_padding)
+    q96 = jnp.ones((1, 1000, 4, 80), BF16)  # T = 1,000, D = 80: padded (_padding)
     assert _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q96, q96, q96).as_text())
     q32 = jnp.ones((1, 256, 4, 32), BF16)  # D = 32: falls through to pallas_triton
     assert not _MOSAIC_CALL.search(jax.jit(flash_attention).lower(q32, q32, q32).as_text())
@@ -1627,6 +1627,30 @@ class TestMosaicGpuOrderedDqD256(TestMosaicGpuFeaturesD256):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesD96(TestMosaicGpuFeatures):
+  """D = 96: 64-byte swizzles (dq_split's 48-column halves of K 32-byte ones), D = 128's
+  settings, dq in arrival order."""
+
+  dtypes = (jnp.bfloat16,)
+  shape = dict(b=1, t=256, s=384, hq=4, hkv=2, d=96)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesDeterministicD96(TestMosaicGpuFeaturesD96):
+  """D = 96, deterministic: the ordered kernel with D = 128's settings (no fused Δ)."""
+
+  extra = {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesDeterministicD96Mha(TestMosaicGpuFeaturesDeterministicD96):
+  shape = dict(b=1, t=256, s=384, hq=4, hkv=4, d=96)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesD192(TestMosaicGpuFeatures):
   """D = 192: the forward with 64-key blocks, the column-split backward with 96 columns a
   warpgroup (64-byte swizzles), dq in arrival order."""
@@ -1654,12 +1678,12 @@ class TestMosaicGpuFeaturesDeterministicD192Mha(TestMosaicGpuFeaturesDeterminist
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuPadded(_FlashAttentionTest):
   """Lengths and a head dim the kernels do not take run on padded copies (_padding): T =
-  1,000 and S = 1,537 to 1,024 and 1,664, D = 96 to 128, GQA 4:1, deterministic; every
+  1,000 and S = 1,537 to 1,024 and 1,664, D = 80 to 96, GQA 4:1, deterministic; every
   feature of the shared suite (segment ids, windows, softcap, an LSE cotangent)."""
 
   impl = PallasMosaicGpu()
   dtypes = (jnp.bfloat16,)
-  shape = dict(b=2, t=1000, s=1537, hq=8, hkv=2, d=96)
+  shape = dict(b=2, t=1000, s=1537, hq=8, hkv=2, d=80)
 
   def test_rows_that_see_no_key_give_zero_and_finite_gradients(self):
     """A segment id with no key: output 0, lse -inf, finite gradients, padded or not."""
@@ -1678,7 +1702,7 @@ class TestMosaicGpuPadded(_FlashAttentionTest):
       assert rel_err(g, rg) < 3e-2
 
   def test_matches_jax_nn(self):
-    q, k, v, _, _ = make_problem(jax.random.key(4), 2, 200, 200, 4, 2, 96, BF16)
+    q, k, v, _, _ = make_problem(jax.random.key(4), 2, 200, 200, 4, 2, self.shape["d"], BF16)
     for causal in (False, True):
       got = flash_attention(q, k, v, causal=causal, implementation=self.impl)
       want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
