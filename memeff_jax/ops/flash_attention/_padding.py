@@ -1,12 +1,12 @@
 """Calls whose lengths or head dim the Mosaic kernels do not take, run on padded copies.
 
 The Mosaic GPU kernels take T a multiple of two query blocks, S a multiple of the key block
-(and of the backward CTA's keys) and head dims 64, 128, 192 and 256. pallas_mosaic_gpu pads other
-calls (T = 1,000, D = 96, ...) with zeros, runs the kernels on the copies and cuts the
+(and of the backward CTA's keys) and head dims 64, 96, 128, 192 and 256. pallas_mosaic_gpu
+pads other calls (T = 1,000, D = 80, ...) with zeros, runs the kernels on the copies and cuts the
 output, the log-sum-exp and the gradients back:
 
-- head dims 65–255 go up to the next of 128, 192 and 256 (pallas_triton computes with the
-  next power of two: as much or more); under 64 the padding would be work pallas_triton
+- head dims 65–255 go up to the next of 96, 128, 192 and 256 (pallas_triton computes with
+  the next power of two: as much or more); under 64 the padding would be work pallas_triton
   does not do, and such calls stay with it;
 - zero features add nothing to q·k and give zero output columns (the scale is the call's);
 - padded query rows are cut away, and their zero dO gives them no share of dk and dv;
@@ -18,8 +18,8 @@ Padded lengths are work pallas_triton does not do (its blocks stop at T and S), 
 they add more than its kernels lose (TRITON_SLOWDOWN: T = 257 runs at 384, 2.2× the
 work), `implementation=None` leaves the call to pallas_triton (PallasMosaicGpu's
 pad="where_faster"). The padded copies cost memory: about eight [B, T, H, D] arrays at the
-padded sizes live through the backward (q, k, v, out, dO and the three gradients), 1.1 GiB
-at B=4, T=4,096, H=32, D=96 against cuDNN's 0.29.
+padded sizes live through the backward (q, k, v, out, dO and the three gradients): 0.28 GiB
+at B=2, T=3,000, H=16, D=160 (run at 3,072 and 192) against cuDNN's 0.09.
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ from memeff_jax.ops.flash_attention.masks import MaskSpec
 HEAD_DIMS = (64, 96, 128, 192, 256)  # what the Mosaic forward and backward take
 # pallas_triton's forward+backward time over the Mosaic kernels' on the same work, by the
 # head dim the padded call runs at: the least measured (H200, `benchmarks/flash_attention.py
-# --set models` and `--set odd`; a padded call's time divided by its padding's work). A
-# padding pays while it multiplies the work by less. At 192 pallas_triton computes with 256
-# columns: 256's figure is a least.
-TRITON_SLOWDOWN = {64: 1.08, 96: 1.44, 128: 1.44, 192: 3.68, 256: 3.68}
+# --set models` and `--set odd`; a padded call's time divided by its padding's work, each
+# over cuDNN's time in its own run). A padding pays while it multiplies the work by less.
+TRITON_SLOWDOWN = {64: 1.08, 96: 1.52, 128: 1.44, 192: 4.07, 256: 3.68}
 _INT32 = jnp.iinfo(jnp.int32)
 
 

@@ -57,7 +57,7 @@ def test_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, c
 
 def test_support_error_admits_the_served_calls():
   for causal in (False, True):
-    for d in (64, 128, 192, 256):
+    for d in (64, 96, 128, 192, 256):
       for softcap in (None, 20.0):
         for window, segments in ((None, False), ((100, 3), False), (None, True), (64, True)):
           opts = _opts(causal, window, segments, softcap)
@@ -917,7 +917,7 @@ def test_tuned_backward_configs_serve_their_calls():
   table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
   assert not [name for name, fields in table.items()
               if "causal" in name and fields.get("dq_rotate")]
-  for d in (64, 128, 256):
+  for d in (64, 96, 128, 192, 256):
     for causal in (False, True):
       config = mb.MosaicBackwardConfig.tuned(d, causal)
       assert mb.support_error((2, 256, 8, d), (2, 256, 2, d), BF16, _opts(causal), config) is None
