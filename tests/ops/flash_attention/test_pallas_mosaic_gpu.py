@@ -77,6 +77,7 @@ def test_explicit_mosaic_on_cpu_says_why():
     (256, _opts(), True, False), (256, _opts(causal=True), True, False),
     (64, _opts(), False, False), (64, _opts(causal=True), False, True),
     (192, _opts(), False, False),
+    (96, _opts(), False, False), (96, _opts(causal=True), False, False),
     (128, _opts(window=(100, 7)), False, False),
     (128, _opts(causal=True, segments=True), False, False)])
 def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap, persistent):
