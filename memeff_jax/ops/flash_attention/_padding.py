@@ -2,8 +2,8 @@
 
 The Mosaic GPU kernels take T a multiple of two query blocks, S a multiple of the key block
 (and of the backward CTA's keys) and head dims 64, 96, 128, 192 and 256. pallas_mosaic_gpu
-pads other calls (T = 1,000, D = 80, ...) with zeros, runs the kernels on the copies and cuts the
-output, the log-sum-exp and the gradients back:
+pads other calls (T = 1,000, D = 80, ...) with zeros, runs the kernels on the copies and
+cuts the output, the log-sum-exp and the gradients back:
 
 - head dims 65–255 go up to the next of 96, 128, 192 and 256 (pallas_triton computes with
   the next power of two: as much or more); under 64 the padding would be work pallas_triton
@@ -91,7 +91,7 @@ class Padding(NamedTuple):
 
 def head_dim(d: int) -> int:
   """The head dim a call of head dim d runs at: d where the kernels take it or padding does
-  not pay (under 64, over 256), else the next of 128, 192 and 256."""
+  not pay (under 64, over 256), else the next of HEAD_DIMS."""
   if d in HEAD_DIMS or d < 64 or d > 256:
     return d
   return next(h for h in HEAD_DIMS if h >= d)

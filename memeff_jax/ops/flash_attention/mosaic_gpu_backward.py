@@ -28,9 +28,9 @@ The softmax scale is applied once at the end (to dK, and to dq when it is cast b
 input dtype). Masks as in the forward, transposed: a CTA visits only the query blocks that
 see any of its keys (by the band, then by segment-id ranges), and masks those that do not
 see all of them (with segment ids, all but those holding the keys' one id). Served:
-bf16/f16, D 64, 96, 128, 192 or 256 (192 and 256 with column_split: each warpgroup owns half of
-the columns of dK, dV and dQ, and both compute the whole Sᵀ and dPᵀ of the CTA's 64 keys), T
-a multiple of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
+bf16/f16, D 64, 96, 128, 192 or 256 (192 and 256 with column_split: each warpgroup owns
+half of the columns of dK, dV and dQ, and both compute the whole Sᵀ and dPᵀ of the CTA's 64
+keys), T a multiple of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
 configs/tuning/flash_attention.toml picks the settings per head dim, causal and GQA;
 docs/design/flash_attention.md has what each variant measured.
 """
@@ -361,7 +361,8 @@ def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
   the bytes of one float32 dQ tile of dq_split), which the walk's first two steps hold
   before their dQ tiles are written; each is read only through the view it was written
   through."""
-  f32 = plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32, transforms=_dq_tile_transforms(config, d))
+  f32 = plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32,
+                   transforms=_dq_tile_transforms(config, d))
   slots, rows, cols = _dq_tile_shape(config, d)
   if not config.fused_delta:
     return f32

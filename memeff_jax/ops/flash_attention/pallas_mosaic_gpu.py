@@ -27,10 +27,10 @@ block runs unmasked only where both blocks hold one id, the same (inside a docum
 that only the CTA's other query block sees are released without compute. A row that sees no
 key ends with output 0 and log-sum-exp -inf.
 
-Served: bf16/f16, head dim 64, 96, 128, 192 or 256, T a multiple of 2·block_q and S of block_kv,
-any mask, logit softcap, GQA/MQA by indexing the key/value head; other lengths, and head
-dims 65–255, run on zero-padded copies (_padding; with `implementation=None` only where
-that beats pallas_triton). Anything else (float32, head dims under 64 or over 256) raises
+Served: bf16/f16, head dim 64, 96, 128, 192 or 256, T a multiple of 2·block_q and S of
+block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head; other lengths,
+and head dims 65–255, run on zero-padded copies (_padding; with `implementation=None` only
+where that beats pallas_triton). Anything else (float32, head dims under 64 or over 256) raises
 NotImplementedError with the reason, and `implementation=None` falls through to
 pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel: whole for calls with
 deterministic=False (it sums dq by TMA reductions in arrival order) or with its reductions
@@ -136,7 +136,7 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if (why := hopper.dtype_error(dtype)) is not None:
     return why
   if d not in _padding.HEAD_DIMS:
-    return f"serves head dims 64, 96, 128, 192 and 256, got D={d}"
+    return f"serves head dims {', '.join(map(str, _padding.HEAD_DIMS))}, got D={d}"
   if t % (2 * config.block_q):
     return f"needs T a multiple of {2 * config.block_q}, got T={t}"
   if s % config.block_kv:

@@ -1671,7 +1671,6 @@ class TestMosaicGpuFeaturesDeterministicD192(TestMosaicGpuFeaturesD192):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesDeterministicD192Mha(TestMosaicGpuFeaturesDeterministicD192):
-  extra = {}
   shape = dict(b=1, t=256, s=384, hq=4, hkv=4, d=192)
 
 
