@@ -92,7 +92,7 @@ class Padding(NamedTuple):
 def head_dim(d: int) -> int:
   """The head dim a call of head dim d runs at: d where the kernels take it or padding does
   not pay (under 64, over 256), else the next of HEAD_DIMS."""
-  if d in HEAD_DIMS or d < 64 or d > 256:
+  if d < 64 or d > 256:
     return d
   return next(h for h in HEAD_DIMS if h >= d)
 
