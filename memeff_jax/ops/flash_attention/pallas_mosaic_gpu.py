@@ -14,10 +14,10 @@ With `pingpong` the two compute warpgroups take turns on the tensor cores (as in
 FlashAttention-3, Shah et al. 2024, §3.1): a shared barrier lets one issue its matmuls only
 after the other has finished its softmax, so one's exponentials run under the other's
 WGMMAs. With `overlap` (FlashAttention-3's intra-warpgroup pipelining, §3.2, the default
-at D = 128 and 256 without a window or segment ids) each warpgroup instead issues block j's
-QKᵀ together with block j−1's PV and computes block j's softmax while that PV runs. The
-output and the float32 log-sum-exp ([B, Hq, T], natural log, as the other
-implementations save it) leave through shared memory by TMA.
+at D = 128 and 256 without a window or segment ids, and at D = 192 causal) each warpgroup
+instead issues block j's QKᵀ together with block j−1's PV and computes block j's softmax
+while that PV runs. The output and the float32 log-sum-exp ([B, Hq, T], natural log, as the
+other implementations save it) leave through shared memory by TMA.
 
 Masks: a CTA streams only the key blocks its rows can see. The causal and sliding-window
 band gives each query block a range of key blocks, of which the ones it sees whole run
@@ -109,10 +109,12 @@ class MosaicConfig:
   @classmethod
   def for_call(cls, d: int, mask: MaskSpec) -> "MosaicConfig":
     """for_head_dim(d), with overlap in place of ping-pong at D = 128 and 256 under no mask
-    or a causal one. There it measured 1.05× / 1.13× cuDNN's forward non-causal and 1.02× /
-    1.09× causal, against 0.98× / 0.95× and 1.01× / 0.98× with ping-pong (H200, one
-    process); not at D = 64 (no faster). Masked blocks run without the overlap, so windows
-    and segment ids keep ping-pong.
+    or a causal one, and at D = 192 causal. There it measured 1.05× / 1.13× cuDNN's forward
+    non-causal and 1.02× / 1.09× causal, against 0.98× / 0.95× and 1.01× / 0.98× with
+    ping-pong (H200, one process), and 0.36 against 0.40 ms at B=2 T=3000 H=16 D=192 causal;
+    not at D = 192 without a mask (0.66 against 0.53 ms, D = 160 run padded to 192), D = 64
+    (no faster) or D = 96 (0.25 against 0.22 ms at B=4 T=1000 H=32/8 non-causal). Masked
+    blocks run without the overlap, so windows and segment ids keep ping-pong.
 
     Persistent at D = 128 without a mask: the headline's forward took 1.830 against 1.916
     ms on the grid (H100, 5 interleaved rounds); causal it took 1.089 against 1.068 (the
@@ -120,7 +122,7 @@ class MosaicConfig:
     the output's buffer would cost a K/V stage. At D = 64 persistent causal: 1.38 against
     1.47 ms (H200, B=4 T=4096 H=64; cuDNN 1.39), level without a mask (2.60 against 2.63)."""
     config = cls.for_head_dim(d)
-    if d in (128, 256) and (mask.is_dense or mask.is_causal):
+    if (d in (128, 256) and mask.is_dense) or (d in (128, 192, 256) and mask.is_causal):
       config = dataclasses.replace(config, overlap=True, pingpong=False,
                                    persistent=d == 128 and mask.is_dense)
     if d == 64 and mask.is_causal:

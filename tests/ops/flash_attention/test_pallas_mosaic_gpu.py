@@ -76,14 +76,14 @@ def test_explicit_mosaic_on_cpu_says_why():
     (128, _opts(), True, True), (128, _opts(causal=True), True, False),
     (256, _opts(), True, False), (256, _opts(causal=True), True, False),
     (64, _opts(), False, False), (64, _opts(causal=True), False, True),
-    (192, _opts(), False, False),
+    (192, _opts(), False, False), (192, _opts(causal=True), True, False),
     (96, _opts(), False, False), (96, _opts(causal=True), False, False),
     (128, _opts(window=(100, 7)), False, False),
     (128, _opts(causal=True, segments=True), False, False)])
 def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap, persistent):
   """The default forward: intra-warpgroup overlap at D = 128 and 256 with no mask or a causal
-  one, ping-pong elsewhere (masked blocks run without the overlap); persistent at D = 128
-  without a mask and at D = 64 causal; an explicit config wins."""
+  one and at D = 192 causal, ping-pong elsewhere (masked blocks run without the overlap);
+  persistent at D = 128 without a mask and at D = 64 causal; an explicit config wins."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((1, 256, 4, d), BF16)
