@@ -48,7 +48,7 @@ def test_cudnn_packed_documents_match_segment_ids(causal):
 
 def test_grid_keeps_the_packed_row_per_visible_pair_and_adds_cudnn_packed():
   """The packed row's ratio (in the mean) stays against cuDNN's unpacked row; cuDNN on the
-  same documents gets a line of its own, outside the mean."""
+  same documents gets a line of its own, outside the mean, and a second mean with it."""
   from benchmarks import make_results  # pylint: disable=import-outside-toplevel
   base = dict(set="grid", device="GPU", jax="0", timestamp="t", b=4, t=4096, h=32, hkv=32,
               d=128, causal=True, window=None, rounds=3)
@@ -60,3 +60,7 @@ def test_grid_keeps_the_packed_row_per_visible_pair_and_adds_cudnn_packed():
   assert "| causal, 8 docs (vs unpacked) | 200 | 500 | 0.400× | 0.400× |" in text
   assert "| causal, 8 docs (vs cuDNN packed) | 200 | 160 | 1.250× | 1.250× |" in text
   assert f"{(0.8 * 0.4) ** 0.5:.3f}× cuDNN over 2 rows" in text
+  assert f"on the same documents: {(0.8 * 1.25) ** 0.5:.3f}×" in text
+  no_packed_peer = "\n".join(make_results.grid_section(
+      [r for r in rows if (r["provider"], r["docs"]) != ("cudnn", 8)]))
+  assert "same documents" not in no_packed_peer
