@@ -14,10 +14,11 @@ With `pingpong` the two compute warpgroups take turns on the tensor cores (as in
 FlashAttention-3, Shah et al. 2024, §3.1): a shared barrier lets one issue its matmuls only
 after the other has finished its softmax, so one's exponentials run under the other's
 WGMMAs. With `overlap` (FlashAttention-3's intra-warpgroup pipelining, §3.2, the default
-at D = 128 and 256 without a window or segment ids, and at D = 192 causal) each warpgroup
-instead issues block j's QKᵀ together with block j−1's PV and computes block j's softmax
-while that PV runs. The output and the float32 log-sum-exp ([B, Hq, T], natural log, as the
-other implementations save it) leave through shared memory by TMA.
+at D = 128 and 256 without a window or segment ids, short causal calls at D = 128 aside,
+and at D = 192 causal) each warpgroup instead issues block j's QKᵀ together with block
+j−1's PV and computes block j's softmax while that PV runs. The output and the float32
+log-sum-exp ([B, Hq, T], natural log, as the other implementations save it) leave through
+shared memory by TMA.
 
 Masks: a CTA streams only the key blocks its rows can see. The causal and sliding-window
 band gives each query block a range of key blocks, of which the ones it sees whole run
@@ -107,27 +108,41 @@ class MosaicConfig:
     return cls() if d <= 128 else cls(block_kv=64)
 
   @classmethod
-  def for_call(cls, d: int, mask: MaskSpec) -> "MosaicConfig":
-    """for_head_dim(d), with overlap in place of ping-pong at D = 128 and 256 under no mask
-    or a causal one, and at D = 192 causal. There it measured 1.05× / 1.13× cuDNN's forward
-    non-causal and 1.02× / 1.09× causal, against 0.98× / 0.95× and 1.01× / 0.98× with
-    ping-pong (H200, one process), and 0.36 against 0.40 ms at B=2 T=3000 H=16 D=192 causal;
-    not at D = 192 without a mask (0.66 against 0.53 ms, D = 160 run padded to 192), D = 64
-    (no faster) or D = 96 (0.25 against 0.22 ms at B=4 T=1000 H=32/8 non-causal). Masked
-    blocks run without the overlap, so windows and segment ids keep ping-pong.
+  def for_call(cls, d: int, mask: MaskSpec, s: int) -> "MosaicConfig":
+    """for_head_dim(d) for a call with s keys, with overlap in place of ping-pong at D = 128
+    and 256 under no mask or a causal one, and at D = 192 causal. There it measured 1.05× /
+    1.13× cuDNN's forward non-causal and 1.02× / 1.09× causal, against 0.98× / 0.95× and
+    1.01× / 0.98× with ping-pong (H200, one process), and 0.36 against 0.40 ms at B=2 T=3000
+    H=16 D=192 causal; not at D = 192 without a mask (0.66 against 0.53 ms, D = 160 run
+    padded to 192), D = 64 (no faster) or D = 96 (0.25 against 0.22 ms at B=4 T=1000 H=32/8
+    non-causal). Masked blocks run without the overlap, so windows and segment ids keep
+    ping-pong.
 
-    Persistent at D = 128 without a mask: the headline's forward took 1.830 against 1.916
-    ms on the grid (H100, 5 interleaved rounds); causal it took 1.089 against 1.068 (the
-    static deal of unequal tiles does worse than the hardware's dispatcher), and at D = 256
-    the output's buffer would cost a K/V stage. At D = 64 persistent causal: 1.38 against
-    1.47 ms (H200, B=4 T=4096 H=64; cuDNN 1.39), level without a mask (2.60 against 2.63)."""
+    Persistent (with ping-pong) where a query tile's walk is short, so that loading the
+    next tile's Q and keeping the K/V ring running through a tile's epilogue pays: causal
+    at D = 96 and 128 with at most SHORT_CAUSAL_KEYS keys, and at D = 64 causal or without
+    a mask. Against the overlap at D = 128 causal: 379 against 346 TFLOP/s at B=16 T=1024
+    H=32 (cuDNN 371), 386 against 354 at H=32/8, 455 against 448 at B=8 T=2048; 529 against
+    524 at B=4 T=4096, where an H100 measured it 2% slower, so longer calls keep the
+    overlap. At D = 96 causal, B=4 T=1000 H=32/8: 173 against 150 (cuDNN 204); at D = 64
+    without a mask, B=32 T=512 H=16 (BERT-large): 248 against 224 (cuDNN 245), and level
+    at T=4096 (2.60 against 2.63 ms); causal at T=4096, 1.38 against 1.47 ms (cuDNN 1.39;
+    all H200). Persistent at D = 128 without a mask: the headline's forward took 1.830
+    against 1.916 ms on the grid (H100, 5 interleaved rounds); at D = 256 the output's
+    buffer would cost a K/V stage."""
     config = cls.for_head_dim(d)
+    if d in (96, 128) and mask.is_causal and s <= SHORT_CAUSAL_KEYS:
+      return dataclasses.replace(config, persistent=True)
     if (d in (128, 256) and mask.is_dense) or (d in (128, 192, 256) and mask.is_causal):
       config = dataclasses.replace(config, overlap=True, pingpong=False,
                                    persistent=d == 128 and mask.is_dense)
-    if d == 64 and mask.is_causal:
+    if d == 64 and (mask.is_causal or mask.is_dense):
       config = dataclasses.replace(config, persistent=True)
     return config
+
+
+# The most keys for which a causal call's forward runs persistent (MosaicConfig.for_call).
+SHORT_CAUSAL_KEYS = 2048
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
@@ -683,12 +698,12 @@ class PallasMosaicGpu:
     """How a call of these shapes runs padded (_padding.plan with this config's tiles at the
     padded head dim, and S a multiple of the backward's CTA keys), or None: as it is."""
     d = q_shape[-1]
-    config = self.config or MosaicConfig.for_call(_padding.head_dim(d), mask)
+    config = self.config or MosaicConfig.for_call(_padding.head_dim(d), mask, k_shape[1])
     return _padding.plan(q_shape[1], k_shape[1], d, mask, config.block_q, config.block_kv,
                          2 * mosaic_gpu_backward.BLOCK_KV)
 
   def _static_as_is(self, q, k, opts: AttentionOptions) -> _Static:
-    config = self.config or MosaicConfig.for_call(q.shape[-1], opts.mask)
+    config = self.config or MosaicConfig.for_call(q.shape[-1], opts.mask, k.shape[1])
     why = hopper_available() or support_error(q.shape, k.shape, q.dtype, opts, config)
     if why is not None:
       raise _dispatch.Unsupported(f"pallas_mosaic_gpu: {why}")

@@ -72,21 +72,24 @@ def test_explicit_mosaic_on_cpu_says_why():
     flash_attention(q, q, q, implementation="pallas_mosaic_gpu")
 
 
-@pytest.mark.parametrize("d, opts, overlap, persistent", [
-    (128, _opts(), True, True), (128, _opts(causal=True), True, False),
-    (256, _opts(), True, False), (256, _opts(causal=True), True, False),
-    (64, _opts(), False, False), (64, _opts(causal=True), False, True),
-    (192, _opts(), False, False), (192, _opts(causal=True), True, False),
-    (96, _opts(), False, False), (96, _opts(causal=True), False, False),
-    (128, _opts(window=(100, 7)), False, False),
-    (128, _opts(causal=True, segments=True), False, False)])
-def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, overlap, persistent):
+@pytest.mark.parametrize("d, opts, s, overlap, persistent", [
+    (128, _opts(), 256, True, True), (128, _opts(causal=True), 4096, True, False),
+    (128, _opts(causal=True), 2048, False, True), (128, _opts(causal=True), 256, False, True),
+    (256, _opts(), 256, True, False), (256, _opts(causal=True), 256, True, False),
+    (64, _opts(), 256, False, True), (64, _opts(causal=True), 4096, False, True),
+    (192, _opts(), 256, False, False), (192, _opts(causal=True), 256, True, False),
+    (96, _opts(), 256, False, False), (96, _opts(causal=True), 1024, False, True),
+    (96, _opts(causal=True), 4096, False, False),
+    (128, _opts(window=(100, 7)), 256, False, False),
+    (128, _opts(causal=True, segments=True), 256, False, False)])
+def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, s, overlap, persistent):
   """The default forward: intra-warpgroup overlap at D = 128 and 256 with no mask or a causal
   one and at D = 192 causal, ping-pong elsewhere (masked blocks run without the overlap);
-  persistent at D = 128 without a mask and at D = 64 causal; an explicit config wins."""
+  persistent at D = 128 without a mask, at D = 64 without a mask or causal, and causal at
+  D = 96 and 128 up to SHORT_CAUSAL_KEYS keys (with ping-pong); an explicit config wins."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
-  q = jax.ShapeDtypeStruct((1, 256, 4, d), BF16)
+  q = jax.ShapeDtypeStruct((1, s, 4, d), BF16)
   st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   assert (st.config.overlap, st.config.pingpong) == (overlap, not overlap)
   assert st.config.persistent == persistent
