@@ -109,27 +109,21 @@ class MosaicConfig:
 
   @classmethod
   def for_call(cls, d: int, mask: MaskSpec, s: int) -> "MosaicConfig":
-    """for_head_dim(d) for a call with s keys, with overlap in place of ping-pong at D = 128
-    and 256 under no mask or a causal one, and at D = 192 causal. There it measured 1.05× /
-    1.13× cuDNN's forward non-causal and 1.02× / 1.09× causal, against 0.98× / 0.95× and
-    1.01× / 0.98× with ping-pong (H200, one process), and 0.36 against 0.40 ms at B=2 T=3000
-    H=16 D=192 causal; not at D = 192 without a mask (0.66 against 0.53 ms, D = 160 run
-    padded to 192), D = 64 (no faster) or D = 96 (0.25 against 0.22 ms at B=4 T=1000 H=32/8
-    non-causal). Masked blocks run without the overlap, so windows and segment ids keep
-    ping-pong.
+    """for_head_dim(d) for a call with s keys, set as measured (docs/design/flash_attention.md,
+    H200 and H100):
 
-    Persistent (with ping-pong) where a query tile's walk is short, so that loading the
-    next tile's Q and keeping the K/V ring running through a tile's epilogue pays: causal
-    at D = 96 and 128 with at most SHORT_CAUSAL_KEYS keys, and at D = 64 causal or without
-    a mask. Against the overlap at D = 128 causal: 379 against 346 TFLOP/s at B=16 T=1024
-    H=32 (cuDNN 371), 386 against 354 at H=32/8, 455 against 448 at B=8 T=2048; 529 against
-    524 at B=4 T=4096, where an H100 measured it 2% slower, so longer calls keep the
-    overlap. At D = 96 causal, B=4 T=1000 H=32/8: 173 against 150 (cuDNN 204); at D = 64
-    without a mask, B=32 T=512 H=16 (BERT-large): 248 against 224 (cuDNN 245), and level
-    at T=4096 (2.60 against 2.63 ms); causal at T=4096, 1.38 against 1.47 ms (cuDNN 1.39;
-    all H200). Persistent at D = 128 without a mask: the headline's forward took 1.830
-    against 1.916 ms on the grid (H100, 5 interleaved rounds); at D = 256 the output's
-    buffer would cost a K/V stage."""
+    - overlap in place of ping-pong at D = 128 and 256 under no mask or a causal one, and at
+      D = 192 causal (1.02–1.13× cuDNN's forward there against 0.95–1.01× with ping-pong);
+      not at D = 192 without a mask, D = 64 or D = 96, where ping-pong was as fast or
+      faster. Masked blocks run without the overlap, so windows and segment ids keep
+      ping-pong.
+    - persistent where a query tile's walk is short, so that loading the next tile's Q and
+      keeping the K/V ring running through a tile's epilogue pays: causal at D = 96 and 128
+      with at most SHORT_CAUSAL_KEYS keys (with ping-pong: 9% more forward TFLOP/s than the
+      overlap at T = 1,024, level at 4,096, where an H100 measured it 2% slower), and at
+      D = 64 causal or without a mask. At D = 128 without a mask the static deal of equal
+      tiles also wins (4% at the headline); at D = 256 the output's buffer would cost a K/V
+      stage."""
     config = cls.for_head_dim(d)
     if d in (96, 128) and mask.is_causal and s <= SHORT_CAUSAL_KEYS:
       return dataclasses.replace(config, persistent=True)
