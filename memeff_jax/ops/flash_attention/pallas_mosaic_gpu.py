@@ -72,6 +72,10 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 
+# The most keys for which a causal call's forward runs persistent (MosaicConfig.for_call).
+SHORT_CAUSAL_KEYS = 2048
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """Tiles of the forward kernel.
@@ -133,10 +137,6 @@ class MosaicConfig:
     if d == 64 and (mask.is_causal or mask.is_dense):
       config = dataclasses.replace(config, persistent=True)
     return config
-
-
-# The most keys for which a causal call's forward runs persistent (MosaicConfig.for_call).
-SHORT_CAUSAL_KEYS = 2048
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
