@@ -52,6 +52,7 @@ from memeff_jax import _tuning
 from memeff_jax.kernels import hopper
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
+from memeff_jax.ops.flash_attention import _padding
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
@@ -254,8 +255,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   s = k_shape[1]
   if (why := hopper.dtype_error(dtype)) is not None:
     return why
-  if d not in (64, 96, 128, 192, 256):
-    return f"backward serves head dims 64, 96, 128, 192 and 256, got D={d}"
+  if d not in _padding.HEAD_DIMS:
+    return f"backward serves head dims {', '.join(map(str, _padding.HEAD_DIMS))}, got D={d}"
   if d in (192, 256) and not config.column_split:
     return (f"D={d} needs column_split (dK and dV of 64 keys at full width do not fit in "
             "registers)")
