@@ -68,6 +68,10 @@ BLOCK_KV = 64  # keys per compute warpgroup; a CTA holds two such blocks
 _REGISTERS = (240, 24)
 _SMEM_RESERVE = 1_024  # barriers and alignment
 _SEG_RESERVE = 256  # the segment ids' barriers and alignment
+# Queries from which a deterministic call takes its section's `_long` variant: a key block's
+# walk (up to T / BLOCK_Q steps) is long enough that a third Q/dO stage pays for the dQ slot
+# it displaces (causal, D = 128: 1.4–2.0% at 8k–32k queries, 1.7% slower at 4k; H200).
+LONG_WALK_QUERIES = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +88,8 @@ class MosaicBackwardConfig:
       backward takes 80 at D = 128); T need not be a multiple of it: the last step's rows
       past T load as zeros, which add nothing to dK or dV.
     stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split or without dq,
-      4 without dq).
+      4 without dq; with dq_split one dQ slot and no segment ids). More than 2 is a most:
+      fit_shared_memory takes the third away where it does not fit.
     dq_split: the two compute warpgroups each compute half of dQ's columns (D = 64 or 128).
       A step exchanges dSᵀ first, then issues dQ = dS K with dV and dK and stores dQ while
       those two run (issued after dV and dK, with its own wait, the tensor cores idled
@@ -188,15 +193,18 @@ class MosaicBackwardConfig:
   dq_heavy_first: bool = False
 
   @classmethod
-  def for_deterministic(cls, d: int, causal: bool, gqa: bool = False) -> "MosaicBackwardConfig":
-    """The Mosaic backward of deterministic calls: the whole kernel with dq_ordered where the
-    tuning table has a `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA
-    calls, whose schedule differs), else the dK/dV-only kernel (tuned(with_dq=False)),
-    which runs beside a dq kernel. D = 192 takes D = 256's sections (_section_dim)."""
+  def for_deterministic(cls, d: int, causal: bool, gqa: bool = False,
+                        t: int = 0) -> "MosaicBackwardConfig":
+    """The Mosaic backward of deterministic calls of T = t queries: the whole kernel with
+    dq_ordered where the tuning table has a `d<D>[_causal]_ordered` section
+    (`d<D>[_causal]_gqa_ordered` for GQA calls, whose schedule differs; from
+    LONG_WALK_QUERIES queries on, that section's `_long` variant where there is one), else
+    the dK/dV-only kernel (tuned(with_dq=False)), which runs beside a dq kernel. D = 192
+    takes D = 256's sections (_section_dim)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     d = _section_dim(d)
-    section = (f"d{d}_causal" if causal else f"d{d}") + ("_gqa" if gqa else "")
-    found = table.get(section + "_ordered")
+    section = (f"d{d}_causal" if causal else f"d{d}") + ("_gqa" if gqa else "") + "_ordered"
+    found = (t >= LONG_WALK_QUERIES and table.get(section + "_long")) or table.get(section)
     if found:
       return cls(**{**found, "dq_ordered": True})
     return cls.tuned(d, causal, gqa, with_dq=False)
@@ -314,7 +322,8 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   (D = 128 with dq_buffers=2 has 1 KB to spare, the ids take as much), and then without
   dq_stagger: with one slot warpgroup 1's dQ waits for the send of the last step's, whose
   tile warpgroup 0 leaves only in this step (at the headline, three Q/dO stages and one
-  slot: fwd+bwd 8.2 ms staggered against 7.6 without, H100)."""
+  slot: fwd+bwd 8.2 ms staggered against 7.6 without, H100). A third Q/dO stage that still
+  does not fit (D = 128's `_long` sections beside segment ids) goes next."""
   itemsize = jnp.dtype(dtype).itemsize
   if config.scores_split and segments:
     config = dataclasses.replace(config, scores_split=False)
@@ -322,7 +331,9 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
     config = dataclasses.replace(config, fused_delta=False)
   if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
     # fused_delta's O tiles need both slots; with segment ids it would not apply anyway.
-    return dataclasses.replace(config, dq_buffers=1, fused_delta=False, dq_stagger=False)
+    config = dataclasses.replace(config, dq_buffers=1, fused_delta=False, dq_stagger=False)
+  if config.stages > 2 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
+    config = dataclasses.replace(config, stages=2)
   return config
 
 

@@ -419,6 +419,21 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv
     assert "stablehlo.iota" not in text and "reduce_window" not in text
 
 
+@pytest.mark.parametrize("hkv", [4, 1])
+@pytest.mark.parametrize("segments", [False, True])
+def test_long_walk_sections_lower_for_cuda(hkv, segments):
+  """The `_long` sections of causal calls (three Q/dO stages, one dQ slot; two stages beside
+  segment ids), lowered at a short length: the stages change the ring, not the walk."""
+  config = mb.MosaicBackwardConfig.for_deterministic(128, True, hkv == 1,
+                                                     t=mb.LONG_WALK_QUERIES)
+  config = mb.fit_shared_memory(config, 128, BF16, segments)
+  assert config.stages == (2 if segments else 3)
+  opts = _opts(True, None, segments)
+  assert mb.support_error((2, 512, 4, 128), (2, 512, hkv, 128), BF16, opts, config) is None
+  text = _backward_lowered_for_cuda(opts, config, 512, 512, hkv, 128, segments)
+  assert _MOSAIC_CALL.search(text) and "red.release.gpu" in text
+
+
 @pytest.mark.parametrize("causal, window, segments, t, s, hkv, d, fuses", [
     (True, None, False, 512, 512, 1, 128, True),     # T = S: Δ from each block's diagonal CTA
     (True, None, False, 512, 512, 2, 128, True),
@@ -956,6 +971,21 @@ def test_tuned_backward_configs_serve_their_calls():
         gqa_per_query_head=causal and gqa)
     assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(causal),
                             ordered) is None
+  # d128_causal[_gqa]_ordered_long: from LONG_WALK_QUERIES queries, a third Q/dO stage in
+  # place of the second dQ slot (and the fused Δ it would hold)
+  for gqa in (False, True):
+    base = mb.MosaicBackwardConfig.for_deterministic(128, True, gqa)
+    assert mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=4096) == base
+    long = mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=mb.LONG_WALK_QUERIES)
+    assert long == dataclasses.replace(base, stages=3, dq_buffers=1, fused_delta=False)
+    assert mb.support_error((1, 8192, 8, 128), (1, 8192, 2, 128), BF16, _opts(True),
+                            long) is None
+    assert mb.fit_shared_memory(long, 128, BF16, segments=False) == long
+    # beside segment ids the third stage does not fit: two, as the shorter calls get there
+    assert (mb.fit_shared_memory(long, 128, BF16, segments=True)
+            == mb.fit_shared_memory(base, 128, BF16, segments=True))
+    assert (mb.MosaicBackwardConfig.for_deterministic(128, False, gqa, t=8192)
+            == mb.MosaicBackwardConfig.for_deterministic(128, False, gqa))  # causal only
   # d256[_causal]_ordered: the column-split kernel with split scores, dq in rank order (rotated
   # without a mask, causal with the longest walk launched first); in arrival order the same
   # kernel, tuned (d256) or not (d256_causal has no section)
@@ -1296,10 +1326,13 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
                               dq_heavy_first=True, scores_split=True),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
-                              dq_heavy_first=True, scores_split=True, gqa_per_query_head=True)],
+                              dq_heavy_first=True, scores_split=True, gqa_per_query_head=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, stages=3),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, stages=3,
+                              gqa_per_query_head=True)],
       ids=["one_slot", "two_slots", "rotate", "d256", "heavy_first", "d256_heavy_first",
            "per_query_head", "d256_split_scores", "d256_heavy_first_split_scores",
-           "d256_per_query_head"])
+           "d256_per_query_head", "three_stages", "three_stages_per_query_head"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
@@ -1317,6 +1350,25 @@ class TestMosaicGpu:
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
     up = lambda x: x.astype(jnp.float32)
     _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
+    for name, g, rg in zip("qkv", first, r_grads):
+      assert rel_err(g, rg) < 3e-2, name
+
+  @pytest.mark.parametrize("hkv", [4, 1])
+  def test_long_causal_calls_take_a_third_stage(self, hkv):
+    """From LONG_WALK_QUERIES queries a deterministic causal call runs the `_long` section
+    (three Q/dO stages, one dQ slot): the reference's gradients, the same bits every call."""
+    t = mb.LONG_WALK_QUERIES
+    q, k, v, _, ct = make_problem(jax.random.key(25), 1, t, t, 4, hkv, 128, BF16)
+    opts = _opts(causal=True)
+    st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
+    assert (st.backward.stages, st.backward.dq_buffers, st.backward.dq_ordered) == (3, 1, True)
+    step = jax.jit(lambda q, k, v: run(PallasMosaicGpu(), q, k, v, None, ct,
+                                       dict(causal=True))[2])
+    first = step(q, k, v)
+    for g, h in zip(first, step(q, k, v)):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=True))
     for name, g, rg in zip("qkv", first, r_grads):
       assert rel_err(g, rg) < 3e-2, name
 
