@@ -277,7 +277,8 @@ def flash_attention(
       deterministic=False they land in whatever order the CTAs arrive; with True, in a fixed
       order (as fast as arrival order on an H100) where the tuning table names an ordered
       kernel for the call (every call at D = 256; causal GQA at D = 128 and 256 then adds
-      each query head's dk and dv into the bf16 outputs in the group's order), and
+      each query head's dk and dv into the bf16 outputs in the group's order, and up to 16
+      key blocks per query block dq into the output itself, one rounding per add), and
       elsewhere its kernel computes dk and dv alone and a Mosaic dq kernel dq (no float32 dq
       buffer). Every other implementation is deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it

@@ -9,7 +9,8 @@ recomputed product (two separate dq and dk/dv kernels need seven):
   dPᵀ = V dOᵀ         dSᵀ = Pᵀ ∘ (dPᵀ − Δ)         (Δ = rowsum(dO ∘ O) − d_lse)
   dV += Pᵀ dO         dK += dSᵀ Q                  (Pᵀ, dSᵀ from registers)
   dQ  = dS K          added into a float32 dq in global memory by a TMA reduction (in
-                      arrival order, or in a fixed one with dq_ordered)
+                      arrival order, or in a fixed one with dq_ordered; with dq_rounded
+                      scaled and added into dq in the input dtype)
 
 Warpgroups:
 
@@ -72,6 +73,10 @@ _SEG_RESERVE = 256  # the segment ids' barriers and alignment
 # walk (up to T / BLOCK_Q steps) is long enough that a third Q/dO stage pays for the dQ slot
 # it displaces (causal, D = 128: 1.4–2.0% at 8k–32k queries, 1.7% slower at 4k; H200).
 LONG_WALK_QUERIES = 8192
+# Key blocks (adders into a query block's dq) up to which deterministic calls add dq in the
+# input dtype (dq_rounded): there bf16's error stays within 1.4× the float32 sum's, the
+# bound the loss's bf16 dW also keeps.
+ROUNDED_DQ_MAX_ADDERS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +180,13 @@ class MosaicBackwardConfig:
       for their Δ), which must find an SM: it applies where a key head has at most
       ROTATE_MAX_KV CTAs, as dq_rotate does. See the design doc for why the launch order
       matters under a causal mask.
+    dq_rounded: (dq_ordered) dq is added in the input dtype: each key block scales its dQ
+      tiles and rounds them before its reduction (the first stores), so there is no float32
+      dq beside the outputs (B·T·Hq·D·4 bytes) and no pass over it after the kernel, and
+      the reductions move half the bytes. One rounding per adder: dq's error against a
+      float32 reference grows with the adders, 1.09×, 1.18×, 1.31× and 1.51× that of the
+      float32 sum at 4, 8, 16 and 32 of them (bf16, a numerical model of the kernel's
+      sums), so for_deterministic turns it on only up to ROUNDED_DQ_MAX_ADDERS.
   """
 
   stages: int = 2
@@ -191,22 +203,26 @@ class MosaicBackwardConfig:
   fused_delta: bool = False
   dq_stagger: bool = False
   dq_heavy_first: bool = False
+  dq_rounded: bool = False
 
   @classmethod
-  def for_deterministic(cls, d: int, causal: bool, gqa: bool = False,
-                        t: int = 0) -> "MosaicBackwardConfig":
-    """The Mosaic backward of deterministic calls of T = t queries: the whole kernel with
-    dq_ordered where the tuning table has a `d<D>[_causal]_ordered` section
-    (`d<D>[_causal]_gqa_ordered` for GQA calls, whose schedule differs; from
-    LONG_WALK_QUERIES queries on, that section's `_long` variant where there is one), else
-    the dK/dV-only kernel (tuned(with_dq=False)), which runs beside a dq kernel. D = 192
-    takes D = 256's sections (_section_dim)."""
+  def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
+                        s: int = 0) -> "MosaicBackwardConfig":
+    """The Mosaic backward of deterministic calls of T = t queries and S = s keys (0: not
+    known): the whole kernel with dq_ordered where the tuning table has a
+    `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose
+    schedule differs; from LONG_WALK_QUERIES queries on, that section's `_long` variant
+    where there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add
+    into a query block; else the dK/dV-only kernel (tuned(with_dq=False)), which runs
+    beside a dq kernel. D = 192 takes D = 256's sections (_section_dim)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
-    d = _section_dim(d)
-    section = (f"d{d}_causal" if causal else f"d{d}") + ("_gqa" if gqa else "") + "_ordered"
+    section = (f"d{_section_dim(d)}_causal" if causal else f"d{_section_dim(d)}"
+               ) + ("_gqa" if gqa else "") + "_ordered"
     found = (t >= LONG_WALK_QUERIES and table.get(section + "_long")) or table.get(section)
     if found:
-      return cls(**{**found, "dq_ordered": True})
+      config = cls(**{**found, "dq_ordered": True})
+      adders = s // config.cta_keys()
+      return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS)
     return cls.tuned(d, causal, gqa, with_dq=False)
 
   def cta_keys(self) -> int:
@@ -286,8 +302,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)):
     return "dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split)"
   if (config.dq_buffers != 1 or config.dq_rotate or config.dq_heavy_first
-      ) and not config.dq_ordered:
-    return "dq_buffers, dq_rotate and dq_heavy_first belong to dq_ordered"
+      or config.dq_rounded) and not config.dq_ordered:
+    return "dq_buffers, dq_rotate, dq_heavy_first and dq_rounded belong to dq_ordered"
   if config.fused_delta and d % 64:
     return f"fused_delta needs D a multiple of 64, got D={d}"
   if config.fused_delta and not (config.dq_ordered and config.dq_split
@@ -368,18 +384,24 @@ def _dq_tile_transforms(config: MosaicBackwardConfig, d: int) -> tuple:
 
 
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
-  """The float32 dQ tile slots in shared memory. With fused_delta a union of two views of
-  the same bytes: the float32 tiles and a query block's O (BLOCK_Q × D in the input dtype:
-  the bytes of one float32 dQ tile of dq_split), which the walk's first two steps hold
-  before their dQ tiles are written; each is read only through the view it was written
-  through."""
-  f32 = plgpu.SMEM(_dq_tile_shape(config, d), jnp.float32,
-                   transforms=_dq_tile_transforms(config, d))
+  """The dQ tile slots in shared memory: float32, or with dq_rounded in the input dtype,
+  each tile in rows 0..BLOCK_Q of a slot twice as tall (the float32 tile's bytes, so that
+  fused_delta's O lands where it does without). With fused_delta a union of two views of
+  the same bytes: the tiles and a query block's O (BLOCK_Q × D in the input dtype: the
+  bytes of one float32 dQ tile of dq_split), which the walk's first two steps hold before
+  their dQ tiles are written; each is read only through the view it was written through."""
   slots, rows, cols = _dq_tile_shape(config, d)
+  if config.dq_rounded:
+    width = cols * jnp.dtype(dtype).itemsize  # bytes of a tile's row
+    tiles = plgpu.SMEM((slots, 2 * rows, cols), dtype, transforms=hopper.swizzled_tiles(
+        next(b for b in (128, 64, 32) if width % b == 0), dtype))
+  else:
+    tiles = plgpu.SMEM((slots, rows, cols), jnp.float32,
+                       transforms=_dq_tile_transforms(config, d))
   if not config.fused_delta:
-    return f32
-  return plgpu.RefUnion(f32, plgpu.SMEM((slots, rows, 2 * cols), dtype,
-                                        transforms=hopper.swizzled_tiles(128, dtype)))
+    return tiles
+  return plgpu.RefUnion(tiles, plgpu.SMEM((slots, rows, 2 * cols), dtype,
+                                          transforms=hopper.swizzled_tiles(128, dtype)))
 
 
 def _operand_swizzle(block_q: int, d: int, half: int | None = None) -> int:
@@ -820,7 +842,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           slot, full, free = dq_slot(gi)
           tile = slot * 2 + wg
           plgpu.barrier_wait(free)  # the slot's last tiles have been read
-          sc.dq_smem.at[tile][...] = dq
+          if config.dq_rounded:  # scaled here, in place of the pass after the kernel
+            sc.dq_smem.at[tile, pl.ds(0, BLOCK_Q)][...] = (dq * scale).astype(dtype)
+          else:
+            sc.dq_smem.at[tile][...] = dq
           hand_off(full)
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read the tile
@@ -1099,8 +1124,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         @pl.when(when)
         def _(op=op):
           for w in range(2):
-            plgpu.copy_smem_to_gmem(sc.dq_smem.at[slot * 2 + w],
-                                    dq_ref.at[it.b, rows, head, cols(w)], reduction_op=op)
+            tile = sc.dq_smem.at[slot * 2 + w]
+            if config.dq_rounded:
+              tile = tile.at[pl.ds(0, BLOCK_Q)]
+            plgpu.copy_smem_to_gmem(tile, dq_ref.at[it.b, rows, head, cols(w)],
+                                    reduction_op=op)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(free)
       plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
@@ -1172,8 +1200,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   # The float32 dq: zeros that every key block adds into; with dq_ordered an uninitialized
   # output, which each query block's first adder stores rather than adds into (no memset).
   dq_acc = ()
-  if config.dq_ordered:
-    out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type)
+  if config.dq_ordered:  # with dq_rounded in the input dtype, already scaled
+    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype if config.dq_rounded else jnp.float32),
+                *out_type)
   elif config.with_dq:
     dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
@@ -1189,8 +1218,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     def kernel(sc: _Scratch):
       delta = None
       if fused:  # O's view of the dQ slots, and the flags that a block's Δ is stored
-        dq_f32, o_tiles = sc.dq_smem
-        sc = sc._replace(dq_smem=dq_f32)
+        dq_tiles, o_tiles = sc.dq_smem
+        sc = sc._replace(dq_smem=dq_tiles)
         delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), o_tiles)
       elif config.fused_delta:  # the call takes the pass: the float32 view only
         sc = sc._replace(dq_smem=sc.dq_smem[0])
@@ -1225,10 +1254,11 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     *rank_args, *seg_args, *dq_acc, *dkv_acc)
   dq = None
   if config.dq_ordered:
-    dq_f32, *outs = outs
+    dq, *outs = outs
     if written is not None:  # query blocks that no key block adds into were never written
-      dq_f32 = jnp.where(written, dq_f32, 0.0)
-    dq = (dq_f32 * opts.scale).astype(q.dtype)
+      dq = jnp.where(written, dq, jnp.zeros((), dq.dtype))
+    if not config.dq_rounded:
+      dq = (dq * opts.scale).astype(q.dtype)
   elif config.with_dq:
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
   if per_query_head and not config.dq_ordered:

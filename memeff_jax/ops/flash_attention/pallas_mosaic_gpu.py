@@ -720,7 +720,7 @@ class PallasMosaicGpu:
         elif self.dq_config is not None:
           mosaic = MosaicBackwardConfig.tuned(*args, with_dq=False)
         else:
-          mosaic = MosaicBackwardConfig.for_deterministic(*args, t=q.shape[1])
+          mosaic = MosaicBackwardConfig.for_deterministic(*args, t=q.shape[1], s=k.shape[1])
       # dq_buffers is a most: one dQ slot where two do not fit beside the segment ids.
       mosaic = mosaic_gpu_backward.fit_shared_memory(mosaic, q.shape[-1], q.dtype,
                                                      opts.mask.segments)

@@ -158,7 +158,8 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
                                                 scores_split=True, dq_ordered=True,
                                                 dq_rotate=not causal, dq_heavy_first=causal,
-                                                gqa_per_query_head=causal and hkv == 1)
+                                                gqa_per_query_head=causal and hkv == 1,
+                                                dq_rounded=True)  # 4 adders
   assert st.dq is None and st.triton is None
   dkv256 = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2, with_dq=False)
   st = PallasMosaicGpu(backward_config=dkv256)._static(q256, k256, det)  # pylint: disable=protected-access
@@ -1025,9 +1026,56 @@ def test_deterministic_calls_take_an_ordered_section(monkeypatch, tuning_tables)
   assert not mb.MosaicBackwardConfig.for_deterministic(64, False).with_dq
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
   st = PallasMosaicGpu()._static(q, q, _opts())  # pylint: disable=protected-access
-  assert st.backward == ordered and st.dq is None and st.triton is None
+  # two key blocks add into each query block: dq in the input dtype (dq_rounded)
+  assert st.backward == dataclasses.replace(ordered, dq_rounded=True)
+  assert st.dq is None and st.triton is None
   explicit = PallasMosaicGpu(backward_config=dataclasses.replace(ordered, dq_rotate=True))
   assert explicit._static(q, q, _opts()).backward.dq_ordered  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("d, causal, gqa, s, rounded", [
+    (128, True, False, 256, True), (128, False, True, 2048, True),
+    (128, True, True, 2176, False),  # 17 key blocks of 128
+    (256, True, False, 1024, True), (256, False, False, 2048, False),  # 64-key blocks
+    (64, False, False, 1024, True), (96, True, True, 2048, True),
+    (128, True, False, 0, False)])  # S not known
+def test_short_calls_add_dq_in_the_input_dtype(d, causal, gqa, s, rounded):
+  """for_deterministic rounds dq per adder (dq_rounded) where at most ROUNDED_DQ_MAX_ADDERS
+  key blocks add into a query block, and keeps the float32 sum elsewhere."""
+  config = mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa, t=1024, s=s)
+  assert config.dq_ordered and config.dq_rounded == rounded
+  if s:
+    assert (s // config.cta_keys() <= mb.ROUNDED_DQ_MAX_ADDERS) == rounded
+  assert mb.support_error((1, 1024, 4, d), (1, max(s, 256), 2 if gqa else 4, d), BF16,
+                          _opts(causal), mb.fit_shared_memory(config, d, BF16, False)) is None
+  shape = (1, 256, 4, 128)  # in arrival order an adder cannot know it is the first
+  assert "belong to dq_ordered" in mb.support_error(
+      shape, shape, BF16, _opts(causal), mb.MosaicBackwardConfig(dq_rounded=True))
+
+
+@pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, fused", [
+    (True, None, False, 128, 512, 512, 4, True),     # fused Δ: O in the rounded tiles' bytes
+    (True, None, False, 128, 512, 512, 1, True),     # one CTA per query head
+    (False, None, False, 128, 256, 384, 2, False),   # rotated walks
+    (True, 200, True, 128, 384, 512, 2, False),      # one dQ slot beside segment ids
+    (True, None, False, 64, 512, 512, 4, False),
+    (False, (100, 7), False, 96, 256, 384, 1, False),  # 48-column tiles: 32-byte swizzle
+    (True, None, False, 256, 256, 256, 2, False)])   # column split, 128-column tiles
+def test_rounded_dq_lowers_for_cuda(causal, window, segments, d, t, s, hkv, fused):
+  """dq_rounded: the kernel returns dq in the input dtype, stored and added by TMA from
+  tiles in that dtype, with no float32 dq and no pass after it (T ≠ S leaves no query
+  block without an adder here)."""
+  config = mb.MosaicBackwardConfig.for_deterministic(d, causal, hkv < 4, t=t, s=s)
+  config = mb.fit_shared_memory(config, d, BF16, segments)
+  assert config.dq_rounded
+  opts = _opts(causal, window, segments)
+  assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
+  assert mb._fuses_delta(config, opts.mask, t // 64, s // config.cta_keys(), 4 // hkv) == fused  # pylint: disable=protected-access
+  text = _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments)
+  call = next(line for line in text.splitlines() if _MOSAIC_CALL.search(line))
+  assert f"tensor<2x{t}x4x{d}xbf16>" in call.split("->")[-1]  # dq itself
+  assert f"x{d}xf32>" not in call.split("->")[-1]  # no float32 dq
+  assert "red.release.gpu" in text
 
 
 def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
@@ -1327,12 +1375,17 @@ class TestMosaicGpu:
                               dq_heavy_first=True, scores_split=True),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
                               dq_heavy_first=True, scores_split=True, gqa_per_query_head=True),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True,
+                              dq_rounded=True),
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
+                              dq_heavy_first=True, scores_split=True, dq_rounded=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, stages=3),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, stages=3,
                               gqa_per_query_head=True)],
       ids=["one_slot", "two_slots", "rotate", "d256", "heavy_first", "d256_heavy_first",
            "per_query_head", "d256_split_scores", "d256_heavy_first_split_scores",
-           "d256_per_query_head", "three_stages", "three_stages_per_query_head"])
+           "d256_per_query_head", "rounded", "d256_rounded", "three_stages",
+           "three_stages_per_query_head"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
@@ -1352,6 +1405,31 @@ class TestMosaicGpu:
     _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
     for name, g, rg in zip("qkv", first, r_grads):
       assert rel_err(g, rg) < 3e-2, name
+
+  @pytest.mark.parametrize("hkv", [4, 1])
+  def test_rounded_dq_matches_and_keeps_the_float32_sums_error(self, hkv):
+    """Short deterministic calls add dq in the input dtype (dq_rounded; causal with T = S
+    also with the fused Δ): the same bits every call, and at ROUNDED_DQ_MAX_ADDERS key blocks
+    an error against the float32 reference within 1.4× the float32 sum's."""
+    t = mb.ROUNDED_DQ_MAX_ADDERS * 2 * mb.BLOCK_KV
+    q, k, v, _, ct = make_problem(jax.random.key(26), 1, t, t, 4, hkv, 128, BF16)
+    st = PallasMosaicGpu()._static(q, k, _opts(causal=True))  # pylint: disable=protected-access
+    assert st.backward.dq_rounded and st.backward.fused_delta
+    f32_sum = PallasMosaicGpu(backward_config=dataclasses.replace(st.backward, dq_rounded=False))
+    step = lambda impl: jax.jit(lambda q, k, v: run(impl, q, k, v, None, ct,
+                                                    dict(causal=True))[2])
+    rounded = step(PallasMosaicGpu())
+    first = rounded(q, k, v)
+    for g, h in zip(first, rounded(q, k, v)):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
+    summed = step(f32_sum)(q, k, v)
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=True))
+    for g, rg in zip(first, r_grads):
+      assert rel_err(g, rg) < 3e-2
+    for g, h in zip(first[1:], summed[1:]):  # dK, dV: the same kernel's bits
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
+    assert rel_err(first[0], r_grads[0]) < 1.4 * rel_err(summed[0], r_grads[0])
 
   @pytest.mark.parametrize("hkv", [4, 1])
   def test_long_causal_calls_take_a_third_stage(self, hkv):
