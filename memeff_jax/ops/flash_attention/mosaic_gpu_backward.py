@@ -368,7 +368,8 @@ def _ds_shape(config: MosaicBackwardConfig) -> tuple[int, int, int]:
 
 def _dq_tile_shape(config: MosaicBackwardConfig, d: int) -> tuple[int, int, int]:
   """The float32 dQ tiles on their way to the reduction (also dK and dV's with
-  gqa_per_query_head); a token 8 × 8 without dq."""
+  gqa_per_query_head; with dq_rounded their bytes hold the tiles in the input dtype); a
+  token 8 × 8 without dq."""
   return (2 * config.dq_buffers, BLOCK_Q, config.dq_cols(d)) if config.with_dq else (2, 8, 8)
 
 
@@ -1221,7 +1222,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
         dq_tiles, o_tiles = sc.dq_smem
         sc = sc._replace(dq_smem=dq_tiles)
         delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), o_tiles)
-      elif config.fused_delta:  # the call takes the pass: the float32 view only
+      elif config.fused_delta:  # the call takes the pass: the dQ tiles' view only
         sc = sc._replace(dq_smem=sc.dq_smem[0])
       order = None
       if config.dq_ordered:  # with counters that start at zero in every call
