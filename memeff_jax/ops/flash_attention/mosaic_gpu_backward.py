@@ -373,15 +373,17 @@ def _dq_tile_shape(config: MosaicBackwardConfig, d: int) -> tuple[int, int, int]
   return (2 * config.dq_buffers, BLOCK_Q, config.dq_cols(d)) if config.with_dq else (2, 8, 8)
 
 
-def _dq_tile_transforms(config: MosaicBackwardConfig, d: int) -> tuple:
-  """The float32 dQ tiles in 128-byte swizzled tiles of 8 × 32 (64-byte ones of 8 × 16 where
-  a tile's columns are not a multiple of 32: dq_split's 48 at D = 96). Row-major, a WGMMA
-  accumulator's stores to a 64- or 128-column float32 tile put a warp's rows in the same
-  shared-memory banks (Mosaic GPU finds no conflict-free plan without a swizzle); swizzled
-  they are conflict-free, and the TMA reductions read the tiles as they are."""
+def _dq_tile_transforms(config: MosaicBackwardConfig, d: int, dtype=jnp.float32) -> tuple:
+  """The dQ tiles (in `dtype`) in the widest swizzle that divides a tile row's bytes: 128
+  bytes for float32 tiles of 32, 64 or 128 columns, 64 for dq_split's 48 at D = 96 (in the
+  input dtype, with dq_rounded, 32 there). Row-major, a WGMMA accumulator's stores to a 64-
+  or 128-column float32 tile put a warp's rows in the same shared-memory banks (Mosaic GPU
+  finds no conflict-free plan without a swizzle); swizzled they are conflict-free, and the
+  TMA reductions read the tiles as they are."""
   if not config.with_dq:
     return ()
-  return hopper.swizzled_tiles(128 if config.dq_cols(d) % 32 == 0 else 64, jnp.float32)
+  width = config.dq_cols(d) * jnp.dtype(dtype).itemsize
+  return hopper.swizzled_tiles(next(b for b in (128, 64, 32) if width % b == 0), dtype)
 
 
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
@@ -393,9 +395,8 @@ def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
   their dQ tiles are written; each is read only through the view it was written through."""
   slots, rows, cols = _dq_tile_shape(config, d)
   if config.dq_rounded:
-    width = cols * jnp.dtype(dtype).itemsize  # bytes of a tile's row
-    tiles = plgpu.SMEM((slots, 2 * rows, cols), dtype, transforms=hopper.swizzled_tiles(
-        next(b for b in (128, 64, 32) if width % b == 0), dtype))
+    tiles = plgpu.SMEM((slots, 2 * rows, cols), dtype,
+                       transforms=_dq_tile_transforms(config, d, dtype))
   else:
     tiles = plgpu.SMEM((slots, rows, cols), jnp.float32,
                        transforms=_dq_tile_transforms(config, d))
