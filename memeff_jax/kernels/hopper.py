@@ -19,9 +19,10 @@ from jax.experimental import pallas as pl
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # take_work_item's thread
 except ImportError:  # pragma: no cover
-  plgpu = None
-from jax._src.lib.mlir import ir  # fence_smem's inline PTX
+  plgpu = mgpu_utils = None
+from jax._src.lib.mlir import ir  # fence_smem's and take_work_item's inline PTX
 from jax._src.lib.mlir.dialects import llvm
 
 
@@ -123,6 +124,24 @@ def fence_smem() -> None:
                     has_side_effects=True)
 
   fence()
+
+def take_work_item(counter, slots, slot: int, first_taken: int) -> None:
+  """One thread of the calling warpgroup adds 1 to `counter` (a global int32 semaphore that
+  starts at zero in every call) and stores the value it found plus `first_taken` in
+  `slots[slot]` (int32 shared memory): a persistent kernel's next work item, taken at run
+  time. `first_taken`: the items the CTAs take before any count (their own CTA indices)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+  def take(_, counter, slots):
+    one = mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP)
+    smem = llvm.addrspacecast(llvm.PointerType.get(), mgpu_utils.memref_ptr(slots))
+    llvm.inline_asm(
+        ir.Type.parse("!llvm.void"), [mgpu_utils.memref_ptr(counter), smem, one],
+        "{ .reg .b32 t; @$2 atom.relaxed.gpu.global.add.u32 t, [$0], 1; "
+        f"@$2 add.u32 t, t, {first_taken}; @$2 st.u32 [$1+{4 * slot}], t; }}",
+        "l,l,b", has_side_effects=True)
+
+  take(counter, slots)
 
 def wait_stores_read() -> None:
   """A CTA's last wait on its TMA stores: until they have read their shared memory, not

@@ -50,6 +50,8 @@ def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
      "num_sms=8 needs persistent"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(persistent=True, num_sms=0),
      "num_sms=0 needs persistent and at least one CTA"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(dynamic=True),
+     "dynamic needs persistent"),
 ])
 def test_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config, match):
   assert re.search(match, pm.support_error(q_shape, k_shape, dtype, opts, config))
@@ -74,25 +76,32 @@ def test_explicit_mosaic_on_cpu_says_why():
 
 @pytest.mark.parametrize("d, opts, s, overlap, persistent", [
     (128, _opts(), 256, True, True), (128, _opts(causal=True), 4096, True, False),
-    (128, _opts(causal=True), 2048, False, True), (128, _opts(causal=True), 256, False, True),
+    (128, _opts(causal=True), 2048, False, "dynamic"),
+    (128, _opts(causal=True), 256, False, "dynamic"),
     (256, _opts(), 256, True, False), (256, _opts(causal=True), 256, True, False),
     (64, _opts(), 256, False, True), (64, _opts(causal=True), 4096, False, True),
     (192, _opts(), 256, False, False), (192, _opts(causal=True), 256, True, False),
     (96, _opts(), 256, False, False), (96, _opts(causal=True), 1024, False, True),
     (96, _opts(causal=True), 4096, False, False),
     (128, _opts(window=(100, 7)), 256, False, False),
-    (128, _opts(causal=True, segments=True), 256, False, False)])
+    (128, _opts(causal=True, segments=True), 8192, False, "dynamic"),
+    (128, _opts(segments=True), 256, False, False),
+    (128, _opts(window=(100, 0), segments=True), 256, False, False),
+    (64, _opts(causal=True, segments=True), 256, False, False)])
 def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, s, overlap, persistent):
   """The default forward: intra-warpgroup overlap at D = 128 and 256 with no mask or a causal
   one and at D = 192 causal, ping-pong elsewhere (masked blocks run without the overlap);
   persistent at D = 128 without a mask, at D = 64 without a mask or causal, and causal at
-  D = 96 and 128 up to SHORT_CAUSAL_KEYS keys (with ping-pong); an explicit config wins."""
+  D = 96 and 128 up to SHORT_CAUSAL_KEYS keys (with ping-pong); tiles taken at run time
+  ("dynamic") for those at D = 128 and for causal calls with segment ids there, at any
+  length; an explicit config wins."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((1, s, 4, d), BF16)
   st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   assert (st.config.overlap, st.config.pingpong) == (overlap, not overlap)
-  assert st.config.persistent == persistent
+  assert st.config.persistent == bool(persistent)
+  assert st.config.dynamic == (persistent == "dynamic")
   assert st.config.block_kv == MosaicConfig.for_head_dim(d).block_kv
   explicit = PallasMosaicGpu(config=MosaicConfig())._static(q, q, opts)  # pylint: disable=protected-access
   assert explicit.config == MosaicConfig()
@@ -287,22 +296,25 @@ def test_kernel_lowers_for_cuda(monkeypatch, causal, window, segments, pingpong,
   assert _MOSAIC_CALL.search(_forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
 
 
-@pytest.mark.parametrize("causal, window, segments, d, overlap, num_sms, t, s, hkv", [
-    (False, None, False, 128, True, None, 256, 512, 4),
-    (True, None, False, 128, True, 5, 512, 384, 2),
-    (True, None, False, 64, False, 3, 256, 256, 1),
-    (False, (100, 7), False, 128, False, 7, 512, 384, 2),
-    (True, 300, True, 128, True, 4, 512, 512, 4),
-    (False, None, True, 256, False, 2, 256, 384, 1)])
+@pytest.mark.parametrize("causal, window, segments, d, overlap, num_sms, t, s, hkv, dynamic", [
+    (False, None, False, 128, True, None, 256, 512, 4, False),
+    (True, None, False, 128, True, 5, 512, 384, 2, False),
+    (True, None, False, 64, False, 3, 256, 256, 1, False),
+    (False, (100, 7), False, 128, False, 7, 512, 384, 2, False),
+    (True, 300, True, 128, True, 4, 512, 512, 4, False),
+    (False, None, True, 256, False, 2, 256, 384, 1, False),
+    (True, None, True, 128, False, 5, 512, 512, 4, True),
+    (True, None, False, 128, True, 3, 512, 384, 2, True)])
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
 def test_persistent_forward_lowers_for_cuda(monkeypatch, causal, window, segments, d, overlap,
-                                            num_sms, t, s, hkv, semantics):
+                                            num_sms, t, s, hkv, dynamic, semantics):
   """MosaicConfig(persistent=True): a CTA per SM looping over the query tiles its schedule
   deals it, under both lowerings (the GPU image's jax 0.11 lowers with warpgroup
   semantics)."""
   _lower_with(monkeypatch, semantics)
   config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=not overlap,
-                               overlap=overlap, persistent=True, num_sms=num_sms)
+                               overlap=overlap, persistent=True, num_sms=num_sms,
+                               dynamic=dynamic)
   opts = _opts(causal, window, segments)
   assert pm.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
   assert _MOSAIC_CALL.search(_forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
@@ -1199,9 +1211,11 @@ class TestMosaicGpu:
       dict(sliding_window=(100, 30)), dict(causal=True, segments=True)])
   @pytest.mark.parametrize("overlap", [False, True])
   @pytest.mark.parametrize("num_sms", [3, None])
-  def test_persistent_forward_gives_the_grids_bits(self, opts, overlap, num_sms):
+  @pytest.mark.parametrize("dynamic", [False, True])
+  def test_persistent_forward_gives_the_grids_bits(self, opts, overlap, num_sms, dynamic):
     """A persistent CTA's tile runs the grid CTA's arithmetic: the same output and
-    log-sum-exp, bit for bit (3 CTAs: each loops over many tiles)."""
+    log-sum-exp, bit for bit (3 CTAs: each loops over many tiles), whether its tiles are
+    dealt before the launch or taken at run time."""
     config = dataclasses.replace(MosaicConfig(), pingpong=not overlap, overlap=overlap)
     q, k, v, seg, _ = make_problem(jax.random.key(11), 2, 512, 640, 8, 2, 128, BF16,
                                    segments=opts.get("segments", False))
@@ -1210,7 +1224,8 @@ class TestMosaicGpu:
       kw.update(q_segment_ids=seg[0], kv_segment_ids=seg[1])
     outs = [flash_attention(q, k, v, implementation=PallasMosaicGpu(config=c), return_lse=True,
                             **kw)
-            for c in (config, dataclasses.replace(config, persistent=True, num_sms=num_sms))]
+            for c in (config, dataclasses.replace(config, persistent=True, num_sms=num_sms,
+                                                  dynamic=dynamic))]
     for grid, persistent in zip(*outs):
       np.testing.assert_array_equal(np.asarray(persistent, np.float32),
                                     np.asarray(grid, np.float32))
@@ -1694,6 +1709,14 @@ class TestMosaicGpuPersistentForward(TestMosaicGpuFeatures):
   """The forward with persistent (seven CTAs looping over the query tiles, ping-pong)."""
 
   impl = PallasMosaicGpu(config=MosaicConfig(persistent=True, num_sms=7))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuDynamicForward(TestMosaicGpuFeatures):
+  """The persistent forward with its tiles taken at run time (seven CTAs)."""
+
+  impl = PallasMosaicGpu(config=MosaicConfig(persistent=True, num_sms=7, dynamic=True))
 
 
 @pytest.mark.gpu
