@@ -133,9 +133,22 @@ def cudnn_packed_fn(causal, seg, window):
       scale=1.0 / np.sqrt(q.shape[-1]), mask_type=mask)
 
 
+def document_ids(b: int, t: int, docs: int, seed: int | None = None):
+  """[B, T] int32 segment ids of `docs` documents per row: equal ones, or with `seed` of
+  random lengths (each row cut at docs − 1 distinct points drawn uniformly), as a packing
+  loader leaves them."""
+  if seed is None:
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) * docs // t, (b, t))
+  rng = np.random.default_rng(seed)
+  cuts = np.stack([np.sort(rng.choice(np.arange(1, t), docs - 1, replace=False))
+                   for _ in range(b)])
+  return jnp.asarray((np.arange(t)[None, None, :] >= cuts[:, :, None]).sum(1), jnp.int32)
+
+
 def inputs(shape: dict, dtype):
   """(q, k, v, the output's cotangent, segment ids or None) of a shape set's row: b, t, h,
-  d, and optionally s, hkv and docs (that many equal documents per row)."""
+  d, and optionally s, hkv, docs (that many documents per row) and doc_seed (their lengths
+  random, drawn with that seed; equal without)."""
   b, t, h, d = shape["b"], shape["t"], shape["h"], shape["d"]
   s, hkv, docs = shape.get("s", t), shape.get("hkv", h), shape.get("docs")
   keys = jax.random.split(jax.random.key(0), 4)
@@ -143,7 +156,7 @@ def inputs(shape: dict, dtype):
   k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.float32).astype(dtype)
   v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.float32).astype(dtype)
   ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(dtype)
-  seg = None if docs is None else jnp.broadcast_to(jnp.arange(t) * docs // t, (b, t))
+  seg = None if docs is None else document_ids(b, t, docs, shape.get("doc_seed"))
   return q, k, v, ct, seg
 
 
@@ -186,7 +199,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
       cases = {}  # provider -> (row, fwd, fwd_bwd), built and compiled before any timing
       for provider in providers:
         row = dict(op="flash_attention", set=set_name, b=b, t=t, s=s, h=h, hkv=hkv, d=d,
-                   docs=docs, window=window, causal=causal, dtype=dtype.name,
+                   docs=docs, doc_seed=shape.get("doc_seed"), window=window, causal=causal,
+                   dtype=dtype.name,
                    provider=provider, fwd_bwd_timing="one vjp", rounds=rounds, **env)
         try:
           if provider.startswith("memeff"):

@@ -93,14 +93,16 @@ def fa_runs(rows: list[dict]):
   grouped = collections.OrderedDict()
   for r in rows:
     key = (r["set"], r["device"], r["timestamp"], r["b"], r["t"], r["s"], r["h"], r["hkv"],
-           r["d"], r["docs"], r["dtype"], (r.get("window") or [None])[0])
+           r["d"], r["docs"], r["dtype"], (r.get("window") or [None])[0], r.get("doc_seed"))
     grouped.setdefault(key, []).append(r)
   return latest(sorted(grouped.items(), key=lambda kv: kv[0][2], reverse=True), 2)
 
 
 def fa_heading(key, rows) -> str:
-  set_name, device, stamp, b, t, s, h, hkv, d, docs, dtype, _ = key
+  set_name, device, stamp, b, t, s, h, hkv, d, docs, dtype, _, seed = key
   docs = f", {docs} documents per row" if docs else ""
+  if docs and seed is not None:
+    docs += f" of random lengths (seed {seed})"
   if rows[0].get("window"):
     docs += f", sliding window {rows[0]['window'][0]} (to the right too unless causal)"
   return (f"**{set_name}** (B={b}, T={t:,}, S={s:,}, H={h}/{hkv}, D={d}{docs}, {dtype}) on "

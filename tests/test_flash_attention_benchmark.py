@@ -64,3 +64,35 @@ def test_grid_keeps_the_packed_row_per_visible_pair_and_adds_cudnn_packed():
   no_packed_peer = "\n".join(make_results.grid_section(
       [r for r in rows if (r["provider"], r["docs"]) != ("cudnn", 8)]))
   assert "same documents" not in no_packed_peer
+
+
+def test_documents_of_random_lengths():
+  """doc_seed: each row cut into `docs` documents at its own random points, the same ones
+  on every call; cuDNN's packed layout takes them, and the mask sees fewer pairs than equal
+  documents would leave unless the cuts happen to fall evenly."""
+  seg = np.asarray(bench.document_ids(3, 1000, 8, seed=0))
+  assert seg.shape == (3, 1000) and seg.dtype == np.int32
+  for row in seg:
+    assert row[0] == 0 and row[-1] == 7 and np.all(np.diff(row) >= 0)
+    assert set(np.unique(row)) == set(range(8))
+  assert len({tuple(row) for row in seg}) == 3  # rows differ
+  np.testing.assert_array_equal(seg, bench.document_ids(3, 1000, 8, seed=0))
+  assert not np.array_equal(seg, bench.document_ids(3, 1000, 8, seed=1))
+  lengths, offsets = bench.cudnn_packed_layout(jnp.asarray(seg))
+  np.testing.assert_array_equal(np.asarray(lengths).sum(1), [1000] * 3)
+  np.testing.assert_array_equal(np.asarray(offsets)[:, 0], [0] * 3)
+  equal = np.asarray(bench.document_ids(3, 1000, 8))
+  np.testing.assert_array_equal(equal[0], np.arange(1000) * 8 // 1000)
+
+
+def test_random_documents_have_a_heading_of_their_own():
+  from benchmarks import make_results  # pylint: disable=import-outside-toplevel
+  base = dict(set="packed", device="GPU", jax="0", timestamp="t", b=4, t=4096, s=4096, h=32,
+              hkv=32, d=128, docs=8, dtype="bfloat16", causal=True, window=None,
+              provider="memeff", fwd_ms=1.0, fwd_tflops=1.0, fwd_bwd_ms=1.0,
+              fwd_bwd_tflops=1.0)
+  runs = make_results.fa_runs([base, dict(base, doc_seed=0)])
+  headings = [make_results.fa_heading(key, rows) for key, rows in runs]
+  assert len(headings) == 2
+  assert any("8 documents per row, bfloat16" in h for h in headings)
+  assert any("8 documents per row of random lengths (seed 0), bfloat16" in h for h in headings)
