@@ -92,9 +92,10 @@ class MosaicConfig:
       slower with it: the turns hold back the warpgroup whose PV is in flight).
     persistent: one CTA per SM (num_sms, else the device's count), each looping over its
       share of the query tiles (dealt in launch order by their key blocks:
-      hopper.greedy_schedule; or, with dynamic, taken at run time). The K/V ring runs on across tiles, the next tile's Q loads
-      during the epilogue, and the output leaves through a buffer of its own
-      (2·block_q·D more shared memory, which may cost a K/V stage at D > 128).
+      hopper.greedy_schedule; with dynamic, taken at run time). The K/V ring runs on across
+      tiles, the next tile's Q loads during the epilogue, and the output leaves through a
+      buffer of its own (2·block_q·D more shared memory, which may cost a K/V stage at
+      D > 128).
     num_sms: (persistent) the CTAs to launch; None reads the device's SM count.
     dynamic: (persistent) each CTA takes its next tile at run time, the first in launch order
       that no CTA has taken (an atomic count in global memory, taken a tile ahead by the
@@ -219,7 +220,7 @@ class _Scratch(NamedTuple):
   v_free: Any  # ... with V
   turn: Any  # 2 arrivals: pingpong's turns
   seg: Any  # _mosaic.SegmentScratch with segment ids, else None
-  tiles: Any  # with config.dynamic: (2 int32 slots of taken tiles, ready, free), else None
+  tiles: Any  # with config.dynamic: 2 int32 slots of taken tiles, their ready and free barriers
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_smem, k_smem,
