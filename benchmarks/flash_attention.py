@@ -200,8 +200,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
       for provider in providers:
         row = dict(op="flash_attention", set=set_name, b=b, t=t, s=s, h=h, hkv=hkv, d=d,
                    docs=docs, doc_seed=shape.get("doc_seed"), window=window, causal=causal,
-                   dtype=dtype.name,
-                   provider=provider, fwd_bwd_timing="one vjp", rounds=rounds, **env)
+                   dtype=dtype.name, provider=provider, fwd_bwd_timing="one vjp",
+                   rounds=rounds, **env)
         try:
           if provider.startswith("memeff"):
             row["deterministic"] = parse_memeff(provider)[1]
