@@ -807,13 +807,16 @@ class PallasMosaicGpu:
       if mosaic is None:
         # Deterministic calls: dq's reductions in a fixed order, or dK and dV only (no
         # reductions) beside a dq kernel, always so when one is asked for (dq_config).
-        args = (q.shape[-1], opts.mask.is_causal, q.shape[2] > k.shape[2])
+        mask = opts.mask
+        args = (q.shape[-1], mask.is_causal, q.shape[2] > k.shape[2])
         if not det:
           mosaic = MosaicBackwardConfig.tuned(*args)
         elif self.dq_config is not None:
           mosaic = MosaicBackwardConfig.tuned(*args, with_dq=False)
         else:
-          mosaic = MosaicBackwardConfig.for_deterministic(*args, t=q.shape[1], s=k.shape[1])
+          band = mask.left is None and mask.right == 0  # causal, with or without segment ids
+          mosaic = MosaicBackwardConfig.for_deterministic(
+              args[0], band, args[2], t=q.shape[1], s=k.shape[1], segments=mask.segments)
       # dq_buffers is a most: one dQ slot where two do not fit beside the segment ids.
       mosaic = mosaic_gpu_backward.fit_shared_memory(mosaic, q.shape[-1], q.dtype,
                                                      opts.mask.segments)

@@ -1112,6 +1112,28 @@ def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
   assert mb.fit_shared_memory(staggered, 128, BF16, segments=True) == one  # no stagger on one slot
 
 
+def test_causal_documents_take_the_causal_sections_from_long_walks(monkeypatch):
+  """Deterministic causal calls with segment ids: below LONG_WALK_QUERIES queries the
+  sections without a mask (under GQA one CTA per key head, which short documents favour),
+  from there the causal `_long` section (one CTA per query head); windows keep the sections
+  without a mask, and without GQA both choices give the same kernel."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  docs, window = _opts(True, None, True), _opts(True, 1024, True)
+  long, short = mb.LONG_WALK_QUERIES, mb.LONG_WALK_QUERIES // 2
+  backward = lambda t, hkv, opts: PallasMosaicGpu()._static(  # pylint: disable=protected-access
+      jax.ShapeDtypeStruct((1, t, 8, 128), BF16), jax.ShapeDtypeStruct((1, t, hkv, 128), BF16),
+      opts).backward
+  assert not backward(short, 2, docs).gqa_per_query_head
+  assert backward(long, 2, docs) == mb.MosaicBackwardConfig(
+      dq_split=True, gqa_per_query_head=True, dq_ordered=True)  # _long's 3 stages: 2 fit
+  assert not backward(long, 2, window).gqa_per_query_head
+  # MHA: the causal section's kernel, dq_rotate aside (it applies only without a mask)
+  assert not mb._rotates(backward(short, 8, docs), docs.mask, short // 128)  # pylint: disable=protected-access
+  assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False)
+          == backward(long, 8, docs) == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True))
+
+
 def test_remat_counts_the_kernel_cost():
   """remat.fit ranks policies by the FLOPs they recompute: the kernel must report its own."""
   from memeff_jax.remat import flops  # pylint: disable=import-outside-toplevel
@@ -1418,6 +1440,26 @@ class TestMosaicGpu:
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
     up = lambda x: x.astype(jnp.float32)
     _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
+    for name, g, rg in zip("qkv", first, r_grads):
+      assert rel_err(g, rg) < 3e-2, name
+
+  def test_long_causal_documents_under_gqa_take_a_cta_per_query_head(self, monkeypatch):
+    """The default backward of deterministic causal GQA calls with segment ids from
+    LONG_WALK_QUERIES on (lowered here to the test's length): one CTA per query head in
+    rank order beside the ids, the same bits every call, and the reference's gradients."""
+    monkeypatch.setattr(mb, "LONG_WALK_QUERIES", 768)
+    q, k, v, seg, ct = make_problem(jax.random.key(27), 2, 768, 768, 8, 2, 128, BF16,
+                                    segments=True)
+    st = PallasMosaicGpu()._static(q, k, _opts(True, None, True))  # pylint: disable=protected-access
+    assert st.backward.gqa_per_query_head and st.backward.dq_ordered
+    opts = dict(causal=True, segments=True)
+    step = jax.jit(lambda q, k, v: run("pallas_mosaic_gpu", q, k, v, seg, ct, opts)[2])
+    first = step(q, k, v)
+    for _ in range(2):
+      for g, h in zip(first, step(q, k, v)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), seg, ct, opts)
     for name, g, rg in zip("qkv", first, r_grads):
       assert rel_err(g, rg) < 3e-2, name
 
