@@ -1113,10 +1113,11 @@ def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
 
 
 def test_causal_documents_take_the_causal_sections_from_long_walks(monkeypatch):
-  """Deterministic causal calls with segment ids: below LONG_WALK_QUERIES queries the
+  """Causal calls with segment ids: below LONG_WALK_QUERIES queries the deterministic
   sections without a mask (under GQA one CTA per key head, which short documents favour),
   from there the causal `_long` section (one CTA per query head); windows keep the sections
-  without a mask, and without GQA both choices give the same kernel."""
+  without a mask, and without GQA both choices give the same kernel. deterministic=False
+  runs the same ordered kernels for them (at D = 128), arrival order for windows."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   docs, window = _opts(True, None, True), _opts(True, 1024, True)
@@ -1132,6 +1133,13 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(monkeypatch):
   assert not mb._rotates(backward(short, 8, docs), docs.mask, short // 128)  # pylint: disable=protected-access
   assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False)
           == backward(long, 8, docs) == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True))
+  # deterministic=False: causal documents keep the ordered kernel, windows arrival order
+  fast = lambda opts: dataclasses.replace(opts, deterministic=False)
+  for t, hkv in ((short, 2), (long, 2), (short, 8)):
+    assert backward(t, hkv, fast(docs)) == backward(t, hkv, docs)
+  assert backward(short, 2, fast(window)) == mb.fit_shared_memory(
+      mb.MosaicBackwardConfig.tuned(128, False, True), 128, BF16, segments=True)
+  assert not backward(short, 2, fast(window)).dq_ordered
 
 
 def test_remat_counts_the_kernel_cost():
