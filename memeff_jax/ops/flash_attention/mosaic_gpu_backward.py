@@ -217,16 +217,16 @@ class MosaicBackwardConfig:
     beside a dq kernel. D = 192 takes D = 256's sections (_section_dim).
 
     causal: the causal band (no window), with or without segment ids. A causal call with
-    segment ids takes the causal sections from LONG_WALK_QUERIES queries on and those
-    without a mask below. Its walks end at their documents' starts, which only the run
-    knows: short documents favour one CTA per key head walking its whole group, long ones
-    causal GQA's CTA per query head. At D = 128, GQA 32:8, fwd+bwd with a CTA per key head
-    against one per query head (H200): 8 documents of 512 tokens per 4,096-token row (B4)
-    0.97 against 1.03 ms; in one 16,384-token row, 16 documents of random lengths 3.04
+    segment ids takes D = 128's causal sections from LONG_WALK_QUERIES queries on, and those
+    without a mask below and at other head dims (not measured with segment ids; D = 64 has
+    no causal GQA section with dq). Its walks end at their documents' starts, which only the
+    run knows: short documents favour one CTA per key head walking its whole group, long
+    ones causal GQA's CTA per query head. At D = 128, GQA 32:8, fwd+bwd with a CTA per key
+    head against one per query head (H200): 8 documents of 512 tokens per 4,096-token row
+    (B4) 0.97 against 1.03 ms; in one 16,384-token row, 16 documents of random lengths 3.04
     against 2.41 ms, 16 equal ones level (1.53 ms), 64 equal ones 0.82 against 0.94 ms.
-    Without GQA the two choices give the same kernel beside segment ids
-    (fit_shared_memory)."""
-    if segments and t < LONG_WALK_QUERIES:
+    Without GQA the two choices give the same kernel beside segment ids (fit_shared_memory)."""
+    if segments and (t < LONG_WALK_QUERIES or _section_dim(d) != 128):
       causal = False
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     section = (f"d{_section_dim(d)}_causal" if causal else f"d{_section_dim(d)}"

@@ -1133,6 +1133,9 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(monkeypatch):
   assert not mb._rotates(backward(short, 8, docs), docs.mask, short // 128)  # pylint: disable=protected-access
   assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False)
           == backward(long, 8, docs) == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True))
+  for d in (64, 256):  # other head dims: the sections without a mask at any length
+    assert (mb.MosaicBackwardConfig.for_deterministic(d, True, True, t=long, segments=True)
+            == mb.MosaicBackwardConfig.for_deterministic(d, False, True, t=long))
   # deterministic=False: causal documents keep the ordered kernel, windows arrival order
   fast = lambda opts: dataclasses.replace(opts, deterministic=False)
   for t, hkv in ((short, 2), (long, 2), (short, 8)):
