@@ -38,9 +38,14 @@ class MaskSpec:
     return cls(left=left, right=right, segments=segments)
 
   @property
+  def is_causal_band(self) -> bool:
+    """Causal with no window on the left, with or without segment ids."""
+    return self.left is None and self.right == 0
+
+  @property
   def is_causal(self) -> bool:
     """Exactly causal: no window on the left, no segment ids."""
-    return self.left is None and self.right == 0 and not self.segments
+    return self.is_causal_band and not self.segments
 
   @property
   def is_dense(self) -> bool:

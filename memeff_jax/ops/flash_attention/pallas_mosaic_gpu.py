@@ -142,7 +142,7 @@ class MosaicConfig:
       against 1.14), and for the short causal calls above at D = 128 (0.36 against 0.37 ms
       dealt statically at B16 T1k H32)."""
     config = cls.for_head_dim(d)
-    if d == 128 and mask.segments and mask.left is None and mask.right == 0:
+    if d == 128 and mask.segments and mask.is_causal_band:
       return dataclasses.replace(config, persistent=True, dynamic=True)
     if d in (96, 128) and mask.is_causal and s <= SHORT_CAUSAL_KEYS:
       return dataclasses.replace(config, persistent=True, dynamic=d == 128)
@@ -812,17 +812,16 @@ class PallasMosaicGpu:
         # Deterministic calls (and causal documents at D = 128): dq's reductions in a fixed
         # order, or dK and dV only (no reductions) beside a dq kernel, always so when one is
         # asked for (dq_config).
-        mask = opts.mask
-        args = (q.shape[-1], mask.is_causal, q.shape[2] > k.shape[2])
-        band = mask.left is None and mask.right == 0  # causal, with or without segment ids
-        documents = band and mask.segments and args[0] == 128 and self.dq_config is None
+        mask, d, gqa = opts.mask, q.shape[-1], q.shape[2] > k.shape[2]
+        documents = (mask.is_causal_band and mask.segments and d == 128
+                     and self.dq_config is None)
         if not (det or documents):
-          mosaic = MosaicBackwardConfig.tuned(*args)
+          mosaic = MosaicBackwardConfig.tuned(d, mask.is_causal, gqa)
         elif self.dq_config is not None:
-          mosaic = MosaicBackwardConfig.tuned(*args, with_dq=False)
+          mosaic = MosaicBackwardConfig.tuned(d, mask.is_causal, gqa, with_dq=False)
         else:
           mosaic = MosaicBackwardConfig.for_deterministic(
-              args[0], band, args[2], t=q.shape[1], s=k.shape[1], segments=mask.segments)
+              d, mask.is_causal_band, gqa, t=q.shape[1], s=k.shape[1], segments=mask.segments)
       # dq_buffers is a most: one dQ slot where two do not fit beside the segment ids.
       mosaic = mosaic_gpu_backward.fit_shared_memory(mosaic, q.shape[-1], q.dtype,
                                                      opts.mask.segments)
