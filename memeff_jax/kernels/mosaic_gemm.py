@@ -422,7 +422,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
                     lambda j: cta_origin(*plgpu.planar_snake(
                         walker + j * walkers, (m_tiles, n_tiles), 0 if config.minor == "m" else 1,
                         config.band)),
-                    n_tiles * cn)]
+                    n_tiles * cln)]
 
   if enabled is not None:
     phases = [p._replace(count=p.count * enabled) for p in phases]
@@ -544,7 +544,11 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
                                     reduction_op="add" if reduce else None)
           if per_tile:  # straight from registers, as the statistics below
             s = _counted(y, cols, phase, 0.0).sum(axis=1)
-            stats_gmem.at[div(cols, tn), pl.ds(rows, tm)][...] = s
+
+            # A cluster's second CTA may hold a tile wholly past N, whose strip has no row.
+            @pl.when(cols < n)
+            def _():
+              stats_gmem.at[div(cols, tn), pl.ds(rows, tm)][...] = s
           return _row_stats(carry, y, cols, phase) if stats else carry
 
         if not pingpong:

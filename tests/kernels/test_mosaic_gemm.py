@@ -398,8 +398,8 @@ ROW_STATS_CONFIGS = {  # (M, N, columns counted, config): CTA tiles of 128 × 25
 }
 
 
-def _row_stats_case(name, seed=7):
-  m, n, cols, cfg = ROW_STATS_CONFIGS[name]
+def _row_stats_case(name, seed=7, configs=None):
+  m, n, cols, cfg = (configs or ROW_STATS_CONFIGS)[name]
   k = jax.random.split(jax.random.key(seed), 2)
   a = jax.random.normal(k[0], (m, K), jnp.float32).astype(jnp.bfloat16)
   b = (3 * jax.random.normal(k[1], (n, K), jnp.float32)).astype(jnp.bfloat16)  # [N, K]
@@ -448,13 +448,27 @@ def test_row_stats_match_the_rounded_output(name):
   np.testing.assert_allclose(jax.nn.logsumexp(parts, axis=0), want, rtol=1e-6, atol=1e-4)
 
 
+# exp_out also runs in CTA pairs: along N, the last pair's second CTA lies wholly past N.
+EXP_OUT_CONFIGS = {**ROW_STATS_CONFIGS, "pingpong, pairs along N, ragged, 1,000 columns": (
+    256, 1088, 1000, mg.GemmConfig(tile_n=128, schedule="pingpong", max_concurrent_steps=4,
+                                   num_sms=6, epilogue_rows=64, cluster="n"))}
+
+
+def test_exp_out_in_cta_pairs_lowers_for_cuda():
+  a, b, cols, cfg = _row_stats_case("pingpong, pairs along N, ragged, 1,000 columns",
+                                    configs=EXP_OUT_CONFIGS)
+  f = lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols, exp_out=True)
+  assert jax.eval_shape(f, a, b)[1].shape == (1088 // 128 + 1, 256)
+  assert "mosaic_gpu" in jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(ROW_STATS_CONFIGS))
+@pytest.mark.parametrize("name", sorted(EXP_OUT_CONFIGS))
 def test_exp_out_matches_reference(name):
   """exp_out: the output is exp(min(product, 64)) and the per-strip partials are each row's
   sums of its exponentials there, over the first `cols` columns in all; every schedule,
-  ragged N, idle CTAs."""
-  a, b, cols, cfg = _row_stats_case(name)
+  ragged N, idle CTAs, CTA pairs."""
+  a, b, cols, cfg = _row_stats_case(name, configs=EXP_OUT_CONFIGS)
   out, parts = jax.jit(lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols,
                                             exp_out=True))(a, b)
   ref = jnp.minimum(a.astype(jnp.float32) @ b.T.astype(jnp.float32), mg.EXP_CLAMP)
