@@ -587,6 +587,20 @@ def test_own_slot_ping_pong_gemms_match_reference(gemms, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("gemms", [pallas_mosaic_gpu.GEMMS, ("logits", "dw")])
+def test_mosaic_gemms_on_chunks_that_do_not_divide_the_tokens(gemms, reduction):
+  """700 tokens in chunks of 256: the last chunk overlaps the one before it by 68 rows, so
+  x's chunk and dx's rows are arrays of their own, and the overlapped rows add nothing to
+  dW or the loss and keep their dx (exp GEMM, dW by TMA adds)."""
+  options = dict(weight_layout="dv", reduction=reduction, z_loss=1e-3)
+  x, w, labels, _, _ = make_problem(jax.random.key(18), (700,), 256, 2000, jnp.bfloat16,
+                                    **options)
+  impl = PallasMosaicGpu(mosaic_gemms=gemms, dw_accumulation="tma_add", exp_logits=True)
+  assert_matches(impl, x, w, labels, options, reduction=reduction, chunk=256)
+
+
+@pytest.mark.gpu
 def test_exp_logits_is_the_default_where_it_serves():
   """The default pallas_mosaic_gpu runs the exp GEMM for a bf16 mean loss, with or without the
   other GEMMs on kernels.mosaic_gemm, and the softmax pass (no exp GEMM) with a bias, label
@@ -678,9 +692,9 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   """PallasMosaicGpu()'s choice of GEMMs (auto_gemms), decided on any host as on a Hopper GPU:
   all three on kernels.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
   (the dx GEMM's 128 tiles fill 132 SMs to 97%); at Gemma-2's shape (36 dx tiles) dx alone
-  on cuBLAS; cuBLAS in the "vd" layout, without the exp GEMM, with a chunk that does not
-  divide the tokens, in interpret mode, and wherever either option is set; a float32 dW
-  beyond 32 chunks."""
+  on cuBLAS, and the same with a chunk that does not divide the tokens; cuBLAS in the "vd"
+  layout, without the exp GEMM, in interpret mode, and wherever either option is set; a
+  float32 dW beyond 32 chunks."""
   monkeypatch.setattr(hopper, "unavailable", lambda: None)
   bf16 = jnp.bfloat16
 
@@ -691,7 +705,7 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   assert auto() == (pallas_mosaic_gpu.GEMMS, "tma_add")
   assert auto(layout="vd") == cublas
   assert auto(exp=False) == cublas
-  assert auto(n=16000) == cublas
+  assert auto(n=16000) == (pallas_mosaic_gpu.GEMMS, "tma_add")  # the last chunk overlaps
   # Gemma-2's 36 dx tiles: dx on cuBLAS, the dW GEMM's 8 K steps on ping-pong's own slots.
   assert auto(tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
   assert auto(PallasMosaicGpu(interpret=True)) == cublas
