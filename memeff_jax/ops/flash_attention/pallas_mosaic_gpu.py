@@ -329,6 +329,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
     lax.while_loop(lambda carry: carry[1] < n_tiles, body, (jnp.int32(0), cta, jnp.int32(0)))
 
+  def advanced(base, tile: _Tile, nxt):
+    """What fn returns to each_tile after `tile`: None on the grid, else the ring's position
+    past the tile's key blocks (with config.dynamic, and nxt: the CTA's next launch
+    position)."""
+    if base is None:
+      return None
+    return (base + tile.n_blocks, nxt) if config.dynamic else base + tile.n_blocks
+
   @pl.when(wg < 2)
   def _compute():
     plgpu.set_max_registers(232, action="increase")
@@ -529,6 +537,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
                                              dense=static_range, start=first_k)
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
+      nxt = None
       if config.persistent:  # Q is read: the next tile's rows land during the epilogue
         if config.dynamic:
           nxt = following(r)
@@ -549,9 +558,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, pl.ds(row, bq), h])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row, bq)])
-      if base is None:
-        return None
-      return (base + tile.n_blocks, nxt) if config.dynamic else base + tile.n_blocks
+      return advanced(base, tile, nxt)
 
     each_tile(run_tile)
     hopper.wait_stores_read()
@@ -569,9 +576,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
                                 (k_smem, v_smem) + ((seg.kv_ids,) if segments else ()),
                                 ready, (k_free, v_free), separate_rings=config.overlap,
                                 base=base)
-      if base is None:
-        return None
-      return (base + tile.n_blocks, nxt) if config.dynamic else base + tile.n_blocks
+      return advanced(base, tile, nxt)
 
     each_tile(stream)
 
