@@ -201,6 +201,56 @@ def shape_error(m: int, n: int, k: int, config: GemmConfig) -> str | None:
   return None
 
 
+def narrowed_to_fill_waves(config: GemmConfig, m: int, n: int, *, trans_b: bool,
+                           sms: int | None = None, min_width: int = 128) -> GemmConfig:
+  """config with a narrower CTA tile where that finishes an [m, n] output sooner.
+
+  A persistent launch runs its tiles in waves of ctas(config) at a time, and with K and the
+  tile's rows fixed a tile takes time in proportion to its width: of the widths from the
+  CTA tile's own down to min_width, in steps of 16 columns, the one with the fewest waves ×
+  width runs, the widest of equals. An output of a few tiles gains most: [1,024, 3,584] in
+  128 × 256 tiles is 112 tiles for 132 SMs, one wave at 85%; 224 columns make 128 tiles,
+  one wave, 12% shorter. The narrower tile keeps the schedule and wg_split where its
+  halves stay whole swizzle groups (16 columns for a transposed B, read by rows; 64
+  otherwise), else a "ring" CTA splits along M instead (two 64-row halves of the tile's
+  rows, each warpgroup the whole width). The "cooperative" schedule, which needs tiles
+  dividing N, clusters and tail_n keep their tiles.
+  """
+  if config.schedule == "cooperative" or config.cluster or config.tail_n:
+    return config
+  cm, cn = config.cta_tile()
+  group = 16 if trans_b else 64
+
+  def shaped(width):  # config with CTA tiles `width` wide, or None where none can be
+    if config.schedule == "pingpong":
+      forms = [dict(tile_n=width)]
+    else:
+      forms = [dict(wg_split="n", tile_n=width // 2), dict(wg_split="m", tile_m=cm // 2,
+                                                          tile_n=width)]
+      if config.wg_split == "m":
+        forms.reverse()
+    for form in forms:
+      try:
+        candidate = dataclasses.replace(config, **form)
+      except ValueError:  # e.g. epilogue_rows not dividing the halved rows
+        continue
+      if (candidate.cta_tile() == (cm, width) and candidate.tile_n % group == 0
+          and candidate.tile_m % 64 == 0):
+        return candidate
+    return None
+
+  def span(c):  # waves × width
+    tiles = (m // c.cta_tile()[0]) * -(-n // c.cta_tile()[1])
+    return -(-tiles // ctas(c, sms)) * c.cta_tile()[1]
+
+  best = config
+  for width in range(cn - 16, min_width - 1, -16):
+    candidate = shaped(width)
+    if candidate is not None and span(candidate) < span(best):
+      best = candidate
+  return best
+
+
 def _swizzled(minor_elems: int, dtype) -> tuple:
   swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
   elems = swizzle // jnp.dtype(dtype).itemsize

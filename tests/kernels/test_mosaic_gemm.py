@@ -138,6 +138,14 @@ RAGGED_CONFIGS = {  # N = 448 or 512 against CTA tiles of 128, 144, 256 and 384 
                                        num_sms=2, epilogue_rows=64)),
     "ring-n-96/cluster-n": (512, mg.GemmConfig(tile_n=96, max_concurrent_steps=3,
                                                schedule="ring", num_sms=2, cluster="n")),
+    # narrowed_to_fill_waves' tiles (a transposed B, so warpgroup halves of 16 columns)
+    "ringE-n-224": (512, mg.GemmConfig(tile_n=112, max_concurrent_steps=3, schedule="ring",
+                                       num_sms=2, epilogue_rows=64)),
+    "ringE-n-160": (448, mg.GemmConfig(tile_n=80, max_concurrent_steps=3, schedule="ring",
+                                       num_sms=2, epilogue_rows=64)),
+    "ringE-m-144": (512, mg.GemmConfig(tile_m=64, tile_n=144, wg_split="m",
+                                       max_concurrent_steps=3, schedule="ring", num_sms=2,
+                                       epilogue_rows=64)),
 }
 
 
@@ -157,6 +165,36 @@ def test_ragged_n_is_allowed_only_where_tma_clips_it():
   f = lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg)
   text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_tiles_narrowed_to_fill_the_waves():
+  """narrowed_to_fill_waves: the CTA width with the fewest waves × width on 132 SMs, the
+  widest of equals, its warpgroup halves whole swizzle groups; other tiles as they were."""
+  ring = mg.GemmConfig(tile_n=128, schedule="ring", epilogue_rows=64, minor="m", band=8)
+
+  def tiles(m, n, config=ring, trans_b=True):
+    c = mg.narrowed_to_fill_waves(config, m, n, trans_b=trans_b, sms=132)
+    assert dataclasses.replace(c, tile_m=config.tile_m, tile_n=config.tile_n,
+                               wg_split=config.wg_split) == config  # the rest as it was
+    return c.wg_split, c.tile_m, c.tile_n
+
+  assert tiles(1024, 4096) == ("n", 128, 128)  # 128 tiles: one wave already
+  assert tiles(1024, 3584) == ("n", 128, 112)  # 112 → 128 tiles, one wave 224 wide
+  assert tiles(1024, 5120) == ("n", 128, 80)  # 160 → 256 tiles, two waves 160 wide
+  assert tiles(1024, 2304) == ("m", 64, 144)  # 72 → 128: 144 columns split along M
+  assert tiles(2432, 768) == ("n", 128, 64)  # 57 → 114
+  assert tiles(4096, 4096) == ("n", 128, 128)  # 4 waves either way at 128 columns: the widest
+  # B not transposed: halves of 64 columns, so 128 (2 waves, as long as 256's one) at most
+  assert tiles(1024, 3584, trans_b=False) == ("n", 128, 128)
+  ping = mg.GemmConfig(tile_n=256, schedule="pingpong", max_concurrent_steps=3)
+  assert tiles(1024, 3584, ping) == ("n", 128, 224)  # ping-pong: a warpgroup's whole tile
+  for kept in (mg.GemmConfig(tile_n=128), dataclasses.replace(ring, cluster="m"),
+               dataclasses.replace(ring, tile_n=128, tail_n=64)):
+    assert mg.narrowed_to_fill_waves(kept, 1024, 3584, trans_b=True, sms=132) == kept
+  for name in ("ringE-n-224", "ringE-n-160", "ringE-m-144"):  # they lower (runs: the GPU test)
+    a, b, cfg, _ = _ragged_case(name, False)
+    f = lambda a, b, cfg=cfg: mg.gemm(a, b, trans_b=True, config=cfg)
+    assert "mosaic_gpu" in jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu

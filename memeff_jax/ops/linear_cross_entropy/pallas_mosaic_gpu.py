@@ -150,10 +150,12 @@ class PallasMosaicGpu:
                        "it excludes dw_accumulation='float32'")
 
   def gemm_configs(self, tokens: int, d: int, vocab: int, dtype, weight_dtype,
-                   layout: str, names: tuple[str, ...] | None = None
+                   layout: str, names: tuple[str, ...] | None = None, sms: int | None = None
                    ) -> tuple[tuple[str, mosaic_gemm.GemmConfig], ...]:
     """(name, tiles) of each GEMM in `names` (default mosaic_gemms); NotImplementedError
-    when one cannot run."""
+    when one cannot run. dx's [tokens, d] output is a few tiles, so its tiles are narrowed
+    where that fills the waves of the GPU's `sms` SMs (default: the default device's) in
+    less time (mosaic_gemm.narrowed_to_fill_waves)."""
     names = self.mosaic_gemms if names is None else names
     if not names:
       return ()
@@ -173,6 +175,9 @@ class PallasMosaicGpu:
         # dW added by TMA reads no C: its tiles have their own sections ("dw_tma_<layout>").
         key = "dw_tma" if name == "dw" and self.dw_accumulation == "tma_add" else name
         config = tuned_gemm_config(key, layout, shapes[name][2])
+        if name == "dx":
+          config = mosaic_gemm.narrowed_to_fill_waves(config, tokens, d, sms=sms,
+                                                      trans_b=layout == "dv")
         if (why := mosaic_gemm.shape_error(*shapes[name], config)) is not None:
           raise _dispatch.Unsupported(
               f"pallas_mosaic_gpu's {name} GEMM on kernels.mosaic_gemm, [M, N, K] = {list(shapes[name])} "
@@ -188,11 +193,12 @@ class PallasMosaicGpu:
     and holds less memory: the exp_logits path (`exp`, on Hopper), a weight layout listed in
     configs/tuning's [mosaic_default] `layouts` (those whose Mosaic tiles were measured level
     with cuBLAS at 1,024-token chunks), every GEMM within its tiles, and a dx GEMM whose
-    tiles fill the GPU's SMs in whole waves to `min_wave_fill` (it has no split-K: a
-    [C, D] output of a few tiles would leave most SMs idle). Where only that last fails
-    and the dW GEMM runs ping-pong on its warpgroups' own slots (mosaic_gemm.own_slots),
-    the logits and dW GEMMs go on kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b on an H200:
-    1.105x the floor against 1.174x all on cuBLAS). A chunk that does not divide the tokens
+    tiles (narrowed where that fills the waves sooner, see gemm_configs) fill the GPU's SMs
+    in whole waves to `min_wave_fill` (it has no split-K: a [C, D] output of a few tiles
+    would leave most SMs idle). Where only that last fails and the dW GEMM runs ping-pong
+    on its warpgroups' own slots (mosaic_gemm.own_slots), the logits and dW GEMMs go on
+    kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b's head with dx in 128 × 256 tiles, 72
+    of them, H200: 1.105x the floor against 1.174x all on cuBLAS). A chunk that does not divide the tokens
     (the last one overlaps the one before it) takes the same choice, with x's chunk and dx's
     rows as [C, D] arrays of their own instead of windows (H200, × the floor against all on
     cuBLAS: Llama-3-8B at 16,000 tokens 1.014x against 1.022x, Qwen2.5-7B at 3,000 1.043x
@@ -219,7 +225,7 @@ class PallasMosaicGpu:
       return cublas
     auto = dataclasses.replace(self, mosaic_gemms=GEMMS, dw_accumulation="tma_add")
     try:
-      configs = dict(auto.gemm_configs(*shapes))
+      configs = dict(auto.gemm_configs(*shapes, sms=sms))
     except _dispatch.Unsupported:
       return cublas
     cm, cn = configs["dx"].cta_tile()

@@ -601,6 +601,23 @@ def test_mosaic_gemms_on_chunks_that_do_not_divide_the_tokens(gemms, reduction):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d,tiles", [(2304, ("m", 64, 144)), (3584, ("n", 128, 112))])
+def test_dx_gemm_in_tiles_narrowed_to_fill_the_waves(d, tiles):
+  """Gemma-2's and Qwen2.5's hidden sizes at 1,024-token chunks: dx's tiles narrowed from
+  128 × 256 (to 128 × 144 split along M, 128 × 224 along N on 132 SMs), with dx's rows
+  written and scaled in place."""
+  options = dict(weight_layout="dv", reduction="mean")
+  x, w, labels, _, _ = make_problem(jax.random.key(19), (2048,), d, 1000, jnp.bfloat16,
+                                    **options)
+  impl = PallasMosaicGpu(mosaic_gemms=pallas_mosaic_gpu.GEMMS, dw_accumulation="tma_add",
+                         exp_logits=True)
+  dx = dict(impl.gemm_configs(1024, d, 1024, x.dtype, w.dtype, "dv"))["dx"]
+  if hopper.sm_count() == 132:
+    assert (dx.wg_split, dx.tile_m, dx.tile_n) == tiles
+  assert_matches(impl, x, w, labels, options, chunk=1024)
+
+
+@pytest.mark.gpu
 def test_exp_logits_is_the_default_where_it_serves():
   """The default pallas_mosaic_gpu runs the exp GEMM for a bf16 mean loss, with or without the
   other GEMMs on kernels.mosaic_gemm, and the softmax pass (no exp GEMM) with a bias, label
@@ -691,10 +708,11 @@ def test_tuned_fallbacks_that_cycle_are_an_error(monkeypatch):
 def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   """PallasMosaicGpu()'s choice of GEMMs (auto_gemms), decided on any host as on a Hopper GPU:
   all three on kernels.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
-  (the dx GEMM's 128 tiles fill 132 SMs to 97%); at Gemma-2's shape (36 dx tiles) dx alone
-  on cuBLAS, and the same with a chunk that does not divide the tokens; cuBLAS in the "vd"
-  layout, without the exp GEMM, in interpret mode, and wherever either option is set; a
-  float32 dW beyond 32 chunks."""
+  (the dx GEMM's 128 tiles fill 132 SMs to 97%), and at Qwen2.5's and Gemma-2's, whose dx
+  tiles are narrowed to fill them; at Gemma-2's with 512-token chunks (72 dx tiles at
+  most) dx alone on cuBLAS; the same choices with a chunk that does not divide the
+  tokens; cuBLAS in the "vd" layout, without the exp GEMM, in interpret mode, and wherever
+  either option is set; a float32 dW beyond 32 chunks."""
   monkeypatch.setattr(hopper, "unavailable", lambda: None)
   bf16 = jnp.bfloat16
 
@@ -706,8 +724,14 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   assert auto(layout="vd") == cublas
   assert auto(exp=False) == cublas
   assert auto(n=16000) == (pallas_mosaic_gpu.GEMMS, "tma_add")  # the last chunk overlaps
-  # Gemma-2's 36 dx tiles: dx on cuBLAS, the dW GEMM's 8 K steps on ping-pong's own slots.
+  # 112 and 72 dx tiles in 128 × 256, 128 in 128 × 224 and 128 × 144
+  assert auto(d=3584, v=152064) == auto(d=2304, v=256000) == (pallas_mosaic_gpu.GEMMS,
+                                                              "tma_add")
+  # Gemma-2's 512-token chunks, 72 dx tiles of 128 × 128 at most: dx on cuBLAS, the dW
+  # GEMM's 8 K steps on ping-pong's own slots.
   assert auto(tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
+  assert auto(n=15000, d=2304, v=256000) == (pallas_mosaic_gpu.GEMMS, "tma_add")
+  assert auto(n=15000, tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
   assert auto(PallasMosaicGpu(interpret=True)) == cublas
   assert auto(PallasMosaicGpu(dw_accumulation="weight")) == cublas
   assert auto(PallasMosaicGpu(dw_accumulation="float32")) == ((), "float32")
