@@ -198,15 +198,15 @@ class PallasMosaicGpu:
     would leave most SMs idle). Where only that last fails and the dW GEMM runs ping-pong
     on its warpgroups' own slots (mosaic_gemm.own_slots), the logits and dW GEMMs go on
     kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b's head with dx in 128 × 256 tiles, 72
-    of them, H200: 1.105x the floor against 1.174x all on cuBLAS). A chunk that does not divide the tokens
-    (the last one overlaps the one before it) takes the same choice, with x's chunk and dx's
-    rows as [C, D] arrays of their own instead of windows (H200, × the floor against all on
-    cuBLAS: Llama-3-8B at 16,000 tokens 1.014x against 1.022x, Qwen2.5-7B at 3,000 1.043x
-    against 1.080x, Gemma-2-2b at 15,000 1.058x against 1.094x). Elsewhere cuBLAS, with dW
-    added in the weight's dtype ("weight"). Where a 16-bit dW would be rounded after more
-    than `max_rounded_chunks` chunks, cuBLAS with a float32 dW ("float32"). `shapes` as
-    gemm_configs takes them; `sms`: the GPU's SM count (default: the default device's),
-    which mosaic_gemm.ctas turns into the dx launch's CTAs."""
+    of them, H200: 1.105x the floor against 1.174x all on cuBLAS). A chunk that does not
+    divide the tokens (the last one overlaps the one before it) takes the same choice, with
+    x's chunk and dx's rows as [C, D] arrays of their own instead of windows (H200, × the
+    floor against all on cuBLAS: Llama-3-8B at 16,000 tokens 1.014x against 1.022x,
+    Qwen2.5-7B at 3,000 1.043x against 1.080x, Gemma-2-2b at 15,000 1.058x against 1.094x).
+    Elsewhere cuBLAS, with dW added in the weight's dtype ("weight"). Where a 16-bit dW
+    would be rounded after more than `max_rounded_chunks` chunks, cuBLAS with a float32 dW
+    ("float32"). `shapes` as gemm_configs takes them; `sms`: the GPU's SM count (default:
+    the default device's), which mosaic_gemm.ctas turns into the dx launch's CTAs."""
     tokens, d = shapes[0], shapes[1]
     rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
     rounded = (jnp.dtype(shapes[4]).itemsize == 2
