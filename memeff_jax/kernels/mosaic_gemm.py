@@ -201,6 +201,13 @@ def shape_error(m: int, n: int, k: int, config: GemmConfig) -> str | None:
   return None
 
 
+def cta_tiles(config: GemmConfig, m: int, n: int) -> int:
+  """The CTA tiles of an [m, n] output (the last column of them partial where the tile
+  width does not divide n)."""
+  cm, cn = config.cta_tile()
+  return (m // cm) * -(-n // cn)
+
+
 def narrowed_to_fill_waves(config: GemmConfig, m: int, n: int, *, trans_b: bool,
                            sms: int | None = None, min_width: int = 128) -> GemmConfig:
   """config with a narrower CTA tile where that finishes an [m, n] output sooner.
@@ -234,14 +241,12 @@ def narrowed_to_fill_waves(config: GemmConfig, m: int, n: int, *, trans_b: bool,
         candidate = dataclasses.replace(config, **form)
       except ValueError:  # e.g. epilogue_rows not dividing the halved rows
         continue
-      if (candidate.cta_tile() == (cm, width) and candidate.tile_n % group == 0
-          and candidate.tile_m % 64 == 0):
+      if candidate.tile_n % group == 0 and candidate.tile_m % 64 == 0:
         return candidate
     return None
 
   def span(c):  # waves × width
-    tiles = (m // c.cta_tile()[0]) * -(-n // c.cta_tile()[1])
-    return -(-tiles // ctas(c, sms)) * c.cta_tile()[1]
+    return -(-cta_tiles(c, m, n) // ctas(c, sms)) * c.cta_tile()[1]
 
   best = config
   for width in range(cn - 16, min_width - 1, -16):

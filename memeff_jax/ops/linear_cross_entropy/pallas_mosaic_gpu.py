@@ -228,8 +228,7 @@ class PallasMosaicGpu:
       configs = dict(auto.gemm_configs(*shapes, sms=sms))
     except _dispatch.Unsupported:
       return cublas
-    cm, cn = configs["dx"].cta_tile()
-    tiles = (tokens // cm) * -(-d // cn)
+    tiles = mosaic_gemm.cta_tiles(configs["dx"], tokens, d)
     sms = mosaic_gemm.ctas(configs["dx"], sms)  # as the dx GEMM's launch will have them
     if tiles / (-(-tiles // sms) * sms) >= rule.get("min_wave_fill", 1.0):
       return GEMMS, "tma_add"
