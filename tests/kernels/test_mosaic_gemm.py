@@ -182,9 +182,10 @@ def test_tiles_narrowed_to_fill_the_waves():
   assert tiles(1024, 3584) == ("n", 128, 112)  # 112 → 128 tiles, one wave 224 wide
   assert tiles(1024, 5120) == ("n", 128, 80)  # 160 → 256 tiles, two waves 160 wide
   assert tiles(1024, 2304) == ("m", 64, 144)  # 72 → 128: 144 columns split along M
-  assert tiles(2432, 768) == ("n", 128, 64)  # 57 → 114
-  assert tiles(4096, 4096) == ("n", 128, 128)  # 4 waves either way at 128 columns: the widest
-  # B not transposed: halves of 64 columns, so 128 (2 waves, as long as 256's one) at most
+  assert tiles(2432, 768) == ("m", 64, 144)  # 57 → 114
+  assert tiles(512, 4096) == ("m", 64, 144)  # 64 → 116: no narrower than 144 columns
+  assert tiles(4096, 4096) == ("n", 128, 128)  # 4 waves of 256 columns: no narrower is shorter
+  # B not transposed: halves of 64 columns, so 192 (2 waves, longer than 256's one) at most
   assert tiles(1024, 3584, trans_b=False) == ("n", 128, 128)
   ping = mg.GemmConfig(tile_n=256, schedule="pingpong", max_concurrent_steps=3)
   assert tiles(1024, 3584, ping) == ("n", 128, 224)  # ping-pong: a warpgroup's whole tile

@@ -730,6 +730,9 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   # Gemma-2's 512-token chunks, 72 dx tiles of 128 × 128 at most: dx on cuBLAS, the dW
   # GEMM's 8 K steps on ping-pong's own slots.
   assert auto(tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
+  # Llama-3-8B's at 512 tokens: 116 dx tiles of 128 × 144, 88% of a wave (128 × 128 tiles,
+  # which would fill 97% of it, are slower than cuBLAS: mosaic_gemm.narrowed_to_fill_waves).
+  assert auto(n=512, tokens=512) == (("logits", "dw"), "tma_add")
   assert auto(n=15000, d=2304, v=256000) == (pallas_mosaic_gpu.GEMMS, "tma_add")
   assert auto(n=15000, tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
   assert auto(PallasMosaicGpu(interpret=True)) == cublas
