@@ -53,14 +53,21 @@ def environment() -> dict:
   return env
 
 
-def time_jax(fn, *args, warmup: int = 2, reps: int = 10, inner: int = 1) -> float:
+def time_jax(fn, *args, warmup: int = 2, reps: int = 10, inner: int | None = 1,
+             batch_ms: float = 20.0) -> float:
   """Median milliseconds per call of fn(*args) over `reps` batches.
 
   A batch dispatches `inner` calls back to back and waits once, so short ops are not
-  charged the host round trip (use inner > 1 below a few milliseconds).
+  charged the host round trip (use inner > 1 below a few milliseconds), as an op queued
+  behind the rest of a training step is not. inner=None: as many calls as take about
+  `batch_ms` (one call's time after the warmup), at most 64.
   """
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
+  if inner is None:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    inner = max(1, min(64, round(batch_ms / ((time.perf_counter() - t0) * 1e3))))
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()

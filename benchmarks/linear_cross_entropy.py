@@ -17,7 +17,9 @@ Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step), extra 
 (XLA temporaries for JAX; peak allocated over the inputs for torch) and the loss value.
 Every provider is built and run once first (memory is measured then); `--rounds R` interleaved
 rounds then time each once per round, the order rotated each round, and ms is the median over
-rounds (see _harness.interleaved). Rows are appended to
+rounds (see _harness.interleaved). A JAX provider's calls are queued in batches of about
+20 ms, as a loss is queued behind the model in a training step, so that a call of a few
+tokens is not charged the host's round trip (_harness.time_jax). Rows are appended to
 benchmarks/results/linear_cross_entropy.jsonl (or --out).
 
     python benchmarks/linear_cross_entropy.py --dw-precision 16384,131072 [--providers ...]
@@ -31,6 +33,7 @@ benchmarks/results/lce_dw_precision.jsonl.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import pathlib
 import sys
@@ -282,8 +285,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
           fn, args = jax_case(provider, x, w, y, kg)
           row["extra_bytes"] = _harness.jax_temp_bytes(fn, *args)
           loss = float(fn(*args)[0]) if provider != "floor" else None
-          cases[provider] = (row, lambda fn=fn, args=args: _harness.time_jax(fn, *args, reps=reps),
-                             lambda loss=loss: loss)
+          timer = functools.partial(_harness.time_jax, fn, *args, reps=reps, inner=None)
+          cases[provider] = (row, timer, lambda loss=loss: loss)
       except ImportError as err:
         print(f"  skip {provider}: {err}")
       except Exception as err:  # pylint: disable=broad-except
