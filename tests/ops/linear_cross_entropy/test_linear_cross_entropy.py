@@ -709,8 +709,8 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   """PallasMosaicGpu()'s choice of GEMMs (auto_gemms), decided on any host as on a Hopper GPU:
   all three on kernels.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
   (the dx GEMM's 128 tiles fill 132 SMs to 97%), and at Qwen2.5's and Gemma-2's, whose dx
-  tiles are narrowed to fill them; at Gemma-2's with 512-token chunks (72 dx tiles at
-  most) dx alone on cuBLAS; the same choices with a chunk that does not divide the
+  tiles are narrowed to fill them; at Gemma-2's and Llama-3-8B's with 512-token chunks (64
+  and 116 dx tiles at most) dx alone on cuBLAS; the same choices with a chunk that does not divide the
   tokens; cuBLAS in the "vd" layout, without the exp GEMM, in interpret mode, and wherever
   either option is set; a float32 dW beyond 32 chunks."""
   monkeypatch.setattr(hopper, "unavailable", lambda: None)
@@ -727,7 +727,7 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   # 112 and 72 dx tiles in 128 × 256, 128 in 128 × 224 and 128 × 144
   assert auto(d=3584, v=152064) == auto(d=2304, v=256000) == (pallas_mosaic_gpu.GEMMS,
                                                               "tma_add")
-  # Gemma-2's 512-token chunks, 72 dx tiles of 128 × 128 at most: dx on cuBLAS, the dW
+  # Gemma-2's 512-token chunks, 64 dx tiles of 128 × 144 at most: dx on cuBLAS, the dW
   # GEMM's 8 K steps on ping-pong's own slots.
   assert auto(tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
   # Llama-3-8B's at 512 tokens: 116 dx tiles of 128 × 144, 88% of a wave (128 × 128 tiles,
