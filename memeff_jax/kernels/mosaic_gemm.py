@@ -215,7 +215,7 @@ def narrowed_to_fill_waves(config: GemmConfig, m: int, n: int, *, trans_b: bool,
   A persistent launch runs its tiles in waves of ctas(config) at a time, and with K and the
   tile's rows fixed a tile takes time in proportion to its width: of the widths from the
   CTA tile's own down to min_width, in steps of 16 columns, the one with the fewest waves ×
-  width runs, the widest of equals. An output of a few tiles gains most: [1,024, 3,584] in
+  width (wave_span) runs, the widest of equals. An output of a few tiles gains most: [1,024, 3,584] in
   128 × 256 tiles is 112 tiles for 132 SMs, one wave at 85%; 224 columns make 128 tiles,
   one wave, 12% shorter. Below 144 columns a tile reads too many operand bytes per
   product: loss's dx on 128 × 128 tiles took Llama-3-8B's head at 512 tokens 2.67 ms
@@ -248,15 +248,21 @@ def narrowed_to_fill_waves(config: GemmConfig, m: int, n: int, *, trans_b: bool,
         return candidate
     return None
 
-  def span(c):  # waves × width
-    return -(-cta_tiles(c, m, n) // ctas(c, sms)) * c.cta_tile()[1]
-
   best = config
   for width in range(cn - 16, min_width - 1, -16):
     candidate = shaped(width)
-    if candidate is not None and span(candidate) < span(best):
+    if candidate is not None and wave_span(candidate, m, n, sms) < wave_span(best, m, n, sms):
       best = candidate
   return best
+
+
+def wave_span(config: GemmConfig, m: int, n: int, sms: int | None = None,
+              tile_cost: int = 0) -> int:
+  """How long a persistent launch of `config` takes over an [m, n] output, in columns of
+  main loop at fixed K: its waves of ctas(config) tiles, each the CTA tile's width plus
+  `tile_cost` columns' worth of work that every tile does whatever its width (its
+  epilogue, the pipeline's fill)."""
+  return -(-cta_tiles(config, m, n) // ctas(config, sms)) * (config.cta_tile()[1] + tile_cost)
 
 
 def _swizzled(minor_elems: int, dtype) -> tuple:

@@ -49,18 +49,28 @@ from memeff_jax.ops.linear_cross_entropy._vocab_parallel import VocabShards
 GEMMS = ("logits", "dx", "dw")
 
 
-def tuned_gemm_config(key: str, layout: str, k: int) -> mosaic_gemm.GemmConfig:
+def tuned_gemm_config(key: str, layout: str, k: int, output: tuple[int, int] | None = None,
+                      sms: int | None = None) -> mosaic_gemm.GemmConfig:
   """The tuned tiles (configs/tuning, [mosaic_gemm]) of the loss's GEMM `key` ("logits",
   "dx", "dw" or "dw_tma") for a weight `layout` and contraction size k: the section
   `<key>_<layout>`, else `<key>`. Ping-pong tiles tuned for each warpgroup on its own slots
   name in `fallback` the section to run where k's steps do not allow that
-  (mosaic_gemm.own_slots), which may name a further one: the first that k allows runs."""
+  (mosaic_gemm.own_slots), which may name a further one: the first that k allows runs.
+  A section may also name in `narrow` the fields of narrower tiles that take over where
+  they finish the [M, N] `output` sooner on `sms` SMs (mosaic_gemm.wave_span, each tile
+  counted `tile_cost` columns more than its width)."""
   tuned = _tuning.lookup("linear_cross_entropy", "mosaic_gemm")
   section = dict(tuned.get(f"{key}_{layout}", tuned.get(key, {})))
   for _ in range(len(tuned) + 1):
-    fallback = section.pop("fallback", None)
+    fallback, narrow = section.pop("fallback", None), section.pop("narrow", None)
+    tile_cost = section.pop("tile_cost", 0)
     config = mosaic_gemm.GemmConfig(**section)
     if fallback is None or mosaic_gemm.own_slots(config, k):
+      if narrow is not None and output is not None:
+        narrower = dataclasses.replace(config, **narrow)
+        if (mosaic_gemm.wave_span(narrower, *output, sms, tile_cost)
+            < mosaic_gemm.wave_span(config, *output, sms, tile_cost)):
+          return narrower
       return config
     section = dict(tuned[fallback])
   raise ValueError(f"tuning/linear_cross_entropy.toml: the fallbacks of {key}_{layout} "
@@ -155,7 +165,8 @@ class PallasMosaicGpu:
     """(name, tiles) of each GEMM in `names` (default mosaic_gemms); NotImplementedError
     when one cannot run. dx's [tokens, d] output is a few tiles, so its tiles are narrowed
     where that fills the waves of the GPU's `sms` SMs (default: the default device's) in
-    less time (mosaic_gemm.narrowed_to_fill_waves)."""
+    less time (mosaic_gemm.narrowed_to_fill_waves); the others take the narrower tiles
+    their tuned section names where those fill the waves sooner (tuned_gemm_config)."""
     names = self.mosaic_gemms if names is None else names
     if not names:
       return ()
@@ -174,7 +185,7 @@ class PallasMosaicGpu:
       if name in names:
         # dW added by TMA reads no C: its tiles have their own sections ("dw_tma_<layout>").
         key = "dw_tma" if name == "dw" and self.dw_accumulation == "tma_add" else name
-        config = tuned_gemm_config(key, layout, shapes[name][2])
+        config = tuned_gemm_config(key, layout, shapes[name][2], shapes[name][:2], sms)
         if name == "dx":
           config = mosaic_gemm.narrowed_to_fill_waves(config, tokens, d, sms=sms,
                                                       trans_b=layout == "dv")

@@ -618,6 +618,22 @@ def test_dx_gemm_in_tiles_narrowed_to_fill_the_waves(d, tiles):
 
 
 @pytest.mark.gpu
+def test_narrowed_exp_gemm_matches_reference():
+  """512 tokens at D = 4,096, V = 32,000 in one chunk (Mistral-7B's head, as the default
+  runs it at 512 tokens): the exp GEMM on 128-column tiles and 6 slots, which K's 64 steps
+  leave shared between the warpgroups."""
+  options = dict(weight_layout="dv", z_loss=1e-3)
+  x, w, labels, _, _ = make_problem(jax.random.key(20), (512,), 4096, 32000, jnp.bfloat16,
+                                    **options)
+  impl = PallasMosaicGpu(mosaic_gemms=("logits", "dw"), dw_accumulation="tma_add",
+                         exp_logits=True)
+  if hopper.sm_count() == 132:
+    logits = dict(impl.gemm_configs(512, 4096, 32000, x.dtype, w.dtype, "dv"))["logits"]
+    assert (logits.tile_n, logits.max_concurrent_steps) == (128, 6)
+  assert_matches(impl, x, w, labels, options, chunk=512)
+
+
+@pytest.mark.gpu
 def test_exp_logits_is_the_default_where_it_serves():
   """The default pallas_mosaic_gpu runs the exp GEMM for a bf16 mean loss, with or without the
   other GEMMs on kernels.mosaic_gemm, and the softmax pass (no exp GEMM) with a bias, label
@@ -694,6 +710,25 @@ def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
     assert (config.schedule, config.tile_n) == ("ring", 128), (key, k)
   assert tiles("logits", "vd", 4096).schedule == "ring"  # "vd" keeps its own sections
   assert not mosaic_gemm.own_slots(mosaic_gemm.GemmConfig(schedule="ring"), 4096)
+
+
+def test_exp_gemm_narrows_where_its_waves_end_sooner():
+  """The "dv" exp GEMM's 128 × 192 tiles give way to its `narrow` ones (128 columns, 6
+  slots) where those finish the [tokens, V] output in fewer columns of main loop on 132
+  SMs, each tile counted 32 columns more (mosaic_gemm.wave_span)."""
+  def tiles(tokens, vocab, k=4096):
+    config = pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", k, (tokens, vocab), 132)
+    return config.tile_n, config.max_concurrent_steps
+
+  # Mistral-7B at 512 tokens: 684 tiles in 6 waves of 224 against 1,024 in 8 of 160.
+  assert tiles(512, 32768) == (128, 6)
+  assert tiles(256, 32768) == (128, 6)
+  # 21 waves of 224 against 31 of 160 (Llama-3-8B), or 10.4 against 15.5 waves.
+  assert tiles(512, 128256) == tiles(1024, 32768) == tiles(4096, 32768) == (192, 4)
+  assert tiles(512, 32768, k=768) == (128, 6)  # the 6-slot fallback, narrow already
+  assert pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", 4096).tile_n == 192  # no output
+  assert mosaic_gemm.wave_span(mosaic_gemm.GemmConfig(tile_n=96, wg_split="n"), 256, 2000,
+                               sms=4, tile_cost=8) == 6 * 200  # 22 tiles of 192, 6 waves
 
 
 def test_tuned_fallbacks_that_cycle_are_an_error(monkeypatch):
