@@ -215,12 +215,12 @@ def narrowed_to_fill_waves(config: GemmConfig, m: int, n: int, *, trans_b: bool,
   A persistent launch runs its tiles in waves of ctas(config) at a time, and with K and the
   tile's rows fixed a tile takes time in proportion to its width: of the widths from the
   CTA tile's own down to min_width, in steps of 16 columns, the one with the fewest waves ×
-  width (wave_span) runs, the widest of equals. An output of a few tiles gains most: [1,024, 3,584] in
-  128 × 256 tiles is 112 tiles for 132 SMs, one wave at 85%; 224 columns make 128 tiles,
-  one wave, 12% shorter. Below 144 columns a tile reads too many operand bytes per
-  product: loss's dx on 128 × 128 tiles took Llama-3-8B's head at 512 tokens 2.67 ms
-  against 2.46 with cuBLAS's dx, Mistral-7B's 0.73 against 0.70 (H200, 5 rounds), where
-  they fill the waves to 97%. The narrower tile keeps the schedule and wg_split where its
+  width (wave_span) runs, the widest of equals. An output of a few tiles gains most:
+  [1,024, 3,584] in 128 × 256 tiles is 112 tiles for 132 SMs, one wave at 85%; 224 columns
+  make 128 tiles, one wave, 12% shorter. Below 144 columns a tile reads too many operand
+  bytes per product: loss's dx on 128 × 128 tiles took Llama-3-8B's head at 512 tokens
+  2.67 ms against 2.46 with cuBLAS's dx, Mistral-7B's 0.73 against 0.70 (H200, 5 rounds),
+  where they fill the waves to 97%. The narrower tile keeps the schedule and wg_split where its
   halves stay whole swizzle groups (16 columns for a transposed B, read by rows; 64
   otherwise), else a "ring" CTA splits along M instead (two 64-row halves of the tile's
   rows, each warpgroup the whole width). The "cooperative" schedule, which needs tiles
