@@ -745,9 +745,9 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   all three on kernels.mosaic_gemm, dW added by TMA, at Llama-3-8B's shape in the "dv" layout
   (the dx GEMM's 128 tiles fill 132 SMs to 97%), and at Qwen2.5's and Gemma-2's, whose dx
   tiles are narrowed to fill them; at Gemma-2's and Llama-3-8B's with 512-token chunks (64
-  and 116 dx tiles at most) dx alone on cuBLAS; the same choices with a chunk that does not divide the
-  tokens; cuBLAS in the "vd" layout, without the exp GEMM, in interpret mode, and wherever
-  either option is set; a float32 dW beyond 32 chunks."""
+  and 116 dx tiles at most) dx alone on cuBLAS; the same choices with a chunk that does not
+  divide the tokens; cuBLAS in the "vd" layout, without the exp GEMM, in interpret mode, and
+  wherever either option is set; a float32 dW beyond 32 chunks."""
   monkeypatch.setattr(hopper, "unavailable", lambda: None)
   bf16 = jnp.bfloat16
 
