@@ -257,6 +257,9 @@ class PallasMosaicGpu:
     return limit * self.plan(2**31, vocab + -vocab % self.vocab_multiple, itemsize, chunk_size)
 
   def plan(self, n_tokens: int, vocab: int, itemsize: int, chunk_size) -> int:
+    """Tokens per chunk: `chunk_size` as given, else as many as the memory budget holds
+    (a multiple of 128), balanced over the chunks needed. A call under one chunk is one
+    chunk, rounded up to whole 128-row tiles (more than n_tokens: __call__ pads)."""
     if chunk_size is not None:
       if not isinstance(chunk_size, int):
         tokens, cols = chunk_size
@@ -277,6 +280,10 @@ class PallasMosaicGpu:
           "vocabulary (chunked_xla does)")
     if tokens >= 128:
       tokens = tokens // 128 * 128
+      if n_tokens < tokens and n_tokens % 128:
+        # One chunk, padded to whole 128-row tiles (see __call__): the Mosaic GEMMs run on
+        # whole tiles, and a few zero rows cost less than cuBLAS and the softmax pass.
+        return -(-n_tokens // 128) * 128
     return _chunked.balanced_chunk(n_tokens, tokens)
 
   def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None,
@@ -337,8 +344,16 @@ class PallasMosaicGpu:
       axis = 1 if opts.weight_layout == "dv" else 0
       weight = jnp.pad(weight, [(0, pad if i == axis else 0) for i in range(2)])
       bias = None if bias is None else jnp.pad(bias, (0, pad))
-    return _chunked.chunked_loss(_chunked.Static(backend, whole, tokens, vocab),
-                                 x, weight, bias, labels, valid)
+    static = _chunked.Static(backend, whole, tokens, vocab)
+    rows = x.shape[0]
+    if tokens <= rows:
+      return _chunked.chunked_loss(static, x, weight, bias, labels, valid)
+    # A chunk past the tokens (plan): rows of zeros, which no reduction counts (valid is
+    # False there) and whose per-token outputs are sliced away.
+    x, labels, valid = (jnp.pad(t, [(0, tokens - rows)] + [(0, 0)] * (t.ndim - 1))
+                        for t in (x, labels, valid))
+    out = _chunked.chunked_loss(static, x, weight, bias, labels, valid)
+    return tuple(t if t is None or t.ndim == 0 else t[:rows] for t in out)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -281,6 +281,32 @@ class TestPallasGpuInterpret(_LinearCrossEntropyTest):
         assert rel_err(a, c) < 1e-6
 
 
+  def test_one_chunk_padded_to_whole_tiles(self):
+    """200 tokens where a chunk holds more: one chunk of 256 rows, the last 56 of them zero,
+    which neither the losses, the log-sum-exps nor the gradients show."""
+    assert self.impl.plan(200, 1024, 4, None) == 256
+    assert self.impl.plan(256, 1024, 4, None) == 256
+    options = dict(z_loss=1e-2, label_smoothing=0.1)
+    x, w, labels, _, where = make_problem(jax.random.key(21), (200,), 16, 1000, jnp.float32,
+                                          where=True)
+    for reduction in ("mean", "none"):
+
+      def total(impl, x, w):
+        loss, aux = memeff_jax.linear_cross_entropy(
+            x, w, labels, where=where, return_aux=True, implementation=impl,
+            reduction=reduction, **options)
+        ct = jnp.sin(jnp.arange(aux.lse.size, dtype=jnp.float32))
+        return jnp.sum(loss * jnp.cos(jnp.arange(loss.size))) + jnp.sum(aux.lse * ct), (
+            loss, aux.lse)
+
+      (_, got), got_g = jax.value_and_grad(lambda x, w: total(self.impl, x, w),
+                                           argnums=(0, 1), has_aux=True)(x, w)
+      (_, ref), ref_g = jax.value_and_grad(lambda x, w: total("reference", x, w),
+                                           argnums=(0, 1), has_aux=True)(x, w)
+      for a, b in zip((*got, *got_g), (*ref, *ref_g)):
+        assert a.shape == b.shape, (reduction, a.shape, b.shape)
+        assert rel_err(a, b) < 2e-5, reduction
+
   def test_many_vocab_blocks(self):
     """Kernel blocks of 128 columns over V = 1,000: seven whole blocks, of which those holding
     a label take the kernel's label branch, and a masked ragged eighth; every option that
@@ -634,6 +660,22 @@ def test_narrowed_exp_gemm_matches_reference():
 
 
 @pytest.mark.gpu
+def test_a_call_under_one_chunk_runs_on_whole_tiles():
+  """1,000 tokens at Gemma-2's hidden size: the default pads them to one chunk of 1,024 and
+  runs the exp GEMM (which takes whole 128-row tiles) rather than cuBLAS and the softmax
+  pass."""
+  options = dict(weight_layout="dv", z_loss=1e-3)
+  x, w, labels, _, _ = make_problem(jax.random.key(22), (1000,), 2304, 4000, jnp.bfloat16,
+                                    **options)
+  f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, labels,
+                                                   implementation="pallas_mosaic_gpu")
+  assert "lce_exp_logits_gemm" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
+  assert_matches(PallasMosaicGpu(), x, w, labels, options, chunk=None)
+  assert_matches(PallasMosaicGpu(), x, w, labels, dict(options, reduction="none"),
+                 reduction="none", chunk=None)
+
+
+@pytest.mark.gpu
 def test_exp_logits_is_the_default_where_it_serves():
   """The default pallas_mosaic_gpu runs the exp GEMM for a bf16 mean loss, with or without the
   other GEMMs on kernels.mosaic_gemm, and the softmax pass (no exp GEMM) with a bias, label
@@ -801,3 +843,7 @@ def test_gpu_chunks_hold_the_tuned_tokens():
   assert impl.plan(16384, 152064, 2, None) == 1024  # Qwen2.5: 768 at 256 MiB
   assert impl.plan(16384, 32768, 2, None) == 4096
   assert PallasMosaicGpu(memory_budget_bytes=256 * 2**20).plan(16384, 256000, 2, None) == 512
+  # Under one chunk, 128 not dividing the tokens: one chunk of whole 128-row tiles.
+  assert impl.plan(1000, 256000, 2, None) == 1024
+  assert impl.plan(100, 32768, 2, None) == 128
+  assert impl.plan(100, 32768, 2, 100) == 100  # a chunk_size is taken as given
