@@ -13,7 +13,8 @@ tokamax:mosaic and tokamax:triton (if importable). A provider that cannot expres
 list: on a GPU it compiles for minutes at T=4096 (memeff is chunked_xla on CPU anyway).
 
 TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal; with a sliding window or
-packed documents, 4·H·D per visible (query, key) pair) and 2.5× that for the backward; extra memory is XLA's temporary bytes of the compiled forward+backward.
+packed documents, 4·H·D per visible (query, key) pair) and 2.5× that for the backward;
+extra memory is XLA's temporary bytes of the compiled forward+backward.
 Every provider of a case is compiled first; then `--rounds R` interleaved rounds time each once
 per round (the order rotated each round), and each figure is the median over rounds: the GPU's
 clock drifts under sustained load, and providers timed one after another carry that drift into

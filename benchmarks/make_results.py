@@ -226,7 +226,8 @@ def _by_run(rows, *fields):
   return sorted(grouped.items(), key=lambda kv: kv[0][-1] or "", reverse=True)
 
 
-LAYERS = {"memeff": "memeff", "plain": "plain (cuDNN attention)", "plain_xla": "plain (XLA attention)"}
+LAYERS = {"memeff": "memeff", "plain": "plain (cuDNN attention)",
+          "plain_xla": "plain (XLA attention)"}
 
 
 def train_step_section() -> tuple[list[str], str | None]:
@@ -445,7 +446,8 @@ def scaling_section() -> list[str]:
          "`python benchmarks/scaling.py`: Auto meshes under jit, every provider on the same "
          "mesh; each case from its latest run. Weak scaling (attention, loss: a fixed shape "
          "per GPU; the loss with its dW all-reduce, and `:local_dw` without it, every GPU its "
-         "own W and dW): efficiency = one GPU's time / n GPUs' time; strong scaling (vocab: one problem): one GPU's / (n · n GPUs'); "
+         "own W and dW): efficiency = one GPU's time / n GPUs' time; strong scaling (vocab: "
+         "one problem): one GPU's / (n · n GPUs'); "
          "context parallelism (context-*: T tokens per GPU, the sequence n·T over the GPUs): "
          "per-GPU throughput in visible query-key pairs / one GPU's at T; context-train-*: "
          "the 1B train step on one sequence of that length, ms per step, efficiency = "

@@ -6,12 +6,13 @@
 
 Kernel sets (memeff_jax.models.llama): memeff; plain (Flax, optax, cuDNN attention);
 plain_xla (the same with XLA's attention). For each: tokens/s and peak device memory at the
-config's batch, and the largest batch that fits. The search starts from a prediction: the train step compiled (not run) at
-twice the batch gives the bytes per sequence, and the device's `bytes_limit` then gives the
-batch where the compiled peak reaches the limit. Real runs at that batch and the next one
-confirm it (and step on from there if the prediction was off). Every run is a fresh process,
-so `peak_bytes_in_use` starts from zero and an out-of-memory failure only means "does not
-fit". JAX may use 95% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set).
+config's batch, and the largest batch that fits. The search starts from a prediction: the
+train step compiled (not run) at twice the batch gives the bytes per sequence, and the
+device's `bytes_limit` then gives the batch where the compiled peak reaches the limit. Real
+runs at that batch and the next one confirm it (and step on from there if the prediction was
+off). Every run is a fresh process, so `peak_bytes_in_use` starts from zero and an
+out-of-memory failure only means "does not fit". JAX may use 95% of the GPU
+(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set).
 With `--mesh` (as `memeff-jax train --mesh` takes it) the step trains on that mesh of the
 host's devices; batches are global, searched in multiples of the data × fsdp shards, and the
 peak is the first device's.

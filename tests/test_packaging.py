@@ -44,7 +44,8 @@ def test_installed_package_has_its_tuning_tables(installed):
   python, _, work = installed
   code = ("import memeff_jax, pathlib; from memeff_jax import _tuning; "
           "assert 'site-packages' in memeff_jax.__file__, memeff_jax.__file__; "
-          "t = _tuning.lookup('flash_attention', 'pallas_mosaic_gpu_backward', device_kind='H100'); "
+          "t = _tuning.lookup('flash_attention', 'pallas_mosaic_gpu_backward', "
+          "device_kind='H100'); "
           "assert t['d128_ordered']['dq_rotate']; "
           "g = _tuning.lookup('linear_cross_entropy', 'mosaic_gemm', device_kind='H200'); "
           "assert g['logits_dv']['tile_n'] == 192; print('tables ok')")

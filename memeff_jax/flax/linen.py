@@ -22,8 +22,9 @@ class FusedLMHead(nn.Module):
   `bias` [V], with the same initializers, so a model can switch between this and
   Dense + optax in either direction. Unlike Dense's, `use_bias` defaults to False (LM heads
   have none, and a bias costs the fused loss its fastest path): pass use_bias=True to hold
-  the parameters of a default `nn.Dense(vocab_size)`. With `tied=True` it owns no kernel and uses the
-  embedding table passed at call ([V, D], e.g. an `nn.Embed`'s `embedding`) in place.
+  the parameters of a default `nn.Dense(vocab_size)`. With `tied=True` it owns no kernel and
+  uses the embedding table passed at call ([V, D], e.g. an `nn.Embed`'s `embedding`) in
+  place.
 
   Attributes:
     vocab_size: V.

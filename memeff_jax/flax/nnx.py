@@ -22,8 +22,9 @@ class FusedLMHead(nnx.Module):
   [D, V] and `bias` [V], with the same initializers, so a model can switch between this and
   Linear + optax in either direction. Unlike Linear's, `use_bias` defaults to False (LM
   heads have none, and a bias costs the fused loss its fastest path): pass use_bias=True to
-  hold the parameters of a default `nnx.Linear(in_features, vocab_size)`. Given `tied_embedding` (an `nnx.Embed` with a [V, D]
-  table) it owns no kernel and reads that table in place, shared, not copied.
+  hold the parameters of a default `nnx.Linear(in_features, vocab_size)`. Given
+  `tied_embedding` (an `nnx.Embed` with a [V, D] table) it owns no kernel and reads that
+  table in place, shared, not copied.
 
   Args:
     in_features: D.

@@ -79,8 +79,9 @@ def to_jax(t: torch.Tensor) -> jax.Array:
   (`t.contiguous()`), since DLPack in JAX takes dense row-major buffers only. On CUDA, DLPack
   makes JAX's stream wait for torch's current stream, so pending torch writes are seen.
   64-bit tensors (int64, float64) raise unless `jax_enable_x64` is on: JAX would otherwise
-  narrow them silently; convert explicitly (`t.to(torch.int32)`, `t.to(torch.float32)`). A tensor that requires
-  grad is detached (autograd goes through the ops below, not through this function).
+  narrow them silently; convert explicitly (`t.to(torch.int32)`, `t.to(torch.float32)`). A
+  tensor that requires grad is detached (autograd goes through the ops below, not through
+  this function).
   """
   t = _exportable(t)
   return _import(t, _ready_stream(t), synced=False)

@@ -100,8 +100,9 @@ _LOAD_TAKES_INDEX = plgpu is not None and getattr(
 
 def swizzled_tiles(swizzle: int = 128, dtype=jnp.bfloat16):
   """Swizzled tiles of `swizzle` bytes per row (64 bfloat16 elements by default, 32 of
-  float32): what TMA writes and WGMMA reads. A WGMMA whose B operand is such a tile contracts over a multiple of
-  swizzle / 2 of the tile's rows (Mosaic GPU issues its K steps per swizzle group)."""
+  float32): what TMA writes and WGMMA reads. A WGMMA whose B operand is such a tile
+  contracts over a multiple of swizzle / 2 of the tile's rows (Mosaic GPU issues its K steps
+  per swizzle group)."""
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(swizzle))
 

@@ -153,7 +153,7 @@ def report_of(compiled) -> MemoryReport:
     text = compiled.as_text()
   except Exception:  # pylint: disable=broad-except
     text = ""
-  return MemoryReport(jax.default_backend(), get("argument_size_in_bytes"), get("output_size_in_bytes"),
-                      get("alias_size_in_bytes"), get("temp_size_in_bytes"), peak,
-                      parse_buffers(text or ""))
+  return MemoryReport(jax.default_backend(), get("argument_size_in_bytes"),
+                      get("output_size_in_bytes"), get("alias_size_in_bytes"),
+                      get("temp_size_in_bytes"), peak, parse_buffers(text or ""))
 

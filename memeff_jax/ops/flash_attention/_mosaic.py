@@ -57,9 +57,11 @@ def band_blocks(before: int | None, after: int | None, start, length: int, n_blo
   """
   last = start + length - 1
   lo = 0 if before is None else jnp.maximum(hopper.floor_div(start - before, block), 0)
-  hi = n_blocks if after is None else jnp.clip(hopper.floor_div(last + after, block) + 1, 0, n_blocks)
+  hi = (n_blocks if after is None
+        else jnp.clip(hopper.floor_div(last + after, block) + 1, 0, n_blocks))
   lo = jnp.minimum(lo, hi)
-  full_lo = lo if before is None else -hopper.floor_div(before - last, block)  # ⌈(last-before)/block⌉
+  # ⌈(last - before) / block⌉
+  full_lo = lo if before is None else -hopper.floor_div(before - last, block)
   full_hi = hi if after is None else hopper.floor_div(start + after + 1, block)
   full_lo = jnp.clip(full_lo, lo, hi)
   return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)

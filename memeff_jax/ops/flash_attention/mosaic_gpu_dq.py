@@ -4,8 +4,9 @@ the one-pass kernel's ordered reductions do not serve (head dims other than 128,
 The one-pass backward (mosaic_gpu_backward) adds each key block's dQ into a float32 dq by
 TMA reductions, in arrival order unless dq_ordered. Where no `_ordered` tuning section
 names the ordered kernel, the deterministic backward runs that kernel for dK and dV alone
-(`with_dq=False`) and this one for dq: the forward's structure, with the queries' rows resident and the keys streamed, so
-one CTA owns every dq row it writes and sums the key blocks in a fixed order.
+(`with_dq=False`) and this one for dq: the forward's structure, with the queries' rows
+resident and the keys streamed, so one CTA owns every dq row it writes and sums the key
+blocks in a fixed order.
 
 One CTA per (batch, query head, 2·64 query rows) runs three warpgroups:
 
@@ -151,8 +152,8 @@ class _Scratch(NamedTuple):
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
                q_smem, do_smem, stats_smem, k_smem, v_smem,
                q_ready, do_ready, stats_ready, k_ready, v_ready, k_free, v_free, turn,
-               seg: _mosaic.SegmentScratch | None, *, config: MosaicDqConfig, mask: MaskSpec, scale: float,
-               softcap: float | None, group: int):
+               seg: _mosaic.SegmentScratch | None, *, config: MosaicDqConfig, mask: MaskSpec,
+               scale: float, softcap: float | None, group: int):
   bq, bkv = BLOCK_Q, config.block_kv
   stages, v_stages = config.ring_depths()
   s = k_ref.shape[1]

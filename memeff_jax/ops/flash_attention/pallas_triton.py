@@ -319,8 +319,8 @@ def _forward(st: TritonPlan, q, k, v, q_seg, kv_seg):
       kernel, st, (pl.cdiv(t, cfg.block_q), b, hq), in_specs,
       [seq(t), pl.BlockSpec((None, None, t), lambda i, bb, h: (bb, h, 0))],
       [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)],
-      "flash_attention_fwd", cfg.num_warps, cfg.num_stages, _common.cost_estimate(st.opts, q, k, 2))(
-          q, k, v, *((q_seg, kv_seg) if has_seg else ()))
+      "flash_attention_fwd", cfg.num_warps, cfg.num_stages,
+      _common.cost_estimate(st.opts, q, k, 2))(q, k, v, *((q_seg, kv_seg) if has_seg else ()))
   return out, lse
 
 

@@ -267,8 +267,8 @@ def _bwd(static: Static, res: Residuals, cts):
   g_loss, g_lse, g_z = map(_nonzero, cts)
   if static.vocab is not None:
     g_loss, g_lse, g_z = static.vocab.cotangents(g_loss, g_lse, g_z)
-  res, g_loss, g_lse, g_z = _checks.first_order_only(static.backend.implementation, res, g_loss, g_lse,
-                                                     g_z)
+  res, g_loss, g_lse, g_z = _checks.first_order_only(static.backend.implementation, res,
+                                                     g_loss, g_lse, g_z)
   opts = static.opts
   need = (True, True, res.bias is not None)
   if opts.reduction == "none":

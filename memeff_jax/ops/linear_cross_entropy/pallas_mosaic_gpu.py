@@ -191,8 +191,8 @@ class PallasMosaicGpu:
                                                       trans_b=layout == "dv")
         if (why := mosaic_gemm.shape_error(*shapes[name], config)) is not None:
           raise _dispatch.Unsupported(
-              f"pallas_mosaic_gpu's {name} GEMM on kernels.mosaic_gemm, [M, N, K] = {list(shapes[name])} "
-              f"at a chunk of {tokens} tokens: {why}")
+              f"pallas_mosaic_gpu's {name} GEMM on kernels.mosaic_gemm, [M, N, K] = "
+              f"{list(shapes[name])} at a chunk of {tokens} tokens: {why}")
         configs.append((name, config))
     return tuple(configs)
 
@@ -265,7 +265,7 @@ class PallasMosaicGpu:
         tokens, cols = chunk_size
         if cols < vocab:
           raise _dispatch.Unsupported("pallas_mosaic_gpu does not chunk the vocabulary; "
-                                    f"got {chunk_size=} with vocab size {vocab}")
+                                      f"got {chunk_size=} with vocab size {vocab}")
         chunk_size = tokens
       return min(chunk_size, n_tokens)
     budget = self.memory_budget_bytes
@@ -293,8 +293,8 @@ class PallasMosaicGpu:
     if not self.interpret and not hopper.on_nvidia_gpu():
       raise _dispatch.Unsupported(
           f"pallas_mosaic_gpu needs a GPU, an NVIDIA one (default device: "
-          f"{jax.devices()[0].device_kind}); PallasMosaicGpu(interpret=True) runs the kernel in the "
-          "Pallas interpreter")
+          f"{jax.devices()[0].device_kind}); PallasMosaicGpu(interpret=True) runs the kernel in "
+          "the Pallas interpreter")
     kernel = self.kernel or triton_softmax.SoftmaxKernelConfig(**_tuning.lookup(
         "linear_cross_entropy", "triton_softmax", fields=triton_softmax.SoftmaxKernelConfig))
     whole, opts = opts, opts if vocab is None else vocab.options(opts, weight)
@@ -306,8 +306,8 @@ class PallasMosaicGpu:
     wanted = self.exp_logits or (self.exp_logits is None and not self.fused_lse)
     if wanted and jnp.dtype(x.dtype) == jnp.float16:  # E's entries reach e^64 > 65,504
       if self.exp_logits:
-        raise _dispatch.Unsupported("pallas_mosaic_gpu exp_logits stores exp(z) up to e^64 in x's "
-                                  "dtype, which float16 cannot hold; got float16 x")
+        raise _dispatch.Unsupported("pallas_mosaic_gpu exp_logits stores exp(z) up to e^64 in "
+                                    "x's dtype, which float16 cannot hold; got float16 x")
       wanted = False
     wanted = wanted and bias is None and not (opts.logit_softcap is not None
                                               or opts.label_smoothing)
@@ -324,16 +324,17 @@ class PallasMosaicGpu:
         try:
           (_, exp_gemm), = self.gemm_configs(*shapes, names=("logits",))
           if exp_gemm.schedule == "cooperative":  # no row_stats, no `enabled`
-            raise _dispatch.Unsupported("pallas_mosaic_gpu exp_logits needs the logits GEMM's tiles "
-                                      f"on the 'ring' or 'pingpong' schedule, got {exp_gemm}")
+            raise _dispatch.Unsupported(
+                "pallas_mosaic_gpu exp_logits needs the logits GEMM's tiles on the 'ring' or "
+                f"'pingpong' schedule, got {exp_gemm}")
           exp_logits = True
         except _dispatch.Unsupported:
           if self.exp_logits:
             raise
           exp_gemm = None
     if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
-      raise _dispatch.Unsupported("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds no "
-                                "bias and applies no logit_softcap")
+      raise _dispatch.Unsupported("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds "
+                                  "no bias and applies no logit_softcap")
     backend = ChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
                                  dw_accumulation=self.dw_accumulation, gemms=gemms,
                                  fused_lse=self.fused_lse, exp_logits=exp_logits,

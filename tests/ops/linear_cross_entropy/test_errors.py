@@ -61,12 +61,14 @@ def test_bad_input(kwargs, error, match):
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU message")
 def test_explicit_gpu_implementation_on_cpu_says_why():
-  with pytest.raises(NotImplementedError, match=r"pallas_mosaic_gpu: pallas_mosaic_gpu needs a GPU"):
+  with pytest.raises(NotImplementedError,
+                     match=r"pallas_mosaic_gpu: pallas_mosaic_gpu needs a GPU"):
     memeff_jax.linear_cross_entropy(X, W, Y, implementation="pallas_mosaic_gpu")
 
 
 def test_fallback_order_skips_what_cannot_serve():
-  loss = memeff_jax.linear_cross_entropy(X, W, Y, implementation=("pallas_mosaic_gpu", "chunked_xla"))
+  loss = memeff_jax.linear_cross_entropy(X, W, Y,
+                                         implementation=("pallas_mosaic_gpu", "chunked_xla"))
   ref = memeff_jax.linear_cross_entropy(X, W, Y, implementation="reference")
   assert jnp.allclose(loss, ref)
 

@@ -311,7 +311,8 @@ class TestPallasGpuInterpret(_LinearCrossEntropyTest):
     """Kernel blocks of 128 columns over V = 1,000: seven whole blocks, of which those holding
     a label take the kernel's label branch, and a masked ragged eighth; every option that
     changes G, and `none` (whose gradients come from a second pass with a known lse)."""
-    impl = PallasMosaicGpu(interpret=True, vocab_multiple=1, kernel=SoftmaxKernelConfig(block_v=128))
+    impl = PallasMosaicGpu(interpret=True, vocab_multiple=1,
+                           kernel=SoftmaxKernelConfig(block_v=128))
     for options, reduction in ((dict(), "mean"),
                                (dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=5.0,
                                      bias=True), "mean"),
@@ -444,8 +445,8 @@ def test_exp_chunk_against_softmax_pass(shift, fast):
   assert bool(jnp.any(scale != 1.0)) == fast
   g = scale[:, None] * buf
   z = x @ w
-  want_g, *want = triton_softmax.softmax_pass(z, labels, a, e, opts=opts, config=SoftmaxKernelConfig(),
-                                          interpret=True)
+  want_g, *want = triton_softmax.softmax_pass(z, labels, a, e, opts=opts,
+                                              config=SoftmaxKernelConfig(), interpret=True)
   assert rel_err(g, want_g) < 1e-5
   in_range = (labels >= 0) & (labels < 1000)
   for got, ref in zip(stats[:2], want[:2]):  # lse, label logit (logit_sum: smoothing only)
@@ -560,7 +561,8 @@ def test_fused_lse_matches_reference(layout, smoothing, d):
   options = dict(weight_layout=layout, label_smoothing=smoothing, z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(13), (3, 256), d, 2000, jnp.bfloat16,
                                     **options)
-  impl = PallasMosaicGpu(mosaic_gemms=pallas_mosaic_gpu.GEMMS, dw_accumulation="tma_add", fused_lse=True)
+  impl = PallasMosaicGpu(mosaic_gemms=pallas_mosaic_gpu.GEMMS, dw_accumulation="tma_add",
+                         fused_lse=True)
   assert_matches(impl, x, w, labels, options)
   with pytest.raises(NotImplementedError, match="fused_lse.*no bias and applies no logit_softcap"):
     memeff_jax.linear_cross_entropy(x, w, labels, weight_layout=layout, logit_softcap=30.0,
