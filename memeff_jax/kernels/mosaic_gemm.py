@@ -86,11 +86,6 @@ class GemmConfig:
       along M (sharing B's blocks) or N (sharing A's), and the shared block is loaded once
       by TMA multicast into both CTAs' shared memory: a quarter less operand traffic from L2
       per tile pair. num_sms must then be even.
-    in_flight: "pingpong" and "ring": the WGMMA groups left running when a step's slot is
-      released. 1 (their default) releases step k - 1's slot once step k is issued (the
-      tensor cores never wait on this warpgroup, but two slots are held), 0 waits for step
-      k and releases its slot (one slot held; the other warpgroup keeps the tensor cores
-      busy meanwhile). The cooperative schedule's pipeline helper always works as 0.
     epilogue_rows: "pingpong" and "ring", GEMMs without C only: store each warpgroup's
       tile through a buffer of this many rows (a divisor of tile_m), in pieces; the shared
       memory saved makes room for another slot (None: the whole tile at once).
@@ -115,7 +110,6 @@ class GemmConfig:
   num_sms: int | None = None
   schedule: str = "cooperative"
   cluster: str | None = None
-  in_flight: int | None = None
   epilogue_rows: int | None = None
   tail_n: int | None = None
 
@@ -131,11 +125,9 @@ class GemmConfig:
     if self.schedule == "pingpong" and self.wg_split != "n":
       raise ValueError("wg_split splits a CTA tile between the warpgroups; in 'pingpong' each "
                        "owns whole tiles, so it takes no wg_split")
-    if self.in_flight not in (None, 0, 1):
-      raise ValueError(f"in_flight must be 0 or 1, got {self.in_flight}")
-    if self.schedule == "cooperative" and (self.in_flight is not None or self.epilogue_rows):
-      raise ValueError("in_flight and epilogue_rows are options of the 'pingpong' and 'ring' "
-                       f"schedules, got {self}")
+    if self.schedule == "cooperative" and self.epilogue_rows:
+      raise ValueError("epilogue_rows is an option of the 'pingpong' and 'ring' schedules, "
+                       f"got {self}")
     if self.epilogue_rows is not None and (self.epilogue_rows % 64
                                            or self.tile_m % self.epilogue_rows):
       raise ValueError(f"epilogue_rows must be a multiple of 64 dividing tile_m={self.tile_m}, "
@@ -503,7 +495,6 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   a_block = (tk, cm) if trans_a else (cm, tk)
   b_block = (cn, tk) if trans_b else (tk, cn)
   er = config.epilogue_rows or tm
-  in_flight = 1 if config.in_flight is None else config.in_flight
 
   def _counted(y, cols, phase, other):
     """y with the columns from stats_cols on set to `other`."""
@@ -572,19 +563,18 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
               plgpu.barrier_wait(ready.at[slot])
               plgpu.wgmma(acc_ref, *_wg_operands(a_smem.at[slot], b_part(slot, width),
                                                  wg, split, wg_config, trans_a, trans_b))
-              plgpu.wgmma_wait(in_flight)
-              if in_flight:  # the step before has been read: release its slot
-                @pl.when(kk > 0)
-                def _():
-                  plgpu.barrier_arrive(free.at[rem(first + kk - 1, stages)])
-              else:
-                plgpu.barrier_arrive(free.at[slot])
+              # One WGMMA group left running: the step before has been read, so its slot
+              # is released (the tensor cores never wait on this warpgroup; two slots held).
+              plgpu.wgmma_wait(1)
+
+              @pl.when(kk > 0)
+              def _():
+                plgpu.barrier_arrive(free.at[rem(first + kk - 1, stages)])
 
             if turns:
               plgpu.barrier_arrive(turn.at[1 - wg])
-            if in_flight:
-              plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(free.at[rem(first + k_steps - 1, stages)])
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(free.at[rem(first + k_steps - 1, stages)])
             return acc_ref[...]
 
           acc = pl.run_scoped(main_loop, plgpu.ACC((tm, width), jnp.float32))

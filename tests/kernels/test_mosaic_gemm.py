@@ -46,11 +46,7 @@ def test_errors_name_the_shapes():
     mg.GemmConfig(wg_split="k")
   with pytest.raises(ValueError, match="in 'pingpong' each owns whole tiles"):
     mg.GemmConfig(schedule="pingpong", wg_split="m")
-  with pytest.raises(ValueError, match="in_flight must be 0 or 1"):
-    mg.GemmConfig(schedule="ring", in_flight=2)
-  with pytest.raises(ValueError, match="options of the 'pingpong' and 'ring' schedules"):
-    mg.GemmConfig(in_flight=0)
-  with pytest.raises(ValueError, match="options of the 'pingpong' and 'ring' schedules"):
+  with pytest.raises(ValueError, match="an option of the 'pingpong' and 'ring' schedules"):
     mg.GemmConfig(epilogue_rows=64)
   with pytest.raises(ValueError, match="epilogue_rows must be a multiple of 64 dividing"):
     mg.GemmConfig(schedule="ring", epilogue_rows=96)
@@ -92,23 +88,23 @@ def test_ring_kernel_lowers_for_cuda(schedule, cluster):
     (ta, tb, s) for ta, tb in itertools.product([False, True], repeat=2)
     for s in ("n", "m", "pingpong", "n/cluster-n", "n/cluster-m", "pingpong/cluster-m",
               "pingpong/cluster-n", "ring-n", "ring-m", "ring-n/cluster-m", "ring-m/cluster-n",
-              "ring0-n", "ring0-m/cluster-m", "ringE-n", "ringE-n/cluster-m")])
+              "ring-m/cluster-m", "ringE-n", "ringE-n/cluster-m")])
 def test_matches_float32_reference(trans_a, trans_b, split):
   """split "pingpong": 128 × 128 tiles, one per warpgroup, 4 tiles per CTA on 2 CTAs (each
   warpgroup runs two), K in 4 steps through a ring of 3 slots (the slots' phases wrap
   across tiles). "/cluster-m|n": CTAs in pairs sharing B's (A's) blocks by multicast; the
   ping-pong pair walks 4 tiles of 256 × 128 (128 × 256). "ring-n|m": the cooperative split
   through the ring kernel, 4 CTA tiles per CTA on 2 CTAs, K in 4 steps through 3 slots;
-  "ring0": each slot released once its WGMMA is done (in_flight=0); "ringE": the epilogue
-  through 64-row pieces. ring0-m/cluster-m's pair tile is 512 rows: M = 512 there."""
+  "ringE": the epilogue through 64-row pieces. ring-m/cluster-m's pair tile is 512 rows:
+  M = 512 there."""
   split, _, cluster = split.partition("/cluster-")
-  a, b, c, ref = _operands(trans_a, trans_b, m=512 if split == "ring0-m" and cluster else M)
+  a, b, c, ref = _operands(trans_a, trans_b, m=512 if split == "ring-m" and cluster == "m" else M)
   if split == "pingpong":
     cfg = mg.GemmConfig(tile_n=128, max_concurrent_steps=3, schedule="pingpong", num_sms=2,
                         cluster=cluster or None)
   elif split.startswith("ring"):
     cfg = mg.GemmConfig(wg_split=split[-1], max_concurrent_steps=3, schedule="ring", num_sms=2,
-                        cluster=cluster or None, in_flight=0 if split.startswith("ring0") else 1,
+                        cluster=cluster or None,
                         epilogue_rows=64 if split.startswith("ringE") else None)
   else:
     cfg = mg.GemmConfig(wg_split=split, cluster=cluster or None)
