@@ -597,12 +597,19 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             plgpu.copy_smem_to_gmem(buf, out_gmem.at[pl.ds(rows + r0, er), pl.ds(cols, width)],
                                     reduction_op="add" if reduce else None)
           if per_tile:  # straight from registers, as the statistics below
-            s = _counted(y, cols, phase, 0.0).sum(axis=1)
-
-            # A cluster's second CTA may hold a tile wholly past N, whose strip has no row.
-            @pl.when(cols < n)
-            def _():
+            def store_sums(masked):
+              s = (_counted(y, cols, phase, 0.0) if masked else y).sum(axis=1)
               stats_gmem.at[div(cols, tn), pl.ds(rows, tm)][...] = s
+
+            if stats_cols < phase.end:
+              # Only the tiles reaching past stats_cols mask their columns: the mask's
+              # column indices in every tile made ptxas spill the epilogue's registers.
+              # A cluster's second CTA may hold a tile wholly past N, whose strip has no row.
+              ragged = cols + width > stats_cols
+              pl.when(ragged & (cols < n))(lambda: store_sums(True))
+              pl.when(jnp.logical_not(ragged))(lambda: store_sums(False))
+            else:
+              pl.when(cols < n)(lambda: store_sums(False))
           return _row_stats(carry, y, cols, phase) if stats else carry
 
         if not pingpong:
