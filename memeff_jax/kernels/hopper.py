@@ -113,6 +113,30 @@ def div(x, n):
 def rem(x, n):
   return lax.rem(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))
 
+def snake(index, shape: tuple[int, int], minor: int, band: int):
+  """The (row, column) of the index-th tile in plgpu.planar_snake's walk over a static
+  `shape` of tiles: bands `band` tiles wide along dimension `minor`, walked across the band
+  fastest and along the other dimension in turns (the last band narrower where `band` does
+  not divide the shape). Integer arithmetic alone, no selects, so that it also lowers where
+  a single warp computes it (under a WarpMesh, where Mosaic GPU lowers neither jnp's floor
+  division nor lax.select)."""
+  major_size, minor_size = shape[1 - minor], shape[minor]
+  full = minor_size // band * band  # the minor extent of the whole bands
+  first_rest = full * major_size  # the index where the narrower last band starts
+  band_index = div(index, band * major_size)
+  odd = rem(band_index, 2)  # walked backwards along the major dimension
+
+  def coordinates(i, width):
+    along, across = rem(div(i, width), major_size), rem(i, width)
+    along = along + odd * (major_size - 1 - 2 * along)
+    across = band_index * band + across
+    return (across, along) if minor == 0 else (along, across)
+
+  whole = lax.convert_element_type(lax.lt(index, first_rest), jnp.int32)
+  return tuple(whole * a + (1 - whole) * b for a, b in zip(
+      coordinates(index, band),
+      coordinates(lax.max(index - first_rest, 0), max(minor_size - full, 1))))
+
 def fence_smem() -> None:
   """Makes this thread's shared-memory writes visible to the async proxy (TMA, WGMMA), as
   plgpu.commit_smem does, but without its warpgroup barrier (a bar.sync, and the thread-id

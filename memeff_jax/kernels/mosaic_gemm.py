@@ -76,7 +76,7 @@ class GemmConfig:
     wg_split: "n" puts the two warpgroups' tiles side by side along N (CTA tile
       tile_m × 2·tile_n), "m" along M (the cooperative and ring schedules).
     minor: which tile coordinate the persistent walk advances fastest ("m" or "n").
-    band: width of the walk's bands along the minor coordinate (plgpu.planar_snake).
+    band: width of the walk's bands along the minor coordinate (hopper.snake).
     num_sms: CTAs to launch; None reads the device's SM count.
     schedule: "cooperative" (both compute warpgroups work on one CTA tile, then both run
       its epilogue) or "pingpong" (each owns every other tile of the CTA's walk, so one
@@ -330,8 +330,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
     @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
     def _tiles(info):
       (lin,) = info.index
-      mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), 0 if config.minor == "m" else 1,
-                                  config.band)
+      mi, ni = hopper.snake(lin, (m_tiles, n_tiles), 0 if config.minor == "m" else 1,
+                            config.band)
       cta_m, cta_n = cta_origin(mi, ni)
       wm = cta_m + (wg * tm if config.wg_split == "m" else 0)
       wn = cta_n + (wg * tn if config.wg_split == "n" else 0)
@@ -475,7 +475,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   else:
     tiles = m_tiles * n_tiles  # walker, walker + walkers, ...
     phases = [Phase(tn, div(tiles - walker + walkers - 1, walkers),
-                    lambda j: cta_origin(*plgpu.planar_snake(
+                    lambda j: cta_origin(*hopper.snake(
                         walker + j * walkers, (m_tiles, n_tiles), 0 if config.minor == "m" else 1,
                         config.band)),
                     n_tiles * cln)]
@@ -690,14 +690,21 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
           plgpu.copy_gmem_to_smem(b_src, b_part(slot, phase.width), ready.at[slot],
                                   collective_axes=b_shared)
 
-      walk(tile, None)
-      if config.cluster:  # the other CTA arrives on this one's slots until its last release:
-        total = sum(p.count for p in phases) * k_steps  # stay until every slot's last
-        # phase has completed
+      # One warp streams the slots; the warpgroup's other three wait at the end instead of
+      # taking every barrier and copy with it (a quarter of the warp instructions issued
+      # for the memory warpgroup).
+      @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+      def _():
+        @pl.when(lax.axis_index("warp") == 0)
+        def _():
+          walk(tile, None)
+          if config.cluster:  # the other CTA arrives on this one's slots until its last
+            total = sum(p.count for p in phases) * k_steps  # release: stay until every
+            # slot's last phase has completed
 
-        @pl.loop(jnp.maximum(total - stages, 0), total)
-        def _(step):
-          plgpu.barrier_wait(free.at[rem(step, stages)])
+            @pl.loop(jnp.maximum(total - stages, 0), total)
+            def _(step):
+              plgpu.barrier_wait(free.at[rem(step, stages)])
 
   # Each warpgroup's epilogue buffer. With a tail, a second view of the same bytes, each
   # warpgroup's part [er · tn / tail_n, tail_n] (a tail tile's rows are its first er): a

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from memeff_jax.kernels import hopper
 from memeff_jax.kernels import mosaic_gemm as mg
 
 M, N, K = 256, 512, 256
@@ -20,6 +21,18 @@ def _operands(trans_a, trans_b, seed=0, m=M, k=K, n=N):
   c = jax.random.normal(key[2], (m, n), jnp.float32).astype(jnp.bfloat16)
   ref = (a.T if trans_a else a).astype(jnp.float32) @ (b.T if trans_b else b).astype(jnp.float32)
   return a, b, c, ref
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (5, 7), (32, 171), (19, 393), (1, 6)])
+def test_snake_walks_as_planar_snake(shape):
+  """hopper.snake (integer ops alone, for the one-warp memory loop) visits the tiles in
+  plgpu.planar_snake's order, ragged last bands included."""
+  plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  index = jnp.arange(shape[0] * shape[1], dtype=jnp.int32)
+  for minor, band in itertools.product((0, 1), (1, 2, 3, 8, 16)):
+    want = jax.vmap(lambda i: jnp.stack(plgpu.planar_snake(i, shape, minor, band)))(index)
+    got = jax.vmap(lambda i: jnp.stack(hopper.snake(i, shape, minor, band)))(index)
+    np.testing.assert_array_equal(got, want, err_msg=f"minor={minor}, band={band}")
 
 
 def test_errors_name_the_shapes():
