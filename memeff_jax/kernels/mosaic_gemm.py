@@ -698,9 +698,10 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
         @pl.when(lax.axis_index("warp") == 0)
         def _():
           walk(tile, None)
-          if config.cluster:  # the other CTA arrives on this one's slots until its last
-            total = sum(p.count for p in phases) * k_steps  # release: stay until every
-            # slot's last phase has completed
+          # The other CTA of a cluster arrives on this one's slots until its last release:
+          # stay until every slot's last phase has completed.
+          if config.cluster:
+            total = sum(p.count for p in phases) * k_steps
 
             @pl.loop(jnp.maximum(total - stages, 0), total)
             def _(step):
