@@ -280,7 +280,6 @@ class TestPallasGpuInterpret(_LinearCrossEntropyTest):
       for a, c in zip(g1, g2):
         assert rel_err(a, c) < 1e-6
 
-
   def test_one_chunk_padded_to_whole_tiles(self):
     """200 tokens where a chunk holds more: one chunk of 256 rows, the last 56 of them zero,
     which neither the losses, the log-sum-exps nor the gradients show."""
