@@ -258,6 +258,9 @@ class TestChunkedXla(_LinearCrossEntropyTest):
     assert balanced_chunk(9000, 1024) == 1024
     assert balanced_chunk(5000, 4096) == 2560
     assert balanced_chunk(100, 4096) == 100
+    assert balanced_chunk(16384, 2560) == 2048  # 8 exact chunks, not 7 overlapping
+    assert balanced_chunk(12288, 2560) == 2048
+    assert balanced_chunk(16896, 2560) == 2432  # no exact 8
 
 
 class TestPallasGpuInterpret(_LinearCrossEntropyTest):
