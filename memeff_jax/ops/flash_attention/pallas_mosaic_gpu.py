@@ -345,9 +345,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
     # tile's rows while this one's epilogue runs), else through Q's.
     o_tile = o_smem.at[wg] if config.persistent else q_tile
 
+    def load_q_ids(b, qi):
+      plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds((2 * qi + wg) * bq, bq)],
+                              seg.q_ids.at[wg], seg.q_ready.at[wg])
+
     def load_q(b, h, qi):
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((2 * qi + wg) * bq, bq), h], q_tile,
                               q_ready.at[wg])
+      if segments and config.persistent:  # the ids too, read at the tile's start
+        load_q_ids(b, qi)
 
     if config.persistent:
       if config.dynamic:
@@ -363,8 +369,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       if not config.persistent:
         load_q(b, h, tile.qi)
       if segments:
-        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(row, bq)], seg.q_ids.at[wg],
-                                seg.q_ready.at[wg])
+        if not config.persistent:
+          load_q_ids(b, tile.qi)
         plgpu.barrier_wait(seg.q_ready.at[wg])
         q_ids = hopper.load(seg.q_ids.at[wg], plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(q_ready.at[wg])
