@@ -380,8 +380,9 @@ class ChunkBackend:
 
   def takes_rows(self, n_tokens: int, chunk: int) -> tuple[str, ...]:
     """With Mosaic GEMMs, x's chunk is read in place, and dx's rows are written in place
-    where a Mosaic GEMM uses them: the dx GEMM writes them, or (exp_logits) the dW GEMM
-    reads x's scaled rows from them before dx's land there (see _chunked)."""
+    where a Mosaic GEMM is on the dW or dx side: the dx GEMM writes them (or, with
+    exp_logits, cuBLAS's product lands there), and where both are Mosaic's the dW GEMM
+    first reads x's scaled rows from them (see _apply and _chunked)."""
     if not (self.gemms or self.exp_gemm) or n_tokens % chunk:
       return ()
     if self._mosaic("dx") is not None or (self.exp_logits and self._mosaic("dw") is not None):
@@ -454,11 +455,15 @@ class ChunkBackend:
   def _apply(self, g, x_c, w, dw_acc, need, dx_rows, scale):
     """(dx_c, dW) with dx_c = diag(scale) G Wᵀ and dW += (diag(scale) x_c)ᵀ G, G the
     chunk's buffer (scale None: 1). With dx_rows (a Rows window of a jax.Ref of dx) dx_c is
-    all of dx, the chunk's rows written in place; where the dW GEMM is Mosaic's, x's
-    scaled rows wait in them for it (no [C, D] operand of their own), so dW comes first."""
+    all of dx, the chunk's rows written in place; where the dW and dx GEMMs are both
+    Mosaic's, x's scaled rows wait in them for the dW GEMM (no [C, D] operand of their
+    own), so dW comes first. Not where dx is cuBLAS's: its [C, D] product is a buffer of
+    its own anyway, and its write into rows the dW kernel reads, which XLA cannot order
+    after that kernel, made XLA copy all of dx twice a chunk (GPT-2's head, H200: 15
+    copies of 12.7 µs a call)."""
     need_dx, need_dw = need
     scratch = (need_dw and scale is not None and dx_rows is not None
-               and self._mosaic("dw") is not None)
+               and self._mosaic("dw") is not None and self._mosaic("dx") is not None)
     if need_dw and scale is not None:
       x_c = (scale[:, None] * _sliced(x_c).astype(jnp.float32)).astype(w.dtype)
       if scratch:
