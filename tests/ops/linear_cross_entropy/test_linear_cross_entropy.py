@@ -5,6 +5,7 @@ it as chunked_xla, as pallas_mosaic_gpu in the Pallas interpreter (CPU), and on 
 """
 
 import dataclasses
+import re
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -617,6 +618,22 @@ def test_own_slot_ping_pong_gemms_match_reference(gemms, d):
 
 
 @pytest.mark.gpu
+def test_cublas_dx_beside_the_mosaic_dw_gemm_copies_no_dx():
+  """GPT-2's head in two chunks of 2,048 (dx on cuBLAS, dW on kernels.mosaic_gemm): dx's
+  rows are written in place and the compiled program copies no [N, D] buffer (x's scaled
+  rows waiting in dx's rows for the dW GEMM made XLA copy all of dx twice a chunk)."""
+  x, w, labels, _, _ = make_problem(jax.random.key(23), (4096,), 768, 50257, jnp.bfloat16)
+  impl = PallasMosaicGpu()
+  assert impl.auto_gemms(4096, (2048, 768, 50304, x.dtype, w.dtype, "dv"), exp=True) == (
+      ("logits", "dw"), "tma_add")
+  f = jax.jit(jax.value_and_grad(lambda x, w: memeff_jax.linear_cross_entropy(
+      x, w, labels, implementation=impl), argnums=(0, 1)))
+  hlo = f.lower(x, w).compile().as_text()
+  assert "lce_dw_gemm" in str(jax.make_jaxpr(f)(x, w))
+  assert not re.search(r"bf16\[4096,768\]\S* copy\(", hlo)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("gemms", [pallas_mosaic_gpu.GEMMS, ("logits", "dw")])
 def test_mosaic_gemms_on_chunks_that_do_not_divide_the_tokens(gemms, reduction):
@@ -816,6 +833,8 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   assert auto(n=512, tokens=512) == (("logits", "dw"), "tma_add")
   assert auto(n=15000, d=2304, v=256000) == (pallas_mosaic_gpu.GEMMS, "tma_add")
   assert auto(n=15000, tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
+  # GPT-2's 2,048-token chunks: 48 dx tiles at most, the dW GEMM's 32 K steps on own slots.
+  assert auto(tokens=2048, d=768, v=50304) == (("logits", "dw"), "tma_add")
   assert auto(PallasMosaicGpu(interpret=True)) == cublas
   assert auto(PallasMosaicGpu(dw_accumulation="weight")) == cublas
   assert auto(PallasMosaicGpu(dw_accumulation="float32")) == ((), "float32")
@@ -846,6 +865,7 @@ def test_gpu_chunks_hold_the_tuned_tokens():
   assert impl.plan(16384, 256000, 2, None) == 1024  # Gemma-2: 0.5 GiB for 1,024
   assert impl.plan(16384, 152064, 2, None) == 1024  # Qwen2.5: 768 at 256 MiB
   assert impl.plan(16384, 32768, 2, None) == 4096
+  assert impl.plan(16384, 50304, 2, None) == 2048  # GPT-2: 8 exact chunks, not 7 of 2,432
   assert PallasMosaicGpu(memory_budget_bytes=256 * 2**20).plan(16384, 256000, 2, None) == 512
   # Under one chunk, 128 not dividing the tokens: one chunk of whole 128-row tiles.
   assert impl.plan(1000, 256000, 2, None) == 1024
