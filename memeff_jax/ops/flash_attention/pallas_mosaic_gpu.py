@@ -345,12 +345,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
     # tile's rows while this one's epilogue runs), else through Q's.
     o_tile = o_smem.at[wg] if config.persistent else q_tile
 
+    def first_row(qi):  # this warpgroup's first query row in query CTA qi
+      return (2 * qi + wg) * bq
+
     def load_q_ids(b, qi):
-      plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds((2 * qi + wg) * bq, bq)],
+      plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(first_row(qi), bq)],
                               seg.q_ids.at[wg], seg.q_ready.at[wg])
 
     def load_q(b, h, qi):
-      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((2 * qi + wg) * bq, bq), h], q_tile,
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(first_row(qi), bq), h], q_tile,
                               q_ready.at[wg])
       if segments and config.persistent:  # the ids too, read at the tile's start
         load_q_ids(b, qi)
@@ -363,7 +366,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
     def run_tile(r, tile: _Tile, base):
       b, h, cta_lo, cta_hi = tile.b, tile.h, tile.cta_lo, tile.cta_hi
-      row = (2 * tile.qi + wg) * bq
+      row = first_row(tile.qi)
       bounds = _mosaic.my_key_blocks(tile.per_block, cta_lo, cta_hi, wg)
       hi = bounds[1]
       if not config.persistent:
