@@ -82,10 +82,11 @@ class PallasMosaicGpu:
   """Chunked implementation whose per-chunk softmax pass is a Pallas GPU kernel.
 
   Attributes:
-    memory_budget_bytes: bytes for the chunk's logits/G buffer; decides the token chunk.
-      None (the default): 256 MiB, or as many as the tuning table's `min_chunk_tokens`
-      tokens take where that is more (Gemma-2's 256,000-entry vocabulary: 0.5 GiB for 1,024
-      tokens; the GEMM tiles are tuned at 1,024-token chunks, and 512 run them far slower).
+    memory_budget_bytes: bytes for the chunk's logits/G buffer and its rows' partial sums
+      (4 bytes per 128 logits); decides the token chunk. None (the default): 256 MiB, or
+      as many as the tuning table's `min_chunk_tokens` tokens take where that is more
+      (Gemma-2's 256,000-entry vocabulary: 0.5 GiB for 1,024 tokens; the GEMM tiles are
+      tuned at 1,024-token chunks, and 512 run them far slower).
     dw_accumulation: "weight" (accumulate dW in the weight's dtype, no extra buffer: each
       chunk's product is added to the running dW in float32 and rounded once), "float32"
       (a float32 [D, V] accumulator, cast once at the end: D·V·4 bytes more) or "tma_add"
@@ -268,11 +269,15 @@ class PallasMosaicGpu:
                                       f"got {chunk_size=} with vocab size {vocab}")
         chunk_size = tokens
       return min(chunk_size, n_tokens)
+    rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
+    min_tokens = rule.get("min_chunk_tokens", 0)
+    # A token's logits and, on the exp_logits path, its row's float32 sums over E's column
+    # tiles (128 columns at the narrowest).
+    per_token = vocab * itemsize + 4 * -(-vocab // 128)
     budget = self.memory_budget_bytes
     if budget is None:
-      rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
-      budget = max(256 * 2**20, rule.get("min_chunk_tokens", 0) * vocab * itemsize)
-    tokens = budget // (vocab * itemsize)
+      budget = max(256 * 2**20, min_tokens * per_token)
+    tokens = budget // per_token
     if tokens < 16:
       raise _dispatch.Unsupported(
           f"a vocabulary of {vocab} leaves fewer than 16 tokens per chunk in "
@@ -284,7 +289,7 @@ class PallasMosaicGpu:
         # One chunk, padded to whole 128-row tiles (see __call__): the Mosaic GEMMs run on
         # whole tiles, and a few zero rows cost less than cuBLAS and the softmax pass.
         return -(-n_tokens // 128) * 128
-    return _chunked.balanced_chunk(n_tokens, tokens)
+    return _chunked.balanced_chunk(n_tokens, tokens, min_exact=min_tokens)
 
   def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None,
                vocab: VocabShards | None = None):

@@ -262,6 +262,12 @@ class TestChunkedXla(_LinearCrossEntropyTest):
     assert balanced_chunk(16384, 2560) == 2048  # 8 exact chunks, not 7 overlapping
     assert balanced_chunk(12288, 2560) == 2048
     assert balanced_chunk(16896, 2560) == 2432  # no exact 8
+    # With min_exact: the largest exact chunk of at least min_exact and half the chunk.
+    assert balanced_chunk(16384, 3968, min_exact=1024) == 2048  # 8, not 5 of 3,328
+    assert balanced_chunk(16384, 3968) == 3328  # no exact 6
+    assert balanced_chunk(16000, 1024, min_exact=1024) == 1024  # 640 divides, but is short
+    assert balanced_chunk(16384, 3968, min_exact=3072) == 3328
+    assert balanced_chunk(20480, 7936, min_exact=1024) == 5120  # the largest: 4, not 8
 
 
 class TestPallasGpuInterpret(_LinearCrossEntropyTest):
@@ -864,7 +870,9 @@ def test_gpu_chunks_hold_the_tuned_tokens():
   assert impl.plan(16384, 128256, 2, None) == 1024  # Llama-3: 256 MiB holds 1,046
   assert impl.plan(16384, 256000, 2, None) == 1024  # Gemma-2: 0.5 GiB for 1,024
   assert impl.plan(16384, 152064, 2, None) == 1024  # Qwen2.5: 768 at 256 MiB
-  assert impl.plan(16384, 32768, 2, None) == 4096
+  # 4,096 tokens' logits alone take 256 MiB, their partial sums 4 MiB more: 8 exact chunks.
+  assert impl.plan(16384, 32768, 2, None) == 2048
+  assert impl.plan(16384, 32000, 2, None) == 4096  # Llama-2: 256 MiB holds 4,129
   assert impl.plan(16384, 50304, 2, None) == 2048  # GPT-2: 8 exact chunks, not 7 of 2,432
   assert PallasMosaicGpu(memory_budget_bytes=256 * 2**20).plan(16384, 256000, 2, None) == 512
   # Under one chunk, 128 not dividing the tokens: one chunk of whole 128-row tiles.
