@@ -348,15 +348,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
     def first_row(qi):  # this warpgroup's first query row in query CTA qi
       return (2 * qi + wg) * bq
 
-    def load_q_ids(b, qi):
-      plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(first_row(qi), bq)],
-                              seg.q_ids.at[wg], seg.q_ready.at[wg])
-
-    def load_q(b, h, qi):
+    def load_q(b, h, qi):  # the tile's queries, and their document ids where segments
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(first_row(qi), bq), h], q_tile,
                               q_ready.at[wg])
-      if segments and config.persistent:  # the ids too, read at the tile's start
-        load_q_ids(b, qi)
+      if segments:
+        plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(first_row(qi), bq)],
+                                seg.q_ids.at[wg], seg.q_ready.at[wg])
 
     if config.persistent:
       if config.dynamic:
@@ -372,8 +369,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       if not config.persistent:
         load_q(b, h, tile.qi)
       if segments:
-        if not config.persistent:
-          load_q_ids(b, tile.qi)
         plgpu.barrier_wait(seg.q_ready.at[wg])
         q_ids = hopper.load(seg.q_ids.at[wg], plgpu.Layout.WGMMA.reduce(1))
       plgpu.barrier_wait(q_ready.at[wg])
