@@ -739,6 +739,11 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   )
 
 
+# TMA moves a 16-bit array in tiles of 8 rows (of the swizzle's width): an array that the
+# kernels read or write through Rows windows has a whole number of them.
+TMA_ROWS = 8
+
+
 class Rows(NamedTuple):
   """The `block`-th block of `size` rows of a 2-D array (or `jax.Ref`), used where it lies.
 
@@ -746,11 +751,12 @@ class Rows(NamedTuple):
   without the copy XLA makes of a slice it hands to a kernel: the kernel adds the block's
   first row to its TMA coordinates. A loop over token chunks then holds no chunk-sized copy
   of its input (nor of the chunk's output, which `gemm_into` writes straight into the whole
-  array). `block` may be traced; `size` is static and divides the array's first axis (the
+  array). `block` may be traced; `size` is static, at most the array's first axis (the
   axis as stored: with trans_a, A's first axis is K). Windows start at multiples of `size`
   because Mosaic GPU's layout inference must know that a TMA copy's offset is a multiple of
   the shared-memory tiling; a traced block index read in the kernel times the static size
-  says so.
+  says so. The caller keeps the window inside the array (the last rows of an array that
+  `size` does not divide are in no window), whose rows are a multiple of TMA_ROWS.
   """
 
   array: jax.Array
@@ -856,9 +862,11 @@ def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue", o
   """(m, n, k) of op(a) @ op(b), after checking the operands, C (or the output's dtype,
   `out_dtype`, where there is no C) and that the config's buffers fit shared memory."""
   for name, op in (("a", a), ("b", b), ("c", c)):
-    if isinstance(op, Rows) and (op.array.ndim != 2 or op.array.shape[0] % op.size):
-      raise ValueError(f"{name}: Rows of size {op.size} must tile the first axis of a 2-D "
-                       f"array, got one of shape {tuple(op.array.shape)}")
+    if isinstance(op, Rows) and (op.array.ndim != 2 or op.array.shape[0] < op.size
+                                 or op.array.shape[0] % TMA_ROWS):
+      raise ValueError(f"{name}: Rows of size {op.size} must be rows of a 2-D array at least "
+                       f"that long, of a multiple of {TMA_ROWS} rows (TMA's tiles), got one "
+                       f"of shape {tuple(op.array.shape)}")
     if op is not None and len(op.shape) != 2:
       raise ValueError(f"{name} must be 2-D, got {name} {tuple(op.shape)}")
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
@@ -1017,10 +1025,12 @@ def stats_window_error(window, m: int, config: GemmConfig) -> str | None:
             f"{type(window).__name__} of {getattr(window, 'dtype', None)}")
   size, d = window.shape
   words = 3 * row_stats_rows(m, config) * m
-  if (d % m and m % d) or d % config.tile_m or words > size * d:
-    return (f"row_stats_into: a window [{size}, {d}] cannot hold the partials' {words} words "
-            f"in rows of {m} (its width must be a multiple or a divisor of M={m} and a "
-            f"multiple of tile_m={config.tile_m})")
+  if ((d % m and m % d) or d % config.tile_m or words > size * d
+      or window.array.shape[0] * d % m):
+    return (f"row_stats_into: a window [{size}, {d}] of an array of {window.array.shape[0]} "
+            f"rows cannot hold the partials' {words} words in rows of {m} (its width must be "
+            f"a multiple or a divisor of M={m} and a multiple of tile_m={config.tile_m}, and "
+            f"the array a whole number of rows of {m} words)")
   return None
 
 

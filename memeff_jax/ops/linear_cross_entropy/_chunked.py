@@ -15,10 +15,13 @@ which runs before the loop, and returns that chunk's dW as the running sum (no z
 dW to add to).
 
 A backend whose kernels read or write at an offset names in `takes_rows(n_tokens, chunk)`
-which of "x" and "dx" it takes as windows (the chunk must then divide the tokens). For "x"
-it is given x_c as `Rows(x, i, C)`, the i-th chunk of x unsliced; for "dx", where dx is
-wanted, `dx_into=Rows(dx, i, C)`: it writes the chunk's rows of dx in place and returns
-the whole dx. The loop then holds no chunk-sized copy of x or dx next to the chunk's logits.
+which of "x" and "dx" it takes as windows. For "x" it is given a whole chunk's x_c as
+`Rows(x, i, C)`, the i-th chunk of x unsliced; for "dx", where dx is wanted,
+`dx_into=Rows(dx, i, C)`: it writes the chunk's rows of dx in place and returns the whole
+dx. The loop then holds no chunk-sized copy of x or dx next to the chunk's logits. Where C
+does not divide the tokens, the rest are one ragged chunk of arrays, padded to a multiple
+of the backend's `row_multiple` rows (kernels that run whole row tiles), which `Static`'s
+`tail_backend` may serve with settings of its own (see run_chunks).
 
 Vocab parallel (`Static.vocab`, see _vocab_parallel): W is this shard's slice of the
 vocabulary and the backend's options name the slice. It is given the labels local to the
@@ -62,6 +65,7 @@ class Static(NamedTuple):
   opts: LossOptions  # the whole vocabulary's (the backend's name its slice's, vocab parallel)
   token_chunk: int
   vocab: VocabShards | None = None  # W's vocabulary sharded over these axes
+  tail_backend: Any = None  # the ragged chunk's, where it differs (see run_chunks)
 
 
 class Residuals(NamedTuple):
@@ -96,13 +100,13 @@ def balanced_chunk(n_tokens: int, max_chunk: int, min_exact: int | None = None) 
   with `min_exact` None one that makes one chunk more, else the largest of at least
   `min_exact` tokens and half the chunk.
 
-  E.g. 16,000 tokens with room for 1,024: 16 chunks either way, so 1,024 rather than a
-  last window that overlaps most of the one before it. 16,384 with room for 2,560: 8 chunks
-  of 2,048 rather than 7 of 2,432, whose last one recomputes 640 tokens of the one before
-  and keeps x's chunks and dx's rows from being used in place (GPT-2's head on an H200:
-  1.14x the floor against 1.18x; 12,288 tokens 1.14x against 1.20x). With room for 3,968
-  and min_exact 1,024: 8 chunks of 2,048 rather than 5 of 3,328 (Mistral-7B's head:
-  20.53 against 20.78 ms, 0.13 against 0.25 GiB).
+  E.g. 16,000 tokens with room for 1,024: 15 chunks of 1,024 and a ragged one of 640 (see
+  run_chunks), 1,000 being no whole number of 128-row tiles. 16,384 with room for 2,560: 8
+  chunks of 2,048 rather than 7 of 2,432, on whose 38 K steps the Mosaic dW GEMM cannot run
+  ping-pong on each warpgroup's own slots (GPT-2's head on an H200, when the last of the 7
+  overlapped the one before: 1.14x the floor against 1.18x; 12,288 tokens 1.14x against
+  1.20x). With room for 3,968 and min_exact 1,024: 8 chunks of 2,048 rather than 5 of
+  3,328 (Mistral-7B's head: 20.53 against 20.78 ms, 0.13 against 0.25 GiB).
   """
   if max_chunk >= n_tokens:
     return n_tokens
@@ -110,7 +114,7 @@ def balanced_chunk(n_tokens: int, max_chunk: int, min_exact: int | None = None) 
   tile = 128 if max_chunk % 128 == 0 else 1
   chunk = -(-n_tokens // n_chunks)
   chunk = min(-(-chunk // tile) * tile, max_chunk)
-  if n_tokens % chunk:  # the last chunk would overlap the one before it
+  if n_tokens % chunk:  # a ragged chunk would remain
     if min_exact is None:
       exact, rest = divmod(n_tokens, n_chunks + 1)
       if not rest and exact % tile == 0:
@@ -137,22 +141,24 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   With `reduced` the first result is the reduced loss (a float32 scalar) instead of the
   [N] statistics, and the coefficients come from reduced (a and e must be None).
 
-  Every chunk has the same static size C, so one compiled body serves all of them and the
-  running dW is updated in place (a second, ragged call after the loop would make XLA keep
-  a copy of it). The last chunk is the window [N - C, N): rows an earlier chunk already
-  covered get zero gradient coefficients there and keep their earlier dx, and add nothing
-  to a reduced loss.
+  The tokens are N // C whole chunks of C = token_chunk, run by one compiled loop body so
+  that the running dW is updated in place, and, where C does not divide N, the rest: one
+  ragged chunk, which runs first, before the loop (by `static.tail_backend` where given),
+  padded with zero rows to a multiple of the backend's `row_multiple` (default 1). Padded
+  rows are invalid tokens with zero coefficients: they add nothing and their outputs are
+  dropped.
   """
   backend, chunk, opts = static.backend, static.token_chunk, static.opts
+  tail_backend = static.tail_backend or backend
   n, d = x.shape
+  n_full, rest = divmod(n, chunk)
+  multiple = getattr(tail_backend, "row_multiple", 1)
+  padded_rest = -(-rest // multiple) * multiple
   with_grads = a is not None or (reduced is not None and reduced.grads)
   need_dx, need_dw, need_db = need
   need_db = need_db and bias is not None
-  n_chunks = -(-n // chunk)
   peel = with_grads and need_dw and getattr(backend, "first_chunk_writes_dw", False)
-  rows = getattr(backend, "takes_rows", lambda *_: ())(n, chunk)
-  if rows and n % chunk:
-    raise ValueError(f"takes_rows needs chunks that divide the tokens, got {n} and {chunk}")
+  rows = getattr(backend, "takes_rows", lambda *_: ())(n, chunk) if n_full else ()
   stats0 = (jnp.zeros((), jnp.float32) if reduced is not None
             else Stats(*(jnp.zeros((n,), jnp.float32) for _ in range(3))))
   # Written in place chunk by chunk, every row once (the chunks tile the tokens): no fill.
@@ -171,30 +177,35 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   local = (lambda labels_c: labels_c) if vocab is None else (lambda labels_c: labels_c - offset)
   parallel = {} if vocab is None else {"vocab": vocab}
 
-  def body(i, carry):
+  def step(carry, backend, start, size: int, window=None):
+    """The chunk of `size` tokens from `start`: a whole chunk (`window`, its traced index,
+    where the backend takes x and dx as windows) or the ragged one (`start` static, padded
+    to padded_rest rows)."""
     stats, dx, dw, db = carry
-    start = jnp.minimum(i * chunk, n - chunk)
-    sl = lambda t: jax.lax.dynamic_slice_in_dim(t, start, chunk, axis=0)
-    x_c = Rows(x, i, chunk) if "x" in rows else sl(x)
-    labels_c = _common.int32_labels(sl(labels))
-    fresh = start + jnp.arange(chunk) >= i * chunk  # False: done by the previous chunk
+    if size == chunk:
+      part = lambda t: jax.lax.dynamic_slice_in_dim(t, start, size, axis=0)
+    else:
+      part = lambda t: jnp.pad(t[start:], [(0, padded_rest - size)] + [(0, 0)] * (t.ndim - 1))
+    whole = window is not None
+    x_c = Rows(x, window, size) if whole and "x" in rows else part(x)
+    labels_c = _common.int32_labels(part(labels))
     if reduced is not None:
-      counted = sl(reduced.valid) & fresh
+      counted = part(reduced.valid)
     if with_grads:
       if reduced is not None:
         a_c = jnp.where(counted, reduced.scale, 0.0)
         e_c = jnp.zeros_like(a_c)
       else:
-        a_c, e_c = (jnp.where(fresh, sl(t), 0.0) for t in (a, e))
-      into = {"dx_into": Rows(dx, i, chunk)} if "dx" in rows and need_dx else {}
+        a_c, e_c = part(a), part(e)
+      into = {"dx_into": Rows(dx, window, size)} if whole and "dx" in rows and need_dx else {}
       chunk_stats, dx_c, dw, db = kernels(backend.grads)(
-          x_c, w, bias, local(labels_c), a_c, e_c, None if lse is None else sl(lse),
+          x_c, w, bias, local(labels_c), a_c, e_c, None if lse is None else part(lse),
           dw, db, (need_dx, need_dw, need_db), **into, **parallel)
       if into:
         dx = dx_c
       elif need_dx:
-        dx_c = jnp.where(fresh[:, None], dx_c.astype(dx.dtype), sl(dx))
-        dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c, start, axis=0)
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_c[:size].astype(dx.dtype), start,
+                                                 axis=0)
     else:
       chunk_stats = kernels(backend.stats)(x_c, w, bias, local(labels_c))
       if vocab is not None:
@@ -203,13 +214,19 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
       per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts)
       stats = stats + _common.reduced_sum(per_token, counted, reduced.scale)
     else:
-      stats = Stats(*(jax.lax.dynamic_update_slice_in_dim(s, c, start, axis=0)
+      stats = Stats(*(jax.lax.dynamic_update_slice_in_dim(s, c[:size], start, axis=0)
                       for s, c in zip(stats, chunk_stats)))
     return stats, dx, dw, db
 
-  if peel:
-    carry = body(0, carry)
-  return jax.lax.fori_loop(int(peel), n_chunks, body, carry)
+  first = 0
+  if rest:  # first, so that where it is padded it is its own program, and may write dW
+    carry = step(carry, tail_backend, n_full * chunk, rest)
+  elif peel:
+    carry, first = step(carry, backend, 0, chunk, window=0), 1
+  if first < n_full:
+    carry = jax.lax.fori_loop(first, n_full, lambda i, c: step(c, backend, i * chunk, chunk,
+                                                                window=i), carry)
+  return carry
 
 
 def _reduced_in_loop(opts: LossOptions) -> bool:

@@ -210,14 +210,11 @@ class PallasMosaicGpu:
     would leave most SMs idle). Where only that last fails and the dW GEMM runs ping-pong
     on its warpgroups' own slots (mosaic_gemm.own_slots), the logits and dW GEMMs go on
     kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b's head with dx in 128 × 256 tiles, 72
-    of them, H200: 1.105x the floor against 1.174x all on cuBLAS). A chunk that does not
-    divide the tokens (the last one overlaps the one before it) takes the same choice, with
-    x's chunk and dx's rows as [C, D] arrays of their own instead of windows (H200, × the
-    floor against all on cuBLAS: Llama-3-8B at 16,000 tokens 1.014x against 1.022x,
-    Qwen2.5-7B at 3,000 1.043x against 1.080x, Gemma-2-2b at 15,000 1.058x against 1.094x).
-    Elsewhere cuBLAS, with dW added in the weight's dtype ("weight"). Where a 16-bit dW
-    would be rounded after more than `max_rounded_chunks` chunks, cuBLAS with a float32 dW
-    ("float32"). `shapes` as gemm_configs takes them; `sms`: the GPU's SM count (default:
+    of them, H200: 1.105x the floor against 1.174x all on cuBLAS). Where the chunks do not
+    divide the tokens, the ragged rest runs on the same GEMMs with tiles chosen for its own
+    rows, or on cuBLAS where those do not fit (see __call__). Elsewhere cuBLAS, with dW
+    added in the weight's dtype ("weight"). Where a 16-bit dW would be rounded after more
+    than `max_rounded_chunks` chunks, cuBLAS with a float32 dW ("float32"). `shapes` as gemm_configs takes them; `sms`: the GPU's SM count (default:
     the default device's), which mosaic_gemm.ctas turns into the dx launch's CTAs."""
     tokens, d = shapes[0], shapes[1]
     rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
@@ -260,7 +257,7 @@ class PallasMosaicGpu:
   def plan(self, n_tokens: int, vocab: int, itemsize: int, chunk_size) -> int:
     """Tokens per chunk: `chunk_size` as given, else as many as the memory budget holds
     (a multiple of 128), balanced over the chunks needed. A call under one chunk is one
-    chunk, rounded up to whole 128-row tiles (more than n_tokens: __call__ pads)."""
+    chunk, rounded up to whole 128-row tiles (more than n_tokens: _chunked pads it)."""
     if chunk_size is not None:
       if not isinstance(chunk_size, int):
         tokens, cols = chunk_size
@@ -304,8 +301,8 @@ class PallasMosaicGpu:
         "linear_cross_entropy", "triton_softmax", fields=triton_softmax.SoftmaxKernelConfig))
     whole, opts = opts, opts if vocab is None else vocab.options(opts, weight)
     pad = -opts.vocab_size % self.vocab_multiple
-    tokens = self.plan(x.shape[0], opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize,
-                       chunk_size)
+    rows = x.shape[0]
+    tokens = self.plan(rows, opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize, chunk_size)
     shapes = (tokens, x.shape[1], opts.vocab_size + pad, x.dtype, weight.dtype,
               opts.weight_layout)
     wanted = self.exp_logits or (self.exp_logits is None and not self.fused_lse)
@@ -316,10 +313,41 @@ class PallasMosaicGpu:
       wanted = False
     wanted = wanted and bias is None and not (opts.logit_softcap is not None
                                               or opts.label_smoothing)
-    if self.mosaic_gemms is None or self.dw_accumulation is None:
-      gemms, accumulation = self.auto_gemms(x.shape[0], shapes, exp=wanted)
-      return dataclasses.replace(self, mosaic_gemms=gemms, dw_accumulation=accumulation)(
-          x, weight, bias, labels, valid, opts=whole, chunk_size=chunk_size, vocab=vocab)
+    if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
+      raise _dispatch.Unsupported("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds "
+                                  "no bias and applies no logit_softcap")
+    chosen = self.mosaic_gemms is not None and self.dw_accumulation is not None
+    impl = self
+    if not chosen:
+      gemms, accumulation = self.auto_gemms(rows, shapes, exp=wanted)
+      impl = dataclasses.replace(self, mosaic_gemms=gemms, dw_accumulation=accumulation)
+    backend = impl._chunk_backend(shapes, opts, kernel, wanted)
+    tail = None
+    if rows > tokens and rows % tokens:  # the ragged chunk: GEMM tiles for its own rows
+      multiple = backend.row_multiple
+      tail_shapes = (-(-(rows % tokens) // multiple) * multiple, *shapes[1:])
+      try:
+        tail = impl._chunk_backend(tail_shapes, opts, kernel, wanted)
+      except _dispatch.Unsupported:
+        if chosen:
+          raise
+        # On cuBLAS instead, dW still added in the weight's dtype where it was by TMA.
+        accumulation = "weight" if impl.dw_accumulation == "tma_add" else impl.dw_accumulation
+        tail = dataclasses.replace(impl, mosaic_gemms=(), dw_accumulation=accumulation
+                                   )._chunk_backend(tail_shapes, opts, kernel, wanted)
+    # Zero columns give zero logits, which the kernel never overwrites: G is 0 there, so
+    # they add nothing to dx and their dW columns are sliced away by pad's transpose.
+    if pad:
+      axis = 1 if opts.weight_layout == "dv" else 0
+      weight = jnp.pad(weight, [(0, pad if i == axis else 0) for i in range(2)])
+      bias = None if bias is None else jnp.pad(bias, (0, pad))
+    static = _chunked.Static(backend, whole, tokens, vocab, tail)
+    return _chunked.chunked_loss(static, x, weight, bias, labels, valid)
+
+  def _chunk_backend(self, shapes: tuple, opts: LossOptions, kernel, wanted: bool
+                     ) -> ChunkBackend:
+    """The ChunkBackend of chunks of shapes[0] tokens (`shapes` as gemm_configs takes
+    them): this object's GEMMs, and the exp_logits path where `wanted` and its GEMM runs."""
     gemms = self.gemm_configs(*shapes)
     exp_logits, exp_gemm = False, None
     if wanted:
@@ -337,29 +365,14 @@ class PallasMosaicGpu:
           if self.exp_logits:
             raise
           exp_gemm = None
-    if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
-      raise _dispatch.Unsupported("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds "
-                                  "no bias and applies no logit_softcap")
-    backend = ChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
-                                 dw_accumulation=self.dw_accumulation, gemms=gemms,
-                                 fused_lse=self.fused_lse, exp_logits=exp_logits,
-                                 exp_gemm=exp_gemm)
-    # Zero columns give zero logits, which the kernel never overwrites: G is 0 there, so
-    # they add nothing to dx and their dW columns are sliced away by pad's transpose.
-    if pad:
-      axis = 1 if opts.weight_layout == "dv" else 0
-      weight = jnp.pad(weight, [(0, pad if i == axis else 0) for i in range(2)])
-      bias = None if bias is None else jnp.pad(bias, (0, pad))
-    static = _chunked.Static(backend, whole, tokens, vocab)
-    rows = x.shape[0]
-    if tokens <= rows:
-      return _chunked.chunked_loss(static, x, weight, bias, labels, valid)
-    # A chunk past the tokens (plan): rows of zeros, which no reduction counts (valid is
-    # False there) and whose per-token outputs are sliced away.
-    x, labels, valid = (jnp.pad(t, [(0, tokens - rows)] + [(0, 0)] * (t.ndim - 1))
-                        for t in (x, labels, valid))
-    out = _chunked.chunked_loss(static, x, weight, bias, labels, valid)
-    return tuple(t if t is None or t.ndim == 0 else t[:rows] for t in out)
+    # Tokens are the M of the logits and dx GEMMs and the K of dW's.
+    tiles = [config.cluster_tile()[0] for name, config in gemms if name != "dw"]
+    tiles += [config.tile_k for name, config in gemms if name == "dw"]
+    tiles += [] if exp_gemm is None else [exp_gemm.cluster_tile()[0]]
+    return ChunkBackend(opts=opts, kernel=kernel, interpret=self.interpret,
+                        dw_accumulation=self.dw_accumulation, gemms=gemms,
+                        fused_lse=self.fused_lse, exp_logits=exp_logits, exp_gemm=exp_gemm,
+                        row_multiple=math.lcm(1, *tiles))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,6 +389,7 @@ class ChunkBackend:
   fused_lse: bool = False  # partial log-sum-exps from the logits GEMM (PallasMosaicGpu.fused_lse)
   exp_logits: bool = False  # no softmax pass where grads makes G (PallasMosaicGpu.exp_logits)
   exp_gemm: mosaic_gemm.GemmConfig | None = None  # its logits GEMM's; None: XLA's
+  row_multiple: int = 1  # a ragged chunk's rows padded to a multiple (the GEMMs' row tiles)
 
   def dw_dtype(self, w):
     return jnp.float32 if self.dw_accumulation == "float32" else w.dtype
@@ -387,8 +401,11 @@ class ChunkBackend:
     """With Mosaic GEMMs, x's chunk is read in place, and dx's rows are written in place
     where a Mosaic GEMM is on the dW or dx side: the dx GEMM writes them (or, with
     exp_logits, cuBLAS's product lands there), and where both are Mosaic's the dW GEMM
-    first reads x's scaled rows from them (see _apply and _chunked)."""
-    if not (self.gemms or self.exp_gemm) or n_tokens % chunk:
+    first reads x's scaled rows from them (see _apply and _chunked). Not where the tokens
+    are no whole number of TMA's 8-row tiles (mosaic_gemm.TMA_ROWS): then each chunk is an
+    array of its own."""
+    if (not (self.gemms or self.exp_gemm) or n_tokens < chunk
+        or n_tokens % mosaic_gemm.TMA_ROWS):
       return ()
     if self._mosaic("dx") is not None or (self.exp_logits and self._mosaic("dw") is not None):
       return ("x", "dx")

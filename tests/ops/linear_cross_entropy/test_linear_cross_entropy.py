@@ -20,7 +20,9 @@ from memeff_jax.ops.linear_cross_entropy import ChunkedXla
 from memeff_jax.ops.linear_cross_entropy import Int64Labels
 from memeff_jax.ops.linear_cross_entropy import SoftmaxKernelConfig
 from memeff_jax.ops.linear_cross_entropy import PallasMosaicGpu
+from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
+from memeff_jax.ops.linear_cross_entropy import chunked_xla
 from memeff_jax.ops.linear_cross_entropy import pallas_mosaic_gpu
 from memeff_jax.ops.linear_cross_entropy import triton_softmax
 
@@ -259,7 +261,7 @@ class TestChunkedXla(_LinearCrossEntropyTest):
     assert balanced_chunk(9000, 1024) == 1024
     assert balanced_chunk(5000, 4096) == 2560
     assert balanced_chunk(100, 4096) == 100
-    assert balanced_chunk(16384, 2560) == 2048  # 8 exact chunks, not 7 overlapping
+    assert balanced_chunk(16384, 2560) == 2048  # 8 exact chunks, not 6 and a ragged one
     assert balanced_chunk(12288, 2560) == 2048
     assert balanced_chunk(16896, 2560) == 2432  # no exact 8
     # With min_exact: the largest exact chunk of at least min_exact and half the chunk.
@@ -268,6 +270,52 @@ class TestChunkedXla(_LinearCrossEntropyTest):
     assert balanced_chunk(16000, 1024, min_exact=1024) == 1024  # 640 divides, but is short
     assert balanced_chunk(16384, 3968, min_exact=3072) == 3328
     assert balanced_chunk(20480, 7936, min_exact=1024) == 5120  # the largest: 4, not 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _TiledTail(ChunkedXla):
+  """chunked_xla whose ragged chunk runs on a backend of its own that takes whole tiles of
+  `rows` rows, as the Mosaic GEMMs take 128 (recording the rows each of its calls saw)."""
+
+  rows: int = 16
+  seen: list = dataclasses.field(default_factory=list, compare=False)
+
+  def __call__(self, x, weight, bias, labels, valid, *, opts, chunk_size=None, vocab=None):
+    tokens, cols = self.plan(x.shape[0], opts.vocab_size, chunk_size)
+    seen = self.seen
+
+    @dataclasses.dataclass(frozen=True)
+    class Tiled(chunked_xla.XlaChunkBackend):
+      row_multiple: int = self.rows
+
+      def stats(self, x_c, *args, **kwargs):
+        seen.append(x_c.shape[0])
+        return super().stats(x_c, *args, **kwargs)
+
+      def grads(self, x_c, *args, **kwargs):
+        seen.append(x_c.shape[0])
+        return super().grads(x_c, *args, **kwargs)
+
+    static = _chunked.Static(chunked_xla.XlaChunkBackend(opts=opts, vocab_chunk=cols), opts,
+                             tokens, tail_backend=Tiled(opts=opts, vocab_chunk=cols))
+    return _chunked.chunked_loss(static, x, weight, bias, labels, valid)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_ragged_chunk_padded_to_its_backends_tiles(reduction):
+  """74 tokens in chunks of 32: two whole chunks, and the ragged 10 run first by the tail
+  backend, padded to 16 rows; no loss, statistic or gradient shows the padding."""
+  options = dict(OPTION_SETS["all"], reduction=reduction)
+  x, w, labels, b, where = make_problem(jax.random.key(23), (74,), 24, 1000, jnp.float32,
+                                        **options)
+  impl = _TiledTail()
+  got, got_g = value_and_grads(loss_fn(impl, labels, options, 32), x, w, b, where, reduction)
+  ref, ref_g = value_and_grads(loss_fn("reference", labels, options), x, w, b, where,
+                               reduction)
+  assert impl.seen and set(impl.seen) == {16}, impl.seen
+  assert got.shape == ref.shape and rel_err(got, ref) < 2e-5
+  for a, r in zip(got_g, ref_g):
+    assert rel_err(a, r) < 2e-5
 
 
 class TestPallasGpuInterpret(_LinearCrossEntropyTest):
@@ -291,8 +339,9 @@ class TestPallasGpuInterpret(_LinearCrossEntropyTest):
         assert rel_err(a, c) < 1e-6
 
   def test_one_chunk_padded_to_whole_tiles(self):
-    """200 tokens where a chunk holds more: one chunk of 256 rows, the last 56 of them zero,
-    which neither the losses, the log-sum-exps nor the gradients show."""
+    """200 tokens where a chunk holds more: one chunk, planned at 256 rows for the Mosaic
+    GEMMs (which pad it to them), and neither the losses, the log-sum-exps nor the
+    gradients show the rows it does not have."""
     assert self.impl.plan(200, 1024, 4, None) == 256
     assert self.impl.plan(256, 1024, 4, None) == 256
     options = dict(z_loss=1e-2, label_smoothing=0.1)
@@ -640,14 +689,16 @@ def test_cublas_dx_beside_the_mosaic_dw_gemm_copies_no_dx():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [712, 700])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("gemms", [pallas_mosaic_gpu.GEMMS, ("logits", "dw")])
-def test_mosaic_gemms_on_chunks_that_do_not_divide_the_tokens(gemms, reduction):
-  """700 tokens in chunks of 256: the last chunk overlaps the one before it by 68 rows, so
-  x's chunk and dx's rows are arrays of their own, and the overlapped rows add nothing to
-  dW or the loss and keep their dx (exp GEMM, dW by TMA adds)."""
+def test_mosaic_gemms_on_chunks_that_do_not_divide_the_tokens(gemms, reduction, n):
+  """712 tokens in chunks of 256: two whole chunks read x's rows and write dx's in place,
+  and the ragged 200 tokens run first, padded to 256 rows, on tiles of their own, writing
+  dW (exp GEMM, dW by TMA adds). 700 tokens, no whole number of TMA's 8-row tiles: every
+  chunk an array of its own."""
   options = dict(weight_layout="dv", reduction=reduction, z_loss=1e-3)
-  x, w, labels, _, _ = make_problem(jax.random.key(18), (700,), 256, 2000, jnp.bfloat16,
+  x, w, labels, _, _ = make_problem(jax.random.key(18), (n,), 256, 2000, jnp.bfloat16,
                                     **options)
   impl = PallasMosaicGpu(mosaic_gemms=gemms, dw_accumulation="tma_add", exp_logits=True)
   assert_matches(impl, x, w, labels, options, reduction=reduction, chunk=256)
