@@ -7,6 +7,7 @@ persistent-kernel scheduling. Nothing here knows attention or the loss.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import inspect
@@ -65,6 +66,18 @@ def without_x64(fn):
     with jax.enable_x64(False):
       return fn(*args, **kwargs)
   return wrapped
+
+
+@contextlib.contextmanager
+def host_constants():
+  """Evaluates jnp code while tracing (jax.ensure_compile_time_eval), for a kernel's static
+  tables, with no mesh in context: inside jax.shard_map over an Explicit mesh the arrays
+  it makes would carry the mesh's manual axes, on which eager ops do not dispatch. Tables
+  that go into the program leave as NumPy arrays: shard_map refuses to close over a jax
+  Array typed with the mesh's Explicit axes."""
+  with jax.ensure_compile_time_eval(), jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((), ())):
+    yield
 
 
 def unavailable() -> str | None:

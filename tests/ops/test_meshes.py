@@ -610,18 +610,22 @@ def test_loss_sequence_parallel_on_an_explicit_mesh(explicit_mesh, x_spec, kw):
   assert " reduce-scatter(" in text or " reduce-scatter-start(" in text
 
 
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("impl, causal, hkv", [("pallas_mosaic_gpu", False, 2),
                                                ("pallas_mosaic_gpu", True, 2),
                                                ("pallas_mosaic_gpu", True, 8),
                                                ("pallas_triton", True, 2)])
-def test_attention_kernels_lower_for_cuda_in_shard_map(mesh, monkeypatch, check_vma, impl,
-                                                       causal, hkv):
+def test_attention_kernels_lower_for_cuda_in_shard_map(request, monkeypatch, check_vma, impl,
+                                                       causal, hkv, kind):
   """The GPU kernels (fwd+bwd) traced inside jax.shard_map and lowered for CUDA on this host:
   with check_vma, Pallas wants its outputs' types and refuses a kernel body that mixes
   per-shard values with constants (_vma.unchecked); custom_partitioning stays out of the
   way there (_auto.available). Causal MHA's fused backward writes into mutable arrays, whose
-  discharge at lowering re-traces the program with the checks on."""
+  discharge at lowering re-traces the program with the checks on. On an Explicit mesh the
+  ordered backward's rank table, computed while tracing, must carry none of the mesh's
+  manual axes (hopper.host_constants)."""
+  mesh = request.getfixturevalue("mesh" if kind == "auto" else "explicit_mesh")
   from memeff_jax.kernels import hopper  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.flash_attention import pallas_mosaic_gpu  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(pallas_mosaic_gpu, "hopper_available", lambda: None)
@@ -631,10 +635,35 @@ def test_attention_kernels_lower_for_cuda_in_shard_map(mesh, monkeypatch, check_
   spec = P("data", None, "model")
   step = shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(spec,) * 3,
                    out_specs=(spec,) * 3, check_vma=check_vma)
-  q = jax.ShapeDtypeStruct((8, 256, 8, 128), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((8, 256, hkv, 128), jnp.bfloat16)
-  text = jax.jit(step).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+  sharded = NamedSharding(mesh, spec) if kind == "explicit" else None
+  q = jax.ShapeDtypeStruct((8, 256, 8, 128), jnp.bfloat16, sharding=sharded)
+  k = jax.ShapeDtypeStruct((8, 256, hkv, 128), jnp.bfloat16, sharding=sharded)
+  with jax.set_mesh(mesh) if kind == "explicit" else contextlib.nullcontext():
+    text = jax.jit(step).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
   assert ("mosaic_gpu" if impl == "pallas_mosaic_gpu" else "triton") in text
+
+
+@pytest.mark.parametrize("hkv, kw", [(2, dict(causal=True)), (1, dict(sliding_window=(64, 0)))])
+def test_attention_kernels_lower_for_cuda_on_an_explicit_mesh(explicit_mesh, monkeypatch, hkv,
+                                                              kw):
+  """The batch over 'data', the heads over 'model' of an Explicit mesh under jax.jit: the
+  call runs per shard in a shard_map (ops/_explicit.py), the Mosaic kernels (fwd+bwd) in it,
+  lowered for CUDA on this host."""
+  from memeff_jax.kernels import hopper  # pylint: disable=import-outside-toplevel
+  from memeff_jax.ops.flash_attention import pallas_mosaic_gpu  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(pallas_mosaic_gpu, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  f = lambda q, k, v: memeff_jax.flash_attention(q, k, v, **kw)
+  loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32))
+  shard = lambda spec: NamedSharding(explicit_mesh, spec)
+  kv_spec = P("data", None, "model") if hkv > 1 else P("data")
+  q = jax.ShapeDtypeStruct((8, 256, 8, 128), jnp.bfloat16, sharding=shard(P("data", None,
+                                                                              "model")))
+  k = jax.ShapeDtypeStruct((8, 256, hkv, 128), jnp.bfloat16, sharding=shard(kv_spec))
+  with jax.set_mesh(explicit_mesh):
+    both = jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=(0, 1, 2))(*a)))
+    text = both.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -526,12 +527,14 @@ def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq
   depend on the shapes alone: computed while tracing, they are constants of the program
   rather than a handful of small kernels in every call."""
   static = ranges is None
-  with jax.ensure_compile_time_eval() if static else contextlib.nullcontext():
+  with hopper.host_constants() if static else contextlib.nullcontext():
     ranks, adders = _reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, ranges,
                                      rotate=rotate)
-    if static and bool(jnp.all(adders > 0)):
-      return ranks, None
-    return ranks, jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
+    written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
+    if not static:
+      return ranks, written
+    # As NumPy constants, which carry no mesh (see host_constants).
+    return np.asarray(ranks), None if bool(jnp.all(adders > 0)) else np.asarray(written)
 
 
 class _Item(NamedTuple):

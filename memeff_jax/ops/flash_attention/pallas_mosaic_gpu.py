@@ -593,7 +593,7 @@ def _static_schedule(cfg: MosaicConfig, mask: MaskSpec, heads: int, n_q_ctas: in
   """hopper.greedy_schedule's tables for a persistent forward without `dynamic`: the tiles
   in launch order (head by head, each head's query CTAs in query_cta_index's order), dealt
   by their key blocks (the band's: segment ids are not known here)."""
-  with jax.ensure_compile_time_eval():
+  with hopper.host_constants():
     band = dataclasses.replace(mask, segments=False)
     qi = _mosaic.query_cta_index(mask, n_q_ctas, jnp.arange(n_q_ctas, dtype=jnp.int32))
     _, lo, hi = _mosaic.query_cta_key_blocks(band, None, 0, qi, cfg.block_q, cfg.block_kv,
