@@ -219,7 +219,7 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
     return stats, dx, dw, db
 
   first = 0
-  if rest:  # first, so that where it is padded it is its own program, and may write dW
+  if rest:  # before the loop, at its own size (with peel, it writes dW)
     carry = step(carry, tail_backend, n_full * chunk, rest)
   elif peel:
     carry, first = step(carry, backend, 0, chunk, window=0), 1
