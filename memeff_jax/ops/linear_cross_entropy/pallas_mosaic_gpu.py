@@ -214,8 +214,9 @@ class PallasMosaicGpu:
     divide the tokens, the ragged rest runs on the same GEMMs with tiles chosen for its own
     rows, or on cuBLAS where those do not fit (see __call__). Elsewhere cuBLAS, with dW
     added in the weight's dtype ("weight"). Where a 16-bit dW would be rounded after more
-    than `max_rounded_chunks` chunks, cuBLAS with a float32 dW ("float32"). `shapes` as gemm_configs takes them; `sms`: the GPU's SM count (default:
-    the default device's), which mosaic_gemm.ctas turns into the dx launch's CTAs."""
+    than `max_rounded_chunks` chunks, cuBLAS with a float32 dW ("float32"). `shapes` as
+    gemm_configs takes them; `sms`: the GPU's SM count (default: the default device's),
+    which mosaic_gemm.ctas turns into the dx launch's CTAs."""
     tokens, d = shapes[0], shapes[1]
     rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
     rounded = (jnp.dtype(shapes[4]).itemsize == 2
