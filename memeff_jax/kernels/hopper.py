@@ -223,6 +223,12 @@ def when(cond, fn) -> None:
   else:
     pl.when(cond)(fn)
 
+def on_each_warp(body) -> None:
+  """Runs body() on each of the warpgroup's four warps (`lax.axis_index("warp")` tells them
+  apart), used as a decorator. `pl.kernel` over a WarpMesh is what jax 0.11 puts in place of
+  `pl.core_map` there; jax 0.10 lowers both to the same module."""
+  pl.kernel(body, mesh=plgpu.WarpMesh(axis_name="warp"))()
+
 def fill_ring(load, n, stages: int, free) -> None:
   """The memory warpgroup's loop: load(i, slot) for steps 0..n-1 into `stages` shared-memory
   slots, refilling a slot once every barrier array in `free` has been arrived on for it.

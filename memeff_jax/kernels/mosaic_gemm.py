@@ -693,7 +693,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
       # One warp streams the slots; the warpgroup's other three wait at the end instead of
       # taking every barrier and copy with it (a quarter of the warp instructions issued
       # for the memory warpgroup).
-      @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+      @hopper.on_each_warp
       def _():
         @pl.when(lax.axis_index("warp") == 0)
         def _():

@@ -1152,7 +1152,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
       plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
-    @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+    @hopper.on_each_warp
     def _per_warp():
       warp = lax.axis_index("warp")
       pl.when(warp == 0)(loads)
