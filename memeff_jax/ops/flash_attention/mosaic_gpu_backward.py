@@ -215,7 +215,8 @@ class MosaicBackwardConfig:
     schedule differs; from LONG_WALK_QUERIES queries on, that section's `_long` variant
     where there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add
     into a query block; else the dK/dV-only kernel (tuned(with_dq=False)), which runs
-    beside a dq kernel. D = 192 takes D = 256's sections (_section_dim).
+    beside a dq kernel. D = 192 takes D = 256's sections where it has none of its own
+    (_section).
 
     causal: the causal band (no window), with or without segment ids. A causal call with
     segment ids takes D = 128's causal sections from LONG_WALK_QUERIES queries on, and those
@@ -230,9 +231,9 @@ class MosaicBackwardConfig:
     if segments and (t < LONG_WALK_QUERIES or _section_dim(d) != 128):
       causal = False
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
-    section = (f"d{_section_dim(d)}_causal" if causal else f"d{_section_dim(d)}"
-               ) + ("_gqa" if gqa else "") + "_ordered"
-    found = (t >= LONG_WALK_QUERIES and table.get(section + "_long")) or table.get(section)
+    suffix = ("_causal" if causal else "") + ("_gqa" if gqa else "") + "_ordered"
+    found = ((t >= LONG_WALK_QUERIES and _section(table, d, suffix + "_long"))
+             or _section(table, d, suffix))
     if found:
       config = cls(**{**found, "dq_ordered": True})
       adders = s // config.cta_keys()
@@ -284,6 +285,12 @@ def _section_dim(d: int) -> int:
   """The head dim whose tuning sections a call of head dim d takes: D = 192 runs the
   column-split kernel, as D = 256 does, with its settings; D = 96 those of D = 128."""
   return {96: 128, 192: 256}.get(d, d)
+
+
+def _section(table: dict, d: int, suffix: str) -> dict | None:
+  """The tuning section `d<D><suffix>` of head dim d, else that of the head dim whose
+  sections d takes (_section_dim)."""
+  return table.get(f"d{d}{suffix}") or table.get(f"d{_section_dim(d)}{suffix}")
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,

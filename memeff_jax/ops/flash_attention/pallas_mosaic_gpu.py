@@ -123,18 +123,21 @@ class MosaicConfig:
     """for_head_dim(d) for a call with s keys, set as measured (docs/design/flash_attention.md,
     H200 and H100):
 
-    - overlap in place of ping-pong at D = 128 and 256 under no mask or a causal one, and at
-      D = 192 causal (1.02–1.13× cuDNN's forward there against 0.95–1.01× with ping-pong);
-      not at D = 192 without a mask, D = 64 or D = 96, where ping-pong was as fast or
-      faster. Masked blocks run without the overlap, so windows and segment ids keep
-      ping-pong.
+    - overlap in place of ping-pong at D = 128, 192 and 256 under no mask or a causal one
+      (D = 192 causal: 1.02–1.13× cuDNN's forward against 0.95–1.01× with ping-pong);
+      not at D = 64 or D = 96, where ping-pong was as fast or faster. Masked blocks run
+      without the overlap, so windows and segment ids keep ping-pong.
     - persistent where a query tile's walk is short, so that loading the next tile's Q and
       keeping the K/V ring running through a tile's epilogue pays: causal at D = 96 and 128
       with at most SHORT_CAUSAL_KEYS keys (with ping-pong: 9% more forward TFLOP/s than the
-      overlap at T = 1,024, level at 4,096, where an H100 measured it 2% slower), and at
-      D = 64 causal or without a mask. At D = 128 without a mask the static deal of equal
-      tiles also wins (4% at the headline); at D = 256 the output's buffer would cost a K/V
-      stage.
+      overlap at T = 1,024, level at 4,096, where an H100 measured it 2% slower), at D = 64
+      causal or without a mask, and at D = 96 without a mask. At D = 128 without a mask the
+      static deal of equal tiles also wins (4% at the headline); at D = 256 the output's
+      buffer would cost a K/V stage.
+    - a third K/V stage without a mask at D = 96 and 192, where one fits beside Q (and at
+      D = 96 the persistent output's buffer): forward 0.40 against 0.46 ms at D = 192 (B2
+      T3072 H16, overlap either way), 1.67 against 1.71 at D = 96 (B4 T4096 H32, with
+      persistent), H200. At D = 64 four or six stages measured no faster than two.
     - persistent with tiles taken at run time (dynamic) at D = 128 under a causal mask with
       segment ids, at any length (packed documents: a tile's walk ends at its document's
       start, which no static deal knows; 8 documents of 512 tokens per 4,096-token row ran
@@ -146,11 +149,13 @@ class MosaicConfig:
       return dataclasses.replace(config, persistent=True, dynamic=True)
     if d in (96, 128) and mask.is_causal and s <= SHORT_CAUSAL_KEYS:
       return dataclasses.replace(config, persistent=True, dynamic=d == 128)
-    if (d in (128, 256) and mask.is_dense) or (d in (128, 192, 256) and mask.is_causal):
+    if d in (128, 192, 256) and (mask.is_dense or mask.is_causal):
       config = dataclasses.replace(config, overlap=True, pingpong=False,
                                    persistent=d == 128 and mask.is_dense)
-    if d == 64 and (mask.is_causal or mask.is_dense):
+    if (d == 64 and mask.is_causal) or (d in (64, 96) and mask.is_dense):
       config = dataclasses.replace(config, persistent=True)
+    if d in (96, 192) and mask.is_dense:
+      config = dataclasses.replace(config, stages=3)
     return config
 
 

@@ -81,8 +81,8 @@ def test_explicit_mosaic_on_cpu_says_why():
     (128, _opts(causal=True), 256, False, "dynamic"),
     (256, _opts(), 256, True, False), (256, _opts(causal=True), 256, True, False),
     (64, _opts(), 256, False, True), (64, _opts(causal=True), 4096, False, True),
-    (192, _opts(), 256, False, False), (192, _opts(causal=True), 256, True, False),
-    (96, _opts(), 256, False, False), (96, _opts(causal=True), 1024, False, True),
+    (192, _opts(), 256, True, False), (192, _opts(causal=True), 256, True, False),
+    (96, _opts(), 256, False, True), (96, _opts(causal=True), 1024, False, True),
     (96, _opts(causal=True), 4096, False, False),
     (128, _opts(window=(100, 7)), 256, False, False),
     (128, _opts(causal=True, segments=True), 8192, False, "dynamic"),
@@ -90,12 +90,12 @@ def test_explicit_mosaic_on_cpu_says_why():
     (128, _opts(window=(100, 0), segments=True), 256, False, False),
     (64, _opts(causal=True, segments=True), 256, False, False)])
 def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, s, overlap, persistent):
-  """The default forward: intra-warpgroup overlap at D = 128 and 256 with no mask or a causal
-  one and at D = 192 causal, ping-pong elsewhere (masked blocks run without the overlap);
-  persistent at D = 128 without a mask, at D = 64 without a mask or causal, and causal at
-  D = 96 and 128 up to SHORT_CAUSAL_KEYS keys (with ping-pong); tiles taken at run time
-  ("dynamic") for those at D = 128 and for causal calls with segment ids there, at any
-  length; an explicit config wins."""
+  """The default forward: intra-warpgroup overlap at D = 128, 192 and 256 with no mask or a
+  causal one, ping-pong elsewhere (masked blocks run without the overlap); persistent at
+  D = 64, 96 and 128 without a mask, at D = 64 causal, and causal at D = 96 and 128 up to
+  SHORT_CAUSAL_KEYS keys (with ping-pong); tiles taken at run time ("dynamic") for those at
+  D = 128 and for causal calls with segment ids there, at any length; three K/V stages at
+  D = 96 and 192 without a mask; an explicit config wins."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((1, s, 4, d), BF16)
@@ -104,6 +104,7 @@ def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, s, over
   assert st.config.persistent == bool(persistent)
   assert st.config.dynamic == (persistent == "dynamic")
   assert st.config.block_kv == MosaicConfig.for_head_dim(d).block_kv
+  assert st.config.stages == (3 if d in (96, 192) and opts.mask.is_dense else 2)
   explicit = PallasMosaicGpu(config=MosaicConfig())._static(q, q, opts)  # pylint: disable=protected-access
   assert explicit.config == MosaicConfig()
 
@@ -175,11 +176,13 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   st = PallasMosaicGpu(backward_config=dkv256)._static(q256, k256, det)  # pylint: disable=protected-access
   assert st.backward == dkv256
   assert st.dq == MosaicDqConfig(block_kv=64, stages=2, v_stages=1) and st.triton is None
-  # D = 192: the column-split kernel with D = 256's settings, not padded.
+  # D = 192: the column-split kernel with D = 256's settings, not padded; causal with a
+  # second Q/dO stage (its own section).
   q192 = jax.ShapeDtypeStruct((1, 256, 4, 192), BF16)
   st = PallasMosaicGpu()._static(q192, q192, det)  # pylint: disable=protected-access
   assert st.padding is None and st.triton is None and st.dq is None
-  assert st.backward == PallasMosaicGpu()._static(q256, q256, det).backward  # pylint: disable=protected-access
+  want = PallasMosaicGpu()._static(q256, q256, det).backward  # pylint: disable=protected-access
+  assert st.backward == dataclasses.replace(want, stages=2 if causal else 1)
   triton = PallasMosaicGpu(backward_config=triton_dq)
   for opts in (det, fast):  # a Triton backward asked for is deterministic either way
     assert triton._static(q, k, opts).triton is not None  # pylint: disable=protected-access
@@ -1872,7 +1875,8 @@ class TestMosaicGpuFeaturesD192(TestMosaicGpuFeatures):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesDeterministicD192(TestMosaicGpuFeaturesD192):
-  """D = 192, deterministic: the ordered column-split kernel with D = 256's settings."""
+  """D = 192, deterministic: the ordered column-split kernel with D = 256's settings (causal:
+  two Q/dO stages, d192_causal_ordered)."""
 
   extra = {}
 
