@@ -257,28 +257,28 @@ class MosaicBackwardConfig:
     """configs/tuning/flash_attention.toml's `d<D>[_causal][_gqa]` section for this GPU kind
     (without `_gqa` where that has none), else dq_split where it applies (D = 128) and the
     column-split kernel with split scores at D = 192 and 256 (D = 192 takes D = 256's
-    sections: _section_dim).
+    sections where it has none of its own: _section).
 
     with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
     (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
     one, else the section above without dq_split, gqa_per_query_head and dq_stagger (which
     only the kernel with dq serves)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
-    d = _section_dim(d)
-    section = f"d{d}_causal" if causal else f"d{d}"
+    section = lambda suffix: _section(table, d, suffix)
+    mask = "_causal" if causal else ""
     if not with_dq:
-      found = ((gqa and table.get(section + "_gqa_dkv")) or table.get(section + "_dkv")
-               or table.get(f"d{d}_dkv"))
+      found = ((gqa and section(mask + "_gqa_dkv")) or section(mask + "_dkv")
+               or section("_dkv"))
       if found:
         return cls(**found, with_dq=False)
       return dataclasses.replace(cls.tuned(d, causal, gqa), dq_split=False,
                                  gqa_per_query_head=False, dq_stagger=False, with_dq=False)
-    found = (gqa and table.get(section + "_gqa")) or table.get(section)
+    found = (gqa and section(mask + "_gqa")) or section(mask)
     if found:
       return cls(**found)
-    if d == 256:
+    if _section_dim(d) == 256:
       return cls(dq_split=False, column_split=True, stages=1, scores_split=True)
-    return cls(dq_split=d == 128)
+    return cls(dq_split=_section_dim(d) == 128)
 
 
 def _section_dim(d: int) -> int:
