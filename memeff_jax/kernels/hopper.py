@@ -92,6 +92,9 @@ SMEM_BYTES = 232_448  # shared memory per CTA on sm90
 LOG2E = math.log2(math.e)  # the kernels' exponentials are exp2: e^x = 2^(x·log2 e)
 
 LN2 = math.log(2.0)  # and back: log x = log2(x) · ln 2
+# TMA moves a 16-bit array in tiles of 8 rows (of the swizzle's width): an array that a kernel
+# reads or writes by TMA has a whole number of them.
+TMA_ROWS = 8
 
 def dtype_error(dtype) -> str | None:
   """Why the Mosaic kernels cannot take inputs of this dtype (they run bf16/f16 WGMMAs)."""

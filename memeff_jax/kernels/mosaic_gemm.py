@@ -739,9 +739,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   )
 
 
-# TMA moves a 16-bit array in tiles of 8 rows (of the swizzle's width): an array that the
-# kernels read or write through Rows windows has a whole number of them.
-TMA_ROWS = 8
+TMA_ROWS = hopper.TMA_ROWS  # an array read or written through Rows windows has whole tiles
 
 
 class Rows(NamedTuple):

@@ -36,6 +36,13 @@ class SegmentScratch(NamedTuple):
                plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages))
 
 
+def stats_to(stats, t: int):
+  """mosaic_gpu_backward.row_stats ([B, Hq, 2, T]) padded with zero rows to the T a kernel
+  runs at (pallas_mosaic_gpu's _Static.lengths): the query rows past the arrays' ends then
+  have zero lse and Δ, as their Q and dO load as zeros."""
+  return jnp.pad(stats, [(0, 0)] * 3 + [(0, t - stats.shape[3])])
+
+
 def exp2_scores(s, scale: float, softcap: float | None):
   """(z, tanh) for the backward kernels: the scores s·scale in the exp2 domain, or with a
   cap z = cap·tanh(s·scale/cap)·log2 e and tanh for dz/ds = 1 − tanh² (None without)."""

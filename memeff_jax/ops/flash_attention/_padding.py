@@ -14,12 +14,18 @@ cuts the output, the log-sum-exp and the gradients back:
   at and past S (causal, or a window whose right side ends before S), else by segment ids
   that give the padded rows an id no real row has (ids 0 and 1 where the call has none).
 
+Where the head dim is the kernels' own, T and S are whole 8-row TMA tiles and the backward is
+all Mosaic (`in_place`), nothing of q, k, v, the output or the cotangents is copied: the
+kernels run at the padded lengths on the call's arrays, whose rows past the end TMA loads as
+zeros and whose stores there it drops, the same values as the copies'; only the segment ids
+and the backward's row statistics ([B, H, T]-sized) are padded.
+
 Padded lengths are work pallas_triton does not do (its blocks stop at T and S), so where
 they add more than its kernels lose (TRITON_SLOWDOWN: T = 257 runs at 384, 2.2× the
 work), `implementation=None` leaves the call to pallas_triton (PallasMosaicGpu's
-pad="where_faster"). The padded copies cost memory: about eight [B, T, H, D] arrays at the
-padded sizes live through the backward (q, k, v, out, dO and the three gradients): 0.28 GiB
-at B=2, T=3,000, H=16, D=160 (run at 3,072 and 192) against cuDNN's 0.09.
+pad="where_faster"). Copies cost memory: about eight [B, T, H, D] arrays at the padded
+sizes live through the backward (q, k, v, out, dO and the three gradients): 0.28 GiB at
+B=2, T=3,000, H=16, D=160 (run at 3,072 and 192) against cuDNN's 0.09.
 """
 
 from __future__ import annotations
@@ -44,18 +50,25 @@ _INT32 = jnp.iinfo(jnp.int32)
 
 
 class Padding(NamedTuple):
-  """The padded sizes of a call's T, S and head dim, and whether the padded call passes
-  segment ids (the call's own, or 0 for real rows and 1 for padded ones)."""
+  """The padded sizes of a call's T, S and head dim, whether the padded call passes
+  segment ids (the call's own, or 0 for real rows and 1 for padded ones), and whether the
+  kernels run at the padded lengths on the call's own arrays (`in_place`: the head dim is
+  theirs, and the rows past an array's end load as zeros and take no stores, as TMA
+  copies them) rather than on padded copies. In place only the segment ids and the
+  kernels' row statistics are padded."""
   t: int
   s: int
   d: int
   segments: bool
+  in_place: bool = False
 
   def inputs(self, q, k, v, q_seg, kv_seg):
-    """q, k, v and the segment ids (None where the padded call takes none), padded."""
+    """q, k, v (padded copies unless in_place) and the segment ids (None where the padded
+    call takes none), padded."""
     t, s = q.shape[1], k.shape[1]
-    q = _pad(_pad(q, 1, self.t), 3, self.d)
-    k, v = (_pad(_pad(x, 1, self.s), 3, self.d) for x in (k, v))
+    if not self.in_place:
+      q = _pad(_pad(q, 1, self.t), 3, self.d)
+      k, v = (_pad(_pad(x, 1, self.s), 3, self.d) for x in (k, v))
     if not self.segments:
       return q, k, v, None, None
     b = q.shape[0]
@@ -84,7 +97,10 @@ class Padding(NamedTuple):
                                                               segments=self.segments))
 
   def rows(self, x, axis: int, *, features: bool = True):
-    """A per-query array (out, d_out [B, T, H, D]; lse, d_lse [B, H, T]) padded with zeros."""
+    """A per-query array (out, d_out [B, T, H, D]; lse, d_lse [B, H, T]) padded with zeros
+    (as it is in_place: the kernels pad their row statistics themselves)."""
+    if self.in_place:
+      return x
     x = _pad(x, axis, self.t)
     return _pad(x, 3, self.d) if features else x
 

@@ -645,7 +645,7 @@ class _Scratch(NamedTuple):
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      dq_ref, dk_ref, dv_ref, sc: _Scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
-                     softcap: float | None, group: int, rotate: bool,
+                     softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
                      heavy_first: bool = False, order=None, delta=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
@@ -655,14 +655,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   also [B · Hkv · n_kv · 2] counters, per key block and warpgroup, that dK and dV's adds
   wait on). delta: where the call fuses Δ (_fuses_delta), the forward's output O,
   the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
-  view in the input dtype."""
+  view in the input dtype. lengths: the T and S it runs at (see backward)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
-  t, d = q_ref.shape[1], q_ref.shape[-1]
+  (t, s), d = lengths, q_ref.shape[-1]
   dtype = q_ref.dtype
   wg = lax.axis_index("wg")
   cta_keys = config.cta_keys()
-  n_kv, kv_heads = k_ref.shape[1] // cta_keys, k_ref.shape[2]
+  n_kv, kv_heads = s // cta_keys, k_ref.shape[2]
   split = config.column_split
   n_q = -(-t // bq)  # the last block may reach past T (see MosaicBackwardConfig.block_q)
   segments = mask.segments
@@ -1182,22 +1182,27 @@ def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
 
 
 def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.Residuals,
-             cts, stats=None):
+             cts, stats=None, lengths: tuple[int, int] | None = None):
   """(dq, dk, dv, None, None) from the saved residuals and the output cotangents; dq is None
-  with config.with_dq=False. `stats`: row_stats(opts, res, Δ) if the caller has it."""
+  with config.with_dq=False. `stats`: row_stats(opts, res, Δ) if the caller has it.
+  `lengths`: the T and S the kernel runs at, past the ends of the arrays (whose rows there
+  read as zeros and take no writes), with segment ids of those lengths; None: theirs."""
   d_out, d_lse = cts
   q, k, v = res.q, res.k, res.v
-  b, t, hq, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
+  b, _, hq, d = q.shape
+  hkv = k.shape[2]
+  t, s = lengths or (q.shape[1], k.shape[1])
   bq, mask = config.block_q, opts.mask
   n_q = -(-t // bq)
   n_kv = s // config.cta_keys()
   rotate = _rotates(config, mask, n_kv)
   fused = stats is None and _fuses_delta(config, mask, n_q, n_kv, hq // hkv)
   if fused:  # the kernel adds rowsum(dO ∘ O) to −d_lse in place (fused_delta)
-    stats = jax.new_ref(row_stats(opts, res, -d_lse))
-  elif stats is None:
-    stats = row_stats(opts, res, _common.softmax_delta(res.out, d_out, d_lse))
+    stats = jax.new_ref(_mosaic.stats_to(row_stats(opts, res, -d_lse), t))
+  else:
+    if stats is None:
+      stats = row_stats(opts, res, _common.softmax_delta(res.out, d_out, d_lse))
+    stats = _mosaic.stats_to(stats, t)
   if mask.segments:
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
     # Query blocks reaching past T take the last id there: they add nothing (zero rows),
@@ -1210,8 +1215,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   per_query_head = config.gqa_per_query_head and hq > hkv
   grid_heads = hq if per_query_head else hkv
   if config.dq_ordered:
-    ranks, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, t, ranges,
-                               rotate=rotate)
+    ranks, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
+                               ranges, rotate=rotate)
     rank_args = (ranks,)
   else:
     rank_args = ()
@@ -1257,7 +1262,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
-                       order=order, delta=delta)
+                       order=order, delta=delta, lengths=(t, s))
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused),
                   collective_axes="wg")

@@ -153,10 +153,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
                q_smem, do_smem, stats_smem, k_smem, v_smem,
                q_ready, do_ready, stats_ready, k_ready, v_ready, k_free, v_free, turn,
                seg: _mosaic.SegmentScratch | None, *, config: MosaicDqConfig, mask: MaskSpec,
-               scale: float, softcap: float | None, group: int):
+               scale: float, softcap: float | None, group: int, s: int):
+  """s: the keys it runs at (see dq)."""
   bq, bkv = BLOCK_Q, config.block_kv
   stages, v_stages = config.ring_depths()
-  s = k_ref.shape[1]
   dtype = q_ref.dtype
   b, h, qi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
   wg = lax.axis_index("wg")
@@ -264,12 +264,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
                               ready, (k_free, v_free))
 
 
-def dq(opts: AttentionOptions, config: MosaicDqConfig, res: _common.Residuals, d_out, stats):
+def dq(opts: AttentionOptions, config: MosaicDqConfig, res: _common.Residuals, d_out, stats,
+       lengths: tuple[int, int] | None = None):
   """dq [B, T, Hq, D] in q's dtype, from the residuals, the output cotangent and
-  mosaic_gpu_backward.row_stats (lse₂ and Δ, [B, Hq, 2, T])."""
+  mosaic_gpu_backward.row_stats (lse₂ and Δ, [B, Hq, 2, T]). `lengths`: the T and S the
+  kernel runs at, as mosaic_gpu_backward.backward takes them."""
   q, k, v = res.q, res.k, res.v
-  b, t, hq, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
+  b, _, hq, d = q.shape
+  hkv = k.shape[2]
+  t, s = lengths or (q.shape[1], k.shape[1])
+  stats = _mosaic.stats_to(stats, t)
   bq, bkv = BLOCK_Q, config.block_kv
   if config.v_stages is not None:
     config = dataclasses.replace(config, v_stages=max(1, min(config.v_stages, s // bkv)))
@@ -293,7 +297,7 @@ def dq(opts: AttentionOptions, config: MosaicDqConfig, res: _common.Residuals, d
     def kernel(scratch: _Scratch):
       _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
                  **scratch._asdict(), config=config, mask=mask, scale=opts.scale,
-                 softcap=opts.logit_softcap, group=hq // hkv)
+                 softcap=opts.logit_softcap, group=hq // hkv, s=s)
 
     barrier = plgpu.Barrier
     pl.run_scoped(kernel, _Scratch(

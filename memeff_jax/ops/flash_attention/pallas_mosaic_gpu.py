@@ -231,18 +231,20 @@ class _Scratch(NamedTuple):
 def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_smem, k_smem,
                     v_smem, lse_smem, o_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
                     seg: _mosaic.SegmentScratch | None, tiles, *, config: MosaicConfig,
-                    mask: MaskSpec, scale: float, softcap: float | None, group: int):
+                    mask: MaskSpec, scale: float, softcap: float | None, group: int,
+                    lengths: tuple[int, int]):
   """With config.persistent the grid is one axis, "cta", o_smem is the output's own buffer
   (else the output leaves through Q's), and the tiles come from `schedule`, the
   hopper.greedy_schedule tables (each CTA's tiles by launch position, and how many), or
   with config.dynamic from `tiles`: a ring of two tile slots in shared memory with its
   ready and free barriers, the global count the memory warpgroup takes tiles from, and the
-  number of CTAs."""
+  number of CTAs. `lengths`: the T and S the kernel runs at (_Static.lengths), which may
+  reach past the ends of q_ref and k_ref."""
   bq, bkv = config.block_q, config.block_kv
-  s = k_ref.shape[1]
+  t, s = lengths
   d = q_ref.shape[-1]
   dtype = q_ref.dtype
-  n_q_ctas = q_ref.shape[1] // (2 * bq)
+  n_q_ctas = t // (2 * bq)
   wg = lax.axis_index("wg")
   stages = config.stages
   segments = mask.segments
@@ -612,8 +614,9 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
     return _padding.forward(st.padding, functools.partial(_forward, st.padded()),
                             q, k, v, q_seg, kv_seg)
   cfg = st.config
-  b, t, hq, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
+  b, _, hq, d = q.shape
+  hkv = k.shape[2]
+  t, s = st.lengths or (q.shape[1], k.shape[1])
   stages = max(1, min(cfg.stages, s // cfg.block_kv,
                       _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
   cfg = dataclasses.replace(cfg, stages=stages)
@@ -648,7 +651,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
             plgpu.SemaphoreType.REGULAR((1,))), ctas))
       _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref,
                       **scratch._asdict(), config=cfg, mask=mask, scale=st.opts.scale,
-                      softcap=st.opts.logit_softcap, group=hq // hkv)
+                      softcap=st.opts.logit_softcap, group=hq // hkv, lengths=(t, s))
 
     barrier = plgpu.Barrier
     pl.run_scoped(kernel, _Scratch(
@@ -671,7 +674,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   # pl.kernel rather than plgpu.kernel: it takes the cost estimate remat.fit counts.
   out, lse = pl.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),  # rows past q's end are dropped
                 jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
       mesh=plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -687,16 +690,17 @@ def _backward(st: "_Static", res, cts):
   if st.backward is None:
     return pallas_triton.backward_pass(st.triton, res, cts)
   if st.backward.with_dq:
-    return mosaic_gpu_backward.backward(st.opts, st.backward, res, cts)
+    return mosaic_gpu_backward.backward(st.opts, st.backward, res, cts, lengths=st.lengths)
   # Deterministic: dK and dV from the one-pass kernel without dq (one CTA per key block),
   # dq from a kernel with one CTA per query block (mosaic_gpu_dq's, else pallas_triton's),
   # sharing Δ.
   d_out, d_lse = cts
   delta = _common.softmax_delta(res.out, d_out, d_lse)
   stats = mosaic_gpu_backward.row_stats(st.opts, res, delta)
-  _, dk, dv, _, _ = mosaic_gpu_backward.backward(st.opts, st.backward, res, cts, stats=stats)
+  _, dk, dv, _, _ = mosaic_gpu_backward.backward(st.opts, st.backward, res, cts, stats=stats,
+                                                 lengths=st.lengths)
   if st.dq is not None:
-    dq = mosaic_gpu_dq.dq(st.opts, st.dq, res, d_out, stats)
+    dq = mosaic_gpu_dq.dq(st.opts, st.dq, res, d_out, stats, lengths=st.lengths)
   else:
     dq = pallas_triton.dq_pass(st.triton, res, d_out, delta)
   return dq, dk, dv, None, None
@@ -715,10 +719,15 @@ class _Static:
   # Where the kernels do not take the call's lengths or head dim: the sizes they run padded
   # to. `opts` are then the call's, and the kernels' fields above the padded call's.
   padding: _padding.Padding | None = None
+  # The T and S the kernels run at where they read and write the call's arrays in place,
+  # past their ends (_padding.Padding.in_place); None: the arrays' own.
+  lengths: tuple[int, int] | None = None
 
   def padded(self) -> "_Static":
     """The static of the padded call that `padding` describes."""
-    return dataclasses.replace(self, opts=self.padding.options(self.opts), padding=None)
+    pad = self.padding
+    return dataclasses.replace(self, opts=pad.options(self.opts), padding=None,
+                               lengths=(pad.t, pad.s) if pad.in_place else None)
 
 
 _attention = _common.attention_vjp(_vma.unchecked(_forward), _vma.unchecked(_backward),
@@ -797,7 +806,11 @@ class PallasMosaicGpu:
         jax.ShapeDtypeStruct((b, padding.t, hq, padding.d), q.dtype),
         jax.ShapeDtypeStruct((k.shape[0], padding.s, k.shape[2], padding.d), k.dtype),
         padding.options(opts))
-    return dataclasses.replace(padded, opts=opts, padding=padding)
+    # The Mosaic kernels read and write past the ends of the call's arrays where TMA takes
+    # their rows (whole 8-row tiles) and no pallas_triton kernel (a backward or dq) runs.
+    in_place = (padding.d == d and t % hopper.TMA_ROWS == 0 and s % hopper.TMA_ROWS == 0
+                and padded.backward is not None and padded.triton is None)
+    return dataclasses.replace(padded, opts=opts, padding=padding._replace(in_place=in_place))
 
   def padding(self, q_shape, k_shape, mask: MaskSpec) -> _padding.Padding | None:
     """How a call of these shapes runs padded (_padding.plan with this config's tiles at the

@@ -198,6 +198,46 @@ def test_padded_calls_take_the_mosaic_kernels(monkeypatch):
     assert "tensor<1x1024x4x96xbf16>" in text
 
 
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal, segments", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_lengths_of_whole_tma_tiles_run_in_place(monkeypatch, d, causal, segments,
+                                                 deterministic):
+  """T = 1,000 and S = 1,544 (whole 8-row tiles) at a head dim the kernels take run in
+  place: the kernels take the padded lengths and read and write the call's own arrays past
+  their ends, so the program lowered for CUDA (not run) holds no padded copy of q, k, v or
+  dO, only of the segment ids and the kernels' row statistics; S = 1,537 (no whole tiles)
+  and a Triton backward take copies."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  opts = _common.AttentionOptions(mask=MaskSpec.make(causal, None, segments), scale=0.1,
+                                  deterministic=deterministic)
+  q = jax.ShapeDtypeStruct((1, 1000, 4, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 1544, 2, d), jnp.bfloat16)
+  st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
+  assert st.padding.in_place and st.padded().lengths == (st.padding.t, st.padding.s)
+  ids = (jax.ShapeDtypeStruct((1, 1000), jnp.int32), jax.ShapeDtypeStruct((1, 1544), jnp.int32))
+
+  def loss(q, k, v, q_ids, kv_ids):
+    out = flash_attention(q, k, v, causal=causal, deterministic=deterministic,
+                          q_segment_ids=q_ids if segments else None,
+                          kv_segment_ids=kv_ids if segments else None,
+                          implementation="pallas_mosaic_gpu")
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, *ids).lower(
+      lowering_platforms=("cuda",)).as_text()
+  calls = re.findall(r"custom_call @(\S+)\(", text)
+  assert calls and all("mosaic_gpu" in c for c in calls), calls
+  lengths = {int(n) for n in re.findall(rf"tensor<1x(\d+)x\dx{d}xbf16>", text)}
+  assert lengths == {1000, 1544}, lengths
+  # Copies where TMA cannot take the rows in place, or a Triton kernel reads them.
+  odd = jax.ShapeDtypeStruct((1, 1537, 2, d), jnp.bfloat16)
+  assert not PallasMosaicGpu()._static(q, odd, opts).padding.in_place  # pylint: disable=protected-access
+  triton = PallasMosaicGpu(backward_config=pm.pallas_triton.default_config(d))
+  assert not triton._static(q, k, opts).padding.in_place  # pylint: disable=protected-access
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("hkv, segments", [(2, False), (4, False), (2, True)])

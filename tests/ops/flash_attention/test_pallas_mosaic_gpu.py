@@ -1925,6 +1925,32 @@ class TestMosaicGpuPadded(_FlashAttentionTest):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuInPlace(TestMosaicGpuPadded):
+  """T = 1,000 and S = 1,544 at D = 128 run in place (_padding.Padding.in_place): the kernels
+  take the padded lengths and read and write the call's own arrays past their ends (rows
+  there load as zeros and take no stores); every feature of the shared suite."""
+
+  shape = dict(b=2, t=1000, s=1544, hq=8, hkv=2, d=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuInPlaceD192(TestMosaicGpuInPlace):
+  """In place at D = 192 (64-key forward blocks, the column-split backward), T > S."""
+
+  shape = dict(b=2, t=520, s=264, hq=4, hkv=2, d=192)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuInPlaceD64(TestMosaicGpuInPlace):
+  """In place at D = 64 (its persistent forward, three Q/dO stages), T < S."""
+
+  shape = dict(b=2, t=264, s=520, hq=4, hkv=4, d=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuPaddedD160(TestMosaicGpuPadded):
   """D = 160 to 192 (the column-split backward), T = 300 > S = 200: causal rows past S see
   the padded keys but for the ids the padding adds."""
