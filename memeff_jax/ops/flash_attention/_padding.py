@@ -21,9 +21,9 @@ zeros and whose stores there it drops, the same values as the copies'; only the 
 and the backward's row statistics ([B, H, T]-sized) are padded.
 
 Padded lengths are work pallas_triton does not do (its blocks stop at T and S), so where
-they add more than its kernels lose (TRITON_SLOWDOWN: T = 257 runs at 384, 2.2× the
-work), `implementation=None` leaves the call to pallas_triton (PallasMosaicGpu's
-pad="where_faster"). Copies cost memory: about eight [B, T, H, D] arrays at the padded
+they add more than its kernels lose (TRITON_SLOWDOWN, on copies or in place: T = 257 runs
+at 384, 2.2× the work), `implementation=None` leaves the call to pallas_triton
+(PallasMosaicGpu's pad="where_faster"). Copies cost memory: about eight [B, T, H, D] arrays at the padded
 sizes live through the backward (q, k, v, out, dO and the three gradients): 0.28 GiB at
 B=2, T=3,000, H=16, D=160 (run at 3,072 and 192) against cuDNN's 0.09.
 """
@@ -42,10 +42,15 @@ from memeff_jax.ops.flash_attention.masks import MaskSpec
 
 HEAD_DIMS = (64, 96, 128, 192, 256)  # what the Mosaic forward and backward take
 # pallas_triton's forward+backward time over the Mosaic kernels' on the same work, by the
-# head dim the padded call runs at: the least measured (H200, `benchmarks/flash_attention.py
-# --set models` and `--set odd`; a padded call's time divided by its padding's work, each
-# over cuDNN's time in its own run). A padding pays while it multiplies the work by less.
-TRITON_SLOWDOWN = {64: 1.08, 96: 1.52, 128: 1.44, 192: 4.07, 256: 3.68}
+# head dim the padded call runs at and whether it runs in place: the least measured (H200,
+# `benchmarks/flash_attention.py`, the `odd` and `models` sets and calls of T = S from 136 to
+# 700 at B·T ≈ 9,000, both masks; a padded call's time divided by its padding's work). A
+# padding pays while it multiplies the work by less. In place the Mosaic kernels pay for no
+# copies, most at small calls: at D = 128, T = 200 runs at 256 (1.64× the work) in 0.51 ms
+# against pallas_triton's 0.66 (cuDNN 0.59), where T = 300 on copies at 384 takes 0.68
+# against 0.52.
+TRITON_SLOWDOWN = {64: 1.05, 96: 1.52, 128: 1.18, 192: 4.07, 256: 3.68}
+TRITON_SLOWDOWN_IN_PLACE = {64: 1.37, 96: 2.13, 128: 1.99, 192: 4.41, 256: 3.66}
 _INT32 = jnp.iinfo(jnp.int32)
 
 
@@ -86,9 +91,13 @@ class Padding(NamedTuple):
     is left out: pallas_triton's tiles pad it as far."""
     return self.t * self.s / (t * s)
 
+  def slowdown(self) -> float:
+    """What pallas_triton's kernels lose to the Mosaic ones on this padded call's work."""
+    return (TRITON_SLOWDOWN_IN_PLACE if self.in_place else TRITON_SLOWDOWN)[self.d]
+
   def pays(self, t: int, s: int) -> bool:
     """Whether the Mosaic kernels on the padded call beat pallas_triton on the call."""
-    return self.work(t, s) <= TRITON_SLOWDOWN[self.d]
+    return self.work(t, s) <= self.slowdown()
 
   def options(self, opts):
     """The call's AttentionOptions for the padded call (its mask with segment ids where the

@@ -795,12 +795,6 @@ class PallasMosaicGpu:
     if padding is None:
       return self._static_as_is(q, k, opts)
     (t, d), s = q.shape[1::2], k.shape[1]
-    if self.pad == "where_faster" and not padding.pays(t, s):
-      raise _dispatch.Unsupported(
-          f"pallas_mosaic_gpu: T={t}, S={s} would run padded to {padding.t}, {padding.s} "
-          f"(D={d} at {padding.d}), {padding.work(t, s):.2f}× the work, more than "
-          f"pallas_triton's kernels lose at D={padding.d} "
-          f"({_padding.TRITON_SLOWDOWN[padding.d]}×)")
     b, _, hq, _ = q.shape
     padded = self._static_as_is(
         jax.ShapeDtypeStruct((b, padding.t, hq, padding.d), q.dtype),
@@ -810,7 +804,14 @@ class PallasMosaicGpu:
     # their rows (whole 8-row tiles) and no pallas_triton kernel (a backward or dq) runs.
     in_place = (padding.d == d and t % hopper.TMA_ROWS == 0 and s % hopper.TMA_ROWS == 0
                 and padded.backward is not None and padded.triton is None)
-    return dataclasses.replace(padded, opts=opts, padding=padding._replace(in_place=in_place))
+    padding = padding._replace(in_place=in_place)
+    if self.pad == "where_faster" and not padding.pays(t, s):
+      raise _dispatch.Unsupported(
+          f"pallas_mosaic_gpu: T={t}, S={s} would run padded to {padding.t}, {padding.s} "
+          f"(D={d} at {padding.d}, {'in place' if in_place else 'on copies'}), "
+          f"{padding.work(t, s):.2f}× the work, more than pallas_triton's kernels lose there "
+          f"({padding.slowdown()}×)")
+    return dataclasses.replace(padded, opts=opts, padding=padding)
 
   def padding(self, q_shape, k_shape, mask: MaskSpec) -> _padding.Padding | None:
     """How a call of these shapes runs padded (_padding.plan with this config's tiles at the

@@ -105,26 +105,31 @@ def test_plan_window_and_segment_ids():
   assert not short_window.segments  # 899 + 100 < 1000
 
 
-@pytest.mark.parametrize("t, s, d, pays", [
-    (1000, 1000, 96, True),  # 1.05× the work
-    (3000, 3000, 160, True),
-    (300, 200, 160, True),  # 1.64×, under pallas_triton's 4.07× at D = 192
-    (1000, 1000, 64, True),  # 1.05×, under 1.08×
-    (600, 600, 64, False),  # 640 × 640: 1.14×
-    (257, 257, 64, False),  # 384 × 384: 2.23×
-    (257, 257, 128, False),
-    (1000, 700, 128, True),  # 1,024 × 768: 1.12×
-    (3000, 3000, 192, True),
+@pytest.mark.parametrize("t, s, d, in_place, pays", [
+    (1000, 1000, 96, False, True),  # 1.05× the work
+    (3000, 3000, 160, False, True),
+    (300, 200, 160, False, True),  # 1.64×, under pallas_triton's 4.07× at D = 192
+    (1000, 1000, 64, False, True),  # 1.049×, under 1.05×
+    (600, 600, 64, False, False),  # 640 × 640: 1.14×
+    (600, 600, 64, True, True),  # under 1.37× in place
+    (520, 520, 64, True, False),  # 1.51×
+    (200, 200, 128, True, True),  # 256 × 256: 1.64×, under 1.99×
+    (136, 136, 128, True, False),  # 3.54×
+    (257, 257, 64, False, False),  # 384 × 384: 2.23×
+    (257, 257, 128, False, False),
+    (1000, 700, 128, False, True),  # 1,024 × 768: 1.12×
+    (3000, 3000, 192, False, True),
 ])
-def test_padding_pays_where_the_work_stays_under_tritons_slowdown(t, s, d, pays):
+def test_padding_pays_where_the_work_stays_under_tritons_slowdown(t, s, d, in_place, pays):
   pad = PallasMosaicGpu().padding((1, t, 4, d), (1, s, 4, d), MaskSpec.make(True, None, False))
+  pad = pad._replace(in_place=in_place)
   assert pad.pays(t, s) == pays, (pad, pad.work(t, s))
 
 
 def test_default_order_leaves_costly_padding_to_triton(monkeypatch):
-  """implementation=None lowers T = 257 (384 padded, 2.23× the work) to pallas_triton's
-  kernels and T = 1,000 to the Mosaic ones on padded copies; asked for by name, the Mosaic
-  kernels run T = 257 padded all the same."""
+  """implementation=None lowers T = 257 (384 padded, 2.23× the work) and T = 700 (768 on
+  copies, 1.20×) to pallas_triton's kernels, T = 1,000 and 600 (640 in place, 1.14×) to the
+  Mosaic ones; asked for by name, the Mosaic kernels run T = 257 padded all the same."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
 
@@ -141,6 +146,8 @@ def test_default_order_leaves_costly_padding_to_triton(monkeypatch):
 
   assert kernels(lowered(257, None)) == {"triton"}
   assert kernels(lowered(1000, None)) == {"mosaic"}
+  assert kernels(lowered(600, None)) == {"mosaic"}
+  assert kernels(lowered(700, None)) == {"triton"}
   assert "tensor<2x384x4x64xbf16>" in lowered(257, "pallas_mosaic_gpu")
   with pytest.raises(NotImplementedError, match=r"T=257, S=257 would run padded to 384, 384"):
     flash_attention(*(jnp.zeros((2, 257, 4, 64), jnp.bfloat16),) * 3,
