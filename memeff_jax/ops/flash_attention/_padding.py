@@ -23,9 +23,10 @@ and the backward's row statistics ([B, H, T]-sized) are padded.
 Padded lengths are work pallas_triton does not do (its blocks stop at T and S), so where
 they add more than its kernels lose (TRITON_SLOWDOWN, on copies or in place: T = 257 runs
 at 384, 2.2× the work), `implementation=None` leaves the call to pallas_triton
-(PallasMosaicGpu's pad="where_faster"). Copies cost memory: about eight [B, T, H, D] arrays at the padded
-sizes live through the backward (q, k, v, out, dO and the three gradients): 0.28 GiB at
-B=2, T=3,000, H=16, D=160 (run at 3,072 and 192) against cuDNN's 0.09.
+(PallasMosaicGpu's pad="where_faster"). Copies cost memory: about eight [B, T, H, D]
+arrays at the padded sizes live through the backward (q, k, v, out, dO and the three
+gradients): 0.28 GiB at B=2, T=3,000, H=16, D=160 (run at 3,072 and 192) against cuDNN's
+0.09.
 """
 
 from __future__ import annotations

@@ -240,9 +240,10 @@ def test_lengths_of_whole_tma_tiles_run_in_place(monkeypatch, d, causal, segment
   assert lengths == {1000, 1544}, lengths
   # Copies where TMA cannot take the rows in place, or a Triton kernel reads them.
   odd = jax.ShapeDtypeStruct((1, 1537, 2, d), jnp.bfloat16)
-  assert not PallasMosaicGpu()._static(q, odd, opts).padding.in_place  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  assert not PallasMosaicGpu()._static(q, odd, opts).padding.in_place
   triton = PallasMosaicGpu(backward_config=pm.pallas_triton.default_config(d))
-  assert not triton._static(q, k, opts).padding.in_place  # pylint: disable=protected-access
+  assert not triton._static(q, k, opts).padding.in_place
 
 
 @pytest.mark.parametrize("causal", [False, True])
