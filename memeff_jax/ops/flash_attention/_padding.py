@@ -1,9 +1,10 @@
-"""Calls whose lengths or head dim the Mosaic kernels do not take, run on padded copies.
+"""Calls whose lengths or head dim the Mosaic kernels do not take, run padded.
 
 The Mosaic GPU kernels take T a multiple of two query blocks, S a multiple of the key block
 (and of the backward CTA's keys) and head dims 64, 96, 128, 192 and 256. pallas_mosaic_gpu
-pads other calls (T = 1,000, D = 80, ...) with zeros, runs the kernels on the copies and
-cuts the output, the log-sum-exp and the gradients back:
+pads other calls (T = 1,000, D = 80, ...) with zeros, runs the kernels on the padded call
+(on copies, or in place: below) and cuts the output, the log-sum-exp and the gradients
+back:
 
 - head dims 65–255 go up to the next of 96, 128, 192 and 256 (pallas_triton computes with
   the next power of two: as much or more); under 64 the padding would be work pallas_triton

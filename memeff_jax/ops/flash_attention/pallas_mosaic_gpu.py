@@ -29,9 +29,10 @@ that only the CTA's other query block sees are released without compute. A row t
 key ends with output 0 and log-sum-exp -inf.
 
 Served: bf16/f16, head dim 64, 96, 128, 192 or 256, T a multiple of 2·block_q and S of
-block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head; other lengths,
-and head dims 65–255, run on zero-padded copies (_padding; with `implementation=None` only
-where that beats pallas_triton). Anything else (float32, head dims under 64 or over 256) raises
+block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head; other lengths
+run padded (in place where T and S are whole 8-row tiles), and head dims 65–255 on
+zero-padded copies (_padding; with `implementation=None` only where that beats
+pallas_triton). Anything else (float32, head dims under 64 or over 256) raises
 NotImplementedError with the reason, and `implementation=None` falls through to
 pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel: whole for calls with
 deterministic=False (it sums dq by TMA reductions in arrival order) or with its reductions
@@ -610,7 +611,7 @@ def _static_schedule(cfg: MosaicConfig, mask: MaskSpec, heads: int, n_q_ctas: in
 
 
 def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
-  if st.padding is not None:  # the kernels run on padded copies
+  if st.padding is not None:  # the kernels run at padded lengths (on copies or in place)
     return _padding.forward(st.padding, functools.partial(_forward, st.padded()),
                             q, k, v, q_seg, kv_seg)
   cfg = st.config
@@ -685,7 +686,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
 
 
 def _backward(st: "_Static", res, cts):
-  if st.padding is not None:  # the kernels run on padded copies
+  if st.padding is not None:  # the kernels run at padded lengths (on copies or in place)
     return _padding.backward(st.padding, functools.partial(_backward, st.padded()), res, cts)
   if st.backward is None:
     return pallas_triton.backward_pass(st.triton, res, cts)
