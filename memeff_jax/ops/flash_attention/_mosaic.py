@@ -114,27 +114,44 @@ def segment_bounds(band, segment_range):
   full_lo = jnp.clip(jnp.maximum(full_lo, seg_full_lo), lo, hi)
   return lo, hi, full_lo, jnp.clip(jnp.minimum(full_hi, seg_full_hi), full_lo, hi)
 
-def visible(mask, shape, key_axis: int, key_minus_query, row_ids=None, col_ids=None):
+def key_bound(mask, bounds, block: int):
+  """(lo, hi, full_lo, full_hi) of key blocks (as band_blocks) within mask.keys: the blocks
+  from ⌈keys / block⌉ on hold only padding and are not visited, and a block the bound cuts
+  is masked. Python ints stay ints."""
+  if mask.keys is None:
+    return bounds
+  lo, hi, full_lo, full_hi = bounds
+  ints = all(isinstance(x, int) for x in bounds)
+  lower, upper = (min, max) if ints else (jnp.minimum, jnp.maximum)
+  hi = lower(hi, -(-mask.keys // block))
+  lo = lower(lo, hi)
+  full_lo = lower(upper(full_lo, lo), hi)
+  return lo, hi, full_lo, lower(upper(lower(full_hi, mask.keys // block), full_lo), hi)
+
+def visible(mask, shape, key_axis: int, first_key, first_query, row_ids=None, col_ids=None):
   """Bool tile (WGMMA layout) of which pairs a score tile keeps, or None for all of them.
 
   `key_axis` is the axis along which the key index runs (1 for the forward's S, 0 for the
-  backward's Sᵀ); `key_minus_query` is the first key's index minus the first query's. The
-  band compares one iota difference with scalar bounds (two full index tiles cost registers
-  the compute warpgroups do not have); segment ids, when given as a vector per row and per
-  column (WGMMA reduce layouts), must be equal.
+  backward's Sᵀ); `first_key`, `first_query`: the tile's first key and query. The band
+  compares one iota difference with scalar bounds (two full index tiles cost registers the
+  compute warpgroups do not have), the key bound the keys' iota; segment ids, when given as a
+  vector per row and per column (WGMMA reduce layouts), must be equal.
   """
   ok = None
 
   def both(a, b):
     return b if a is None else a & b
 
+  iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
   if mask.left is not None or mask.right is not None:
-    iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+    key_minus_query = first_key - first_query
     rel = iota(key_axis) - iota(1 - key_axis)  # key - query, less key_minus_query
     if mask.right is not None:
       ok = both(ok, rel <= mask.right - key_minus_query)
     if mask.left is not None:
       ok = both(ok, rel >= -mask.left - key_minus_query)
+  if mask.keys is not None:
+    ok = both(ok, iota(key_axis) < mask.keys - first_key)
   if row_ids is not None:
     ok = both(ok, lax.broadcast_in_dim(row_ids, shape, [0])
               == lax.broadcast_in_dim(col_ids, shape, [1]))
@@ -161,18 +178,21 @@ def query_cta_key_blocks(mask, ranges_ref, b, qi, block_q: int, block_kv: int, n
   block w, which sees key blocks [lo, hi) in part and [full_lo, full_hi) whole (by the band
   and, with segment ids, their ranges: segment_bounds); the CTA streams [cta_lo, cta_hi),
   the union of the two (an empty range adds nothing). `ranges_ref` is
-  segment_block_ranges(q_ids, kv_ids, ...) or None. Python ints where the mask is dense.
+  segment_block_ranges(q_ids, kv_ids, ...) or None. Python ints where every query sees every
+  key (MaskSpec.sees_all_keys): the blocks up to the key bound, the last masked where it
+  ends inside it.
   """
-  if mask.is_dense:
-    return [(0, n_blocks, 0, n_blocks)] * 2, 0, n_blocks
+  if mask.sees_all_keys:
+    bounds = key_bound(mask, (0, n_blocks, 0, n_blocks), block_kv)
+    return [bounds] * 2, 0, bounds[1]
 
   def blocks_for(w):
     lo, hi, full_lo, full_hi = band_blocks(mask.left, mask.right, (2 * qi + w) * block_q,
                                            block_q, n_blocks, block_kv)
     if mask.segments:
-      return segment_bounds((lo, hi, full_lo, full_hi),
-                            [ranges_ref[b, 2 * qi + w, i] for i in range(4)])
-    return lo, hi, full_lo, full_hi
+      lo, hi, full_lo, full_hi = segment_bounds(
+          (lo, hi, full_lo, full_hi), [ranges_ref[b, 2 * qi + w, i] for i in range(4)])
+    return key_bound(mask, (lo, hi, full_lo, full_hi), block_kv)
 
   per_block = [blocks_for(w) for w in (0, 1)]
   cta_lo = jnp.minimum(*[jnp.where(hi > lo, lo, n_blocks) for lo, hi, _, _ in per_block])
@@ -193,8 +213,9 @@ def masked_ranges(step, carry, lo, hi, full_lo, full_hi, *, dense: bool):
   range may start inside [full_lo, full_hi) (lo > full_lo): the unmasked part is cut there."""
   if dense:
     return lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
-  full_lo = jnp.maximum(full_lo, lo)
-  full_hi = jnp.maximum(full_hi, full_lo)
+  upper = max if all(isinstance(x, int) for x in (lo, full_lo, full_hi)) else jnp.maximum
+  full_lo = upper(full_lo, lo)
+  full_hi = upper(full_hi, full_lo)
   masked = functools.partial(step, masked=True)
   carry = lax.fori_loop(lo, full_lo, masked, carry)
   carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)

@@ -12,8 +12,11 @@ back:
 - zero features add nothing to q·k and give zero output columns (the scale is the call's);
 - padded query rows are cut away, and their zero dO gives them no share of dk and dv;
 - padded keys stay hidden from every real query: by the mask where it already hides keys
-  at and past S (causal, or a window whose right side ends before S), else by segment ids
-  that give the padded rows an id no real row has (ids 0 and 1 where the call has none).
+  at and past S (causal, or a window whose right side ends before S), else by a key bound
+  in the mask (MaskSpec.keys = S), which the kernels apply to the one key block it cuts,
+  so that such calls run the kernels and tiles of calls without padding;
+- segment ids are padded with each row's last id (its padded queries and keys then see
+  whatever they see, which nothing real reads).
 
 Where the head dim is the kernels' own, T and S are whole 8-row TMA tiles and the backward is
 all Mosaic (`in_place`), nothing of q, k, v, the output or the cotangents is copied: the
@@ -48,45 +51,35 @@ HEAD_DIMS = (64, 96, 128, 192, 256)  # what the Mosaic forward and backward take
 # `benchmarks/flash_attention.py`, the `odd` and `models` sets and calls of T = S from 136 to
 # 700 at B·T ≈ 9,000, both masks; a padded call's time divided by its padding's work). A
 # padding pays while it multiplies the work by less. In place the Mosaic kernels pay for no
-# copies, most at small calls: at D = 128, T = 200 runs at 256 (1.64× the work) in 0.51 ms
-# against pallas_triton's 0.66 (cuDNN 0.59), where T = 300 on copies at 384 takes 0.68
-# against 0.52.
+# copies, most at small calls: at D = 128, T = 200 runs at 256 (1.64× the work) in 0.39 ms
+# against pallas_triton's 0.70 (cuDNN 0.57), where T = 300 on copies at 384 takes 0.61
+# against 0.53.
 TRITON_SLOWDOWN = {64: 1.05, 96: 1.52, 128: 1.18, 192: 4.07, 256: 3.68}
-TRITON_SLOWDOWN_IN_PLACE = {64: 1.37, 96: 2.13, 128: 1.99, 192: 4.41, 256: 3.66}
-_INT32 = jnp.iinfo(jnp.int32)
+TRITON_SLOWDOWN_IN_PLACE = {64: 1.58, 96: 2.13, 128: 2.37, 192: 4.41, 256: 3.66}
 
 
 class Padding(NamedTuple):
-  """The padded sizes of a call's T, S and head dim, whether the padded call passes
-  segment ids (the call's own, or 0 for real rows and 1 for padded ones), and whether the
-  kernels run at the padded lengths on the call's own arrays (`in_place`: the head dim is
-  theirs, and the rows past an array's end load as zeros and take no stores, as TMA
-  copies them) rather than on padded copies. In place only the segment ids and the
-  kernels' row statistics are padded."""
+  """The padded sizes of a call's T, S and head dim, the key bound that hides the padded
+  keys (S where the mask lets a real query reach them, else None), and whether the kernels
+  run at the padded lengths on the call's own arrays (`in_place`: the head dim is theirs,
+  and the rows past an array's end load as zeros and take no stores, as TMA copies them)
+  rather than on padded copies. In place only the segment ids and the kernels' row
+  statistics are padded."""
   t: int
   s: int
   d: int
-  segments: bool
+  keys: int | None
   in_place: bool = False
 
   def inputs(self, q, k, v, q_seg, kv_seg):
-    """q, k, v (padded copies unless in_place) and the segment ids (None where the padded
-    call takes none), padded."""
-    t, s = q.shape[1], k.shape[1]
+    """q, k, v (padded copies unless in_place) and the segment ids (None for none),
+    padded."""
     if not self.in_place:
       q = _pad(_pad(q, 1, self.t), 3, self.d)
       k, v = (_pad(_pad(x, 1, self.s), 3, self.d) for x in (k, v))
-    if not self.segments:
+    if q_seg is None:
       return q, k, v, None, None
-    b = q.shape[0]
-    if q_seg is None:  # hide the padded keys: real rows 0, padded rows 1
-      rows = lambda n, real: jnp.broadcast_to(
-          (jnp.arange(n) >= real).astype(jnp.int32)[None], (b, n))
-      return q, k, v, rows(self.t, t), rows(self.s, s)
-    q_seg, kv_seg, fresh = _with_fresh_id(q_seg, kv_seg)
-    pad_ids = lambda ids, n: jnp.concatenate(
-        [ids, jnp.broadcast_to(fresh, (b, n - ids.shape[1]))], axis=1)
-    return q, k, v, pad_ids(q_seg, self.t), pad_ids(kv_seg, self.s)
+    return q, k, v, _pad(q_seg, 1, self.t, mode="edge"), _pad(kv_seg, 1, self.s, mode="edge")
 
   def work(self, t: int, s: int) -> float:
     """The padded call's attention work over that of the call (lengths t, s). The head dim
@@ -102,10 +95,8 @@ class Padding(NamedTuple):
     return self.work(t, s) <= self.slowdown()
 
   def options(self, opts):
-    """The call's AttentionOptions for the padded call (its mask with segment ids where the
-    padded call passes them)."""
-    return dataclasses.replace(opts, mask=dataclasses.replace(opts.mask,
-                                                              segments=self.segments))
+    """The call's AttentionOptions for the padded call: its mask with the key bound."""
+    return dataclasses.replace(opts, mask=dataclasses.replace(opts.mask, keys=self.keys))
 
   def rows(self, x, axis: int, *, features: bool = True):
     """A per-query array (out, d_out [B, T, H, D]; lse, d_lse [B, H, T]) padded with zeros
@@ -139,7 +130,7 @@ def plan(t: int, s: int, d: int, mask: MaskSpec, block_q: int, block_kv: int,
   # A real query i sees keys up to i + right: the padded keys (from s on) only where that
   # reaches s for the last real query.
   reaches = s_pad > s and (mask.right is None or t - 1 + mask.right >= s)
-  return Padding(t_pad, s_pad, d_pad, mask.segments or reaches)
+  return Padding(t_pad, s_pad, d_pad, s if reaches else None)
 
 
 def forward(pad: Padding, fn, q, k, v, q_seg, kv_seg):
@@ -169,29 +160,9 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
-def _pad(x, axis: int, n: int):
+def _pad(x, axis: int, n: int, mode: str = "constant"):
   if x.shape[axis] == n:
     return x
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, n - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
-def _with_fresh_id(q_seg, kv_seg):
-  """(q_seg, kv_seg, fresh [B, 1]): int32 ids and, per row, an id none of them has: one past
-  the row's largest, else one before its smallest, else (a row holding both int32
-  extremes) the ids ranked and one past the ranks."""
-  both = jnp.concatenate([q_seg, kv_seg], axis=1)
-  hi, lo = both.max(axis=1, keepdims=True), both.min(axis=1, keepdims=True)
-  full = jnp.any((hi == _INT32.max) & (lo == _INT32.min))
-
-  def plain():
-    return q_seg, kv_seg, jnp.where(hi < _INT32.max, hi + 1, lo - 1)
-
-  def ranked():
-    rq, rk = _common.rank_segments(q_seg, kv_seg)
-    top = jnp.maximum(rq.max(axis=1, keepdims=True), rk.max(axis=1, keepdims=True))
-    return rq, rk, top + 1
-
-  return lax.cond(full, ranked, plain)
-
+  return jnp.pad(x, widths, mode=mode)

@@ -461,18 +461,26 @@ def _query_blocks(mask: MaskSpec, cta_key, cta_keys: int, n_q: int, bq: int, seg
   cta_key..cta_key+cta_keys-1, of which [full_lo, full_hi) see all of them (no mask).
   seg_range: the keys' row of segment_block_ranges (the query blocks sharing a segment id
   with them, and those sharing their one id). Scalars in the kernel; arrays of key blocks
-  for _reduction_ranks."""
-  if mask.is_dense:
-    return 0, n_q, 0, n_q
-  band = _mosaic.band_blocks(mask.right, mask.left, cta_key, cta_keys, n_q, bq)
-  return band if seg_range is None else _mosaic.segment_bounds(band, seg_range)
+  for _reduction_ranks. Keys reaching past the key bound (mask.keys) are masked with every
+  query block they see: the padded keys stay hidden, and their gradients come out zero."""
+  if mask.sees_all_keys:
+    bounds = 0, n_q, 0, n_q
+  else:
+    bounds = _mosaic.band_blocks(mask.right, mask.left, cta_key, cta_keys, n_q, bq)
+    if seg_range is not None:
+      bounds = _mosaic.segment_bounds(bounds, seg_range)
+  if mask.keys is None:
+    return bounds
+  first, last, full_lo, full_hi = bounds
+  return first, last, full_lo, jnp.where(cta_key + cta_keys <= mask.keys, full_hi, full_lo)
 
 
 ROTATE_MAX_KV = 64  # dq_rotate's bound on a key head's CTAs: half an H100's SMs
 
 
 def _rotates(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> bool:
-  return config.dq_ordered and config.dq_rotate and mask.is_dense and n_kv <= ROTATE_MAX_KV
+  return (config.dq_ordered and config.dq_rotate and mask.sees_all_keys
+          and n_kv <= ROTATE_MAX_KV)
 
 
 def _heavy_first(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> bool:
@@ -857,7 +865,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         if segments:
           plgpu.barrier_wait(sc.q_seg_ready.at[slot])
           query_ids = hopper.load(sc.q_seg.at[slot, pl.ds(q0, shape[1])], col_layout)
-        return _mosaic.visible(mask, shape, 0, my_key - qb * bq - q0,
+        return _mosaic.visible(mask, shape, 0, my_key, qb * bq + q0,
                                key_ids if segments else None, query_ids)
 
       def store_dq(i, gi, dq, cols):
@@ -1008,6 +1016,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       carry = (zeros((bkv, oc)), zeros((bkv, oc)), zero_ref[0])
       if mask.is_dense:
         dk, dv, _ = lax.fori_loop(0, it.n_steps, functools.partial(step, masked=False), carry)
+      elif mask.sees_all_keys:  # every step masked where the keys reach past the key bound
+        whole = it.heads * (it.full_hi - it.full_lo)  # n_steps, or 0
+        dk, dv, _ = _mosaic.masked_ranges(step, carry, 0, it.n_steps, 0, whole, dense=False)
       else:  # per head: the masked blocks before full_lo, the unmasked ones, the masked rest
         def head_steps(g, carry):
           start = g * it.per_head - it.first  # step i of this head visits query block i - start
@@ -1176,7 +1187,7 @@ def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
   """[B, Hq, 2, T] float32: the log-sum-exp in the exp2 domain (0 for a query that sees no
   key, so that its P = 2^(-inf - 0) = 0) and Δ, as the Mosaic backward kernels load them."""
   lse2 = res.lse * hopper.LOG2E
-  if not (opts.mask.is_dense or opts.mask.is_causal):
+  if opts.mask.rows_may_be_empty:
     lse2 = jnp.where(res.lse == -jnp.inf, 0.0, lse2)
   return jnp.stack([lse2, delta], axis=2)
 

@@ -218,7 +218,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, seg_refs, dq_ref,
         if segments:
           plgpu.barrier_wait(seg.kv_ready.at[slot])
           kv_ids = hopper.load(seg.kv_ids.at[slot], plgpu.Layout.WGMMA.reduce(0))
-        ok = _mosaic.visible(mask, z.shape, 1, j * bkv - row,
+        ok = _mosaic.visible(mask, z.shape, 1, j * bkv, row,
                              q_ids if segments else None, kv_ids)
         z = jnp.where(ok, z, -jnp.inf)
       elif segments:  # unread, but every load's barrier is waited on (its phase)

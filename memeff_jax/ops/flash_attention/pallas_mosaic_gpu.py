@@ -122,7 +122,8 @@ class MosaicConfig:
   @classmethod
   def for_call(cls, d: int, mask: MaskSpec, s: int) -> "MosaicConfig":
     """for_head_dim(d) for a call with s keys, set as measured (docs/design/flash_attention.md,
-    H200 and H100):
+    H200 and H100). "No mask" includes a key bound (MaskSpec.keys: a padded call's padded
+    keys), which masks one key block:
 
     - overlap in place of ping-pong at D = 128, 192 and 256 under no mask or a causal one
       (D = 192 causal: 1.02–1.13× cuDNN's forward against 0.95–1.01× with ping-pong);
@@ -150,12 +151,12 @@ class MosaicConfig:
       return dataclasses.replace(config, persistent=True, dynamic=True)
     if d in (96, 128) and mask.is_causal and s <= SHORT_CAUSAL_KEYS:
       return dataclasses.replace(config, persistent=True, dynamic=d == 128)
-    if d in (128, 192, 256) and (mask.is_dense or mask.is_causal):
+    if d in (128, 192, 256) and (mask.sees_all_keys or mask.is_causal):
       config = dataclasses.replace(config, overlap=True, pingpong=False,
-                                   persistent=d == 128 and mask.is_dense)
-    if (d == 64 and mask.is_causal) or (d in (64, 96) and mask.is_dense):
+                                   persistent=d == 128 and mask.sees_all_keys)
+    if (d == 64 and mask.is_causal) or (d in (64, 96) and mask.sees_all_keys):
       config = dataclasses.replace(config, persistent=True)
-    if d in (96, 192) and mask.is_dense:
+    if d in (96, 192) and mask.sees_all_keys:
       config = dataclasses.replace(config, stages=3)
     return config
 
@@ -250,10 +251,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
   stages = config.stages
   segments = mask.segments
   # Rows that see no key at all (window, segments) end with l = 0: guard the exponents.
-  may_be_empty = not (mask.is_dense or mask.is_causal)
+  may_be_empty = mask.rows_may_be_empty
 
   n_blocks = s // bkv
-  static_range = mask.is_dense  # every CTA reads every key block: static loop bounds
+  # Every CTA reads every key block (up to the key bound): static loop bounds.
+  static_range = mask.sees_all_keys
   ready = (k_ready, v_ready) + ((seg.kv_ready,) if segments else ())  # a key block's loads
 
   take_turn = functools.partial(hopper.take_turn, turn)
@@ -400,7 +402,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         if segments:
           plgpu.barrier_wait(seg.kv_ready.at[slot_of(j)])
           kv_ids = hopper.load(seg.kv_ids.at[slot_of(j)], plgpu.Layout.WGMMA.reduce(0))
-        ok = _mosaic.visible(mask, scores.shape, 1, j * bkv - row,
+        ok = _mosaic.visible(mask, scores.shape, 1, j * bkv, row,
                              q_ids if segments else None, kv_ids)
         return jnp.where(ok, scores, -jnp.inf)
 
@@ -534,10 +536,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         if may_be_empty:
           p, m, l = lax.cond(lo < hi, first(masked=True), no_blocks)
         else:
-          p, m, l = first(masked=not static_range)()
+          lo_is_whole = static_range and bounds[2] <= lo < bounds[3]
+          p, m, l = first(masked=not lo_is_whole)()
         # Blocks lo+1.. (none when lo == hi), each masked where visit_key_blocks masks it.
         acc, m, l, p = _mosaic.masked_ranges(step, (acc, m, l, p), lo + 1, hi, full_lo,
-                                             full_hi, dense=static_range)
+                                             full_hi, dense=mask.is_dense)
         acc = lax.cond(lo < hi, last(acc, p), lambda: acc) if may_be_empty else last(acc, p)()
         lax.fori_loop(hi, cta_hi, skip, None)
         return acc, m, l
@@ -546,7 +549,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         acc, m, l = overlapped_blocks(acc, m, l)
       else:
         acc, m, l = _mosaic.visit_key_blocks(step, skip, (acc, m, l), bounds, cta_lo, cta_hi,
-                                             dense=static_range, start=first_k)
+                                             dense=mask.is_dense, start=first_k)
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
       nxt = None

@@ -4,6 +4,7 @@ On CPU the padding runs around chunked_xla in place of the kernels (the same fun
 the padded call); the GPU suite runs it around the kernels (test_pallas_mosaic_gpu.py).
 """
 
+import dataclasses
 import re
 from typing import NamedTuple
 
@@ -14,9 +15,12 @@ import pytest
 
 from memeff_jax.kernels import hopper
 from memeff_jax.ops.flash_attention import _common
+from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import _padding
 from memeff_jax.ops.flash_attention import ChunkedXla
 from memeff_jax.ops.flash_attention import flash_attention
+from memeff_jax.ops.flash_attention import masks
+from memeff_jax.ops.flash_attention import mosaic_gpu_backward
 from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pm
 from memeff_jax.ops.flash_attention import PallasMosaicGpu
 from memeff_jax.ops.flash_attention.masks import MaskSpec
@@ -60,29 +64,29 @@ class PaddedChunkedXla:
 
 class TestPaddingOnChunkedXla(_FlashAttentionTest):
   """T = 100 and S = 153 (padded to 128 and 256), D = 80 (to 96): causal and the (5, 3)
-  window hide the padded keys by themselves, the rest by segment ids."""
+  window hide the padded keys by themselves, the rest by the key bound (MaskSpec.keys)."""
 
   impl = PaddedChunkedXla()
   shape = dict(b=2, t=100, s=153, hq=4, hkv=1, d=80)
 
 
 class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
-  """T = 200 > S = 130, D = 160 (padded to 192): causal rows past S see the padded keys but
-  for the ids the padding adds."""
+  """T = 200 > S = 130, D = 160 (padded to 192): causal rows past S would see the padded keys
+  but for the key bound."""
 
   impl = PaddedChunkedXla()
   shape = dict(b=2, t=200, s=130, hq=4, hkv=2, d=160)
 
 
 @pytest.mark.parametrize("t, s, d, causal, want", [
-    (1000, 1000, 96, True, _padding.Padding(1024, 1024, 96, False)),
-    (1000, 1000, 96, False, _padding.Padding(1024, 1024, 96, True)),
-    (1024, 1024, 80, True, _padding.Padding(1024, 1024, 96, False)),  # the head dim alone
-    (1024, 1024, 112, True, _padding.Padding(1024, 1024, 128, False)),
-    (300, 200, 128, True, _padding.Padding(384, 256, 128, True)),  # rows 200.. see past S
-    (200, 300, 64, True, _padding.Padding(256, 384, 64, False)),
-    (256, 384, 160, False, _padding.Padding(256, 384, 192, False)),  # the head dim alone
-    (200, 320, 224, True, _padding.Padding(256, 384, 256, False)),  # S: the backward's 128
+    (1000, 1000, 96, True, _padding.Padding(1024, 1024, 96, None)),  # causal hides them
+    (1000, 1000, 96, False, _padding.Padding(1024, 1024, 96, 1000)),
+    (1024, 1024, 80, True, _padding.Padding(1024, 1024, 96, None)),  # the head dim alone
+    (1024, 1024, 112, True, _padding.Padding(1024, 1024, 128, None)),
+    (300, 200, 128, True, _padding.Padding(384, 256, 128, 200)),  # rows 200.. see past S
+    (200, 300, 64, True, _padding.Padding(256, 384, 64, None)),
+    (256, 384, 160, False, _padding.Padding(256, 384, 192, None)),  # the head dim alone
+    (200, 320, 224, True, _padding.Padding(256, 384, 256, None)),  # S: the backward's 128
     (256, 384, 128, False, None),  # the kernels take it as it is
     (256, 320, 256, False, None),  # 64-key blocks at D = 256, forward and backward
     (1000, 1000, 32, True, None),  # under 64: pallas_triton's
@@ -94,15 +98,18 @@ def test_plan(t, s, d, causal, want):
 
 
 def test_plan_window_and_segment_ids():
-  """A right window hides the padded keys where the last real query's reach ends before S;
-  a call with segment ids always passes them (padded with an id of their own)."""
+  """A right window hides the padded keys where the last real query's reach ends before S,
+  with segment ids or without; elsewhere the key bound does."""
   plan = lambda mask: PallasMosaicGpu().padding((1, 1000, 4, 128), (1, 1000, 4, 128), mask)
-  assert not plan(MaskSpec(left=100, right=0)).segments
-  assert plan(MaskSpec(left=100, right=30)).segments  # 999 + 30 reaches key 1000
-  assert plan(MaskSpec(left=None, right=0, segments=True)).segments
+  assert plan(MaskSpec(left=100, right=0)).keys is None
+  assert plan(MaskSpec(left=100, right=30)).keys == 1000  # 999 + 30 reaches key 1000
+  assert plan(MaskSpec(left=None, right=0, segments=True)).keys is None
+  assert plan(MaskSpec(segments=True)).keys == 1000
   short_window = PallasMosaicGpu().padding((1, 900, 4, 128), (1, 1000, 4, 128),
                                            MaskSpec(left=None, right=100))
-  assert not short_window.segments  # 899 + 100 < 1000
+  assert short_window.keys is None  # 899 + 100 < 1000
+  opts = _common.AttentionOptions(mask=MaskSpec(right=100), scale=0.1)
+  assert short_window.options(opts) == opts
 
 
 @pytest.mark.parametrize("t, s, d, in_place, pays", [
@@ -111,10 +118,11 @@ def test_plan_window_and_segment_ids():
     (300, 200, 160, False, True),  # 1.64×, under pallas_triton's 4.07× at D = 192
     (1000, 1000, 64, False, True),  # 1.049×, under 1.05×
     (600, 600, 64, False, False),  # 640 × 640: 1.14×
-    (600, 600, 64, True, True),  # under 1.37× in place
-    (520, 520, 64, True, False),  # 1.51×
-    (200, 200, 128, True, True),  # 256 × 256: 1.64×, under 1.99×
+    (600, 600, 64, True, True),  # under 1.58× in place
+    (520, 520, 64, True, True),  # 1.51×
+    (176, 176, 128, True, True),  # 256 × 256: 2.12×, under 2.37×
     (136, 136, 128, True, False),  # 3.54×
+    (136, 136, 64, True, False),
     (257, 257, 64, False, False),  # 384 × 384: 2.23×
     (257, 257, 128, False, False),
     (1000, 700, 128, False, True),  # 1,024 × 768: 1.12×
@@ -159,24 +167,17 @@ def test_pad_takes_two_settings():
     PallasMosaicGpu(pad="never")
 
 
-@pytest.mark.parametrize("ids", [
-    [[3, 3, 7, 7, 9]],
-    [[0, 5, 2**31 - 1, 2**31 - 1, 4]],  # the largest int32: the fresh id goes below
-    [[-2**31, 0, 2**31 - 1, 5, 5]],  # both extremes: ids ranked first
-])
-def test_padded_ids_keep_rows_apart(ids):
-  """Padded rows get an id no real row has; real rows keep which ids are equal."""
-  q_seg = jnp.asarray(ids, jnp.int32)
+def test_padded_ids_take_each_rows_last_id():
+  """Segment ids are padded with each row's last id; q, k and v in place are not copied."""
+  q_seg = jnp.asarray([[3, 3, 7, 7, 9], [0, 1, 1, 2, 2]], jnp.int32)
   kv_seg = q_seg[:, ::-1]
-  pad = _padding.Padding(8, 7, 64, True)
-  x = jnp.zeros((1, 5, 1, 64))
-  _, _, _, pq, pk = pad.inputs(x, x, x, q_seg, kv_seg)
-  assert pq.shape == (1, 8) and pk.shape == (1, 7)
-  real = np.concatenate([np.asarray(pq)[0, :5], np.asarray(pk)[0, :5]])
-  given = np.concatenate([np.asarray(q_seg)[0], np.asarray(kv_seg)[0]])
-  np.testing.assert_array_equal(real[:, None] == real[None], given[:, None] == given[None])
-  fresh = set(np.asarray(pq)[0, 5:]) | set(np.asarray(pk)[0, 5:])
-  assert len(fresh) == 1 and not fresh & set(real)
+  x = jnp.zeros((2, 5, 1, 64))
+  pad = _padding.Padding(8, 7, 64, 5, in_place=True)
+  pq_, pk_, pv_, pq, pk = pad.inputs(x, x, x, q_seg, kv_seg)
+  assert pq_ is x and pk_ is x and pv_ is x
+  np.testing.assert_array_equal(pq, [[3, 3, 7, 7, 9, 9, 9, 9], [0, 1, 1, 2, 2, 2, 2, 2]])
+  np.testing.assert_array_equal(pk, [[9, 7, 7, 3, 3, 3, 3], [2, 2, 1, 1, 0, 0, 0]])
+  assert pad.inputs(x, x, x, None, None)[3:] == (None, None)
 
 
 def test_padded_calls_take_the_mosaic_kernels(monkeypatch):
@@ -190,9 +191,10 @@ def test_padded_calls_take_the_mosaic_kernels(monkeypatch):
   for causal in (True, False):
     opts = _common.AttentionOptions(mask=MaskSpec.make(causal, None, False), scale=80**-0.5)
     st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
-    assert st.opts == opts and st.padding == _padding.Padding(1024, 1024, 96, not causal)
+    keys = None if causal else 1000  # causal hides the padded keys by itself
+    assert st.opts == opts and st.padding == _padding.Padding(1024, 1024, 96, keys)
     assert st.backward is not None and st.triton is None
-    assert st.padded().opts.mask.segments == (not causal)
+    assert st.padded().opts.mask == dataclasses.replace(opts.mask, keys=keys)
 
     def loss(q, k, v, causal=causal):
       out = flash_attention(q, k, v, causal=causal, implementation="pallas_mosaic_gpu")
@@ -270,3 +272,53 @@ def test_head_dims_96_and_192_lower_to_the_mosaic_kernels(monkeypatch, causal, d
   assert len(calls) == 2 and all("mosaic_gpu" in c for c in calls), calls
   widths = {int(w) for w in re.findall(r"tensor<1x512x\dx(\d+)xbf16>", text)}
   assert widths == {d, runs_at}, widths
+
+
+@pytest.mark.parametrize("mask", [MaskSpec(keys=300), MaskSpec(right=0, keys=200),
+                                  MaskSpec(left=70, right=30, keys=230),
+                                  MaskSpec(keys=256), MaskSpec(keys=40)])
+def test_key_bound_block_ranges(mask):
+  """The block ranges the kernels walk under a key bound (the forward's and dq kernel's key
+  blocks per query block, the backward's query blocks per key CTA, masks.kv_block_range):
+  every block with a visible pair is walked, none wholly past the bound, and a block left
+  unmasked sees every pair."""
+  t, s, bq, bkv, cta_keys = 384, 384, 64, 128, 128
+  seen = np.asarray(masks.visible(mask, jnp.arange(t), jnp.arange(s)))
+  for qi in range(t // (2 * bq)):
+    per_block, cta_lo, cta_hi = _mosaic.query_cta_key_blocks(mask, None, 0, qi, bq, bkv,
+                                                             s // bkv)
+    for w, bounds in enumerate(per_block):
+      lo, hi, full_lo, full_hi = (int(x) for x in bounds)
+      rows = seen[(2 * qi + w) * bq:(2 * qi + w + 1) * bq].reshape(bq, s // bkv, bkv)
+      any_seen, all_seen = rows.any((0, 2)), rows.all((0, 2))
+      assert any_seen[:lo].sum() == any_seen[hi:].sum() == 0, (qi, w, bounds)
+      assert all_seen[full_lo:full_hi].all() and hi <= -(-mask.keys // bkv)
+      assert int(cta_lo) <= lo and hi <= int(cta_hi)
+      kv_lo, kv_hi = masks.kv_block_range(mask, (2 * qi + w) * bq, bq, s, bkv)
+      assert any_seen[:int(kv_lo)].sum() == any_seen[int(kv_hi):].sum() == 0
+      assert int(kv_hi) <= -(-mask.keys // bkv)
+  for kvi in range(s // cta_keys):
+    first, last, full_lo, full_hi = (int(x) for x in mosaic_gpu_backward._query_blocks(
+        mask, jnp.int32(kvi * cta_keys), cta_keys, t // bq, bq))
+    cols = seen[:, kvi * cta_keys:(kvi + 1) * cta_keys].reshape(t // bq, bq, cta_keys)
+    any_seen, all_seen = cols.any((1, 2)), cols.all((1, 2))
+    assert any_seen[:first].sum() == any_seen[last:].sum() == 0
+    assert all_seen[full_lo:full_hi].all(), (kvi, full_lo, full_hi)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("hkv", [8, 2])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_padded_keys_leave_the_unpadded_calls_kernels(monkeypatch, d, hkv, deterministic):
+  """A call without a mask whose padded keys the key bound hides runs the forward, backward
+  and dq configs of the call of its padded lengths (segment ids would have taken shared
+  memory and, at D = 128, the deterministic backward's second dQ slot)."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  opts = _common.AttentionOptions(mask=MaskSpec(), scale=0.1, deterministic=deterministic)
+  static = lambda t: PallasMosaicGpu()._static(  # pylint: disable=protected-access
+      jax.ShapeDtypeStruct((2, t, 8, d), jnp.bfloat16),
+      jax.ShapeDtypeStruct((2, t, hkv, d), jnp.bfloat16), opts)
+  padded, whole = static(1000), static(1024)
+  assert padded.padding.keys == 1000 and not padded.padded().opts.mask.segments
+  assert (padded.config, padded.backward, padded.dq) == (whole.config, whole.backward, whole.dq)

@@ -1951,8 +1951,25 @@ class TestMosaicGpuInPlaceD64(TestMosaicGpuInPlace):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuInPlaceNondeterministic(TestMosaicGpuInPlace):
+  """In place with the backward that adds dq in arrival order."""
+
+  extra = dict(deterministic=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuInPlaceD64Gqa(TestMosaicGpuInPlace):
+  """In place at D = 64, GQA 2:1, T > S: causal calls run the dK/dV-only backward beside
+  the dq kernel, their rows past S kept from the padded keys by the key bound."""
+
+  shape = dict(b=2, t=520, s=264, hq=4, hkv=2, d=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuPaddedD160(TestMosaicGpuPadded):
-  """D = 160 to 192 (the column-split backward), T = 300 > S = 200: causal rows past S see
-  the padded keys but for the ids the padding adds."""
+  """D = 160 to 192 (the column-split backward), T = 300 > S = 200: causal rows past S would
+  see the padded keys but for the key bound."""
 
   shape = dict(b=2, t=300, s=200, hq=4, hkv=2, d=160)
