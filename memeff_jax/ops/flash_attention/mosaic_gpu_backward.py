@@ -209,8 +209,8 @@ class MosaicBackwardConfig:
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
                         s: int = 0, segments: bool = False) -> "MosaicBackwardConfig":
-    """The Mosaic backward of deterministic calls of T = t queries and S = s keys (0: not
-    known): the whole kernel with dq_ordered where the tuning table has a
+    """The Mosaic backward of deterministic calls whose key blocks walk t queries (T, or a
+    window's span) and S = s keys (0: not known): the whole kernel with dq_ordered where the tuning table has a
     `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose
     schedule differs; from LONG_WALK_QUERIES queries on, that section's `_long` variant
     where there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add
@@ -218,7 +218,8 @@ class MosaicBackwardConfig:
     beside a dq kernel. D = 192 takes D = 256's sections where it has none of its own
     (_section).
 
-    causal: the causal band (no window), with or without segment ids. A causal call with
+    causal: a causal band (pallas_mosaic_gpu passes causal windows at D = 128 too), with or
+    without segment ids. A causal call with
     segment ids takes D = 128's causal sections from LONG_WALK_QUERIES queries on, and those
     without a mask below and at other head dims (not measured with segment ids; D = 64 has
     no causal GQA section with dq). Its walks end at their documents' starts, which only the

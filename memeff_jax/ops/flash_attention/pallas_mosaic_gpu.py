@@ -852,8 +852,16 @@ class PallasMosaicGpu:
         elif self.dq_config is not None:
           mosaic = MosaicBackwardConfig.tuned(d, mask.is_causal, gqa, with_dq=False)
         else:
+          # A causal window at D = 128 takes the causal sections: under GQA one CTA per query
+          # head (B1 T8k H32/8, 4k window: fwd+bwd 2.94–2.97 against 3.17–3.28 ms, cuDNN
+          # 3.21–3.31; level at B4 T4k, 1k window). A key block walks the queries the window
+          # spans, however long the call: the `_long` sections (2% slower here) are for walks
+          # past LONG_WALK_QUERIES.
+          causal = mask.is_causal_band or (mask.right == 0 and d == 128)
+          walk = q.shape[1] if mask.left is None else min(
+              q.shape[1], mask.left + 2 * mosaic_gpu_backward.BLOCK_KV)
           mosaic = MosaicBackwardConfig.for_deterministic(
-              d, mask.is_causal_band, gqa, t=q.shape[1], s=k.shape[1], segments=mask.segments)
+              d, causal, gqa, t=walk, s=k.shape[1], segments=mask.segments)
       # dq_buffers is a most: one dQ slot where two do not fit beside the segment ids.
       mosaic = mosaic_gpu_backward.fit_shared_memory(mosaic, q.shape[-1], q.dtype,
                                                      opts.mask.segments)
