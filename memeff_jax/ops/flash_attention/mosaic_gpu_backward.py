@@ -209,26 +209,25 @@ class MosaicBackwardConfig:
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
                         s: int = 0, segments: bool = False) -> "MosaicBackwardConfig":
-    """The Mosaic backward of deterministic calls whose key blocks walk t queries (T, or a
-    window's span) and S = s keys (0: not known): the whole kernel with dq_ordered where the tuning table has a
-    `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose
-    schedule differs; from LONG_WALK_QUERIES queries on, that section's `_long` variant
-    where there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add
-    into a query block; else the dK/dV-only kernel (tuned(with_dq=False)), which runs
-    beside a dq kernel. D = 192 takes D = 256's sections where it has none of its own
-    (_section).
+    """The Mosaic backward of deterministic calls whose key blocks walk t queries (T, or a window's
+    span) and S = s keys (0: not known): the whole kernel with dq_ordered where the tuning table
+    has a `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose
+    schedule differs; from LONG_WALK_QUERIES queries on, that section's `_long` variant where
+    there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add into a
+    query block; else the dK/dV-only kernel (tuned(with_dq=False)), which runs beside a dq
+    kernel. D = 192 takes D = 256's sections where it has none of its own (_section).
 
     causal: a causal band (pallas_mosaic_gpu passes causal windows at D = 128 too), with or
-    without segment ids. A causal call with
-    segment ids takes D = 128's causal sections from LONG_WALK_QUERIES queries on, and those
-    without a mask below and at other head dims (not measured with segment ids; D = 64 has
-    no causal GQA section with dq). Its walks end at their documents' starts, which only the
-    run knows: short documents favour one CTA per key head walking its whole group, long
-    ones causal GQA's CTA per query head. At D = 128, GQA 32:8, fwd+bwd with a CTA per key
-    head against one per query head (H200): 8 documents of 512 tokens per 4,096-token row
-    (B4) 0.97 against 1.03 ms; in one 16,384-token row, 16 documents of random lengths 3.04
-    against 2.41 ms, 16 equal ones level (1.53 ms), 64 equal ones 0.82 against 0.94 ms.
-    Without GQA the two choices give the same kernel beside segment ids (fit_shared_memory)."""
+    without segment ids. A causal call with segment ids takes D = 128's causal sections from
+    LONG_WALK_QUERIES queries on, and those without a mask below and at other head dims (not
+    measured with segment ids; D = 64 has no causal GQA section with dq). Its walks end at their
+    documents' starts, which only the run knows: short documents favour one CTA per key head
+    walking its whole group, long ones causal GQA's CTA per query head. At D = 128, GQA 32:8,
+    fwd+bwd with a CTA per key head against one per query head (H200): 8 documents of 512 tokens
+    per 4,096-token row (B4) 0.97 against 1.03 ms; in one 16,384-token row, 16 documents of
+    random lengths 3.04 against 2.41 ms, 16 equal ones level (1.53 ms), 64 equal ones 0.82
+    against 0.94 ms. Without GQA the two choices give the same kernel beside segment ids
+    (fit_shared_memory)."""
     if segments and (t < LONG_WALK_QUERIES or _section_dim(d) != 128):
       causal = False
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
