@@ -23,7 +23,10 @@ from memeff_jax.ops.flash_attention import masks
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward
 from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pm
 from memeff_jax.ops.flash_attention import PallasMosaicGpu
+from memeff_jax.ops.flash_attention import PallasTriton
+from memeff_jax.ops.flash_attention import reference
 from memeff_jax.ops.flash_attention.masks import MaskSpec
+from memeff_jax.ops.flash_attention.pallas_triton import BlockConfig
 from tests.ops.flash_attention.test_flash_attention import _FlashAttentionTest
 
 _INNER = ChunkedXla(block_q=32, block_k=16)
@@ -322,3 +325,32 @@ def test_padded_keys_leave_the_unpadded_calls_kernels(monkeypatch, d, hkv, deter
   padded, whole = static(1000), static(1024)
   assert padded.padding.keys == 1000 and not padded.padded().opts.mask.segments
   assert (padded.config, padded.backward, padded.dq) == (whole.config, whole.backward, whole.dq)
+
+
+@pytest.mark.parametrize("impl", [ChunkedXla(block_q=16, block_k=16), PallasTriton(
+    interpret=True, config=BlockConfig(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16))])
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (9, 30))])
+def test_key_bound_equals_cutting_the_keys(impl, causal, window):
+  """Under a key bound (where a padded call's backward runs on pallas_triton, its kernels take
+  the bound) every implementation computes the call on the keys before it: the same output,
+  log-sum-exp and dq, dk and dv there, and zero dk and dv past it."""
+  keys, kq, kk, kv, kd = 37, *jax.random.split(jax.random.key(5), 4)
+  q = jax.random.normal(kq, (2, 48, 4, 32))
+  k, v = (jax.random.normal(key, (2, 64, 2, 32)) for key in (kk, kv))
+  d_out = jax.random.normal(kd, q.shape)
+  mask = MaskSpec.make(causal, window, False)
+  bounded = _common.AttentionOptions(mask=dataclasses.replace(mask, keys=keys), scale=0.3)
+  out, lse = impl(q, k, v, None, None, opts=bounded)
+  dq, dk, dv = impl.backward(q, k, v, None, None, out, lse, d_out, jnp.zeros_like(lse),
+                             opts=bounded)[:3]
+  cut = lambda x: x[:, :keys]
+  whole = _common.AttentionOptions(mask=mask, scale=0.3)
+  ref = ChunkedXla(block_q=16, block_k=16)
+  want_out, want_lse = reference.reference_attention(q, cut(k), cut(v), None, None, whole)
+  want = ref.backward(q, cut(k), cut(v), None, None, want_out, want_lse, d_out,
+                      jnp.zeros_like(want_lse), opts=whole)[:3]
+  np.testing.assert_allclose(out, want_out, atol=2e-5)
+  np.testing.assert_allclose(lse, want_lse, atol=2e-5)
+  for got, exp in zip((dq, cut(dk), cut(dv)), want):
+    np.testing.assert_allclose(got, exp, atol=5e-5)
+  assert not np.any(dk[:, keys:]) and not np.any(dv[:, keys:])
