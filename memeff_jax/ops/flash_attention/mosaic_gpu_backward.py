@@ -78,6 +78,13 @@ LONG_WALK_QUERIES = 8192
 # input dtype (dq_rounded): there bf16's error stays within 1.4× the float32 sum's, the
 # bound the loss's bf16 dW also keeps.
 ROUNDED_DQ_MAX_ADDERS = 16
+# Waves of CTAs (one per SM) below which a GQA call splits each key head's group of query
+# heads between more CTAs (MosaicBackwardConfig.group_splits, split_group), and the waves
+# it splits them into where the key blocks' walks differ in length. B4 T2048 H71/1 D64
+# causal (64 key blocks), fwd+bwd on an H200: 3.10 ms in one CTA per key block, 2.06, 1.90,
+# 1.78, 1.76, 1.74 and 1.75 in 2, 4, 8, 12, 16 and 24 splits; cuDNN 1.78–1.81.
+SPLIT_WAVES = 2
+UNEVEN_SPLIT_WAVES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +195,13 @@ class MosaicBackwardConfig:
       float32 reference grows with the adders, 1.09×, 1.18×, 1.31× and 1.51× that of the
       float32 sum at 4, 8, 16 and 32 of them (bf16, a numerical model of the kernel's
       sums), so for_deterministic turns it on only up to ROUNDED_DQ_MAX_ADDERS.
+    group_splits: (not gqa_per_query_head) CTAs per key block and key head, each walking its
+      share of the group's query heads (shares differ by at most one head where the splits do
+      not divide the group; at most one CTA per query head, whatever the value). Each stores its dK and dV, in the input dtype, into its slice
+      of [group_splits, B, S, Hkv, D] partials, which XLA then sums in float32 in one fixed
+      order: deterministic, with one rounding more per partial. A call whose key blocks and
+      heads leave SMs idle takes more (split_group), e.g. MQA: B4 T2048 H71/1 has 64 key
+      blocks for 132 SMs, each walking 71 query heads.
   """
 
   stages: int = 2
@@ -205,6 +219,7 @@ class MosaicBackwardConfig:
   dq_stagger: bool = False
   dq_heavy_first: bool = False
   dq_rounded: bool = False
+  group_splits: int = 1
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -281,6 +296,30 @@ class MosaicBackwardConfig:
     return cls(dq_split=_section_dim(d) == 128)
 
 
+def split_group(config: MosaicBackwardConfig, batch: int, hq: int, hkv: int, s: int,
+                uneven: bool, sms: int | None = None) -> MosaicBackwardConfig:
+  """config with the group_splits a call takes: the config's own (the tuning table's, at
+  most one per query head of the group), more where the call's CTAs (one per key block,
+  key head and batch row) fill fewer than SPLIT_WAVES waves of the SMs (sms, else the
+  device's). `uneven`: the key blocks walk different numbers of query blocks (a causal
+  band, segment ids), which more, shorter CTAs balance: then splits enough for
+  UNEVEN_SPLIT_WAVES waves. Else each split's walk is as long as another's, and the splits
+  are the fewest that take the fewest waves × query heads per CTA."""
+  group = hq // hkv
+  if config.gqa_per_query_head or group == 1:
+    return config
+  splits = min(config.group_splits, group)
+  ctas = batch * hkv * (s // config.cta_keys())
+  sms = sms or hopper.sm_count()
+  if 0 < ctas < SPLIT_WAVES * sms:
+    if uneven:
+      splits = max(splits, min(group, -(-UNEVEN_SPLIT_WAVES * sms // ctas)))
+    else:
+      span = lambda n: (-(-ctas * n // sms) * -(-group // n), n)
+      splits = max(splits, min(range(1, group + 1), key=span))
+  return dataclasses.replace(config, group_splits=splits)
+
+
 def _section_dim(d: int) -> int:
   """The head dim whose tuning sections a call of head dim d takes: D = 192 runs the
   column-split kernel, as D = 256 does, with its settings; D = 96 those of D = 128."""
@@ -320,6 +359,10 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return "gqa_per_query_head and dq_split exclude each other in arrival order"
   if not config.with_dq and (config.dq_split or config.gqa_per_query_head):
     return "with_dq=False excludes dq_split and gqa_per_query_head"
+  if config.group_splits < 1:
+    return f"group_splits must be at least 1, got {config.group_splits}"
+  if config.group_splits > 1 and config.gqa_per_query_head:
+    return "group_splits and gqa_per_query_head exclude each other (one CTA per query head)"
   if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)):
     return "dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split)"
   if (config.dq_buffers != 1 or config.dq_rotate or config.dq_heavy_first
@@ -561,8 +604,9 @@ class _Item(NamedTuple):
   last: jax.Array
   full_lo: jax.Array
   full_hi: jax.Array
-  heads: int  # query heads it walks, per_head query blocks each
+  heads: int | jax.Array  # query heads it walks, per_head query blocks each
   kv_head: jax.Array
+  head0: jax.Array  # the first of them (the next ones follow it)
   rot: jax.Array | None  # dq_rotate: the query block its walk starts at
 
   @property
@@ -666,6 +710,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   view in the input dtype. lengths: the T and S it runs at (see backward)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
+  splits = min(config.group_splits, group)
   (t, s), d = lengths, q_ref.shape[-1]
   dtype = q_ref.dtype
   wg = lax.axis_index("wg")
@@ -681,12 +726,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     seg_range = [seg_refs[2][b, kvi, i] for i in range(4)] if segments else None
     bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
     if per_query_head:  # this CTA's one query head, and its key head
-      heads, kv_head = 1, hopper.div(h, group)
+      heads, kv_head, head0 = 1, hopper.div(h, group), h
+    elif splits > 1:  # its share of its key head's query heads
+      kv_head, member = hopper.div(h, splits), hopper.rem(h, splits)
+      lo, hi = (hopper.div(m * group, splits) for m in (member, member + 1))
+      heads, head0 = hi - lo, kv_head * group + lo
     else:  # every query head of this key head
-      heads, kv_head = group, h
+      heads, kv_head, head0 = group, h, h * group
     # dq_rotate: where this key block's walk starts (per_head = n_q: no mask).
     rot = _rotation(kvi, n_kv, n_q) if rotate else None
-    return _Item(b, h, kvi, *bounds, heads, kv_head, rot)
+    return _Item(b, h, kvi, *bounds, heads, kv_head, head0, rot)
 
   # The CTA's one item, computed here: the warps' code (with jax 0.11's warpgroup lowering)
   # has no selects or clamps for the band's bounds.
@@ -713,7 +762,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       j = hopper.rem(j + it.rot, it.per_head)
     if per_query_head:
       return it.h, it.first + j
-    return it.h * group + hopper.div(i, it.per_head), it.first + j
+    return it.head0 + hopper.div(i, it.per_head), it.first + j
 
   @pl.when(wg < 2)
   def _compute():
@@ -1058,9 +1107,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         """Stores this warpgroup's (smem tile, dK or dV ref) pairs at the item's head; with
         dq_ordered under gqa_per_query_head, adds them into the key head's in the order of
         the group's query heads (the first stores), each after the last has landed."""
-        if not per_query_head:
+        if not per_query_head:  # (with group_splits into this CTA's partials)
+          at = (hopper.rem(it.h, splits), it.b, keys, it.kv_head) if splits > 1 else (
+              it.b, keys, it.h)
           for tile, ref in tiles:
-            plgpu.copy_smem_to_gmem(tile, ref.at[it.b, keys, it.h])
+            plgpu.copy_smem_to_gmem(tile, ref.at[at])
           return
         member = hopper.rem(it.h, group)
         counter = order[2].at[((it.b * kv_heads + it.kv_head) * n_kv + it.kvi) * 2 + wg]
@@ -1224,7 +1275,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   else:
     seg_args, ranges = (), None
   per_query_head = config.gqa_per_query_head and hq > hkv
-  grid_heads = hq if per_query_head else hkv
+  splits = min(config.group_splits, hq // hkv)
+  grid_heads = hq if per_query_head else hkv * splits
   if config.dq_ordered:
     ranks, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
                                ranges, rotate=rotate)
@@ -1237,7 +1289,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     out_type = ()
   else:  # (ordered, by reductions in the group's order into the outputs themselves)
     dkv_acc = ()
-    out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    parts = (splits,) if splits > 1 else ()  # group_splits: each split's partials
+    out_type = (jax.ShapeDtypeStruct((*parts, *k.shape), k.dtype),
+                jax.ShapeDtypeStruct((*parts, *v.shape), v.dtype))
   # The float32 dq: zeros that every key block adds into; with dq_ordered an uninitialized
   # output, which each query block's first adder stores rather than adds into (no memset).
   dq_acc = ()
@@ -1304,4 +1358,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)
   if per_query_head and not config.dq_ordered:
     outs = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)
+  elif splits > 1:  # the partials summed in float32, in order
+    outs = tuple(functools.reduce(lambda acc, p: acc + p.astype(jnp.float32), part[1:],
+                                  part[0].astype(jnp.float32)).astype(k.dtype) for part in outs)
   return dq, *outs, None, None

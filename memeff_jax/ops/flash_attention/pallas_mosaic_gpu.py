@@ -862,6 +862,10 @@ class PallasMosaicGpu:
               q.shape[1], mask.left + 2 * mosaic_gpu_backward.BLOCK_KV)
           mosaic = MosaicBackwardConfig.for_deterministic(
               d, causal, gqa, t=walk, s=k.shape[1], segments=mask.segments)
+        # Under GQA: CTAs enough to fill the GPU where key blocks and key heads are few.
+        mosaic = mosaic_gpu_backward.split_group(
+            mosaic, q.shape[0], q.shape[2], k.shape[2], k.shape[1],
+            uneven=opts.mask.is_causal_band or opts.mask.segments)
       # dq_buffers is a most: one dQ slot where two do not fit beside the segment ids.
       mosaic = mosaic_gpu_backward.fit_shared_memory(mosaic, q.shape[-1], q.dtype,
                                                      opts.mask.segments)

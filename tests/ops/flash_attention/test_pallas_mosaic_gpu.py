@@ -160,8 +160,8 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
     PallasMosaicGpu(backward_config=triton_dq, dq_config=MosaicDqConfig())._static(q, k, det)  # pylint: disable=protected-access
   with pytest.raises(NotImplementedError, match="block_kv 64 or 128"):
     PallasMosaicGpu(dq_config=MosaicDqConfig(block_kv=32))._static(q, k, det)  # pylint: disable=protected-access
-  # D = 256: the column-split kernel whole with split scores, dq in rank order (causal GQA:
-  # one CTA per query head); an explicit dK/dV-only form with two Q/dO stages gets a dq
+  # D = 256: the column-split kernel whole with split scores, dq in rank order (GQA: one CTA
+  # per query head, as the table asks causal and the few key blocks ask both); an explicit dK/dV-only form with two Q/dO stages gets a dq
   # kernel of 64-key blocks.
   q256 = jax.ShapeDtypeStruct((1, 256, 4, 256), BF16)
   k256 = jax.ShapeDtypeStruct((1, 256, hkv, 256), BF16)
@@ -169,7 +169,7 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   assert st.backward == mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
                                                 scores_split=True, dq_ordered=True,
                                                 dq_rotate=not causal, dq_heavy_first=causal,
-                                                gqa_per_query_head=causal and hkv == 1,
+                                                group_splits=4 if hkv == 1 else 1,
                                                 dq_rounded=True)  # 4 adders
   assert st.dq is None and st.triton is None
   dkv256 = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2, with_dq=False)
@@ -370,6 +370,11 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
      "one stage"),
     ((1, 256, 4, 128), (1, 256, 2, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(gqa_per_query_head=True), "exclude"),
+    ((1, 256, 4, 128), (1, 256, 2, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(group_splits=0), "group_splits must be at least 1"),
+    ((1, 256, 4, 128), (1, 256, 2, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_ordered=True, gqa_per_query_head=True, group_splits=2),
+     "group_splits and gqa_per_query_head exclude"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, block_q=80), "block_q=80 needs with_dq=False"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
@@ -451,6 +456,48 @@ def test_long_walk_sections_lower_for_cuda(hkv, segments):
   assert mb.support_error((2, 512, 4, 128), (2, 512, hkv, 128), BF16, opts, config) is None
   text = _backward_lowered_for_cuda(opts, config, 512, 512, hkv, 128, segments)
   assert _MOSAIC_CALL.search(text) and "red.release.gpu" in text
+
+
+def test_split_group_fills_the_gpu_where_key_blocks_are_few():
+  """Splits per key head where one CTA per key block and key head leaves SMs idle: under a
+  causal band enough for UNEVEN_SPLIT_WAVES waves, else the fewest that take the fewest
+  waves × heads per CTA; the table's own splits are a least, and at most the group."""
+  dkv = mb.MosaicBackwardConfig(dq_split=False, with_dq=False)
+  split = lambda config, b, hq, hkv, s, uneven: mb.split_group(config, b, hq, hkv, s, uneven,
+                                                              sms=132).group_splits
+  # B4 T2048 H71/1 (64 key blocks of 128): 17 splits of 4 or 5 heads make 1,088 CTAs.
+  assert split(dkv, 4, 71, 1, 2048, True) == -(-mb.UNEVEN_SPLIT_WAVES * 132 // 64) == 17
+  # Non-causal H32/1: 2 splits are one wave of 128 CTAs, 16 heads each (3 would be 2 waves).
+  assert split(dkv, 2, 32, 1, 4096, False) == 2
+  assert split(dkv, 4, 32, 8, 4096, True) == 1  # 1,024 CTAs: as it is
+  assert split(dkv, 1, 4, 4, 256, True) == 1  # no group to split
+  assert split(dkv, 1, 2, 1, 256, True) == 2  # at most one CTA per query head
+  per_head = dataclasses.replace(dkv, gqa_per_query_head=True, with_dq=True, dq_ordered=True)
+  assert mb.split_group(per_head, 1, 71, 1, 256, True) == per_head
+  table = mb.MosaicBackwardConfig.for_deterministic(256, True, True, t=8192, s=8192)
+  assert table.group_splits == 8 and not table.gqa_per_query_head
+  assert split(table, 2, 8, 4, 8192, True) == 2  # B2 H8/4: 1,024 CTAs, the table's 8 cut to 2
+
+
+@pytest.mark.parametrize("config, causal, segments, d, hkv", [
+    (mb.MosaicBackwardConfig(dq_split=False, with_dq=False, block_q=96), True, False, 64, 1),
+    (mb.MosaicBackwardConfig(dq_split=False, with_dq=False), False, True, 128, 2),
+    (mb.MosaicBackwardConfig(dq_ordered=True, dq_buffers=2, dq_rotate=True), False, False, 128,
+     1),
+    (mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, scores_split=True,
+                             dq_ordered=True, dq_heavy_first=True), True, False, 256, 1)])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_group_splits_lower_for_cuda(config, causal, segments, d, hkv, splits):
+  """group_splits: the kernel stores [splits, B, S, Hkv, D] partials of dK and dV (shares of
+  1 and 2 query heads where 3 splits cut a group of 4), which the backward sums to dK, dV."""
+  if splits > 4 // hkv:
+    pytest.skip("more splits than query heads per key head")
+  opts = _opts(causal, None, segments)
+  config = dataclasses.replace(config, group_splits=splits)
+  assert mb.support_error((2, 384, 4, d), (2, 512, hkv, d), BF16, opts, config) is None
+  text = _backward_lowered_for_cuda(opts, config, 384, 512, hkv, d, segments)
+  call = next(line for line in text.splitlines() if _MOSAIC_CALL.search(line))
+  assert call.split("->")[-1].count(f"tensor<{splits}x2x512x{hkv}x{d}xbf16>") == 2
 
 
 @pytest.mark.parametrize("causal, window, segments, t, s, hkv, d, fuses", [
@@ -1022,7 +1069,7 @@ def test_tuned_backward_configs_serve_their_calls():
   # d256_causal_gqa_ordered: the same with one CTA per query head
   assert mb.MosaicBackwardConfig.for_deterministic(256, True, True) == mb.MosaicBackwardConfig(
       dq_split=False, column_split=True, stages=1, scores_split=True, dq_ordered=True,
-      dq_heavy_first=True, gqa_per_query_head=True)
+      dq_heavy_first=True, group_splits=8)  # one CTA per query head, up to 8, by partials
   # d256_gqa_ordered: non-causal GQA at D = 256 as without GQA (one CTA per key head)
   assert (mb.MosaicBackwardConfig.for_deterministic(256, False, True)
           == mb.MosaicBackwardConfig.for_deterministic(256, False))
@@ -1169,8 +1216,9 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(monkeypatch):
   fast = lambda opts: dataclasses.replace(opts, deterministic=False)
   for t, hkv in ((short, 2), (long, 2), (short, 8)):
     assert backward(t, hkv, fast(docs)) == backward(t, hkv, docs)
-  assert backward(short, 2, fast(window)) == mb.fit_shared_memory(
-      mb.MosaicBackwardConfig.tuned(128, False, True), 128, BF16, segments=True)
+  assert backward(short, 2, fast(window)) == mb.split_group(mb.fit_shared_memory(
+      mb.MosaicBackwardConfig.tuned(128, False, True), 128, BF16, segments=True),
+                                                           1, 8, 2, short, uneven=True)
   assert not backward(short, 2, fast(window)).dq_ordered
 
 
@@ -1987,6 +2035,27 @@ class TestMosaicGpuInPlaceD64Gqa(TestMosaicGpuInPlace):
   the dq kernel, their rows past S kept from the padded keys by the key bound."""
 
   shape = dict(b=2, t=520, s=264, hq=4, hkv=2, d=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuGroupWalks(TestMosaicGpuPadded):
+  """One CTA per key block walking all 4 query heads of its key head (group_splits=1, which
+  calls this short would not take), dq ordered; T and S in place."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(dq_ordered=True, dq_buffers=2))
+  shape = dict(b=2, t=1000, s=1544, hq=8, hkv=2, d=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuUnevenGroupSplits(TestMosaicGpuPadded):
+  """The dK/dV-only kernel beside the dq kernel, 3 splits of 4 query heads (shares of 1, 1
+  and 2), MQA."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+      dq_split=False, with_dq=False, group_splits=3))
+  shape = dict(b=2, t=520, s=264, hq=4, hkv=1, d=64)
 
 
 @pytest.mark.gpu
