@@ -197,11 +197,11 @@ class MosaicBackwardConfig:
       sums), so for_deterministic turns it on only up to ROUNDED_DQ_MAX_ADDERS.
     group_splits: (not gqa_per_query_head) CTAs per key block and key head, each walking its
       share of the group's query heads (shares differ by at most one head where the splits do
-      not divide the group; at most one CTA per query head, whatever the value). Each stores its dK and dV, in the input dtype, into its slice
-      of [group_splits, B, S, Hkv, D] partials, which XLA then sums in float32 in one fixed
-      order: deterministic, with one rounding more per partial. A call whose key blocks and
-      heads leave SMs idle takes more (split_group), e.g. MQA: B4 T2048 H71/1 has 64 key
-      blocks for 132 SMs, each walking 71 query heads.
+      not divide the group; never more CTAs than query heads). Each stores its dK and dV, in
+      the input dtype, into its slice of [group_splits, B, S, Hkv, D] partials, which XLA
+      then sums in float32 in one fixed order: deterministic, with one rounding more per
+      partial. A call whose key blocks and heads leave SMs idle takes more (split_group),
+      e.g. MQA: B4 T2048 H71/1 has 64 key blocks for 132 SMs, each walking 71 query heads.
   """
 
   stages: int = 2
@@ -1359,6 +1359,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   if per_query_head and not config.dq_ordered:
     outs = tuple(acc[...].astype(k.dtype) for acc in dkv_acc)
   elif splits > 1:  # the partials summed in float32, in order
-    outs = tuple(functools.reduce(lambda acc, p: acc + p.astype(jnp.float32), part[1:],
-                                  part[0].astype(jnp.float32)).astype(k.dtype) for part in outs)
+    outs = tuple(sum((part[i].astype(jnp.float32) for i in range(1, splits)),
+                     part[0].astype(jnp.float32)).astype(k.dtype) for part in outs)
   return dq, *outs, None, None
