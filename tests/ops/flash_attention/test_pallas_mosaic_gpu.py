@@ -161,8 +161,8 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv)
   with pytest.raises(NotImplementedError, match="block_kv 64 or 128"):
     PallasMosaicGpu(dq_config=MosaicDqConfig(block_kv=32))._static(q, k, det)  # pylint: disable=protected-access
   # D = 256: the column-split kernel whole with split scores, dq in rank order (GQA: one CTA
-  # per query head, as the table asks causal and the few key blocks ask both); an explicit dK/dV-only form with two Q/dO stages gets a dq
-  # kernel of 64-key blocks.
+  # per query head, as the table asks causal and the few key blocks ask both); an explicit
+  # dK/dV-only form with two Q/dO stages gets a dq kernel of 64-key blocks.
   q256 = jax.ShapeDtypeStruct((1, 256, 4, 256), BF16)
   k256 = jax.ShapeDtypeStruct((1, 256, hkv, 256), BF16)
   st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
@@ -1216,9 +1216,9 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(monkeypatch):
   fast = lambda opts: dataclasses.replace(opts, deterministic=False)
   for t, hkv in ((short, 2), (long, 2), (short, 8)):
     assert backward(t, hkv, fast(docs)) == backward(t, hkv, docs)
-  assert backward(short, 2, fast(window)) == mb.split_group(mb.fit_shared_memory(
-      mb.MosaicBackwardConfig.tuned(128, False, True), 128, BF16, segments=True),
-                                                           1, 8, 2, short, uneven=True)
+  arrival = mb.fit_shared_memory(mb.MosaicBackwardConfig.tuned(128, False, True), 128, BF16,
+                                 segments=True)
+  assert backward(short, 2, fast(window)) == mb.split_group(arrival, 1, 8, 2, short, uneven=True)
   assert not backward(short, 2, fast(window)).dq_ordered
 
 
