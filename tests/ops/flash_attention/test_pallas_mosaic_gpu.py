@@ -472,11 +472,33 @@ def test_split_group_fills_the_gpu_where_key_blocks_are_few():
   assert split(dkv, 4, 32, 8, 4096, True) == 1  # 1,024 CTAs: as it is
   assert split(dkv, 1, 4, 4, 256, True) == 1  # no group to split
   assert split(dkv, 1, 2, 1, 256, True) == 2  # at most one CTA per query head
-  per_head = dataclasses.replace(dkv, gqa_per_query_head=True, with_dq=True, dq_ordered=True)
-  assert mb.split_group(per_head, 1, 71, 1, 256, True) == per_head
+  per_head = dataclasses.replace(dkv, gqa_per_query_head=True, with_dq=True)
+  assert mb.split_group(per_head, 1, 71, 1, 256, True) == per_head  # float32 adds
   table = mb.MosaicBackwardConfig.for_deterministic(256, True, True, t=8192, s=8192)
   assert table.group_splits == 8 and not table.gqa_per_query_head
   assert split(table, 2, 8, 4, 8192, True) == 2  # B2 H8/4: 1,024 CTAs, the table's 8 cut to 2
+
+
+@pytest.mark.parametrize("t", [4096, mb.LONG_WALK_QUERIES])
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (8, 2), (32, 4), (48, 1)])
+def test_large_groups_store_shares_of_dk_dv_as_partials(t, hq, hkv):
+  """Causal GQA's ordered kernel, one CTA per query head, adds each head's share of dK and
+  dV into the outputs in order up to ORDERED_SHARES_MAX_GROUP heads per key head; larger
+  groups store them as partials, one split per query head, with Δ still fused where the
+  section fuses it."""
+  config = mb.MosaicBackwardConfig.for_deterministic(128, True, True, t=t, s=t)
+  assert config.gqa_per_query_head and config.dq_ordered
+  split = mb.split_group(config, 1, hq, hkv, t, True, sms=132)
+  group = hq // hkv
+  if group <= mb.ORDERED_SHARES_MAX_GROUP:
+    assert split == config
+  else:
+    assert split == dataclasses.replace(config, gqa_per_query_head=False, group_splits=group)
+    assert mb.support_error((1, t, hq, 128), (1, t, hkv, 128), BF16, _opts(True, None, False),
+                            split) is None
+  n_q, n_kv = t // split.block_q, t // split.cta_keys()
+  fuses = mb._fuses_delta(split, _opts(True, None, False).mask, n_q, n_kv, group)  # pylint: disable=protected-access
+  assert fuses == config.fused_delta
 
 
 @pytest.mark.parametrize("config, causal, segments, d, hkv", [
@@ -1572,6 +1594,28 @@ class TestMosaicGpu:
     for g, h in zip(first[1:], summed[1:]):  # dK, dV: the same kernel's bits
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
     assert rel_err(first[0], r_grads[0]) < 1.4 * rel_err(summed[0], r_grads[0])
+
+  def test_large_groups_keep_dk_dv_near_the_float32_sums_error(self):
+    """Causal MQA with 16 query heads per key head (past ORDERED_SHARES_MAX_GROUP): each
+    query head's CTA stores its dK and dV shares as partials, summed in float32. The same
+    bits every call, and errors against the float32 reference within 1.25× those of float32
+    adds (deterministic=False; 1.16× for dV on an H200), which the shares' bf16 adds in
+    order exceed (2.0×)."""
+    q, k, v, _, ct = make_problem(jax.random.key(28), 1, 1024, 1024, 16, 1, 128, BF16)
+    opts = dict(causal=True)
+    st = PallasMosaicGpu()._static(q, k, _opts(causal=True))  # pylint: disable=protected-access
+    assert st.backward.group_splits == 16 and not st.backward.gqa_per_query_head
+    in_order = PallasMosaicGpu(backward_config=dataclasses.replace(
+        st.backward, gqa_per_query_head=True, group_splits=1))
+    _assert_reproducible_grads(PallasMosaicGpu(), q, k, v, None, ct, opts, calls=1)
+    up = lambda x: x.astype(jnp.float32)
+    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
+    errs = lambda impl, **kw: [rel_err(g, r) for g, r in zip(
+        run(impl, q, k, v, None, ct, {**opts, **kw})[2][1:], r_grads[1:])]
+    partials, ordered = errs(PallasMosaicGpu()), errs(in_order)
+    float32 = errs(PallasMosaicGpu(), deterministic=False)
+    for name, p, o, f in zip("kv", partials, ordered, float32):
+      assert p < 1.25 * f < o, (name, p, o, f)
 
   @pytest.mark.parametrize("hkv", [4, 1])
   def test_long_causal_calls_take_a_third_stage(self, hkv):
