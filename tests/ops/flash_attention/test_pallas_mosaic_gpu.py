@@ -1273,7 +1273,8 @@ def _assert_grads_match_reference(impl, key, shape, opts, **extra):
 
 def _assert_reproducible_grads(impl, q, k, v, seg, ct, opts, calls: int = 3):
   """`impl`'s bf16 gradients are the same bits on `calls` more calls, and within 3e-2 of the
-  float32 reference's. Both run through `run`, with the same output and LSE cotangents."""
+  float32 reference's. Both run through `run`, with the same output and LSE cotangents.
+  Returns both: (impl's gradients, the reference's)."""
   step = jax.jit(lambda q, k, v: run(impl, q, k, v, seg, ct, opts)[2])
   first = step(q, k, v)
   for _ in range(calls):
@@ -1283,6 +1284,7 @@ def _assert_reproducible_grads(impl, q, k, v, seg, ct, opts, calls: int = 3):
   _, _, r_grads = run("reference", up(q), up(k), up(v), seg, ct, opts)
   for name, g, rg in zip("qkv", first, r_grads):
     assert rel_err(g, rg) < 3e-2, name
+  return first, r_grads
 
 
 @pytest.mark.gpu
@@ -1607,13 +1609,12 @@ class TestMosaicGpu:
     assert st.backward.group_splits == 16 and not st.backward.gqa_per_query_head
     in_order = PallasMosaicGpu(backward_config=dataclasses.replace(
         st.backward, gqa_per_query_head=True, group_splits=1))
-    _assert_reproducible_grads(PallasMosaicGpu(), q, k, v, None, ct, opts, calls=1)
-    up = lambda x: x.astype(jnp.float32)
-    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, opts)
-    errs = lambda impl, **kw: [rel_err(g, r) for g, r in zip(
-        run(impl, q, k, v, None, ct, {**opts, **kw})[2][1:], r_grads[1:])]
-    partials, ordered = errs(PallasMosaicGpu()), errs(in_order)
-    float32 = errs(PallasMosaicGpu(), deterministic=False)
+    first, r_grads = _assert_reproducible_grads(PallasMosaicGpu(), q, k, v, None, ct, opts,
+                                                calls=1)
+    errs = lambda grads: [rel_err(g, r) for g, r in zip(grads[1:], r_grads[1:])]
+    other = lambda impl, **kw: errs(run(impl, q, k, v, None, ct, {**opts, **kw})[2])
+    partials, ordered = errs(first), other(in_order)
+    float32 = other(PallasMosaicGpu(), deterministic=False)
     for name, p, o, f in zip("kv", partials, ordered, float32):
       assert p < 1.25 * f < o, (name, p, o, f)
 
@@ -1626,15 +1627,8 @@ class TestMosaicGpu:
     opts = _opts(causal=True)
     st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
     assert (st.backward.stages, st.backward.dq_buffers, st.backward.dq_ordered) == (3, 1, True)
-    step = jax.jit(lambda q, k, v: run(PallasMosaicGpu(), q, k, v, None, ct,
-                                       dict(causal=True))[2])
-    first = step(q, k, v)
-    for g, h in zip(first, step(q, k, v)):
-      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
-    up = lambda x: x.astype(jnp.float32)
-    _, _, r_grads = run("reference", up(q), up(k), up(v), None, ct, dict(causal=True))
-    for name, g, rg in zip("qkv", first, r_grads):
-      assert rel_err(g, rg) < 3e-2, name
+    _assert_reproducible_grads(PallasMosaicGpu(), q, k, v, None, ct, dict(causal=True),
+                               calls=1)
 
   @pytest.mark.parametrize("heavy_first, hkv", [(False, 4), (True, 4), (False, 1)])
   @pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=True, logit_softcap=20.0)])
