@@ -122,6 +122,15 @@ def swizzled_tiles(swizzle: int = 128, dtype=jnp.bfloat16):
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(swizzle))
 
+def row_swizzle(width: int, dtype=jnp.bfloat16) -> int:
+  """The widest swizzle (bytes) of 128, 64 and 32 that divides a row of `width` elements;
+  WGMMA takes no narrower one."""
+  row = width * jnp.dtype(dtype).itemsize
+  if row % 32:
+    raise ValueError(f"a row of {width} {jnp.dtype(dtype).name} ({row} bytes) is no multiple "
+                     "of 32 bytes")
+  return next(sw for sw in (128, 64, 32) if row % sw == 0)
+
 def div(x, n):
   """Integer division of kernel indices (Python ints or traced int32)."""
   return lax.div(jnp.asarray(x, jnp.int32), jnp.asarray(n, jnp.int32))

@@ -35,6 +35,14 @@ def test_snake_walks_as_planar_snake(shape):
     np.testing.assert_array_equal(got, want, err_msg=f"minor={minor}, band={band}")
 
 
+def test_row_swizzle_is_the_widest_that_divides_a_row():
+  got = {w: hopper.row_swizzle(w) for w in (16, 48, 64, 80, 96, 128, 160, 192)}
+  assert got == {16: 32, 48: 32, 64: 128, 80: 32, 96: 64, 128: 128, 160: 64, 192: 128}
+  assert hopper.row_swizzle(24, jnp.float32) == 32
+  with pytest.raises(ValueError, match=r"a row of 40 bfloat16 \(80 bytes\) is no multiple"):
+    hopper.row_swizzle(40)
+
+
 def test_errors_name_the_shapes():
   a = jnp.zeros((M, K), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"contracting sizes differ.*\[256, 256\].*\[128, 512\]"):

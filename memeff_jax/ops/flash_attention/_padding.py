@@ -1,14 +1,15 @@
 """Calls whose lengths or head dim the Mosaic kernels do not take, run padded.
 
 The Mosaic GPU kernels take T a multiple of two query blocks, S a multiple of the key block
-(and of the backward CTA's keys) and head dims 64, 96, 128, 192 and 256. pallas_mosaic_gpu
-pads other calls (T = 1,000, D = 80, ...) with zeros, runs the kernels on the padded call
+(and of the backward CTA's keys) and head dims 48, 64, 80, 96, 128, 192 and 256. pallas_mosaic_gpu
+pads other calls (T = 1,000, D = 40, ...) with zeros, runs the kernels on the padded call
 (on copies, or in place: below) and cuts the output, the log-sum-exp and the gradients
 back:
 
-- head dims 65–255 go up to the next of 96, 128, 192 and 256 (pallas_triton computes with
-  the next power of two: as much or more); under 64 the padding would be work pallas_triton
-  does not do, and such calls stay with it;
+- head dims 33–255 go up to the next of HEAD_DIMS, which is never more than
+  the next power of two, the head dim pallas_triton computes with; at 32 and under that
+  power is less than 64, so padding would be work pallas_triton does not do, and such calls
+  stay with it;
 - zero features add nothing to q·k and give zero output columns (the scale is the call's);
 - padded query rows are cut away, and their zero dO gives them no share of dk and dv;
 - padded keys stay hidden from every real query: by the mask where it already hides keys
@@ -41,11 +42,14 @@ from typing import NamedTuple
 
 from jax import lax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
-HEAD_DIMS = (64, 96, 128, 192, 256)  # what the Mosaic forward and backward take
+# What the Mosaic forward and backward take: multiples of 16 (WGMMA's K step), a tile row in
+# 32-byte swizzle groups at least (48, 80), then the ones measured and tuned.
+HEAD_DIMS = (48, 64, 80, 96, 128, 192, 256)
 # pallas_triton's forward+backward time over the Mosaic kernels' on the same work, by the
 # head dim the padded call runs at and whether it runs in place: the least measured (H200,
 # `benchmarks/flash_attention.py`, the `odd` and `models` sets and calls of T = S from 136 to
@@ -87,8 +91,10 @@ class Padding(NamedTuple):
     return self.t * self.s / (t * s)
 
   def slowdown(self) -> float:
-    """What pallas_triton's kernels lose to the Mosaic ones on this padded call's work."""
-    return (TRITON_SLOWDOWN_IN_PLACE if self.in_place else TRITON_SLOWDOWN)[self.d]
+    """What pallas_triton's kernels lose to the Mosaic ones on this padded call's work (at
+    D = 48 and 80, not measured, that of the next head dim measured: 64 and 96)."""
+    table = TRITON_SLOWDOWN_IN_PLACE if self.in_place else TRITON_SLOWDOWN
+    return table[next(d for d in sorted(table) if d >= self.d)]
 
   def pays(self, t: int, s: int) -> bool:
     """Whether the Mosaic kernels on the padded call beat pallas_triton on the call."""
@@ -108,11 +114,11 @@ class Padding(NamedTuple):
 
 
 def head_dim(d: int) -> int:
-  """The head dim a call of head dim d runs at: d where the kernels take it or padding does
-  not pay (under 64, over 256), else the next of HEAD_DIMS."""
-  if d < 64 or d > 256:
-    return d
-  return next(h for h in HEAD_DIMS if h >= d)
+  """The head dim a call of head dim d runs at: the next of HEAD_DIMS, unless that exceeds
+  the next power of two (pallas_triton's head dim: D 32 and under) or no kernel takes it
+  (over 256); then d."""
+  padded = next((h for h in HEAD_DIMS if h >= d), d)
+  return padded if padded <= pl.next_power_of_2(d) else d
 
 
 def plan(t: int, s: int, d: int, mask: MaskSpec, block_q: int, block_kv: int,

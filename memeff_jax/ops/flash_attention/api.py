@@ -283,8 +283,8 @@ def flash_attention(
       buffer). Causal calls with segment ids at D = 128 get the fixed order either way (it
       measured faster there). Every other implementation is deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
-      serves the call (Hopper, bf16/f16, D 64–256; lengths the kernels do not take
-      padded, in place or on copies, and D other than 64, 96, 128, 192 and 256 on
+      serves the call (Hopper, bf16/f16, D 33–256; lengths the kernels do not take
+      padded, in place or on copies, and D other than 48, 64, 80, 96, 128, 192 and 256 on
       zero-padded copies, where that beats pallas_triton), then "pallas_triton", then
       "chunked_xla"), a name, an implementation object or a sequence tried in order.
 

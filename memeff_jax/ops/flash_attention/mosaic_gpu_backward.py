@@ -29,8 +29,9 @@ The softmax scale is applied once at the end (to dK, and to dq when it is cast b
 input dtype). Masks as in the forward, transposed: a CTA visits only the query blocks that
 see any of its keys (by the band, then by segment-id ranges), and masks those that do not
 see all of them (with segment ids, all but those holding the keys' one id). Served:
-bf16/f16, D 64, 96, 128, 192 or 256 (192 and 256 with column_split: each warpgroup owns
-half of the columns of dK, dV and dQ, and both compute the whole Sᵀ and dPᵀ of the CTA's 64
+bf16/f16, D 48, 64, 80, 96, 128, 192 or 256 (48 and 80 without dq_split, whose halves would
+not fill a 32-byte swizzle group; 192 and 256 with column_split: each warpgroup owns half
+of the columns of dK, dV and dQ, and both compute the whole Sᵀ and dPᵀ of the CTA's 64
 keys), T a multiple of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
 configs/tuning/flash_attention.toml picks the settings per head dim, causal and GQA;
 docs/design/flash_attention.md has what each variant measured.
@@ -359,6 +360,9 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"column_split serves D=192 and 256, got D={d}"
   if config.column_split and config.dq_split:
     return "column_split and dq_split exclude each other"
+  if config.dq_split and d % 32:
+    return (f"dq_split needs D a multiple of 32 (dQ's halves in 32-byte swizzle groups), "
+            f"got D={d}")
   if config.scores_split and not (config.column_split and config.with_dq
                                   and not config.pingpong):
     return "scores_split needs column_split with dq, and not pingpong"
@@ -457,8 +461,7 @@ def _dq_tile_transforms(config: MosaicBackwardConfig, d: int, dtype=jnp.float32)
   TMA reductions read the tiles as they are."""
   if not config.with_dq:
     return ()
-  width = config.dq_cols(d) * jnp.dtype(dtype).itemsize
-  return hopper.swizzled_tiles(next(b for b in (128, 64, 32) if width % b == 0), dtype)
+  return hopper.swizzled_tiles(hopper.row_swizzle(config.dq_cols(d), dtype), dtype)
 
 
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):

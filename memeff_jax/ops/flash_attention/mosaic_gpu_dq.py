@@ -98,8 +98,8 @@ def support_error(q_shape, k_shape, dtype, config: MosaicDqConfig,
   s = k_shape[1]
   if (why := hopper.dtype_error(dtype)) is not None:
     return why
-  if d not in (64, 128, 256):
-    return f"dq kernel serves head dims 64, 128 and 256, got D={d}"
+  if d not in (48, 64, 80, 128, 256):
+    return f"dq kernel serves head dims 48, 64, 80, 128 and 256, got D={d}"
   if config.block_kv not in (64, 128):
     return f"dq kernel takes block_kv 64 or 128, got {config.block_kv}"
   if d == 256 and config.block_kv != 64:
@@ -283,7 +283,7 @@ def dq(opts: AttentionOptions, config: MosaicDqConfig, res: _common.Residuals, d
   config = dataclasses.replace(config, stages=stages)
   v_stages = config.ring_depths()[1]
   mask = opts.mask
-  tiles = hopper.swizzled_tiles()
+  tiles = hopper.swizzled_tiles(hopper.row_swizzle(d, q.dtype))
   if mask.segments:
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
     ranges = _mosaic.segment_block_ranges(q_seg, kv_seg, bq, bkv)

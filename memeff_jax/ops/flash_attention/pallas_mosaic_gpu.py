@@ -28,11 +28,12 @@ block runs unmasked only where both blocks hold one id, the same (inside a docum
 that only the CTA's other query block sees are released without compute. A row that sees no
 key ends with output 0 and log-sum-exp -inf.
 
-Served: bf16/f16, head dim 64, 96, 128, 192 or 256, T a multiple of 2·block_q and S of
+Served: bf16/f16, head dim 48, 64, 80, 96, 128, 192 or 256 (rows in 128-, 64- or 32-byte
+swizzles, the widest that divides a row), T a multiple of 2·block_q and S of
 block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head; other lengths
-run padded (in place where T and S are whole 8-row tiles), and head dims 65–255 on
+run padded (in place where T and S are whole 8-row tiles), and head dims 33–255 on
 zero-padded copies (_padding; with `implementation=None` only where that beats
-pallas_triton). Anything else (float32, head dims under 64 or over 256) raises
+pallas_triton). Anything else (float32, head dims of 32 and under or over 256) raises
 NotImplementedError with the reason, and `implementation=None` falls through to
 pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel: whole for calls with
 deterministic=False (it sums dq by TMA reductions in arrival order) or with its reductions
@@ -145,8 +146,14 @@ class MosaicConfig:
       start, which no static deal knows; 8 documents of 512 tokens per 4,096-token row ran
       the forward in 0.27 against 0.31 ms for a grid of CTAs, one document per row 1.13
       against 1.14), and for the short causal calls above at D = 128 (0.36 against 0.37 ms
-      dealt statically at B16 T1k H32)."""
+      dealt statically at B16 T1k H32).
+
+    D = 48 and 80 (32-byte swizzles) take the settings of D = 64 and 96, and D = 48 four K/V
+    stages without a mask (forward 0.67 against 0.77 ms with two at B8 T4096 H8, H200)."""
     config = cls.for_head_dim(d)
+    if d == 48 and mask.sees_all_keys:
+      config = dataclasses.replace(config, stages=4)
+    d = {48: 64, 80: 96}.get(d, d)
     if d == 128 and mask.segments and mask.is_causal_band:
       return dataclasses.replace(config, persistent=True, dynamic=True)
     if d in (96, 128) and mask.is_causal and s <= SHORT_CAUSAL_KEYS:
@@ -624,7 +631,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   stages = max(1, min(cfg.stages, s // cfg.block_kv,
                       _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
   cfg = dataclasses.replace(cfg, stages=stages)
-  layout = hopper.swizzled_tiles(128 if d % 64 == 0 else 64)
+  layout = hopper.swizzled_tiles(hopper.row_swizzle(d, q.dtype))
   mask = st.opts.mask
   segments = mask.segments
   if segments:
@@ -750,8 +757,8 @@ class PallasMosaicGpu:
   `config=None` uses MosaicConfig.for_call. `backward_config` picks the backward: a
   MosaicBackwardConfig runs the Mosaic kernel (mosaic_gpu_backward) with those tiles, a
   pallas_triton.BlockConfig runs pallas_triton's dq and dk/dv kernels, and None runs the
-  Mosaic backward (tiles from MosaicBackwardConfig.tuned) where it serves the call (D 64,
-  128 and 256) and pallas_triton's elsewhere.
+  Mosaic backward (tiles from MosaicBackwardConfig.tuned) where it serves the call (see
+  mosaic_gpu_backward.support_error) and pallas_triton's elsewhere.
 
   The Mosaic backward sums dq over key blocks by TMA reductions in the order the CTAs
   arrive, which is not bitwise reproducible, unless it orders them (dq_ordered): only such
@@ -766,7 +773,7 @@ class PallasMosaicGpu:
   random lengths 1.71 against 1.72; 16 of random lengths in B1 T16k H32/8 2.45 against 2.61).
   `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
   pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the
-  call (D 64, 128 and 256), pallas_triton's elsewhere.
+  call (D 48, 64, 80, 128 and 256), pallas_triton's elsewhere.
 
   `pad` says which calls whose lengths or head dim the kernels do not take run on padded
   copies (_padding): "always" every one, "where_faster" (flash_attention's default order)

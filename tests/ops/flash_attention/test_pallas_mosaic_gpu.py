@@ -12,6 +12,7 @@ import pytest
 
 from memeff_jax import _tuning
 from memeff_jax.kernels import hopper
+from memeff_jax.ops.flash_attention import _padding
 from memeff_jax.ops.flash_attention import flash_attention
 from memeff_jax.ops.flash_attention import MosaicConfig
 from memeff_jax.ops.flash_attention import PallasMosaicGpu
@@ -41,7 +42,7 @@ def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
 @pytest.mark.parametrize("q_shape, k_shape, dtype, opts, config, match", [
     ((1, 256, 4, 128), (1, 256, 4, 128), jnp.float32, _opts(), MosaicConfig(),
      "bfloat16 or float16"),
-    ((1, 256, 4, 80), (1, 256, 4, 80), BF16, _opts(), MosaicConfig(), "D=80"),
+    ((1, 256, 4, 72), (1, 256, 4, 72), BF16, _opts(), MosaicConfig(), "D=72"),
     ((1, 200, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(), "T=200"),
     ((1, 256, 4, 128), (1, 300, 4, 128), BF16, _opts(), MosaicConfig(), "S=300"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(scale=-1.0), MosaicConfig(), "scale > 0"),
@@ -60,7 +61,7 @@ def test_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, c
 
 def test_support_error_admits_the_served_calls():
   for causal in (False, True):
-    for d in (64, 96, 128, 192, 256):
+    for d in _padding.HEAD_DIMS:
       for softcap in (None, 20.0):
         for window, segments in ((None, False), ((100, 3), False), (None, True), (64, True)):
           opts = _opts(causal, window, segments, softcap)
@@ -349,7 +350,9 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
 
 
 @pytest.mark.parametrize("q_shape, k_shape, dtype, opts, config, match", [
-    ((1, 256, 4, 80), (1, 256, 4, 80), BF16, _opts(), mb.MosaicBackwardConfig(), "D=80"),
+    ((1, 256, 4, 72), (1, 256, 4, 72), BF16, _opts(), mb.MosaicBackwardConfig(), "D=72"),
+    ((1, 256, 4, 80), (1, 256, 4, 80), BF16, _opts(), mb.MosaicBackwardConfig(),
+     "dq_split needs D a multiple of 32"),
     ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(), mb.MosaicBackwardConfig(), "D=256"),
     ((1, 256, 4, 192), (1, 256, 4, 192), BF16, _opts(), mb.MosaicBackwardConfig(),
      "D=192 needs column_split"),
@@ -2000,12 +2003,12 @@ class TestMosaicGpuFeaturesDeterministicD192Mha(TestMosaicGpuFeaturesDeterminist
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuPadded(_FlashAttentionTest):
   """Lengths and a head dim the kernels do not take run on padded copies (_padding): T =
-  1,000 and S = 1,537 to 1,024 and 1,664, D = 80 to 96, GQA 4:1, deterministic; every
+  1,000 and S = 1,537 to 1,024 and 1,664, D = 88 to 96, GQA 4:1, deterministic; every
   feature of the shared suite (segment ids, windows, softcap, an LSE cotangent)."""
 
   impl = PallasMosaicGpu()
   dtypes = (jnp.bfloat16,)
-  shape = dict(b=2, t=1000, s=1537, hq=8, hkv=2, d=80)
+  shape = dict(b=2, t=1000, s=1537, hq=8, hkv=2, d=88)
 
   def test_rows_that_see_no_key_give_zero_and_finite_gradients(self):
     """A segment id with no key: output 0, lse -inf, finite gradients, padded or not."""
@@ -2103,3 +2106,42 @@ class TestMosaicGpuPaddedD160(TestMosaicGpuPadded):
   see the padded keys but for the key bound."""
 
   shape = dict(b=2, t=300, s=200, hq=4, hkv=2, d=160)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuPaddedD40(TestMosaicGpuPadded):
+  """D = 40 to 48 (pallas_triton computes at 64), T = 1,000 < S = 1,100, MQA."""
+
+  shape = dict(b=2, t=1000, s=1100, hq=4, hkv=1, d=40)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuD80(TestMosaicGpuInPlace):
+  """D = 80 as it is (32-byte swizzles), T > S: deterministic, the dK/dV-only kernel beside
+  the dq kernel (no dq_split, so no ordered one-pass kernel)."""
+
+  shape = dict(b=2, t=512, s=384, hq=4, hkv=2, d=80)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuD80Nondeterministic(TestMosaicGpuD80):
+  """D = 80, the one-pass kernel adding dq in arrival order."""
+
+  extra = dict(deterministic=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuD48(TestMosaicGpuInPlace):
+  """D = 48 as it is (32-byte swizzles), MQA, T < S."""
+
+  shape = dict(b=2, t=384, s=512, hq=4, hkv=1, d=48)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuD48Nondeterministic(TestMosaicGpuD48):
+  extra = dict(deterministic=False)
