@@ -1,15 +1,13 @@
 """Calls whose lengths or head dim the Mosaic kernels do not take, run padded.
 
 The Mosaic GPU kernels take T a multiple of two query blocks, S a multiple of the key block
-(and of the backward CTA's keys) and head dims 48, 64, 80, 96, 128, 192 and 256. pallas_mosaic_gpu
-pads other calls (T = 1,000, D = 40, ...) with zeros, runs the kernels on the padded call
-(on copies, or in place: below) and cuts the output, the log-sum-exp and the gradients
-back:
+(and of the backward CTA's keys) and the head dims of HEAD_DIMS. pallas_mosaic_gpu pads
+other calls (T = 1,000, D = 40, ...) with zeros, runs the kernels on the padded call (on
+copies, or in place: below) and cuts the output, the log-sum-exp and the gradients back:
 
-- head dims 33–255 go up to the next of HEAD_DIMS, which is never more than
-  the next power of two, the head dim pallas_triton computes with; at 32 and under that
-  power is less than 64, so padding would be work pallas_triton does not do, and such calls
-  stay with it;
+- head dims 33–255 go up to the next of HEAD_DIMS, never past the next power of two, the
+  head dim pallas_triton computes with; at 32 and under that power is less than 48, so
+  padding would be work pallas_triton does not do, and such calls stay with it;
 - zero features add nothing to q·k and give zero output columns (the scale is the call's);
 - padded query rows are cut away, and their zero dO gives them no share of dk and dv;
 - padded keys stay hidden from every real query: by the mask where it already hides keys
@@ -47,8 +45,8 @@ from jax.experimental import pallas as pl
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
-# What the Mosaic forward and backward take: multiples of 16 (WGMMA's K step), a tile row in
-# 32-byte swizzle groups at least (48, 80), then the ones measured and tuned.
+# The head dims the Mosaic forward and backward take, each with tiles measured there: 48 and
+# 80 in 32-byte swizzles, 96 and 192 in 64-byte ones, the others in 128-byte ones.
 HEAD_DIMS = (48, 64, 80, 96, 128, 192, 256)
 # pallas_triton's forward+backward time over the Mosaic kernels' on the same work, by the
 # head dim the padded call runs at and whether it runs in place: the least measured (H200,
