@@ -76,6 +76,8 @@ except ImportError:  # pragma: no cover
 
 # The most keys for which a causal call's forward runs persistent (MosaicConfig.for_call).
 SHORT_CAUSAL_KEYS = 2048
+# The key block of calls without a mask at D = 48 and 64 (MosaicConfig.for_call).
+WIDE_KEY_BLOCK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +149,20 @@ class MosaicConfig:
       the forward in 0.27 against 0.31 ms for a grid of CTAs, one document per row 1.13
       against 1.14), and for the short causal calls above at D = 128 (0.36 against 0.37 ms
       dealt statically at B16 T1k H32).
+    - 256-key blocks (two stages) at D = 48 and 64 without a mask where they divide S: the
+      softmax of a 64 × 256 block, not the short QKᵀ and PV WGMMAs, sets the pace there, and
+      a wider step halves the steps' fixed costs (forward, H200: B8 T4096 H8 D = 40 at 48
+      0.68 against 0.76 ms, cuDNN 0.70; B32 T512 H16 D = 64 0.13 against 0.16, cuDNN 0.14;
+      B4 T4096 H64/16 D = 64 2.49 against 2.55). Under a causal mask they cost more
+      masked work than they save (B4 T4096 H64 D = 64 1.81 against 1.44 ms).
 
     D = 48 and 80 (32-byte swizzles) take the settings of D = 64 and 96, and D = 48 four K/V
-    stages without a mask (forward 0.67 against 0.77 ms with two at B8 T4096 H8, H200)."""
+    stages without a mask where S takes no 256-key blocks (forward 0.67 against 0.77 ms with
+    two at B8 T4096 H8, H200)."""
     config = cls.for_head_dim(d)
-    if d == 48 and mask.sees_all_keys:
+    if d in (48, 64) and mask.sees_all_keys and s % WIDE_KEY_BLOCK == 0:
+      config = dataclasses.replace(config, block_kv=WIDE_KEY_BLOCK, stages=2)
+    elif d == 48 and mask.sees_all_keys:
       config = dataclasses.replace(config, stages=4)
     d = {48: 64, 80: 96}.get(d, d)
     if d == 128 and mask.segments and mask.is_causal_band:

@@ -104,10 +104,38 @@ def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, s, over
   assert (st.config.overlap, st.config.pingpong) == (overlap, not overlap)
   assert st.config.persistent == bool(persistent)
   assert st.config.dynamic == (persistent == "dynamic")
-  assert st.config.block_kv == MosaicConfig.for_head_dim(d).block_kv
+  wide = d == 64 and opts.mask.is_dense  # see the next test
+  block_kv = pm.WIDE_KEY_BLOCK if wide else MosaicConfig.for_head_dim(d).block_kv
+  assert st.config.block_kv == block_kv
   assert st.config.stages == (3 if d in (96, 192) and opts.mask.is_dense else 2)
   explicit = PallasMosaicGpu(config=MosaicConfig())._static(q, q, opts)  # pylint: disable=protected-access
   assert explicit.config == MosaicConfig()
+
+
+@pytest.mark.parametrize("d, opts, s, block_kv, stages", [
+    (64, _opts(), 4096, 256, 2), (48, _opts(), 4096, 256, 2), (48, _opts(), 384, 128, 4),
+    (64, _opts(), 384, 128, 2), (64, _opts(causal=True), 4096, 128, 2),
+    (48, _opts(window=(100, 100)), 4096, 128, 2), (64, _opts(segments=True), 4096, 128, 2),
+    (96, _opts(), 4096, 128, 3), (128, _opts(), 4096, 128, 2)])
+def test_forward_takes_wide_key_blocks_at_small_head_dims(monkeypatch, d, opts, s, block_kv,
+                                                          stages):
+  """256-key blocks in two stages at D = 48 and 64 without a mask where 256 divides S; 128
+  elsewhere (D = 48 without a mask then in four stages)."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  q = jax.ShapeDtypeStruct((1, s, 4, d), BF16)
+  st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
+  assert (st.config.block_kv, st.config.stages) == (block_kv, stages)
+
+
+def test_padded_call_keeps_the_key_block_it_was_padded_for(monkeypatch):
+  """S = 257 at D = 64 pads to 384, a multiple of 128 keys but not of 256: the padded call
+  runs the 128-key blocks its plan assumed (the plan at 256 would have padded to 512)."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  q = jax.ShapeDtypeStruct((2, 257, 4, 64), BF16)
+  st = PallasMosaicGpu()._static(q, q, _opts())  # pylint: disable=protected-access
+  assert st.padding.s == 384 and st.config.block_kv == 128
 
 
 @pytest.mark.parametrize("causal", [False, True])
