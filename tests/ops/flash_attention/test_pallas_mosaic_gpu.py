@@ -2146,6 +2146,15 @@ class TestMosaicGpuPaddedD40(TestMosaicGpuPadded):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuPaddedWideKeys(TestMosaicGpuPadded):
+  """D = 56 to 64, S = 1,000 to 1,024: calls without a mask take 256-key blocks, the last
+  cut by the key bound (WIDE_KEY_BLOCK); T = 600 < S, GQA 2:1."""
+
+  shape = dict(b=2, t=600, s=1000, hq=4, hkv=2, d=56)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuD80(TestMosaicGpuInPlace):
   """D = 80 as it is (32-byte swizzles), T > S: deterministic, the dK/dV-only kernel beside
   the dq kernel (no dq_split, so no ordered one-pass kernel)."""
