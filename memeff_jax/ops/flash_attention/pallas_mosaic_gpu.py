@@ -152,9 +152,11 @@ class MosaicConfig:
     - 256-key blocks (two stages) at D = 48 and 64 without a mask where they divide S: the
       softmax of a 64 × 256 block, not the short QKᵀ and PV WGMMAs, sets the pace there, and
       a wider step halves the steps' fixed costs (forward, H200: B8 T4096 H8 D = 40 at 48
-      0.68 against 0.76 ms, cuDNN 0.70; B32 T512 H16 D = 64 0.13 against 0.16, cuDNN 0.14;
-      B4 T4096 H64/16 D = 64 2.49 against 2.55). Under a causal mask they cost more
-      masked work than they save (B4 T4096 H64 D = 64 1.81 against 1.44 ms).
+      0.68 against 0.76 ms, cuDNN 0.70; B32 T512 H16 D = 64 0.13 against 0.14–0.16, cuDNN
+      0.13–0.14; B4 T4096 H64/16 D = 64 2.49 against 2.55). Under a causal mask they cost
+      more masked work than they save (B4 T4096 H64 D = 64 1.81 against 1.44 ms). Padding
+      plans at 128-key blocks (S = 257 pads to 384, not 512); a padded S that 256 divides
+      takes them, the last cut by the key bound.
 
     D = 48 and 80 (32-byte swizzles) take the settings of D = 64 and 96, and D = 48 four K/V
     stages without a mask where S takes no 256-key blocks (forward 0.67 against 0.77 ms with

@@ -128,14 +128,16 @@ def test_forward_takes_wide_key_blocks_at_small_head_dims(monkeypatch, d, opts, 
   assert (st.config.block_kv, st.config.stages) == (block_kv, stages)
 
 
-def test_padded_call_keeps_the_key_block_it_was_padded_for(monkeypatch):
-  """S = 257 at D = 64 pads to 384, a multiple of 128 keys but not of 256: the padded call
-  runs the 128-key blocks its plan assumed (the plan at 256 would have padded to 512)."""
+@pytest.mark.parametrize("s, padded, block_kv", [(257, 384, 128), (1000, 1024, 256)])
+def test_padding_plans_at_128_key_blocks(monkeypatch, s, padded, block_kv):
+  """A padded call without a mask at D = 64: S pads to a multiple of 128 keys (257 to 384,
+  not 512), and the call takes 256-key blocks only where they divide the padded S (1,024:
+  the last block cut by the key bound)."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
-  q = jax.ShapeDtypeStruct((2, 257, 4, 64), BF16)
+  q = jax.ShapeDtypeStruct((2, s, 4, 64), BF16)
   st = PallasMosaicGpu()._static(q, q, _opts())  # pylint: disable=protected-access
-  assert st.padding.s == 384 and st.config.block_kv == 128
+  assert (st.padding.s, st.config.block_kv) == (padded, block_kv)
 
 
 @pytest.mark.parametrize("causal", [False, True])
