@@ -34,6 +34,14 @@ BF16 = jnp.bfloat16
 _MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
 
 
+@pytest.fixture
+def as_on_hopper(monkeypatch):
+  """The Mosaic kernels report themselves available: default choices are made as on a
+  Hopper GPU, on any machine."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+
+
 def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
   return AttentionOptions(mask=MaskSpec.make(causal, window, segments), scale=scale,
                           logit_softcap=softcap)
@@ -90,15 +98,13 @@ def test_explicit_mosaic_on_cpu_says_why():
     (128, _opts(segments=True), 256, False, False),
     (128, _opts(window=(100, 0), segments=True), 256, False, False),
     (64, _opts(causal=True, segments=True), 256, False, False)])
-def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, s, overlap, persistent):
+def test_forward_overlaps_where_it_measured_faster(as_on_hopper, d, opts, s, overlap, persistent):
   """The default forward: intra-warpgroup overlap at D = 128, 192 and 256 with no mask or a
   causal one, ping-pong elsewhere (masked blocks run without the overlap); persistent at
   D = 64, 96 and 128 without a mask, at D = 64 causal, and causal at D = 96 and 128 up to
   SHORT_CAUSAL_KEYS keys (with ping-pong); tiles taken at run time ("dynamic") for those at
   D = 128 and for causal calls with segment ids there, at any length; three K/V stages at
   D = 96 and 192 without a mask; an explicit config wins."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((1, s, 4, d), BF16)
   st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   assert (st.config.overlap, st.config.pingpong) == (overlap, not overlap)
@@ -117,24 +123,20 @@ def test_forward_overlaps_where_it_measured_faster(monkeypatch, d, opts, s, over
     (64, _opts(), 384, 128, 2), (64, _opts(causal=True), 4096, 128, 2),
     (48, _opts(window=(100, 100)), 4096, 128, 2), (64, _opts(segments=True), 4096, 128, 2),
     (96, _opts(), 4096, 128, 3), (128, _opts(), 4096, 128, 2)])
-def test_forward_takes_wide_key_blocks_at_small_head_dims(monkeypatch, d, opts, s, block_kv,
+def test_forward_takes_wide_key_blocks_at_small_head_dims(as_on_hopper, d, opts, s, block_kv,
                                                           stages):
   """256-key blocks in two stages at D = 48 and 64 without a mask where 256 divides S; 128
   elsewhere (D = 48 without a mask then in four stages)."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((1, s, 4, d), BF16)
   st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   assert (st.config.block_kv, st.config.stages) == (block_kv, stages)
 
 
 @pytest.mark.parametrize("s, padded, block_kv", [(257, 384, 128), (1000, 1024, 256)])
-def test_padding_plans_at_128_key_blocks(monkeypatch, s, padded, block_kv):
+def test_padding_plans_at_128_key_blocks(as_on_hopper, s, padded, block_kv):
   """A padded call without a mask at D = 64: S pads to a multiple of 128 keys (257 to 384,
   not 512), and the call takes 256-key blocks only where they divide the padded S (1,024:
   the last block cut by the key bound)."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((2, s, 4, 64), BF16)
   st = PallasMosaicGpu()._static(q, q, _opts())  # pylint: disable=protected-access
   assert (st.padding.s, st.config.block_kv) == (padded, block_kv)
@@ -142,14 +144,12 @@ def test_padding_plans_at_128_key_blocks(monkeypatch, s, padded, block_kv):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [4, 1])
-def test_deterministic_calls_pair_dkv_with_a_dq_kernel(monkeypatch, causal, hkv):
+def test_deterministic_calls_pair_dkv_with_a_dq_kernel(as_on_hopper, causal, hkv):
   """The Mosaic backward sums dq in arrival order: only deterministic=False may run it whole.
   Deterministic calls run it with dq_ordered where the table has an `_ordered` section
   (D = 128; causal GQA with one CTA per query head), else get dK, dV from it
   (with_dq=False) and dq from mosaic_gpu_dq's kernel (pallas_triton's on request, or where
   that does not serve the call)."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
   k = jax.ShapeDtypeStruct((1, 256, hkv, 128), BF16)
   det = _opts(causal)
@@ -1133,13 +1133,11 @@ def test_tuned_backward_configs_serve_their_calls():
           == mb.MosaicBackwardConfig.tuned(64, True, True, with_dq=False))
 
 
-def test_deterministic_calls_take_an_ordered_section(monkeypatch, tuning_tables):
+def test_deterministic_calls_take_an_ordered_section(as_on_hopper, tuning_tables):
   """A `_ordered` section makes deterministic calls run the whole kernel with dq_ordered; an
   explicit dq_ordered config runs whole for them too."""
   tuning_tables(flash_attention="[pallas_mosaic_gpu_backward.default.d128_ordered]\n"
                                 "dq_split = true\n")
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   ordered = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True)
   assert mb.MosaicBackwardConfig.for_deterministic(128, False) == ordered
   assert not mb.MosaicBackwardConfig.for_deterministic(128, True).with_dq  # no d128_causal_
@@ -1160,12 +1158,10 @@ def test_deterministic_calls_take_an_ordered_section(monkeypatch, tuning_tables)
     (4096, 1024, 128, "d128_causal_gqa_ordered"),
     (8192, 4096, 256, "d256_gqa_ordered"),  # D = 256 keeps the sections without a mask
 ])
-def test_causal_windows_at_d128_take_the_causal_sections(monkeypatch, t, window, d, section):
+def test_causal_windows_at_d128_take_the_causal_sections(as_on_hopper, t, window, d, section):
   """Deterministic calls under a causal window run the causal sections at D = 128 (under
   GQA a CTA per query head), `_long` only where the window lets a walk span
   LONG_WALK_QUERIES queries."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   opts = AttentionOptions(mask=MaskSpec.make(True, window, False), scale=0.1,
                           deterministic=True)
   # pylint: disable=protected-access
@@ -1243,14 +1239,12 @@ def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
   assert mb.fit_shared_memory(staggered, 128, BF16, segments=True) == one  # no stagger on one slot
 
 
-def test_causal_documents_take_the_causal_sections_from_long_walks(monkeypatch):
+def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper):
   """Causal calls with segment ids: below LONG_WALK_QUERIES queries the deterministic
   sections without a mask (under GQA one CTA per key head, which short documents favour),
   from there the causal `_long` section (one CTA per query head); windows keep the sections
   without a mask, and without GQA both choices give the same kernel. deterministic=False
   runs the same ordered kernels for them (at D = 128), arrival order for windows."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)  # choose as on an H100
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   docs, window = _opts(True, None, True), _opts(True, 1024, True)
   long, short = mb.LONG_WALK_QUERIES, mb.LONG_WALK_QUERIES // 2
   backward = lambda t, hkv, opts: PallasMosaicGpu()._static(  # pylint: disable=protected-access
