@@ -17,8 +17,8 @@ Warpgroups:
   memory warpgroup    TMA-loads K and V once, then streams Q, dO and the two row
                       statistics (lse₂, Δ) through a ring of `stages` slots; a slot is
                       refilled once both compute warpgroups have released it
-  compute warpgroups  one per 64 keys, 64 query rows per step. dSᵀ goes to shared memory
-                      for dQ = dS K. With `dq_split` (D = 128) the two warpgroups share
+  compute warpgroups  one per 64 keys, 64 query rows per step (128 at D = 64). dSᵀ
+                      goes to shared memory for dQ = dS K. With `dq_split` (D = 128) the two warpgroups share
                       their dSᵀ and each computes half of dQ's columns over all 128 keys,
                       which halves the float32 traffic of the reduction (dSᵀ is exchanged
                       first and dQ issued with dV and dK, its store and reduction running
@@ -102,11 +102,13 @@ class MosaicBackwardConfig:
   float32 each) leave few registers for the score tiles, which are 64 keys × block_q queries.
 
   Attributes:
-    block_q: query rows per pipeline step: 64, or 80 or 96 without dq (dQ = dS K has block_q
-      rows, and WGMMA's M is 64). Wider steps give the Sᵀ and dPᵀ WGMMAs a larger N and the
-      dV and dK WGMMAs a longer K for the same per-step waits and turns (FlashAttention-3's
-      backward takes 80 at D = 128); T need not be a multiple of it: the last step's rows
-      past T load as zeros, which add nothing to dK or dV.
+    block_q: query rows per pipeline step: 64; 128 at D ≤ 64 (dQ = dS K as two WGMMAs of
+      64 rows, WGMMA's M; its Sᵀ and dPᵀ tiles then take the registers that D = 128's dK
+      and dV take); or 80 or 96 without dq. Wider steps give the Sᵀ and dPᵀ WGMMAs a larger
+      N and the dV and dK WGMMAs a longer K for the same per-step waits and turns
+      (FlashAttention-3's backward takes 80 at D = 128); T need not be a multiple of it: the
+      last step's rows past T load as zeros, which add nothing to dK or dV, and their dQ
+      rows are not stored.
     stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split or without dq,
       4 without dq; with dq_split one dQ slot and no segment ids). More than 2 is a most:
       fit_shared_memory takes the third away where it does not fit.
@@ -395,10 +397,16 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
     return f"needs at least one stage, got {config}"
-  if config.block_q not in (64, 80, 96):
-    return f"block_q must be 64, 80 or 96, got {config.block_q}"
-  if config.with_dq and config.block_q != BLOCK_Q:
-    return f"block_q={config.block_q} needs with_dq=False (dQ's WGMMA takes {BLOCK_Q} rows)"
+  if config.block_q not in (64, 80, 96, 128):
+    return f"block_q must be 64, 80, 96 or 128, got {config.block_q}"
+  if config.with_dq and config.block_q % BLOCK_Q:
+    return (f"block_q={config.block_q} needs with_dq=False (dQ's WGMMA takes a multiple of "
+            f"{BLOCK_Q} rows)")
+  if config.block_q == 128 and (d > 64 or config.column_split):
+    return (f"block_q=128 needs D ≤ 64 (its Sᵀ and dPᵀ tiles beside dK and dV fill the "
+            f"registers), got D={d}")
+  if config.fused_delta and config.block_q != BLOCK_Q:
+    return f"fused_delta needs block_q={BLOCK_Q} (two query blocks per key block's diagonal)"
   if t % BLOCK_Q:
     return f"backward needs T a multiple of {BLOCK_Q}, got T={t}"
   if s % config.cta_keys():
@@ -441,15 +449,16 @@ def _ds_shape(config: MosaicBackwardConfig) -> tuple[int, int, int]:
   """dSᵀ slots (with scores_split, and as many Pᵀ slots); one 8 × 64 tile (unused) without
   dq."""
   if config.scores_split:
-    return (_ds_buffers(config), BLOCK_KV, BLOCK_Q)
-  return (_ds_buffers(config), 2 * BLOCK_KV, BLOCK_Q) if config.with_dq else (1, 8, 64)
+    return (_ds_buffers(config), BLOCK_KV, config.block_q)
+  return (_ds_buffers(config), 2 * BLOCK_KV, config.block_q) if config.with_dq else (1, 8, 64)
 
 
 def _dq_tile_shape(config: MosaicBackwardConfig, d: int) -> tuple[int, int, int]:
   """The float32 dQ tiles on their way to the reduction (also dK and dV's with
   gqa_per_query_head; with dq_rounded their bytes hold the tiles in the input dtype); a
   token 8 × 8 without dq."""
-  return (2 * config.dq_buffers, BLOCK_Q, config.dq_cols(d)) if config.with_dq else (2, 8, 8)
+  return ((2 * config.dq_buffers, config.block_q, config.dq_cols(d)) if config.with_dq
+          else (2, 8, 8))
 
 
 def _dq_tile_transforms(config: MosaicBackwardConfig, d: int, dtype=jnp.float32) -> tuple:
@@ -940,7 +949,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           tile = slot * 2 + wg
           plgpu.barrier_wait(free)  # the slot's last tiles have been read
           if config.dq_rounded:  # scaled here, in place of the pass after the kernel
-            sc.dq_smem.at[tile, pl.ds(0, BLOCK_Q)][...] = (dq * scale).astype(dtype)
+            sc.dq_smem.at[tile, pl.ds(0, bq)][...] = (dq * scale).astype(dtype)
           else:
             sc.dq_smem.at[tile][...] = dq
           hand_off(full)
@@ -1228,7 +1237,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           for w in range(2):
             tile = sc.dq_smem.at[slot * 2 + w]
             if config.dq_rounded:
-              tile = tile.at[pl.ds(0, BLOCK_Q)]
+              tile = tile.at[pl.ds(0, bq)]
             plgpu.copy_smem_to_gmem(tile, dq_ref.at[it.b, rows, head, cols(w)],
                                     reduction_op=op)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -1356,7 +1365,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       # scratch (Mosaic GPU reserves 2 KiB for any reduction otherwise, which two dQ slots,
       # or scores_split's Pᵀ slots, leave no room for).
       compiler_params=plgpu.CompilerParams(approx_math=True, **(
-          {"reduction_scratch_bytes": 0} if (fused or config.scores_split) and _SCRATCH_PARAM
+          {"reduction_scratch_bytes": 0}
+          if (fused or config.scores_split or config.block_q == 128) and _SCRATCH_PARAM
           else {})),
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",

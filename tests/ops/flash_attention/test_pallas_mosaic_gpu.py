@@ -411,7 +411,12 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, block_q=80), "block_q=80 needs with_dq=False"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
-     mb.MosaicBackwardConfig(dq_split=False, block_q=72, with_dq=False), "64, 80 or 96"),
+     mb.MosaicBackwardConfig(dq_split=False, block_q=72, with_dq=False), "64, 80, 96 or 128"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
+     mb.MosaicBackwardConfig(block_q=128), "block_q=128 needs D ≤ 64"),
+    ((1, 256, 4, 64), (1, 256, 4, 64), BF16, _opts(True),
+     mb.MosaicBackwardConfig(block_q=128, dq_ordered=True, dq_buffers=2, fused_delta=True),
+     "fused_delta needs block_q=64"),
     ((1, 256, 4, 64), (1, 256, 4, 64), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, dq_ordered=True), "dq_ordered needs"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
@@ -460,13 +465,17 @@ def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap,
     (False, (100, 7), False, 128, 256, 512, 1, 2),
     (True, None, False, 256, 256, 384, 2, 1),
     (True, None, False, 64, 256, 256, 2, 2),
-    (False, (100, 7), True, 64, 256, 384, 1, 1)])
+    (False, (100, 7), True, 64, 256, 384, 1, 1),
+    (True, None, False, 64, 320, 256, 2, -2),  # 128-query steps, the last one ragged
+    (False, None, False, 64, 256, 384, 1, -1),
+    (False, (100, 7), True, 64, 192, 384, 4, -1)])
 def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv, buffers):
   """dq_ordered: the reductions wait on counters in global memory and release them, sent
-  by a warp of their own, from one or two dQ tile slots; without segment ids the program
-  computes no rank table per call."""
+  by a warp of their own, from one or two dQ tile slots (negative: on 128-query steps);
+  without segment ids the program computes no rank table per call."""
   config = mb.MosaicBackwardConfig(dq_split=d != 256, column_split=d == 256,
-                                   stages=2 - (d == 256), dq_ordered=True, dq_buffers=buffers)
+                                   stages=2 - (d == 256), dq_ordered=True,
+                                   dq_buffers=abs(buffers), block_q=128 if buffers < 0 else 64)
   opts = _opts(causal, window, segments)
   assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
   text = _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments)
@@ -1116,11 +1125,13 @@ def test_tuned_backward_configs_serve_their_calls():
         dq_rotate=not causal, dq_heavy_first=causal)
     assert mb.MosaicBackwardConfig.tuned(256, causal) == mb.MosaicBackwardConfig(
         dq_split=False, column_split=True, stages=1, scores_split=True)
-  # d64[_causal][_gqa]_ordered: the D = 128 kernel's dq_split, three Q/dO stages, rotated
-  # without a mask
-  for causal, gqa in ((False, False), (True, False), (False, True)):
+  # d64[_causal][_gqa]_ordered: the D = 128 kernel's dq_split on 128-query steps, two Q/dO
+  # stages, rotated from one dQ slot without a mask, two causal (one CTA per query head under
+  # GQA)
+  for causal, gqa in ((False, False), (True, False), (False, True), (True, True)):
     assert mb.MosaicBackwardConfig.for_deterministic(64, causal, gqa) == mb.MosaicBackwardConfig(
-        dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=not causal, stages=3)
+        dq_split=True, dq_ordered=True, block_q=128, stages=2, dq_buffers=1 + causal,
+        dq_rotate=not causal, gqa_per_query_head=causal and gqa)
   # d256_causal_gqa_ordered: the same with one CTA per query head
   assert mb.MosaicBackwardConfig.for_deterministic(256, True, True) == mb.MosaicBackwardConfig(
       dq_split=False, column_split=True, stages=1, scores_split=True, dq_ordered=True,
@@ -1128,9 +1139,6 @@ def test_tuned_backward_configs_serve_their_calls():
   # d256_gqa_ordered: non-causal GQA at D = 256 as without GQA (one CTA per key head)
   assert (mb.MosaicBackwardConfig.for_deterministic(256, False, True)
           == mb.MosaicBackwardConfig.for_deterministic(256, False))
-  # no _ordered section for causal GQA at D = 64: the dK/dV-only kernel
-  assert (mb.MosaicBackwardConfig.for_deterministic(64, True, True)
-          == mb.MosaicBackwardConfig.tuned(64, True, True, with_dq=False))
 
 
 def test_deterministic_calls_take_an_ordered_section(as_on_hopper, tuning_tables):
@@ -1723,9 +1731,12 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True,
                               stages=3),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, fused_delta=True,
-                              stages=3)],
+                              stages=3),
+      mb.MosaicBackwardConfig(dq_split=True, block_q=128),
+      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True,
+                              block_q=128, dq_rounded=True)],
       ids=["arrival", "stagger", "ordered_rotate", "ordered_fused", "ordered_one_slot",
-           "rotate_3_stages", "fused_3_stages"])
+           "rotate_3_stages", "fused_3_stages", "arrival_128_rows", "rounded_128_rows"])
   @pytest.mark.parametrize("opts, hkv", [(dict(causal=False), 4), (dict(causal=True), 4),
                                          (dict(sliding_window=(300, 100)), 4),
                                          (dict(causal=False), 2)])
@@ -2147,6 +2158,15 @@ class TestMosaicGpuPaddedWideKeys(TestMosaicGpuPadded):
   cut by the key bound (WIDE_KEY_BLOCK); T = 600 < S, GQA 2:1."""
 
   shape = dict(b=2, t=600, s=1000, hq=4, hkv=2, d=56)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuInPlaceD64Group4(TestMosaicGpuInPlace):
+  """In place at D = 64, T = 1,000 at 1,024 (eight 128-query steps), GQA 4:1: causal calls
+  run one CTA per query head, adding their shares of dK and dV in the group's order."""
+
+  shape = dict(b=2, t=1000, s=1544, hq=8, hkv=2, d=64)
 
 
 @pytest.mark.gpu
