@@ -17,13 +17,14 @@ Warpgroups:
   memory warpgroup    TMA-loads K and V once, then streams Q, dO and the two row
                       statistics (lse₂, Δ) through a ring of `stages` slots; a slot is
                       refilled once both compute warpgroups have released it
-  compute warpgroups  one per 64 keys, 64 query rows per step (128 at D = 64). dSᵀ
-                      goes to shared memory for dQ = dS K. With `dq_split` (D = 128) the two warpgroups share
-                      their dSᵀ and each computes half of dQ's columns over all 128 keys,
-                      which halves the float32 traffic of the reduction (dSᵀ is exchanged
-                      first and dQ issued with dV and dK, its store and reduction running
-                      under them); without it each adds the dQ of its own keys. With
-                      `pingpong` they take turns issuing WGMMAs, as in the forward.
+  compute warpgroups  one per 64 keys, 64 query rows per step (128 at D = 48 to 80). dSᵀ
+                      goes to shared memory for dQ = dS K. With `dq_split` (D = 64 and
+                      128) the two warpgroups share their dSᵀ and each computes half of
+                      dQ's columns over all 128 keys, which halves the float32 traffic of
+                      the reduction (dSᵀ is exchanged first and dQ issued with dV and dK,
+                      its store and reduction running under them); without it each adds
+                      the dQ of its own keys. With `pingpong` they take turns issuing
+                      WGMMAs, as in the forward.
 
 The softmax scale is applied once at the end (to dK, and to dq when it is cast back to the
 input dtype). Masks as in the forward, transposed: a CTA visits only the query blocks that
@@ -102,13 +103,13 @@ class MosaicBackwardConfig:
   float32 each) leave few registers for the score tiles, which are 64 keys × block_q queries.
 
   Attributes:
-    block_q: query rows per pipeline step: 64; 128 at D ≤ 64 (dQ = dS K as two WGMMAs of
-      64 rows, WGMMA's M; its Sᵀ and dPᵀ tiles then take the registers that D = 128's dK
-      and dV take); or 80 or 96 without dq. Wider steps give the Sᵀ and dPᵀ WGMMAs a larger
-      N and the dV and dK WGMMAs a longer K for the same per-step waits and turns
-      (FlashAttention-3's backward takes 80 at D = 128); T need not be a multiple of it: the
-      last step's rows past T load as zeros, which add nothing to dK or dV, and their dQ
-      rows are not stored.
+    block_q: query rows per pipeline step: 64; 128 at D ≤ 64, or at D ≤ 80 without dq (dQ =
+      dS K as two WGMMAs of 64 rows, WGMMA's M; the 64 × 128 Sᵀ and dPᵀ tiles then take
+      the registers that D = 128's dK and dV take); or 80 or 96 without dq. Wider steps
+      give the Sᵀ and dPᵀ WGMMAs a larger N and the dV and dK WGMMAs a longer K for the same
+      per-step waits and turns (FlashAttention-3's backward takes 80 at D = 128); T need
+      not be a multiple of it: the last step's rows past T load as zeros, which add nothing
+      to dK or dV, and their dQ rows are not stored.
     stages: Q/dO slots in shared memory (3 fit at D = 128 only with dq_split or without dq,
       4 without dq; with dq_split one dQ slot and no segment ids). More than 2 is a most:
       fit_shared_memory takes the third away where it does not fit.
@@ -402,9 +403,9 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if config.with_dq and config.block_q % BLOCK_Q:
     return (f"block_q={config.block_q} needs with_dq=False (dQ's WGMMA takes a multiple of "
             f"{BLOCK_Q} rows)")
-  if config.block_q == 128 and (d > 64 or config.column_split):
-    return (f"block_q=128 needs D ≤ 64 (its Sᵀ and dPᵀ tiles beside dK and dV fill the "
-            f"registers), got D={d}")
+  if config.block_q == 128 and (d > (64 if config.with_dq else 80) or config.column_split):
+    return (f"block_q=128 needs D ≤ 64, or 80 without dq (its Sᵀ and dPᵀ tiles beside dK "
+            f"and dV fill the registers), got D={d}")
   if config.fused_delta and config.block_q != BLOCK_Q:
     return f"fused_delta needs block_q={BLOCK_Q} (two query blocks per key block's diagonal)"
   if t % BLOCK_Q:

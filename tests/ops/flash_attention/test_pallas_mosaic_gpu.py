@@ -414,6 +414,8 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
      mb.MosaicBackwardConfig(dq_split=False, block_q=72, with_dq=False), "64, 80, 96 or 128"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(block_q=128), "block_q=128 needs D ≤ 64"),
+    ((1, 256, 4, 96), (1, 256, 4, 96), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, with_dq=False, block_q=128), "80 without dq"),
     ((1, 256, 4, 64), (1, 256, 4, 64), BF16, _opts(True),
      mb.MosaicBackwardConfig(block_q=128, dq_ordered=True, dq_buffers=2, fused_delta=True),
      "fused_delta needs block_q=64"),
@@ -444,7 +446,9 @@ def test_backward_support_error_names_what_is_not_served(q_shape, k_shape, dtype
     (True, 200, True, None, False, 96, 256, 384, 2, 128),
     (False, None, False, None, False, 96, 384, 256, 1, 128),
     (True, None, False, None, False, 96, 256, 384, 1, 64),  # d64_causal_dkv
-    (True, None, True, None, False, 96, 384, 256, 2, 64)])
+    (True, None, True, None, False, 96, 384, 256, 2, 64),
+    (True, None, False, None, False, 128, 320, 256, 2, 80),  # d80_dkv
+    (False, (100, 7), True, None, False, 128, 256, 384, 1, 48)])  # d48_dkv
 def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap, pingpong, block_q,
                                               t, s, hkv, d):
   """The dK/dV-only kernel with block_q query rows per step, T not a multiple of it."""
@@ -1089,6 +1093,9 @@ def test_tuned_backward_configs_serve_their_calls():
   assert mb.MosaicBackwardConfig.tuned(128, False, gqa=True, with_dq=False).block_q == 80
   assert mb.MosaicBackwardConfig.tuned(128, True, with_dq=False).block_q == 64  # d128_causal_dkv
   assert mb.MosaicBackwardConfig.tuned(64, True, with_dq=False).block_q == 96  # d64_causal_dkv
+  for d in (48, 80):  # d48_dkv, d80_dkv, with either mask
+    assert {mb.MosaicBackwardConfig.tuned(d, causal, with_dq=False).block_q
+            for causal in (False, True)} == {128}
   assert mb.MosaicBackwardConfig.tuned(64, False, with_dq=False).block_q == 64
   assert mb.MosaicBackwardConfig.tuned(128, True, gqa=True, with_dq=False).pingpong  # _gqa_dkv
   # d128[_causal][_gqa]_ordered: the whole kernel, dq in rank order
