@@ -476,7 +476,7 @@ def _dq_tile_transforms(config: MosaicBackwardConfig, d: int, dtype=jnp.float32)
 
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
   """The dQ tile slots in shared memory: float32, or with dq_rounded in the input dtype,
-  each tile in rows 0..BLOCK_Q of a slot twice as tall (the float32 tile's bytes, so that
+  each tile in rows 0..block_q of a slot twice as tall (the float32 tile's bytes, so that
   fused_delta's O lands where it does without). With fused_delta a union of two views of
   the same bytes: the tiles and a query block's O (BLOCK_Q × D in the input dtype: the
   bytes of one float32 dQ tile of dq_split), which the walk's first two steps hold before
@@ -562,7 +562,8 @@ def _rotation(kv, n_kv: int, n_q: int):
   return lax.rem(kv * max(n_q // n_kv, 1), jnp.int32(n_q))
 
 
-# fused_delta's kernel fits in shared memory only without the reduction scratch.
+# fused_delta's kernel, and 128-query steps with two dQ slots, fit in shared memory only
+# without the reduction scratch.
 _SCRATCH_PARAM = plgpu is not None and "reduction_scratch_bytes" in {
     f.name for f in dataclasses.fields(plgpu.CompilerParams)}
 
@@ -1364,7 +1365,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                       num_threads=3, thread_name="wg"),
       # Δ's row sums reduce within warps only, and no other step reduces: no shared-memory
       # scratch (Mosaic GPU reserves 2 KiB for any reduction otherwise, which two dQ slots,
-      # or scores_split's Pᵀ slots, leave no room for).
+      # scores_split's Pᵀ slots, or two dQ slots beside 128-query steps leave no room for).
       compiler_params=plgpu.CompilerParams(approx_math=True, **(
           {"reduction_scratch_bytes": 0}
           if (fused or config.scores_split or config.block_q == 128) and _SCRATCH_PARAM
