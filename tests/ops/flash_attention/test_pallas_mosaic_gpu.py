@@ -2098,7 +2098,7 @@ class TestMosaicGpuInPlaceD192(TestMosaicGpuInPlace):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuInPlaceD64(TestMosaicGpuInPlace):
-  """In place at D = 64 (its persistent forward, three Q/dO stages), T < S."""
+  """In place at D = 64 (its persistent forward, 128-query backward steps), T < S."""
 
   shape = dict(b=2, t=264, s=520, hq=4, hkv=4, d=64)
 
@@ -2114,8 +2114,8 @@ class TestMosaicGpuInPlaceNondeterministic(TestMosaicGpuInPlace):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuInPlaceD64Gqa(TestMosaicGpuInPlace):
-  """In place at D = 64, GQA 2:1, T > S: causal calls run the dK/dV-only backward beside
-  the dq kernel, their rows past S kept from the padded keys by the key bound."""
+  """In place at D = 64, GQA 2:1, T > S: causal calls run one CTA per query head, their rows
+  past S kept from the padded keys by the key bound."""
 
   shape = dict(b=2, t=520, s=264, hq=4, hkv=2, d=64)
 
