@@ -272,16 +272,16 @@ def flash_attention(
       structured masks, which the GPU kernels serve.
     return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
     deterministic: the backward gives bitwise-identical gradients on every run (the
-      default). pallas_mosaic_gpu's one-pass backward adds dq (and, for causal GQA in
-      arrival order, dk and dv) into float32 buffers by TMA reductions. With
-      deterministic=False they land in whatever order the CTAs arrive; with True, in a fixed
-      order (as fast as arrival order on an H100) where the tuning table names an ordered
-      kernel for the call (every call at D = 256; causal GQA at D = 128 and 256 then adds
-      each query head's dk and dv into the bf16 outputs in the group's order, and up to 16
-      key blocks per query block dq into the output itself, one rounding per add), and
-      elsewhere its kernel computes dk and dv alone and a Mosaic dq kernel dq (no float32 dq
-      buffer). Causal calls with segment ids at D = 128 get the fixed order either way (it
-      measured faster there). Every other implementation is deterministic either way.
+      default). pallas_mosaic_gpu's one-pass backward adds dq into a float32 buffer by TMA
+      reductions, in a fixed order where the tuning table names an ordered kernel for the
+      call (D = 64, 96, 128, 192 and 256; causal GQA then adds each query head's dk and dv
+      into the bf16 outputs in the group's order, and up to 16 key blocks per query block
+      dq into the output itself, one rounding per add); elsewhere its kernel computes dk and
+      dv alone and a Mosaic dq kernel dq (no float32 dq buffer). deterministic=False lets
+      the reductions land in whatever order the CTAs arrive where that measured faster (D =
+      192 and 256 without GQA, and the head dims without an ordered kernel); elsewhere it
+      runs the ordered kernel, as fast or faster there. Every other implementation is
+      deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
       serves the call (Hopper, bf16/f16, D 33–256; lengths the kernels do not take
       padded, in place or on copies, and D other than 48, 64, 80, 96, 128, 192 and 256 on

@@ -266,6 +266,22 @@ class MosaicBackwardConfig:
       return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS)
     return cls.tuned(d, causal, gqa, with_dq=False)
 
+  @classmethod
+  def for_nondeterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
+                           s: int = 0, segments: bool = False) -> "MosaicBackwardConfig":
+    """The Mosaic backward of calls with deterministic=False (arguments as for_deterministic):
+    dq's reductions in arrival order where the tuning table names that kernel for the call
+    (a `d<D>[_causal][_gqa]` section: there it measured faster than the ordered one); else
+    the ordered kernel of for_deterministic, which nondeterminism allows as well; else (no
+    ordered kernel at this head dim) the whole kernel in arrival order rather than the
+    dK/dV-only kernel beside a dq kernel."""
+    table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
+    found = _section(table, d, ("_causal" if causal else "") + ("_gqa" if gqa else ""))
+    if found:
+      return cls(**found)
+    ordered = cls.for_deterministic(d, causal, gqa, t=t, s=s, segments=segments)
+    return ordered if ordered.with_dq else cls.tuned(d, causal, gqa)
+
   def cta_keys(self) -> int:
     return BLOCK_KV if self.column_split else 2 * BLOCK_KV
 

@@ -35,10 +35,10 @@ run padded (in place where T and S are whole 8-row tiles), and head dims 33–25
 zero-padded copies (_padding; with `implementation=None` only where that beats
 pallas_triton). Anything else (float32, head dims of 32 and under or over 256) raises
 NotImplementedError with the reason, and `implementation=None` falls through to
-pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel: whole for calls with
-deterministic=False (it sums dq by TMA reductions in arrival order) or with its reductions
-in a fixed order (dq_ordered), for dK and dV alone otherwise, beside mosaic_gpu_dq's dq
-kernel; or pallas_triton's dq and dk/dv kernels where a backward_config asks for them. All
+pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel: whole with its dq
+reductions in a fixed order (dq_ordered), or in arrival order where deterministic=False
+allows it and that measured faster; for dK and dV alone otherwise, beside mosaic_gpu_dq's
+dq kernel; or pallas_triton's dq and dk/dv kernels where a backward_config asks for them. All
 run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's Mosaic GPU
 interpreter cannot run `plgpu.kernel` meshes.
 """
@@ -779,11 +779,10 @@ class PallasMosaicGpu:
   them None means MosaicBackwardConfig.for_deterministic: the ordered kernel where the tuning
   table names one and no dq_config is given, else the Mosaic kernel for dK and dV alone
   (`with_dq=False`: one CTA per key block, no reductions) beside a dq kernel with one CTA
-  per query block; a MosaicBackwardConfig must then have with_dq=False or dq_ordered.
-  Causal calls with segment ids at D = 128 take the ordered kernel with deterministic=False
-  too: there it measured as fast as arrival order or faster (fwd+bwd, H200: 8 documents of
-  512 tokens per row, B4 T4k, 1.03 against 1.09 ms, 0.97 against 1.06 under GQA 32:8; 8 of
-  random lengths 1.71 against 1.72; 16 of random lengths in B1 T16k H32/8 2.45 against 2.61).
+  per query block; a MosaicBackwardConfig must then have with_dq=False or dq_ordered. With
+  deterministic=False None means MosaicBackwardConfig.for_nondeterministic: arrival order
+  only where the table names it (D = 192 and 256 without GQA), since elsewhere the ordered
+  kernel measured as fast or faster (see its docstring).
   `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
   pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the
   call (D 48, 64, 80, 128 and 256), pallas_triton's elsewhere.
@@ -861,15 +860,11 @@ class PallasMosaicGpu:
     if bwd is None or isinstance(bwd, MosaicBackwardConfig):
       mosaic = bwd
       if mosaic is None:
-        # Deterministic calls (and causal documents at D = 128): dq's reductions in a fixed
-        # order, or dK and dV only (no reductions) beside a dq kernel, always so when one is
-        # asked for (dq_config).
+        # dq's reductions in a fixed order, or dK and dV only (no reductions) beside a dq
+        # kernel, always so when one is asked for (dq_config); with deterministic=False in
+        # arrival order where that measured faster (for_nondeterministic).
         mask, d, gqa = opts.mask, q.shape[-1], q.shape[2] > k.shape[2]
-        documents = (mask.is_causal_band and mask.segments and d == 128
-                     and self.dq_config is None)
-        if not (det or documents):
-          mosaic = MosaicBackwardConfig.tuned(d, mask.is_causal, gqa)
-        elif self.dq_config is not None:
+        if self.dq_config is not None:
           mosaic = MosaicBackwardConfig.tuned(d, mask.is_causal, gqa, with_dq=False)
         else:
           # A causal window at D = 128 takes the causal sections: under GQA one CTA per query
@@ -880,7 +875,8 @@ class PallasMosaicGpu:
           causal = mask.is_causal_band or (mask.right == 0 and d == 128)
           walk = q.shape[1] if mask.left is None else min(
               q.shape[1], mask.left + 2 * mosaic_gpu_backward.BLOCK_KV)
-          mosaic = MosaicBackwardConfig.for_deterministic(
+          mosaic = (MosaicBackwardConfig.for_deterministic if det
+                    else MosaicBackwardConfig.for_nondeterministic)(
               d, causal, gqa, t=walk, s=k.shape[1], segments=mask.segments)
         # Under GQA: CTAs enough to fill the GPU where key blocks and key heads are few.
         mosaic = mosaic_gpu_backward.split_group(

@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import functools
+import itertools
 import re
 
 import jax
@@ -184,9 +185,10 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(as_on_hopper, causal, hkv
     assert "flash_attention_bwd_mosaic" in text and dq_name in text
     # remat.fit counts 4 matmuls for the dK/dV kernel and 3 for the dq kernel.
     assert flops.jaxpr_flops(jax.make_jaxpr(bwd)(res, q, res.lse)) == 2 * 7 * 4 * pairs * 128
-  # A dq kernel asked for where none runs beside the dK/dV kernel is an error, not ignored.
-  with pytest.raises(NotImplementedError, match="dq_config"):
-    PallasMosaicGpu(dq_config=MosaicDqConfig())._static(q, k, fast)  # pylint: disable=protected-access
+  # A dq kernel asked for runs beside the dK/dV kernel, deterministic or not; where none
+  # would run (pallas_triton's backward), it is an error, not ignored.
+  st = PallasMosaicGpu(dq_config=MosaicDqConfig())._static(q, k, fast)  # pylint: disable=protected-access
+  assert not st.backward.with_dq and st.dq == MosaicDqConfig()
   with pytest.raises(NotImplementedError, match="dq_config"):
     PallasMosaicGpu(backward_config=triton_dq, dq_config=MosaicDqConfig())._static(q, k, det)  # pylint: disable=protected-access
   with pytest.raises(NotImplementedError, match="block_kv 64 or 128"):
@@ -1074,13 +1076,9 @@ def test_tuned_backward_configs_serve_their_calls():
     for causal in (False, True):
       config = mb.MosaicBackwardConfig.tuned(d, causal)
       assert mb.support_error((2, 256, 8, d), (2, 256, 2, d), BF16, _opts(causal), config) is None
-  assert mb.MosaicBackwardConfig.tuned(128, False).dq_split
-  assert mb.MosaicBackwardConfig.tuned(128, True).dq_split
-  gqa = mb.MosaicBackwardConfig.tuned(128, True, gqa=True)
-  assert gqa.gqa_per_query_head
-  assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(True), gqa) is None
-  assert mb.MosaicBackwardConfig.tuned(128, False, gqa=True) == mb.MosaicBackwardConfig.tuned(
-      128, False)  # no _gqa section: the head dim's own
+  assert mb.MosaicBackwardConfig.tuned(128, False) == mb.MosaicBackwardConfig(dq_split=True)
+  assert mb.MosaicBackwardConfig.tuned(128, True, gqa=True) == mb.MosaicBackwardConfig.tuned(
+      128, True)  # no _gqa section: the head dim's own
   for d in (64, 128, 256):  # the dK/dV-only kernel of deterministic calls
     for causal in (False, True):
       for gqa in (False, True):
@@ -1102,10 +1100,9 @@ def test_tuned_backward_configs_serve_their_calls():
   # (causal GQA: one CTA per query head, as without GQA)
   for causal, gqa in ((False, False), (True, False), (False, True), (True, True)):
     ordered = mb.MosaicBackwardConfig.for_deterministic(128, causal, gqa)
-    assert ordered == dataclasses.replace(
-        mb.MosaicBackwardConfig.tuned(128, causal), dq_ordered=True, dq_buffers=2,
-        dq_rotate=not causal, fused_delta=causal, dq_stagger=not (causal or gqa),
-        gqa_per_query_head=causal and gqa)
+    assert ordered == mb.MosaicBackwardConfig(
+        dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=not causal,
+        fused_delta=causal, dq_stagger=not (causal or gqa), gqa_per_query_head=causal and gqa)
     assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(causal),
                             ordered) is None
   # d128_causal[_gqa]_ordered_long: from LONG_WALK_QUERIES queries, a third Q/dO stage in
@@ -1125,7 +1122,7 @@ def test_tuned_backward_configs_serve_their_calls():
             == mb.MosaicBackwardConfig.for_deterministic(128, False, gqa))  # causal only
   # d256[_causal]_ordered: the column-split kernel with split scores, dq in rank order (rotated
   # without a mask, causal with the longest walk launched first); in arrival order the same
-  # kernel, tuned (d256) or not (d256_causal has no section)
+  # kernel (d256, d256_causal)
   for causal in (False, True):
     assert mb.MosaicBackwardConfig.for_deterministic(256, causal) == mb.MosaicBackwardConfig(
         dq_split=False, column_split=True, stages=1, scores_split=True, dq_ordered=True,
@@ -1146,6 +1143,34 @@ def test_tuned_backward_configs_serve_their_calls():
   # d256_gqa_ordered: non-causal GQA at D = 256 as without GQA (one CTA per key head)
   assert (mb.MosaicBackwardConfig.for_deterministic(256, False, True)
           == mb.MosaicBackwardConfig.for_deterministic(256, False))
+
+
+def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_on_hopper):
+  """deterministic=False: dq's reductions in arrival order where the table names that kernel
+  (`d256`, `d256_causal`: D = 256 and 192 without GQA), else the ordered kernel deterministic
+  calls run (D = 64, 96, 128; D = 256 under GQA), else the whole kernel in arrival order
+  (D = 48, 80: no ordered kernel) rather than the dK/dV kernel beside a dq kernel."""
+  cfg = mb.MosaicBackwardConfig
+  cases = [(c, g) for c in (False, True) for g in (False, True)]
+  for d, (causal, gqa) in itertools.product((64, 96, 128), cases):
+    for t in (1024, mb.LONG_WALK_QUERIES):
+      assert (cfg.for_nondeterministic(d, causal, gqa, t=t, s=t)
+              == cfg.for_deterministic(d, causal, gqa, t=t, s=t))
+  for d, causal in itertools.product((192, 256), (False, True)):
+    assert cfg.for_nondeterministic(d, causal) == cfg.tuned(256, causal)
+    assert cfg.for_nondeterministic(d, causal, True) == cfg.for_deterministic(d, causal, True)
+  for d, (causal, gqa) in itertools.product((48, 80), cases):
+    arrival = cfg.for_nondeterministic(d, causal, gqa)
+    assert arrival.with_dq and not arrival.dq_ordered
+    assert not cfg.for_deterministic(d, causal, gqa).with_dq
+  # through the dispatcher, with its group splits
+  fast = dataclasses.replace(_opts(True), deterministic=False)
+  backward = lambda d, hkv, opts: PallasMosaicGpu()._static(  # pylint: disable=protected-access
+      jax.ShapeDtypeStruct((2, 1024, 8, d), BF16), jax.ShapeDtypeStruct((2, 1024, hkv, d), BF16),
+      opts).backward
+  assert backward(64, 2, fast) == backward(64, 2, _opts(True))
+  assert backward(128, 2, fast) == backward(128, 2, _opts(True))
+  assert not backward(256, 8, fast).dq_ordered and backward(256, 8, _opts(True)).dq_ordered
 
 
 def test_deterministic_calls_take_an_ordered_section(as_on_hopper, tuning_tables):
@@ -1259,7 +1284,7 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper)
   sections without a mask (under GQA one CTA per key head, which short documents favour),
   from there the causal `_long` section (one CTA per query head); windows keep the sections
   without a mask, and without GQA both choices give the same kernel. deterministic=False
-  runs the same ordered kernels for them (at D = 128), arrival order for windows."""
+  runs the same ordered kernels (at D = 128)."""
   docs, window = _opts(True, None, True), _opts(True, 1024, True)
   long, short = mb.LONG_WALK_QUERIES, mb.LONG_WALK_QUERIES // 2
   backward = lambda t, hkv, opts: PallasMosaicGpu()._static(  # pylint: disable=protected-access
@@ -1276,14 +1301,11 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper)
   for d in (64, 256):  # other head dims: the sections without a mask at any length
     assert (mb.MosaicBackwardConfig.for_deterministic(d, True, True, t=long, segments=True)
             == mb.MosaicBackwardConfig.for_deterministic(d, False, True, t=long))
-  # deterministic=False: causal documents keep the ordered kernel, windows arrival order
+  # deterministic=False: the same ordered kernels (D = 128 has no arrival-order section)
   fast = lambda opts: dataclasses.replace(opts, deterministic=False)
   for t, hkv in ((short, 2), (long, 2), (short, 8)):
     assert backward(t, hkv, fast(docs)) == backward(t, hkv, docs)
-  arrival = mb.fit_shared_memory(mb.MosaicBackwardConfig.tuned(128, False, True), 128, BF16,
-                                 segments=True)
-  assert backward(short, 2, fast(window)) == mb.split_group(arrival, 1, 8, 2, short, uneven=True)
-  assert not backward(short, 2, fast(window)).dq_ordered
+    assert backward(t, hkv, fast(window)) == backward(t, hkv, window)
 
 
 def test_remat_counts_the_kernel_cost():
@@ -1788,8 +1810,9 @@ class TestMosaicGpu:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeatures(_FlashAttentionTest):
-  """Every mask and feature of the shared suite through both Mosaic kernels (D = 128: the
-  Mosaic backward with dq_split or ping-pong; GQA 4:1; T ≠ S)."""
+  """Every mask and feature of the shared suite through both Mosaic kernels, as calls with
+  deterministic=False run them (D = 128, GQA 4:1, T ≠ S: the ordered one-pass kernel, which
+  measured faster there than arrival order; TestMosaicGpuSplitDq runs arrival order)."""
 
   impl = PallasMosaicGpu()
   extra = dict(deterministic=False)
@@ -1883,6 +1906,17 @@ class TestMosaicGpuSplitDq(TestMosaicGpuFeatures):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuArrivalPerQueryHead(TestMosaicGpuFeatures):
+  """Arrival order with one CTA per query head, dK and dV added by TMA reductions, and the
+  compute warpgroups in ping-pong (an explicit config: no default runs it), bf16."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(
+      dq_split=False, pingpong=True, gqa_per_query_head=True))
+  dtypes = (jnp.bfloat16,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuOrderedDq(TestMosaicGpuFeatures):
   """The features suite through the one-pass backward with its dq reductions in a fixed
   order (dq_ordered), which deterministic calls (the default) may run whole, bf16."""
@@ -1932,8 +1966,8 @@ class TestMosaicGpuDynamicForward(TestMosaicGpuFeatures):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesD64(TestMosaicGpuFeatures):
-  """D = 64, MQA: the Mosaic backward without dq_split in arrival order, with it (dQ's
-  32-column halves) in a fixed order."""
+  """D = 64, MQA: the ordered backward (dQ's 32-column halves, 128-query steps), which
+  deterministic=False runs too (test_d64_dq_split_matches_reference: arrival order)."""
 
   dtypes = (jnp.bfloat16,)
   shape = dict(b=1, t=384, s=512, hq=4, hkv=1, d=64)
@@ -1957,6 +1991,14 @@ class TestMosaicGpuFeaturesDeterministic(TestMosaicGpuFeatures):
 
   extra = {}
   dtypes = (jnp.bfloat16,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesD256Mha(TestMosaicGpuFeaturesD256):
+  """D = 256, one query head per key head: dq in arrival order (d256[_causal])."""
+
+  shape = dict(b=1, t=256, s=384, hq=4, hkv=4, d=256)
 
 
 @pytest.mark.gpu
@@ -1995,9 +2037,10 @@ class TestMosaicGpuOrderedDqD256(TestMosaicGpuFeaturesD256):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesD96(TestMosaicGpuFeatures):
-  """D = 96: 64-byte swizzles (dq_split's 48-column halves of K 32-byte ones), D = 128's
-  settings, dq in arrival order."""
+  """D = 96: 64-byte swizzles (dq_split's 48-column halves of K 32-byte ones), dq in arrival
+  order (an explicit config: deterministic=False runs D = 128's ordered settings)."""
 
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(dq_split=True))
   dtypes = (jnp.bfloat16,)
   shape = dict(b=1, t=256, s=384, hq=4, hkv=2, d=96)
 
@@ -2007,6 +2050,7 @@ class TestMosaicGpuFeaturesD96(TestMosaicGpuFeatures):
 class TestMosaicGpuFeaturesDeterministicD96(TestMosaicGpuFeaturesD96):
   """D = 96, deterministic: the ordered kernel with D = 128's settings (no fused Δ)."""
 
+  impl = PallasMosaicGpu()
   extra = {}
 
 
@@ -2020,10 +2064,18 @@ class TestMosaicGpuFeaturesDeterministicD96Mha(TestMosaicGpuFeaturesDeterministi
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesD192(TestMosaicGpuFeatures):
   """D = 192: the forward with 64-key blocks, the column-split backward with 96 columns a
-  warpgroup (64-byte swizzles), dq in arrival order."""
+  warpgroup (64-byte swizzles); under GQA dq in a fixed order (D = 256's sections)."""
 
   dtypes = (jnp.bfloat16,)
   shape = dict(b=1, t=256, s=384, hq=4, hkv=2, d=192)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuFeaturesD192Mha(TestMosaicGpuFeaturesD192):
+  """D = 192, one query head per key head: dq in arrival order (d256[_causal])."""
+
+  shape = dict(b=1, t=256, s=384, hq=4, hkv=4, d=192)
 
 
 @pytest.mark.gpu
@@ -2101,14 +2153,6 @@ class TestMosaicGpuInPlaceD64(TestMosaicGpuInPlace):
   """In place at D = 64 (its persistent forward, 128-query backward steps), T < S."""
 
   shape = dict(b=2, t=264, s=520, hq=4, hkv=4, d=64)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-class TestMosaicGpuInPlaceNondeterministic(TestMosaicGpuInPlace):
-  """In place with the backward that adds dq in arrival order."""
-
-  extra = dict(deterministic=False)
 
 
 @pytest.mark.gpu
