@@ -279,7 +279,7 @@ def flash_attention(
       dq into the output itself, one rounding per add); elsewhere its kernel computes dk and
       dv alone and a Mosaic dq kernel dq (no float32 dq buffer). deterministic=False lets
       the reductions land in whatever order the CTAs arrive where that measured faster (D =
-      192 and 256 without GQA, and the head dims without an ordered kernel); elsewhere it
+      192 and 256 but GQA without a mask, and the head dims without an ordered kernel); else it
       runs the ordered kernel, as fast or faster there. Every other implementation is
       deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it

@@ -1147,9 +1147,10 @@ def test_tuned_backward_configs_serve_their_calls():
 
 def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_on_hopper):
   """deterministic=False: dq's reductions in arrival order where the table names that kernel
-  (`d256`, `d256_causal`: D = 256 and 192 without GQA), else the ordered kernel deterministic
-  calls run (D = 64, 96, 128; D = 256 under GQA), else the whole kernel in arrival order
-  (D = 48, 80: no ordered kernel) rather than the dK/dV kernel beside a dq kernel."""
+  (`d256`, `d256_causal`, `d256_causal_gqa`: D = 192 and 256 but for GQA without a mask),
+  else the ordered kernel deterministic calls run (D = 64, 96, 128; D = 256 GQA without a
+  mask), else the whole kernel in arrival order (D = 48, 80: no ordered kernel) rather than
+  the dK/dV kernel beside a dq kernel."""
   cfg = mb.MosaicBackwardConfig
   cases = [(c, g) for c in (False, True) for g in (False, True)]
   for d, (causal, gqa) in itertools.product((64, 96, 128), cases):
@@ -1158,7 +1159,8 @@ def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_o
               == cfg.for_deterministic(d, causal, gqa, t=t, s=t))
   for d, causal in itertools.product((192, 256), (False, True)):
     assert cfg.for_nondeterministic(d, causal) == cfg.tuned(256, causal)
-    assert cfg.for_nondeterministic(d, causal, True) == cfg.for_deterministic(d, causal, True)
+    assert cfg.for_nondeterministic(d, True, True) == cfg.tuned(256, True)  # d256_causal_gqa
+    assert cfg.for_nondeterministic(d, False, True) == cfg.for_deterministic(d, False, True)
   for d, (causal, gqa) in itertools.product((48, 80), cases):
     arrival = cfg.for_nondeterministic(d, causal, gqa)
     assert arrival.with_dq and not arrival.dq_ordered
@@ -1171,6 +1173,8 @@ def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_o
   assert backward(64, 2, fast) == backward(64, 2, _opts(True))
   assert backward(128, 2, fast) == backward(128, 2, _opts(True))
   assert not backward(256, 8, fast).dq_ordered and backward(256, 8, _opts(True)).dq_ordered
+  # causal MQA at D = 256: one CTA per key head, split between 8 (its few key blocks)
+  assert backward(256, 1, fast) == dataclasses.replace(cfg.tuned(256, True), group_splits=8)
 
 
 def test_deterministic_calls_take_an_ordered_section(as_on_hopper, tuning_tables):
@@ -2065,7 +2069,8 @@ class TestMosaicGpuFeaturesDeterministicD96Mha(TestMosaicGpuFeaturesDeterministi
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesD192(TestMosaicGpuFeatures):
   """D = 192: the forward with 64-key blocks, the column-split backward with 96 columns a
-  warpgroup (64-byte swizzles); under GQA dq in a fixed order (D = 256's sections)."""
+  warpgroup (64-byte swizzles); under GQA dq in a fixed order without a mask, in arrival
+  order under a causal one (D = 256's sections)."""
 
   dtypes = (jnp.bfloat16,)
   shape = dict(b=1, t=256, s=384, hq=4, hkv=2, d=192)
