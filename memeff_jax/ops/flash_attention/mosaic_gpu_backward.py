@@ -1379,13 +1379,12 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       out_type=out_type,
       mesh=plgpu.Mesh(grid=(b, grid_heads, n_kv), grid_names=("b", "h", "kv"),
                       num_threads=3, thread_name="wg"),
-      # Δ's row sums reduce within warps only, and no other step reduces: no shared-memory
-      # scratch (Mosaic GPU reserves 2 KiB for any reduction otherwise, which two dQ slots,
-      # scores_split's Pᵀ slots, or two dQ slots beside 128-query steps leave no room for).
+      # No step reduces across warps (fused_delta's row sums stay within them): no
+      # shared-memory scratch for reductions (Mosaic GPU reserves 2 KiB otherwise, which two
+      # dQ slots, scores_split's Pᵀ slots, or two dQ slots beside 128-query steps leave no
+      # room for).
       compiler_params=plgpu.CompilerParams(approx_math=True, **(
-          {"reduction_scratch_bytes": 0}
-          if (fused or config.scores_split or config.block_q == 128) and _SCRATCH_PARAM
-          else {})),
+          {"reduction_scratch_bytes": 0} if _SCRATCH_PARAM else {})),
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
   )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),
