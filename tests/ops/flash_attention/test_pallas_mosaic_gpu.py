@@ -13,6 +13,7 @@ import pytest
 
 from memeff_jax import _tuning
 from memeff_jax.kernels import hopper
+from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import _padding
 from memeff_jax.ops.flash_attention import flash_attention
 from memeff_jax.ops.flash_attention import MosaicConfig
@@ -355,6 +356,20 @@ def test_persistent_forward_lowers_for_cuda(monkeypatch, causal, window, segment
   opts = _opts(causal, window, segments)
   assert pm.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
   assert _MOSAIC_CALL.search(_forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
+
+
+@pytest.mark.parametrize("persistent, dynamic", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+def test_forward_lowers_with_a_last_head_group_short(monkeypatch, persistent, dynamic,
+                                                     semantics):
+  """Heads interleaved 3 at a time over B·H = 8 heads: the last group has 2, which the
+  launch order computes in the kernel (_mosaic.query_cta_at)."""
+  _lower_with(monkeypatch, semantics)
+  monkeypatch.setattr(_mosaic, "interleaved_heads", lambda *args: 3)
+  config = dataclasses.replace(MosaicConfig.for_head_dim(128), persistent=persistent,
+                               dynamic=dynamic, num_sms=5 if persistent else None)
+  opts = _opts(True, None, False)
+  assert _MOSAIC_CALL.search(_forward_lowered_for_cuda(opts, config, 512, 512, 4, 128, False))
 
 
 @pytest.mark.parametrize("causal, window, segments, d, dq_split, pingpong, stages, t, s, hkv", [
@@ -830,6 +845,28 @@ def test_persistent_schedule_deals_each_block_once_in_launch_order(steps, ctas):
   cost = lambda x: sum(steps[i] + overhead for i in x)
   ends = [cost(x) for x in dealt]
   assert max(ends) - min(ends) <= max(steps) + overhead
+
+
+@pytest.mark.parametrize("heads, n_ctas, group", [(128, 32, 8), (512, 8, 32), (32, 128, 2),
+                                                   (30, 24, 8), (3, 8, 3), (7, 300, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_launch_order_takes_each_tile_once_heaviest_first(heads, n_ctas, group, causal):
+  """interleaved_heads takes the fewest heads (a power of two, at most all) whose CTAs fill
+  132 SMs, under a causal mask only; query_cta_at then lists every (head, query CTA) once,
+  each group's heads together, their CTAs heaviest (last query rows) first."""
+  mask = MaskSpec.make(causal, None, False)
+  got = _mosaic.interleaved_heads(mask, heads, n_ctas, 132)
+  assert got == (group if causal else 1)
+  head, qi = (np.asarray(x) for x in _mosaic.query_cta_at(
+      mask, heads, n_ctas, got, jnp.arange(heads * n_ctas, dtype=jnp.int32)))
+  assert sorted(zip(head.tolist(), qi.tolist())) == [
+      (h, i) for h in range(heads) for i in range(n_ctas)]
+  first = head // got * got
+  assert np.all(np.diff(first) >= 0)  # group after group
+  for g in np.unique(first):  # heaviest first within a group, its heads in turn
+    rows = qi[first == g]
+    assert np.all(np.diff(rows) <= 0) if causal else np.array_equal(
+        rows, np.tile(np.arange(n_ctas), len(rows) // n_ctas))
 
 
 @pytest.mark.parametrize("order", ["sorted", "random"])
