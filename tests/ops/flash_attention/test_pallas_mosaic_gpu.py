@@ -358,6 +358,21 @@ def test_persistent_forward_lowers_for_cuda(monkeypatch, causal, window, segment
   assert _MOSAIC_CALL.search(_forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
 
 
+@pytest.mark.parametrize("causal, d, group", [(True, 128, 8), (True, 256, 1), (False, 128, 1)])
+def test_forward_interleaves_heads_under_a_causal_mask_but_at_d256(monkeypatch, causal, d,
+                                                                   group):
+  """The forward's launch order: B·H = 8 heads of 2 query CTAs each interleaved 8 at a time
+  (the fewest filling 132 SMs, at most all) under a causal mask, head by head without one
+  and at D = 256 (measured slower there)."""
+  groups = []
+  at = _mosaic.query_cta_at
+  monkeypatch.setattr(_mosaic, "query_cta_at",
+                      lambda *args: groups.append(args[3]) or at(*args))
+  config = MosaicConfig.for_head_dim(d)
+  _forward_lowered_for_cuda(_opts(causal, None, False), config, 256, 256, 4, d, False)
+  assert groups and set(groups) == {group}
+
+
 @pytest.mark.parametrize("persistent, dynamic", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
 def test_forward_lowers_with_a_last_head_group_short(monkeypatch, persistent, dynamic,
