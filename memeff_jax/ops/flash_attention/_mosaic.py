@@ -195,8 +195,6 @@ def query_cta_at(mask, n_heads: int, n_ctas: int, group: int, launch):
   B4 T4k H16 D192 0.78 against 0.80, B16 T1k H32/8 D128 0.33 against 0.35, B8 T2k H32 0.59
   against 0.61, B4 T4k H32/8 1.05 against 1.07, 8 documents per row 0.262 against 0.267; level
   at B4 T4k H32 (the headline) and B1 T16k H32/8."""
-  if group == 1:
-    return hopper.div(launch, n_ctas), query_cta_index(mask, n_ctas, hopper.rem(launch, n_ctas))
   first = hopper.div(launch, group * n_ctas) * group
   size = (group if n_heads % group == 0  # else the last group has fewer heads
           else lax.min(jnp.int32(group), jnp.int32(n_heads) - first))
