@@ -97,8 +97,9 @@ class MosaicConfig:
     persistent: one CTA per SM (num_sms, else the device's count), each looping over its
       share of the query tiles (dealt in launch order by their key blocks:
       hopper.greedy_schedule; with dynamic, taken at run time). The K/V ring runs on across
-      tiles, the next tile's Q loads during the epilogue, and the output leaves through a
-      buffer of its own (2·block_q·D more shared memory, which may cost a K/V stage at
+      tiles, the next tile's Q loads during the epilogue (causal calls without segment ids
+      and without the overlap: as soon as the tile's last QKᵀ has read Q), and the output
+      leaves through a buffer of its own (2·block_q·D more shared memory, which may cost a K/V stage at
       D > 128).
     num_sms: (persistent) the CTAs to launch; None reads the device's SM count.
     dynamic: (persistent) each CTA takes its next tile at run time, the first in launch order
@@ -409,6 +410,25 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
         pl.when(wg == 1)(take_turn)
 
+      # Persistent: the next tile's launch position (with config.dynamic; the memory
+      # warpgroup took it as it began this tile's loads) and the next tile's Q. Under a
+      # causal mask without segment ids (and without the overlap) the warpgroup refills Q's
+      # slot in the step of its last key block, once that block's QKᵀ has read it, so that
+      # Q lands under the block's softmax and PV: a short walk's next Q, issued in the
+      # epilogue, is still in flight when the next tile starts. Elsewhere Q is loaded after
+      # the walk: with segment ids that condition in the step slowed the forward (8
+      # documents per row: 0.37 against 0.27 ms), and without a mask walks are long.
+      nxt = following(r) if config.dynamic else None
+
+      def load_next_q():
+        if config.dynamic:
+          pl.when(nxt < n_tiles)(lambda: load_q(*at_launch(nxt)))
+        else:
+          pl.when(r + 1 < schedule[1][cta])(lambda: load_q(*scheduled(r + 1)))
+
+      early_q = (config.persistent and not config.overlap and mask.is_causal_band
+                 and not segments)
+
       def slot_of(j):
         """Key block j's slot in the ring (global position base + j − cta_lo)."""
         return hopper.rem(j - cta_lo if base is None else base + j - cta_lo, stages)
@@ -466,6 +486,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         acc, m, l = carry
         slot = slot_of(j)
         scores = block_scores(slot)
+        if early_q:
+          pl.when(j == hi - 1)(load_next_q)
         p, m_new, l, alpha = online_softmax(j, slot, scores, m, l, masked=masked)
         acc = rescale(acc, alpha)
         if config.pingpong:
@@ -569,13 +591,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
                                              dense=mask.is_dense, start=first_k)
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
-      nxt = None
-      if config.persistent:  # Q is read: the next tile's rows land during the epilogue
-        if config.dynamic:
-          nxt = following(r)
-          pl.when(nxt < n_tiles)(lambda: load_q(*at_launch(nxt)))
-        else:
-          pl.when(r + 1 < schedule[1][cta])(lambda: load_q(*scheduled(r + 1)))
+      if early_q and not isinstance(bounds[0], int):  # a warpgroup with no key block
+        pl.when(bounds[0] >= hi)(load_next_q)
+      elif config.persistent and not early_q:  # Q is read: it loads during the epilogue
+        load_next_q()
 
       if may_be_empty:  # no visible key: output 0, log-sum-exp -inf
         inv = jnp.where(l > 0, 1.0 / l, 0.0)

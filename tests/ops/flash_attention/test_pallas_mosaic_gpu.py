@@ -342,7 +342,8 @@ def test_kernel_lowers_for_cuda(monkeypatch, causal, window, segments, pingpong,
     (True, 300, True, 128, True, 4, 512, 512, 4, False),
     (False, None, True, 256, False, 2, 256, 384, 1, False),
     (True, None, True, 128, False, 5, 512, 512, 4, True),
-    (True, None, False, 128, True, 3, 512, 384, 2, True)])
+    (True, None, False, 128, True, 3, 512, 384, 2, True),
+    (True, None, False, 128, False, 4, 512, 640, 2, True)])  # Q loaded in the last step
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
 def test_persistent_forward_lowers_for_cuda(monkeypatch, causal, window, segments, d, overlap,
                                             num_sms, t, s, hkv, dynamic, semantics):
