@@ -591,9 +591,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
                                              dense=mask.is_dense, start=first_k)
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
-      if early_q and not isinstance(bounds[0], int):  # a warpgroup with no key block
+      if early_q:  # a warpgroup with no key block has not loaded it
         pl.when(bounds[0] >= hi)(load_next_q)
-      elif config.persistent and not early_q:  # Q is read: it loads during the epilogue
+      elif config.persistent:  # Q is read: it loads during the epilogue
         load_next_q()
 
       if may_be_empty:  # no visible key: output 0, log-sum-exp -inf
