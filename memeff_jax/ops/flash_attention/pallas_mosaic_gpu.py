@@ -99,8 +99,8 @@ class MosaicConfig:
       hopper.greedy_schedule; with dynamic, taken at run time). The K/V ring runs on across
       tiles, the next tile's Q loads during the epilogue (causal calls without segment ids
       and without the overlap: as soon as the tile's last QKᵀ has read Q), and the output
-      leaves through a buffer of its own (2·block_q·D more shared memory, which may cost a K/V stage at
-      D > 128).
+      leaves through a buffer of its own (2·block_q·D more shared memory, which may cost a
+      K/V stage at D > 128).
     num_sms: (persistent) the CTAs to launch; None reads the device's SM count.
     dynamic: (persistent) each CTA takes its next tile at run time, the first in launch order
       that no CTA has taken (an atomic count in global memory, taken a tile ahead by the
