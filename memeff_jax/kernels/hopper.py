@@ -89,6 +89,10 @@ def unavailable() -> str | None:
 
 SMEM_BYTES = 232_448  # shared memory per CTA on sm90
 
+# Registers per thread (setmaxnreg) of the attention kernels' two compute warpgroups and their
+# memory warpgroup: 2·128·240 + 128·24 = 63Ki of the SM's 64Ki.
+WARPGROUP_REGISTERS = (240, 24)
+
 LOG2E = math.log2(math.e)  # the kernels' exponentials are exp2: e^x = 2^(x·log2 e)
 
 LN2 = math.log(2.0)  # and back: log x = log2(x) · ln 2

@@ -67,9 +67,6 @@ except ImportError:  # pragma: no cover
 
 BLOCK_Q = 64  # query rows per pipeline step (MosaicBackwardConfig.block_q may widen it)
 BLOCK_KV = 64  # keys per compute warpgroup; a CTA holds two such blocks
-# Registers per thread of the compute and memory warpgroups (2·128·240 + 128·24 = 63Ki of
-# the SM's 64Ki). At (232, 40) ptxas spilled about twice as much and the kernel ran 1–3% slower.
-_REGISTERS = (240, 24)
 _SMEM_RESERVE = 1_024  # barriers and alignment
 _SEG_RESERVE = 256  # the segment ids' barriers and alignment
 # Queries from which a deterministic call takes its section's `_long` variant: a key block's
@@ -808,7 +805,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
   @pl.when(wg < 2)
   def _compute():
-    plgpu.set_max_registers(_REGISTERS[0], action="increase")
+    # At (232, 40) ptxas spilled about twice as much and the kernel ran 1–3% slower.
+    plgpu.set_max_registers(hopper.WARPGROUP_REGISTERS[0], action="increase")
     # This warpgroup's keys (rows of K, V, dK, dV) and its columns of dK, dV and dQ.
     key_row = 0 if split else wg * bkv
     k_mine, v_mine = sc.k_smem.at[pl.ds(key_row, bkv)], sc.v_smem.at[pl.ds(key_row, bkv)]
@@ -1186,7 +1184,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
   @pl.when(wg == 2)
   def _memory():
-    plgpu.set_max_registers(_REGISTERS[1], action="decrease")
+    plgpu.set_max_registers(hopper.WARPGROUP_REGISTERS[1], action="decrease")
 
     def load_keys(it):
       keys = pl.ds(it.kvi * cta_keys, cta_keys)

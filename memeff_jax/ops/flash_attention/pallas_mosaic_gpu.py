@@ -78,10 +78,6 @@ except ImportError:  # pragma: no cover
 SHORT_CAUSAL_KEYS = 2048
 # The key block of calls without a mask at D = 48 and 64 (MosaicConfig.for_call).
 WIDE_KEY_BLOCK = 256
-# Registers per thread of the compute and memory warpgroups, as in the backward. At (232, 40)
-# ptxas spilled more (8 documents per row: 92 against 68 bytes; causal at D = 128: 26 against
-# none) and the forward ran 0.4–2.7% slower, level at D = 64 and 96 (H200, same bits).
-_REGISTERS = (240, 24)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,7 +367,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
   @pl.when(wg < 2)
   def _compute():
-    plgpu.set_max_registers(_REGISTERS[0], action="increase")
+    # At (232, 40) ptxas spilled more (8 documents per row: 92 against 68 bytes; causal at
+    # D = 128: 26 against none) and the forward ran 0.4–2.7% slower, level at D = 64 and 96
+    # (H200, same bits).
+    plgpu.set_max_registers(hopper.WARPGROUP_REGISTERS[0], action="increase")
     q_tile = q_smem.at[wg]
     # The output leaves through its own buffer when persistent (Q's then takes the next
     # tile's rows while this one's epilogue runs), else through Q's.
@@ -621,7 +620,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
   @pl.when(wg == 2)
   def _memory():
-    plgpu.set_max_registers(_REGISTERS[1], action="decrease")
+    plgpu.set_max_registers(hopper.WARPGROUP_REGISTERS[1], action="decrease")
 
     def stream(r, tile: _Tile, base):
       nxt = take_following(r) if config.dynamic else None
