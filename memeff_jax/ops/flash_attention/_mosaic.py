@@ -74,43 +74,50 @@ def band_blocks(before: int | None, after: int | None, start, length: int, n_blo
   return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
 
 def segment_block_ranges(ids, other_ids, block: int, other_block: int):
-  """[B, L/block, 4] int32: per block of `ids` ([B, L] segment ids), the [lo, hi) of the
-  blocks of `other_ids` ([B, M]) holding any id within that block's range of ids ([0, 0)
-  for none), and [full_lo, full_hi) ⊆ [lo, hi): the first run of blocks whose ids all
-  equal the block's one id, so that every pair of the two blocks shares a segment and
-  needs no segment mask ([hi, hi) where there is none, or the block's ids differ). Query
-  blocks against key blocks for the forward, the reverse for the backward.
+  """[B, L/block, 4] int32: per block of `ids` ([B, L] segment ids), which of the M blocks of
+  `other_ids` ([B, M·other_block]) it meets, as (lo, −hi, full_lo, full_hi) for
+  segment_bounds: [lo, hi) holds the blocks holding any id within the block's range of ids,
+  and [full_lo, full_hi) is the first run of blocks whose ids all equal the block's one id,
+  so that every pair of the two blocks shares a segment and needs no segment mask. lo,
+  full_lo and full_hi are M where there is none, hi 0. Query blocks against key blocks for
+  the forward, the reverse for the backward.
 
   [lo, hi) is a superset of the blocks with a visible pair whatever the ids' order, and
   both ranges are exact for packed documents (ids that never decrease along the sequence).
-  Plain XLA, run before the kernels, which read it as scalars.
+  Each of the four is the least of a value per block of `other_ids` (hi negated), so that
+  XLA computes them in one reduction: the run ends at the first block without the id that
+  follows one with it, which needs no full_lo first. Plain XLA, run before the kernels,
+  which read it as scalars.
   """
   b, n = ids.shape
-  m = other_ids.shape[1]
-  mine = ids.reshape(b, n // block, block)
-  other = other_ids.reshape(b, m // other_block, other_block)
-  my_lo, my_hi = mine.min(-1)[:, :, None], mine.max(-1)[:, :, None]
-  other_lo, other_hi = other.min(-1)[:, None, :], other.max(-1)[:, None, :]
-  overlap = (other_lo <= my_hi) & (my_lo <= other_hi)  # [B, n/bl, m/obl]
-  index = jnp.arange(m // other_block, dtype=jnp.int32)
-  first = lambda x: jnp.argmax(x, -1).astype(jnp.int32)  # 0 where x holds no True
-  lo = first(overlap)
-  hi = jnp.max(jnp.where(overlap, index + 1, 0), -1).astype(jnp.int32)
-  same = (other_lo == my_hi) & (other_hi == my_lo)  # both blocks hold one id, the same
-  full_lo = jnp.where(same.any(-1), first(same), hi)
-  # The run ends at the first block from full_lo on without the id (else at hi: none after).
-  run_ended = ~same & (index >= full_lo[..., None])
-  full_hi = jnp.where(run_ended.any(-1), first(run_ended), hi)
-  return jnp.stack([lo, hi, full_lo, full_hi], -1)
+  m = other_ids.shape[1] // other_block
+  mine = ids.reshape(b, n // block, 1, 1, block)  # [B, n, 1, 1, ·] against [B, 1, 1, m]
+  other = other_ids.reshape(b, 1, 1, m, other_block)
+  my_lo, my_hi = mine.min(-1), mine.max(-1)
+  other_lo, other_hi = other.min(-1), other.max(-1)
+  overlap = (other_lo <= my_hi) & (my_lo <= other_hi)
+
+  def same(lo, hi):  # both blocks hold one id, the same
+    return (lo == my_hi) & (hi == my_lo)
+
+  shift = lambda x: jnp.pad(x[..., :-1], [(0, 0)] * 3 + [(1, 0)])  # block j − 1's at j
+  run_ends = same(shift(other_lo), shift(other_hi)) & ~same(other_lo, other_hi)
+  run_ends &= lax.broadcasted_iota(jnp.int32, (1, 1, 1, m), 3) > 0
+  column = lax.broadcasted_iota(jnp.int32, (1, 1, 4, m), 2)
+  j = lax.broadcasted_iota(jnp.int32, (1, 1, 4, m), 3)
+  where = jnp.where(column < 2, overlap,
+                    jnp.where(column == 2, same(other_lo, other_hi), run_ends))
+  key, none = jnp.where(column == 1, -1 - j, j), jnp.where(column == 1, 0, m)
+  return jnp.min(jnp.where(where, key, none), -1)
 
 def segment_bounds(band, segment_range):
   """(lo, hi, full_lo, full_hi) of blocks a block sees through the band (band_blocks) and
   its segment ids (a row of segment_block_ranges): seen at all where both let it, and
   whole (no mask) where both see it whole."""
   lo, hi, full_lo, full_hi = band
-  seg_lo, seg_hi, seg_full_lo, seg_full_hi = segment_range
+  seg_lo, seg_neg_hi, seg_full_lo, seg_full_hi = segment_range
   lo = jnp.maximum(lo, seg_lo)
-  hi = jnp.maximum(jnp.minimum(hi, seg_hi), lo)
+  hi = jnp.maximum(jnp.minimum(hi, -seg_neg_hi), lo)
   full_lo = jnp.clip(jnp.maximum(full_lo, seg_full_lo), lo, hi)
   return lo, hi, full_lo, jnp.clip(jnp.minimum(full_hi, seg_full_hi), full_lo, hi)
 

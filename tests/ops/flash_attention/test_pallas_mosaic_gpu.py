@@ -899,6 +899,7 @@ def test_segment_block_ranges_against_every_pair(order, block, other_block):
   if order == "sorted":
     ids, other = jnp.sort(ids, -1), jnp.sort(other, -1)
     other = other.at[1].set(ids[1, :m])  # a row of equal documents on both axes
+  ids = ids.at[2, -128:].set(5)  # a document the other axis lacks: blocks that meet none
   ranges = np.asarray(pm._mosaic.segment_block_ranges(ids, other, block, other_block))  # pylint: disable=protected-access
   assert ranges.shape == (3, n // block, 4)
   mine = np.asarray(ids).reshape(3, n // block, 1, block, 1)
@@ -906,15 +907,18 @@ def test_segment_block_ranges_against_every_pair(order, block, other_block):
   pairs = mine == theirs
   meets, whole = pairs.any((-2, -1)), pairs.all((-2, -1))
   assert whole.any() and (~whole & meets).any()
+  blocks = m // other_block
+  assert (~meets.any(-1)).any()
   for b in range(3):
     for i in range(n // block):
-      lo, hi, full_lo, full_hi = ranges[b, i]
+      lo, hi, full_lo, full_hi = (int(x) for x in pm._mosaic.segment_bounds(  # pylint: disable=protected-access
+          (0, blocks, 0, blocks), ranges[b, i]))
       met, full = np.flatnonzero(meets[b, i]), np.flatnonzero(whole[b, i])
       assert lo <= full_lo <= full_hi <= hi
       assert all(lo <= j < hi for j in met)
       assert all(whole[b, i, j] for j in range(full_lo, full_hi))
       if order == "sorted":
-        assert (lo, hi) == ((met[0], met[-1] + 1) if met.size else (0, 0))
+        assert (lo, hi) == (met[0], met[-1] + 1) if met.size else lo == hi
         assert list(range(full_lo, full_hi)) == list(full)
 
 
