@@ -78,9 +78,10 @@ def segment_block_ranges(ids, other_ids, block: int, other_block: int):
   `other_ids` ([B, M·other_block]) it meets, as (lo, −hi, full_lo, full_hi) for
   segment_bounds: [lo, hi) holds the blocks holding any id within the block's range of ids,
   and [full_lo, full_hi) is the first run of blocks whose ids all equal the block's one id,
-  so that every pair of the two blocks shares a segment and needs no segment mask. lo,
-  full_lo and full_hi are M where there is none, hi 0. Query blocks against key blocks for
-  the forward, the reverse for the backward.
+  so that every pair of the two blocks shares a segment and needs no segment mask. Where
+  there are none, lo, full_lo and full_hi are M and hi 0; full_hi is M too where the run
+  reaches the last block. Query blocks against key blocks for the forward, the reverse for
+  the backward.
 
   [lo, hi) is a superset of the blocks with a visible pair whatever the ids' order, and
   both ranges are exact for packed documents (ids that never decrease along the sequence).
@@ -105,10 +106,10 @@ def segment_block_ranges(ids, other_ids, block: int, other_block: int):
   run_ends &= lax.broadcasted_iota(jnp.int32, (1, 1, 1, m), 3) > 0
   column = lax.broadcasted_iota(jnp.int32, (1, 1, 4, m), 2)
   j = lax.broadcasted_iota(jnp.int32, (1, 1, 4, m), 3)
-  where = jnp.where(column < 2, overlap,
-                    jnp.where(column == 2, same(other_lo, other_hi), run_ends))
-  key, none = jnp.where(column == 1, -1 - j, j), jnp.where(column == 1, 0, m)
-  return jnp.min(jnp.where(where, key, none), -1)
+  counts = jnp.where(column < 2, overlap,
+                     jnp.where(column == 2, same(other_lo, other_hi), run_ends))
+  value, none = jnp.where(column == 1, -1 - j, j), jnp.where(column == 1, 0, m)
+  return jnp.min(jnp.where(counts, value, none), -1)
 
 def segment_bounds(band, segment_range):
   """(lo, hi, full_lo, full_hi) of blocks a block sees through the band (band_blocks) and
