@@ -101,13 +101,13 @@ def segment_block_ranges(ids, other_ids, block: int, other_block: int):
   def same(lo, hi):  # both blocks hold one id, the same
     return (lo == my_hi) & (hi == my_lo)
 
+  whole = same(other_lo, other_hi)
   shift = lambda x: jnp.pad(x[..., :-1], [(0, 0)] * 3 + [(1, 0)])  # block j − 1's at j
-  run_ends = same(shift(other_lo), shift(other_hi)) & ~same(other_lo, other_hi)
+  run_ends = same(shift(other_lo), shift(other_hi)) & ~whole
   run_ends &= lax.broadcasted_iota(jnp.int32, (1, 1, 1, m), 3) > 0
   column = lax.broadcasted_iota(jnp.int32, (1, 1, 4, m), 2)
   j = lax.broadcasted_iota(jnp.int32, (1, 1, 4, m), 3)
-  counts = jnp.where(column < 2, overlap,
-                     jnp.where(column == 2, same(other_lo, other_hi), run_ends))
+  counts = jnp.where(column < 2, overlap, jnp.where(column == 2, whole, run_ends))
   value, none = jnp.where(column == 1, -1 - j, j), jnp.where(column == 1, 0, m)
   return jnp.min(jnp.where(counts, value, none), -1)
 
