@@ -8,6 +8,8 @@ memeff:NAME[:key=value] (e.g. memeff:pallas_triton:block_q=128,
 memeff:pallas_mosaic_gpu:bwd=triton or :bwd_dq_split=0; a Mosaic backward runs with
 deterministic=False), xla and cudnn (jax.nn.dot_product_attention; packed documents on
 cudnn through its packed layout, jax's cuDNN attention with sequence lengths and offsets),
+cudnn:deterministic (cudnn compiled with XLA's nondeterministic ops excluded: its backward
+otherwise adds dq in arrival order, and its gradients differ from call to call),
 tokamax:mosaic and tokamax:triton (if importable). A provider that cannot express a case
 (segment ids for xla and tokamax) is skipped with a note. memeff:chunked_xla is not in the default
 list: on a GPU it compiles for minutes at T=4096 (memeff is chunked_xla on CPU anyway).
@@ -24,6 +26,7 @@ their ratios. Rows are appended to benchmarks/results/flash_attention.jsonl (or 
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import sys
 import traceback
@@ -38,7 +41,11 @@ from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import masks  # noqa: E402
 from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
 
-DEFAULT_PROVIDERS = "memeff,memeff:nondeterministic,xla,cudnn,tokamax:mosaic,tokamax:triton"
+DEFAULT_PROVIDERS = ("memeff,memeff:nondeterministic,xla,cudnn,cudnn:deterministic,"
+                     "tokamax:mosaic,tokamax:triton")
+# XLA options of a provider's programs: cudnn:deterministic's make cuDNN's backward
+# bitwise repeatable (XLA's GPU determinism switch, per program rather than per process).
+COMPILER_OPTIONS = {"cudnn:deterministic": {"xla_gpu_exclude_nondeterministic_ops": True}}
 
 
 def parse_memeff(provider: str):
@@ -74,6 +81,8 @@ def parse_memeff(provider: str):
 def attention_fn(provider, causal, seg, window=None):
   """f(q, k, v) -> out for a provider, or None where it cannot express the case. `window` is
   a (left, right) sliding window (jax.nn's local_window_size)."""
+  if provider == "cudnn:deterministic":  # cudnn's call; COMPILER_OPTIONS make it repeatable
+    provider = "cudnn"
   if provider.startswith("memeff"):
     impl, deterministic = parse_memeff(provider)
     kw = {} if seg is None else dict(q_segment_ids=seg, kv_segment_ids=seg)
@@ -210,16 +219,17 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
           if f is None:
             print(f"  skip {provider}: cannot express this mask")
             continue
-          fwd = jax.jit(f)
+          jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS.get(provider))
+          fwd = jit(f)
           # The cotangent is an argument, as in a train step: a constant one would be folded
           # into the program (with any padding of it) at compile time.
-          step = jax.jit(lambda q, k, v, ct, f=f: jax.vjp(f, q, k, v)[1](ct))
+          step = jit(lambda q, k, v, ct, f=f: jax.vjp(f, q, k, v)[1](ct))
 
           def fwd_bwd(q, k, v, ct, f=f):  # the output and the gradients of one forward pass
             out, pull = jax.vjp(f, q, k, v)
             return out, pull(ct)
 
-          fwd_bwd = jax.jit(fwd_bwd)
+          fwd_bwd = jit(fwd_bwd)
           jax.block_until_ready((fwd(q, k, v), fwd_bwd(q, k, v, ct)))  # compile; fail here
           row["extra_bytes"] = _harness.jax_temp_bytes(step, q, k, v, ct)
           cases[provider] = (row, fwd, fwd_bwd)

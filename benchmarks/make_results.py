@@ -18,7 +18,8 @@ import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-JAX_PEERS = ("xla", "cudnn", "tokamax:mosaic", "tokamax:triton")
+JAX_PEERS = ("xla", "cudnn", "cudnn:deterministic", "tokamax:mosaic", "tokamax:triton")
+DETERMINISTIC_CUDNN = "cudnn:deterministic"
 
 
 def readme_block(name: str, text: str, block: str) -> str:
@@ -109,12 +110,16 @@ def fa_heading(key, rows) -> str:
           f"{device}, {stamp} (jax {rows[0]['jax']}){_rounds(rows)}")
 
 
-def _grid_line(head: str, r: dict, peer: dict) -> tuple[float, str]:
+def _grid_line(head: str, r: dict, peer: dict, det: dict | None = None,
+               det_column: bool = False) -> tuple[float, str]:
   """(memeff's fwd+bwd ratio to peer, the grid table's line) for row r, `head` its first
-  columns."""
+  columns; with det_column, a last column against `det` (deterministic cuDNN), if it ran."""
   ratio = r["fwd_bwd_tflops"] / peer["fwd_bwd_tflops"]
-  return ratio, (f"{head} | {r['fwd_bwd_tflops']:.0f} | {peer['fwd_bwd_tflops']:.0f} | "
-                 f"{ratio:.3f}× | {r['fwd_tflops'] / peer['fwd_tflops']:.3f}× |")
+  text = (f"{head} | {r['fwd_bwd_tflops']:.0f} | {peer['fwd_bwd_tflops']:.0f} | "
+          f"{ratio:.3f}× | {r['fwd_tflops'] / peer['fwd_tflops']:.3f}× |")
+  if det_column:
+    text += f" {r['fwd_bwd_tflops'] / det['fwd_bwd_tflops']:.3f}× |" if det else " — |"
+  return ratio, text
 
 
 def grid_section(rows: list[dict]) -> list[str]:
@@ -124,7 +129,8 @@ def grid_section(rows: list[dict]) -> list[str]:
   packed row compares TFLOP/s per visible pair with cuDNN's unpacked row of that run (issue
   54's measure, in the mean); where cuDNN ran the same documents too (its packed layout), a
   line below it compares the two, outside the mean, and a second mean takes that line in the
-  packed row's place."""
+  packed row's place. Where deterministic cuDNN (`cudnn:deterministic`) ran, a last column
+  and a mean of their own compare memeff's deterministic default with it."""
   case = lambda r: (r["b"], r["t"], r["h"], r["hkv"], r["d"], r["causal"], r["docs"],
                     tuple(r.get("window") or ()))
   latest_case = collections.defaultdict(dict)  # device -> case -> (stamp, {provider: row})
@@ -151,36 +157,45 @@ def grid_section(rows: list[dict]) -> list[str]:
     cases = dict(sorted(cases.items(), key=lambda kv: place(kv[0])))
     stamps = sorted({stamp for stamp, _ in cases.values()})
     shown = [r for _, group in cases.values() for r in group.values()]
+    det_column = any(r["provider"] == DETERMINISTIC_CUDNN for r in shown)
     out += [f"**grid** on {device}, {' and '.join(stamps)} (jax {shown[0]['jax']})"
             f"{_rounds(shown)}",
             "", "| B | T | H | D | mask | memeff fwd+bwd TFLOP/s | cuDNN | × cuDNN fwd+bwd | "
-            "× cuDNN fwd |", "|---|---|---|---|---|---|---|---|---|"]
+            "× cuDNN fwd |" + (" × deterministic cuDNN fwd+bwd |" if det_column else ""),
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" if det_column else "")]
     ratios = []  # fwd+bwd × cuDNN, the packed row against the unpacked one (in the mean)
     same_docs, packed_met = [], False  # the same, the packed row against cuDNN's packed layout
+    det_ratios = []  # fwd+bwd × deterministic cuDNN, as `ratios`
     for key, (stamp, group) in cases.items():
       r = group.get("memeff")
       if r is None:
         continue
-      peer, packed_peer = group.get("cudnn"), None
-      if r["docs"]:
-        packed_peer = peer
-        peer = cases.get(key[:6] + (None, ()), (None, {}))[1].get("cudnn")
-        peer = peer if peer and peer["timestamp"] == stamp else None
+      peer, det = group.get("cudnn"), group.get(DETERMINISTIC_CUDNN)
+      packed_peer = packed_det = None
+      if r["docs"]:  # the unpacked row's peers, from the same run
+        packed_peer, packed_det = peer, det
+        unpacked = cases.get(key[:6] + (None, ()), (None, {}))
+        peer, det = ((unpacked[1].get(p) for p in ("cudnn", DETERMINISTIC_CUDNN))
+                     if unpacked[0] == stamp else (None, None))
       mask = ("causal" if r["causal"] else "full") + (
           f", window {r['window'][0]}" if r.get("window") else "") + (
           f", {r['docs']} docs" if r["docs"] else "")
       shape = f"| {r['b']} | {r['t']} | {r['h']}/{r['hkv']} | {r['d']} | {mask}"
       label = " (vs unpacked)" if r["docs"] else ""
       if peer is None:
-        out.append(f"{shape}{label} | {r['fwd_bwd_tflops']:.0f} | — | — | — |")
+        out.append(f"{shape}{label} | {r['fwd_bwd_tflops']:.0f} | — | — | — |"
+                   + (" — |" if det_column else ""))
       else:
-        ratio, text = _grid_line(shape + label, r, peer)
+        ratio, text = _grid_line(shape + label, r, peer, det, det_column)
         ratios.append(ratio)
+        if det:
+          det_ratios.append(r["fwd_bwd_tflops"] / det["fwd_bwd_tflops"])
         if not r["docs"]:
           same_docs.append(ratio)
         out.append(text)
       if packed_peer is not None:
-        ratio, text = _grid_line(shape + " (vs cuDNN packed)", r, packed_peer)
+        ratio, text = _grid_line(shape + " (vs cuDNN packed)", r, packed_peer, packed_det,
+                                 det_column)
         same_docs.append(ratio)
         packed_met = True
         out.append(text)
@@ -191,6 +206,9 @@ def grid_section(rows: list[dict]) -> list[str]:
     if packed_met:
       out.append(f"With the packed row against cuDNN on the same documents: "
                  f"{geomean(same_docs):.3f}×.")
+    if det_ratios:
+      out.append(f"Against deterministic cuDNN (bitwise repeatable gradients, as memeff's "
+                 f"default): {geomean(det_ratios):.3f}× over {len(det_ratios)} rows.")
     out.append("")
   return out
 

@@ -1,4 +1,5 @@
-"""benchmarks/flash_attention.py's cuDNN peer on packed documents (its packed layout)."""
+"""benchmarks/flash_attention.py's cuDNN peers: packed documents (cuDNN's packed layout), and
+cuDNN made deterministic; the grid table that compares memeff with them."""
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,46 @@ def test_grid_keeps_the_packed_row_per_visible_pair_and_adds_cudnn_packed():
   no_packed_peer = "\n".join(make_results.grid_section(
       [r for r in rows if (r["provider"], r["docs"]) != ("cudnn", 8)]))
   assert "same documents" not in no_packed_peer
+
+
+def test_grid_compares_with_deterministic_cudnn_where_it_ran():
+  """A last column and a mean of their own against cudnn:deterministic, the packed row
+  against its unpacked row as in the cuDNN columns; none where it did not run."""
+  from benchmarks import make_results  # pylint: disable=import-outside-toplevel
+  base = dict(set="grid", device="GPU", jax="0", timestamp="t", b=4, t=4096, h=32, hkv=32,
+              d=128, causal=True, window=None, rounds=3)
+  rate = {("memeff", None): 400.0, ("cudnn", None): 500.0, ("cudnn:deterministic", None): 320.0,
+          ("memeff", 8): 200.0, ("cudnn", 8): 160.0, ("cudnn:deterministic", 8): 100.0}
+  rows = [dict(base, provider=p, docs=docs, fwd_bwd_tflops=v, fwd_tflops=v)
+          for (p, docs), v in rate.items()]
+  text = "\n".join(make_results.grid_section(rows))
+  assert "| × cuDNN fwd | × deterministic cuDNN fwd+bwd |" in text
+  assert "| causal | 400 | 500 | 0.800× | 0.800× | 1.250× |" in text
+  assert "| causal, 8 docs (vs unpacked) | 200 | 500 | 0.400× | 0.400× | 0.625× |" in text
+  assert "| causal, 8 docs (vs cuDNN packed) | 200 | 160 | 1.250× | 1.250× | 2.000× |" in text
+  assert f"default): {(1.25 * 0.625) ** 0.5:.3f}× over 2 rows" in text
+  plain = "\n".join(make_results.grid_section(
+      [r for r in rows if r["provider"] != "cudnn:deterministic"]))
+  assert "deterministic" not in plain
+  assert "| causal | 400 | 500 | 0.800× | 0.800× |\n" in plain
+
+
+@pytest.mark.gpu
+def test_deterministic_cudnn_gives_the_same_gradients_every_call():
+  """cudnn:deterministic's programs (COMPILER_OPTIONS) make cuDNN's backward repeatable."""
+  b, t, h, d = 2, 2048, 8, 128
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, ct = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+                 for kk in keys)
+  provider = "cudnn:deterministic"
+  f = bench.attention_fn(provider, True, None)
+  step = jax.jit(lambda q, k, v, ct: jax.vjp(f, q, k, v)[1](ct),
+                 compiler_options=bench.COMPILER_OPTIONS[provider])
+  first = step(q, k, v, ct)
+  for _ in range(3):
+    for got, want in zip(step(q, k, v, ct), first):
+      np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                    np.asarray(want).view(np.uint16))
 
 
 def test_documents_of_random_lengths():
