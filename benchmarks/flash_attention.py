@@ -10,8 +10,10 @@ deterministic=False), xla and cudnn (jax.nn.dot_product_attention; packed docume
 cudnn through its packed layout, jax's cuDNN attention with sequence lengths and offsets),
 cudnn:deterministic (cudnn compiled with XLA's nondeterministic ops excluded: its backward
 otherwise adds dq in arrival order, and its gradients differ from call to call),
-tokamax:mosaic and tokamax:triton (if importable). A provider that cannot express a case
-(segment ids for xla and tokamax) is skipped with a note. memeff:chunked_xla is not in the default
+tokamax:mosaic and tokamax:triton (if importable), and on CUDA torch's
+scaled_dot_product_attention on one of its backends: torch:cudnn, torch:flash,
+torch:efficient (if torch imports). A provider that cannot express a case (segment ids for
+xla, tokamax and torch, a window for torch) is skipped with a note. memeff:chunked_xla is not in the default
 list: on a GPU it compiles for minutes at T=4096 (memeff is chunked_xla on CPU anyway).
 
 TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal; with a sliding window or
@@ -42,10 +44,16 @@ from memeff_jax.ops.flash_attention import masks  # noqa: E402
 from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
 
 DEFAULT_PROVIDERS = ("memeff,memeff:nondeterministic,xla,cudnn,cudnn:deterministic,"
-                     "tokamax:mosaic,tokamax:triton")
+                     "tokamax:mosaic,tokamax:triton,torch:cudnn,torch:flash")
 # XLA options of a provider's programs: cudnn:deterministic's make cuDNN's backward
 # bitwise repeatable (XLA's GPU determinism switch, per program rather than per process).
 COMPILER_OPTIONS = {"cudnn:deterministic": {"xla_gpu_exclude_nondeterministic_ops": True}}
+# torch providers: scaled_dot_product_attention held to one of these SDPBackend members.
+TORCH_BACKENDS = {"torch:cudnn": "CUDNN_ATTENTION", "torch:flash": "FLASH_ATTENTION",
+                  "torch:efficient": "EFFICIENT_ATTENTION", "torch:math": "MATH"}
+# Each torch call is timed queued behind this much GPU work, so that, as for the JAX
+# providers' batches of calls, the host's dispatch is not charged to it.
+TORCH_LEAD_MS = 2.0
 
 
 def parse_memeff(provider: str):
@@ -106,6 +114,40 @@ def attention_fn(provider, causal, seg, window=None):
     return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal,
                                                          implementation=impl, **kw)
   raise KeyError(provider)
+
+
+def torch_case(provider, q, k, v, ct, causal, device="cuda"):
+  """(fwd, fwd_bwd, leaves) for a torch provider: scaled_dot_product_attention on its one
+  backend (TORCH_BACKENDS), on copies of q, k, v in memeff's [B, T, H, D] layout, viewed as
+  torch's [B, H, T, D] (the transpose a model makes), K/V heads shared under GQA
+  (enable_gqa). fwd() runs the forward without autograd; fwd_bwd() the forward and its
+  gradients into the leaves' (q, k, v) cleared .grad, and returns the output."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from torch.nn.attention import SDPBackend, sdpa_kernel  # pylint: disable=import-outside-toplevel
+  backend = getattr(SDPBackend, TORCH_BACKENDS[provider])
+  dtype = getattr(torch, jnp.dtype(q.dtype).name)
+  copy = lambda x: torch.from_numpy(np.array(x, np.float32)).to(device, dtype)
+  leaves = tuple(copy(x).requires_grad_() for x in (q, k, v))
+  cotangent = copy(ct).transpose(1, 2)
+  gqa = q.shape[2] != k.shape[2]
+
+  def attend():
+    with sdpa_kernel(backend):
+      return torch.nn.functional.scaled_dot_product_attention(
+          *(x.transpose(1, 2) for x in leaves), is_causal=causal, enable_gqa=gqa)
+
+  def fwd():
+    with torch.no_grad():
+      return attend()
+
+  def fwd_bwd():
+    for x in leaves:
+      x.grad = None
+    out = attend()
+    out.backward(cotangent)
+    return out
+
+  return fwd, fwd_bwd, leaves
 
 
 def cudnn_packed_layout(seg):
@@ -190,6 +232,26 @@ def visible_pairs(causal, window, seg, b, t, s) -> int:
   return total
 
 
+def torch_timer(provider, row, q, k, v, ct, causal, reps):
+  """A torch provider's timer (fwd ms, fwd+bwd ms), its case run once first; sets
+  row["extra_bytes"]: the fwd+bwd's peak allocation beyond its inputs and the gradients
+  (as XLA's temporaries count)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  fwd, fwd_bwd, leaves = torch_case(provider, q, k, v, ct, causal)
+  fwd_bwd()  # fail here, outside the timing
+  for x in leaves:
+    x.grad = None
+  torch.cuda.synchronize()
+  torch.cuda.reset_peak_memory_stats()
+  base = torch.cuda.memory_allocated()
+  fwd_bwd()
+  torch.cuda.synchronize()
+  grads = sum(x.grad.numel() * x.grad.element_size() for x in leaves)
+  row["extra_bytes"] = int(torch.cuda.max_memory_allocated() - base - grads)
+  return lambda: (_harness.time_torch(fwd, reps=reps, lead_ms=TORCH_LEAD_MS),
+                  _harness.time_torch(fwd_bwd, reps=reps, lead_ms=TORCH_LEAD_MS))
+
+
 def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
         shapes: slice = slice(None)):
   spec = _harness.shape_sets("flash_attention")[set_name]
@@ -206,13 +268,20 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
         flops = 4.0 * b * h * t * s * d * (0.5 if causal else 1.0)
       else:  # the (query, key) pairs the window or the documents let through
         flops = 4.0 * h * d * visible_pairs(causal, window, seg, b, t, s)
-      cases = {}  # provider -> (row, fwd, fwd_bwd), built and compiled before any timing
+      cases = {}  # provider -> (row, timer), built and compiled before any timing
       for provider in providers:
         row = dict(op="flash_attention", set=set_name, b=b, t=t, s=s, h=h, hkv=hkv, d=d,
                    docs=docs, doc_seed=shape.get("doc_seed"), window=window, causal=causal,
                    dtype=dtype.name, provider=provider, fwd_bwd_timing="one vjp",
                    rounds=rounds, **env)
         try:
+          if provider.startswith("torch:"):
+            if env["platform"] != "gpu" or seg is not None or window is not None:
+              print(f"  skip {provider}: torch peers run on CUDA, without segment ids or a "
+                    "window")
+              continue
+            cases[provider] = (row, torch_timer(provider, row, q, k, v, ct, causal, reps))
+            continue
           if provider.startswith("memeff"):
             row["deterministic"] = parse_memeff(provider)[1]
           f = attention_fn(provider, causal, seg, window)
@@ -232,7 +301,9 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
           fwd_bwd = jit(fwd_bwd)
           jax.block_until_ready((fwd(q, k, v), fwd_bwd(q, k, v, ct)))  # compile; fail here
           row["extra_bytes"] = _harness.jax_temp_bytes(step, q, k, v, ct)
-          cases[provider] = (row, fwd, fwd_bwd)
+          cases[provider] = (row, lambda fwd=fwd, fwd_bwd=fwd_bwd: (
+              _harness.time_jax(fwd, q, k, v, reps=reps, inner=5),
+              _harness.time_jax(fwd_bwd, q, k, v, ct, reps=reps, inner=5)))
         except ImportError as err:
           print(f"  skip {provider}: {err}")
         except Exception as err:  # pylint: disable=broad-except
@@ -242,11 +313,7 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
           _harness.append(out, [row])
           print(f"  {provider:28s} causal={causal!s:5s} ERROR {row['error'][:160]}")
 
-      def timer(fwd, fwd_bwd):
-        return lambda: (_harness.time_jax(fwd, q, k, v, reps=reps, inner=5),
-                        _harness.time_jax(fwd_bwd, q, k, v, ct, reps=reps, inner=5))
-
-      timers = {p: timer(fwd, fwd_bwd) for p, (_, fwd, fwd_bwd) in cases.items()}
+      timers = {p: timer for p, (_, timer) in cases.items()}
       for provider, times in _harness.interleaved(timers, rounds).items():
         row = cases[provider][0]
         row["fwd_ms"] = float(np.median([f for f, _ in times]))

@@ -644,7 +644,9 @@ def main():
             "TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal) and 2.5× that for "
             "the backward; the window and packed sets (from 2026-11-21T22:30) count 4·H·D per "
             "(query, key) pair their mask lets through. JAX peers: jax.nn.dot_product_attention "
-            "(xla, cudnn) and tokamax.", ""]
+            "(xla, cudnn, cudnn:deterministic: cuDNN with XLA's nondeterministic ops excluded) "
+            "and tokamax; torch peers: scaled_dot_product_attention on its cuDNN and flash "
+            "backends.", ""]
   grid = grid_section(fa_rows)
   if grid:
     lines += ["`python benchmarks/flash_attention.py --set grid`: memeff (default, "
@@ -673,9 +675,10 @@ def main():
       order = sorted(latest, key=lambda device: ("H200" not in device, device))
       text = readme_block("linear_cross_entropy", text, "\n".join(
           run_heading(*latest[d]) + "\n\n" + lce_table(latest[d][1]) + "\n" for d in order))
-    if fa_latest:
+    if fa_latest:  # without plain XLA's rows (its [T × S] scores; in RESULTS.md)
       text = readme_block("flash_attention", text, "\n".join(
-          fa_heading(*run) + "\n\n" + fa_table(run[1]) + "\n" for run in fa_latest))
+          fa_heading(*run) + "\n\n" + fa_table([r for r in run[1] if r["provider"] != "xla"])
+          + "\n" for run in fa_latest))
     if train_summary:
       text = readme_block("train_step", text, train_summary)
     readme.write_text(text)

@@ -1,5 +1,6 @@
-"""benchmarks/flash_attention.py's cuDNN peers: packed documents (cuDNN's packed layout), and
-cuDNN made deterministic; the grid table that compares memeff with them."""
+"""benchmarks/flash_attention.py's peers: cuDNN on packed documents (its packed layout), cuDNN
+made deterministic, torch's scaled_dot_product_attention; the grid table that compares memeff
+with them."""
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,49 @@ def test_deterministic_cudnn_gives_the_same_gradients_every_call():
     for got, want in zip(step(q, k, v, ct), first):
       np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
                                     np.asarray(want).view(np.uint16))
+
+
+def _reference_out_and_grads(q, k, v, ct, causal):
+  out, pull = jax.vjp(lambda *a: memeff_jax.flash_attention(
+      *a, causal=causal, implementation="reference"), q, k, v)
+  return (out, *pull(ct))
+
+
+def _torch_out_and_grads(provider, q, k, v, ct, causal, device):
+  _, fwd_bwd, leaves = bench.torch_case(provider, q, k, v, ct, causal, device=device)
+  out = fwd_bwd().transpose(1, 2)  # back to [B, T, H, D]
+  return [x.detach().float().cpu().numpy() for x in (out, *(l.grad for l in leaves))]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_torch_peer_computes_memeffs_attention(causal, hkv):
+  """torch_case's layout (memeff's [B, T, H, D] viewed as torch's [B, H, T, D]), its shared
+  K/V heads and its gradients, on torch's math backend on the CPU."""
+  torch = pytest.importorskip("torch")
+  del torch
+  b, t, h, d = 2, 40, 4, 16
+  keys = jax.random.split(jax.random.key(2), 4)
+  q, ct = (jax.random.normal(kk, (b, t, h, d)) for kk in keys[::3])
+  k, v = (jax.random.normal(kk, (b, t, hkv, d)) for kk in keys[1:3])
+  got = _torch_out_and_grads("torch:math", q, k, v, ct, causal, "cpu")
+  for g, want in zip(got, _reference_out_and_grads(q, k, v, ct, causal)):
+    np.testing.assert_allclose(g, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", ["torch:cudnn", "torch:flash"])
+def test_torch_gpu_peers_compute_memeffs_attention(provider):
+  pytest.importorskip("torch")
+  b, t, h, d = 2, 1024, 4, 128
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, ct = (jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+                 for kk in keys)
+  got = _torch_out_and_grads(provider, q, k, v, ct, True, "cuda")
+  want = jax.jit(lambda *a: _reference_out_and_grads(
+      *(x.astype(jnp.float32) for x in a), True))(q, k, v, ct)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=3e-2, rtol=3e-2)
 
 
 def test_documents_of_random_lengths():
