@@ -125,6 +125,23 @@ def time_torch(fn, warmup: int = 2, reps: int = 10, lead_ms: float = 0.0) -> flo
   return statistics.median(times)
 
 
+def torch_extra_bytes(step, leaves) -> int:
+  """Bytes torch allocates at the peak of step() (a forward and backward) beyond what was
+  allocated before it and the gradients it leaves in `leaves`' .grad, as XLA's temporaries
+  count. step() runs once before (compiling, autotuning), outside the measured peak."""
+  import torch  # pylint: disable=import-outside-toplevel
+  step()
+  for x in leaves:  # the gradients are outputs: not held at the start
+    x.grad = None
+  torch.cuda.synchronize()
+  torch.cuda.reset_peak_memory_stats()
+  base = torch.cuda.memory_allocated()
+  step()
+  torch.cuda.synchronize()
+  grads = sum(x.grad.numel() * x.grad.element_size() for x in leaves)
+  return int(torch.cuda.max_memory_allocated() - base - grads)
+
+
 def _lead_work(ms: float):
   """A function that queues about `ms` of matmuls on torch's current stream."""
   import torch  # pylint: disable=import-outside-toplevel

@@ -233,21 +233,10 @@ def visible_pairs(causal, window, seg, b, t, s) -> int:
 
 
 def torch_timer(provider, row, q, k, v, ct, causal, reps):
-  """A torch provider's timer (fwd ms, fwd+bwd ms), its case run once first; sets
-  row["extra_bytes"]: the fwd+bwd's peak allocation beyond its inputs and the gradients
-  (as XLA's temporaries count)."""
-  import torch  # pylint: disable=import-outside-toplevel
+  """A torch provider's timer (fwd ms, fwd+bwd ms), its case run first (failing here,
+  outside the timing) to set row["extra_bytes"]."""
   fwd, fwd_bwd, leaves = torch_case(provider, q, k, v, ct, causal)
-  fwd_bwd()  # fail here, outside the timing
-  for x in leaves:
-    x.grad = None
-  torch.cuda.synchronize()
-  torch.cuda.reset_peak_memory_stats()
-  base = torch.cuda.memory_allocated()
-  fwd_bwd()
-  torch.cuda.synchronize()
-  grads = sum(x.grad.numel() * x.grad.element_size() for x in leaves)
-  row["extra_bytes"] = int(torch.cuda.max_memory_allocated() - base - grads)
+  row["extra_bytes"] = _harness.torch_extra_bytes(fwd_bwd, leaves)
   return lambda: (_harness.time_torch(fwd, reps=reps, lead_ms=TORCH_LEAD_MS),
                   _harness.time_torch(fwd_bwd, reps=reps, lead_ms=TORCH_LEAD_MS))
 

@@ -266,19 +266,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
           if env["platform"] != "gpu":
             print(f"  skip {provider}: torch peers run on CUDA only")
             continue
-          import torch  # pylint: disable=import-outside-toplevel
           step, state, tensors = torch_case(provider, x, w, y)
-          step()  # compile / autotune outside the peak
-          for t in tensors[:2]:  # the gradients are outputs: not held at the start
-            t.grad = None
-          torch.cuda.synchronize()
-          torch.cuda.reset_peak_memory_stats()
-          base = torch.cuda.memory_allocated()
-          step()
-          torch.cuda.synchronize()
-          grads = sum(t.grad.numel() * t.grad.element_size() for t in tensors[:2])
-          # Peak over inputs and the gradient outputs, as XLA's temporaries count.
-          row["extra_bytes"] = int(torch.cuda.max_memory_allocated() - base - grads)
+          row["extra_bytes"] = _harness.torch_extra_bytes(step, tensors[:2])
           cases[provider] = (row, lambda step=step: _harness.time_torch(step, reps=reps),
                              lambda state=state: float(state["loss"].detach()))
         else:
