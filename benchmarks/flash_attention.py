@@ -13,8 +13,9 @@ otherwise adds dq in arrival order, and its gradients differ from call to call),
 tokamax:mosaic and tokamax:triton (if importable), and on CUDA torch's
 scaled_dot_product_attention on one of its backends: torch:cudnn, torch:flash,
 torch:efficient (if torch imports). A provider that cannot express a case (segment ids for
-xla, tokamax and torch, a window for torch) is skipped with a note. memeff:chunked_xla is not in the default
-list: on a GPU it compiles for minutes at T=4096 (memeff is chunked_xla on CPU anyway).
+xla, tokamax and torch, a window for torch) is skipped with a note. memeff:chunked_xla is
+not in the default list: on a GPU it compiles for minutes at T=4096 (memeff is chunked_xla
+on CPU anyway).
 
 TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal; with a sliding window or
 packed documents, 4·H·D per visible (query, key) pair) and 2.5× that for the backward;
