@@ -225,8 +225,8 @@ def torch_case(provider, x, w, y):
   dev = "cuda"
   tdtype = {jnp.bfloat16: torch.bfloat16, jnp.float32: torch.float32,
             jnp.float16: torch.float16}[jnp.dtype(x.dtype).type]
-  xt = torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(dev, tdtype).requires_grad_()
-  wt = torch.from_numpy(np.asarray(w.astype(jnp.float32).T)).to(dev, tdtype).contiguous()
+  xt = torch.from_numpy(np.array(x, np.float32)).to(dev, tdtype).requires_grad_()
+  wt = torch.from_numpy(np.array(w, np.float32).T).to(dev, tdtype).contiguous()
   wt.requires_grad_()
   yt = torch.from_numpy(np.asarray(y).astype(np.int64)).to(dev)
   step, state = torch_step(torch_loss_fn(provider), xt, wt, yt)
