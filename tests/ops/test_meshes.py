@@ -32,6 +32,15 @@ def _close(got, want, tol=2e-5):
     np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
 
 
+def _weighted_sum(out):
+  """A scalar of a loss's output whose gradient puts a fixed weight, different per element,
+  on each. sum(sin(out)) made the gradients turn on out's last bit where out is large: a
+  shard's summed loss of 158.65 has cosine 0.001, so one ulp between two summation orders
+  (the vocabulary shards' and one device's) moved its gradients by 1.4%."""
+  weights = 1.5 + jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape)
+  return jnp.sum(out * weights)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("hkv, kw", [(4, dict(causal=True)), (1, dict(sliding_window=(7, 3))),
                                      (4, dict(causal=True, segments=True))])
@@ -297,7 +306,7 @@ def test_loss_vocab_parallel_in_shard_map(mesh, check_vma, kw):
                                            None if mask is None else mask[r:r + 2]))
                             for r in range(0, 8, 2)])
 
-  obj = lambda f: lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b)))
+  obj = lambda f: lambda x, w, b: _weighted_sum(f(x, w, b))
   values, grads, _, _ = _run(got, obj(got), (0, 1, 2), x, w, b)
   _close(values, want(x, w, b), 1e-5)
   _close(grads, jax.grad(obj(want), argnums=(0, 1, 2))(x, w, b), 1e-5)
@@ -339,7 +348,7 @@ def test_loss_vocab_parallel_implementations(mesh, check_vma, impl, scale, kw):
     return jnp.concatenate([per_shard(ref(x[r:r + 2], w, b, y[r:r + 2]))
                             for r in range(0, 8, 2)])
 
-  obj = lambda f: lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b)))
+  obj = lambda f: lambda x, w, b: _weighted_sum(f(x, w, b))
   values, grads, _, _ = _run(got, obj(got), (0, 1, 2), x, w, b)
   _close(values, want(x, w, b), 1e-4)
   _close(grads, jax.grad(obj(want), argnums=(0, 1, 2))(x, w, b), 1e-4)
@@ -511,7 +520,7 @@ def test_loss_vocab_parallel_on_an_explicit_mesh(explicit_mesh, kw):
   layout = kw.get("weight_layout", "dv")
   x, w, y, b, where = _vocab_problem(6, layout=layout)
   kw, call = _vocab_call(kw, y, b, where)
-  loss = lambda x, w, b: jnp.sum(jnp.sin(jax.tree.leaves(call(x, w, b))[0]))
+  loss = lambda x, w, b: _weighted_sum(jax.tree.leaves(call(x, w, b))[0])
   want, want_grads = call(x, w, b), jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
   w_spec = P(None, "model") if layout == "dv" else P("model", None)
   with jax.set_mesh(explicit_mesh):
