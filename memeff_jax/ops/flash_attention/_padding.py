@@ -28,8 +28,7 @@ they add more than its kernels lose (TRITON_SLOWDOWN, on copies or in place: T =
 at 384, 2.2× the work), `implementation=None` leaves the call to pallas_triton
 (PallasMosaicGpu's pad="where_faster"). Copies cost memory: about eight [B, T, H, D]
 arrays at the padded sizes live through the backward (q, k, v, out, dO and the three
-gradients): 0.28 GiB at B=2, T=3,000, H=16, D=160 (run at 3,072 and 192) against cuDNN's
-0.09.
+gradients): 0.31 GiB at B=2, T=4,096, H=16, D=144 (run at 160) against cuDNN's 0.11.
 """
 
 from __future__ import annotations
@@ -45,9 +44,13 @@ from jax.experimental import pallas as pl
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
-# The head dims the Mosaic forward and backward take, each with tiles measured there: 48 and
-# 80 in 32-byte swizzles, 96 and 192 in 64-byte ones, the others in 128-byte ones.
-HEAD_DIMS = (48, 64, 80, 96, 128, 192, 256)
+# The head dims the Mosaic forward and backward take: multiples of 16 (WGMMA's K step) up to
+# 128, and of 32 above, where the backward splits dK, dV and dQ by columns between its
+# warpgroups (each half whole 32-byte swizzle groups). A row goes in the widest of the 128-,
+# 64- and 32-byte swizzles that divides it.
+HEAD_DIMS = (48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# The head dims whose settings were measured; the others take those of the next one up.
+TUNED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # pallas_triton's forward+backward time over the Mosaic kernels' on the same work, by the
 # head dim the padded call runs at and whether it runs in place: the least measured (H200,
 # `benchmarks/flash_attention.py`, the `odd` and `models` sets and calls of T = S from 136 to
@@ -109,6 +112,12 @@ class Padding(NamedTuple):
       return x
     x = _pad(x, axis, self.t)
     return _pad(x, 3, self.d) if features else x
+
+
+def settings_dim(d: int) -> int:
+  """The head dim of TUNED_HEAD_DIMS whose measured settings a call of head dim d takes: the
+  next one up (D = 48 takes D = 64's, 160 those of 192); d itself past them."""
+  return next((m for m in TUNED_HEAD_DIMS if m >= d), d)
 
 
 def head_dim(d: int) -> int:

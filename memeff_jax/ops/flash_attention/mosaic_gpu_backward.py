@@ -30,10 +30,9 @@ The softmax scale is applied once at the end (to dK, and to dq when it is cast b
 input dtype). Masks as in the forward, transposed: a CTA visits only the query blocks that
 see any of its keys (by the band, then by segment-id ranges), and masks those that do not
 see all of them (with segment ids, all but those holding the keys' one id). Served:
-bf16/f16, D 48, 64, 80, 96, 128, 192 or 256 (48 and 80 without dq_split, whose halves would
-not fill a 32-byte swizzle group; 192 and 256 with column_split: each warpgroup owns half
-of the columns of dK, dV and dQ, and both compute the whole Sᵀ and dPᵀ of the CTA's 64
-keys), T a multiple of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
+bf16/f16, the head dims of _padding.HEAD_DIMS (48, 80 and 112 without dq_split, whose halves
+would not fill a 32-byte swizzle group; those over 128 with column_split: each warpgroup
+owns half of the columns of dK, dV and dQ), T a multiple of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
 configs/tuning/flash_attention.toml picks the settings per head dim, causal and GQA;
 docs/design/flash_attention.md has what each variant measured.
 """
@@ -77,6 +76,11 @@ LONG_WALK_QUERIES = 8192
 # input dtype (dq_rounded): there bf16's error stays within 1.4× the float32 sum's, the
 # bound the loss's bf16 dW also keeps.
 ROUNDED_DQ_MAX_ADDERS = 16
+# The head dims up to which a call with deterministic=False and no ordered kernel (D = 48,
+# 80, 112) runs the whole kernel in arrival order rather than the dK/dV-only kernel beside
+# the dq kernel: at D = 112 the pair measured faster (B4 T4k H32/8 fwd+bwd 7.74 against
+# 8.13 ms without a mask, 4.31 against 4.61 causal; H200).
+WHOLE_ARRIVAL_MAX_D = 80
 # Waves of CTAs (one per SM) below which a GQA call splits each key head's group of query
 # heads between more CTAs (MosaicBackwardConfig.group_splits, split_group), and the waves
 # it splits them into where the key blocks' walks differ in length. B4 T2048 H71/1 D64
@@ -238,7 +242,7 @@ class MosaicBackwardConfig:
     schedule differs; from LONG_WALK_QUERIES queries on, that section's `_long` variant where
     there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add into a
     query block; else the dK/dV-only kernel (tuned(with_dq=False)), which runs beside a dq
-    kernel. D = 192 takes D = 256's sections where it has none of its own (_section).
+    kernel. A head dim without a section of its own takes those of _section_dims.
 
     causal: a causal band (pallas_mosaic_gpu passes causal windows at D = 128 too), with or
     without segment ids. A causal call with segment ids takes D = 128's causal sections from
@@ -258,7 +262,7 @@ class MosaicBackwardConfig:
     found = ((t >= LONG_WALK_QUERIES and _section(table, d, suffix + "_long"))
              or _section(table, d, suffix))
     if found:
-      config = cls(**{**found, "dq_ordered": True})
+      config = _two_stages(cls(**{**found, "dq_ordered": True}), d, segments)
       adders = s // config.cta_keys()
       return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS)
     return cls.tuned(d, causal, gqa, with_dq=False)
@@ -270,14 +274,16 @@ class MosaicBackwardConfig:
     dq's reductions in arrival order where the tuning table names that kernel for the call
     (a `d<D>[_causal][_gqa]` section: there it measured faster than the ordered one); else
     the ordered kernel of for_deterministic, which nondeterminism allows as well; else (no
-    ordered kernel at this head dim) the whole kernel in arrival order rather than the
-    dK/dV-only kernel beside a dq kernel."""
+    ordered kernel at this head dim) up to WHOLE_ARRIVAL_MAX_D the whole kernel in arrival
+    order rather than the dK/dV-only kernel beside a dq kernel."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     found = _section(table, d, ("_causal" if causal else "") + ("_gqa" if gqa else ""))
     if found:
-      return cls(**found)
+      return _two_stages(cls(**found), d, segments)
     ordered = cls.for_deterministic(d, causal, gqa, t=t, s=s, segments=segments)
-    return ordered if ordered.with_dq else cls.tuned(d, causal, gqa)
+    if ordered.with_dq or d > WHOLE_ARRIVAL_MAX_D:
+      return ordered
+    return cls.tuned(d, causal, gqa)
 
   def cta_keys(self) -> int:
     return BLOCK_KV if self.column_split else 2 * BLOCK_KV
@@ -294,9 +300,9 @@ class MosaicBackwardConfig:
   def tuned(cls, d: int, causal: bool, gqa: bool = False,
             with_dq: bool = True) -> "MosaicBackwardConfig":
     """configs/tuning/flash_attention.toml's `d<D>[_causal][_gqa]` section for this GPU kind
-    (without `_gqa` where that has none), else dq_split where it applies (D = 128) and the
-    column-split kernel with split scores at D = 192 and 256 (D = 192 takes D = 256's
-    sections where it has none of its own: _section).
+    (without `_gqa` where that has none; a head dim without one of its own takes those of
+    _section_dims), else dq_split where it applies (D = 96 and 128) and the column-split
+    kernel with split scores above D = 128.
 
     with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
     (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
@@ -315,9 +321,22 @@ class MosaicBackwardConfig:
     found = (gqa and section(mask + "_gqa")) or section(mask)
     if found:
       return cls(**found)
-    if _section_dim(d) == 256:
+    if d > 128:
       return cls(dq_split=False, column_split=True, stages=1, scores_split=True)
     return cls(dq_split=_section_dim(d) == 128)
+
+
+def _two_stages(config: MosaicBackwardConfig, d: int, segments: bool) -> MosaicBackwardConfig:
+  """A column-split config of one Q/dO stage with a second where it fits (D = 160 and 192;
+  the tables' settings are D = 256's, where it does not): its steps then find their Q and
+  dO loaded. At D = 160 (B2 T4k H16, fwd+bwd, H200, one process)
+  ordered without a mask 4.03 against 4.34 ms (cuDNN 3.96); at D = 192 level (B2 T3k H16
+  2.61 against 2.60 ms, B4 T4k 7.66 against 7.70)."""
+  if not config.column_split or config.stages != 1:
+    return config
+  wider = dataclasses.replace(config, stages=2)
+  fitted = dataclasses.replace(wider, scores_split=wider.scores_split and not segments)
+  return wider if _smem_bytes(fitted, d, 2, segments) <= hopper.SMEM_BYTES else config
 
 
 def split_group(config: MosaicBackwardConfig, batch: int, hq: int, hkv: int, s: int,
@@ -348,16 +367,26 @@ def split_group(config: MosaicBackwardConfig, batch: int, hq: int, hkv: int, s: 
   return dataclasses.replace(config, group_splits=splits)
 
 
+def _section_dims(d: int) -> tuple[int, ...]:
+  """The head dims whose tuning sections a call of head dim d takes, the first found first:
+  its own, then above D = 128 (the column-split kernel) those of D = 192 and 256 past it;
+  D = 96 those of D = 128 (dq_split's halves fit its 32-byte swizzle groups; at D = 112
+  they would not, so it keeps none)."""
+  if d > 128:
+    return (d, *(m for m in (192, 256) if m > d))
+  return (96, 128) if d == 96 else (d,)
+
+
 def _section_dim(d: int) -> int:
-  """The head dim whose tuning sections a call of head dim d takes: D = 192 runs the
-  column-split kernel, as D = 256 does, with its settings; D = 96 those of D = 128."""
-  return {96: 128, 192: 256}.get(d, d)
+  """The last head dim of _section_dims(d): 256 for the column-split head dims, 128 for
+  D = 96 and 128."""
+  return _section_dims(d)[-1]
 
 
 def _section(table: dict, d: int, suffix: str) -> dict | None:
-  """The tuning section `d<D><suffix>` of head dim d, else that of the head dim whose
-  sections d takes (_section_dim)."""
-  return table.get(f"d{d}{suffix}") or table.get(f"d{_section_dim(d)}{suffix}")
+  """The first tuning section `d<D><suffix>` of _section_dims(d)."""
+  return next((table[key] for m in _section_dims(d) if (key := f"d{m}{suffix}") in table),
+              None)
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
@@ -369,11 +398,11 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return why
   if d not in _padding.HEAD_DIMS:
     return f"backward serves head dims {', '.join(map(str, _padding.HEAD_DIMS))}, got D={d}"
-  if d in (192, 256) and not config.column_split:
+  if d > 128 and not config.column_split:
     return (f"D={d} needs column_split (dK and dV of 64 keys at full width do not fit in "
             "registers)")
-  if config.column_split and d not in (192, 256):
-    return f"column_split serves D=192 and 256, got D={d}"
+  if config.column_split and d <= 128:
+    return f"column_split serves D over 128, got D={d}"
   if config.column_split and config.dq_split:
     return "column_split and dq_split exclude each other"
   if config.dq_split and d % 32:

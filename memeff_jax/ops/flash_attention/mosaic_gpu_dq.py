@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from memeff_jax.kernels import hopper
 from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
+from memeff_jax.ops.flash_attention import _padding
 from memeff_jax.ops.flash_attention._common import AttentionOptions
 from memeff_jax.ops.flash_attention.masks import MaskSpec
 
@@ -85,10 +86,10 @@ class MosaicDqConfig:
 
   @classmethod
   def for_head_dim(cls, d: int) -> "MosaicDqConfig":
-    """128-key blocks up to D = 128; at D = 256 64-key blocks (registers), two K slots and
-    one V slot (shared memory: dq alone 3.5 ms against 4.6 with one slot of each and
+    """128-key blocks up to D = 128; above, 64-key blocks (registers), two K slots and one V
+    slot (shared memory: at D = 256 dq alone 3.5 ms against 4.6 with one slot of each and
     pallas_triton's 14.3 at B=4 H=16 T=4096; one K slot where segment ids need the room)."""
-    return cls(block_kv=64, stages=2, v_stages=1) if d == 256 else cls()
+    return cls(block_kv=64, stages=2, v_stages=1) if d > 128 else cls()
 
 
 def support_error(q_shape, k_shape, dtype, config: MosaicDqConfig,
@@ -98,12 +99,13 @@ def support_error(q_shape, k_shape, dtype, config: MosaicDqConfig,
   s = k_shape[1]
   if (why := hopper.dtype_error(dtype)) is not None:
     return why
-  if d not in (48, 64, 80, 128, 256):
-    return f"dq kernel serves head dims 48, 64, 80, 128 and 256, got D={d}"
+  if d not in _padding.HEAD_DIMS:
+    return (f"dq kernel serves head dims {', '.join(map(str, _padding.HEAD_DIMS))}, "
+            f"got D={d}")
   if config.block_kv not in (64, 128):
     return f"dq kernel takes block_kv 64 or 128, got {config.block_kv}"
-  if d == 256 and config.block_kv != 64:
-    return f"dq kernel needs block_kv 64 at D=256 (registers), got {config.block_kv}"
+  if d > 128 and config.block_kv != 64:
+    return f"dq kernel needs block_kv 64 above D=128 (registers), got {config.block_kv}"
   if t % (2 * BLOCK_Q):
     return f"dq kernel needs T a multiple of {2 * BLOCK_Q}, got T={t}"
   if s % config.block_kv:

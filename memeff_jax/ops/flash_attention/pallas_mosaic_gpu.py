@@ -28,19 +28,19 @@ block runs unmasked only where both blocks hold one id, the same (inside a docum
 that only the CTA's other query block sees are released without compute. A row that sees no
 key ends with output 0 and log-sum-exp -inf.
 
-Served: bf16/f16, head dim 48, 64, 80, 96, 128, 192 or 256 (rows in 128-, 64- or 32-byte
-swizzles, the widest that divides a row), T a multiple of 2·block_q and S of
-block_kv, any mask, logit softcap, GQA/MQA by indexing the key/value head; other lengths
-run padded (in place where T and S are whole 8-row tiles), and head dims 33–255 on
-zero-padded copies (_padding; with `implementation=None` only where that beats
-pallas_triton). Anything else (float32, head dims of 32 and under or over 256) raises
-NotImplementedError with the reason, and `implementation=None` falls through to
-pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel: whole with its dq
-reductions in a fixed order (dq_ordered), or in arrival order where deterministic=False
-allows it and that measured faster; for dK and dV alone otherwise, beside mosaic_gpu_dq's
-dq kernel; or pallas_triton's dq and dk/dv kernels where a backward_config asks for them. All
-run on the saved output and log-sum-exp. GPU only (sm90): jax 0.10.2's Mosaic GPU
-interpreter cannot run `plgpu.kernel` meshes.
+Served: bf16/f16, head dims of _padding.HEAD_DIMS, multiples of 16 from 48 to 128 and of 32
+up to 256 (rows in 128-, 64- or 32-byte swizzles, the widest that divides a row), T a
+multiple of 2·block_q and S of block_kv, any mask, logit softcap, GQA/MQA by indexing the
+key/value head; other lengths run padded (in place where T and S are whole 8-row tiles), and
+other head dims from 33 to 255 on zero-padded copies (_padding; with `implementation=None`
+only where that beats pallas_triton). Anything else (float32, head dims of 32 and under or
+over 256) raises NotImplementedError with the reason, and `implementation=None` falls
+through to pallas_triton. The backward is mosaic_gpu_backward's one-pass kernel: whole with
+its dq reductions in a fixed order (dq_ordered), or in arrival order where
+deterministic=False allows it and that measured faster; for dK and dV alone otherwise,
+beside mosaic_gpu_dq's dq kernel; or pallas_triton's dq and dk/dv kernels where a
+backward_config asks for them. All run on the saved output and log-sum-exp. GPU only (sm90):
+jax 0.10.2's Mosaic GPU interpreter cannot run `plgpu.kernel` meshes.
 """
 
 from __future__ import annotations
@@ -159,15 +159,16 @@ class MosaicConfig:
       plans at 128-key blocks (S = 257 pads to 384, not 512); a padded S that 256 divides
       takes them, the last cut by the key bound.
 
-    D = 48 and 80 (32-byte swizzles) take the settings of D = 64 and 96, and D = 48 four K/V
-    stages without a mask where S takes no 256-key blocks (forward 0.67 against 0.77 ms with
-    two at B8 T4096 H8, H200)."""
+    The other head dims take the settings of the next measured one (_padding.settings_dim:
+    D = 48 and 80, in 32-byte swizzles, those of 64 and 96; 112, 160 and 224 those of 128,
+    192 and 256), and D = 48 four K/V stages without a mask where S takes no 256-key blocks
+    (forward 0.67 against 0.77 ms with two at B8 T4096 H8, H200)."""
     config = cls.for_head_dim(d)
     if d in (48, 64) and mask.sees_all_keys and s % WIDE_KEY_BLOCK == 0:
       config = dataclasses.replace(config, block_kv=WIDE_KEY_BLOCK, stages=2)
     elif d == 48 and mask.sees_all_keys:
       config = dataclasses.replace(config, stages=4)
-    d = {48: 64, 80: 96}.get(d, d)
+    d = _padding.settings_dim(d)
     if d == 128 and mask.segments and mask.is_causal_band:
       return dataclasses.replace(config, persistent=True, dynamic=True)
     if d in (96, 128) and mask.is_causal and s <= SHORT_CAUSAL_KEYS:
@@ -679,7 +680,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   # Not at D = 256: interleaving 2, 4 or 8 heads took the causal forward at B4 T4k H16 from
   # 0.94 to 0.97-1.01 ms (H200), though it was level at B2 and faster at T2k (0.28 against
   # 0.29 ms): mixed, so the head-by-head order stays there.
-  head_group = 1 if d == 256 else _mosaic.interleaved_heads(
+  head_group = 1 if _padding.settings_dim(d) == 256 else _mosaic.interleaved_heads(
       mask, b * hq, n_q_ctas, cfg.num_sms or hopper.sm_count())
   if cfg.persistent:
     ctas = hopper.persistent_ctas(cfg.num_sms, b * hq * n_q_ctas)
@@ -810,11 +811,11 @@ class PallasMosaicGpu:
   (`with_dq=False`: one CTA per key block, no reductions) beside a dq kernel with one CTA
   per query block; a MosaicBackwardConfig must then have with_dq=False or dq_ordered. With
   deterministic=False None means MosaicBackwardConfig.for_nondeterministic: arrival order
-  only where the table names it (D = 192 and 256 but GQA without a mask), since elsewhere
+  only where the table names it (D = 160 to 256 but GQA without a mask), since elsewhere
   the ordered kernel measured as fast or faster (see its docstring).
   `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
   pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the
-  call (D 48, 64, 80, 128 and 256), pallas_triton's elsewhere.
+  call (the head dims of _padding.HEAD_DIMS), pallas_triton's elsewhere.
 
   `pad` says which calls whose lengths or head dim the kernels do not take run on padded
   copies (_padding): "always" every one, "where_faster" (flash_attention's default order)

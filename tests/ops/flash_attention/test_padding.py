@@ -74,11 +74,11 @@ class TestPaddingOnChunkedXla(_FlashAttentionTest):
 
 
 class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
-  """T = 200 > S = 130, D = 160 (padded to 192): causal rows past S would see the padded keys
+  """T = 200 > S = 130, D = 144 (padded to 160): causal rows past S would see the padded keys
   but for the key bound."""
 
   impl = PaddedChunkedXla()
-  shape = dict(b=2, t=200, s=130, hq=4, hkv=2, d=160)
+  shape = dict(b=2, t=200, s=130, hq=4, hkv=2, d=144)
 
 
 @pytest.mark.parametrize("t, s, d, causal, want", [
@@ -86,11 +86,13 @@ class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
     (1000, 1000, 96, False, _padding.Padding(1024, 1024, 96, 1000)),
     (1024, 1024, 72, True, _padding.Padding(1024, 1024, 80, None)),  # the head dim alone
     (1024, 1024, 80, True, None),  # 32-byte swizzles
-    (1024, 1024, 112, True, _padding.Padding(1024, 1024, 128, None)),
+    (1024, 1024, 112, True, None),  # a multiple of 16 up to 128
+    (1024, 1024, 120, True, _padding.Padding(1024, 1024, 128, None)),
     (300, 200, 128, True, _padding.Padding(384, 256, 128, 200)),  # rows 200.. see past S
     (200, 300, 64, True, _padding.Padding(256, 384, 64, None)),
-    (256, 384, 160, False, _padding.Padding(256, 384, 192, None)),  # the head dim alone
-    (200, 320, 224, True, _padding.Padding(256, 384, 256, None)),  # S: the backward's 128
+    (256, 384, 160, False, None),  # a multiple of 32 above 128
+    (256, 384, 144, False, _padding.Padding(256, 384, 160, None)),  # the head dim alone
+    (200, 320, 224, True, _padding.Padding(256, 384, 224, None)),  # S: the backward's 128
     (256, 384, 128, False, None),  # the kernels take it as it is
     (256, 320, 256, False, None),  # 64-key blocks at D = 256, forward and backward
     (1024, 1024, 40, False, _padding.Padding(1024, 1024, 48, None)),  # pallas_triton: 64
@@ -261,12 +263,12 @@ def test_lengths_of_whole_tma_tiles_run_in_place(monkeypatch, d, causal, segment
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("hkv, segments", [(2, False), (4, False), (2, True)])
-@pytest.mark.parametrize("d, runs_at", [(96, 96), (80, 80), (192, 192), (160, 192), (40, 48)])
+@pytest.mark.parametrize("d, runs_at", [(96, 96), (80, 80), (192, 192), (144, 160), (40, 48)])
 def test_head_dims_lower_to_the_mosaic_kernels(monkeypatch, causal, deterministic, hkv,
                                                segments, d, runs_at):
   """D = 96 (64-byte swizzles; dq_split's 48-column halves 32-byte ones), D = 80 (32-byte
   swizzles, no dq_split) and D = 192 (the column-split backward, 96 columns a warpgroup; with
-  segment ids without split scores), and D = 160 and 40 padded to 192 and 48, run the Mosaic
+  segment ids without split scores), and D = 144 and 40 padded to 160 and 48, run the Mosaic
   forward and backward: the program lowers for CUDA (not run) with no Triton kernel and no
   copy wider than the head dim it runs at."""
   monkeypatch.setattr(pm, "hopper_available", lambda: None)

@@ -210,13 +210,13 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(as_on_hopper, causal, hkv
   st = PallasMosaicGpu(backward_config=dkv256)._static(q256, k256, det)  # pylint: disable=protected-access
   assert st.backward == dkv256
   assert st.dq == MosaicDqConfig(block_kv=64, stages=2, v_stages=1) and st.triton is None
-  # D = 192: the column-split kernel with D = 256's settings, not padded; causal with a
-  # second Q/dO stage (its own section).
+  # D = 192: the column-split kernel with D = 256's settings, not padded, with a second Q/dO
+  # stage, which fits there.
   q192 = jax.ShapeDtypeStruct((1, 256, 4, 192), BF16)
   st = PallasMosaicGpu()._static(q192, q192, det)  # pylint: disable=protected-access
   assert st.padding is None and st.triton is None and st.dq is None
   want = PallasMosaicGpu()._static(q256, q256, det).backward  # pylint: disable=protected-access
-  assert st.backward == dataclasses.replace(want, stages=2 if causal else 1)
+  assert st.backward == dataclasses.replace(want, stages=2)
   triton = PallasMosaicGpu(backward_config=triton_dq)
   for opts in (det, fast):  # a Triton backward asked for is deterministic either way
     assert triton._static(q, k, opts).triton is not None  # pylint: disable=protected-access
@@ -229,7 +229,9 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(as_on_hopper, causal, hkv
     (False, (100, 7), False, 128, 512, 384, 2, None),
     (True, 300, True, 128, 512, 512, 4, 20.0),
     (False, None, True, 64, 256, 384, 1, None),
-    (True, (100, 7), True, 256, 256, 384, 2, 30.0)])
+    (True, (100, 7), True, 256, 256, 384, 2, 30.0),
+    (True, None, False, 112, 256, 256, 2, None),
+    (False, (100, 7), True, 160, 256, 192, 1, 30.0)])
 @pytest.mark.parametrize("config", [None, MosaicDqConfig(block_kv=64, pingpong=True),
                                     MosaicDqConfig(block_kv=64, stages=1),
                                     MosaicDqConfig(block_kv=64, stages=2, v_stages=1),
@@ -253,10 +255,40 @@ def test_dq_kernel_lowers_for_cuda(causal, window, segments, d, t, s, hkv, softc
   assert _MOSAIC_CALL.search(text) and "flash_attention_dq_mosaic" in text
 
 
+@pytest.mark.parametrize("d, hkv", [(112, 2), (160, 2), (160, 4), (224, 1)])
+@pytest.mark.parametrize("causal, segments", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_head_dims_between_the_tuned_ones_run_as_they_are(as_on_hopper, d, hkv, causal,
+                                                          segments, deterministic):
+  """D = 112, 160 and 224 run unpadded on the settings of the next tuned head dim (128, 192,
+  256): above 128 the column-split backward (at D = 160 with two Q/dO stages, which fit
+  there), at 112 no ordered kernel (dq_split's 56-column halves fill no 32-byte swizzle
+  group), so its calls run the dK/dV-only kernel beside the dq kernel. Every kernel a call
+  runs lowers for CUDA."""
+  opts = dataclasses.replace(_opts(causal, None, segments), deterministic=deterministic)
+  t = 384
+  q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
+  k = jax.ShapeDtypeStruct((2, t, hkv, d), BF16)
+  st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
+  assert st.padding is None and st.triton is None
+  tuned = _padding.settings_dim(d)
+  want = MosaicConfig.for_call(tuned, opts.mask, t)
+  assert st.config == dataclasses.replace(want, block_kv=MosaicConfig.for_head_dim(d).block_kv)
+  if d > 128:
+    assert st.backward.column_split and st.dq is None
+    assert st.backward.stages == (2 if d == 160 else 1)  # a second Q/dO stage where it fits
+  else:  # either way: the pair measured faster than the whole kernel in arrival order
+    assert not st.backward.with_dq and st.dq == MosaicDqConfig()
+  text = _forward_lowered_for_cuda(opts, st.config, t, t, hkv, d, segments)
+  text += _backward_lowered_for_cuda(opts, st.backward, t, t, hkv, d, segments)
+  assert len(_MOSAIC_CALL.findall(text)) >= 2
+
+
 @pytest.mark.parametrize("q_shape, k_shape, dtype, config, match", [
-    ((1, 256, 4, 96), (1, 256, 4, 96), BF16, MosaicDqConfig(), "D=96"),
-    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, MosaicDqConfig(), "block_kv 64 at D=256"),
-    ((1, 256, 4, 192), (1, 256, 4, 192), BF16, MosaicDqConfig(), "D=192"),
+    ((1, 256, 4, 72), (1, 256, 4, 72), BF16, MosaicDqConfig(), "D=72"),
+    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, MosaicDqConfig(), "block_kv 64 above D=128"),
+    ((1, 256, 4, 160), (1, 256, 4, 160), BF16, MosaicDqConfig(), "block_kv 64 above D=128"),
+    ((1, 256, 4, 144), (1, 256, 4, 144), BF16, MosaicDqConfig(block_kv=64), "D=144"),
     ((1, 256, 4, 128), (1, 256, 4, 128), jnp.float32, MosaicDqConfig(), "bfloat16 or float16"),
     ((1, 192, 4, 128), (1, 256, 4, 128), BF16, MosaicDqConfig(), "T=192"),
     ((1, 256, 4, 128), (1, 192, 4, 128), BF16, MosaicDqConfig(), "S=192"),
@@ -419,9 +451,15 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
     ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(), mb.MosaicBackwardConfig(), "D=256"),
     ((1, 256, 4, 192), (1, 256, 4, 192), BF16, _opts(), mb.MosaicBackwardConfig(),
      "D=192 needs column_split"),
+    ((1, 256, 4, 160), (1, 256, 4, 160), BF16, _opts(), mb.MosaicBackwardConfig(),
+     "D=160 needs column_split"),
+    ((1, 256, 4, 176), (1, 256, 4, 176), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1), "D=176"),
+    ((1, 256, 4, 112), (1, 256, 4, 112), BF16, _opts(), mb.MosaicBackwardConfig(),
+     "dq_split needs D a multiple of 32"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, column_split=True),
-     "column_split serves D=192 and 256, got D=128"),
+     "column_split serves D over 128, got D=128"),
     ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(),
      mb.MosaicBackwardConfig(column_split=True, stages=1), "exclude"),
     ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(),
@@ -1204,24 +1242,29 @@ def test_tuned_backward_configs_serve_their_calls():
 
 def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_on_hopper):
   """deterministic=False: dq's reductions in arrival order where the table names that kernel
-  (`d256`, `d256_causal`, `d256_causal_gqa`: D = 192 and 256 but for GQA without a mask),
-  else the ordered kernel deterministic calls run (D = 64, 96, 128; D = 256 GQA without a
-  mask), else the whole kernel in arrival order (D = 48, 80: no ordered kernel) rather than
-  the dK/dV kernel beside a dq kernel."""
+  (`d256`, `d256_causal`, `d256_causal_gqa`: D = 160 to 256 but for GQA without a mask;
+  two Q/dO stages where they fit), else the ordered kernel deterministic calls run (D = 64,
+  96, 128; D = 256 GQA without a mask), else the whole kernel in arrival order (D = 48, 80:
+  no ordered kernel) rather than the dK/dV kernel beside a dq kernel, which D = 112 keeps."""
   cfg = mb.MosaicBackwardConfig
   cases = [(c, g) for c in (False, True) for g in (False, True)]
   for d, (causal, gqa) in itertools.product((64, 96, 128), cases):
     for t in (1024, mb.LONG_WALK_QUERIES):
       assert (cfg.for_nondeterministic(d, causal, gqa, t=t, s=t)
               == cfg.for_deterministic(d, causal, gqa, t=t, s=t))
-  for d, causal in itertools.product((192, 256), (False, True)):
-    assert cfg.for_nondeterministic(d, causal) == cfg.tuned(256, causal)
-    assert cfg.for_nondeterministic(d, True, True) == cfg.tuned(256, True)  # d256_causal_gqa
+  for d, causal in itertools.product((160, 192, 224, 256), (False, True)):
+    stages = 2 if d < 224 else 1
+    want = lambda config: dataclasses.replace(config, stages=stages)
+    assert cfg.for_nondeterministic(d, causal) == want(cfg.tuned(256, causal))
+    assert cfg.for_nondeterministic(d, True, True) == want(cfg.tuned(256, True))
     assert cfg.for_nondeterministic(d, False, True) == cfg.for_deterministic(d, False, True)
   for d, (causal, gqa) in itertools.product((48, 80), cases):
     arrival = cfg.for_nondeterministic(d, causal, gqa)
     assert arrival.with_dq and not arrival.dq_ordered
     assert not cfg.for_deterministic(d, causal, gqa).with_dq
+  for causal, gqa in cases:
+    pair = cfg.for_deterministic(112, causal, gqa)
+    assert not pair.with_dq and cfg.for_nondeterministic(112, causal, gqa) == pair
   # through the dispatcher, with its group splits
   fast = dataclasses.replace(_opts(True), deterministic=False)
   backward = lambda d, hkv, opts: PallasMosaicGpu()._static(  # pylint: disable=protected-access
@@ -2250,11 +2293,44 @@ class TestMosaicGpuUnevenGroupSplits(TestMosaicGpuPadded):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-class TestMosaicGpuPaddedD160(TestMosaicGpuPadded):
-  """D = 160 to 192 (the column-split backward), T = 300 > S = 200: causal rows past S would
-  see the padded keys but for the key bound."""
+class TestMosaicGpuD160(TestMosaicGpuPadded):
+  """D = 160 as it is (the column-split backward, 80 columns a warpgroup in 32-byte
+  swizzles; D = 192's and 256's settings), T = 300 > S = 200 on padded copies of the
+  lengths: causal rows past S would see the padded keys but for the key bound."""
 
   shape = dict(b=2, t=300, s=200, hq=4, hkv=2, d=160)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuD160Mha(TestMosaicGpuInPlace):
+  """D = 160 in place, one query head per key head: causal calls take D = 192's ordered
+  section (two Q/dO stages)."""
+
+  shape = dict(b=2, t=264, s=520, hq=4, hkv=4, d=160)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuD160Nondeterministic(TestMosaicGpuD160Mha):
+  extra = dict(deterministic=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuD224(TestMosaicGpuInPlace):
+  """D = 224 as it is (112 columns a warpgroup, 32-byte swizzles; D = 256's settings), MQA,
+  T > S."""
+
+  shape = dict(b=2, t=520, s=264, hq=4, hkv=1, d=224)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuPaddedD144(TestMosaicGpuPadded):
+  """D = 144 to 160 on copies, GQA 2:1."""
+
+  shape = dict(b=2, t=512, s=384, hq=4, hkv=2, d=144)
 
 
 @pytest.mark.gpu
@@ -2297,6 +2373,26 @@ class TestMosaicGpuD80(TestMosaicGpuInPlace):
 class TestMosaicGpuD80Nondeterministic(TestMosaicGpuD80):
   """D = 80, the one-pass kernel adding dq in arrival order."""
 
+  extra = dict(deterministic=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuD112(TestMosaicGpuInPlace):
+  """D = 112 as it is (32-byte swizzles; D = 128's forward settings), T < S: deterministic,
+  the dK/dV-only kernel beside the dq kernel (dq_split's halves would not fill a swizzle
+  group, so no ordered one-pass kernel)."""
+
+  shape = dict(b=2, t=384, s=512, hq=4, hkv=2, d=112)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuD112Nondeterministic(TestMosaicGpuD112):
+  """D = 112, the one-pass kernel adding dq in arrival order (an explicit config: calls with
+  deterministic=False run the pair there, which measured faster)."""
+
+  impl = PallasMosaicGpu(backward_config=mb.MosaicBackwardConfig(dq_split=False))
   extra = dict(deterministic=False)
 
 
