@@ -32,9 +32,10 @@ see any of its keys (by the band, then by segment-id ranges), and masks those th
 see all of them (with segment ids, all but those holding the keys' one id). Served:
 bf16/f16, the head dims of _padding.HEAD_DIMS (48, 80 and 112 without dq_split, whose halves
 would not fill a 32-byte swizzle group; those over 128 with column_split: each warpgroup
-owns half of the columns of dK, dV and dQ), T a multiple of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
-configs/tuning/flash_attention.toml picks the settings per head dim, causal and GQA;
-docs/design/flash_attention.md has what each variant measured.
+owns half of the columns of dK, dV and dQ), T a multiple of 64, S of 128 (of 64 with
+column_split), any mask, logit softcap. configs/tuning/flash_attention.toml picks the
+settings per head dim, causal and GQA; docs/design/flash_attention.md has what each variant
+measured.
 """
 
 from __future__ import annotations
@@ -329,9 +330,9 @@ class MosaicBackwardConfig:
 def _two_stages(config: MosaicBackwardConfig, d: int, segments: bool) -> MosaicBackwardConfig:
   """A column-split config of one Q/dO stage with a second where it fits (D = 160 and 192;
   the tables' settings are D = 256's, where it does not): its steps then find their Q and
-  dO loaded. At D = 160 (B2 T4k H16, fwd+bwd, H200, one process)
-  ordered without a mask 4.03 against 4.34 ms (cuDNN 3.96); at D = 192 level (B2 T3k H16
-  2.61 against 2.60 ms, B4 T4k 7.66 against 7.70)."""
+  dO loaded. Fwd+bwd, ordered, without a mask (H200, one process each): D = 160 B2 T4k H16
+  4.03 against 4.34 ms (cuDNN 3.96); D = 192 level (B2 T3k H16 2.61 against 2.60 ms, B4 T4k
+  7.66 against 7.70)."""
   if not config.column_split or config.stages != 1:
     return config
   wider = dataclasses.replace(config, stages=2)

@@ -677,9 +677,9 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   else:
     seg_args = ()
   n_q_ctas = t // (2 * cfg.block_q)
-  # Not at D = 256: interleaving 2, 4 or 8 heads took the causal forward at B4 T4k H16 from
-  # 0.94 to 0.97-1.01 ms (H200), though it was level at B2 and faster at T2k (0.28 against
-  # 0.29 ms): mixed, so the head-by-head order stays there.
+  # Not on D = 256's settings (D = 224 and 256): interleaving 2, 4 or 8 heads took the causal
+  # forward at B4 T4k H16 D256 from 0.94 to 0.97-1.01 ms (H200), though it was level at B2
+  # and faster at T2k (0.28 against 0.29 ms): mixed, so the head-by-head order stays there.
   head_group = 1 if _padding.settings_dim(d) == 256 else _mosaic.interleaved_heads(
       mask, b * hq, n_q_ctas, cfg.num_sms or hopper.sm_count())
   if cfg.persistent:
