@@ -336,7 +336,7 @@ def _two_stages(config: MosaicBackwardConfig, d: int, segments: bool) -> MosaicB
   if not config.column_split or config.stages != 1:
     return config
   wider = dataclasses.replace(config, stages=2)
-  fitted = dataclasses.replace(wider, scores_split=wider.scores_split and not segments)
+  fitted = fit_shared_memory(wider, d, jnp.bfloat16, segments)  # as the call will run it
   return wider if _smem_bytes(fitted, d, 2, segments) <= hopper.SMEM_BYTES else config
 
 
