@@ -137,7 +137,8 @@ class MosaicBackwardConfig:
     column_split: a CTA of 64 keys whose two compute warpgroups each own half of the
       columns of dK, dV and dQ; both compute the whole Sᵀ and dPᵀ (7 matmul units of
       64·64·D/2 per warpgroup against 5 of 64·64·D). It keeps dK and dV in registers at
-      D = 256, where 64 keys of full width do not fit.
+      D = 256, where 64 keys of full width do not fit. A step issues dQ, dV and dK
+      together, dQ first, and stores dQ while the other two run (as dq_split does).
     scores_split: (column_split) the warpgroups split Sᵀ and dPᵀ by the step's query halves
       instead of both computing them whole (5 matmul units per warpgroup against 7), and
       exchange their halves of Pᵀ and dSᵀ through shared memory (two slots each), where
@@ -1043,6 +1044,32 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_arrive(sc.q_free.at[slot])
         return dk, dv
 
+      def split_cols_grads(i, gi, slot, q_tile, do_tile, k_step, pt, dst, ds_buf, dk, dv,
+                           publish):
+        """The rest of column_split's step i after Pᵀ and dSᵀ: dQ, dV and dK issued together
+        on this warpgroup's columns, dQ first, so that its store (and, with dq_ordered, the
+        wait for a free dQ slot) runs under dV and dK rather than after them."""
+        if ds_buf is None:  # without scores_split, each warpgroup's own copy of dSᵀ
+          ds_buf = share_ds(gi, dst).at[pl.ds(wg * bkv, bkv)]
+
+        def grads(refs):
+          dq_acc, dv_ref, dk_ref = refs
+          plgpu.wgmma(dq_acc, ds_buf.T, k_step.at[:, my_cols])
+          plgpu.wgmma(dv_ref, pt, do_tile.at[:, my_cols])
+          plgpu.wgmma(dk_ref, dst, q_tile.at[:, my_cols])
+          take_turn()
+          dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
+          store_dq(i, gi, dq, my_cols)
+
+        _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, oc))), plgpu.ACC.init(dv),
+                                         plgpu.ACC.init(dk)))
+        if publish:
+          publish_delta(it, i)
+        plgpu.barrier_arrive(sc.do_free.at[slot])
+        plgpu.barrier_arrive(sc.q_free.at[slot])
+        take_turn()
+        return dk, dv
+
       def step(i, carry, *, masked):
         dk, dv, z = carry
         z_next = zero_ref[0]  # the next step's offset (key_tiles)
@@ -1107,6 +1134,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           meet(sc.ds_ready.at[b])
           pt, dst = pt_buf, ds_buf
 
+        if split and config.with_dq:
+          return split_cols_grads(i, gi, slot, q_tile, do_tile, k_step, pt, dst, ds_buf,
+                                  dk, dv, publish)
+
         def grads(refs):
           dv_ref, dk_ref = refs
           plgpu.wgmma(dv_ref, pt, do_tile.at[:, my_cols] if split else do_tile)
@@ -1121,11 +1152,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         if not config.with_dq:
           return dk, dv
 
-        if ds_buf is None:
-          ds_buf = share_ds(gi, dst).at[pl.ds(wg * bkv, bkv)]
+        ds_buf = share_ds(gi, dst).at[pl.ds(wg * bkv, bkv)]
 
-        def mm(acc_ref):  # dQ[:, own columns] = dS (own keys) K (own keys, own columns)
-          plgpu.wgmma(acc_ref, ds_buf.T, k_step.at[:, my_cols] if split else k_step)
+        def mm(acc_ref):  # dQ = dS (own keys) K (own keys)
+          plgpu.wgmma(acc_ref, ds_buf.T, k_step)
           take_turn()
           return acc_ref[...]
 
