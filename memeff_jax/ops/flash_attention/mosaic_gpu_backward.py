@@ -1009,6 +1009,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                 dq_ref.at[it.b, pl.ds(qb * bq, bq), head, cols],
                                 reduction_op="add")
 
+      def end_step(i, slot, publish):
+        """After step i's last WGMMA on Q and dO: the Δ flag it owes (fused_delta), then
+        its Q/dO slot released to the memory warpgroup."""
+        if publish:
+          publish_delta(it, i)
+        plgpu.barrier_arrive(sc.do_free.at[slot])
+        plgpu.barrier_arrive(sc.q_free.at[slot])
+
       def split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish):
         """The rest of dq_split's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
         shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
@@ -1038,10 +1046,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
-        if publish:
-          publish_delta(it, i)
-        plgpu.barrier_arrive(sc.do_free.at[slot])
-        plgpu.barrier_arrive(sc.q_free.at[slot])
+        end_step(i, slot, publish)
         return dk, dv
 
       def split_cols_grads(i, gi, slot, q_tile, do_tile, k_step, pt, dst, ds_buf, dk, dv,
@@ -1063,10 +1068,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, oc))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
-        if publish:
-          publish_delta(it, i)
-        plgpu.barrier_arrive(sc.do_free.at[slot])
-        plgpu.barrier_arrive(sc.q_free.at[slot])
+        end_step(i, slot, publish)
         take_turn()
         return dk, dv
 
@@ -1145,10 +1147,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           take_turn()
 
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-        if publish:
-          publish_delta(it, i)
-        plgpu.barrier_arrive(sc.do_free.at[slot])
-        plgpu.barrier_arrive(sc.q_free.at[slot])
+        end_step(i, slot, publish)
         if not config.with_dq:
           return dk, dv
 
