@@ -1069,7 +1069,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, oc))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
         end_step(i, slot, publish)
-        take_turn()
+        take_turn()  # pingpong: a step's second turn, as when dQ was issued on its own
         return dk, dv
 
       def step(i, carry, *, masked):
