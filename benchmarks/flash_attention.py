@@ -6,7 +6,10 @@ Providers: memeff (default implementation, deterministic backward), memeff:nonde
 (default implementation with deterministic=False: on Hopper the one-pass Mosaic backward),
 memeff:NAME[:key=value] (e.g. memeff:pallas_triton:block_q=128,
 memeff:pallas_mosaic_gpu:bwd=triton or :bwd_dq_split=0; a Mosaic backward runs with
-deterministic=False), xla and cudnn (jax.nn.dot_product_attention; packed documents on
+deterministic=False), memeff:tuned:key=value (the default dispatch, deterministic, with
+fields of the Mosaic configs it picks replaced: bwd_KEY of the backward's, KEY of the
+forward's; e.g. memeff:tuned:bwd_dq_heavy_first=0 beside memeff times one tuned setting on
+every shape of a set), xla and cudnn (jax.nn.dot_product_attention; packed documents on
 cudnn through its packed layout, jax's cuDNN attention with sequence lengths and offsets),
 cudnn:deterministic (cudnn compiled with XLA's nondeterministic ops excluded: its backward
 otherwise adds dq in arrival order, and its gradients differ from call to call),
@@ -29,10 +32,13 @@ their ratios. Rows are appended to benchmarks/results/flash_attention.jsonl (or 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import pathlib
 import sys
 import traceback
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,14 +63,58 @@ TORCH_BACKENDS = {"torch:cudnn": "CUDNN_ATTENTION", "torch:flash": "FLASH_ATTENT
 TORCH_LEAD_MS = 2.0
 
 
+class Tuned(NamedTuple):
+  """memeff:tuned's fields of the forward's and the backward's Mosaic configs."""
+  forward: dict
+  backward: dict
+
+
+@contextlib.contextmanager
+def tuned_fields(tuned: Tuned):
+  """While a call is traced: the Mosaic configs that the default dispatch picks
+  (MosaicConfig.for_call, MosaicBackwardConfig.for_deterministic and for_nondeterministic)
+  with tuned's fields replaced; what the dispatch does after them (split_group,
+  fit_shared_memory, the support checks) runs as for the default. The backward's config is
+  picked with the forward's (the custom_vjp's static argument)."""
+  with contextlib.ExitStack() as stack:
+    for cls, names, fields in ((fa.MosaicConfig, ("for_call",), tuned.forward),
+                               (fa.MosaicBackwardConfig,
+                                ("for_deterministic", "for_nondeterministic"), tuned.backward)):
+      for name in names:
+        picked = getattr(cls, name)
+        replaced = lambda *a, picked=picked, fields=fields, **kw: dataclasses.replace(
+            picked(*a, **kw), **fields)
+        stack.enter_context(_patched(cls, name, staticmethod(replaced)))
+    yield
+
+
+@contextlib.contextmanager
+def _patched(cls, name, value):
+  original = cls.__dict__[name]
+  setattr(cls, name, value)
+  try:
+    yield
+  finally:
+    setattr(cls, name, original)
+
+
+def _config_fields(opts: dict) -> tuple[dict, dict]:
+  """KEY=V options as integer fields of the forward's and (bwd_KEY) the backward's config."""
+  return ({k: int(v) for k, v in opts.items() if not k.startswith("bwd_")},
+          {k[4:]: int(v) for k, v in opts.items() if k.startswith("bwd_")})
+
+
 def parse_memeff(provider: str):
-  """(implementation, deterministic) of a memeff provider."""
+  """(implementation, deterministic) of a memeff provider; the implementation is a Tuned
+  for memeff:tuned."""
   parts = provider.split(":")
   if len(parts) == 1:
     return None, True
   if parts[1:] == ["nondeterministic"]:
     return None, False
   name, opts = parts[1], dict(p.split("=", 1) for p in parts[2:])
+  if name == "tuned":
+    return Tuned(*_config_fields(opts)), True
   if name == "pallas_triton" and opts:
     from memeff_jax.ops.flash_attention.pallas_triton import BlockConfig, default_config  # pylint: disable=import-outside-toplevel
     return fa.PallasTriton(config=BlockConfig(**{**default_config(128).__dict__,
@@ -73,8 +123,7 @@ def parse_memeff(provider: str):
     # bwd=triton runs pallas_triton's backward (with its D = 128 tiles: the head dim is not
     # known here); bwd_KEY=V sets MosaicBackwardConfig's KEY.
     bwd_kind = opts.pop("bwd", "mosaic")
-    bwd = {k[4:]: int(v) for k, v in opts.items() if k.startswith("bwd_")}
-    fwd = {k: int(v) for k, v in opts.items() if not k.startswith("bwd_")}
+    fwd, bwd = _config_fields(opts)
     if bwd_kind == "triton":
       from memeff_jax.ops.flash_attention.pallas_triton import default_config  # pylint: disable=import-outside-toplevel
       backward = default_config(128)
@@ -95,9 +144,14 @@ def attention_fn(provider, causal, seg, window=None):
   if provider.startswith("memeff"):
     impl, deterministic = parse_memeff(provider)
     kw = {} if seg is None else dict(q_segment_ids=seg, kv_segment_ids=seg)
-    return lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, sliding_window=window,
-                                              deterministic=deterministic,
-                                              implementation=impl, **kw)
+    tuned = impl if isinstance(impl, Tuned) else None
+
+    def attend(q, k, v):
+      with tuned_fields(tuned) if tuned else contextlib.nullcontext():
+        return fa.flash_attention(q, k, v, causal=causal, sliding_window=window,
+                                  deterministic=deterministic,
+                                  implementation=None if tuned else impl, **kw)
+    return attend
   if provider == "cudnn" and seg is not None:
     return cudnn_packed_fn(causal, seg, window)
   if provider in ("xla", "cudnn"):

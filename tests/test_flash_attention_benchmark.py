@@ -1,6 +1,8 @@
 """benchmarks/flash_attention.py's peers: cuDNN on packed documents (its packed layout), cuDNN
 made deterministic, torch's scaled_dot_product_attention; the grid table that compares memeff
-with them."""
+with them; memeff:tuned, the default dispatch with a tuned setting changed."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,11 @@ import pytest
 
 from benchmarks import flash_attention as bench
 import memeff_jax
+from memeff_jax.kernels import hopper
+from memeff_jax.ops import flash_attention as fa
+from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pm
+from memeff_jax.ops.flash_attention._common import AttentionOptions
+from memeff_jax.ops.flash_attention.masks import MaskSpec
 
 
 def test_packed_layout_of_contiguous_documents():
@@ -181,3 +188,33 @@ def test_random_documents_have_a_heading_of_their_own():
   assert len(headings) == 2
   assert any("8 documents per row, bfloat16" in h for h in headings)
   assert any("8 documents per row of random lengths (seed 0), bfloat16" in h for h in headings)
+
+
+def test_tuned_provider_replaces_fields_of_the_configs_the_dispatch_picks(monkeypatch):
+  """memeff:tuned:... runs the default dispatch (as on a Hopper GPU here) with the named
+  fields of its forward and backward configs replaced, only while its call is traced."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  tuned, deterministic = bench.parse_memeff("memeff:tuned:bwd_dq_heavy_first=1:persistent=1")
+  assert tuned == bench.Tuned({"persistent": 1}, {"dq_heavy_first": 1}) and deterministic
+  q = jax.ShapeDtypeStruct((4, 4096, 32, 128), jnp.bfloat16)
+  opts = AttentionOptions(mask=MaskSpec.make(True, None, False), scale=0.125)
+  static = lambda: pm.PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
+  default = static()
+  assert not default.backward.dq_heavy_first and not default.config.persistent
+  with bench.tuned_fields(tuned):
+    changed = static()
+  assert changed.backward == dataclasses.replace(default.backward, dq_heavy_first=True)
+  assert changed.config == dataclasses.replace(default.config, persistent=True)
+  assert static() == default  # restored
+  assert not fa.MosaicBackwardConfig.for_deterministic(128, True).dq_heavy_first
+
+
+def test_tuned_provider_computes_the_default_attention():
+  """On the CPU (no Mosaic kernel: the fields change nothing) the tuned provider's call is
+  memeff's."""
+  ks = jax.random.split(jax.random.key(3), 3)
+  q, k, v = (jax.random.normal(key, (1, 256, 2, 64), jnp.float32) for key in ks)
+  want = bench.attention_fn("memeff", True, None)(q, k, v)
+  got = bench.attention_fn("memeff:tuned:bwd_dq_heavy_first=1", True, None)(q, k, v)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
