@@ -209,6 +209,10 @@ class MosaicBackwardConfig:
       float32 reference grows with the adders, 1.09×, 1.18×, 1.31× and 1.51× that of the
       float32 sum at 4, 8, 16 and 32 of them (bf16, a numerical model of the kernel's
       sums), so for_deterministic turns it on only up to ROUNDED_DQ_MAX_ADDERS.
+    early_softmax: a step waits for its Sᵀ alone and computes Pᵀ while its dPᵀ WGMMA still
+      runs, instead of waiting for both (the same bits). Measured faster only where nothing
+      else fills the tensor cores meanwhile: D = 128 causal without dq_stagger (see the
+      design doc).
     group_splits: (not gqa_per_query_head) CTAs per key block and key head, each walking its
       share of the group's query heads (shares differ by at most one head where the splits do
       not divide the group; never more CTAs than query heads). Each stores its dK and dV, in
@@ -234,6 +238,7 @@ class MosaicBackwardConfig:
   dq_heavy_first: bool = False
   dq_rounded: bool = False
   group_splits: int = 1
+  early_softmax: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -1104,27 +1109,42 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.wgmma(dp_ref, v_step, (do_tile.at[qs] if config.scores_split else do_tile).T)
           take_turn()
 
+        def probabilities(st):
+          zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
+          if masked:
+            zt = jnp.where(visible(slot, qb, zt.shape, q0), zt, -jnp.inf)
+          elif segments:  # unread, but every load's barrier is waited on (its phase)
+            plgpu.barrier_wait(sc.q_seg_ready.at[slot])
+          # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live,
+          # the 16 registers of a column vector decide whether the warpgroup spills.
+          lse2 = hopper.load(sc.stats_smem.at[slot, 0, qs], col_layout)
+          pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
+          p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
+          return pt, p_ds
+
         if config.dq_stagger:  # warpgroup 1 starts once warpgroup 0's first scores are done
           pl.when((i == 0) & (wg == 1))(lambda: plgpu.barrier_wait(sc.lead))
-        st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, nq))),
-                                        plgpu.ACC.init(zeros((bkv, nq)))))
+        if config.early_softmax:
+          def scores_early(s_ref, dp_ref):
+            scores((s_ref, dp_ref))
+            st = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # dPᵀ still runs
+            pt, p_ds = probabilities(st)
+            return pt, p_ds, dp_ref[...]
+
+          pt, p_ds, dpt = pl.run_scoped(scores_early, plgpu.ACC((bkv, nq), jnp.float32),
+                                        plgpu.ACC((bkv, nq), jnp.float32))
+        else:
+          st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, nq))),
+                                          plgpu.ACC.init(zeros((bkv, nq)))))
         if config.dq_stagger:
           pl.when((i == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(sc.lead))
-        zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
-        if masked:
-          zt = jnp.where(visible(slot, qb, zt.shape, q0), zt, -jnp.inf)
-        elif segments:  # unread, but every load's barrier is waited on (its phase)
-          plgpu.barrier_wait(sc.q_seg_ready.at[slot])
-        # Each row statistic is loaded just before its use: with dK, dV, Sᵀ and dPᵀ live, the
-        # 16 registers of a column vector decide whether the warpgroup spills.
-        lse2 = hopper.load(sc.stats_smem.at[slot, 0, qs], col_layout)
-        pt = jnp.exp2(zt - lax.broadcast_in_dim(lse2, st.shape, [1]))
-        p_ds = pt if softcap is None else pt * (1.0 - tanh * tanh)
+        if not config.early_softmax:
+          pt, p_ds = probabilities(st)
         pt = pt.astype(dtype)  # dV's operand
         if fused:  # warpgroup 0 wrote this step's Δ (own_delta)
           pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(sc.delta_ready))
         row_delta = hopper.load(sc.stats_smem.at[slot, 1, qs], col_layout)
-        dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, st.shape, [1]))).astype(dtype)
+        dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, dpt.shape, [1]))).astype(dtype)
         if config.dq_split:
           return split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish)
         ds_buf = None

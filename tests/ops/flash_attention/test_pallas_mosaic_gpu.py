@@ -1197,7 +1197,8 @@ def test_tuned_backward_configs_serve_their_calls():
     ordered = mb.MosaicBackwardConfig.for_deterministic(128, causal, gqa)
     assert ordered == mb.MosaicBackwardConfig(
         dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=not causal,
-        fused_delta=causal, dq_stagger=not (causal or gqa), gqa_per_query_head=causal and gqa)
+        fused_delta=causal, dq_stagger=not (causal or gqa), gqa_per_query_head=causal and gqa,
+        early_softmax=causal)
     assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(causal),
                             ordered) is None
   # d128_causal[_gqa]_ordered_long: from LONG_WALK_QUERIES queries, a third Q/dO stage in
@@ -1395,13 +1396,14 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper)
       jax.ShapeDtypeStruct((1, t, 8, 128), BF16), jax.ShapeDtypeStruct((1, t, hkv, 128), BF16),
       opts).backward
   assert not backward(short, 2, docs).gqa_per_query_head
-  assert backward(long, 2, docs) == mb.MosaicBackwardConfig(
-      dq_split=True, gqa_per_query_head=True, dq_ordered=True)  # _long's 3 stages: 2 fit
+  assert backward(long, 2, docs) == mb.MosaicBackwardConfig(  # _long's 3 stages: 2 fit
+      dq_split=True, gqa_per_query_head=True, dq_ordered=True, early_softmax=True)
   assert not backward(long, 2, window).gqa_per_query_head
   # MHA: the causal section's kernel, dq_rotate aside (it applies only without a mask)
   assert not mb._rotates(backward(short, 8, docs), docs.mask, short // 128)  # pylint: disable=protected-access
-  assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False)
-          == backward(long, 8, docs) == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True))
+  assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False, early_softmax=True)
+          == backward(long, 8, docs)
+          == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, early_softmax=True))
   for d in (64, 256):  # other head dims: the sections without a mask at any length
     assert (mb.MosaicBackwardConfig.for_deterministic(d, True, True, t=long, segments=True)
             == mb.MosaicBackwardConfig.for_deterministic(d, False, True, t=long))
