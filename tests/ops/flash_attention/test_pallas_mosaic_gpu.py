@@ -1399,7 +1399,7 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper)
   assert backward(long, 2, docs) == mb.MosaicBackwardConfig(  # _long's 3 stages: 2 fit
       dq_split=True, gqa_per_query_head=True, dq_ordered=True, early_softmax=True)
   assert not backward(long, 2, window).gqa_per_query_head
-  # MHA: the causal section's kernel, dq_rotate aside (it applies only without a mask)
+  # MHA: the causal section's kernel, dq_rotate (only without a mask) and early_softmax aside
   assert not mb._rotates(backward(short, 8, docs), docs.mask, short // 128)  # pylint: disable=protected-access
   assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False, early_softmax=True)
           == backward(long, 8, docs)
