@@ -39,6 +39,7 @@ import pathlib
 import sys
 import traceback
 from typing import NamedTuple
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -84,18 +85,8 @@ def tuned_fields(tuned: Tuned):
         picked = getattr(cls, name)
         replaced = lambda *a, picked=picked, fields=fields, **kw: dataclasses.replace(
             picked(*a, **kw), **fields)
-        stack.enter_context(_patched(cls, name, staticmethod(replaced)))
+        stack.enter_context(mock.patch.object(cls, name, staticmethod(replaced)))
     yield
-
-
-@contextlib.contextmanager
-def _patched(cls, name, value):
-  original = cls.__dict__[name]
-  setattr(cls, name, value)
-  try:
-    yield
-  finally:
-    setattr(cls, name, original)
 
 
 def _config_fields(opts: dict) -> tuple[dict, dict]:
