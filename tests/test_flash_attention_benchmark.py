@@ -197,7 +197,7 @@ def test_tuned_provider_replaces_fields_of_the_configs_the_dispatch_picks(monkey
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   tuned, deterministic = bench.parse_memeff("memeff:tuned:bwd_dq_heavy_first=1:persistent=1")
   assert tuned == bench.Tuned({"persistent": 1}, {"dq_heavy_first": 1}) and deterministic
-  q = jax.ShapeDtypeStruct((4, 4096, 32, 128), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16)  # the grid forward, not persistent
   opts = AttentionOptions(mask=MaskSpec.make(True, None, False), scale=0.125)
   static = lambda: pm.PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   default = static()

@@ -67,6 +67,13 @@ class MaskSpec:
     its softmax. Without a window on the left every query sees key 0 under the band."""
     return self.segments or not (self.sees_all_keys or self.is_causal_band)
 
+  def span(self, s: int) -> int:
+    """The most keys one query's band can see out of s: left + right + 1 (s where the band
+    is open on a side). Segment ids and the key bound are not counted."""
+    if self.left is None or self.right is None:
+      return s
+    return min(s, self.left + self.right + 1)
+
   def visible_pairs(self, t: int, s: int) -> int:
     """How many (query, key) pairs of a [t, s] score matrix the band lets through (segment
     ids, unknown until run time, are not counted)."""

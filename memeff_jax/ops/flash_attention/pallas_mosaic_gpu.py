@@ -74,8 +74,14 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 
-# The most keys for which a causal call's forward runs persistent (MosaicConfig.for_call).
+# The most keys for which a causal call's forward runs persistent with ping-pong
+# (MosaicConfig.for_call).
 SHORT_CAUSAL_KEYS = 2048
+# At D = 128, the most keys a query's band spans (MaskSpec.span) for which a causal or
+# windowed call's forward runs persistent with tiles taken at run time, and the fewest query
+# tiles per SM it needs for that (MosaicConfig.for_call).
+SHORT_WALK_KEYS = 6144
+SHORT_WALK_MIN_TILES_PER_SM = 16
 # The key block of calls without a mask at D = 48 and 64 (MosaicConfig.for_call).
 WIDE_KEY_BLOCK = 256
 
@@ -124,10 +130,11 @@ class MosaicConfig:
     return cls() if d <= 128 else cls(block_kv=64)
 
   @classmethod
-  def for_call(cls, d: int, mask: MaskSpec, s: int) -> "MosaicConfig":
-    """for_head_dim(d) for a call with s keys, set as measured (docs/design/flash_attention.md,
-    H200 and H100). "No mask" includes a key bound (MaskSpec.keys: a padded call's padded
-    keys), which masks one key block:
+  def for_call(cls, d: int, mask: MaskSpec, s: int, tiles: int = 0) -> "MosaicConfig":
+    """for_head_dim(d) for a call with s keys and `tiles` query tiles of 2·block_q rows
+    (B·Hq·T / 128; 0: not known), set as measured (docs/design/flash_attention.md, H200 and
+    H100). "No mask" includes a key bound (MaskSpec.keys: a padded call's padded keys), which
+    masks one key block:
 
     - overlap in place of ping-pong at D = 128, 192 and 256 under no mask or a causal one
       (D = 192 causal: 1.02–1.13× cuDNN's forward against 0.95–1.01× with ping-pong);
@@ -150,6 +157,18 @@ class MosaicConfig:
       the forward in 0.27 against 0.31 ms for a grid of CTAs, one document per row 1.13
       against 1.14), and for the short causal calls above at D = 128 (0.36 against 0.37 ms
       dealt statically at B16 T1k H32).
+    - the same at D = 128 for causal calls and sliding windows whose band spans at most
+      SHORT_WALK_KEYS keys, with the overlap where the grid kernel has it: a tile walks few
+      key blocks, and the K/V ring running on through its epilogue pays, where each SM
+      takes at least SHORT_WALK_MIN_TILES_PER_SM tiles. Forward against the grid of CTAs,
+      H200, 7–9 interleaved rounds: causal B4 T4096 H32/8 1.00–1.02 against 1.07–1.09 ms,
+      H32 1.04 against 1.11, B2 T4096 H40 (20 tiles per SM) 0.66 against 0.70, B8 T3072
+      H32/8 1.17 against 1.26, B4 T6144 H32/8 2.21 against 2.27, B2 T8192 H32/8 1.94
+      against 1.97, B4 T4000 (run at 4,096 with a key bound) 1.00 against 1.05; B16 T1000
+      0.34 against 0.40; a causal window of 1,024 keys B4 T4096 H32 0.55 against 0.60–0.63,
+      B1 T16384 H32/8 0.59 against 0.67, of 1,024 on both sides 0.97 against 1.02, of
+      4,096 at T8192 level. Fewer tiles per SM lost: B2 T3000 H16 (6) 0.18 against 0.16, B1
+      T8192 H28/4 (14) 0.87 against 0.86; longer walks were level (B1 T16384 H32/8).
     - 256-key blocks (two stages) at D = 48 and 64 without a mask where they divide S: the
       softmax of a 64 × 256 block, not the short QKᵀ and PV WGMMAs, sets the pace there, and
       a wider step halves the steps' fixed costs (forward, H200: B8 T4096 H8 D = 40 at 48
@@ -176,6 +195,10 @@ class MosaicConfig:
     if d in (128, 192, 256) and (mask.sees_all_keys or mask.is_causal):
       config = dataclasses.replace(config, overlap=True, pingpong=False,
                                    persistent=d == 128 and mask.sees_all_keys)
+    if (d == 128 and not (mask.sees_all_keys or mask.segments)
+        and mask.span(s) <= SHORT_WALK_KEYS
+        and tiles >= SHORT_WALK_MIN_TILES_PER_SM * hopper.sm_count()):
+      config = dataclasses.replace(config, persistent=True, dynamic=True)
     if (d == 64 and mask.is_causal) or (d in (64, 96) and mask.sees_all_keys):
       config = dataclasses.replace(config, persistent=True)
     if d in (96, 192) and mask.sees_all_keys:
@@ -875,7 +898,9 @@ class PallasMosaicGpu:
                          2 * mosaic_gpu_backward.BLOCK_KV)
 
   def _static_as_is(self, q, k, opts: AttentionOptions) -> _Static:
-    config = self.config or MosaicConfig.for_call(q.shape[-1], opts.mask, k.shape[1])
+    b, t, hq, d = q.shape
+    config = self.config or MosaicConfig.for_call(d, opts.mask, k.shape[1],
+                                                  tiles=b * hq * t // (2 * MosaicConfig.block_q))
     why = hopper_available() or support_error(q.shape, k.shape, q.dtype, opts, config)
     if why is not None:
       raise _dispatch.Unsupported(f"pallas_mosaic_gpu: {why}")

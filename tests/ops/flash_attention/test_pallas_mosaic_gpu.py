@@ -87,7 +87,9 @@ def test_explicit_mosaic_on_cpu_says_why():
 
 
 @pytest.mark.parametrize("d, opts, s, overlap, persistent", [
-    (128, _opts(), 256, True, True), (128, _opts(causal=True), 4096, True, False),
+    (128, _opts(), 256, True, True), (128, _opts(causal=True), 8192, True, False),
+    (128, _opts(causal=True), 6144, True, "dynamic"),
+    (128, _opts(causal=True), 4096, True, "dynamic"),
     (128, _opts(causal=True), 2048, False, "dynamic"),
     (128, _opts(causal=True), 256, False, "dynamic"),
     (256, _opts(), 256, True, False), (256, _opts(causal=True), 256, True, False),
@@ -95,7 +97,9 @@ def test_explicit_mosaic_on_cpu_says_why():
     (192, _opts(), 256, True, False), (192, _opts(causal=True), 256, True, False),
     (96, _opts(), 256, False, True), (96, _opts(causal=True), 1024, False, True),
     (96, _opts(causal=True), 4096, False, False),
-    (128, _opts(window=(100, 7)), 256, False, False),
+    (128, _opts(window=(100, 7)), 256, False, "dynamic"),
+    (128, _opts(causal=True, window=1024), 16384, False, "dynamic"),
+    (128, _opts(window=4096), 16384, False, False),
     (128, _opts(causal=True, segments=True), 8192, False, "dynamic"),
     (128, _opts(segments=True), 256, False, False),
     (128, _opts(window=(100, 0), segments=True), 256, False, False),
@@ -105,9 +109,10 @@ def test_forward_overlaps_where_it_measured_faster(as_on_hopper, d, opts, s, ove
   causal one, ping-pong elsewhere (masked blocks run without the overlap); persistent at
   D = 64, 96 and 128 without a mask, at D = 64 causal, and causal at D = 96 and 128 up to
   SHORT_CAUSAL_KEYS keys (with ping-pong); tiles taken at run time ("dynamic") for those at
-  D = 128 and for causal calls with segment ids there, at any length; three K/V stages at
+  D = 128, for causal calls with segment ids there, at any length, and for causal calls and
+  windows there whose band spans at most SHORT_WALK_KEYS keys; three K/V stages at
   D = 96 and 192 without a mask; an explicit config wins."""
-  q = jax.ShapeDtypeStruct((1, s, 4, d), BF16)
+  q = jax.ShapeDtypeStruct((1024, s, 4, d), BF16)  # at least 16 query tiles per SM
   st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   assert (st.config.overlap, st.config.pingpong) == (overlap, not overlap)
   assert st.config.persistent == bool(persistent)
@@ -118,6 +123,25 @@ def test_forward_overlaps_where_it_measured_faster(as_on_hopper, d, opts, s, ove
   assert st.config.stages == (3 if d in (96, 192) and opts.mask.is_dense else 2)
   explicit = PallasMosaicGpu(config=MosaicConfig())._static(q, q, opts)  # pylint: disable=protected-access
   assert explicit.config == MosaicConfig()
+
+
+@pytest.mark.parametrize("causal, window, s, span", [
+    (True, None, 4096, 4096), (False, (100, 7), 256, 108), (True, 1024, 16384, 1025),
+    (False, 4096, 4096, 4096), (False, (100, None), 4096, 4096)])
+def test_mask_span_counts_the_keys_a_query_can_see(causal, window, s, span):
+  assert MaskSpec.make(causal, window, False).span(s) == span
+
+
+@pytest.mark.parametrize("opts, s", [(_opts(causal=True), 4096),
+                                     (_opts(causal=True, window=1024), 16384)])
+def test_forward_keeps_the_grid_where_few_tiles_walk_far(as_on_hopper, opts, s):
+  """A causal call or window at D = 128 whose band spans up to SHORT_WALK_KEYS keys runs
+  persistent only where each SM takes at least SHORT_WALK_MIN_TILES_PER_SM query tiles."""
+  heads = -(-pm.SHORT_WALK_MIN_TILES_PER_SM * hopper.sm_count() * 128 // s)  # tiles of 128 rows
+  for heads, persistent in ((heads, True), (heads - 1, False)):
+    q = jax.ShapeDtypeStruct((1, s, heads, 128), BF16)
+    st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
+    assert (st.config.persistent, st.config.dynamic) == (persistent, persistent)
 
 
 @pytest.mark.parametrize("d, opts, s, block_kv, stages", [
