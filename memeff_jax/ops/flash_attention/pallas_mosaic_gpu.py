@@ -327,20 +327,27 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
     """config.persistent: (b, h, qi) of this CTA's r-th tile."""
     return at_launch(schedule[0][cta, r])
 
-  def following(r):
+  def following(r, *, wait: bool):
     """config.dynamic: the launch position of this CTA's tile after its r-th (n_tiles or
-    more for none), which the memory warpgroup took at the start of tile r."""
-    slots, ready, free, _, _ = tiles
+    more for none), which the memory warpgroup takes once it has issued tile r's loads. A
+    compute warpgroup waits for it once a tile (wait=True), then reads it again as it likes
+    until release_following."""
+    slots, ready, _, _, _ = tiles
 
     def read(i):
       def run():
-        plgpu.barrier_wait(ready.at[i])
-        nxt = slots[i]
-        plgpu.barrier_arrive(free.at[i])
-        return nxt
+        if wait:
+          plgpu.barrier_wait(ready.at[i])
+        return slots[i]
       return run
 
     return lax.cond(hopper.rem(r + 1, 2) == 0, read(0), read(1))
+
+  def release_following(r):
+    """config.dynamic: a compute warpgroup is done with following(r)'s slot."""
+    free = tiles[2]
+    lax.cond(hopper.rem(r + 1, 2) == 0, lambda: plgpu.barrier_arrive(free.at[0]),
+             lambda: plgpu.barrier_arrive(free.at[1]))
 
   def take_following(r):
     """config.dynamic, on the memory warpgroup: takes the CTA's tile after its r-th from the
@@ -349,7 +356,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
     def take(i):
       def run():
-        # The slot's last value (tile r − 1, taken at tile r − 2) read by the compute side.
+        # The slot's last value (tile r − 1, taken in tile r − 2) released by the compute
+        # side at the end of tile r − 2.
         pl.when(r >= 2)(lambda: plgpu.barrier_wait(free.at[i]))
         hopper.take_work_item(counter, slots, i, ctas)
         plgpu.barrier_arrive(ready.at[i])
@@ -437,19 +445,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
         pl.when(wg == 1)(take_turn)
 
-      # Persistent: the next tile's launch position (with config.dynamic; the memory
-      # warpgroup took it as it began this tile's loads) and the next tile's Q. Under a
-      # causal mask without segment ids (and without the overlap) the warpgroup refills Q's
-      # slot in the step of its last key block, once that block's QKᵀ has read it, so that
-      # Q lands under the block's softmax and PV: a short walk's next Q, issued in the
-      # epilogue, is still in flight when the next tile starts. Elsewhere Q is loaded after
-      # the walk: with segment ids that condition in the step slowed the forward (8
-      # documents per row: 0.253 against 0.237 ms, ptxas spilling 96 bytes against 68),
-      # and without a mask walks are long.
-      nxt = following(r) if config.dynamic else None
-
+      # Persistent: the next tile's Q (with config.dynamic at the launch position the
+      # memory warpgroup takes once it has issued this tile's loads). Under a causal mask
+      # without segment ids (and without the overlap) the warpgroup refills Q's slot in the
+      # step of its last key block, once that block's QKᵀ has read it, so that Q lands under
+      # the block's softmax and PV: a short walk's next Q, issued in the epilogue, is still
+      # in flight when the next tile starts. Elsewhere Q is loaded after the walk: with
+      # segment ids that condition in the step slowed the forward (8 documents per row:
+      # 0.253 against 0.237 ms, ptxas spilling 96 bytes against 68), and without a mask
+      # walks are long. Either way it runs once a tile, after the tile's last key block has
+      # landed, which the memory warpgroup loads before it takes the next tile: the wait
+      # for that is short and never on the other warpgroup.
       def load_next_q():
         if config.dynamic:
+          nxt = following(r, wait=True)
           pl.when(nxt < n_tiles)(lambda: load_q(*at_launch(nxt)))
         else:
           pl.when(r + 1 < schedule[1][cta])(lambda: load_q(*scheduled(r + 1)))
@@ -637,6 +646,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, pl.ds(row, bq), h])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row, bq)])
+      nxt = None
+      if config.dynamic:  # load_next_q has waited for it
+        nxt = following(r, wait=False)
+        release_following(r)
       return advanced(base, tile, nxt)
 
     each_tile(run_tile)
@@ -647,7 +660,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
     plgpu.set_max_registers(hopper.WARPGROUP_REGISTERS[1], action="decrease")
 
     def stream(r, tile: _Tile, base):
-      nxt = take_following(r) if config.dynamic else None
       # Masked CTAs may stream fewer blocks.
       _mosaic.stream_key_blocks(k_ref, v_ref, seg_refs[1] if segments else None, tile.b,
                                 hopper.div(tile.h, group), tile.cta_lo, tile.cta_hi, bkv,
@@ -655,6 +667,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
                                 (k_smem, v_smem) + ((seg.kv_ids,) if segments else ()),
                                 ready, (k_free, v_free), separate_rings=config.overlap,
                                 base=base)
+      # The next tile is taken only now, `stages` key blocks before this one ends: taken as
+      # a tile began, a CTA held its next tile for the whole walk while CTAs that finished
+      # sooner took later ones, so that tiles started out of launch order.
+      nxt = take_following(r) if config.dynamic else None
       return advanced(base, tile, nxt)
 
     each_tile(stream)
