@@ -78,10 +78,12 @@ except ImportError:  # pragma: no cover
 # (MosaicConfig.for_call).
 SHORT_CAUSAL_KEYS = 2048
 # At D = 128, the most keys a query's band spans (MaskSpec.span) for which a causal or
-# windowed call's forward runs persistent with tiles taken at run time, and the fewest query
-# tiles per SM it needs for that (MosaicConfig.for_call).
+# windowed call's forward runs persistent with tiles taken at run time (MosaicConfig.for_call).
 SHORT_WALK_KEYS = 6144
-SHORT_WALK_MIN_TILES_PER_SM = 16
+# The least work per SM for which those calls and the short causal ones (at D = 96 and 128)
+# run persistent: query tiles of 128 rows, and key blocks of 128 × 128 visible pairs.
+PERSISTENT_MIN_TILES_PER_SM = 2
+PERSISTENT_MIN_BLOCKS_PER_SM = 24
 # The key block of calls without a mask at D = 48 and 64 (MosaicConfig.for_call).
 WIDE_KEY_BLOCK = 256
 
@@ -108,11 +110,12 @@ class MosaicConfig:
       leaves through a buffer of its own (2·block_q·D more shared memory, which may cost a
       K/V stage at D > 128).
     num_sms: (persistent) the CTAs to launch; None reads the device's SM count.
-    dynamic: (persistent) each CTA takes its next tile at run time, the first in launch order
-      that no CTA has taken (an atomic count in global memory, taken a tile ahead by the
-      memory warpgroup), in place of the static deal, whose estimate knows the band's key
-      blocks but not those segment ids leave: as the hardware deals a grid's CTAs, by the
-      work they really take. Same tiles, same arithmetic: the same bits.
+    dynamic: (persistent) each CTA takes its next tile at run time, the first in launch
+      order that no CTA has taken (an atomic count in global memory, which the memory
+      warpgroup reads once it has issued the current tile's loads), in place of the static
+      deal, whose estimate knows the band's key blocks but not those segment ids leave: as
+      the hardware deals a grid's CTAs, by the work they really take. Same tiles, same
+      arithmetic: the same bits.
   """
 
   block_q: int = 64
@@ -130,9 +133,10 @@ class MosaicConfig:
     return cls() if d <= 128 else cls(block_kv=64)
 
   @classmethod
-  def for_call(cls, d: int, mask: MaskSpec, s: int, tiles: int = 0) -> "MosaicConfig":
-    """for_head_dim(d) for a call with s keys and `tiles` query tiles of 2·block_q rows
-    (B·Hq·T / 128; 0: not known), set as measured (docs/design/flash_attention.md, H200 and
+  def for_call(cls, d: int, mask: MaskSpec, s: int, t: int = 0,
+               heads: int = 0) -> "MosaicConfig":
+    """for_head_dim(d) for a call of `heads` query heads (B·Hq; 0: not known) of t queries
+    each over s keys, set as measured (docs/design/flash_attention.md, H200 and
     H100). "No mask" includes a key bound (MaskSpec.keys: a padded call's padded keys), which
     masks one key block:
 
@@ -143,7 +147,9 @@ class MosaicConfig:
     - persistent where a query tile's walk is short, so that loading the next tile's Q and
       keeping the K/V ring running through a tile's epilogue pays: causal at D = 96 and 128
       with at most SHORT_CAUSAL_KEYS keys (with ping-pong: 9% more forward TFLOP/s than the
-      overlap at T = 1,024, level at 4,096, where an H100 measured it 2% slower), at D = 64
+      overlap at T = 1,024, level at 4,096, where an H100 measured it 2% slower) where each
+      SM has the work _fills_sms asks (B1 T2048 H8, a tile per SM, ran 0.036 ms on the grid
+      against 0.040 persistent at D = 96, 0.037 against 0.042 at D = 128), at D = 64
       causal or without a mask, and at D = 96 without a mask. At D = 128 without a mask the
       static deal of equal tiles also wins (4% at the headline); at D = 256 the output's
       buffer would cost a K/V stage.
@@ -159,16 +165,18 @@ class MosaicConfig:
       dealt statically at B16 T1k H32).
     - the same at D = 128 for causal calls and sliding windows whose band spans at most
       SHORT_WALK_KEYS keys, with the overlap where the grid kernel has it: a tile walks few
-      key blocks, and the K/V ring running on through its epilogue pays, where each SM
-      takes at least SHORT_WALK_MIN_TILES_PER_SM tiles. Forward against the grid of CTAs,
-      H200, 7–9 interleaved rounds: causal B4 T4096 H32/8 1.00–1.02 against 1.07–1.09 ms,
-      H32 1.04 against 1.11, B2 T4096 H40 (20 tiles per SM) 0.66 against 0.70, B8 T3072
-      H32/8 1.17 against 1.26, B4 T6144 H32/8 2.21 against 2.27, B2 T8192 H32/8 1.94
-      against 1.97, B4 T4000 (run at 4,096 with a key bound) 1.00 against 1.05; B16 T1000
-      0.34 against 0.40; a causal window of 1,024 keys B4 T4096 H32 0.55 against 0.60–0.63,
-      B1 T16384 H32/8 0.59 against 0.67, of 1,024 on both sides 0.97 against 1.02, of
-      4,096 at T8192 level. Fewer tiles per SM lost: B2 T3000 H16 (6) 0.18 against 0.16, B1
-      T8192 H28/4 (14) 0.87 against 0.86; longer walks were level (B1 T16384 H32/8).
+      key blocks, and the K/V ring running on through its epilogue pays, where each SM has
+      at least PERSISTENT_MIN_TILES_PER_SM query tiles and PERSISTENT_MIN_BLOCKS_PER_SM key
+      blocks to walk. Forward against the grid of CTAs, H200, 7–11 interleaved rounds:
+      causal B4 T4096 H32/8 1.01 against 1.08 ms, H32 1.04 against 1.11, B8 T3072 H32/8
+      1.18 against 1.24, B4 T6144 H32/8 2.23 against 2.26, B2 T3000 H16 (run at 3,072 with
+      a key bound) 0.155 against 0.162, B1 T4096 H16/4 0.129 against 0.134; B16 T1000 0.34
+      against 0.40; a causal window of 1,024 keys B4 T4096 H32/8 0.55 against 0.59, B1
+      T16384 H32/8 0.60 against 0.65, of 1,024 on both sides 0.97 against 1.02, of 4,096 at
+      T8192 level. With less work per SM the grid won (B1 T1024 H32/8 0.045 against 0.054,
+      a window of 1,024 at B1 T4096 H8 0.044 against 0.051); near the bounds either won by
+      up to 10% (B2 T1024 H32/8 grid 0.051 against 0.058, B3 0.072 against 0.064); longer
+      walks were level (B1 T8192 H28/4, T16384 H32/8, T32768 H16/4).
     - 256-key blocks (two stages) at D = 48 and 64 without a mask where they divide S: the
       softmax of a 64 × 256 block, not the short QKᵀ and PV WGMMAs, sets the pace there, and
       a wider step halves the steps' fixed costs (forward, H200: B8 T4096 H8 D = 40 at 48
@@ -190,20 +198,29 @@ class MosaicConfig:
     d = _padding.settings_dim(d)
     if d == 128 and mask.segments and mask.is_causal_band:
       return dataclasses.replace(config, persistent=True, dynamic=True)
-    if d in (96, 128) and mask.is_causal and s <= SHORT_CAUSAL_KEYS:
+    if (d in (96, 128) and mask.is_causal and s <= SHORT_CAUSAL_KEYS
+        and _fills_sms(mask, t, s, heads)):
       return dataclasses.replace(config, persistent=True, dynamic=d == 128)
     if d in (128, 192, 256) and (mask.sees_all_keys or mask.is_causal):
       config = dataclasses.replace(config, overlap=True, pingpong=False,
                                    persistent=d == 128 and mask.sees_all_keys)
     if (d == 128 and not (mask.sees_all_keys or mask.segments)
-        and mask.span(s) <= SHORT_WALK_KEYS
-        and tiles >= SHORT_WALK_MIN_TILES_PER_SM * hopper.sm_count()):
+        and mask.span(s) <= SHORT_WALK_KEYS and _fills_sms(mask, t, s, heads)):
       config = dataclasses.replace(config, persistent=True, dynamic=True)
     if (d == 64 and mask.is_causal) or (d in (64, 96) and mask.sees_all_keys):
       config = dataclasses.replace(config, persistent=True)
     if d in (96, 192) and mask.sees_all_keys:
       config = dataclasses.replace(config, stages=3)
     return config
+
+
+def _fills_sms(mask: MaskSpec, t: int, s: int, heads: int) -> bool:
+  """Whether `heads` heads of a [t, s] band give each SM at least PERSISTENT_MIN_TILES_PER_SM
+  query tiles of 128 rows and PERSISTENT_MIN_BLOCKS_PER_SM key blocks' worth of visible
+  pairs (128 × 128), as a persistent forward needs to pay for its fixed costs."""
+  sms = hopper.sm_count()
+  return (heads * -(-t // 128) >= PERSISTENT_MIN_TILES_PER_SM * sms
+          and heads * mask.visible_pairs(t, s) >= PERSISTENT_MIN_BLOCKS_PER_SM * sms * 128**2)
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
@@ -915,8 +932,7 @@ class PallasMosaicGpu:
 
   def _static_as_is(self, q, k, opts: AttentionOptions) -> _Static:
     b, t, hq, d = q.shape
-    config = self.config or MosaicConfig.for_call(d, opts.mask, k.shape[1],
-                                                  tiles=b * hq * t // (2 * MosaicConfig.block_q))
+    config = self.config or MosaicConfig.for_call(d, opts.mask, k.shape[1], t, b * hq)
     why = hopper_available() or support_error(q.shape, k.shape, q.dtype, opts, config)
     if why is not None:
       raise _dispatch.Unsupported(f"pallas_mosaic_gpu: {why}")

@@ -112,7 +112,7 @@ def test_forward_overlaps_where_it_measured_faster(as_on_hopper, d, opts, s, ove
   D = 128, for causal calls with segment ids there, at any length, and for causal calls and
   windows there whose band spans at most SHORT_WALK_KEYS keys; three K/V stages at
   D = 96 and 192 without a mask; an explicit config wins."""
-  q = jax.ShapeDtypeStruct((1024, s, 4, d), BF16)  # at least 16 query tiles per SM
+  q = jax.ShapeDtypeStruct((1024, s, 4, d), BF16)  # enough work on each SM to run persistent
   st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   assert (st.config.overlap, st.config.pingpong) == (overlap, not overlap)
   assert st.config.persistent == bool(persistent)
@@ -132,16 +132,23 @@ def test_mask_span_counts_the_keys_a_query_can_see(causal, window, s, span):
   assert MaskSpec.make(causal, window, False).span(s) == span
 
 
-@pytest.mark.parametrize("opts, s", [(_opts(causal=True), 4096),
-                                     (_opts(causal=True, window=1024), 16384)])
-def test_forward_keeps_the_grid_where_few_tiles_walk_far(as_on_hopper, opts, s):
-  """A causal call or window at D = 128 whose band spans up to SHORT_WALK_KEYS keys runs
-  persistent only where each SM takes at least SHORT_WALK_MIN_TILES_PER_SM query tiles."""
-  heads = -(-pm.SHORT_WALK_MIN_TILES_PER_SM * hopper.sm_count() * 128 // s)  # tiles of 128 rows
+@pytest.mark.parametrize("d, opts, s, heads", [
+    (128, _opts(causal=True), 4096, 9),  # 288 tiles of 128 rows (≥ 264), 4,609 blocks
+    (128, _opts(causal=True, window=1024), 16384, 4),  # 512 tiles, 3,972 blocks (≥ 3,168)
+    (128, _opts(causal=True), 1024, 99),  # 792 tiles, 3,171 blocks
+    (96, _opts(causal=True), 2048, 25)])  # 400 tiles, 3,202 blocks
+def test_forward_keeps_the_grid_where_each_sm_has_little_work(as_on_hopper, monkeypatch, d,
+                                                              opts, s, heads):
+  """The short causal calls and (at D = 128) short walks run persistent only where each of
+  the 132 SMs takes at least 2 query tiles and 24 key blocks of visible pairs: `heads` query
+  heads of s queries is the fewest that do."""
+  monkeypatch.setattr(hopper, "sm_count", lambda: 132)
+  assert (pm.PERSISTENT_MIN_TILES_PER_SM, pm.PERSISTENT_MIN_BLOCKS_PER_SM) == (2, 24)
   for heads, persistent in ((heads, True), (heads - 1, False)):
-    q = jax.ShapeDtypeStruct((1, s, heads, 128), BF16)
+    q = jax.ShapeDtypeStruct((1, s, heads, d), BF16)
     st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
-    assert (st.config.persistent, st.config.dynamic) == (persistent, persistent)
+    assert st.config.persistent == persistent
+    assert st.config.dynamic == (persistent and d == 128)
 
 
 @pytest.mark.parametrize("d, opts, s, block_kv, stages", [
