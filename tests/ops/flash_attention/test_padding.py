@@ -71,6 +71,7 @@ class TestPaddingOnChunkedXla(_FlashAttentionTest):
 
   impl = PaddedChunkedXla()
   shape = dict(b=2, t=100, s=153, hq=4, hkv=1, d=72)
+  dtypes = (jnp.float32,)  # padding and slicing do not depend on it (TestChunkedXla: both)
 
 
 class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
@@ -79,6 +80,7 @@ class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
 
   impl = PaddedChunkedXla()
   shape = dict(b=2, t=200, s=130, hq=4, hkv=2, d=144)
+  dtypes = (jnp.float32,)
 
 
 @pytest.mark.parametrize("t, s, d, causal, want", [
@@ -219,9 +221,11 @@ def test_padded_calls_take_the_mosaic_kernels(monkeypatch):
     assert "tensor<1x1024x4x96xbf16>" in text
 
 
-@pytest.mark.parametrize("d", [48, 64, 80, 96, 128, 192, 256])
-@pytest.mark.parametrize("causal, segments", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("deterministic", [False, True])
+# Each head dim, and each mask with both backward kinds (deterministic: the dq kernel apart).
+@pytest.mark.parametrize("d, causal, segments, deterministic", [
+    (48, False, False, False), (64, True, False, True), (80, True, True, False),
+    (96, False, False, True), (128, True, False, False), (192, True, True, True),
+    (256, False, False, False), (128, True, True, True)])
 def test_lengths_of_whole_tma_tiles_run_in_place(monkeypatch, d, causal, segments,
                                                  deterministic):
   """T = 1,000 and S = 1,544 (whole 8-row tiles) at a head dim the kernels take run in
@@ -260,9 +264,10 @@ def test_lengths_of_whole_tma_tiles_run_in_place(monkeypatch, d, causal, segment
   assert not triton._static(q, k, opts).padding.in_place
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("hkv, segments", [(2, False), (4, False), (2, True)])
+# Every pair of (causal, deterministic, (hkv, segments)) at each head dim.
+@pytest.mark.parametrize("causal, deterministic, hkv, segments", [
+    (False, False, 2, False), (True, True, 2, False), (True, False, 4, False),
+    (False, True, 4, False), (False, True, 2, True), (True, False, 2, True)])
 @pytest.mark.parametrize("d, runs_at", [(96, 96), (80, 80), (192, 192), (144, 160), (40, 48)])
 def test_head_dims_lower_to_the_mosaic_kernels(monkeypatch, causal, deterministic, hkv,
                                                segments, d, runs_at):
