@@ -253,7 +253,7 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(as_on_hopper, causal, hkv
     assert triton._static(q, k, opts).triton is not None  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, softcap", [
+_DQ_CASES = [
     (False, None, False, 128, 256, 512, 4, None),
     (True, None, False, 128, 512, 384, 2, 30.0),
     (True, None, False, 64, 256, 256, 1, None),
@@ -262,11 +262,17 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(as_on_hopper, causal, hkv
     (False, None, True, 64, 256, 384, 1, None),
     (True, (100, 7), True, 256, 256, 384, 2, 30.0),
     (True, None, False, 112, 256, 256, 2, None),
-    (False, (100, 7), True, 160, 256, 192, 1, 30.0)])
-@pytest.mark.parametrize("config", [None, MosaicDqConfig(block_kv=64, pingpong=True),
-                                    MosaicDqConfig(block_kv=64, stages=1),
-                                    MosaicDqConfig(block_kv=64, stages=2, v_stages=1),
-                                    MosaicDqConfig(block_kv=64, stages=1, v_stages=2)])
+    (False, (100, 7), True, 160, 256, 192, 1, 30.0)]
+_DQ_CONFIGS = [MosaicDqConfig(block_kv=64, pingpong=True), MosaicDqConfig(block_kv=64, stages=1),
+               MosaicDqConfig(block_kv=64, stages=1, v_stages=2),
+               MosaicDqConfig(block_kv=64, stages=2, v_stages=1)]
+
+
+# Every case on its head dim's config; each other config on every fourth case (the two V
+# slots on D = 256's, which refuses them).
+@pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, softcap, config",
+                         [(*case, None) for case in _DQ_CASES]
+                         + [(*case, _DQ_CONFIGS[i % 4]) for i, case in enumerate(_DQ_CASES)])
 def test_dq_kernel_lowers_for_cuda(causal, window, segments, d, t, s, hkv, softcap, config):
   config = config or MosaicDqConfig.for_head_dim(d)
   opts = _opts(causal, window, segments, softcap)
@@ -354,6 +360,12 @@ def _lower_with(monkeypatch, semantics: str) -> None:
       pm.plgpu.CompilerParams, lowering_semantics=getattr(pm.plgpu.LoweringSemantics, semantics)))
 
 
+def _alternating_lowerings(cases):
+  """`cases` each with one lowering ("Lane" or "Warpgroup") appended, alternately: each case
+  lowers once, and each lowering sees half of a list that spreads its options over both."""
+  return [(*case, ("Lane", "Warpgroup")[i % 2]) for i, case in enumerate(cases)]
+
+
 def _forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments) -> str:
   """The StableHLO of the Mosaic forward at B = 2, Hq = 4, lowered for CUDA."""
   st = pm._Static(opts, config, None, None)  # pylint: disable=protected-access
@@ -378,20 +390,22 @@ def _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments) -> str:
       lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("causal, window, segments, pingpong, d, t, s, hkv, softcap", [
-    (False, None, False, True, 128, 256, 512, 4, None),
-    (True, None, False, True, 128, 512, 384, 2, 30.0),
-    (True, None, False, False, 64, 256, 256, 1, None),
-    (True, None, False, True, 256, 256, 256, 2, None),
-    (False, (100, 7), False, True, 128, 512, 384, 2, None),
-    (True, 300, True, True, 128, 512, 512, 4, 20.0),
-    (False, None, True, False, 64, 256, 384, 1, None)])
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+@pytest.mark.parametrize(
+    "causal, window, segments, pingpong, d, t, s, hkv, softcap, overlap, semantics",
+    _alternating_lowerings([(*case, overlap) for i, case in enumerate([
+        (False, None, False, True, 128, 256, 512, 4, None),
+        (True, None, False, True, 128, 512, 384, 2, 30.0),
+        (True, None, False, False, 64, 256, 256, 1, None),
+        (True, None, False, True, 256, 256, 256, 2, None),
+        (False, (100, 7), False, True, 128, 512, 384, 2, None),
+        (True, 300, True, True, 128, 512, 512, 4, 20.0),
+        (False, None, True, False, 64, 256, 384, 1, None)])
+                            for overlap in ((False, True) if i % 2 == 0 else (True, False))]))
 def test_kernel_lowers_for_cuda(monkeypatch, causal, window, segments, pingpong, d, t, s, hkv,
                                 softcap, overlap, semantics):
-  """Builds the Mosaic GPU kernel (no GPU needed): catches API drift between jax releases,
-  under both lowerings (the GPU image's jax 0.11 lowers with warpgroup semantics)."""
+  """Builds the Mosaic GPU kernel (no GPU needed): catches API drift between jax releases.
+  Each case with and without overlap, one under each lowering (the GPU image's jax 0.11
+  lowers with warpgroup semantics, this jax with lane semantics)."""
   _lower_with(monkeypatch, semantics)
   config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=pingpong and not overlap,
                                overlap=overlap)
@@ -399,7 +413,9 @@ def test_kernel_lowers_for_cuda(monkeypatch, causal, window, segments, pingpong,
   assert _MOSAIC_CALL.search(_forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
 
 
-@pytest.mark.parametrize("causal, window, segments, d, overlap, num_sms, t, s, hkv, dynamic", [
+@pytest.mark.parametrize(
+    "causal, window, segments, d, overlap, num_sms, t, s, hkv, dynamic, semantics",
+    _alternating_lowerings([
     (False, None, False, 128, True, None, 256, 512, 4, False),
     (True, None, False, 128, True, 5, 512, 384, 2, False),
     (True, None, False, 64, False, 3, 256, 256, 1, False),
@@ -408,13 +424,11 @@ def test_kernel_lowers_for_cuda(monkeypatch, causal, window, segments, pingpong,
     (False, None, True, 256, False, 2, 256, 384, 1, False),
     (True, None, True, 128, False, 5, 512, 512, 4, True),
     (True, None, False, 128, True, 3, 512, 384, 2, True),
-    (True, None, False, 128, False, 4, 512, 640, 2, True)])  # Q loaded in the last step
-@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+    (True, None, False, 128, False, 4, 512, 640, 2, True)]))  # Q loaded in the last step
 def test_persistent_forward_lowers_for_cuda(monkeypatch, causal, window, segments, d, overlap,
                                             num_sms, t, s, hkv, dynamic, semantics):
   """MosaicConfig(persistent=True): a CTA per SM looping over the query tiles its schedule
-  deals it, under both lowerings (the GPU image's jax 0.11 lowers with warpgroup
-  semantics)."""
+  deals it, each case under one of the two lowerings."""
   _lower_with(monkeypatch, semantics)
   config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=not overlap,
                                overlap=overlap, persistent=True, num_sms=num_sms,
@@ -439,8 +453,8 @@ def test_forward_interleaves_heads_under_a_causal_mask_but_at_d256(monkeypatch, 
   assert groups and set(groups) == {group}
 
 
-@pytest.mark.parametrize("persistent, dynamic", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+@pytest.mark.parametrize("persistent, dynamic, semantics", _alternating_lowerings(
+    [(False, False), (True, False), (True, True)]))
 def test_forward_lowers_with_a_last_head_group_short(monkeypatch, persistent, dynamic,
                                                      semantics):
   """Heads interleaved 3 at a time over B·H = 8 heads: the last group has 2, which the
@@ -453,7 +467,7 @@ def test_forward_lowers_with_a_last_head_group_short(monkeypatch, persistent, dy
   assert _MOSAIC_CALL.search(_forward_lowered_for_cuda(opts, config, 512, 512, 4, 128, False))
 
 
-@pytest.mark.parametrize("causal, window, segments, d, dq_split, pingpong, stages, t, s, hkv", [
+_BACKWARD_CASES = [
     (False, None, False, 128, True, False, 2, 256, 384, 2),
     (True, None, False, 128, True, False, 2, 384, 256, 4),
     (True, None, False, 128, False, True, 2, 256, 512, 1),
@@ -464,13 +478,17 @@ def test_forward_lowers_with_a_last_head_group_short(monkeypatch, persistent, dy
     (True, None, False, 256, False, False, 1, 256, 320, 2),
     (False, (100, 7), True, 256, False, True, 1, 192, 256, 1),
     (True, None, False, 64, True, False, 2, 256, 256, 2),
-    (False, (100, 7), True, 64, True, False, 3, 192, 256, 1)])
-@pytest.mark.parametrize("softcap", [None, 30.0])
-@pytest.mark.parametrize("per_query_head", [False, True])
+    (False, (100, 7), True, 64, True, False, 3, 192, 256, 1)]
+
+
+# Each case with and without gqa_per_query_head (which excludes dq_split), a softcap on one.
+@pytest.mark.parametrize(
+    "causal, window, segments, d, dq_split, pingpong, stages, t, s, hkv, softcap, per_query_head",
+    [(*case, 30.0 if (i + per_query_head) % 2 else None, per_query_head)
+     for i, case in enumerate(_BACKWARD_CASES) for per_query_head in (False, True)
+     if not (per_query_head and case[4])])
 def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, pingpong, stages,
                                          t, s, hkv, softcap, per_query_head):
-  if per_query_head and dq_split:
-    pytest.skip("gqa_per_query_head excludes dq_split")
   config = mb.MosaicBackwardConfig(dq_split=dq_split, pingpong=pingpong, stages=stages,
                                    gqa_per_query_head=per_query_head, column_split=d == 256)
   opts = _opts(causal, window, segments, softcap)
@@ -672,7 +690,8 @@ def test_group_splits_lower_for_cuda(config, causal, segments, d, hkv, splits):
   assert call.split("->")[-1].count(f"tensor<{splits}x2x512x{hkv}x{d}xbf16>") == 2
 
 
-@pytest.mark.parametrize("causal, window, segments, t, s, hkv, d, fuses", [
+@pytest.mark.parametrize("causal, window, segments, t, s, hkv, d, fuses, semantics",
+                         _alternating_lowerings([
     (True, None, False, 512, 512, 1, 128, True),     # T = S: Δ from each block's diagonal CTA
     (True, None, False, 512, 512, 2, 128, True),
     (True, None, False, 512, 384, 2, 128, False),    # T ≠ S: the Δ pass
@@ -680,8 +699,7 @@ def test_group_splits_lower_for_cuda(config, causal, segments, d, hkv, splits):
     (True, 200, True, 512, 512, 2, 128, False),      # segment ids: one dQ slot, no fused Δ
     (True, None, False, 512, 512, 2, 64, True),      # three Q/dO stages, 64-byte swizzles
     (True, None, False, 512, 512, 2, 256, False),    # column split, split scores
-    (True, 200, True, 384, 512, 1, 256, False)])     # ... whole scores beside segment ids
-@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+    (True, 200, True, 384, 512, 1, 256, False)]))    # ... whole scores beside segment ids
 def test_ordered_query_head_ctas_lower_for_cuda(monkeypatch, causal, window, segments, t, s,
                                                 hkv, d, fuses, semantics):
   """gqa_per_query_head with dq_ordered: one CTA per query head adds that head's share of
@@ -708,13 +726,13 @@ def test_ordered_query_head_ctas_lower_for_cuda(monkeypatch, causal, window, seg
   assert "red.release.gpu" in text
 
 
-@pytest.mark.parametrize("causal, window, segments, softcap, ordered, t, s, hkv", [
+@pytest.mark.parametrize("causal, window, segments, softcap, ordered, t, s, hkv, semantics",
+                         _alternating_lowerings([
     (True, None, False, None, True, 512, 512, 4),
     (False, None, False, 20.0, True, 256, 384, 2),
     (True, 200, False, None, True, 384, 256, 1),
     (False, (100, 7), False, None, False, 256, 512, 2),
-    (True, None, False, 30.0, False, 512, 384, 4)])
-@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+    (True, None, False, 30.0, False, 512, 384, 4)]))
 def test_split_scores_lower_for_cuda(monkeypatch, causal, window, segments, softcap, ordered, t,
                                      s, hkv, semantics):
   """scores_split (D = 256): each warpgroup computes Sᵀ and dPᵀ for half of the step's
@@ -780,15 +798,15 @@ def test_warps_lower_under_warpgroup_semantics(monkeypatch, causal, window, segm
   assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, 512, 384, 2, 128, segments))
 
 
-@pytest.mark.parametrize("causal, window, segments, ordered, rotate, softcap, d", [
+@pytest.mark.parametrize("causal, window, segments, ordered, rotate, softcap, d, semantics",
+                         _alternating_lowerings([
     (False, None, False, True, True, None, 128),
     (True, None, False, True, False, 30.0, 128),
     (False, (100, 7), True, True, False, None, 128),
     (False, None, False, False, False, None, 128),
     (True, 200, True, False, False, None, 128),
     (False, None, False, True, True, None, 64),
-    (True, None, False, False, False, None, 64)])
-@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+    (True, None, False, False, False, None, 64)]))
 def test_staggered_backward_lowers_for_cuda(monkeypatch, causal, window, segments, ordered,
                                             rotate, softcap, d, semantics):
   """dq_stagger: warpgroup 0 issues the last step's dQ with its step's dV and dK (and the
@@ -823,12 +841,11 @@ _HAND_OFFS = [
     dict()]
 
 
-@pytest.mark.parametrize("fields", _HAND_OFFS, ids=["stagger", "fused_delta", "arrival_stagger",
-                                                     "dq_split"])
-@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+@pytest.mark.parametrize("fields, semantics", _alternating_lowerings([(f,) for f in _HAND_OFFS]),
+                         ids=["stagger", "fused_delta", "arrival_stagger", "dq_split"])
 def test_hand_offs_fence_per_thread(monkeypatch, fields, semantics):
   """The dSᵀ and dQ hand-offs of dq_split fence per thread (the kernel carries the inline
-  fence) under both lowerings; a kernel without hand-offs carries none."""
+  fence), two under each lowering; a kernel without hand-offs carries none."""
   _lower_with(monkeypatch, semantics)
   opts = _opts(causal="fused_delta" in fields)
   config = mb.MosaicBackwardConfig(dq_split=True, **fields)
@@ -840,11 +857,12 @@ def test_hand_offs_fence_per_thread(monkeypatch, fields, semantics):
   assert _MOSAIC_CALL.search(text) and "fence.proxy.async.shared::cta;" not in text
 
 
-@pytest.mark.parametrize("softcap, d", [(None, 128), (30.0, 128), (None, 64)])
-@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+@pytest.mark.parametrize("softcap, d, semantics", _alternating_lowerings(
+    [(None, 128), (30.0, 128), (None, 64), (30.0, 64)]))
 def test_fused_delta_lowers_for_cuda(monkeypatch, softcap, d, semantics):
   """fused_delta: a query block's first visitor loads O into a dQ slot, computes Δ, stores it
-  and raises a flag, which the other visitors' loads wait for; under both lowerings."""
+  and raises a flag, which the other visitors' loads wait for; each head dim under both
+  lowerings."""
   monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
       mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
   config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, fused_delta=True)
