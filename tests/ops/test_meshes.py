@@ -41,9 +41,9 @@ def _weighted_sum(out):
   return jnp.sum(out * weights)
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("hkv, kw", [(4, dict(causal=True)), (1, dict(sliding_window=(7, 3))),
-                                     (4, dict(causal=True, segments=True))])
+@pytest.mark.parametrize("check_vma, hkv, kw", [
+    (True, 4, dict(causal=True)), (True, 1, dict(sliding_window=(7, 3))),
+    (False, 1, dict(sliding_window=(7, 3))), (False, 4, dict(causal=True, segments=True))])
 def test_attention_batch_and_heads_sharded(mesh, check_vma, hkv, kw):
   """Batch over 'data', heads over 'model'; with one key head (MQA) the keys are shared by
   the 'model' shards, whose dk and dv contributions are summed."""

@@ -82,9 +82,12 @@ class _FlashAttentionTest:
   dtypes = (jnp.float32, jnp.bfloat16)
   # Odd shapes: T ≠ S, neither a block multiple; D = 96 (padded to 128 in tiles); GQA 4:1.
   shape = dict(b=2, t=100, s=153, hq=4, hkv=1, d=96)
+  features = tuple(FEATURES)  # those test_matches_reference runs
 
   @pytest.mark.parametrize("name", sorted(FEATURES))
   def test_matches_reference(self, name):
+    if name not in self.features:
+      pytest.skip(f"{type(self).__name__} runs {self.features} (see its docstring)")
     options = FEATURES[name]
     for i, dtype in enumerate(self.dtypes):
       q, k, v, seg, ct = make_problem(jax.random.key(i), **self.shape, dtype=dtype,

@@ -76,11 +76,12 @@ class TestPaddingOnChunkedXla(_FlashAttentionTest):
 
 class TestPaddingOnChunkedXlaMoreQueriesThanKeys(_FlashAttentionTest):
   """T = 200 > S = 130, D = 144 (padded to 160): causal rows past S would see the padded keys
-  but for the key bound."""
+  but for the key bound. The masks only (softcap and scale act as in the class above)."""
 
   impl = PaddedChunkedXla()
   shape = dict(b=2, t=200, s=130, hq=4, hkv=2, d=144)
   dtypes = (jnp.float32,)
+  features = ("plain", "causal", "window", "causal_window", "segments", "everything")
 
 
 @pytest.mark.parametrize("t, s, d, causal, want", [
@@ -264,11 +265,17 @@ def test_lengths_of_whole_tma_tiles_run_in_place(monkeypatch, d, causal, segment
   assert not triton._static(q, k, opts).padding.in_place
 
 
-# Every pair of (causal, deterministic, (hkv, segments)) at each head dim.
-@pytest.mark.parametrize("causal, deterministic, hkv, segments", [
-    (False, False, 2, False), (True, True, 2, False), (True, False, 4, False),
-    (False, True, 4, False), (False, True, 2, True), (True, False, 2, True)])
-@pytest.mark.parametrize("d, runs_at", [(96, 96), (80, 80), (192, 192), (144, 160), (40, 48)])
+# Six rows hold every pair of (causal, deterministic, (hkv, segments)); each half of them
+# every value. Each head dim takes a half, in turn: every value at each head dim, every pair
+# over two of them.
+_PAIRS = [(False, False, 2, False), (True, True, 2, False), (True, False, 4, False),
+          (False, True, 4, False), (False, True, 2, True), (True, False, 2, True)]
+
+
+@pytest.mark.parametrize("causal, deterministic, hkv, segments, d, runs_at", [
+    (*_PAIRS[j], d, runs_at)
+    for i, (d, runs_at) in enumerate([(96, 96), (80, 80), (192, 192), (144, 160), (40, 48)])
+    for j in range(i % 2, 6, 2)])
 def test_head_dims_lower_to_the_mosaic_kernels(monkeypatch, causal, deterministic, hkv,
                                                segments, d, runs_at):
   """D = 96 (64-byte swizzles; dq_split's 48-column halves 32-byte ones), D = 80 (32-byte
