@@ -1,8 +1,8 @@
 """Test setup: `gpu` tests skipped without a GPU; JAX allocating GPU memory on demand, so
 that the README's `pytest -n 2` workers (pytest-xdist) can share one GPU; with
 MEMEFF_TEST_GPUS=n, xdist worker i sees GPU i mod n only (benchmarks/gpu.sh spreads the
-workers over the host's GPUs so); eight CPU devices for meshes; LLVM at -O1; a compilation
-cache per run on CPU; tuning tables of a test's own (`tuning_tables`)."""
+workers over the host's GPUs so); eight CPU devices for meshes; fast-compiling XLA
+flags; a compilation cache per run on CPU; tuning tables of a test's own (`tuning_tables`)."""
 
 import os
 
@@ -11,11 +11,16 @@ _WORKER, _GPUS = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("MEME
 if _WORKER and _GPUS > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
   os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_WORKER.removeprefix("gw")) % _GPUS)
 # Eight CPU devices for the multi-device tests (a mesh on one host); one-device tests use the
-# first, as before. LLVM at -O1: the suite is compile-bound (small arrays, many programs), and
-# this cuts its compile time by about a tenth. (-O0 cut two subsets by 15% more, but moved
-# float32 results past two tests' tolerances and CI by under a minute.) Set before jax is
-# imported.
-for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=1"):
+# first, as before. The suite is compile-bound (small arrays, many programs): without a GPU,
+# LLVM at -O0 and XLA:CPU's elemental emitters in place of its fusion emitters, each of which
+# took about a sixth off the mesh tests' time; with one, LLVM at -O1 as the GPU suite has
+# always run. Set before jax is imported.
+_FLAGS = ["--xla_force_host_platform_device_count=8"]
+if os.path.exists("/dev/nvidiactl"):
+  _FLAGS.append("--xla_backend_optimization_level=1")
+else:
+  _FLAGS += ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+for _flag in _FLAGS:
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
