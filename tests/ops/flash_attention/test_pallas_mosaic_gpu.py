@@ -706,8 +706,7 @@ def test_ordered_query_head_ctas_lower_for_cuda(monkeypatch, causal, window, seg
   dK and dV into the [B, S, Hkv, D] outputs in the group's order (counters waited on and
   released), and computes its query head's Δ where the call fuses it; at every head dim
   the one-pass kernel serves."""
-  monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
-      mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
+  _lower_with(monkeypatch, semantics)
   opts = _opts(causal, window, segments)
   if d == 256:
     config = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
@@ -738,8 +737,7 @@ def test_split_scores_lower_for_cuda(monkeypatch, causal, window, segments, soft
   """scores_split (D = 256): each warpgroup computes Sᵀ and dPᵀ for half of the step's
   queries and writes its halves of Pᵀ and dSᵀ as columns of shared slots (64-byte swizzles),
   where dV, dK and dQ read them."""
-  monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
-      mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
+  _lower_with(monkeypatch, semantics)
   config = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
                                    scores_split=True, dq_ordered=ordered,
                                    dq_heavy_first=ordered and causal)
@@ -788,9 +786,7 @@ def test_warps_lower_under_warpgroup_semantics(monkeypatch, causal, window, segm
   """The memory warpgroup's per-warp code (loads, dq sends) under the warpgroup lowering
   that the GPU image's jax (0.11) runs: its warps have no lowering for selects, clamps,
   negations or boolean nots, which the lane lowering (this jax's default) accepts."""
-  semantics = mb.plgpu.LoweringSemantics.Warpgroup
-  monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
-      mb.plgpu.CompilerParams, lowering_semantics=semantics))
+  _lower_with(monkeypatch, "Warpgroup")
   config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=1 + (not segments),
                                    dq_rotate=rotate)
   opts = _opts(causal, window, segments)
@@ -811,8 +807,7 @@ def test_staggered_backward_lowers_for_cuda(monkeypatch, causal, window, segment
                                             rotate, softcap, d, semantics):
   """dq_stagger: warpgroup 0 issues the last step's dQ with its step's dV and dK (and the
   key block's last at its end), in arrival order and ordered."""
-  monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
-      mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
+  _lower_with(monkeypatch, semantics)
   config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=ordered,
                                    dq_buffers=1 + (ordered and not segments), dq_rotate=rotate,
                                    dq_stagger=True)
@@ -863,8 +858,7 @@ def test_fused_delta_lowers_for_cuda(monkeypatch, softcap, d, semantics):
   """fused_delta: a query block's first visitor loads O into a dQ slot, computes Δ, stores it
   and raises a flag, which the other visitors' loads wait for; each head dim under both
   lowerings."""
-  monkeypatch.setattr(mb.plgpu, "CompilerParams", functools.partial(
-      mb.plgpu.CompilerParams, lowering_semantics=getattr(mb.plgpu.LoweringSemantics, semantics)))
+  _lower_with(monkeypatch, semantics)
   config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, fused_delta=True)
   opts = dataclasses.replace(_opts(True), logit_softcap=softcap)
   assert mb.support_error((2, 512, 4, d), (2, 512, 4, d), BF16, opts, config) is None

@@ -98,8 +98,8 @@ class _LinearCrossEntropyTest:
   chunk_size = 16
   option_sets = tuple(OPTION_SETS)  # those test_matches_reference runs
 
-  # Every option set with reduction="mean"; "sum" and "none" each on two of the sets that
-  # combine options, the transposed weight's on both.
+  # Every option set with reduction="mean"; "sum" on plain and all_vd, "none" on all and
+  # all_vd.
   @pytest.mark.parametrize("name, reduction", [(name, "mean") for name in sorted(OPTION_SETS)]
                            + [("plain", "sum"), ("all_vd", "sum"), ("all", "none"),
                               ("all_vd", "none")])
