@@ -98,27 +98,6 @@ WARPGROUP_REGISTERS = (240, 24)
 LOG2E = math.log2(math.e)  # the kernels' exponentials are exp2: e^x = 2^(x·log2 e)
 
 LN2 = math.log(2.0)  # and back: log x = log2(x) · ln 2
-# 2^f on f ∈ [-1/2, 1/2], degree 3, fitted for the least worst relative error (7.5e-5, under a
-# fortieth of a bfloat16 ulp): exp2_fma's polynomial.
-_EXP2_POLY = (0.05517124, 0.24261010, 0.69326097, 0.99992818)
-_ROUNDING = 12_582_912.0  # 1.5 · 2^23: x + it holds round(x) in its low mantissa bits
-
-
-def exp2_fma(x):
-  """2^x for x ≤ 0 (float32) on the FMA and integer units instead of the MUFU's ex2, whose 16
-  results per SM and clock pace a softmax at small head dims: x = n + f with n = round(x),
-  2^f by a polynomial, and n added to its exponent bits. x is clamped at -125 (2^x then
-  2.4e-38, not 0), so it must not be -inf: blocks with masked scores keep jnp.exp2."""
-  x = jnp.maximum(x, -125.0)
-  t = x + _ROUNDING
-  f = x + (_ROUNDING - t)  # in this order XLA does not fold it to 0 as it does x - (t - R)
-  p = _EXP2_POLY[0]
-  for c in _EXP2_POLY[1:]:
-    p = p * f + c
-  n = lax.shift_left(lax.bitcast_convert_type(t, jnp.int32), 23)
-  return lax.bitcast_convert_type(lax.bitcast_convert_type(p, jnp.int32) + n, jnp.float32)
-
-
 # TMA moves a 16-bit array in tiles of 8 rows (of the swizzle's width): an array that a kernel
 # reads or writes by TMA has a whole number of them.
 TMA_ROWS = 8

@@ -116,10 +116,6 @@ class MosaicConfig:
       deal, whose estimate knows the band's key blocks but not those segment ids leave: as
       the hardware deals a grid's CTAs, by the work they really take. Same tiles, same
       arithmetic: the same bits.
-    fma_exp: the last fma_exp keys of each unmasked block take their exponentials on the
-      FMA and integer units (hopper.exp2_fma) instead of the MUFU, whose ex2 paces the
-      softmax at small head dims; PV then runs as two WGMMAs, one per part. A multiple of 16
-      below block_kv; 0 for none. Not with the overlap.
   """
 
   block_q: int = 64
@@ -130,7 +126,6 @@ class MosaicConfig:
   persistent: bool = False
   num_sms: int | None = None
   dynamic: bool = False
-  fma_exp: int = 0
 
   @classmethod
   def for_head_dim(cls, d: int) -> "MosaicConfig":
@@ -249,10 +244,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"num_sms={config.num_sms} needs persistent and at least one CTA"
   if config.dynamic and not config.persistent:
     return "dynamic needs persistent"
-  if config.fma_exp and (config.fma_exp % 16 or not 0 < config.fma_exp < config.block_kv
-                         or config.overlap):
-    return (f"fma_exp={config.fma_exp} needs a multiple of 16 below block_kv="
-            f"{config.block_kv}, without the overlap")
   return None
 
 
@@ -528,16 +519,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
           z = scores
         # A row with no visible key yet has m_new = -inf: subtract 0 instead (p = 0, α = 0).
         m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
-        x = z - lax.broadcast_in_dim(m_sub, scores.shape, [0])
-        if masked or not config.fma_exp:  # masked scores are -inf, which exp2_fma does not take
-          parts = [jnp.exp2(x)]
-        else:
-          cut = bkv - config.fma_exp
-          parts = [jnp.exp2(x[:, :cut]), hopper.exp2_fma(x[:, cut:])]
+        p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
         alpha = jnp.exp2(m - m_sub)
-        l = l * alpha + functools.reduce(jnp.add, [p.sum(axis=1) for p in parts])
-        p = [p.astype(dtype) for p in parts]
-        return (p[0] if len(p) == 1 else tuple(p)), m_new, l, alpha
+        return p.astype(dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
       def rescale(acc, alpha):
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -567,12 +551,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
           plgpu.barrier_wait(turn)  # and now it is our turn on the tensor cores
 
         def pv(acc_ref):
-          if isinstance(p, tuple):  # config.fma_exp's two parts of the block's keys
-            cut = bkv - config.fma_exp
-            plgpu.wgmma(acc_ref, p[0], v_smem.at[slot, :cut])
-            plgpu.wgmma(acc_ref, p[1], v_smem.at[slot, cut:])
-          else:
-            plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
 
           @pl.when(j + 1 < hi)  # the next K lands while this WGMMA runs
           def _():
@@ -746,9 +725,6 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
                       _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
   cfg = dataclasses.replace(cfg, stages=stages)
   layout = hopper.swizzled_tiles(hopper.row_swizzle(d, q.dtype))
-  # PV's WGMMAs contract over whole swizzle groups of V's rows: fma_exp's cut needs them narrow.
-  v_layout = layout if not cfg.fma_exp else hopper.swizzled_tiles(
-      min(hopper.row_swizzle(d, q.dtype), 2 * (cfg.fma_exp & -cfg.fma_exp)))
   mask = st.opts.mask
   segments = mask.segments
   if segments:
@@ -791,7 +767,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
     pl.run_scoped(kernel, _Scratch(
         q_smem=plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout),
         k_smem=plgpu.SMEM((stages, cfg.block_kv, d), k.dtype, transforms=layout),
-        v_smem=plgpu.SMEM((stages, cfg.block_kv, d), v.dtype, transforms=v_layout),
+        v_smem=plgpu.SMEM((stages, cfg.block_kv, d), v.dtype, transforms=layout),
         lse_smem=plgpu.SMEM((2, cfg.block_q), jnp.float32),
         o_smem=(plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=layout)
                 if cfg.persistent else None),
