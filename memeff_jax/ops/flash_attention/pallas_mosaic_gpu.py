@@ -126,7 +126,6 @@ class MosaicConfig:
   persistent: bool = False
   num_sms: int | None = None
   dynamic: bool = False
-  mma_row_sums: bool = False
 
   @classmethod
   def for_head_dim(cls, d: int) -> "MosaicConfig":
@@ -245,8 +244,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"num_sms={config.num_sms} needs persistent and at least one CTA"
   if config.dynamic and not config.persistent:
     return "dynamic needs persistent"
-  if config.mma_row_sums and config.overlap:
-    return "mma_row_sums excludes the overlap"
   return None
 
 
@@ -293,12 +290,11 @@ class _Scratch(NamedTuple):
   turn: Any  # 2 arrivals: pingpong's turns
   seg: Any  # _mosaic.SegmentScratch with segment ids, else None
   tiles: Any  # with config.dynamic: 2 int32 slots of taken tiles, their ready and free barriers
-  ones: Any = None
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_smem, k_smem,
                     v_smem, lse_smem, o_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
-                    seg: _mosaic.SegmentScratch | None, tiles, ones, *, config: MosaicConfig,
+                    seg: _mosaic.SegmentScratch | None, tiles, *, config: MosaicConfig,
                     mask: MaskSpec, scale: float, softcap: float | None, group: int,
                     head_group: int, lengths: tuple[int, int]):
   """With config.persistent the grid is one axis, "cta", o_smem is the output's own buffer
@@ -425,9 +421,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
     # (H200, same bits).
     plgpu.set_max_registers(hopper.WARPGROUP_REGISTERS[0], action="increase")
     q_tile = q_smem.at[wg]
-    if config.mma_row_sums:
-      ones.at[wg][...] = plgpu.layout_cast(jnp.ones((bkv, 16), dtype), plgpu.Layout.WGMMA)
-      plgpu.commit_smem()
     # The output leaves through its own buffer when persistent (Q's then takes the next
     # tile's rows while this one's epilogue runs), else through Q's.
     o_tile = o_smem.at[wg] if config.persistent else q_tile
@@ -463,9 +456,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       c = scale * hopper.LOG2E  # scores in the exp2 domain: p = 2^(s·c - m)
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                             plgpu.Layout.WGMMA.reduce(1))
-      l = (plgpu.layout_cast(jnp.zeros((bq, 16), jnp.float32), plgpu.Layout.WGMMA)
-           if config.mma_row_sums else
-           plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+      l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
 
       if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
@@ -530,8 +521,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
         p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
         alpha = jnp.exp2(m - m_sub)
-        if config.mma_row_sums:
-          return p.astype(dtype), m_new, l * lax.broadcast_in_dim(alpha, l.shape, [0]), alpha
         return p.astype(dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
       def rescale(acc, alpha):
@@ -561,20 +550,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         if config.pingpong:
           plgpu.barrier_wait(turn)  # and now it is our turn on the tensor cores
 
-        def pv(refs):
-          acc_ref, l_ref = refs
+        def pv(acc_ref):
           plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-          if l_ref is not None:
-            plgpu.wgmma(l_ref, p, ones.at[wg])
 
           @pl.when(j + 1 < hi)  # the next K lands while this WGMMA runs
           def _():
             plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
 
-        if config.mma_row_sums:
-          acc, l = pl.run_state(pv)((plgpu.ACC.init(acc), plgpu.ACC.init(l)))
-        else:
-          acc = pl.run_state(pv)((plgpu.ACC.init(acc), None))[0]
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
@@ -667,8 +650,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       elif config.persistent:  # Q is read: it loads during the epilogue
         load_next_q()
 
-      if config.mma_row_sums:
-        l = l.max(axis=1)
       if may_be_empty:  # no visible key: output 0, log-sum-exp -inf
         inv = jnp.where(l > 0, 1.0 / l, 0.0)
         lse = jnp.where(l > 0, m * hopper.LN2 + jnp.log(l), -jnp.inf)
@@ -796,8 +777,6 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
         v_free=barrier(num_arrivals=2, num_barriers=stages), turn=barrier(num_arrivals=2),
         seg=(_mosaic.SegmentScratch.shapes(cfg.block_q, cfg.block_kv, stages)
              if segments else None),
-        ones=(plgpu.SMEM((2, cfg.block_kv, 16), q.dtype, transforms=hopper.swizzled_tiles(32))
-              if cfg.mma_row_sums else None),
         tiles=((plgpu.SMEM((2,), jnp.int32), barrier(num_barriers=2),
                 barrier(num_arrivals=2, num_barriers=2)) if cfg.dynamic else None)),
       collective_axes="wg")
