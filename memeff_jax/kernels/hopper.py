@@ -20,11 +20,13 @@ from jax.experimental import pallas as pl
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental.mosaic import gpu as mgpu  # rows_scaled_where_needed's arrays
   from jax.experimental.mosaic.gpu import utils as mgpu_utils  # take_work_item's thread
 except ImportError:  # pragma: no cover
-  plgpu = mgpu_utils = None
+  plgpu = mgpu = mgpu_utils = None
+import numpy as np
 from jax._src.lib.mlir import ir  # fence_smem's and take_work_item's inline PTX
-from jax._src.lib.mlir.dialects import llvm
+from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
 
 
 def default_device() -> jax.Device:
@@ -265,6 +267,36 @@ def floor_div(x, n):
   """Floor division of a possibly negative kernel index (lax.div truncates toward zero)."""
   q = div(x, n)
   return jnp.where(rem(x, n) < 0, q - 1, q)
+
+def rows_scaled_where_needed(acc, alpha):
+  """acc · alpha along its rows (acc in the WGMMA layout, alpha one value per row) where a
+  thread's rows have an alpha other than 1; elsewhere acc unchanged. A branch per thread,
+  not a multiply per element: the online softmax's rescale, skipped where no row's maximum
+  moved."""
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(layout, layout.reduce(1)),
+                     return_type=plgpu.ShapeDtypeStruct(acc.shape, acc.dtype, layout=layout))
+  def scaled(_, acc, alpha):
+    f32 = ir.F32Type.get()
+    one = arith.constant(f32, 1.0)
+    moved = None
+    for reg in alpha.registers.flat:
+      for i in range(ir.VectorType(reg.type).shape[0]):
+        ne = arith.cmpf(arith.CmpFPredicate.UNE, vector.extract(reg, [], [i]), one)
+        moved = ne if moved is None else arith.ori(moved, ne)
+    branch = scf.IfOp(moved, [r.type for r in acc.registers.flat], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+      rows = alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
+      scf.yield_(list((acc * rows).registers.flat))
+    with ir.InsertionPoint(branch.else_block):
+      scf.yield_(list(acc.registers.flat))
+    registers = np.empty(acc.registers.shape, dtype=object)
+    registers.flat[:] = list(branch.results)
+    return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout,
+                                _is_signed=acc.is_signed)
+
+  return scaled(acc, alpha)
 
 def take_turn(barrier) -> None:
   """Ping-pong: both compute warpgroups arrive on `barrier`; neither passes until the other

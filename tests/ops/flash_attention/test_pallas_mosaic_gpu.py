@@ -111,7 +111,7 @@ def test_forward_overlaps_where_it_measured_faster(as_on_hopper, d, opts, s, ove
   SHORT_CAUSAL_KEYS keys (with ping-pong); tiles taken at run time ("dynamic") for those at
   D = 128, for causal calls with segment ids there, at any length, and for causal calls and
   windows there whose band spans at most SHORT_WALK_KEYS keys; three K/V stages at
-  D = 96 and 192 without a mask; an explicit config wins."""
+  D = 96 and 192 without a mask; lazy rescales above D = 128; an explicit config wins."""
   q = jax.ShapeDtypeStruct((1024, s, 4, d), BF16)  # enough work on each SM to run persistent
   st = PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   assert (st.config.overlap, st.config.pingpong) == (overlap, not overlap)
@@ -121,6 +121,7 @@ def test_forward_overlaps_where_it_measured_faster(as_on_hopper, d, opts, s, ove
   block_kv = pm.WIDE_KEY_BLOCK if wide else MosaicConfig.for_head_dim(d).block_kv
   assert st.config.block_kv == block_kv
   assert st.config.stages == (3 if d in (96, 192) and opts.mask.is_dense else 2)
+  assert st.config.lazy_rescale == (d > 128)
   explicit = PallasMosaicGpu(config=MosaicConfig())._static(q, q, opts)  # pylint: disable=protected-access
   assert explicit.config == MosaicConfig()
 
@@ -1566,6 +1567,37 @@ class TestMosaicGpu:
     finite = jnp.isfinite(r_lse)
     assert bool(jnp.all(finite == jnp.isfinite(lse)))
     assert rel_err(jnp.where(finite, lse, 0.0), jnp.where(finite, r_lse, 0.0)) < 1e-4
+    for g, rg in zip(grads, r_grads):
+      assert rel_err(g, rg) < 3e-2
+
+  @pytest.mark.parametrize("opts", [
+      dict(causal=False), dict(causal=True), dict(causal=True, logit_softcap=30.0),
+      dict(sliding_window=(100, 30)), dict(causal=True, segments=True)])
+  @pytest.mark.parametrize("d", [128, 256])
+  @pytest.mark.parametrize("overlap", [False, True])
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  def test_lazy_rescale_follows_rising_maxima(self, opts, d, overlap, dtype):
+    """lazy_rescale on keys whose scores rise along the walk, so that rows keep their
+    maximum for some blocks (p up to 2^8) and move it past the threshold at others: the
+    reference's output and log-sum-exp, and within rounding of the eager rescale."""
+    config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=not overlap,
+                                 overlap=overlap)
+    q, k, v, seg, ct = make_problem(jax.random.key(d + 5), 2, 256, 640, 8, 2, d, dtype,
+                                    segments=opts.get("segments", False))
+    # q's rows lean on (1, …, 1), so the scores climb about 23 log2 units over the keys
+    rise = jnp.linspace(0.0, 16.0 / d ** 0.5, k.shape[1])[None, :, None, None]
+    q, k = (q.astype(jnp.float32) + 1.0).astype(dtype), (k + rise).astype(dtype)
+    outs = [run(PallasMosaicGpu(config=dataclasses.replace(config, lazy_rescale=lazy)),
+                q, k, v, seg, ct, opts) for lazy in (True, False)]
+    up = lambda x: x.astype(jnp.float32)
+    r_out, r_lse, r_grads = run("reference", up(q), up(k), up(v), seg, ct, opts)
+    (out, lse, grads), (eager_out, eager_lse, _) = outs
+    assert rel_err(out, r_out) < 3e-2
+    assert rel_err(out, eager_out) < 1e-2
+    finite = jnp.isfinite(r_lse)
+    assert bool(jnp.all(finite == jnp.isfinite(lse)))
+    assert rel_err(jnp.where(finite, lse, 0.0), jnp.where(finite, r_lse, 0.0)) < 1e-4
+    assert rel_err(jnp.where(finite, lse, 0.0), jnp.where(finite, eager_lse, 0.0)) < 1e-5
     for g, rg in zip(grads, r_grads):
       assert rel_err(g, rg) < 3e-2
 
