@@ -1,8 +1,9 @@
 """Hopper (sm90) building blocks of the Pallas Mosaic GPU kernels, shared by both ops.
 
 Shared-memory size, dtype checks, loads that work on jax 0.10 and 0.11, swizzled tiles,
-kernel-index arithmetic, the memory warpgroup's ring of slots, ping-pong turns, fences and
-persistent-kernel scheduling. Nothing here knows attention or the loss.
+kernel-index arithmetic, the memory warpgroup's ring of slots, ping-pong turns, fences, a
+row scaling branched per thread, and persistent-kernel scheduling. Nothing here knows
+attention or the loss.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -24,8 +26,8 @@ try:
   from jax.experimental.mosaic.gpu import utils as mgpu_utils  # take_work_item's thread
 except ImportError:  # pragma: no cover
   plgpu = mgpu = mgpu_utils = None
-import numpy as np
-from jax._src.lib.mlir import ir  # fence_smem's and take_work_item's inline PTX
+# fence_smem's and take_work_item's inline PTX, rows_scaled_where_needed's branch
+from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
 
 
