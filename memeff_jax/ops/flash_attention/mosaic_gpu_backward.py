@@ -209,13 +209,6 @@ class MosaicBackwardConfig:
       float32 reference grows with the adders, 1.09×, 1.18×, 1.31× and 1.51× that of the
       float32 sum at 4, 8, 16 and 32 of them (bf16, a numerical model of the kernel's
       sums), so for_deterministic turns it on only up to ROUNDED_DQ_MAX_ADDERS.
-    dq_finish: (dq_ordered, not dq_rounded) each query block's last adder finishes its dq:
-      the memory warpgroup loads the float32 sum of the adds before it into the step's dQ
-      slot, the compute warpgroups add their dQ to it, scale it and round it to the input
-      dtype, and the memory warpgroup stores that into dq. The float32 sum stays a
-      buffer of the kernel's, and no pass after the kernel reads it back: the same bits,
-      one read of it in the kernel in place of an XLA pass's (268 MB of float32 at B4 T4k
-      H32 D128, about 0.1 ms on an H200).
     early_softmax: a step waits for its Sᵀ alone and computes Pᵀ while its dPᵀ WGMMA still
       runs, instead of waiting for both (the same bits). Measured faster only where nothing
       else fills the tensor cores meanwhile: D = 96 and 128 causal, without dq_stagger (see
@@ -244,7 +237,6 @@ class MosaicBackwardConfig:
   dq_stagger: bool = False
   dq_heavy_first: bool = False
   dq_rounded: bool = False
-  dq_finish: bool = False
   group_splits: int = 1
   early_softmax: bool = False
 
@@ -278,8 +270,8 @@ class MosaicBackwardConfig:
              or _section(table, d, suffix))
     if found:
       config = _two_stages(cls(**{**found, "dq_ordered": True}), d, segments)
-      rounded = 0 < s // config.cta_keys() <= ROUNDED_DQ_MAX_ADDERS
-      return dataclasses.replace(config, dq_rounded=rounded, dq_finish=not rounded)
+      adders = s // config.cta_keys()
+      return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS)
     return cls.tuned(d, causal, gqa, with_dq=False)
 
   @classmethod
@@ -441,11 +433,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)):
     return "dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split)"
   if (config.dq_buffers != 1 or config.dq_rotate or config.dq_heavy_first
-      or config.dq_rounded or config.dq_finish) and not config.dq_ordered:
-    return ("dq_buffers, dq_rotate, dq_heavy_first, dq_rounded and dq_finish belong to "
-            "dq_ordered")
-  if config.dq_rounded and config.dq_finish:
-    return "dq_rounded and dq_finish exclude each other (dq added rounded, or finished once)"
+      or config.dq_rounded) and not config.dq_ordered:
+    return "dq_buffers, dq_rotate, dq_heavy_first and dq_rounded belong to dq_ordered"
   if config.fused_delta and d % 64:
     return f"fused_delta needs D a multiple of 64, got D={d}"
   if config.fused_delta and not (config.dq_ordered and config.dq_split
@@ -537,41 +526,21 @@ def _dq_tile_transforms(config: MosaicBackwardConfig, d: int, dtype=jnp.float32)
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
   """The dQ tile slots in shared memory: float32, or with dq_rounded in the input dtype,
   each tile in rows 0..block_q of a slot twice as tall (the float32 tile's bytes, so that
-  fused_delta's O lands where it does without). With dq_finish or fused_delta a union of
-  views of the same bytes (see _DqViews); each is read only through the view it was written
-  through."""
+  fused_delta's O lands where it does without). With fused_delta a union of two views of
+  the same bytes: the tiles and a query block's O (BLOCK_Q × D in the input dtype: the
+  bytes of one float32 dQ tile of dq_split), which the walk's first two steps hold before
+  their dQ tiles are written; each is read only through the view it was written through."""
   slots, rows, cols = _dq_tile_shape(config, d)
-  rounded = plgpu.SMEM((slots, 2 * rows, cols), dtype,
+  if config.dq_rounded:
+    tiles = plgpu.SMEM((slots, 2 * rows, cols), dtype,
                        transforms=_dq_tile_transforms(config, d, dtype))
-  views = [rounded if config.dq_rounded else plgpu.SMEM(
-      (slots, rows, cols), jnp.float32, transforms=_dq_tile_transforms(config, d))]
-  if config.dq_finish:
-    views.append(rounded)
-  if config.fused_delta:
-    views.append(plgpu.SMEM((slots, rows, 2 * cols), dtype,
-                            transforms=hopper.swizzled_tiles(128, dtype)))
-  return views[0] if len(views) == 1 else plgpu.RefUnion(*views)
-
-
-class _DqViews(NamedTuple):
-  """The dQ slots' views: the tiles (float32, or in the input dtype with dq_rounded); with
-  dq_finish the finished tiles in the input dtype, rows 0..block_q of a slot twice as tall
-  (a query block's last adder writes them over the float32 sum it has read); with
-  fused_delta a query block's O (BLOCK_Q × D in the input dtype: the bytes of one float32
-  dQ tile of dq_split), which the walk's first two steps hold before their dQ tiles are
-  written."""
-  tiles: Any
-  finished: Any = None
-  o: Any = None
-
-  @classmethod
-  def of(cls, config: MosaicBackwardConfig, scratch, fused: bool) -> "_DqViews":
-    """The views of _dq_scratch's `scratch`; O's only where the call fuses Δ."""
-    if not (config.dq_finish or config.fused_delta):
-      return cls(scratch)
-    tiles, *rest = scratch
-    finished = rest.pop(0) if config.dq_finish else None
-    return cls(tiles, finished, rest[0] if fused else None)
+  else:
+    tiles = plgpu.SMEM((slots, rows, cols), jnp.float32,
+                       transforms=_dq_tile_transforms(config, d))
+  if not config.fused_delta:
+    return tiles
+  return plgpu.RefUnion(tiles, plgpu.SMEM((slots, rows, 2 * cols), dtype,
+                                          transforms=hopper.swizzled_tiles(128, dtype)))
 
 
 def _operand_swizzle(block_q: int, d: int, half: int | None = None) -> int:
@@ -686,20 +655,19 @@ def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: 
 
 def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int, t: int,
               ranges=None, rotate: bool = False):
-  """(ranks, adders, written) for dq_ordered: _reduction_ranks' tables, and where dq was
-  written ([B, T, 1, 1] bool; None where every query block has an adder). Without segment
-  ids all three depend on the shapes alone: computed while tracing, they are constants of
-  the program rather than a handful of small kernels in every call."""
+  """(ranks, written) for dq_ordered: _reduction_ranks' table, and where dq was written
+  ([B, T, 1, 1] bool; None where every query block has an adder). Without segment ids both
+  depend on the shapes alone: computed while tracing, they are constants of the program
+  rather than a handful of small kernels in every call."""
   static = ranges is None
   with hopper.host_constants() if static else contextlib.nullcontext():
     ranks, adders = _reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, ranges,
                                      rotate=rotate)
     written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
     if not static:
-      return ranks, adders, written
+      return ranks, written
     # As NumPy constants, which carry no mesh (see host_constants).
-    return (np.asarray(ranks), np.asarray(adders),
-            None if bool(jnp.all(adders > 0)) else np.asarray(written))
+    return np.asarray(ranks), None if bool(jnp.all(adders > 0)) else np.asarray(written)
 
 
 class _Item(NamedTuple):
@@ -754,7 +722,6 @@ class _Scratch(NamedTuple):
   dq_free: Any = None  # ... per dQ slot: read by their reductions
   o_ready: Any = None  # fused_delta, per slot: O landed in the dQ slot
   delta_ready: Any = None  # ... warpgroup 0 has written the block's Δ
-  dq_loaded: Any = None  # dq_finish, per dQ slot, 2 arrivals: the sum before a last adder's
   ds_free: Any = None  # dq_stagger, per dSᵀ slot, 2 arrivals: both dQs reading it are done
   lead: Any = None  # ... warpgroup 0's first scores are done: warpgroup 1 may start
   turns: Any = None  # ... per warpgroup: its turn at the dQ, dV and dK WGMMAs
@@ -779,8 +746,6 @@ class _Scratch(NamedTuple):
     if config.dq_ordered:
       optional.update(dq_full=barrier(**pair, num_barriers=config.dq_buffers),
                       dq_free=barrier(num_barriers=config.dq_buffers))
-    if config.dq_finish:  # one copy per warpgroup's columns
-      optional.update(dq_loaded=barrier(**pair, num_barriers=config.dq_buffers))
     if fused:
       optional.update(o_ready=barrier(num_barriers=2), delta_ready=barrier())
     if config.dq_stagger:
@@ -808,7 +773,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      dq_ref, dk_ref, dv_ref, sc: _Scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
-                     heavy_first: bool = False, order=None, delta=None, finish=None):
+                     heavy_first: bool = False, order=None, delta=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
   the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
@@ -817,10 +782,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   also [B · Hkv · n_kv · 2] counters, per key block and warpgroup, that dK and dV's adds
   wait on). delta: where the call fuses Δ (_fuses_delta), the forward's output O,
   the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
-  view in the input dtype. finish: with config.dq_finish, _reduction_ranks' adders per
-  query block, the dQ slots' view of finished tiles (_DqViews.finished) and dq, which each
-  query block's last adder stores (dq_ref then holds the float32 sums before it). lengths:
-  the T and S it runs at (see backward)."""
+  view in the input dtype. lengths: the T and S it runs at (see backward)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   splits = min(config.group_splits, group)
@@ -866,17 +828,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     """Query block qb of `head` in the item's batch row, as an index into the
     [B · Hq · n_q] semaphores (dq_ordered's counters, fused_delta's flags)."""
     return (it.b * q_ref.shape[2] + head) * n_q + qb
-
-  def dq_loaded(slot):
-    """dq_finish: dQ slot `slot`'s dq_loaded barrier."""
-    return sc.dq_loaded if config.dq_buffers == 1 else sc.dq_loaded.at[slot]
-
-  def finishing(it, i):
-    """dq_finish: (whether the item's step i is its query block's last add, and whether
-    adds came before it) as int32 0/1, computed alike by every warpgroup."""
-    head, qb = step_block(it, i)
-    rank = order[0][it.b, it.kvi, qb]
-    return (rank == finish[0][it.b, qb] - 1).astype(jnp.int32), (rank > 0).astype(jnp.int32)
 
   def step_block(it, i):
     """(query head, query block) of the item's pipeline step i: all blocks of one head, then
@@ -1051,25 +1002,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.barrier_wait(free)  # the slot's last tiles have been read
           if config.dq_rounded:  # scaled here, in place of the pass after the kernel
             sc.dq_smem.at[tile, pl.ds(0, bq)][...] = (dq * scale).astype(dtype)
-          elif finish is None:
+          else:
             sc.dq_smem.at[tile][...] = dq
-          else:  # the last add finishes the block (the float32 sum before it, loaded)
-            last, after = finishing(it, i)
-            done = finish[1].at[tile, pl.ds(0, bq)]
-
-            @pl.when(last == 0)
-            def _():
-              sc.dq_smem.at[tile][...] = dq
-
-            @pl.when(last * (1 - after) == 1)
-            def _():
-              done[...] = (dq * scale).astype(dtype)
-
-            @pl.when(last * after == 1)
-            def _():
-              plgpu.barrier_wait(dq_loaded(slot))
-              total = hopper.load(sc.dq_smem.at[tile], plgpu.Layout.WGMMA) + dq
-              done[...] = (total * scale).astype(dtype)
           hand_off(full)
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read the tile
@@ -1389,46 +1323,22 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       slot, full, free = dq_slot(gi)
       rows, half = pl.ds(qb * bq, bq), d // 2
       cols = lambda w: pl.ds(w * half, half)
-      last = after = None
-      if finish is not None:
-        last, after = finishing(it, i)
-
-        @pl.when(last * after == 1)
-        def _():  # the sum of the adds before this last one, into the slot (free by now)
-          plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
-          for w in range(2):
-            plgpu.copy_gmem_to_smem(dq_ref.at[it.b, rows, head, cols(w)],
-                                    sc.dq_smem.at[slot * 2 + w], dq_loaded(slot))
-
-      def add():
-        plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
-        for op, when in ((None, rank == 0), ("add", rank > 0)):
-          @pl.when(when)
-          def _(op=op):
-            for w in range(2):
-              tile = sc.dq_smem.at[slot * 2 + w]
-              if config.dq_rounded:
-                tile = tile.at[pl.ds(0, bq)]
-              plgpu.copy_smem_to_gmem(tile, dq_ref.at[it.b, rows, head, cols(w)],
-                                      reduction_op=op)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(free)
-        plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
-        plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
-
-      def store_finished():  # no key block adds after this one: no landing to wait for
-        for w in range(2):
-          plgpu.copy_smem_to_gmem(finish[1].at[slot * 2 + w, pl.ds(0, bq)],
-                                  finish[2].at[it.b, rows, head, cols(w)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(free)
 
       plgpu.barrier_wait(full)
-      if finish is None:
-        add()
-      else:
-        pl.when(last == 0)(add)
-        pl.when(last == 1)(store_finished)
+      plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+      for op, when in ((None, rank == 0), ("add", rank > 0)):
+        @pl.when(when)
+        def _(op=op):
+          for w in range(2):
+            tile = sc.dq_smem.at[slot * 2 + w]
+            if config.dq_rounded:
+              tile = tile.at[pl.ds(0, bq)]
+            plgpu.copy_smem_to_gmem(tile, dq_ref.at[it.b, rows, head, cols(w)],
+                                    reduction_op=op)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(free)
+      plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
+      plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
     @hopper.on_each_warp
     def _per_warp():
@@ -1487,9 +1397,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   splits = min(config.group_splits, hq // hkv)
   grid_heads = hq if per_query_head else hkv * splits
   if config.dq_ordered:
-    ranks, adders, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
-                                       ranges, rotate=rotate)
-    rank_args = (ranks, adders) if config.dq_finish else (ranks,)
+    ranks, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
+                               ranges, rotate=rotate)
+    rank_args = (ranks,)
   else:
     rank_args = ()
   if per_query_head and not config.dq_ordered:  # dK and dV gather the group's query heads
@@ -1504,10 +1414,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   # The float32 dq: zeros that every key block adds into; with dq_ordered an uninitialized
   # output, which each query block's first adder stores rather than adds into (no memset).
   dq_acc = ()
-  if config.dq_finish:  # the float32 sums, then dq (scaled, in the input dtype)
-    out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                jax.ShapeDtypeStruct(q.shape, q.dtype), *out_type)
-  elif config.dq_ordered:  # with dq_rounded in the input dtype, already scaled
+  if config.dq_ordered:  # with dq_rounded in the input dtype, already scaled
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype if config.dq_rounded else jnp.float32),
                 *out_type)
   elif config.with_dq:
@@ -1517,23 +1424,19 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     if fused:  # the forward's output, for Δ
       out_ref, *refs = refs
     tables = ()
-    if config.dq_ordered:  # the rank table (with dq_finish the adders' too)
+    if config.dq_ordered:  # the rank table
       tables, refs = refs[:len(rank_args)], refs[len(rank_args):]
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
-    dq_out = None
-    if config.dq_finish:  # the float32 sums, then dq
-      dq_ref, dq_out, dk_ref, dv_ref = refs
-    else:
-      dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
+    dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
     def kernel(sc: _Scratch):
-      views = _DqViews.of(config, sc.dq_smem, fused)
-      sc = sc._replace(dq_smem=views.tiles)
-      delta = finish = None
+      delta = None
       if fused:  # O's view of the dQ slots, and the flags that a block's Δ is stored
-        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), views.o)
-      if config.dq_finish:
-        finish = (tables[1], views.finished, dq_out)
+        dq_tiles, o_tiles = sc.dq_smem
+        sc = sc._replace(dq_smem=dq_tiles)
+        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), o_tiles)
+      elif config.fused_delta:  # the call takes the pass: the dQ tiles' view only
+        sc = sc._replace(dq_smem=sc.dq_smem[0])
       order = None
       if config.dq_ordered:  # with counters that start at zero in every call
         order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))))
@@ -1543,7 +1446,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
-                       order=order, delta=delta, finish=finish, lengths=(t, s))
+                       order=order, delta=delta, lengths=(t, s))
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused),
                   collective_axes="wg")
@@ -1565,13 +1468,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     *rank_args, *seg_args, *dq_acc, *dkv_acc)
   dq = None
   if config.dq_ordered:
-    if config.dq_finish:
-      _, dq, *outs = outs
-    else:
-      dq, *outs = outs
+    dq, *outs = outs
     if written is not None:  # query blocks that no key block adds into were never written
       dq = jnp.where(written, dq, jnp.zeros((), dq.dtype))
-    if not (config.dq_rounded or config.dq_finish):
+    if not config.dq_rounded:
       dq = (dq * opts.scale).astype(q.dtype)
   elif config.with_dq:
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)

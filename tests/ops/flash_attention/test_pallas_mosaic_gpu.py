@@ -1103,16 +1103,14 @@ def test_dq_order_is_computed_while_tracing(causal, window, segments, t, s, rota
     return seg
 
   trace(jnp.zeros((batch, t), jnp.int32))
-  ranks, adders_seen, written = seen["order"]
+  ranks, written = seen["order"]
   assert isinstance(ranks, jax.core.Tracer) == segments
-  assert isinstance(adders_seen, jax.core.Tracer) == segments
   if segments:
     return
   assert not isinstance(written, jax.core.Tracer)
   want, adders = map(np.asarray, mb._reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq,  # pylint: disable=protected-access
                                                      rotate=rotate))
   np.testing.assert_array_equal(np.asarray(ranks), want)
-  np.testing.assert_array_equal(np.asarray(adders_seen), adders)
   if (adders > 0).all():
     assert written is None
   else:
@@ -1332,9 +1330,7 @@ def test_deterministic_calls_take_an_ordered_section(as_on_hopper, tuning_tables
   tuning_tables(flash_attention="[pallas_mosaic_gpu_backward.default.d128_ordered]\n"
                                 "dq_split = true\n")
   ordered = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True)
-  # S not known: the float32 sums, finished by each query block's last adder
-  assert mb.MosaicBackwardConfig.for_deterministic(128, False) == dataclasses.replace(
-      ordered, dq_finish=True)
+  assert mb.MosaicBackwardConfig.for_deterministic(128, False) == ordered
   assert not mb.MosaicBackwardConfig.for_deterministic(128, True).with_dq  # no d128_causal_
   assert not mb.MosaicBackwardConfig.for_deterministic(64, False).with_dq
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
@@ -1364,8 +1360,7 @@ def test_causal_windows_at_d128_take_the_causal_sections(as_on_hopper, t, window
                                  jax.ShapeDtypeStruct((1, t, 8, d), BF16), opts)
   want = {**_tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")[section],
           "dq_ordered": True}
-  assert dataclasses.replace(st.backward, dq_rounded=False, dq_finish=False) == (
-      mb.MosaicBackwardConfig(**want))
+  assert dataclasses.replace(st.backward, dq_rounded=False) == mb.MosaicBackwardConfig(**want)
 
 
 @pytest.mark.parametrize("d, causal, gqa, s, rounded", [
@@ -1379,7 +1374,6 @@ def test_short_calls_add_dq_in_the_input_dtype(d, causal, gqa, s, rounded):
   key blocks add into a query block, and keeps the float32 sum elsewhere."""
   config = mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa, t=1024, s=s)
   assert config.dq_ordered and config.dq_rounded == rounded
-  assert config.dq_finish == (not rounded)  # else the float32 sums, finished in the kernel
   if s:
     assert (s // config.cta_keys() <= mb.ROUNDED_DQ_MAX_ADDERS) == rounded
   assert mb.support_error((1, 1024, 4, d), (1, max(s, 256), 2 if gqa else 4, d), BF16,
@@ -1387,11 +1381,6 @@ def test_short_calls_add_dq_in_the_input_dtype(d, causal, gqa, s, rounded):
   shape = (1, 256, 4, 128)  # in arrival order an adder cannot know it is the first
   assert "belong to dq_ordered" in mb.support_error(
       shape, shape, BF16, _opts(causal), mb.MosaicBackwardConfig(dq_rounded=True))
-  assert "belong to dq_ordered" in mb.support_error(
-      shape, shape, BF16, _opts(causal), mb.MosaicBackwardConfig(dq_finish=True))
-  assert "exclude each other" in mb.support_error(
-      shape, shape, BF16, _opts(causal),
-      mb.MosaicBackwardConfig(dq_ordered=True, dq_rounded=True, dq_finish=True))
 
 
 @pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, fused", [
@@ -1417,39 +1406,6 @@ def test_rounded_dq_lowers_for_cuda(causal, window, segments, d, t, s, hkv, fuse
   assert f"tensor<2x{t}x4x{d}xbf16>" in call.split("->")[-1]  # dq itself
   assert f"x{d}xf32>" not in call.split("->")[-1]  # no float32 dq
   assert "red.release.gpu" in text
-
-
-@pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, fields, semantics",
-                         _alternating_lowerings([
-    (True, None, False, 128, 512, 512, 4, dict(dq_buffers=2, fused_delta=True)),  # 3 views
-    (False, None, False, 128, 512, 384, 2, dict(dq_buffers=2, dq_rotate=True, dq_stagger=True)),
-    (True, None, True, 128, 512, 512, 4, dict()),  # one dQ slot beside segment ids
-    (False, (100, 7), True, 128, 256, 512, 1, dict()),  # a query block without an adder
-    (True, None, False, 64, 256, 384, 1, dict(dq_buffers=2, block_q=128)),
-    (True, None, False, 256, 256, 384, 2, dict(dq_split=False, column_split=True, stages=1,
-                                               scores_split=True, dq_heavy_first=True)),
-    (False, None, False, 128, 512, 512, 1, dict(dq_buffers=2, gqa_per_query_head=True))]))
-def test_finished_dq_lowers_for_cuda(monkeypatch, causal, window, segments, d, t, s, hkv, fields,
-                                     semantics):
-  """dq_finish: the kernel returns the float32 sums and dq in the input dtype, which each
-  query block's last adder stores; no XLA pass converts the sums after it (the same
-  config without dq_finish has one)."""
-  _lower_with(monkeypatch, semantics)
-  opts = _opts(causal, window, segments)
-  convert = re.compile(rf"stablehlo.convert %\w+ : \(tensor<2x{t}x4x{d}xf32>\) -> "
-                       rf"tensor<2x{t}x4x{d}xbf16>")
-  outputs = {}
-  for finish in (True, False):
-    config = mb.MosaicBackwardConfig(**{"dq_split": True, **fields}, dq_ordered=True,
-                                     dq_finish=finish)
-    assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
-    text = _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments)
-    call = next(line for line in text.splitlines() if _MOSAIC_CALL.search(line))
-    outputs[finish] = call.split("->")[-1].strip(" ()").split(", ")
-    assert bool(convert.search(text)) != finish
-  # dq itself after the sums: one output more
-  assert outputs[True][:2] == [f"tensor<2x{t}x4x{d}xf32>", f"tensor<2x{t}x4x{d}xbf16>"]
-  assert outputs[True][2:] == outputs[False][1:]
 
 
 def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
@@ -1850,35 +1806,6 @@ class TestMosaicGpu:
     q, k, v, _, ct = make_problem(jax.random.key(22), 2, 1024, 2048, 8, 2, d, BF16)
     _assert_reproducible_grads(PallasMosaicGpu(backward_config=backward), q, k, v, None, ct,
                                opts)
-
-  @pytest.mark.parametrize("fields", [
-      dict(dq_split=True, dq_buffers=2, fused_delta=True),
-      dict(dq_split=True, dq_buffers=2, dq_rotate=True, dq_stagger=True),
-      dict(dq_split=True),
-      dict(dq_split=True, dq_buffers=2, gqa_per_query_head=True),
-      dict(dq_split=False, column_split=True, stages=1, scores_split=True, dq_heavy_first=True),
-      dict(dq_split=False, column_split=True, stages=1, dq_rotate=True)],
-      ids=["fused_delta", "rotate_stagger", "one_slot", "per_query_head", "d256_split_scores",
-           "d256_rotate"])
-  @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
-                                    dict(causal=True, segments=True),
-                                    dict(sliding_window=(300, 100))])
-  def test_finished_dq_has_the_float32_sums_bits(self, fields, opts):
-    """dq_finish: each query block's last adder loads the float32 sum, adds its dQ, scales
-    and rounds in the kernel: the same bits as the sums converted after it, every call.
-    16 key blocks per query row (32 at D = 256), GQA 4:1, 3 documents of unequal length."""
-    d = 256 if fields.get("column_split") else 128
-    q, k, v, seg, ct = make_problem(jax.random.key(28), 2, 1024, 2048, 8, 2, d, BF16,
-                                    segments=opts.get("segments", False))
-    config = mb.MosaicBackwardConfig(**fields, dq_ordered=True, dq_finish=True)
-    if opts.get("segments"):
-      config = mb.fit_shared_memory(config, d, BF16, True)
-    finished, _ = _assert_reproducible_grads(PallasMosaicGpu(backward_config=config), q, k, v,
-                                             seg, ct, opts, calls=1)
-    plain = PallasMosaicGpu(backward_config=dataclasses.replace(config, dq_finish=False))
-    summed = jax.jit(lambda q, k, v: run(plain, q, k, v, seg, ct, opts)[2])(q, k, v)
-    for g, h in zip(finished, summed):
-      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
 
   def test_long_causal_documents_under_gqa_take_a_cta_per_query_head(self, monkeypatch):
     """The default backward of deterministic causal GQA calls with segment ids from
