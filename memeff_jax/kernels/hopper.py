@@ -272,9 +272,10 @@ def floor_div(x, n):
 
 def rows_scaled_where_needed(acc, alpha):
   """acc · alpha along its rows (acc in the WGMMA layout, alpha one value per row) where a
-  thread's rows have an alpha other than 1; elsewhere acc unchanged. A branch per thread,
-  not a multiply per element: the online softmax's rescale, skipped where no row's maximum
-  moved."""
+  warp's rows have an alpha other than 1; elsewhere acc unchanged (rows whose alpha is 1
+  come out the same either way). A branch per warp, not a multiply per element: the online
+  softmax's rescale, skipped where no row's maximum moved. The warp votes (a ballot of its
+  threads' predicates), so its threads never diverge at the branch."""
   layout = plgpu.Layout.WGMMA
 
   @plgpu.inline_mgpu(arg_types=(layout, layout.reduce(1)),
@@ -287,6 +288,12 @@ def rows_scaled_where_needed(acc, alpha):
       for i in range(ir.VectorType(reg.type).shape[0]):
         ne = arith.cmpf(arith.CmpFPredicate.UNE, vector.extract(reg, [], [i]), one)
         moved = ne if moved is None else arith.ori(moved, ne)
+    i32 = ir.IntegerType.get_signless(32)
+    ballot = llvm.inline_asm(
+        i32, [arith.extui(i32, moved)],
+        "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff; }",
+        "=r,r")
+    moved = arith.cmpi(arith.CmpIPredicate.ne, ballot, arith.constant(i32, 0))
     branch = scf.IfOp(moved, [r.type for r in acc.registers.flat], has_else=True)
     with ir.InsertionPoint(branch.then_block):
       rows = alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)

@@ -122,13 +122,13 @@ class MosaicConfig:
       arithmetic: the same bits.
     lazy_rescale: the online softmax keeps a row's running maximum until the row's scores
       rise past it by RESCALE_THRESHOLD (FlashAttention-4's conditional rescale), and the
-      accumulator is rescaled only by threads whose rows moved
+      accumulator is rescaled only by warps whose rows moved
       (hopper.rows_scaled_where_needed), a branch in place of D/block_kv multiplies per
       score. It pays where that is 2.5 or more (D > 128 on 64-key blocks; forward, H200:
-      D = 256 B4 T4096 H16 1.62 against 1.68 ms, causal 0.88 against 0.94, a 4,096-key
+      D = 256 B4 T4096 H16 1.53 against 1.73 ms, causal 0.89 against 0.92, a 4,096-key
       window at B1 T8192 H16/8 0.73 against 0.82; D = 192 1.34 against 1.44; D = 160 level)
-      and costs more than it saves at 1 (D = 128: 1.92 against 1.85 ms) and 0.5 (D = 64
-      causal: 1.58 against 1.40), where the branch splits the softmax's instructions.
+      and costs more than it saves at 1 (D = 128: 1.89 against 1.85 ms) and 0.5 (D = 64
+      causal: 1.50 against 1.36), where the branch splits the softmax's instructions.
   """
 
   block_q: int = 64

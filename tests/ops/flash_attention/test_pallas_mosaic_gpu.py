@@ -406,12 +406,15 @@ def test_kernel_lowers_for_cuda(monkeypatch, causal, window, segments, pingpong,
                                 softcap, overlap, semantics):
   """Builds the Mosaic GPU kernel (no GPU needed): catches API drift between jax releases.
   Each case with and without overlap, one under each lowering (the GPU image's jax 0.11
-  lowers with warpgroup semantics, this jax with lane semantics)."""
+  lowers with warpgroup semantics, this jax with lane semantics). Above D = 128 the lazy
+  rescale's branch is taken per warp, by a ballot."""
   _lower_with(monkeypatch, semantics)
   config = dataclasses.replace(MosaicConfig.for_head_dim(d), pingpong=pingpong and not overlap,
                                overlap=overlap)
   opts = _opts(causal, window, segments, softcap)
-  assert _MOSAIC_CALL.search(_forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
+  text = _forward_lowered_for_cuda(opts, config, t, s, hkv, d, segments)
+  assert _MOSAIC_CALL.search(text)
+  assert ("vote.sync.ballot" in text) == config.lazy_rescale == (d > 128)
 
 
 @pytest.mark.parametrize(
