@@ -287,13 +287,22 @@ def torch_timer(provider, row, q, k, v, ct, causal, reps):
                   _harness.time_torch(fwd_bwd, reps=reps, lead_ms=TORCH_LEAD_MS))
 
 
+def selected_shapes(text: str) -> slice | list[int]:
+  """--shapes: a Python slice of the set's shapes (`0:3`, `5:`) or their indices (`0,5,6`)."""
+  if ":" in text:
+    return slice(*(int(i) if i else None for i in text.split(":")))
+  return [int(i) for i in text.split(",")]
+
+
 def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
-        shapes: slice = slice(None)):
+        shapes: slice | list[int] = slice(None)):
   spec = _harness.shape_sets("flash_attention")[set_name]
   dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
   env = _harness.environment()
   rows = []
-  for shape in spec["shapes"][shapes]:
+  picked = (spec["shapes"][shapes] if isinstance(shapes, slice)
+            else [spec["shapes"][i] for i in shapes])
+  for shape in picked:
     b, t, h, d = shape["b"], shape["t"], shape["h"], shape["d"]
     s, hkv, docs = shape.get("s", t), shape.get("hkv", h), shape.get("docs")
     q, k, v, ct, seg = inputs(shape, dtype)
@@ -376,11 +385,12 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=1,
                       help="interleaved rounds per case; each figure is the median over them")
   parser.add_argument("--shapes", default=":",
-                      help="which of the set's shapes to run, as a Python slice (e.g. 0:3): "
+                      help="which of the set's shapes to run, as a Python slice (e.g. 0:3) "
+                      "or indices (0,5,6): "
                       "a long set split over several processes or GPUs")
   parser.add_argument("--out", default=str(_harness.RESULTS / "flash_attention.jsonl"))
   args = parser.parse_args(argv)
-  shapes = slice(*(int(i) if i else None for i in args.shapes.split(":")))
+  shapes = selected_shapes(args.shapes)
   print(f"flash_attention [{args.set}] on {jax.devices()[0].device_kind}")
   run(args.set, [p for p in args.providers.split(",") if p], args.out, args.reps, args.rounds,
       shapes)

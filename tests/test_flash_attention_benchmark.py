@@ -1,6 +1,6 @@
 """benchmarks/flash_attention.py's peers: cuDNN on packed documents (its packed layout), cuDNN
 made deterministic, torch's scaled_dot_product_attention; the grid table that compares memeff
-with them; memeff:tuned, the default dispatch with a tuned setting changed."""
+with them; memeff:tuned, the default dispatch with a tuned setting changed; --shapes."""
 
 import dataclasses
 
@@ -218,3 +218,13 @@ def test_tuned_provider_computes_the_default_attention():
   want = bench.attention_fn("memeff", True, None)(q, k, v)
   got = bench.attention_fn("memeff:tuned:bwd_dq_heavy_first=1", True, None)(q, k, v)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_shapes_are_a_slice_or_indices():
+  """--shapes picks the set's shapes by a Python slice or by indices (rows apart, one run)."""
+  grid = list(range(9))
+  assert grid[bench.selected_shapes("0:2")] == [0, 1]
+  assert grid[bench.selected_shapes("5:")] == [5, 6, 7, 8]
+  assert grid[bench.selected_shapes(":")] == grid
+  assert bench.selected_shapes("0,5,6") == [0, 5, 6]
+  assert bench.selected_shapes("3") == [3]
