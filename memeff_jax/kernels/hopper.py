@@ -2,7 +2,7 @@
 
 Shared-memory size, dtype checks, loads that work on jax 0.10 and 0.11, swizzled tiles,
 kernel-index arithmetic, the memory warpgroup's ring of slots, ping-pong turns, fences, a
-row scaling branched per thread, and persistent-kernel scheduling. Nothing here knows
+row scaling branched per warp, and persistent-kernel scheduling. Nothing here knows
 attention or the loss.
 """
 
