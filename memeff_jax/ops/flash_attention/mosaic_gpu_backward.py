@@ -77,8 +77,6 @@ LONG_WALK_QUERIES = 8192
 # input dtype (dq_rounded): there bf16's error stays within 1.4× the float32 sum's, the
 # bound the loss's bf16 dW also keeps.
 ROUNDED_DQ_MAX_ADDERS = 16
-# Query blocks that each dq_convert CTA converts at least (the CTAs past them have none).
-CONVERT_MIN_BLOCKS = 8
 # The head dims up to which a call with deterministic=False and no ordered kernel (D = 48,
 # 80, 112) runs the whole kernel in arrival order rather than the dK/dV-only kernel beside
 # the dq kernel: at D = 112 the pair measured faster (B4 T4k H32/8 fwd+bwd 7.74 against
@@ -211,12 +209,6 @@ class MosaicBackwardConfig:
       float32 reference grows with the adders, 1.09×, 1.18×, 1.31× and 1.51× that of the
       float32 sum at 4, 8, 16 and 32 of them (bf16, a numerical model of the kernel's
       sums), so for_deterministic turns it on only up to ROUNDED_DQ_MAX_ADDERS.
-    dq_convert: (dq_ordered, not dq_rounded) the grid takes one batch row more, whose CTAs
-      launch after all key blocks' and convert dq's float32 sums: each waits for a query
-      block's counter to reach its adders, loads the sums, and its compute warpgroups scale
-      and round them into dq in the input dtype (zeros where no key block adds). They run
-      on SMs that the grid's last wave leaves idle, in place of XLA's pass after the kernel
-      (268 MB of float32 at B4 T4k H32 D128, about 0.1 ms on an H200): the same bits.
     early_softmax: a step waits for its Sᵀ alone and computes Pᵀ while its dPᵀ WGMMA still
       runs, instead of waiting for both (the same bits). Measured faster only where nothing
       else fills the tensor cores meanwhile: D = 96 and 128 causal, without dq_stagger (see
@@ -245,7 +237,6 @@ class MosaicBackwardConfig:
   dq_stagger: bool = False
   dq_heavy_first: bool = False
   dq_rounded: bool = False
-  dq_convert: bool = False
   group_splits: int = 1
   early_softmax: bool = False
 
@@ -279,8 +270,8 @@ class MosaicBackwardConfig:
              or _section(table, d, suffix))
     if found:
       config = _two_stages(cls(**{**found, "dq_ordered": True}), d, segments)
-      rounded = 0 < s // config.cta_keys() <= ROUNDED_DQ_MAX_ADDERS
-      return dataclasses.replace(config, dq_rounded=rounded, dq_convert=not rounded)
+      adders = s // config.cta_keys()
+      return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS)
     return cls.tuned(d, causal, gqa, with_dq=False)
 
   @classmethod
@@ -442,11 +433,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)):
     return "dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split)"
   if (config.dq_buffers != 1 or config.dq_rotate or config.dq_heavy_first
-      or config.dq_rounded or config.dq_convert) and not config.dq_ordered:
-    return ("dq_buffers, dq_rotate, dq_heavy_first, dq_rounded and dq_convert belong to "
-            "dq_ordered")
-  if config.dq_rounded and config.dq_convert:
-    return "dq_rounded and dq_convert exclude each other (dq added rounded, or converted)"
+      or config.dq_rounded) and not config.dq_ordered:
+    return "dq_buffers, dq_rotate, dq_heavy_first and dq_rounded belong to dq_ordered"
   if config.fused_delta and d % 64:
     return f"fused_delta needs D a multiple of 64, got D={d}"
   if config.fused_delta and not (config.dq_ordered and config.dq_split
@@ -538,41 +526,21 @@ def _dq_tile_transforms(config: MosaicBackwardConfig, d: int, dtype=jnp.float32)
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
   """The dQ tile slots in shared memory: float32, or with dq_rounded in the input dtype,
   each tile in rows 0..block_q of a slot twice as tall (the float32 tile's bytes, so that
-  fused_delta's O lands where it does without). With dq_convert or fused_delta a union of
-  views of the same bytes (see _DqViews); each is read only through the view it was written
-  through."""
+  fused_delta's O lands where it does without). With fused_delta a union of two views of
+  the same bytes: the tiles and a query block's O (BLOCK_Q × D in the input dtype: the
+  bytes of one float32 dQ tile of dq_split), which the walk's first two steps hold before
+  their dQ tiles are written; each is read only through the view it was written through."""
   slots, rows, cols = _dq_tile_shape(config, d)
-  rounded = plgpu.SMEM((slots, 2 * rows, cols), dtype,
+  if config.dq_rounded:
+    tiles = plgpu.SMEM((slots, 2 * rows, cols), dtype,
                        transforms=_dq_tile_transforms(config, d, dtype))
-  views = [rounded if config.dq_rounded else plgpu.SMEM(
-      (slots, rows, cols), jnp.float32, transforms=_dq_tile_transforms(config, d))]
-  if config.dq_convert:
-    views.append(rounded)
-  if config.fused_delta:
-    views.append(plgpu.SMEM((slots, rows, 2 * cols), dtype,
-                            transforms=hopper.swizzled_tiles(128, dtype)))
-  return views[0] if len(views) == 1 else plgpu.RefUnion(*views)
-
-
-class _DqViews(NamedTuple):
-  """The dQ slots' views: the tiles (float32, or in the input dtype with dq_rounded); with
-  dq_convert the converted tiles in the input dtype, rows 0..block_q of a slot twice as tall
-  (a converting CTA writes them over the float32 sums it has read); with
-  fused_delta a query block's O (BLOCK_Q × D in the input dtype: the bytes of one float32
-  dQ tile of dq_split), which the walk's first two steps hold before their dQ tiles are
-  written."""
-  tiles: Any
-  converted: Any = None
-  o: Any = None
-
-  @classmethod
-  def of(cls, config: MosaicBackwardConfig, scratch, fused: bool) -> "_DqViews":
-    """The views of _dq_scratch's `scratch`; O's only where the call fuses Δ."""
-    if not (config.dq_convert or config.fused_delta):
-      return cls(scratch)
-    tiles, *rest = scratch
-    converted = rest.pop(0) if config.dq_convert else None
-    return cls(tiles, converted, rest[0] if fused else None)
+  else:
+    tiles = plgpu.SMEM((slots, rows, cols), jnp.float32,
+                       transforms=_dq_tile_transforms(config, d))
+  if not config.fused_delta:
+    return tiles
+  return plgpu.RefUnion(tiles, plgpu.SMEM((slots, rows, 2 * cols), dtype,
+                                          transforms=hopper.swizzled_tiles(128, dtype)))
 
 
 def _operand_swizzle(block_q: int, d: int, half: int | None = None) -> int:
@@ -687,20 +655,19 @@ def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: 
 
 def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int, t: int,
               ranges=None, rotate: bool = False):
-  """(ranks, adders, written) for dq_ordered: _reduction_ranks' tables, and where dq was
-  written ([B, T, 1, 1] bool; None where every query block has an adder). Without segment
-  ids all three depend on the shapes alone: computed while tracing, they are constants of
-  the program rather than a handful of small kernels in every call."""
+  """(ranks, written) for dq_ordered: _reduction_ranks' table, and where dq was written
+  ([B, T, 1, 1] bool; None where every query block has an adder). Without segment ids both
+  depend on the shapes alone: computed while tracing, they are constants of the program
+  rather than a handful of small kernels in every call."""
   static = ranges is None
   with hopper.host_constants() if static else contextlib.nullcontext():
     ranks, adders = _reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, ranges,
                                      rotate=rotate)
     written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
     if not static:
-      return ranks, adders, written
+      return ranks, written
     # As NumPy constants, which carry no mesh (see host_constants).
-    return (np.asarray(ranks), np.asarray(adders),
-            None if bool(jnp.all(adders > 0)) else np.asarray(written))
+    return np.asarray(ranks), None if bool(jnp.all(adders > 0)) else np.asarray(written)
 
 
 class _Item(NamedTuple):
@@ -755,7 +722,6 @@ class _Scratch(NamedTuple):
   dq_free: Any = None  # ... per dQ slot: read by their reductions
   o_ready: Any = None  # fused_delta, per slot: O landed in the dQ slot
   delta_ready: Any = None  # ... warpgroup 0 has written the block's Δ
-  dq_loaded: Any = None  # dq_convert, per dQ slot, 2 arrivals: a block's float32 sums landed
   ds_free: Any = None  # dq_stagger, per dSᵀ slot, 2 arrivals: both dQs reading it are done
   lead: Any = None  # ... warpgroup 0's first scores are done: warpgroup 1 may start
   turns: Any = None  # ... per warpgroup: its turn at the dQ, dV and dK WGMMAs
@@ -780,8 +746,6 @@ class _Scratch(NamedTuple):
     if config.dq_ordered:
       optional.update(dq_full=barrier(**pair, num_barriers=config.dq_buffers),
                       dq_free=barrier(num_barriers=config.dq_buffers))
-    if config.dq_convert:  # one copy per warpgroup's columns
-      optional.update(dq_loaded=barrier(**pair, num_barriers=config.dq_buffers))
     if fused:
       optional.update(o_ready=barrier(num_barriers=2), delta_ready=barrier())
     if config.dq_stagger:
@@ -809,7 +773,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      dq_ref, dk_ref, dv_ref, sc: _Scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
-                     heavy_first: bool = False, order=None, delta=None, convert=None):
+                     heavy_first: bool = False, order=None, delta=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
   the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
@@ -818,10 +782,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   also [B · Hkv · n_kv · 2] counters, per key block and warpgroup, that dK and dV's adds
   wait on). delta: where the call fuses Δ (_fuses_delta), the forward's output O,
   the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
-  view in the input dtype. convert: with config.dq_convert, _reduction_ranks' adders per
-  query block, the dQ slots' view of converted tiles (_DqViews.converted), dq, and the
-  grid's heads: the CTAs of batch row B convert dq_ref's float32 sums into dq. lengths: the
-  T and S it runs at (see backward)."""
+  view in the input dtype. lengths: the T and S it runs at (see backward)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   splits = min(config.group_splits, group)
@@ -853,24 +814,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
   # The CTA's one item, computed here: the warps' code (with jax 0.11's warpgroup lowering)
   # has no selects or clamps for the band's bounds.
-  b_at, h_at, kv_at = (lax.axis_index(a) for a in ("b", "h", "kv"))
-  batch = stats_ref.shape[0]
-  if convert is None:
-    grid_item = item_at(b_at, h_at, kv_at)
-  else:  # past the batch: the CTAs that convert dq's float32 sums (dq_convert)
-    grid_item = item_at(jnp.minimum(b_at, batch - 1), h_at, kv_at)
-    converting = (b_at == batch).astype(jnp.int32)  # 0/1: compared, never negated, in warps
-    blocks = batch * q_ref.shape[2] * n_q  # in block_index's order
-    per_cta = max(-(-blocks // (convert[3] * n_kv)), CONVERT_MIN_BLOCKS)
-    first_block = (h_at * n_kv + kv_at) * per_cta
-    converts = jnp.clip(blocks - first_block, 0, per_cta)  # this CTA's blocks
-
-    def converted_block(i):
-      """dq_convert: (batch row, query head, query block, adders) of this CTA's block i."""
-      j = first_block + i
-      bb = hopper.div(j, q_ref.shape[2] * n_q)
-      head, qb = hopper.rem(hopper.div(j, n_q), q_ref.shape[2]), hopper.rem(j, n_q)
-      return bb, head, qb, convert[0][bb, qb]
+  grid_item = item_at(*(lax.axis_index(a) for a in ("b", "h", "kv")))
 
   def dq_slot(i):
     """dq_ordered: global step i's dQ tile slot, and that slot's dq_full and dq_free
@@ -880,17 +824,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     slot = hopper.rem(i, config.dq_buffers)
     return slot, sc.dq_full.at[slot], sc.dq_free.at[slot]
 
-  def block_index_of(b, head, qb):
-    """Query block qb of `head` in batch row b, as an index into the [B · Hq · n_q]
-    semaphores (dq_ordered's counters, fused_delta's flags)."""
-    return (b * q_ref.shape[2] + head) * n_q + qb
-
   def block_index(it, head, qb):
-    return block_index_of(it.b, head, qb)
-
-  def dq_loaded(slot):
-    """dq_convert: dQ slot `slot`'s dq_loaded barrier."""
-    return sc.dq_loaded if config.dq_buffers == 1 else sc.dq_loaded.at[slot]
+    """Query block qb of `head` in the item's batch row, as an index into the
+    [B · Hq · n_q] semaphores (dq_ordered's counters, fused_delta's flags)."""
+    return (it.b * q_ref.shape[2] + head) * n_q + qb
 
   def step_block(it, i):
     """(query head, query block) of the item's pipeline step i: all blocks of one head, then
@@ -1322,35 +1259,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       hopper.wait_stores_read()
       return base + it.n_steps
 
-    if convert is None:
-      run_item(grid_item, jnp.int32(0))
-      return
-
-    @pl.when(converting == 0)
-    def _():
-      run_item(grid_item, jnp.int32(0))
-
-    @pl.when(converting == 1)
-    def _():  # dq_convert: each block's float32 sum scaled and rounded, or zeros (no adder)
-      @pl.loop(0, converts)
-      def _(i):
-        _, _, _, adders = converted_block(i)
-        slot, full, free = dq_slot(i)
-        tile = slot * 2 + wg
-        done = convert[1].at[tile, pl.ds(0, bq)]
-        pl.when(i >= config.dq_buffers)(lambda: plgpu.barrier_wait(free))
-
-        @pl.when(adders > 0)
-        def _():
-          plgpu.barrier_wait(dq_loaded(slot))
-          sums = hopper.load(sc.dq_smem.at[tile], plgpu.Layout.WGMMA)
-          done[...] = (sums * scale).astype(dtype)
-
-        @pl.when(adders == 0)
-        def _():
-          done[...] = zeros((bq, half)).astype(dtype)
-
-        hand_off(full)
+    run_item(grid_item, jnp.int32(0))
 
   @pl.when(wg == 2)
   def _memory():
@@ -1414,6 +1323,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       slot, full, free = dq_slot(gi)
       rows, half = pl.ds(qb * bq, bq), d // 2
       cols = lambda w: pl.ds(w * half, half)
+
       plgpu.barrier_wait(full)
       plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
       for op, when in ((None, rank == 0), ("add", rank > 0)):
@@ -1430,63 +1340,17 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
       plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
-    half = d // 2  # each compute warpgroup's columns of dQ
-
-    def load_sums():
-      """dq_convert, warp 0: each block's float32 sums, once its adds have all landed, into
-      the block's dQ slot (free once its last block has been stored)."""
-      @pl.loop(0, converts)
-      def _(i):
-        bb, head, qb, adders = converted_block(i)
-        slot, _, free = dq_slot(i)
-        pl.when(i >= config.dq_buffers)(lambda: plgpu.barrier_wait(free))
-
-        @pl.when(adders > 0)
-        def _():
-          counter = order[1].at[block_index_of(bb, head, qb)]
-          plgpu.semaphore_wait(counter, adders, decrement=False, memory_scope="gpu")
-          for w in range(2):
-            plgpu.copy_gmem_to_smem(dq_ref.at[bb, pl.ds(qb * bq, bq), head, pl.ds(w * half, half)],
-                                    sc.dq_smem.at[slot * 2 + w], dq_loaded(slot))
-
-    def store_converted():
-      """dq_convert, warp 1: each block's converted tiles into dq."""
-      @pl.loop(0, converts)
-      def _(i):
-        bb, head, qb, _ = converted_block(i)
-        slot, full, free = dq_slot(i)
-        plgpu.barrier_wait(full)
-        for w in range(2):
-          plgpu.copy_smem_to_gmem(convert[1].at[slot * 2 + w, pl.ds(0, bq)],
-                                  convert[2].at[bb, pl.ds(qb * bq, bq), head,
-                                                pl.ds(w * half, half)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(free)
-      hopper.wait_stores_read()
-
     @hopper.on_each_warp
     def _per_warp():
       warp = lax.axis_index("warp")
-      def sends():
+      pl.when(warp == 0)(loads)
+
+      @pl.when(warp == 1)
+      def _():
         for i in range(config.dq_buffers):  # the compute warpgroups' first dQ tiles are free
           plgpu.barrier_arrive(dq_slot(i)[2])
         pl.loop(0, grid_item.n_steps)(lambda i: send_dq(grid_item, i, i))
         hopper.wait_stores_read()
-
-      if convert is None:
-        pl.when(warp == 0)(loads)
-        pl.when(warp == 1)(sends)
-        return
-
-      @pl.when(converting == 0)
-      def _():
-        pl.when(warp == 0)(loads)
-        pl.when(warp == 1)(sends)
-
-      @pl.when(converting == 1)
-      def _():
-        pl.when(warp == 0)(load_sums)
-        pl.when(warp == 1)(store_converted)
 
 
 def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
@@ -1533,9 +1397,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   splits = min(config.group_splits, hq // hkv)
   grid_heads = hq if per_query_head else hkv * splits
   if config.dq_ordered:
-    ranks, adders, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
-                                       ranges, rotate=rotate)
-    rank_args = (ranks, adders) if config.dq_convert else (ranks,)
+    ranks, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
+                               ranges, rotate=rotate)
+    rank_args = (ranks,)
   else:
     rank_args = ()
   if per_query_head and not config.dq_ordered:  # dK and dV gather the group's query heads
@@ -1550,10 +1414,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   # The float32 dq: zeros that every key block adds into; with dq_ordered an uninitialized
   # output, which each query block's first adder stores rather than adds into (no memset).
   dq_acc = ()
-  if config.dq_convert:  # the float32 sums, then dq (scaled, in the input dtype)
-    out_type = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                jax.ShapeDtypeStruct(q.shape, q.dtype), *out_type)
-  elif config.dq_ordered:  # with dq_rounded in the input dtype, already scaled
+  if config.dq_ordered:  # with dq_rounded in the input dtype, already scaled
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype if config.dq_rounded else jnp.float32),
                 *out_type)
   elif config.with_dq:
@@ -1563,23 +1424,19 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     if fused:  # the forward's output, for Δ
       out_ref, *refs = refs
     tables = ()
-    if config.dq_ordered:  # the rank table (with dq_convert the adders' too)
+    if config.dq_ordered:  # the rank table
       tables, refs = refs[:len(rank_args)], refs[len(rank_args):]
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
-    dq_out = None
-    if config.dq_convert:  # the float32 sums, then dq
-      dq_ref, dq_out, dk_ref, dv_ref = refs
-    else:
-      dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
+    dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
     def kernel(sc: _Scratch):
-      views = _DqViews.of(config, sc.dq_smem, fused)
-      sc = sc._replace(dq_smem=views.tiles)
-      delta = convert = None
+      delta = None
       if fused:  # O's view of the dQ slots, and the flags that a block's Δ is stored
-        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), views.o)
-      if config.dq_convert:
-        convert = (tables[1], views.converted, dq_out, grid_heads)
+        dq_tiles, o_tiles = sc.dq_smem
+        sc = sc._replace(dq_smem=dq_tiles)
+        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), o_tiles)
+      elif config.fused_delta:  # the call takes the pass: the dQ tiles' view only
+        sc = sc._replace(dq_smem=sc.dq_smem[0])
       order = None
       if config.dq_ordered:  # with counters that start at zero in every call
         order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))))
@@ -1589,7 +1446,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
-                       order=order, delta=delta, convert=convert, lengths=(t, s))
+                       order=order, delta=delta, lengths=(t, s))
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused),
                   collective_axes="wg")
@@ -1597,8 +1454,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   outs = pl.kernel(
       body,
       out_type=out_type,
-      # dq_convert: one batch row more, of CTAs that convert dq (launched after the rest)
-      mesh=plgpu.Mesh(grid=(b + config.dq_convert, grid_heads, n_kv), grid_names=("b", "h", "kv"),
+      mesh=plgpu.Mesh(grid=(b, grid_heads, n_kv), grid_names=("b", "h", "kv"),
                       num_threads=3, thread_name="wg"),
       # No step reduces across warps (fused_delta's row sums stay within them): no
       # shared-memory scratch for reductions (Mosaic GPU reserves 2 KiB otherwise, which two
@@ -1612,13 +1468,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     *rank_args, *seg_args, *dq_acc, *dkv_acc)
   dq = None
   if config.dq_ordered:
-    if config.dq_convert:  # the converting CTAs wrote zeros where no key block added
-      _, dq, *outs = outs
-    else:
-      dq, *outs = outs
-    if written is not None and not config.dq_convert:  # blocks no key block added into
+    dq, *outs = outs
+    if written is not None:  # query blocks that no key block adds into were never written
       dq = jnp.where(written, dq, jnp.zeros((), dq.dtype))
-    if not (config.dq_rounded or config.dq_convert):
+    if not config.dq_rounded:
       dq = (dq * opts.scale).astype(q.dtype)
   elif config.with_dq:
     dq = (dq_acc[0][...] * opts.scale).astype(q.dtype)

@@ -1106,16 +1106,14 @@ def test_dq_order_is_computed_while_tracing(causal, window, segments, t, s, rota
     return seg
 
   trace(jnp.zeros((batch, t), jnp.int32))
-  ranks, adders_seen, written = seen["order"]
+  ranks, written = seen["order"]
   assert isinstance(ranks, jax.core.Tracer) == segments
-  assert isinstance(adders_seen, jax.core.Tracer) == segments
   if segments:
     return
   assert not isinstance(written, jax.core.Tracer)
   want, adders = map(np.asarray, mb._reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq,  # pylint: disable=protected-access
                                                      rotate=rotate))
   np.testing.assert_array_equal(np.asarray(ranks), want)
-  np.testing.assert_array_equal(np.asarray(adders_seen), adders)
   if (adders > 0).all():
     assert written is None
   else:
@@ -1249,7 +1247,7 @@ def test_tuned_backward_configs_serve_their_calls():
     assert ordered == mb.MosaicBackwardConfig(
         dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=not causal,
         fused_delta=causal, dq_stagger=not (causal or gqa), gqa_per_query_head=causal and gqa,
-        early_softmax=causal, dq_convert=True)  # S not known: not dq_rounded
+        early_softmax=causal)
     assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(causal),
                             ordered) is None
   # d128_causal[_gqa]_ordered_long: from LONG_WALK_QUERIES queries, a third Q/dO stage in
@@ -1273,7 +1271,7 @@ def test_tuned_backward_configs_serve_their_calls():
   for causal in (False, True):
     assert mb.MosaicBackwardConfig.for_deterministic(256, causal) == mb.MosaicBackwardConfig(
         dq_split=False, column_split=True, stages=1, scores_split=True, dq_ordered=True,
-        dq_rotate=not causal, dq_heavy_first=causal, dq_convert=True)
+        dq_rotate=not causal, dq_heavy_first=causal)
     assert mb.MosaicBackwardConfig.tuned(256, causal) == mb.MosaicBackwardConfig(
         dq_split=False, column_split=True, stages=1, scores_split=True)
   # d64[_causal][_gqa]_ordered: the D = 128 kernel's dq_split on 128-query steps, two Q/dO
@@ -1282,11 +1280,11 @@ def test_tuned_backward_configs_serve_their_calls():
   for causal, gqa in ((False, False), (True, False), (False, True), (True, True)):
     assert mb.MosaicBackwardConfig.for_deterministic(64, causal, gqa) == mb.MosaicBackwardConfig(
         dq_split=True, dq_ordered=True, block_q=128, stages=2, dq_buffers=1 + causal,
-        dq_rotate=not causal, gqa_per_query_head=causal and gqa, dq_convert=True)
+        dq_rotate=not causal, gqa_per_query_head=causal and gqa)
   # d256_causal_gqa_ordered: the same with one CTA per query head
   assert mb.MosaicBackwardConfig.for_deterministic(256, True, True) == mb.MosaicBackwardConfig(
       dq_split=False, column_split=True, stages=1, scores_split=True, dq_ordered=True,
-      dq_heavy_first=True, group_splits=8, dq_convert=True)  # up to 8 CTAs, by partials
+      dq_heavy_first=True, group_splits=8)  # one CTA per query head, up to 8, by partials
   # d256_gqa_ordered: non-causal GQA at D = 256 as without GQA (one CTA per key head)
   assert (mb.MosaicBackwardConfig.for_deterministic(256, False, True)
           == mb.MosaicBackwardConfig.for_deterministic(256, False))
@@ -1335,9 +1333,7 @@ def test_deterministic_calls_take_an_ordered_section(as_on_hopper, tuning_tables
   tuning_tables(flash_attention="[pallas_mosaic_gpu_backward.default.d128_ordered]\n"
                                 "dq_split = true\n")
   ordered = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True)
-  # S not known: the float32 sums, converted by CTAs of their own
-  assert mb.MosaicBackwardConfig.for_deterministic(128, False) == dataclasses.replace(
-      ordered, dq_convert=True)
+  assert mb.MosaicBackwardConfig.for_deterministic(128, False) == ordered
   assert not mb.MosaicBackwardConfig.for_deterministic(128, True).with_dq  # no d128_causal_
   assert not mb.MosaicBackwardConfig.for_deterministic(64, False).with_dq
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
@@ -1367,8 +1363,7 @@ def test_causal_windows_at_d128_take_the_causal_sections(as_on_hopper, t, window
                                  jax.ShapeDtypeStruct((1, t, 8, d), BF16), opts)
   want = {**_tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")[section],
           "dq_ordered": True}
-  assert dataclasses.replace(st.backward, dq_rounded=False, dq_convert=False) == (
-      mb.MosaicBackwardConfig(**want))
+  assert dataclasses.replace(st.backward, dq_rounded=False) == mb.MosaicBackwardConfig(**want)
 
 
 @pytest.mark.parametrize("d, causal, gqa, s, rounded", [
@@ -1382,7 +1377,6 @@ def test_short_calls_add_dq_in_the_input_dtype(d, causal, gqa, s, rounded):
   key blocks add into a query block, and keeps the float32 sum elsewhere."""
   config = mb.MosaicBackwardConfig.for_deterministic(d, causal, gqa, t=1024, s=s)
   assert config.dq_ordered and config.dq_rounded == rounded
-  assert config.dq_convert == (not rounded)  # else the float32 sums, converted in the kernel
   if s:
     assert (s // config.cta_keys() <= mb.ROUNDED_DQ_MAX_ADDERS) == rounded
   assert mb.support_error((1, 1024, 4, d), (1, max(s, 256), 2 if gqa else 4, d), BF16,
@@ -1390,11 +1384,6 @@ def test_short_calls_add_dq_in_the_input_dtype(d, causal, gqa, s, rounded):
   shape = (1, 256, 4, 128)  # in arrival order an adder cannot know it is the first
   assert "belong to dq_ordered" in mb.support_error(
       shape, shape, BF16, _opts(causal), mb.MosaicBackwardConfig(dq_rounded=True))
-  assert "belong to dq_ordered" in mb.support_error(
-      shape, shape, BF16, _opts(causal), mb.MosaicBackwardConfig(dq_convert=True))
-  assert "exclude each other" in mb.support_error(
-      shape, shape, BF16, _opts(causal),
-      mb.MosaicBackwardConfig(dq_ordered=True, dq_rounded=True, dq_convert=True))
 
 
 @pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, fused", [
@@ -1420,42 +1409,6 @@ def test_rounded_dq_lowers_for_cuda(causal, window, segments, d, t, s, hkv, fuse
   assert f"tensor<2x{t}x4x{d}xbf16>" in call.split("->")[-1]  # dq itself
   assert f"x{d}xf32>" not in call.split("->")[-1]  # no float32 dq
   assert "red.release.gpu" in text
-
-
-@pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, fields, semantics",
-                         _alternating_lowerings([
-    (True, None, False, 128, 512, 512, 4, dict(dq_buffers=2, fused_delta=True)),  # 3 views
-    (False, None, False, 128, 512, 384, 2, dict(dq_buffers=2, dq_rotate=True, dq_stagger=True)),
-    (True, None, True, 128, 512, 512, 4, dict()),  # one dQ slot beside segment ids
-    (False, (100, 7), True, 128, 256, 512, 1, dict()),  # a query block without an adder
-    (True, None, False, 64, 256, 384, 1, dict(dq_buffers=2, block_q=128)),
-    (True, None, False, 256, 256, 384, 2, dict(dq_split=False, column_split=True, stages=1,
-                                               scores_split=True, dq_heavy_first=True)),
-    (False, None, False, 128, 512, 512, 1, dict(dq_buffers=2, gqa_per_query_head=True))]))
-def test_converted_dq_lowers_for_cuda(monkeypatch, causal, window, segments, d, t, s, hkv,
-                                      fields, semantics):
-  """dq_convert: the kernel returns the float32 sums and dq in the input dtype, which CTAs
-  of one batch row more convert; no XLA pass converts the sums after it, nor selects the
-  rows without an adder (the same config without dq_convert has both)."""
-  _lower_with(monkeypatch, semantics)
-  opts = _opts(causal, window, segments)
-  convert = re.compile(rf"stablehlo.convert %\w+ : \(tensor<2x{t}x4x{d}xf32>\) -> "
-                       rf"tensor<2x{t}x4x{d}xbf16>")
-  outputs = {}
-  for converted in (True, False):
-    config = mb.MosaicBackwardConfig(**{"dq_split": True, **fields}, dq_ordered=True,
-                                     dq_convert=converted)
-    assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
-    text = _backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments)
-    call = next(line for line in text.splitlines() if _MOSAIC_CALL.search(line))
-    outputs[converted] = call.split("->")[-1].strip(" ()").split(", ")
-    assert bool(convert.search(text)) != converted
-    selects_dq = any("stablehlo.select" in line and f"tensor<2x{t}x4x{d}x" in line
-                     for line in text.splitlines())
-    assert selects_dq == ((window is not None or segments) and not converted)
-  # dq itself after the sums: one output more
-  assert outputs[True][:2] == [f"tensor<2x{t}x4x{d}xf32>", f"tensor<2x{t}x4x{d}xbf16>"]
-  assert outputs[True][2:] == outputs[False][1:]
 
 
 def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
@@ -1493,15 +1446,13 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper)
       opts).backward
   assert not backward(short, 2, docs).gqa_per_query_head
   assert backward(long, 2, docs) == mb.MosaicBackwardConfig(  # _long's 3 stages: 2 fit
-      dq_split=True, gqa_per_query_head=True, dq_ordered=True, early_softmax=True,
-      dq_convert=True)
+      dq_split=True, gqa_per_query_head=True, dq_ordered=True, early_softmax=True)
   assert not backward(long, 2, window).gqa_per_query_head
   # MHA: the causal section's kernel, dq_rotate (only without a mask) and early_softmax aside
   assert not mb._rotates(backward(short, 8, docs), docs.mask, short // 128)  # pylint: disable=protected-access
   assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False, early_softmax=True)
           == backward(long, 8, docs)
-          == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, early_softmax=True,
-                                     dq_convert=True))
+          == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, early_softmax=True))
   for d in (64, 256):  # other head dims: the sections without a mask at any length
     assert (mb.MosaicBackwardConfig.for_deterministic(d, True, True, t=long, segments=True)
             == mb.MosaicBackwardConfig.for_deterministic(d, False, True, t=long))
@@ -1858,38 +1809,6 @@ class TestMosaicGpu:
     q, k, v, _, ct = make_problem(jax.random.key(22), 2, 1024, 2048, 8, 2, d, BF16)
     _assert_reproducible_grads(PallasMosaicGpu(backward_config=backward), q, k, v, None, ct,
                                opts)
-
-  @pytest.mark.parametrize("fields", [
-      dict(dq_split=True, dq_buffers=2, fused_delta=True),
-      dict(dq_split=True, dq_buffers=2, dq_rotate=True, dq_stagger=True),
-      dict(dq_split=True),
-      dict(dq_split=True, dq_buffers=2, gqa_per_query_head=True),
-      dict(dq_split=False, column_split=True, stages=1, scores_split=True, dq_heavy_first=True),
-      dict(dq_split=False, column_split=True, stages=1, dq_rotate=True)],
-      ids=["fused_delta", "rotate_stagger", "one_slot", "per_query_head", "d256_split_scores",
-           "d256_rotate"])
-  @pytest.mark.parametrize("opts, t, s", [
-      (dict(causal=False), 1024, 2048), (dict(causal=True), 1024, 2048),
-      (dict(causal=True, segments=True), 1024, 2048),
-      (dict(sliding_window=(300, 100)), 1024, 2048),
-      (dict(sliding_window=(64, 0)), 2048, 1024)])  # queries past S + 64 see no key
-  def test_converted_dq_has_the_float32_sums_bits(self, fields, opts, t, s):
-    """dq_convert: CTAs launched after the key blocks' load each query block's float32 sums
-    once all adds have landed, scale and round them (zeros where no key block adds): the
-    same bits as XLA's pass after the kernel, every call. 8 to 16 key blocks per query row
-    (16 to 32 at D = 256), GQA 4:1, 3 documents of unequal length."""
-    d = 256 if fields.get("column_split") else 128
-    q, k, v, seg, ct = make_problem(jax.random.key(28), 2, t, s, 8, 2, d, BF16,
-                                    segments=opts.get("segments", False))
-    config = mb.MosaicBackwardConfig(**fields, dq_ordered=True, dq_convert=True)
-    if opts.get("segments"):
-      config = mb.fit_shared_memory(config, d, BF16, True)
-    converted, _ = _assert_reproducible_grads(PallasMosaicGpu(backward_config=config), q, k,
-                                              v, seg, ct, opts, calls=1)
-    plain = PallasMosaicGpu(backward_config=dataclasses.replace(config, dq_convert=False))
-    summed = jax.jit(lambda q, k, v: run(plain, q, k, v, seg, ct, opts)[2])(q, k, v)
-    for g, h in zip(converted, summed):
-      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
 
   def test_long_causal_documents_under_gqa_take_a_cta_per_query_head(self, monkeypatch):
     """The default backward of deterministic causal GQA calls with segment ids from
