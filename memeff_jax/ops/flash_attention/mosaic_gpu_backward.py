@@ -209,6 +209,13 @@ class MosaicBackwardConfig:
       float32 reference grows with the adders, 1.09×, 1.18×, 1.31× and 1.51× that of the
       float32 sum at 4, 8, 16 and 32 of them (bf16, a numerical model of the kernel's
       sums), so for_deterministic turns it on only up to ROUNDED_DQ_MAX_ADDERS.
+    dq_rounded_per_block: (dq_ordered, not dq_rounded) dq_rounded per query block, chosen at
+      run time from the key blocks that add into it (with segment ids only the run knows
+      them): a block with at most ROUNDED_DQ_MAX_ADDERS is added rounded into dq, the others
+      into float32 sums beside it, which finish_dq then scales and rounds into dq (zeros
+      where no key block adds) without reading the rounded blocks. for_deterministic takes
+      it with segment ids where the band lets more key blocks add into a block: packed
+      short documents then skip the float32 pass, as dq_rounded does.
     early_softmax: a step waits for its Sᵀ alone and computes Pᵀ while its dPᵀ WGMMA still
       runs, instead of waiting for both (the same bits). Measured faster only where nothing
       else fills the tensor cores meanwhile: D = 96 and 128 causal, without dq_stagger (see
@@ -237,19 +244,23 @@ class MosaicBackwardConfig:
   dq_stagger: bool = False
   dq_heavy_first: bool = False
   dq_rounded: bool = False
+  dq_rounded_per_block: bool = False
   group_splits: int = 1
   early_softmax: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
-                        s: int = 0, segments: bool = False) -> "MosaicBackwardConfig":
+                        s: int = 0, segments: bool = False,
+                        seen: int = 0) -> "MosaicBackwardConfig":
     """The Mosaic backward of deterministic calls whose key blocks walk t queries (T, or a window's
-    span) and S = s keys (0: not known): the whole kernel with dq_ordered where the tuning table
+    span) and S = s keys (0: not known), of which one query sees at most `seen` (a window's
+    left + right + 1; 0: all s): the whole kernel with dq_ordered where the tuning table
     has a `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose
     schedule differs; from LONG_WALK_QUERIES queries on, that section's `_long` variant where
     there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add into a
-    query block; else the dK/dV-only kernel (tuned(with_dq=False)), which runs beside a dq
-    kernel. A head dim without a section of its own takes those of _section_dims.
+    query block (block_adders), else with segment ids dq_rounded_per_block; else the dK/dV-only
+    kernel (tuned(with_dq=False)), which runs beside a dq kernel. A head dim without a section
+    of its own takes those of _section_dims.
 
     causal: a causal band (pallas_mosaic_gpu passes causal windows at D = 128 too), with or
     without segment ids. A causal call with segment ids takes D = 128's causal sections from
@@ -270,13 +281,15 @@ class MosaicBackwardConfig:
              or _section(table, d, suffix))
     if found:
       config = _two_stages(cls(**{**found, "dq_ordered": True}), d, segments)
-      adders = s // config.cta_keys()
-      return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS)
+      adders = block_adders(s, seen, config.cta_keys(), config.block_q)
+      return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS,
+                                 dq_rounded_per_block=segments and adders > ROUNDED_DQ_MAX_ADDERS)
     return cls.tuned(d, causal, gqa, with_dq=False)
 
   @classmethod
   def for_nondeterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
-                           s: int = 0, segments: bool = False) -> "MosaicBackwardConfig":
+                           s: int = 0, segments: bool = False,
+                           seen: int = 0) -> "MosaicBackwardConfig":
     """The Mosaic backward of calls with deterministic=False (arguments as for_deterministic):
     dq's reductions in arrival order where the tuning table names that kernel for the call
     (a `d<D>[_causal][_gqa]` section: there it measured faster than the ordered one); else
@@ -287,7 +300,7 @@ class MosaicBackwardConfig:
     found = _section(table, d, ("_causal" if causal else "") + ("_gqa" if gqa else ""))
     if found:
       return _two_stages(cls(**found), d, segments)
-    ordered = cls.for_deterministic(d, causal, gqa, t=t, s=s, segments=segments)
+    ordered = cls.for_deterministic(d, causal, gqa, t=t, s=s, segments=segments, seen=seen)
     if ordered.with_dq or d > WHOLE_ARRIVAL_MAX_D:
       return ordered
     return cls.tuned(d, causal, gqa)
@@ -331,6 +344,15 @@ class MosaicBackwardConfig:
     if d > 128:
       return cls(dq_split=False, column_split=True, stages=1, scores_split=True)
     return cls(dq_split=_section_dim(d) == 128)
+
+
+def block_adders(s: int, seen: int, cta_keys: int, block_q: int) -> int:
+  """The most key blocks of cta_keys that add into one query block's dq, of s keys where a
+  query sees at most `seen` (0: all): a block of block_q queries sees an interval of at most
+  seen + block_q - 1 keys, which meets at most ceil((n - 1) / cta_keys) + 1 key blocks."""
+  if not seen or seen >= s:
+    return s // cta_keys
+  return min(s // cta_keys, -(-(seen + block_q - 2) // cta_keys) + 1)
 
 
 def _two_stages(config: MosaicBackwardConfig, d: int, segments: bool) -> MosaicBackwardConfig:
@@ -433,8 +455,11 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)):
     return "dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split)"
   if (config.dq_buffers != 1 or config.dq_rotate or config.dq_heavy_first
-      or config.dq_rounded) and not config.dq_ordered:
-    return "dq_buffers, dq_rotate, dq_heavy_first and dq_rounded belong to dq_ordered"
+      or config.dq_rounded or config.dq_rounded_per_block) and not config.dq_ordered:
+    return ("dq_buffers, dq_rotate, dq_heavy_first, dq_rounded and dq_rounded_per_block "
+            "belong to dq_ordered")
+  if config.dq_rounded and config.dq_rounded_per_block:
+    return "dq_rounded (every query block) and dq_rounded_per_block exclude each other"
   if config.fused_delta and d % 64:
     return f"fused_delta needs D a multiple of 64, got D={d}"
   if config.fused_delta and not (config.dq_ordered and config.dq_split
@@ -526,21 +551,39 @@ def _dq_tile_transforms(config: MosaicBackwardConfig, d: int, dtype=jnp.float32)
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
   """The dQ tile slots in shared memory: float32, or with dq_rounded in the input dtype,
   each tile in rows 0..block_q of a slot twice as tall (the float32 tile's bytes, so that
-  fused_delta's O lands where it does without). With fused_delta a union of two views of
-  the same bytes: the tiles and a query block's O (BLOCK_Q × D in the input dtype: the
-  bytes of one float32 dQ tile of dq_split), which the walk's first two steps hold before
-  their dQ tiles are written; each is read only through the view it was written through."""
+  fused_delta's O lands where it does without). With dq_rounded_per_block or fused_delta a
+  union of views of the same bytes (see _DqViews); each is read only through the view it
+  was written through."""
   slots, rows, cols = _dq_tile_shape(config, d)
-  if config.dq_rounded:
-    tiles = plgpu.SMEM((slots, 2 * rows, cols), dtype,
+  rounded = plgpu.SMEM((slots, 2 * rows, cols), dtype,
                        transforms=_dq_tile_transforms(config, d, dtype))
-  else:
-    tiles = plgpu.SMEM((slots, rows, cols), jnp.float32,
-                       transforms=_dq_tile_transforms(config, d))
-  if not config.fused_delta:
-    return tiles
-  return plgpu.RefUnion(tiles, plgpu.SMEM((slots, rows, 2 * cols), dtype,
-                                          transforms=hopper.swizzled_tiles(128, dtype)))
+  views = [rounded if config.dq_rounded else plgpu.SMEM(
+      (slots, rows, cols), jnp.float32, transforms=_dq_tile_transforms(config, d))]
+  if config.dq_rounded_per_block:
+    views.append(rounded)
+  if config.fused_delta:
+    views.append(plgpu.SMEM((slots, rows, 2 * cols), dtype,
+                            transforms=hopper.swizzled_tiles(128, dtype)))
+  return views[0] if len(views) == 1 else plgpu.RefUnion(*views)
+
+
+class _DqViews(NamedTuple):
+  """The dQ slots' views: the tiles (float32, or in the input dtype with dq_rounded); with
+  dq_rounded_per_block the rounded tiles of the blocks that take them, as dq_rounded's; with
+  fused_delta a query block's O (BLOCK_Q × D in the input dtype: the bytes of one float32
+  dQ tile of dq_split), which the walk's first two steps hold before their dQ tiles are
+  written."""
+  tiles: Any
+  rounded: Any = None
+  o: Any = None
+
+  @classmethod
+  def of(cls, config: MosaicBackwardConfig, scratch) -> "_DqViews":
+    if not (config.dq_rounded_per_block or config.fused_delta):
+      return cls(scratch)
+    tiles, *rest = scratch
+    rounded = rest.pop(0) if config.dq_rounded_per_block else None
+    return cls(tiles, rounded, rest[0] if config.fused_delta else None)
 
 
 def _operand_swizzle(block_q: int, d: int, half: int | None = None) -> int:
@@ -655,19 +698,20 @@ def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: 
 
 def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int, t: int,
               ranges=None, rotate: bool = False):
-  """(ranks, written) for dq_ordered: _reduction_ranks' table, and where dq was written
-  ([B, T, 1, 1] bool; None where every query block has an adder). Without segment ids both
-  depend on the shapes alone: computed while tracing, they are constants of the program
-  rather than a handful of small kernels in every call."""
+  """(ranks, adders, written) for dq_ordered: _reduction_ranks' tables, and where dq was
+  written ([B, T, 1, 1] bool; None where every query block has an adder). Without segment
+  ids all three depend on the shapes alone: computed while tracing, they are constants of
+  the program rather than a handful of small kernels in every call."""
   static = ranges is None
   with hopper.host_constants() if static else contextlib.nullcontext():
     ranks, adders = _reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, ranges,
                                      rotate=rotate)
     written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
     if not static:
-      return ranks, written
+      return ranks, adders, written
     # As NumPy constants, which carry no mesh (see host_constants).
-    return np.asarray(ranks), None if bool(jnp.all(adders > 0)) else np.asarray(written)
+    return (np.asarray(ranks), np.asarray(adders),
+            None if bool(jnp.all(adders > 0)) else np.asarray(written))
 
 
 class _Item(NamedTuple):
@@ -773,7 +817,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      dq_ref, dk_ref, dv_ref, sc: _Scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
-                     heavy_first: bool = False, order=None, delta=None):
+                     heavy_first: bool = False, order=None, delta=None, per_block=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
   the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
@@ -782,7 +826,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   also [B · Hkv · n_kv · 2] counters, per key block and warpgroup, that dK and dV's adds
   wait on). delta: where the call fuses Δ (_fuses_delta), the forward's output O,
   the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
-  view in the input dtype. lengths: the T and S it runs at (see backward)."""
+  view in the input dtype. per_block: with config.dq_rounded_per_block, _reduction_ranks'
+  adders per query block ([B, n_q]), the float32 sums that the blocks with more than
+  ROUNDED_DQ_MAX_ADDERS take (dq_ref then takes the rounded ones), and the dQ slots' view
+  of rounded tiles. lengths: the T and S it runs at (see backward)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   splits = min(config.group_splits, group)
@@ -1002,6 +1049,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.barrier_wait(free)  # the slot's last tiles have been read
           if config.dq_rounded:  # scaled here, in place of the pass after the kernel
             sc.dq_smem.at[tile, pl.ds(0, bq)][...] = (dq * scale).astype(dtype)
+          elif per_block is not None:  # so too where few key blocks add into this block
+            adders = per_block[0][it.b, step_block(it, i)[1]]
+
+            @pl.when(adders <= ROUNDED_DQ_MAX_ADDERS)
+            def _():
+              per_block[2].at[tile, pl.ds(0, bq)][...] = (dq * scale).astype(dtype)
+
+            @pl.when(adders > ROUNDED_DQ_MAX_ADDERS)
+            def _():
+              sc.dq_smem.at[tile][...] = dq
           else:
             sc.dq_smem.at[tile][...] = dq
           hand_off(full)
@@ -1324,17 +1381,24 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       rows, half = pl.ds(qb * bq, bq), d // 2
       cols = lambda w: pl.ds(w * half, half)
 
+      def send(tiles, dst, op):
+        for w in range(2):
+          tile = tiles.at[slot * 2 + w]
+          if tiles is not sc.dq_smem or config.dq_rounded:  # rounded: rows 0..bq of the slot
+            tile = tile.at[pl.ds(0, bq)]
+          plgpu.copy_smem_to_gmem(tile, dst.at[it.b, rows, head, cols(w)], reduction_op=op)
+
       plgpu.barrier_wait(full)
       plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
+      adders = None if per_block is None else per_block[0][it.b, qb]
       for op, when in ((None, rank == 0), ("add", rank > 0)):
         @pl.when(when)
         def _(op=op):
-          for w in range(2):
-            tile = sc.dq_smem.at[slot * 2 + w]
-            if config.dq_rounded:
-              tile = tile.at[pl.ds(0, bq)]
-            plgpu.copy_smem_to_gmem(tile, dq_ref.at[it.b, rows, head, cols(w)],
-                                    reduction_op=op)
+          if per_block is None:
+            send(sc.dq_smem, dq_ref, op)
+            return
+          pl.when(adders <= ROUNDED_DQ_MAX_ADDERS)(lambda: send(per_block[2], dq_ref, op))
+          pl.when(adders > ROUNDED_DQ_MAX_ADDERS)(lambda: send(sc.dq_smem, per_block[1], op))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(free)
       plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
@@ -1351,6 +1415,48 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.barrier_arrive(dq_slot(i)[2])
         pl.loop(0, grid_item.n_steps)(lambda i: send_dq(grid_item, i, i))
         hopper.wait_stores_read()
+
+
+def finish_dq(dq, sums, adders, block_q: int, scale: float):
+  """dq_rounded_per_block's pass after the kernel: dq ([B, T, Hq, D], the input dtype) with
+  each query block of block_q rows that more than ROUNDED_DQ_MAX_ADDERS key blocks added
+  into (adders: [B, n_q]) taken from the float32 `sums`, scaled and rounded, and each block
+  without an adder zeros. A CTA per (batch row, query block, head) reads the block's adders
+  and leaves the rounded blocks, which the kernel stored in dq itself, unread."""
+  b, _, hq, d = dq.shape
+  n_q, dtype = adders.shape[1], dq.dtype
+
+  def body(adders_ref, sums_ref, dq_ref):
+    bb, qb, head = (lax.axis_index(a) for a in ("b", "q", "h"))
+    rows = pl.ds(qb * block_q, block_q)
+    count = adders_ref[bb, qb]
+
+    def kernel(sums_tile, out_tile, loaded):
+      def store(tile):
+        out_tile[...] = tile.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_tile, dq_ref.at[bb, rows, head])
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(count > ROUNDED_DQ_MAX_ADDERS)
+      def _():
+        plgpu.copy_gmem_to_smem(sums_ref.at[bb, rows, head], sums_tile, loaded)
+        plgpu.barrier_wait(loaded)
+        store(hopper.load(sums_tile, plgpu.Layout.WGMMA) * scale)
+
+      @pl.when(count == 0)
+      def _():
+        store(plgpu.layout_cast(jnp.zeros((block_q, d), jnp.float32), plgpu.Layout.WGMMA))
+
+    tiles = lambda dt: hopper.swizzled_tiles(hopper.row_swizzle(d, dt), dt)
+    pl.run_scoped(kernel, plgpu.SMEM((block_q, d), jnp.float32, transforms=tiles(jnp.float32)),
+                  plgpu.SMEM((block_q, d), dtype, transforms=tiles(dtype)), plgpu.Barrier())
+
+  out = jax.new_ref(dq)  # the rounded blocks stay as the kernel stored them
+  pl.kernel(body, out_type=(), mesh=plgpu.Mesh(grid=(b, n_q, hq), grid_names=("b", "q", "h")),
+            compiler_params=plgpu.CompilerParams(), name="flash_attention_bwd_dq_finish",
+            )(adders, sums, out)
+  return out[...]
 
 
 def row_stats(opts: AttentionOptions, res: _common.Residuals, delta):
@@ -1397,9 +1503,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   splits = min(config.group_splits, hq // hkv)
   grid_heads = hq if per_query_head else hkv * splits
   if config.dq_ordered:
-    ranks, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
-                               ranges, rotate=rotate)
-    rank_args = (ranks,)
+    ranks, adders, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
+                                       ranges, rotate=rotate)
+    rank_args = (ranks, adders) if config.dq_rounded_per_block else (ranks,)
   else:
     rank_args = ()
   if per_query_head and not config.dq_ordered:  # dK and dV gather the group's query heads
@@ -1414,7 +1520,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   # The float32 dq: zeros that every key block adds into; with dq_ordered an uninitialized
   # output, which each query block's first adder stores rather than adds into (no memset).
   dq_acc = ()
-  if config.dq_ordered:  # with dq_rounded in the input dtype, already scaled
+  if config.dq_rounded_per_block:  # dq's rounded blocks, and the others' float32 sums
+    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type)
+  elif config.dq_ordered:  # with dq_rounded in the input dtype, already scaled
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype if config.dq_rounded else jnp.float32),
                 *out_type)
   elif config.with_dq:
@@ -1424,19 +1533,23 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     if fused:  # the forward's output, for Δ
       out_ref, *refs = refs
     tables = ()
-    if config.dq_ordered:  # the rank table
+    if config.dq_ordered:  # the rank table (with dq_rounded_per_block the adders' too)
       tables, refs = refs[:len(rank_args)], refs[len(rank_args):]
     seg_refs, refs = (refs[:3], refs[3:]) if mask.segments else (None, refs)
-    dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
+    sums_ref = None
+    if config.dq_rounded_per_block:
+      dq_ref, sums_ref, dk_ref, dv_ref = refs
+    else:
+      dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
     def kernel(sc: _Scratch):
-      delta = None
+      views = _DqViews.of(config, sc.dq_smem)
+      sc = sc._replace(dq_smem=views.tiles)
+      delta = per_block = None
       if fused:  # O's view of the dQ slots, and the flags that a block's Δ is stored
-        dq_tiles, o_tiles = sc.dq_smem
-        sc = sc._replace(dq_smem=dq_tiles)
-        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), o_tiles)
-      elif config.fused_delta:  # the call takes the pass: the dQ tiles' view only
-        sc = sc._replace(dq_smem=sc.dq_smem[0])
+        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), views.o)
+      if config.dq_rounded_per_block:
+        per_block = (tables[1], sums_ref, views.rounded)
       order = None
       if config.dq_ordered:  # with counters that start at zero in every call
         order = (tables[0], pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))))
@@ -1446,7 +1559,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
-                       order=order, delta=delta, lengths=(t, s))
+                       order=order, delta=delta, per_block=per_block, lengths=(t, s))
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused),
                   collective_axes="wg")
@@ -1467,7 +1580,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),
     *rank_args, *seg_args, *dq_acc, *dkv_acc)
   dq = None
-  if config.dq_ordered:
+  if config.dq_rounded_per_block:
+    dq, sums, *outs = outs
+    dq = finish_dq(dq, sums, adders, bq, opts.scale)
+  elif config.dq_ordered:
     dq, *outs = outs
     if written is not None:  # query blocks that no key block adds into were never written
       dq = jnp.where(written, dq, jnp.zeros((), dq.dtype))

@@ -983,7 +983,8 @@ class PallasMosaicGpu:
               q.shape[1], mask.left + 2 * mosaic_gpu_backward.BLOCK_KV)
           mosaic = (MosaicBackwardConfig.for_deterministic if det
                     else MosaicBackwardConfig.for_nondeterministic)(
-              d, causal, gqa, t=walk, s=k.shape[1], segments=mask.segments)
+              d, causal, gqa, t=walk, s=k.shape[1], segments=mask.segments,
+              seen=mask.span(k.shape[1]))
         # Under GQA: CTAs enough to fill the GPU where key blocks and key heads are few.
         mosaic = mosaic_gpu_backward.split_group(
             mosaic, q.shape[0], q.shape[2], k.shape[2], k.shape[1],

@@ -13,6 +13,7 @@ import pytest
 
 from memeff_jax import _tuning
 from memeff_jax.kernels import hopper
+from memeff_jax.ops.flash_attention import _common
 from memeff_jax.ops.flash_attention import _mosaic
 from memeff_jax.ops.flash_attention import _padding
 from memeff_jax.ops.flash_attention import flash_attention
@@ -1106,14 +1107,15 @@ def test_dq_order_is_computed_while_tracing(causal, window, segments, t, s, rota
     return seg
 
   trace(jnp.zeros((batch, t), jnp.int32))
-  ranks, written = seen["order"]
-  assert isinstance(ranks, jax.core.Tracer) == segments
+  ranks, adders_got, written = seen["order"]
+  assert isinstance(ranks, jax.core.Tracer) == isinstance(adders_got, jax.core.Tracer) == segments
   if segments:
     return
   assert not isinstance(written, jax.core.Tracer)
   want, adders = map(np.asarray, mb._reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq,  # pylint: disable=protected-access
                                                      rotate=rotate))
   np.testing.assert_array_equal(np.asarray(ranks), want)
+  np.testing.assert_array_equal(adders_got, adders)
   if (adders > 0).all():
     assert written is None
   else:
@@ -1386,6 +1388,67 @@ def test_short_calls_add_dq_in_the_input_dtype(d, causal, gqa, s, rounded):
       shape, shape, BF16, _opts(causal), mb.MosaicBackwardConfig(dq_rounded=True))
 
 
+@pytest.mark.parametrize("window, t, s, block_q, cta_keys", list(itertools.product(
+    [(0, 0), (63, 0), (64, 5), (100, 7), (300, 100), (1024, 0), (2048, 0)],
+    [512, 3072], [1024, 3072], [64, 128], [64, 128])))
+def test_block_adders_bound_the_windows_adders(window, t, s, block_q, cta_keys):
+  """block_adders bounds the key blocks that add into each query block under a window (the
+  most any block has, by _reduction_ranks), at most one over where the queries reach past
+  the window, and at a full band is S's key blocks."""
+  mask = MaskSpec.make(False, window, False)
+  n_kv, n_q = s // cta_keys, t // block_q
+  _, adders = mb._reduction_ranks(mask, 1, n_kv, cta_keys, n_q, block_q)  # pylint: disable=protected-access
+  bound = mb.block_adders(s, mask.span(s), cta_keys, block_q)
+  assert int(adders.max()) <= bound
+  if sum(window) + 2 * block_q + cta_keys <= min(t, s):
+    assert bound <= int(adders.max()) + 1
+  assert mb.block_adders(s, 0, cta_keys, block_q) == s // cta_keys
+
+
+@pytest.mark.parametrize("d, causal, seen, segments, rounded, per_block", [
+    (128, True, 1025, False, True, False),    # a window of 1,024: at most 10 key blocks
+    (128, True, 2049, False, False, False),   # 2,048: 18
+    (128, False, 4096, True, False, True),    # segment ids: chosen per query block
+    (64, True, 0, True, False, True),
+    (128, True, 1025, True, True, False),     # a window bounds them beside segment ids too
+    (256, False, 0, True, False, True)])
+def test_rounding_follows_the_adders_a_call_can_have(d, causal, seen, segments, rounded,
+                                                     per_block):
+  """for_deterministic adds dq rounded where no query block can have more than
+  ROUNDED_DQ_MAX_ADDERS adders (a window's span, not all S = 4,096 keys, bounds them), and
+  with segment ids chooses per query block where more could."""
+  config = mb.MosaicBackwardConfig.for_deterministic(d, causal, t=4096, s=4096,
+                                                     segments=segments, seen=seen)
+  assert (config.dq_rounded, config.dq_rounded_per_block) == (rounded, per_block)
+  opts = _opts(causal, seen - 1 if seen else None, segments)
+  shape = (1, 4096, 4, d)
+  config = mb.fit_shared_memory(config, d, BF16, segments)
+  assert mb.support_error(shape, shape, BF16, opts, config) is None
+  both = dataclasses.replace(config, dq_rounded=True, dq_rounded_per_block=True)
+  assert "exclude each other" in mb.support_error(shape, shape, BF16, opts, both)
+
+
+@pytest.mark.parametrize("causal, d, t, s, hkv, semantics", [
+    (True, 128, 2304, 2304, 4, "Lane"), (False, 64, 2304, 2432, 1, "Warpgroup"),
+    (True, 96, 2304, 2304, 2, "Warpgroup"), (True, 256, 2304, 2304, 2, "Lane")])
+def test_rounded_per_block_dq_lowers_for_cuda(monkeypatch, causal, d, t, s, hkv, semantics):
+  """dq_rounded_per_block (segment ids, more than ROUNDED_DQ_MAX_ADDERS key blocks): the
+  kernel returns dq in the input dtype and the float32 sums beside it, and finish_dq's
+  kernel takes both into dq."""
+  _lower_with(monkeypatch, semantics)
+  config = mb.MosaicBackwardConfig.for_deterministic(d, causal, hkv < 4, t=t, s=s,
+                                                     segments=True)
+  config = mb.fit_shared_memory(config, d, BF16, True)
+  assert config.dq_rounded_per_block and not config.dq_rounded
+  opts = _opts(causal, None, True)
+  assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, opts, config) is None
+  text = _backward_lowered_for_cuda(opts, config, t, s, hkv, d, True)
+  kernel, finish = [line.split("->")[-1] for line in text.splitlines()
+                    if _MOSAIC_CALL.search(line)]
+  assert f"tensor<2x{t}x4x{d}xbf16>, tensor<2x{t}x4x{d}xf32>" in kernel
+  assert finish.strip().startswith(f"tensor<2x{t}x4x{d}xbf16>")
+
+
 @pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, fused", [
     (True, None, False, 128, 512, 512, 4, True),     # fused Δ: O in the rounded tiles' bytes
     (True, None, False, 128, 512, 512, 1, True),     # one CTA per query head
@@ -1446,13 +1509,15 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper)
       opts).backward
   assert not backward(short, 2, docs).gqa_per_query_head
   assert backward(long, 2, docs) == mb.MosaicBackwardConfig(  # _long's 3 stages: 2 fit
-      dq_split=True, gqa_per_query_head=True, dq_ordered=True, early_softmax=True)
+      dq_split=True, gqa_per_query_head=True, dq_ordered=True, early_softmax=True,
+      dq_rounded_per_block=True)
   assert not backward(long, 2, window).gqa_per_query_head
   # MHA: the causal section's kernel, dq_rotate (only without a mask) and early_softmax aside
   assert not mb._rotates(backward(short, 8, docs), docs.mask, short // 128)  # pylint: disable=protected-access
   assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False, early_softmax=True)
           == backward(long, 8, docs)
-          == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, early_softmax=True))
+          == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, early_softmax=True,
+                                     dq_rounded_per_block=True))
   for d in (64, 256):  # other head dims: the sections without a mask at any length
     assert (mb.MosaicBackwardConfig.for_deterministic(d, True, True, t=long, segments=True)
             == mb.MosaicBackwardConfig.for_deterministic(d, False, True, t=long))
@@ -1846,6 +1911,50 @@ class TestMosaicGpu:
     for g, h in zip(first[1:], summed[1:]):  # dK, dV: the same kernel's bits
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
     assert rel_err(first[0], r_grads[0]) < 1.4 * rel_err(summed[0], r_grads[0])
+
+  @pytest.mark.parametrize("hkv, d", [(4, 128), (2, 64), (1, 96)])
+  def test_rounded_per_block_takes_each_blocks_own_sum(self, hkv, d):
+    """dq_rounded_per_block, the default beside segment ids past ROUNDED_DQ_MAX_ADDERS key
+    blocks: the same bits every call, near the float32 reference; and from the same
+    residuals and row statistics, a query block with at most that many adders has
+    dq_rounded's bits, one with more the float32 sums', one that no key is visible to zeros,
+    and dK and dV are the float32 kernel's."""
+    t = 4096
+    rows = [np.repeat([0, 1, 3], [384, 3584, 128]), np.repeat([0, 1], [2000, 2096])]
+    q_ids = np.stack(rows).astype(np.int32)
+    kv_ids = q_ids.copy()
+    kv_ids[0, -128:] = 2  # the last 128 queries of row 0 see no key
+    seg = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    q, k, v, _, ct = make_problem(jax.random.key(29), 2, t, t, 4, hkv, d, BF16)
+    opts = _opts(True, None, True, scale=d ** -0.5)
+    backward = PallasMosaicGpu()._static(q, k, opts).backward  # pylint: disable=protected-access
+    assert backward.dq_rounded_per_block
+    grads, r_grads = _assert_reproducible_grads("pallas_mosaic_gpu", q, k, v, seg, ct,
+                                                dict(causal=True, segments=True))
+    out, lse, _ = run("pallas_mosaic_gpu", q, k, v, seg, ct, dict(causal=True, segments=True))
+    res = Residuals(q, k, v, *seg, out, jnp.swapaxes(lse, 1, 2))  # [B, Hq, T]
+    d_out, d_lse = ct.astype(BF16), jnp.zeros_like(res.lse)
+    stats = mb.row_stats(opts, res, _common.softmax_delta(out, d_out, d_lse))
+    grads_of = lambda **kw: [np.asarray(g, np.float32) for g in jax.jit(
+        lambda res, stats: mb.backward(opts, dataclasses.replace(backward, **kw), res,
+                                       (d_out, d_lse), stats=stats)[:3])(res, stats)]
+    per_block = grads_of()
+    rounded = grads_of(dq_rounded_per_block=False, dq_rounded=True)
+    summed = grads_of(dq_rounded_per_block=False)
+    for g, h in zip(per_block[1:], summed[1:]):
+      np.testing.assert_array_equal(g, h)
+    # Per query block, the key blocks of 128 with a key visible to one of its queries.
+    bq = backward.block_q
+    idx = np.arange(t)
+    seen = (idx[None, None] <= idx[None, :, None]) & (q_ids[:, :, None] == kv_ids[:, None])
+    adders = seen.reshape(2, t // bq, bq, t // 128, 128).any(axis=(2, 4)).sum(axis=-1)
+    few = lambda n: 0 < n <= mb.ROUNDED_DQ_MAX_ADDERS
+    for bb, qb in np.ndindex(adders.shape):
+      block, n = (bb, slice(qb * bq, (qb + 1) * bq)), adders[bb, qb]
+      want = (rounded if few(n) else summed)[0][block] * (n > 0)
+      np.testing.assert_array_equal(per_block[0][block], want, err_msg=f"{block}: {n} adders")
+    assert {0, 1, mb.ROUNDED_DQ_MAX_ADDERS + 1} <= set(adders.flat)
+    assert rel_err(grads[0], r_grads[0]) <= 1.4 * rel_err(summed[0], r_grads[0])
 
   def test_large_groups_keep_dk_dv_near_the_float32_sums_error(self):
     """Causal MQA with 16 query heads per key head (past ORDERED_SHARES_MAX_GROUP): each
