@@ -886,11 +886,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       return it.h, it.first + j
     return it.head0 + hopper.div(i, it.per_head), it.first + j
 
-  def block_adders_at(it, i):
-    """dq_rounded_per_block: the key blocks that add into the query block of the item's step
-    i (a global-memory load, issued ahead of its use)."""
-    return per_block[0][it.b, step_block(it, i)[1]]
-
   @pl.when(wg < 2)
   def _compute():
     # At (232, 40) ptxas spilled about twice as much and the kernel ran 1–3% slower.
@@ -1045,10 +1040,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         return _mosaic.visible(mask, shape, 0, my_key, qb * bq + q0,
                                key_ids if segments else None, query_ids)
 
-      def store_dq(i, gi, dq, cols, adders=None):
+      def store_dq(i, gi, dq, cols):
         """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction;
-        with dq_ordered, leaves it for the memory warpgroup's (see send_dq). adders: with
-        dq_rounded_per_block, those of step i's query block where the step loaded them."""
+        with dq_ordered, leaves it for the memory warpgroup's (see send_dq)."""
         if config.dq_ordered:
           slot, full, free = dq_slot(gi)
           tile = slot * 2 + wg
@@ -1056,8 +1050,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           if config.dq_rounded:  # scaled here, in place of the pass after the kernel
             sc.dq_smem.at[tile, pl.ds(0, bq)][...] = (dq * scale).astype(dtype)
           elif per_block is not None:  # so too where few key blocks add into this block
-            if adders is None:
-              adders = block_adders_at(it, i)
+            adders = per_block[0][it.b, step_block(it, i)[1]]
 
             @pl.when(adders <= ROUNDED_DQ_MAX_ADDERS)
             def _():
@@ -1086,7 +1079,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_arrive(sc.do_free.at[slot])
         plgpu.barrier_arrive(sc.q_free.at[slot])
 
-      def split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish, adders):
+      def split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish):
         """The rest of dq_split's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
         shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
         reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
@@ -1106,11 +1099,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           pass_turn()
           dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
           if has_dq is None:
-            store_dq(i, gi, dq, pl.ds(col, half), adders)
+            store_dq(i, gi, dq, pl.ds(col, half))
           else:  # warpgroup 0's first step has no last step's dQ (a dQ of stale dSᵀ, dropped)
             @pl.when(has_dq)
             def _():
-              store_dq(i - lag, gi - lag, dq, pl.ds(col, half), adders)
+              store_dq(i - lag, gi - lag, dq, pl.ds(col, half))
               plgpu.barrier_arrive(sc.ds_free.at[read])
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
@@ -1119,7 +1112,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         return dk, dv
 
       def split_cols_grads(i, gi, slot, q_tile, do_tile, k_step, pt, dst, ds_buf, dk, dv,
-                           publish, adders):
+                           publish):
         """The rest of column_split's step i after Pᵀ and dSᵀ: dQ, dV and dK issued together
         on this warpgroup's columns, dQ first, so that its store (and, with dq_ordered, the
         wait for a free dQ slot) runs under dV and dK rather than after them."""
@@ -1133,7 +1126,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.wgmma(dk_ref, dst, q_tile.at[:, my_cols])
           take_turn()
           dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
-          store_dq(i, gi, dq, my_cols, adders)
+          store_dq(i, gi, dq, my_cols)
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, oc))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
@@ -1152,11 +1145,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         _, qb = step_block(it, i)
         q_tile, do_tile = sc.q_smem.at[slot], sc.do_smem.at[slot]
         k_step, v_step, k_cols = key_tiles(z)
-        adders = None
-        if per_block is not None:  # loaded now, used by the step's dQ store (dq_stagger:
-          # warpgroup 0 stores the last step's; its first step's, stored by none, wraps)
-          lag = 1 - wg if config.dq_stagger else 0
-          adders = block_adders_at(it, hopper.rem(i - lag + it.n_steps, it.n_steps))
         plgpu.barrier_wait(sc.q_ready.at[slot])
         plgpu.barrier_wait(sc.do_ready.at[slot])
         plgpu.barrier_wait(sc.stats_ready.at[slot])
@@ -1215,8 +1203,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         row_delta = hopper.load(sc.stats_smem.at[slot, 1, qs], col_layout)
         dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, dpt.shape, [1]))).astype(dtype)
         if config.dq_split:
-          return split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish,
-                             adders)
+          return split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish)
         ds_buf = None
         if config.scores_split:  # the halves meet in the step's Pᵀ and dSᵀ slots
           b = hopper.rem(gi, 2)
@@ -1228,7 +1215,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         if split and config.with_dq:
           return split_cols_grads(i, gi, slot, q_tile, do_tile, k_step, pt, dst, ds_buf,
-                                  dk, dv, publish, adders)
+                                  dk, dv, publish)
 
         def grads(refs):
           dv_ref, dk_ref = refs
@@ -1248,7 +1235,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           take_turn()
           return acc_ref[...]
 
-        store_dq(i, gi, pl.run_scoped(mm, plgpu.ACC((bq, oc), jnp.float32)), my_cols, adders)
+        store_dq(i, gi, pl.run_scoped(mm, plgpu.ACC((bq, oc), jnp.float32)), my_cols)
         return dk, dv
 
       carry = (zeros((bkv, oc)), zeros((bkv, oc)), zero_ref[0])
