@@ -212,7 +212,7 @@ class MosaicBackwardConfig:
     dq_rounded_per_block: (dq_ordered, not dq_rounded) dq_rounded per query block, chosen at
       run time from the key blocks that add into it (with segment ids only the run knows
       them): a block with at most ROUNDED_DQ_MAX_ADDERS is added rounded into dq, the others
-      into float32 sums beside it, which finish_dq then scales and rounds into dq (zeros
+      into float32 sums beside it, which _finish_dq then scales and rounds into dq (zeros
       where no key block adds) without reading the rounded blocks. for_deterministic takes
       it with segment ids where the band lets more key blocks add into a block: packed
       short documents then skip the float32 pass, as dq_rounded does.
@@ -1381,10 +1381,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       rows, half = pl.ds(qb * bq, bq), d // 2
       cols = lambda w: pl.ds(w * half, half)
 
-      def send(tiles, dst, op):
+      def send(tiles, dst, op, rounded):
         for w in range(2):
           tile = tiles.at[slot * 2 + w]
-          if tiles is not sc.dq_smem or config.dq_rounded:  # rounded: rows 0..bq of the slot
+          if rounded:  # rows 0..bq of the slot
             tile = tile.at[pl.ds(0, bq)]
           plgpu.copy_smem_to_gmem(tile, dst.at[it.b, rows, head, cols(w)], reduction_op=op)
 
@@ -1395,10 +1395,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         @pl.when(when)
         def _(op=op):
           if per_block is None:
-            send(sc.dq_smem, dq_ref, op)
+            send(sc.dq_smem, dq_ref, op, config.dq_rounded)
             return
-          pl.when(adders <= ROUNDED_DQ_MAX_ADDERS)(lambda: send(per_block[2], dq_ref, op))
-          pl.when(adders > ROUNDED_DQ_MAX_ADDERS)(lambda: send(sc.dq_smem, per_block[1], op))
+          pl.when(adders <= ROUNDED_DQ_MAX_ADDERS)(
+              lambda: send(per_block[2], dq_ref, op, rounded=True))
+          pl.when(adders > ROUNDED_DQ_MAX_ADDERS)(
+              lambda: send(sc.dq_smem, per_block[1], op, rounded=False))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(free)
       plgpu.wait_smem_to_gmem(0)  # landed: the next key block may add
@@ -1417,7 +1419,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         hopper.wait_stores_read()
 
 
-def finish_dq(dq, sums, adders, block_q: int, scale: float):
+def _finish_dq(dq, sums, adders, block_q: int, scale: float):
   """dq_rounded_per_block's pass after the kernel: dq ([B, T, Hq, D], the input dtype) with
   each query block of block_q rows that more than ROUNDED_DQ_MAX_ADDERS key blocks added
   into (adders: [B, n_q]) taken from the float32 `sums`, scaled and rounded, and each block
@@ -1582,7 +1584,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   dq = None
   if config.dq_rounded_per_block:
     dq, sums, *outs = outs
-    dq = finish_dq(dq, sums, adders, bq, opts.scale)
+    dq = _finish_dq(dq, sums, adders, bq, opts.scale)
   elif config.dq_ordered:
     dq, *outs = outs
     if written is not None:  # query blocks that no key block adds into were never written

@@ -1433,7 +1433,7 @@ def test_rounding_follows_the_adders_a_call_can_have(d, causal, seen, segments, 
     (True, 96, 2304, 2304, 2, "Warpgroup"), (True, 256, 2304, 2304, 2, "Lane")])
 def test_rounded_per_block_dq_lowers_for_cuda(monkeypatch, causal, d, t, s, hkv, semantics):
   """dq_rounded_per_block (segment ids, more than ROUNDED_DQ_MAX_ADDERS key blocks): the
-  kernel returns dq in the input dtype and the float32 sums beside it, and finish_dq's
+  kernel returns dq in the input dtype and the float32 sums beside it, and _finish_dq's
   kernel takes both into dq."""
   _lower_with(monkeypatch, semantics)
   config = mb.MosaicBackwardConfig.for_deterministic(d, causal, hkv < 4, t=t, s=s,
