@@ -1377,6 +1377,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       head, qb = step_block(it, i)
       counter = order[1].at[block_index(it, head, qb)]
       rank = order[0][it.b, it.kvi, qb]
+      # Loaded before the waits: a load after them would lengthen each block's chain of adds.
+      adders = None if per_block is None else per_block[0][it.b, qb]
       slot, full, free = dq_slot(gi)
       rows, half = pl.ds(qb * bq, bq), d // 2
       cols = lambda w: pl.ds(w * half, half)
@@ -1390,7 +1392,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
       plgpu.barrier_wait(full)
       plgpu.semaphore_wait(counter, rank, decrement=False, memory_scope="gpu")
-      adders = None if per_block is None else per_block[0][it.b, qb]
       for op, when in ((None, rank == 0), ("add", rank > 0)):
         @pl.when(when)
         def _(op=op):
