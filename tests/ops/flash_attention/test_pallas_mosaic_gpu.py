@@ -1914,13 +1914,14 @@ class TestMosaicGpu:
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
     assert rel_err(first[0], r_grads[0]) < 1.4 * rel_err(summed[0], r_grads[0])
 
-  @pytest.mark.parametrize("hkv, d", [(4, 128), (2, 64), (1, 96)])
+  @pytest.mark.parametrize("hkv, d", [(4, 128), (2, 64), (1, 96), (4, 96)])
   def test_rounded_per_block_takes_each_blocks_own_sum(self, hkv, d):
     """dq_rounded_per_block, the default beside segment ids past ROUNDED_DQ_MAX_ADDERS key
     blocks: the same bits every call, near the float32 reference; and from the same
     residuals and row statistics, a query block with at most that many adders has
     dq_rounded's bits, one with more the float32 sums', one that no key is visible to zeros,
-    and dK and dV are the float32 kernel's."""
+    and dK and dV are the float32 kernel's. D = 96 without GQA runs dq_stagger, whose
+    warpgroup 0 stores each step's dQ a step late."""
     t = 4096
     rows = [np.repeat([0, 1, 3], [384, 3584, 128]), np.repeat([0, 1], [2000, 2096])]
     q_ids = np.stack(rows).astype(np.int32)
