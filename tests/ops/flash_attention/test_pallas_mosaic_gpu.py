@@ -2410,7 +2410,7 @@ class TestMosaicGpuPadded(_FlashAttentionTest):
     q, k, v, _, ct = make_problem(jax.random.key(3), b, t, s, h, 2, d, BF16)
     q_seg = jnp.where(jnp.arange(t) < 300, 0, 7)[None]  # id 7 has no key
     kv_seg = jnp.zeros((1, s), jnp.int32)
-    out, lse, grads = run(self.impl, q, k, v, (q_seg, kv_seg), ct, dict(causal=True))
+    out, lse, grads = run(self.impl, q, k, v, (q_seg, kv_seg), ct, {**self.extra, "causal": True})
     assert np.all(np.asarray(out, np.float32)[0, 300:] == 0.0)
     assert np.all(np.isneginf(np.asarray(lse)[0, 300:]))
     r_out, _, r_grads = run("reference", *(x.astype(jnp.float32) for x in (q, k, v)),
@@ -2423,7 +2423,7 @@ class TestMosaicGpuPadded(_FlashAttentionTest):
   def test_matches_jax_nn(self):
     q, k, v, _, _ = make_problem(jax.random.key(4), 2, 200, 200, 4, 2, self.shape["d"], BF16)
     for causal in (False, True):
-      got = flash_attention(q, k, v, causal=causal, implementation=self.impl)
+      got = flash_attention(q, k, v, causal=causal, implementation=self.impl, **self.extra)
       want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                                           is_causal=causal)
       assert rel_err(got, want) < 3e-2
