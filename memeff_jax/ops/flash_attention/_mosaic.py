@@ -173,8 +173,8 @@ def query_cta_index(mask, n_ctas: int, launch):
   makes the last axis CUDA's x): a head's query CTAs start together, and under a causal
   mask those of the last query rows (which see the most keys) would start last and make
   the final wave the longest. Walking the query rows backwards starts them first, and the
-  light CTAs fill the tail: the causal forward at the headline shape took 1.095 against 1.117 ms
-  on an H200. The dq kernel keeps grid order (no gain measured there).
+  light CTAs fill the tail (the design doc's "launched heaviest first" row). The dq kernel
+  keeps grid order (no gain measured there).
   """
   return n_ctas - 1 - launch if mask.is_causal else launch
 
@@ -198,11 +198,8 @@ def query_cta_at(mask, n_heads: int, n_ctas: int, group: int, launch):
   key blocks as cost) puts that 3% over the best deal at B4 T4k H32 and 18% at B2 T3k H16.
   Taking the query CTAs of `group` heads together (all their heaviest first, then the
   next), the heavy CTAs start at least a wave before the end, and the CTAs running at once
-  still come from a few heads, whose keys they stream together from L2. Causal forward,
-  H200, 7 interleaved rounds, against head by head: B2 T3k H16 D192 0.23 against 0.26 ms,
-  B4 T4k H16 D192 0.78 against 0.80, B16 T1k H32/8 D128 0.33 against 0.35, B8 T2k H32 0.59
-  against 0.61, B4 T4k H32/8 1.05 against 1.07, 8 documents per row 0.262 against 0.267; level
-  at B4 T4k H32 (the headline) and B1 T16k H32/8."""
+  still come from a few heads, whose keys they stream together from L2 (figures: the
+  design doc's "launched together" row)."""
   first = hopper.div(launch, group * n_ctas) * group
   size = (group if n_heads % group == 0  # else the last group has fewer heads
           else lax.min(jnp.int32(group), jnp.int32(n_heads) - first))

@@ -77,7 +77,7 @@ _ADDERS_RING = 2
 _ADDERS_COPY = 32
 # Queries from which a deterministic call takes its section's `_long` variant: a key block's
 # walk (up to T / BLOCK_Q steps) is long enough that a third Q/dO stage pays for the dQ slot
-# it displaces (causal, D = 128: 1.4–2.0% at 8k–32k queries, 1.7% slower at 4k; H200).
+# it displaces (see the tuning table's `_long` sections).
 LONG_WALK_QUERIES = 8192
 # Key blocks (adders into a query block's dq) up to which deterministic calls add dq in the
 # input dtype (dq_rounded): there bf16's error stays within 1.4× the float32 sum's, the
@@ -85,21 +85,18 @@ LONG_WALK_QUERIES = 8192
 ROUNDED_DQ_MAX_ADDERS = 16
 # The head dims up to which a call with deterministic=False and no ordered kernel (D = 48,
 # 80, 112) runs the whole kernel in arrival order rather than the dK/dV-only kernel beside
-# the dq kernel: at D = 112 the pair measured faster (B4 T4k H32/8 fwd+bwd 7.74 against
-# 8.13 ms without a mask, 4.31 against 4.61 causal; H200).
+# the dq kernel: at D = 112 the pair measured faster.
 WHOLE_ARRIVAL_MAX_D = 80
 # Waves of CTAs (one per SM) below which a GQA call splits each key head's group of query
 # heads between more CTAs (MosaicBackwardConfig.group_splits, split_group), and the waves
-# it splits them into where the key blocks' walks differ in length. B4 T2048 H71/1 D64
-# causal (64 key blocks), fwd+bwd on an H200: 3.10 ms in one CTA per key block, 2.06, 1.90,
-# 1.78, 1.76, 1.74 and 1.75 in 2, 4, 8, 12, 16 and 24 splits; cuDNN 1.78–1.81.
+# it splits them into where the key blocks' walks differ in length (the design doc's
+# group_splits row: MQA's one CTA per key block left most SMs idle).
 SPLIT_WAVES = 2
 UNEVEN_SPLIT_WAVES = 8
 # Query heads per key head up to which gqa_per_query_head's ordered kernel adds each head's
 # share of dK and dV into the outputs in the input dtype; larger groups store them as
-# partials (group_splits), as cuDNN does. Causal D = 128 on an H200, dK's error against
-# float32 (relative norm): 4.00e-3 in order against 3.42e-3 as partials (cuDNN 3.42e-3) at
-# H32/8, 7.55e-3 against 3.42e-3 at H32/1, 8.97e-3 against 3.42e-3 at H48/1.
+# partials (group_splits), as cuDNN does: the error of dK added in order grows with the
+# group, that of the partials' float32 sum does not (figures in the design doc).
 ORDERED_SHARES_MAX_GROUP = 4
 
 
@@ -174,8 +171,7 @@ class MosaicBackwardConfig:
       before it (which in the plain walk grows by a reduction's latency per rank). A CTA
       may then wait on one launched after it, which must find an SM: rotated walks apply
       only where a key head has at most ROTATE_MAX_KV CTAs (T ≤ 8,192 at D = 128), and
-      only without a mask (masked walks keep their order). At the headline (B=4 H=32 T=4096)
-      it takes the ordered backward from 5.98 to 5.69 ms, level with arrival order.
+      only without a mask (masked walks keep their order).
     dq_stagger: (dq_split) the compute warpgroups run half a step apart, so that one's
       softmax runs while the other's WGMMAs keep the tensor cores busy, instead of both
       computing Pᵀ and dSᵀ at once. dQ = dS K needs both warpgroups' dSᵀ of a step:
@@ -190,15 +186,14 @@ class MosaicBackwardConfig:
       under the other's dQ, dV, dK and next Sᵀ, dPᵀ. Not with fused_delta.
     fused_delta: (dq_ordered with dq_split and two dQ slots; causal calls) Δ =
       rowsum(dO ∘ O) is computed in the kernel, not by an XLA pass over O and dO before it
-      (at the headline on an H100 that pass takes 0.10 ms and 60 mJ, 2% of a causal
-      fwd+bwd's energy at the power cap). Under a causal mask with T = S, key block j's walk
+      (which reads both from memory again). Under a causal mask with T = S, key block j's walk
       starts on query blocks 2j and 2j + 1 (its diagonal), which no key block launched before
       it visits: it loads their O into its two dQ tile slots (free on its first two steps),
       computes their Δ, stores it into the row statistics in global memory and raises a flag
       per block; the later key blocks' loads wait for that flag before loading a block's
       statistics. A wait is only ever on a CTA launched earlier (dq_ordered launches the
       last key block first). Other calls (no mask: a rotated walk would wait on key blocks
-      launched after it, which took the headline's backward from 7.6 to 10.8 ms; a window or
+      launched after it, which slowed the headline's backward by 40%; a window or
       segment ids, T ≠ S, GQA) run the kernel with the pass, as dq_rotate
       applies only where it can.
     dq_heavy_first: (dq_ordered, walks not rotated) the key blocks launch in grid order,
@@ -273,12 +268,9 @@ class MosaicBackwardConfig:
     LONG_WALK_QUERIES queries on, and those without a mask below and at other head dims (not
     measured with segment ids; D = 64 has no causal GQA section with dq). Its walks end at their
     documents' starts, which only the run knows: short documents favour one CTA per key head
-    walking its whole group, long ones causal GQA's CTA per query head. At D = 128, GQA 32:8,
-    fwd+bwd with a CTA per key head against one per query head (H200): 8 documents of 512 tokens
-    per 4,096-token row (B4) 0.97 against 1.03 ms; in one 16,384-token row, 16 documents of
-    random lengths 3.04 against 2.41 ms, 16 equal ones level (1.53 ms), 64 equal ones 0.82
-    against 0.94 ms. Without GQA the two choices give the same kernel beside segment ids
-    (fit_shared_memory)."""
+    walking its whole group, long ones causal GQA's CTA per query head (the design doc's
+    "Packed documents" has both at four packings). Without GQA the two choices give the same
+    kernel beside segment ids (fit_shared_memory)."""
     if segments and (t < LONG_WALK_QUERIES or _section_dim(d) != 128):
       causal = False
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
@@ -364,9 +356,7 @@ def block_adders(s: int, seen: int, cta_keys: int, block_q: int) -> int:
 def _two_stages(config: MosaicBackwardConfig, d: int, segments: bool) -> MosaicBackwardConfig:
   """A column-split config of one Q/dO stage with a second where it fits (D = 160 and 192;
   the tables' settings are D = 256's, where it does not): its steps then find their Q and
-  dO loaded. Fwd+bwd, ordered, without a mask (H200, one process each): D = 160 B2 T4k H16
-  4.03 against 4.34 ms (cuDNN 3.96); D = 192 level (B2 T3k H16 2.61 against 2.60 ms, B4 T4k
-  7.66 against 7.70)."""
+  dO loaded (faster at D = 160, level at D = 192)."""
   if not config.column_split or config.stages != 1:
     return config
   wider = dataclasses.replace(config, stages=2)
@@ -505,9 +495,9 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   """config with one dQ slot where its second does not fit beside the segment ids' buffers
   (D = 128 with dq_buffers=2 has 1 KB to spare, the ids take as much), and then without
   dq_stagger: with one slot warpgroup 1's dQ waits for the send of the last step's, whose
-  tile warpgroup 0 leaves only in this step (at the headline, three Q/dO stages and one
-  slot: fwd+bwd 8.2 ms staggered against 7.6 without, H100). A third Q/dO stage that still
-  does not fit (D = 128's `_long` sections beside segment ids) goes next."""
+  tile warpgroup 0 leaves only in this step, which made the staggered walk the slower one.
+  A third Q/dO stage that still does not fit (D = 128's `_long` sections beside segment
+  ids) goes next."""
   itemsize = jnp.dtype(dtype).itemsize
   if config.scores_split and segments:
     config = dataclasses.replace(config, scores_split=False)
@@ -889,7 +879,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     """dq_rounded_per_block: how many key blocks add into global step gi's query block, from
     the ring that the memory warpgroup fills beside the step's Q and dO. Loaded from global
     memory where the dQ tile is stored instead, the count held each step's store up for the
-    load's latency (kernel 2.63–2.65 against 2.59 ms at one document per row, B4 T4k H32)."""
+    load's latency."""
     ring = hopper.rem(gi, _ADDERS_RING * stages)
     plgpu.barrier_wait(sc.adders_ready.at[ring])
     return sc.adders[ring, 0]

@@ -60,8 +60,8 @@ _SMEM_RESERVE = 2_048  # barriers and alignment
 class MosaicDqConfig:
   """Tiles of the dq kernel.
 
-  The defaults measured fastest at B=4 T=4096 H=32 D=128 on an H200 (dq alone 2.11 ms
-  against 2.19 with 64-key blocks and 2.63 with ping-pong).
+  The defaults measured fastest at the headline shape (against 64-key blocks and ping-pong;
+  the design doc's dq-kernel row).
 
   Attributes:
     block_kv: keys per pipeline step (64 or 128). S and dP are block_kv columns wide beside
@@ -87,8 +87,8 @@ class MosaicDqConfig:
   @classmethod
   def for_head_dim(cls, d: int) -> "MosaicDqConfig":
     """128-key blocks up to D = 128; above, 64-key blocks (registers), two K slots and one V
-    slot (shared memory: at D = 256 dq alone 3.5 ms against 4.6 with one slot of each and
-    pallas_triton's 14.3 at B=4 H=16 T=4096; one K slot where segment ids need the room)."""
+    slot (shared memory; faster than one slot of each; one K slot where segment ids need
+    the room)."""
     return cls(block_kv=64, stages=2, v_stages=1) if d > 128 else cls()
 
 

@@ -124,11 +124,9 @@ class MosaicConfig:
       rise past it by RESCALE_THRESHOLD (FlashAttention-4's conditional rescale), and the
       accumulator is rescaled only by warps whose rows moved
       (hopper.rows_scaled_where_needed), a branch in place of D/block_kv multiplies per
-      score. It pays where that is 2.5 or more (D > 128 on 64-key blocks; forward, H200:
-      D = 256 B4 T4096 H16 1.53 against 1.73 ms, causal 0.89 against 0.92, a 4,096-key
-      window at B1 T8192 H16/8 0.73 against 0.82; D = 192 1.34 against 1.44; D = 160 level)
-      and costs more than it saves at 1 (D = 128: 1.89 against 1.85 ms) and 0.5 (D = 64
-      causal: 1.50 against 1.36), where the branch splits the softmax's instructions.
+      score. It pays where that is 2.5 or more (D > 128 on 64-key blocks) and costs more
+      than it saves at 1 (D = 128) and 0.5 (D = 64), where the branch splits the softmax's
+      instructions (figures: the design doc's lazy rescale rows).
   """
 
   block_q: int = 64
@@ -151,60 +149,33 @@ class MosaicConfig:
   def for_call(cls, d: int, mask: MaskSpec, s: int, t: int = 0,
                heads: int = 0) -> "MosaicConfig":
     """for_head_dim(d) for a call of `heads` query heads (B·Hq; 0: not known) of t queries
-    each over s keys, set as measured (docs/design/flash_attention.md, H200 and
-    H100). "No mask" includes a key bound (MaskSpec.keys: a padded call's padded keys), which
-    masks one key block:
+    each over s keys. "No mask" includes a key bound (MaskSpec.keys: a padded call's padded
+    keys), which masks one key block. Head dims without settings of their own take those of
+    the next one that has them (_padding.settings_dim: 48 and 80 those of 64 and 96; 112, 160
+    and 224 those of 128, 192 and 256). What each choice measured: the design doc's "Which
+    forward a call runs".
 
-    - overlap in place of ping-pong at D = 128, 192 and 256 under no mask or a causal one
-      (D = 192 causal: 1.02–1.13× cuDNN's forward against 0.95–1.01× with ping-pong);
-      not at D = 64 or D = 96, where ping-pong was as fast or faster. Masked blocks run
-      without the overlap, so windows and segment ids keep ping-pong.
-    - persistent where a query tile's walk is short, so that loading the next tile's Q and
-      keeping the K/V ring running through a tile's epilogue pays: causal at D = 96 and 128
-      with at most SHORT_CAUSAL_KEYS keys (with ping-pong: 9% more forward TFLOP/s than the
-      overlap at T = 1,024, level at 4,096, where an H100 measured it 2% slower) where each
-      SM has the work _fills_sms asks (B1 T2048 H8, a tile per SM, ran 0.036 ms on the grid
-      against 0.040 persistent at D = 96, 0.037 against 0.042 at D = 128), at D = 64
-      causal or without a mask, and at D = 96 without a mask. At D = 128 without a mask the
-      static deal of equal tiles also wins (4% at the headline); at D = 256 the output's
-      buffer would cost a K/V stage.
-    - a third K/V stage without a mask at D = 96 and 192, where one fits beside Q (and at
-      D = 96 the persistent output's buffer): forward 0.40 against 0.46 ms at D = 192 (B2
-      T3072 H16, overlap either way), 1.67 against 1.71 at D = 96 (B4 T4096 H32, with
-      persistent), H200. At D = 64 four or six stages measured no faster than two.
-    - persistent with tiles taken at run time (dynamic) at D = 128 under a causal mask with
-      segment ids, at any length (packed documents: a tile's walk ends at its document's
-      start, which no static deal knows; 8 documents of 512 tokens per 4,096-token row ran
-      the forward in 0.27 against 0.31 ms for a grid of CTAs, one document per row 1.13
-      against 1.14), and for the short causal calls above at D = 128 (0.36 against 0.37 ms
-      dealt statically at B16 T1k H32).
-    - the same at D = 128 for causal calls and sliding windows whose band spans at most
-      SHORT_WALK_KEYS keys, with the overlap where the grid kernel has it: a tile walks few
-      key blocks, and the K/V ring running on through its epilogue pays, where each SM has
-      at least PERSISTENT_MIN_TILES_PER_SM query tiles and PERSISTENT_MIN_BLOCKS_PER_SM key
-      blocks to walk. Forward against the grid of CTAs, H200, 7–11 interleaved rounds:
-      causal B4 T4096 H32/8 1.01 against 1.08 ms, H32 1.04 against 1.11, B8 T3072 H32/8
-      1.18 against 1.24, B4 T6144 H32/8 2.23 against 2.26, B2 T3000 H16 (run at 3,072 with
-      a key bound) 0.155 against 0.162, B1 T4096 H16/4 0.129 against 0.134; B16 T1000 0.34
-      against 0.40; a causal window of 1,024 keys B4 T4096 H32/8 0.55 against 0.59, B1
-      T16384 H32/8 0.60 against 0.65, of 1,024 on both sides 0.97 against 1.02, of 4,096 at
-      T8192 level. With less work per SM the grid won (B1 T1024 H32/8 0.045 against 0.054,
-      a window of 1,024 at B1 T4096 H8 0.044 against 0.051); near the bounds either won by
-      up to 10% (B2 T1024 H32/8 grid 0.051 against 0.058, B3 0.072 against 0.064); longer
-      walks were level (B1 T8192 H28/4, T16384 H32/8, T32768 H16/4).
-    - 256-key blocks (two stages) at D = 48 and 64 without a mask where they divide S: the
-      softmax of a 64 × 256 block, not the short QKᵀ and PV WGMMAs, sets the pace there, and
-      a wider step halves the steps' fixed costs (forward, H200: B8 T4096 H8 D = 40 at 48
-      0.68 against 0.76 ms, cuDNN 0.70; B32 T512 H16 D = 64 0.13 against 0.14–0.16, cuDNN
-      0.13–0.14; B4 T4096 H64/16 D = 64 2.49 against 2.55). Under a causal mask they cost
-      more masked work than they save (B4 T4096 H64 D = 64 1.81 against 1.44 ms). Padding
-      plans at 128-key blocks (S = 257 pads to 384, not 512); a padded S that 256 divides
-      takes them, the last cut by the key bound.
-
-    The other head dims take the settings of the next measured one (_padding.settings_dim:
-    D = 48 and 80, in 32-byte swizzles, those of 64 and 96; 112, 160 and 224 those of 128,
-    192 and 256), and D = 48 four K/V stages without a mask where S takes no 256-key blocks
-    (forward 0.67 against 0.77 ms with two at B8 T4096 H8, H200)."""
+    - The intra-warpgroup overlap in place of ping-pong at D = 128, 192 and 256 under no mask
+      or a causal one. Masked blocks run without it, so windows and segment ids keep
+      ping-pong; at D = 64 and 96 ping-pong is as fast.
+    - Persistent where a query tile's walk is short enough that loading the next tile's Q and
+      keeping the K/V ring running through a tile's epilogue pays: causal calls of at most
+      SHORT_CAUSAL_KEYS keys at D = 96 and 128 (with ping-pong) where each SM has the work
+      _fills_sms asks, D = 64 causal, and D = 64, 96 and 128 without a mask (tiles dealt
+      before the launch). Not at D = 256, where the output's buffer would cost a K/V stage.
+    - Tiles taken at run time (dynamic) at D = 128: causal calls with segment ids at any
+      length (a tile's walk ends at its document's start, which no static deal knows), the
+      short causal calls, and causal calls and sliding windows whose band spans at most
+      SHORT_WALK_KEYS keys, where _fills_sms holds.
+    - A third K/V stage without a mask at D = 96 and 192, where one fits beside Q (and at
+      D = 96 the persistent output's buffer); four at D = 48 without a mask where S takes
+      no 256-key blocks.
+    - WIDE_KEY_BLOCK keys a step (two stages) at D = 48 and 64 without a mask where they
+      divide S: the softmax of a 64 × 256 block, not the short QKᵀ and PV WGMMAs, sets the
+      pace there, and a wider step halves the steps' fixed costs. Under a causal mask they
+      cost more masked work than they save. Padding plans at 128-key blocks (S = 257 pads to
+      384, not 512); a padded S that 256 divides takes them, the last cut by the key bound.
+    """
     config = cls.for_head_dim(d)
     if d in (48, 64) and mask.sees_all_keys and s % WIDE_KEY_BLOCK == 0:
       config = dataclasses.replace(config, block_kv=WIDE_KEY_BLOCK, stages=2)
@@ -431,9 +402,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
   @pl.when(wg < 2)
   def _compute():
-    # At (232, 40) ptxas spilled more (8 documents per row: 92 against 68 bytes; causal at
-    # D = 128: 26 against none) and the forward ran 0.4–2.7% slower, level at D = 64 and 96
-    # (H200, same bits).
+    # The backward's register split: at (232, 40) ptxas spilled more and the forward ran
+    # slower (the design doc's registers row).
     plgpu.set_max_registers(hopper.WARPGROUP_REGISTERS[0], action="increase")
     q_tile = q_smem.at[wg]
     # The output leaves through its own buffer when persistent (Q's then takes the next
@@ -483,11 +453,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       # step of its last key block, once that block's QKᵀ has read it, so that Q lands under
       # the block's softmax and PV: a short walk's next Q, issued in the epilogue, is still
       # in flight when the next tile starts. Elsewhere Q is loaded after the walk: with
-      # segment ids that condition in the step slowed the forward (8 documents per row:
-      # 0.253 against 0.237 ms, ptxas spilling 96 bytes against 68), and without a mask
-      # walks are long. Either way it runs once a tile, after the tile's last key block has
-      # landed, which the memory warpgroup loads before it takes the next tile: the wait
-      # for that is short and never on the other warpgroup.
+      # segment ids that condition in the step made ptxas spill more and slowed the
+      # forward, and without a mask walks are long. Either way it runs once a tile, after
+      # the tile's last key block has landed, which the memory warpgroup loads before it
+      # takes the next tile: the wait for that is short and never on the other warpgroup.
       def load_next_q():
         if config.dynamic:
           nxt = following(r, wait=True)
@@ -752,9 +721,8 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   else:
     seg_args = ()
   n_q_ctas = t // (2 * cfg.block_q)
-  # Not on D = 256's settings (D = 224 and 256): interleaving 2, 4 or 8 heads took the causal
-  # forward at B4 T4k H16 D256 from 0.94 to 0.97-1.01 ms (H200), though it was level at B2
-  # and faster at T2k (0.28 against 0.29 ms): mixed, so the head-by-head order stays there.
+  # Not on D = 256's settings (D = 224 and 256): there launching heads together measured
+  # slower at B4 T4k, level at B2 and faster at T2k, so the head-by-head order stays.
   head_group = 1 if _padding.settings_dim(d) == 256 else _mosaic.interleaved_heads(
       mask, b * hq, n_q_ctas, cfg.num_sms or hopper.sm_count())
   if cfg.persistent:
@@ -973,11 +941,10 @@ class PallasMosaicGpu:
         if self.dq_config is not None:
           mosaic = MosaicBackwardConfig.tuned(d, mask.is_causal, gqa, with_dq=False)
         else:
-          # A causal window at D = 128 takes the causal sections: under GQA one CTA per query
-          # head (B1 T8k H32/8, 4k window: fwd+bwd 2.94–2.97 against 3.17–3.28 ms, cuDNN
-          # 3.21–3.31; level at B4 T4k, 1k window). A key block walks the queries the window
-          # spans, however long the call: the `_long` sections (2% slower here) are for walks
-          # past LONG_WALK_QUERIES.
+          # A causal window at D = 128 takes the causal sections (under GQA one CTA per
+          # query head), which measured faster than those without a mask. A key block walks
+          # the queries the window spans, however long the call: the `_long` sections, slower
+          # here, are for walks past LONG_WALK_QUERIES.
           causal = mask.is_causal_band or (mask.right == 0 and d == 128)
           walk = q.shape[1] if mask.left is None else min(
               q.shape[1], mask.left + 2 * mosaic_gpu_backward.BLOCK_KV)

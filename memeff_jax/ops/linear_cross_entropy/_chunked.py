@@ -103,10 +103,9 @@ def balanced_chunk(n_tokens: int, max_chunk: int, min_exact: int | None = None) 
   E.g. 16,000 tokens with room for 1,024: 15 chunks of 1,024 and a ragged one of 640 (see
   run_chunks), 1,000 being no whole number of 128-row tiles. 16,384 with room for 2,560: 8
   chunks of 2,048 rather than 7 of 2,432, on whose 38 K steps the Mosaic dW GEMM cannot run
-  ping-pong on each warpgroup's own slots (GPT-2's head on an H200, when the last of the 7
-  overlapped the one before: 1.14x the floor against 1.18x; 12,288 tokens 1.14x against
-  1.20x). With room for 3,968 and min_exact 1,024: 8 chunks of 2,048 rather than 5 of
-  3,328 (Mistral-7B's head: 20.53 against 20.78 ms, 0.13 against 0.25 GiB).
+  ping-pong on each warpgroup's own slots (GPT-2's head). With room for 3,968 and min_exact
+  1,024: 8 chunks of 2,048 rather than 5 of 3,328 (Mistral-7B's head: faster, and half the
+  memory). The figures: the design doc's "GPT-2's small D" and "V ≈ 32k".
   """
   if max_chunk >= n_tokens:
     return n_tokens
