@@ -875,12 +875,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     slot = hopper.rem(i, config.dq_buffers)
     return slot, sc.dq_full.at[slot], sc.dq_free.at[slot]
 
+  def adders_slot(gi):
+    """dq_rounded_per_block: global step gi's entry in the ring of adders counts."""
+    return hopper.rem(gi, _ADDERS_RING * stages)
+
   def step_adders(gi):
     """dq_rounded_per_block: how many key blocks add into global step gi's query block, from
     the ring that the memory warpgroup fills beside the step's Q and dO. Loaded from global
     memory where the dQ tile is stored instead, the count held each step's store up for the
     load's latency."""
-    ring = hopper.rem(gi, _ADDERS_RING * stages)
+    ring = adders_slot(gi)
     plgpu.barrier_wait(sc.adders_ready.at[ring])
     return sc.adders[ring, 0]
 
@@ -1373,7 +1377,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.copy_gmem_to_smem(seg_refs[0].at[it.b, pl.ds(qb * bq, _seg_len(bq))],
                                 sc.q_seg.at[slot], sc.q_seg_ready.at[slot])
       if per_block is not None:  # (the grid item's steps are the global ones: step_adders)
-        ring = hopper.rem(i, _ADDERS_RING * stages)
+        ring = adders_slot(i)
         plgpu.copy_gmem_to_smem(per_block[0].at[it.b, qb],
                                 sc.adders.at[ring], sc.adders_ready.at[ring])
 
