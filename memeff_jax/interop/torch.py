@@ -116,7 +116,7 @@ def _ready_stream(t: torch.Tensor):
 # jaxlib's DLPack import as jax.dlpack.from_dlpack calls it (jaxlib extension 467 and later),
 # without that function's Python around it (a backend and device lookup per call, and
 # jnp.asarray to canonicalize the dtype, a no-op here: _exportable lets no 64-bit dtype
-# through without x64). That Python costs ~0.1 ms per tensor on an H200 host.
+# through without x64), which runs for every tensor of every call (docs/design/torch_bridge.md).
 _fast_import = (getattr(_jax_lib._jax, "dlpack_managed_tensor_to_buffer", None)
                 if _jax_lib.jaxlib_extension_version >= 467 else None)
 
@@ -379,7 +379,7 @@ def _scale_unless_one(tensors, g: torch.Tensor):
   """t *= g for each tensor (the unit gradients, ours alone), skipped when g is 1, as it is
   from loss.backward(). On CUDA the test is made on the GPU by `_scale_kernel`, so the
   backward does not wait for the forward to finish: a host sync there leaves the GPU idle
-  while the host runs the rest of the backward (about 1 ms per step at llama3-8b). Without
+  while the host runs the rest of the backward (docs/design/torch_bridge.md). Without
   Triton, on CPU, or for a g that is not one element: reading g (one sync), as Liger-Kernel
   does, is still cheaper than a pass over dW."""
   kernel = _scale_kernel() if g.is_cuda else None
@@ -686,9 +686,9 @@ def wrap(jax_fn, *, jit: bool = True):
   above: this path runs eagerly.
 
   f is compiled with `jax.jit` (once per input shapes and dtypes), so the forward and the
-  backward each run as one XLA computation rather than op by op (a small MLP step: 7.7 ms
-  eager against 1.7 ms jitted on CPU). Pass `jit=False` for a function whose Python control
-  flow depends on array values, which only eager `jax.vjp` can trace.
+  backward each run as one XLA computation rather than op by op (a dispatch and a launch
+  per op). Pass `jit=False` for a function whose Python control flow depends on array
+  values, which only eager `jax.vjp` can trace.
   """
   if jit:
     jax_fn = jax.jit(jax_fn)

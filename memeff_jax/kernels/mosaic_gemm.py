@@ -210,13 +210,12 @@ def narrowed_to_fill_waves(config: GemmConfig, m: int, n: int, *, trans_b: bool,
   width (wave_span) runs, the widest of equals. An output of a few tiles gains most:
   [1,024, 3,584] in 128 × 256 tiles is 112 tiles for 132 SMs, one wave at 85%; 224 columns
   make 128 tiles, one wave, 12% shorter. Below 144 columns a tile reads too many operand
-  bytes per product: loss's dx on 128 × 128 tiles took Llama-3-8B's head at 512 tokens
-  2.67 ms against 2.46 with cuBLAS's dx, Mistral-7B's 0.73 against 0.70 (H200, 5 rounds),
-  where they fill the waves to 97%. The narrower tile keeps the schedule and wg_split where its
-  halves stay whole swizzle groups (16 columns for a transposed B, read by rows; 64
-  otherwise), else a "ring" CTA splits along M instead (two 64-row halves of the tile's
-  rows, each warpgroup the whole width). The "cooperative" schedule, which needs tiles
-  dividing N, clusters and tail_n keep their tiles.
+  bytes per product: loss's dx on 128 × 128 tiles, filling the waves to 97%, was slower than
+  cuBLAS's at Llama-3-8B's and Mistral-7B's heads (the LCE design doc). The narrower tile
+  keeps the schedule and wg_split where its halves stay whole swizzle groups (16 columns for
+  a transposed B, read by rows; 64 otherwise), else a "ring" CTA splits along M instead
+  (two 64-row halves of the tile's rows, each warpgroup the whole width). The "cooperative"
+  schedule, which needs tiles dividing N, clusters and tail_n keep their tiles.
   """
   if config.schedule == "cooperative" or config.cluster or config.tail_n:
     return config
@@ -399,10 +398,9 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   every slot once their WGMMA has read it, and a slot is refilled once both have passed it.
   In ping-pong, where K's steps are a multiple of twice the slots, each warpgroup waits on
   and releases only its own tiles' slots (`turns`, below): its epilogue then holds up
-  none of the other's main loop (the dW GEMM of a 1,024-token chunk of Llama-3-8B, 128 ×
-  192 tiles: 27.0 against the ring's 29.2 ms over 16 chunks; H200). Otherwise
-  the non-owner passes every slot of the other's tiles (waits on it and releases it at
-  once), so that each sees every phase of every barrier in order. C is requested when a
+  none of the other's main loop (docs/design/hopper_gemm.md has the dW GEMM's figures).
+  Otherwise the non-owner passes every slot of the other's tiles (waits on it and releases
+  it at once), so that each sees every phase of every barrier in order. C is requested when a
   tile's main loop starts and lands in shared memory while it runs. With `reduce` (c_gmem is
   then None) each tile is stored by a TMA reduce-add into what out_gmem holds.
 
@@ -667,9 +665,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
         width = cn // tn * phase.width  # the B block's columns
         if reduce:
           # The running sum's tile, into L2 while the tile's main loop runs, so that the
-          # epilogue's TMA reduce-add finds it there: the dW GEMM of a 1,024-token chunk
-          # of Llama-3-8B 0.56 ms faster over 16 chunks, the whole loss 1.5% (H200;
-          # prefetching the next tile's instead was slower).
+          # epilogue's TMA reduce-add finds it there (prefetching the next tile's instead
+          # was slower; the LCE design doc has the figures).
           plgpu.async_prefetch(out_gmem.at[pl.ds(rows, cm), pl.ds(cols, width)])
 
         @pl.loop(0, k_steps)

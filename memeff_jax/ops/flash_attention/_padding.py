@@ -56,9 +56,7 @@ TUNED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # `benchmarks/flash_attention.py`, the `odd` and `models` sets and calls of T = S from 136 to
 # 700 at B·T ≈ 9,000, both masks; a padded call's time divided by its padding's work). A
 # padding pays while it multiplies the work by less. In place the Mosaic kernels pay for no
-# copies, most at small calls: at D = 128, T = 200 runs at 256 (1.64× the work) in 0.39 ms
-# against pallas_triton's 0.70 (cuDNN 0.57), where T = 300 on copies at 384 takes 0.61
-# against 0.53.
+# copies, which matters most at small calls (the design doc's padded calls).
 TRITON_SLOWDOWN = {64: 1.05, 96: 1.52, 128: 1.18, 192: 4.07, 256: 3.68}
 TRITON_SLOWDOWN_IN_PLACE = {64: 1.58, 96: 2.13, 128: 2.37, 192: 4.41, 256: 3.66}
 

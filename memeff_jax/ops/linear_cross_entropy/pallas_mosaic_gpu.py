@@ -209,8 +209,8 @@ class PallasMosaicGpu:
     in whole waves to `min_wave_fill` (it has no split-K: a [C, D] output of a few tiles
     would leave most SMs idle). Where only that last fails and the dW GEMM runs ping-pong
     on its warpgroups' own slots (mosaic_gemm.own_slots), the logits and dW GEMMs go on
-    kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b's head with dx in 128 × 256 tiles, 72
-    of them, H200: 1.105x the floor against 1.174x all on cuBLAS). Where the chunks do not
+    kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b's head, whose dx takes 72 tiles of
+    128 × 256: faster than all three on cuBLAS). Where the chunks do not
     divide the tokens, the ragged rest runs on the same GEMMs with tiles chosen for its own
     rows, or on cuBLAS where those do not fit (see __call__). Elsewhere cuBLAS, with dW
     added in the weight's dtype ("weight"). Where a 16-bit dW would be rounded after more
@@ -439,8 +439,7 @@ class ChunkBackend:
     return Stats(*self._softmax(self._logits(x_c, w, bias), labels_c))
 
   # The chunk loop runs the first chunk on its own with dw_acc=None: its GEMM writes dW, so
-  # that dW is neither zero-filled (1 GiB at llama3-8b: 0.62 ms on an H200) nor read back
-  # by that chunk's GEMM (0.17 ms).
+  # that dW (1 GiB at llama3-8b) is neither zero-filled nor read back by that chunk's GEMM.
   first_chunk_writes_dw = True
   runs_kernels = True  # Pallas kernels: traced without check_vma inside shard_map (_vma)
 
@@ -482,8 +481,8 @@ class ChunkBackend:
     Mosaic's, x's scaled rows wait in them for the dW GEMM (no [C, D] operand of their
     own), so dW comes first. Not where dx is cuBLAS's: its [C, D] product is a buffer of
     its own anyway, and its write into rows the dW kernel reads, which XLA cannot order
-    after that kernel, made XLA copy all of dx twice a chunk (GPT-2's head, H200: 15
-    copies of 12.7 µs a call)."""
+    after that kernel, made XLA copy all of dx twice a chunk (the design doc's GPT-2
+    section)."""
     need_dx, need_dw = need
     scratch = (need_dw and scale is not None and dx_rows is not None
                and self._mosaic("dw") is not None and self._mosaic("dx") is not None)
