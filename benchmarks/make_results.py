@@ -94,12 +94,21 @@ def latest(groups, stamp: int):
 
 
 def fa_runs(rows: list[dict]):
+  """The latest run of each set's shape on each GPU, less the runs every one of whose masks
+  a later run of any set measured again on that GPU."""
   grouped = collections.OrderedDict()
   for r in rows:
     key = (r["set"], r["device"], r["timestamp"], r["b"], r["t"], r["s"], r["h"], r["hkv"],
            r["d"], r["docs"], r["dtype"], (r.get("window") or [None])[0], r.get("doc_seed"))
     grouped.setdefault(key, []).append(r)
-  return latest(sorted(grouped.items(), key=lambda kv: kv[0][2], reverse=True), 2)
+  runs = latest(sorted(grouped.items(), key=lambda kv: kv[0][2], reverse=True), 2)
+  case = lambda key, r: (key[1], *key[3:], r["causal"])  # the run's key less set and time
+  newest = {}
+  for key, group in runs:
+    for r in group:
+      newest[case(key, r)] = max(newest.get(case(key, r), ""), key[2])
+  return [(key, group) for key, group in runs
+          if any(newest[case(key, r)] == key[2] for r in group)]
 
 
 def fa_heading(key, rows) -> str:
@@ -649,7 +658,8 @@ def main():
             "(query, key) pair their mask lets through. JAX peers: jax.nn.dot_product_attention "
             "(xla, cudnn, cudnn:deterministic: cuDNN with XLA's nondeterministic ops excluded) "
             "and tokamax; torch peers: scaled_dot_product_attention on its cuDNN and flash "
-            "backends.", ""]
+            "backends. A shape's table leaves once a later run of any set on that GPU has "
+            "measured each of its masks again.", ""]
   grid = grid_section(fa_rows)
   if grid:
     lines += ["`python benchmarks/flash_attention.py --set grid`: memeff (default, "

@@ -190,6 +190,26 @@ def test_random_documents_have_a_heading_of_their_own():
   assert any("8 documents per row of random lengths (seed 0), bfloat16" in h for h in headings)
 
 
+def test_a_run_measured_again_by_a_later_run_of_any_set_leaves_the_results():
+  from benchmarks import make_results  # pylint: disable=import-outside-toplevel
+  base = dict(set="d-sweep", device="GPU", jax="0", timestamp="1", b=4, t=4096, s=4096, h=32,
+              hkv=32, d=128, docs=None, dtype="bfloat16", causal=True, window=None,
+              provider="memeff", fwd_ms=1.0, fwd_tflops=1.0, fwd_bwd_ms=1.0,
+              fwd_bwd_tflops=1.0)
+  old = [base, dict(base, causal=False), dict(base, provider="tokamax:mosaic")]
+  causal_later = dict(base, set="headline", timestamp="2")
+  sets = lambda rows: sorted(key[0] for key, _ in make_results.fa_runs(rows))
+  # The later run measured the causal mask only: the older one still holds the other mask.
+  assert sets(old + [causal_later]) == ["d-sweep", "headline"]
+  # Both masks measured again, with fewer providers: the older run leaves.
+  assert sets(old + [causal_later, dict(causal_later, causal=False)]) == ["headline"]
+  # Another GPU's or another shape's runs are their own cases.
+  assert sets(old + [dict(causal_later, causal=False, device="GPU2"), causal_later]) == [
+      "d-sweep", "headline", "headline"]
+  assert sets(old + [dict(causal_later, d=64), dict(causal_later, d=64, causal=False)]) == [
+      "d-sweep", "headline"]
+
+
 def test_tuned_provider_replaces_fields_of_the_configs_the_dispatch_picks(monkeypatch):
   """memeff:tuned:... runs the default dispatch (as on a Hopper GPU here) with the named
   fields of its forward and backward configs replaced, only while its call is traced."""
