@@ -32,10 +32,10 @@ see any of its keys (by the band, then by segment-id ranges), and masks those th
 see all of them (with segment ids, all but those holding the keys' one id). Served:
 bf16/f16, the head dims of _padding.HEAD_DIMS (48, 80 and 112 without dq_split, whose halves
 would not fill a 32-byte swizzle group; those over 128 with column_split: each warpgroup
-owns half of the columns of dK, dV and dQ), T a multiple of 64, S of 128 (of 64 with
-column_split), any mask, logit softcap. configs/tuning/flash_attention.toml picks the
-settings per head dim, causal and GQA; docs/design/flash_attention.md has what each variant
-measured.
+owns half of the columns of dK, dV and dQ; without dq, D = 160 also at full width), T a
+multiple of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
+configs/tuning/flash_attention.toml picks the settings per head dim, causal and GQA;
+docs/design/flash_attention.md has what each variant measured.
 """
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ ROUNDED_DQ_MAX_ADDERS = 16
 # 80, 112) runs the whole kernel in arrival order rather than the dK/dV-only kernel beside
 # the dq kernel: at D = 112 the pair measured faster.
 WHOLE_ARRIVAL_MAX_D = 80
+# The widest head dim whose dK and dV of a warpgroup's 64 keys stay whole in its registers,
+# with dq (beside the dQ tile's accumulator) and without (keyed by with_dq); wider ones take
+# column_split.
+FULL_WIDTH_MAX_D = {True: 128, False: 160}
 # Waves of CTAs (one per SM) below which a GQA call splits each key head's group of query
 # heads between more CTAs (MosaicBackwardConfig.group_splits, split_group), and the waves
 # it splits them into where the key blocks' walks differ in length (the design doc's
@@ -394,17 +398,18 @@ def split_group(config: MosaicBackwardConfig, batch: int, hq: int, hkv: int, s: 
 
 def _section_dims(d: int) -> tuple[int, ...]:
   """The head dims whose tuning sections a call of head dim d takes, the first found first:
-  its own, then above D = 128 (the column-split kernel) those of D = 192 and 256 past it;
-  D = 96 those of D = 128 (dq_split's halves fit its 32-byte swizzle groups; at D = 112
-  they would not, so it keeps none)."""
-  if d > 128:
+  its own, then above FULL_WIDTH_MAX_D (the column-split kernel, with dq or without) those
+  of D = 192 and 256 past it; D = 96 those of D = 128 (dq_split's halves fit its 32-byte
+  swizzle groups; at D = 112 they would not, so it keeps none). D = 160, whose dK/dV-only
+  kernel keeps full width, keeps its own."""
+  if d > FULL_WIDTH_MAX_D[False]:
     return (d, *(m for m in (192, 256) if m > d))
   return (96, 128) if d == 96 else (d,)
 
 
 def _section_dim(d: int) -> int:
   """The last head dim of _section_dims(d): 256 for the column-split head dims, 128 for
-  D = 96 and 128."""
+  D = 96 and 128, else d."""
   return _section_dims(d)[-1]
 
 
@@ -423,9 +428,9 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return why
   if d not in _padding.HEAD_DIMS:
     return f"backward serves head dims {', '.join(map(str, _padding.HEAD_DIMS))}, got D={d}"
-  if d > 128 and not config.column_split:
-    return (f"D={d} needs column_split (dK and dV of 64 keys at full width do not fit in "
-            "registers)")
+  if d > FULL_WIDTH_MAX_D[config.with_dq] and not config.column_split:
+    return (f"D={d} needs column_split{'' if config.with_dq else ' above D=160'} (dK and dV "
+            "of 64 keys at full width do not fit in registers)")
   if config.column_split and d <= 128:
     return f"column_split serves D over 128, got D={d}"
   if config.column_split and config.dq_split:

@@ -301,11 +301,12 @@ def test_dq_kernel_lowers_for_cuda(causal, window, segments, d, t, s, hkv, softc
     for j, (causal, segments) in enumerate([(False, False), (True, False), (True, True)])])
 def test_head_dims_between_the_tuned_ones_run_as_they_are(as_on_hopper, d, hkv, causal,
                                                           segments, deterministic):
-  """D = 112, 160 and 224 run unpadded on the settings of the next tuned head dim (128, 192,
-  256): above 128 the column-split backward (at D = 160 with two Q/dO stages, which fit
-  there), at 112 no ordered kernel (dq_split's 56-column halves fill no 32-byte swizzle
-  group), so its calls run the dK/dV-only kernel beside the dq kernel. Every kernel a call
-  runs lowers for CUDA."""
+  """D = 112, 160 and 224 run unpadded on the forward settings of the next tuned head dim
+  (128, 192, 256). Their backwards: at D = 224 the column-split kernel of D = 256's
+  settings; at 160 the dK/dV-only kernel at full width (two Q/dO stages) beside the dq
+  kernel; at 112 the dK/dV-only kernel too, there being no ordered kernel (dq_split's
+  56-column halves fill no 32-byte swizzle group). Every kernel a call runs lowers for
+  CUDA."""
   opts = dataclasses.replace(_opts(causal, None, segments), deterministic=deterministic)
   t = 384
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
@@ -315,11 +316,12 @@ def test_head_dims_between_the_tuned_ones_run_as_they_are(as_on_hopper, d, hkv, 
   tuned = _padding.settings_dim(d)
   want = MosaicConfig.for_call(tuned, opts.mask, t)
   assert st.config == dataclasses.replace(want, block_kv=MosaicConfig.for_head_dim(d).block_kv)
-  if d > 128:
-    assert st.backward.column_split and st.dq is None
-    assert st.backward.stages == (2 if d == 160 else 1)  # a second Q/dO stage where it fits
+  if d > 160:
+    assert st.backward.column_split and st.dq is None and st.backward.stages == 1
   else:  # either way: the pair measured faster than the whole kernel in arrival order
-    assert not st.backward.with_dq and st.dq == MosaicDqConfig()
+    assert not st.backward.with_dq and not st.backward.column_split
+    assert st.dq == MosaicDqConfig.for_head_dim(d)
+    assert st.backward.stages == (2 if d == 160 else mb.MosaicBackwardConfig().stages)
   text = _forward_lowered_for_cuda(opts, st.config, t, t, hkv, d, segments)
   text += _backward_lowered_for_cuda(opts, st.backward, t, t, hkv, d, segments)
   assert len(_MOSAIC_CALL.findall(text)) >= 2
@@ -509,6 +511,8 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
      "D=192 needs column_split"),
     ((1, 256, 4, 160), (1, 256, 4, 160), BF16, _opts(), mb.MosaicBackwardConfig(),
      "D=160 needs column_split"),
+    ((1, 256, 4, 192), (1, 256, 4, 192), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, with_dq=False), "column_split above D=160"),
     ((1, 256, 4, 176), (1, 256, 4, 176), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1), "D=176"),
     ((1, 256, 4, 112), (1, 256, 4, 112), BF16, _opts(), mb.MosaicBackwardConfig(),
@@ -584,6 +588,20 @@ def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap,
   assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, _opts(causal), config) is None
   opts = _opts(causal, window, segments, softcap)
   assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
+
+
+@pytest.mark.parametrize("causal, window, segments, softcap, stages, t, s, hkv", [
+    (False, None, False, None, 2, 256, 384, 2),
+    (True, None, True, 30.0, 2, 384, 256, 4),
+    (False, (100, 7), True, None, 3, 192, 256, 1),
+    (True, 200, False, None, 3, 256, 512, 4)])
+def test_full_width_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap, stages, t, s,
+                                               hkv):
+  """D = 160 without dq: each warpgroup's 64 keys keep dK and dV at full width."""
+  config = mb.MosaicBackwardConfig(dq_split=False, stages=stages, with_dq=False)
+  assert mb.support_error((2, t, 4, 160), (2, s, hkv, 160), BF16, _opts(causal), config) is None
+  opts = _opts(causal, window, segments, softcap)
+  assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, 160, segments))
 
 
 @pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, buffers", [
@@ -1294,17 +1312,18 @@ def test_tuned_backward_configs_serve_their_calls():
 
 def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_on_hopper):
   """deterministic=False: dq's reductions in arrival order where the table names that kernel
-  (`d256`, `d256_causal`, `d256_causal_gqa`: D = 160 to 256 but for GQA without a mask;
+  (`d256`, `d256_causal`, `d256_causal_gqa`: D = 192 to 256 but for GQA without a mask;
   two Q/dO stages where they fit), else the ordered kernel deterministic calls run (D = 64,
   96, 128; D = 256 GQA without a mask), else the whole kernel in arrival order (D = 48, 80:
-  no ordered kernel) rather than the dK/dV kernel beside a dq kernel, which D = 112 keeps."""
+  no ordered kernel) rather than the dK/dV kernel beside a dq kernel, which D = 112 and 160
+  keep."""
   cfg = mb.MosaicBackwardConfig
   cases = [(c, g) for c in (False, True) for g in (False, True)]
   for d, (causal, gqa) in itertools.product((64, 96, 128), cases):
     for t in (1024, mb.LONG_WALK_QUERIES):
       assert (cfg.for_nondeterministic(d, causal, gqa, t=t, s=t)
               == cfg.for_deterministic(d, causal, gqa, t=t, s=t))
-  for d, causal in itertools.product((160, 192, 224, 256), (False, True)):
+  for d, causal in itertools.product((192, 224, 256), (False, True)):
     stages = 2 if d < 224 else 1
     want = lambda config: dataclasses.replace(config, stages=stages)
     assert cfg.for_nondeterministic(d, causal) == want(cfg.tuned(256, causal))
@@ -1314,9 +1333,9 @@ def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_o
     arrival = cfg.for_nondeterministic(d, causal, gqa)
     assert arrival.with_dq and not arrival.dq_ordered
     assert not cfg.for_deterministic(d, causal, gqa).with_dq
-  for causal, gqa in cases:
-    pair = cfg.for_deterministic(112, causal, gqa)
-    assert not pair.with_dq and cfg.for_nondeterministic(112, causal, gqa) == pair
+  for d, (causal, gqa) in itertools.product((112, 160), cases):
+    pair = cfg.for_deterministic(d, causal, gqa)
+    assert not pair.with_dq and cfg.for_nondeterministic(d, causal, gqa) == pair
   # through the dispatcher, with its group splits
   fast = dataclasses.replace(_opts(True), deterministic=False)
   backward = lambda d, hkv, opts: PallasMosaicGpu()._static(  # pylint: disable=protected-access
@@ -2488,8 +2507,8 @@ class TestMosaicGpuUnevenGroupSplits(TestMosaicGpuPadded):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuD160(TestMosaicGpuPadded):
-  """D = 160 as it is (the column-split backward, 80 columns a warpgroup in 32-byte
-  swizzles; D = 192's and 256's settings), T = 300 > S = 200 on padded copies of the
+  """D = 160 as it is (the forward on D = 192's settings, in 32-byte swizzles; the dK/dV-only
+  backward at full width beside the dq kernel), T = 300 > S = 200 on padded copies of the
   lengths: causal rows past S would see the padded keys but for the key bound."""
 
   shape = dict(b=2, t=300, s=200, hq=4, hkv=2, d=160)
@@ -2498,8 +2517,7 @@ class TestMosaicGpuD160(TestMosaicGpuPadded):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuD160Mha(TestMosaicGpuInPlace):
-  """D = 160 in place, one query head per key head: causal calls take D = 192's ordered
-  section (two Q/dO stages)."""
+  """D = 160 in place, one query head per key head."""
 
   shape = dict(b=2, t=264, s=520, hq=4, hkv=4, d=160)
 
