@@ -358,9 +358,9 @@ def block_adders(s: int, seen: int, cta_keys: int, block_q: int) -> int:
 
 
 def _two_stages(config: MosaicBackwardConfig, d: int, segments: bool) -> MosaicBackwardConfig:
-  """A column-split config of one Q/dO stage with a second where it fits (D = 160 and 192;
-  the tables' settings are D = 256's, where it does not): its steps then find their Q and
-  dO loaded (faster at D = 160, level at D = 192)."""
+  """A column-split config of one Q/dO stage with a second where it fits (D = 192, whose
+  sections without a mask are D = 256's, where it does not): its steps then find their Q
+  and dO loaded (level at D = 192, faster at D = 160 when that ran this kernel)."""
   if not config.column_split or config.stages != 1:
     return config
   wider = dataclasses.replace(config, stages=2)
