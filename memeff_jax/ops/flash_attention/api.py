@@ -274,14 +274,14 @@ def flash_attention(
     deterministic: the backward gives bitwise-identical gradients on every run (the
       default). pallas_mosaic_gpu's one-pass backward adds dq into a float32 buffer by TMA
       reductions, in a fixed order where the tuning table names an ordered kernel for the
-      call (D = 64, 96, 128 and 192 to 256; causal GQA then adds each query head's dk and dv
-      into the bf16 outputs in the group's order, and up to 16 key blocks per query block
-      dq into the output itself, one rounding per add); elsewhere its kernel computes dk and
-      dv alone and a Mosaic dq kernel dq (no float32 dq buffer). deterministic=False lets
-      the reductions land in whatever order the CTAs arrive where that measured faster (D =
-      192 to 256 but GQA without a mask, and D = 48 and 80); else it runs what deterministic
-      calls run, as fast or faster there. Every other implementation is
-      deterministic either way.
+      call (D = 64, 96, 128, 224, 256, and 192 causal without GQA; causal GQA at D 64 to
+      128 adds each query head's dk and dv into the bf16 outputs in the group's order, and
+      up to 16 key blocks per query block dq into the output itself, one rounding per
+      add); elsewhere its kernel computes dk and dv alone and a Mosaic dq kernel dq (no
+      float32 dq buffer). deterministic=False lets the reductions land in whatever order
+      the CTAs arrive where that measured faster (D = 224 and 256 but GQA without a mask,
+      and D = 48 and 80); else it runs what deterministic calls run, as fast or faster
+      there. Every other implementation is deterministic either way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
       serves the call (Hopper, bf16/f16, D 33–256; lengths the kernels do not take
       padded, in place or on copies, and D other than multiples of 16 up to 128 and of 32

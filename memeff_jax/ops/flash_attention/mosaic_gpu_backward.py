@@ -32,10 +32,11 @@ see any of its keys (by the band, then by segment-id ranges), and masks those th
 see all of them (with segment ids, all but those holding the keys' one id). Served:
 bf16/f16, the head dims of _padding.HEAD_DIMS (48, 80 and 112 without dq_split, whose halves
 would not fill a 32-byte swizzle group; those over 128 with column_split: each warpgroup
-owns half of the columns of dK, dV and dQ; without dq, D = 160 also at full width), T a
-multiple of 64, S of 128 (of 64 with column_split), any mask, logit softcap.
-configs/tuning/flash_attention.toml picks the settings per head dim, causal and GQA;
-docs/design/flash_attention.md has what each variant measured.
+owns half of the columns of dK, dV and dQ; without dq, D = 160 and 192 also at full
+width, 192 with 32 query rows a step), T a multiple of 64, S of 128 (of 64 with
+column_split), any mask, logit softcap. configs/tuning/flash_attention.toml picks the
+settings per head dim, causal and GQA; docs/design/flash_attention.md has what each
+variant measured.
 """
 
 from __future__ import annotations
@@ -87,10 +88,11 @@ ROUNDED_DQ_MAX_ADDERS = 16
 # 80, 112) runs the whole kernel in arrival order rather than the dK/dV-only kernel beside
 # the dq kernel: at D = 112 the pair measured faster.
 WHOLE_ARRIVAL_MAX_D = 80
-# The widest head dim whose dK and dV of a warpgroup's 64 keys stay whole in its registers,
-# with dq (beside the dQ tile's accumulator) and without (keyed by with_dq); wider ones take
-# column_split.
-FULL_WIDTH_MAX_D = {True: 128, False: 160}
+# The head dims above 128 whose dK/dV-only kernel (with_dq=False) keeps a warpgroup's dK and
+# dV of 64 keys whole in its registers, and the most query rows a step takes there (beside
+# dK and dV, the step's float32 Sᵀ and dPᵀ of 64 keys × block_q queries). Other head dims
+# above 128, and every one with dq, split dK and dV by columns (column_split).
+FULL_WIDTH_BLOCK_Q = {160: 64, 192: 32}
 # Waves of CTAs (one per SM) below which a GQA call splits each key head's group of query
 # heads between more CTAs (MosaicBackwardConfig.group_splits, split_group), and the waves
 # it splits them into where the key blocks' walks differ in length (the design doc's
@@ -282,7 +284,7 @@ class MosaicBackwardConfig:
     found = ((t >= LONG_WALK_QUERIES and _section(table, d, suffix + "_long"))
              or _section(table, d, suffix))
     if found:
-      config = _two_stages(cls(**{**found, "dq_ordered": True}), d, segments)
+      config = cls(**{**found, "dq_ordered": True})
       adders = block_adders(s, seen, config.cta_keys(), config.block_q)
       return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS,
                                  dq_rounded_per_block=segments and adders > ROUNDED_DQ_MAX_ADDERS)
@@ -301,7 +303,7 @@ class MosaicBackwardConfig:
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     found = _section(table, d, ("_causal" if causal else "") + ("_gqa" if gqa else ""))
     if found:
-      return _two_stages(cls(**found), d, segments)
+      return cls(**found)
     ordered = cls.for_deterministic(d, causal, gqa, t=t, s=s, segments=segments, seen=seen)
     if ordered.with_dq or d > WHOLE_ARRIVAL_MAX_D:
       return ordered
@@ -328,8 +330,8 @@ class MosaicBackwardConfig:
 
     with_dq=False (the dK/dV-only kernel of deterministic calls): a `_dkv` section
     (`d<D>[_causal][_gqa]_dkv`, then `d<D>[_causal]_dkv`, then `d<D>_dkv`) where there is
-    one, else the section above without dq_split, gqa_per_query_head and dq_stagger (which
-    only the kernel with dq serves)."""
+    one, else the section above without dq_split, scores_split, gqa_per_query_head and
+    dq_stagger (which only the kernel with dq serves)."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     section = lambda suffix: _section(table, d, suffix)
     mask = "_causal" if causal else ""
@@ -338,7 +340,7 @@ class MosaicBackwardConfig:
                or section("_dkv"))
       if found:
         return cls(**found, with_dq=False)
-      return dataclasses.replace(cls.tuned(d, causal, gqa), dq_split=False,
+      return dataclasses.replace(cls.tuned(d, causal, gqa), dq_split=False, scores_split=False,
                                  gqa_per_query_head=False, dq_stagger=False, with_dq=False)
     found = (gqa and section(mask + "_gqa")) or section(mask)
     if found:
@@ -355,17 +357,6 @@ def block_adders(s: int, seen: int, cta_keys: int, block_q: int) -> int:
   if not seen or seen >= s:
     return s // cta_keys
   return min(s // cta_keys, -(-(seen + block_q - 2) // cta_keys) + 1)
-
-
-def _two_stages(config: MosaicBackwardConfig, d: int, segments: bool) -> MosaicBackwardConfig:
-  """A column-split config of one Q/dO stage with a second where it fits (D = 192, whose
-  sections without a mask are D = 256's, where it does not): its steps then find their Q
-  and dO loaded (level at D = 192, faster at D = 160 when that ran this kernel)."""
-  if not config.column_split or config.stages != 1:
-    return config
-  wider = dataclasses.replace(config, stages=2)
-  fitted = fit_shared_memory(wider, d, jnp.bfloat16, segments)  # as the call will run it
-  return wider if _smem_bytes(fitted, d, 2, segments) <= hopper.SMEM_BYTES else config
 
 
 def split_group(config: MosaicBackwardConfig, batch: int, hq: int, hkv: int, s: int,
@@ -398,12 +389,12 @@ def split_group(config: MosaicBackwardConfig, batch: int, hq: int, hkv: int, s: 
 
 def _section_dims(d: int) -> tuple[int, ...]:
   """The head dims whose tuning sections a call of head dim d takes, the first found first:
-  its own, then above FULL_WIDTH_MAX_D (the column-split kernel, with dq or without) those
-  of D = 192 and 256 past it; D = 96 those of D = 128 (dq_split's halves fit its 32-byte
-  swizzle groups; at D = 112 they would not, so it keeps none). D = 160, whose dK/dV-only
-  kernel keeps full width, keeps its own."""
-  if d > FULL_WIDTH_MAX_D[False]:
-    return (d, *(m for m in (192, 256) if m > d))
+  its own, then at D = 224 (the column-split kernel) those of D = 256; D = 96 those of
+  D = 128 (dq_split's halves fit its 32-byte swizzle groups; at D = 112 they would not, so
+  it keeps none). D = 160 and 192, whose dK/dV-only kernel keeps full width
+  (FULL_WIDTH_BLOCK_Q), keep their own only."""
+  if d > 128 and d not in FULL_WIDTH_BLOCK_Q:
+    return (d,) if d == 256 else (d, 256)
   return (96, 128) if d == 96 else (d,)
 
 
@@ -428,9 +419,11 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return why
   if d not in _padding.HEAD_DIMS:
     return f"backward serves head dims {', '.join(map(str, _padding.HEAD_DIMS))}, got D={d}"
-  if d > FULL_WIDTH_MAX_D[config.with_dq] and not config.column_split:
-    return (f"D={d} needs column_split{'' if config.with_dq else ' above D=160'} (dK and dV "
-            "of 64 keys at full width do not fit in registers)")
+  if d > 128 and not config.column_split and (config.with_dq or config.block_q
+                                               > FULL_WIDTH_BLOCK_Q.get(d, 0)):
+    return (f"D={d} needs column_split (dK and dV of 64 keys at full width fit in registers "
+            f"only without dq at D=160 and 192, with at most "
+            f"{', '.join(f'{q} query rows at {m}' for m, q in FULL_WIDTH_BLOCK_Q.items())})")
   if config.column_split and d <= 128:
     return f"column_split serves D over 128, got D={d}"
   if config.column_split and config.dq_split:
@@ -473,8 +466,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
     return f"needs at least one stage, got {config}"
-  if config.block_q not in (64, 80, 96, 128):
-    return f"block_q must be 64, 80, 96 or 128, got {config.block_q}"
+  if config.block_q not in (32, 64, 80, 96, 128):
+    return f"block_q must be 32, 64, 80, 96 or 128, got {config.block_q}"
   if config.with_dq and config.block_q % BLOCK_Q:
     return (f"block_q={config.block_q} needs with_dq=False (dQ's WGMMA takes a multiple of "
             f"{BLOCK_Q} rows)")

@@ -243,13 +243,17 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(as_on_hopper, causal, hkv
   st = PallasMosaicGpu(backward_config=dkv256)._static(q256, k256, det)  # pylint: disable=protected-access
   assert st.backward == dkv256
   assert st.dq == MosaicDqConfig(block_kv=64, stages=2, v_stages=1) and st.triton is None
-  # D = 192: the column-split kernel with D = 256's settings, not padded, with a second Q/dO
-  # stage, which fits there.
+  # D = 192, not padded: causal, its own ordered section (column_split, a second Q/dO
+  # stage); else the dK/dV-only kernel at full width, 32 query rows a step, beside the dq
+  # kernel.
   q192 = jax.ShapeDtypeStruct((1, 256, 4, 192), BF16)
   st = PallasMosaicGpu()._static(q192, q192, det)  # pylint: disable=protected-access
-  assert st.padding is None and st.triton is None and st.dq is None
-  want = PallasMosaicGpu()._static(q256, q256, det).backward  # pylint: disable=protected-access
-  assert st.backward == dataclasses.replace(want, stages=2)
+  assert st.padding is None and st.triton is None
+  if causal:
+    assert st.backward.column_split and st.backward.dq_ordered and st.backward.stages == 2
+  else:
+    assert st.backward == mb.MosaicBackwardConfig(dq_split=False, block_q=32, with_dq=False)
+    assert st.dq == MosaicDqConfig(block_kv=64, stages=2, v_stages=1)
   triton = PallasMosaicGpu(backward_config=triton_dq)
   for opts in (det, fast):  # a Triton backward asked for is deterministic either way
     assert triton._static(q, k, opts).triton is not None  # pylint: disable=protected-access
@@ -512,7 +516,10 @@ def test_backward_kernel_lowers_for_cuda(causal, window, segments, d, dq_split, 
     ((1, 256, 4, 160), (1, 256, 4, 160), BF16, _opts(), mb.MosaicBackwardConfig(),
      "D=160 needs column_split"),
     ((1, 256, 4, 192), (1, 256, 4, 192), BF16, _opts(),
-     mb.MosaicBackwardConfig(dq_split=False, with_dq=False), "column_split above D=160"),
+     mb.MosaicBackwardConfig(dq_split=False, with_dq=False), "32 query rows at 192"),
+    ((1, 256, 4, 224), (1, 256, 4, 224), BF16, _opts(),
+     mb.MosaicBackwardConfig(dq_split=False, with_dq=False, block_q=32),
+     "D=224 needs column_split"),
     ((1, 256, 4, 176), (1, 256, 4, 176), BF16, _opts(),
      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1), "D=176"),
     ((1, 256, 4, 112), (1, 256, 4, 112), BF16, _opts(), mb.MosaicBackwardConfig(),
@@ -590,18 +597,23 @@ def test_wide_step_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap,
   assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
 
 
-@pytest.mark.parametrize("causal, window, segments, softcap, stages, t, s, hkv", [
-    (False, None, False, None, 2, 256, 384, 2),
-    (True, None, True, 30.0, 2, 384, 256, 4),
-    (False, (100, 7), True, None, 3, 192, 256, 1),
-    (True, 200, False, None, 3, 256, 512, 4)])
+@pytest.mark.parametrize("causal, window, segments, softcap, stages, t, s, hkv, d", [
+    (False, None, False, None, 2, 256, 384, 2, 160),
+    (True, None, True, 30.0, 2, 384, 256, 4, 160),
+    (False, (100, 7), True, None, 3, 192, 256, 1, 160),
+    (True, 200, False, None, 3, 256, 512, 4, 160),
+    (False, None, True, None, 2, 256, 384, 2, 192),
+    (True, (100, 7), False, 30.0, 2, 384, 256, 1, 192),
+    (True, None, True, None, 3, 192, 256, 4, 192)])
 def test_full_width_dkv_kernel_lowers_for_cuda(causal, window, segments, softcap, stages, t, s,
-                                               hkv):
-  """D = 160 without dq: each warpgroup's 64 keys keep dK and dV at full width."""
-  config = mb.MosaicBackwardConfig(dq_split=False, stages=stages, with_dq=False)
-  assert mb.support_error((2, t, 4, 160), (2, s, hkv, 160), BF16, _opts(causal), config) is None
+                                               hkv, d):
+  """D = 160 and 192 without dq: each warpgroup's 64 keys keep dK and dV at full width, at
+  D = 192 beside score tiles of 32 query rows."""
+  config = mb.MosaicBackwardConfig(dq_split=False, stages=stages, with_dq=False,
+                                   block_q=mb.FULL_WIDTH_BLOCK_Q[d])
+  assert mb.support_error((2, t, 4, d), (2, s, hkv, d), BF16, _opts(causal), config) is None
   opts = _opts(causal, window, segments, softcap)
-  assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, 160, segments))
+  assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, s, hkv, d, segments))
 
 
 @pytest.mark.parametrize("causal, window, segments, d, t, s, hkv, buffers", [
@@ -1312,28 +1324,29 @@ def test_tuned_backward_configs_serve_their_calls():
 
 def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_on_hopper):
   """deterministic=False: dq's reductions in arrival order where the table names that kernel
-  (`d256`, `d256_causal`, `d256_causal_gqa`: D = 192 to 256 but for GQA without a mask;
-  two Q/dO stages where they fit), else the ordered kernel deterministic calls run (D = 64,
-  96, 128; D = 256 GQA without a mask), else the whole kernel in arrival order (D = 48, 80:
-  no ordered kernel) rather than the dK/dV kernel beside a dq kernel, which D = 112 and 160
-  keep."""
+  (`d256`, `d256_causal`, `d256_causal_gqa`: D = 224 and 256 but for GQA without a mask),
+  else the ordered kernel deterministic calls run (D = 64, 96, 128; D = 256 GQA without a
+  mask; D = 192 causal without GQA), else the whole kernel in arrival order (D = 48, 80: no
+  ordered kernel) rather than the dK/dV kernel beside a dq kernel, which D = 112, 160 and
+  192 keep."""
   cfg = mb.MosaicBackwardConfig
   cases = [(c, g) for c in (False, True) for g in (False, True)]
   for d, (causal, gqa) in itertools.product((64, 96, 128), cases):
     for t in (1024, mb.LONG_WALK_QUERIES):
       assert (cfg.for_nondeterministic(d, causal, gqa, t=t, s=t)
               == cfg.for_deterministic(d, causal, gqa, t=t, s=t))
-  for d, causal in itertools.product((192, 224, 256), (False, True)):
-    stages = 2 if d < 224 else 1
-    want = lambda config: dataclasses.replace(config, stages=stages)
-    assert cfg.for_nondeterministic(d, causal) == want(cfg.tuned(256, causal))
-    assert cfg.for_nondeterministic(d, True, True) == want(cfg.tuned(256, True))
+  for d, causal in itertools.product((224, 256), (False, True)):
+    assert cfg.for_nondeterministic(d, causal) == cfg.tuned(256, causal)
+    assert cfg.for_nondeterministic(d, True, True) == cfg.tuned(256, True)
     assert cfg.for_nondeterministic(d, False, True) == cfg.for_deterministic(d, False, True)
+  assert cfg.for_nondeterministic(192, True).dq_ordered
   for d, (causal, gqa) in itertools.product((48, 80), cases):
     arrival = cfg.for_nondeterministic(d, causal, gqa)
     assert arrival.with_dq and not arrival.dq_ordered
     assert not cfg.for_deterministic(d, causal, gqa).with_dq
-  for d, (causal, gqa) in itertools.product((112, 160), cases):
+  for d, (causal, gqa) in itertools.product((112, 160, 192), cases):
+    if (d, causal, gqa) == (192, True, False):
+      continue  # d192_causal_ordered
     pair = cfg.for_deterministic(d, causal, gqa)
     assert not pair.with_dq and cfg.for_nondeterministic(d, causal, gqa) == pair
   # through the dispatcher, with its group splits
@@ -2201,15 +2214,18 @@ class TestMosaicGpuFeatures(_FlashAttentionTest):
   def test_packed_documents_take_the_mosaic_kernels(self):
     q = jnp.ones((1, 256, 4, self.shape["d"]), BF16)
     seg = jnp.repeat(jnp.arange(4), 64)[None]
-    # Deterministic: the ordered one-pass kernel where a `_ordered` section names it (this
-    # mask is not causal alone), else the dK/dV kernel beside the dq kernel.
-    ordered = mb.MosaicBackwardConfig.for_deterministic(self.shape["d"], False).dq_ordered
+    # The dK/dV kernel beside the dq kernel where the call's config has no dq (this mask is
+    # not causal alone): deterministic calls without an `_ordered` section, and at D = 112 to
+    # 192 (the pair, faster there than arrival order) calls with deterministic=False too.
+    cfg = mb.MosaicBackwardConfig
+    pair = lambda pick: not pick(self.shape["d"], False, segments=True).with_dq
     for deterministic in (False, True):
       f = lambda q, d=deterministic: flash_attention(q, q, q, causal=True, sliding_window=100,
                                                      q_segment_ids=seg, deterministic=d)
       text = jax.jit(jax.grad(lambda q, f=f: f(q).astype(jnp.float32).sum())).lower(q).as_text()
       assert "flash_attention_fwd_mosaic" in text and "flash_attention_bwd_mosaic" in text
-      assert (self.deterministic_dq in text) == (deterministic and not ordered)
+      assert (self.deterministic_dq in text) == pair(
+          cfg.for_deterministic if deterministic else cfg.for_nondeterministic)
 
 
 @pytest.mark.gpu
@@ -2381,9 +2397,9 @@ class TestMosaicGpuFeaturesDeterministicD96Mha(TestMosaicGpuFeaturesDeterministi
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesD192(TestMosaicGpuFeatures):
-  """D = 192: the forward with 64-key blocks, the column-split backward with 96 columns a
-  warpgroup (64-byte swizzles); under GQA dq in a fixed order without a mask, in arrival
-  order under a causal one (D = 256's sections)."""
+  """D = 192: the forward with 64-key blocks; the backward's dK/dV-only kernel at full width,
+  32 query rows a step, beside the dq kernel (without GQA under a causal mask, the ordered
+  column-split kernel with 96 columns a warpgroup in 64-byte swizzles)."""
 
   dtypes = (jnp.bfloat16,)
   shape = dict(b=1, t=256, s=384, hq=4, hkv=2, d=192)
@@ -2392,7 +2408,7 @@ class TestMosaicGpuFeaturesD192(TestMosaicGpuFeatures):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuFeaturesD192Mha(TestMosaicGpuFeaturesD192):
-  """D = 192, one query head per key head: dq in arrival order (d256[_causal])."""
+  """D = 192, one query head per key head."""
 
   shape = dict(b=1, t=256, s=384, hq=4, hkv=4, d=192)
 
