@@ -116,7 +116,8 @@ class MosaicBackwardConfig:
   Attributes:
     block_q: query rows per pipeline step: 64; 128 at D ≤ 64, or at D ≤ 80 without dq (dQ =
       dS K as two WGMMAs of 64 rows, WGMMA's M; the 64 × 128 Sᵀ and dPᵀ tiles then take
-      the registers that D = 128's dK and dV take); or 80 or 96 without dq. Wider steps
+      the registers that D = 128's dK and dV take); or 80 or 96 without dq; or 32 without
+      dq, where full-width dK and dV leave room for no more (D = 192). Wider steps
       give the Sᵀ and dPᵀ WGMMAs a larger N and the dV and dK WGMMAs a longer K for the same
       per-step waits and turns (FlashAttention-3's backward takes 80 at D = 128); T need
       not be a multiple of it: the last step's rows past T load as zeros, which add nothing
