@@ -422,9 +422,9 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"backward serves head dims {', '.join(map(str, _padding.HEAD_DIMS))}, got D={d}"
   if d > 128 and not config.column_split and (config.with_dq or config.block_q
                                                > FULL_WIDTH_BLOCK_Q.get(d, 0)):
+    fits = " and ".join(f"D={m} with block_q ≤ {q}" for m, q in FULL_WIDTH_BLOCK_Q.items())
     return (f"D={d} needs column_split (dK and dV of 64 keys at full width fit in registers "
-            f"only without dq at D=160 and 192, with at most "
-            f"{', '.join(f'{q} query rows at {m}' for m, q in FULL_WIDTH_BLOCK_Q.items())})")
+            f"only without dq, at {fits}), got {config}")
   if config.column_split and d <= 128:
     return f"column_split serves D over 128, got D={d}"
   if config.column_split and config.dq_split:
