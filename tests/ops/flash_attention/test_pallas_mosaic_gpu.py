@@ -308,8 +308,8 @@ def test_head_dims_between_the_tuned_ones_run_as_they_are(as_on_hopper, d, hkv, 
   """D = 112, 160 and 224 run unpadded on the forward settings of the next tuned head dim
   (128, 192, 256). Their backwards: at D = 224 the column-split kernel of D = 256's
   settings; at 160 the dK/dV-only kernel at full width (two Q/dO stages) beside the dq
-  kernel; at 112 the dK/dV-only kernel too, there being no ordered kernel (dq_split's
-  56-column halves fill no 32-byte swizzle group). Every kernel a call runs lowers for
+  kernel; at 112 the dK/dV-only kernel too, on 96-query steps, there being no ordered kernel
+  (dq_split's 56-column halves fill no 32-byte swizzle group). Every kernel a call runs lowers for
   CUDA."""
   opts = dataclasses.replace(_opts(causal, None, segments), deterministic=deterministic)
   t = 384
@@ -325,7 +325,8 @@ def test_head_dims_between_the_tuned_ones_run_as_they_are(as_on_hopper, d, hkv, 
   else:  # either way: the pair measured faster than the whole kernel in arrival order
     assert not st.backward.with_dq and not st.backward.column_split
     assert st.dq == MosaicDqConfig.for_head_dim(d)
-    assert st.backward.stages == (2 if d == 160 else mb.MosaicBackwardConfig().stages)
+    assert st.backward.stages == 2
+    assert st.backward.block_q == (96 if d == 112 else 64)  # d112_dkv: 96 rows a step
   text = _forward_lowered_for_cuda(opts, st.config, t, t, hkv, d, segments)
   text += _backward_lowered_for_cuda(opts, st.backward, t, t, hkv, d, segments)
   assert len(_MOSAIC_CALL.findall(text)) >= 2
@@ -1324,9 +1325,9 @@ def test_tuned_backward_configs_serve_their_calls():
 
 def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_on_hopper):
   """deterministic=False: dq's reductions in arrival order where the table names that kernel
-  (`d256`, `d256_causal`, `d256_causal_gqa`: D = 224 and 256 but for GQA without a mask),
-  else the ordered kernel deterministic calls run (D = 64, 96, 128; D = 256 GQA without a
-  mask; D = 192 causal without GQA), else the whole kernel in arrival order (D = 48, 80: no
+  (`d256`, `d256_causal`, `d256_causal_gqa`: D = 256 but for GQA without a mask), else the
+  ordered kernel deterministic calls run (D = 64, 96, 128; D = 224, which borrows only D =
+  256's ordered sections; D = 256 GQA without a mask; D = 192 causal without GQA), else the whole kernel in arrival order (D = 48, 80: no
   ordered kernel) rather than the dK/dV kernel beside a dq kernel, which D = 112, 160 and
   192 keep."""
   cfg = mb.MosaicBackwardConfig
@@ -1335,10 +1336,14 @@ def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_o
     for t in (1024, mb.LONG_WALK_QUERIES):
       assert (cfg.for_nondeterministic(d, causal, gqa, t=t, s=t)
               == cfg.for_deterministic(d, causal, gqa, t=t, s=t))
-  for d, causal in itertools.product((224, 256), (False, True)):
-    assert cfg.for_nondeterministic(d, causal) == cfg.tuned(256, causal)
-    assert cfg.for_nondeterministic(d, True, True) == cfg.tuned(256, True)
-    assert cfg.for_nondeterministic(d, False, True) == cfg.for_deterministic(d, False, True)
+  for causal in (False, True):
+    assert cfg.for_nondeterministic(256, causal) == cfg.tuned(256, causal)
+  assert cfg.for_nondeterministic(256, True, True) == cfg.tuned(256, True)
+  assert cfg.for_nondeterministic(256, False, True) == cfg.for_deterministic(256, False, True)
+  for causal, gqa in cases:
+    ordered = cfg.for_nondeterministic(224, causal, gqa, t=4096, s=4096)
+    assert ordered.dq_ordered and ordered.column_split
+    assert ordered == cfg.for_deterministic(224, causal, gqa, t=4096, s=4096)
   assert cfg.for_nondeterministic(192, True).dq_ordered
   for d, (causal, gqa) in itertools.product((48, 80), cases):
     arrival = cfg.for_nondeterministic(d, causal, gqa)
