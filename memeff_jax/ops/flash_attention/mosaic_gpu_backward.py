@@ -297,14 +297,14 @@ class MosaicBackwardConfig:
                            seen: int = 0) -> "MosaicBackwardConfig":
     """The Mosaic backward of calls with deterministic=False (arguments as for_deterministic):
     dq's reductions in arrival order where the tuning table names that kernel for the call
-    (a `d<D>[_causal][_gqa]` section: there it measured faster than the ordered one; D = 224
-    takes none of D = 256's, see _arrival_dims); else the ordered kernel of
+    (a `d<D>[_causal][_gqa]` section, for a head dim where it measures faster than the
+    ordered one: the default table has none, the column-split kernel at D = 224 and 256
+    having measured 1.2–1.4× slower in arrival order); else the ordered kernel of
     for_deterministic, which nondeterminism allows as well; else (no ordered kernel at this
     head dim) up to WHOLE_ARRIVAL_MAX_D the whole kernel in arrival order rather than the
     dK/dV-only kernel beside a dq kernel."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
-    found = _section(table, d, ("_causal" if causal else "") + ("_gqa" if gqa else ""),
-                     _arrival_dims(d))
+    found = _section(table, d, ("_causal" if causal else "") + ("_gqa" if gqa else ""))
     if found:
       return cls(**found)
     ordered = cls.for_deterministic(d, causal, gqa, t=t, s=s, segments=segments, seen=seen)
@@ -407,19 +407,10 @@ def _section_dim(d: int) -> int:
   return _section_dims(d)[-1]
 
 
-def _arrival_dims(d: int) -> tuple[int, ...]:
-  """The head dims whose arrival-order sections (for_nondeterministic) a call of head dim d
-  takes: _section_dims(d) but D = 256's, which D = 224 takes for its ordered kernel only. In
-  arrival order, each warpgroup adding 112 columns of dq, the column-split kernel measured
-  1.36× the ordered one's fwd+bwd time at D = 224 (see the design doc)."""
-  return (d,) if _section_dim(d) == 256 else _section_dims(d)
-
-
-def _section(table: dict, d: int, suffix: str,
-             dims: tuple[int, ...] | None = None) -> dict | None:
-  """The first tuning section `d<D><suffix>` of `dims` (default _section_dims(d))."""
-  dims = dims or _section_dims(d)
-  return next((table[key] for m in dims if (key := f"d{m}{suffix}") in table), None)
+def _section(table: dict, d: int, suffix: str) -> dict | None:
+  """The first tuning section `d<D><suffix>` of _section_dims(d)."""
+  return next((table[key] for m in _section_dims(d) if (key := f"d{m}{suffix}") in table),
+              None)
 
 
 def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,

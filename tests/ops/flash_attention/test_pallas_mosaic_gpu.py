@@ -1323,27 +1323,18 @@ def test_tuned_backward_configs_serve_their_calls():
           == mb.MosaicBackwardConfig.for_deterministic(256, False))
 
 
-def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_on_hopper):
-  """deterministic=False: dq's reductions in arrival order where the table names that kernel
-  (`d256`, `d256_causal`, `d256_causal_gqa`: D = 256 but for GQA without a mask), else the
-  ordered kernel deterministic calls run (D = 64, 96, 128; D = 224, which borrows only D =
-  256's ordered sections; D = 256 GQA without a mask; D = 192 causal without GQA), else the whole kernel in arrival order (D = 48, 80: no
-  ordered kernel) rather than the dK/dV kernel beside a dq kernel, which D = 112, 160 and
-  192 keep."""
+def test_nondeterministic_calls_take_the_ordered_kernel_where_there_is_one(as_on_hopper):
+  """deterministic=False: the ordered kernel deterministic calls run (D = 64, 96, 128, 224,
+  256; D = 192 causal without GQA: the default table names no arrival-order kernel), else
+  the whole kernel in arrival order (D = 48, 80: no ordered kernel) rather than the dK/dV
+  kernel beside a dq kernel, which D = 112, 160 and 192 keep."""
   cfg = mb.MosaicBackwardConfig
   cases = [(c, g) for c in (False, True) for g in (False, True)]
-  for d, (causal, gqa) in itertools.product((64, 96, 128), cases):
+  for d, (causal, gqa) in itertools.product((64, 96, 128, 224, 256), cases):
     for t in (1024, mb.LONG_WALK_QUERIES):
-      assert (cfg.for_nondeterministic(d, causal, gqa, t=t, s=t)
-              == cfg.for_deterministic(d, causal, gqa, t=t, s=t))
-  for causal in (False, True):
-    assert cfg.for_nondeterministic(256, causal) == cfg.tuned(256, causal)
-  assert cfg.for_nondeterministic(256, True, True) == cfg.tuned(256, True)
-  assert cfg.for_nondeterministic(256, False, True) == cfg.for_deterministic(256, False, True)
-  for causal, gqa in cases:
-    ordered = cfg.for_nondeterministic(224, causal, gqa, t=4096, s=4096)
-    assert ordered.dq_ordered and ordered.column_split
-    assert ordered == cfg.for_deterministic(224, causal, gqa, t=4096, s=4096)
+      ordered = cfg.for_nondeterministic(d, causal, gqa, t=t, s=t)
+      assert ordered.dq_ordered and ordered.column_split == (d > 128)
+      assert ordered == cfg.for_deterministic(d, causal, gqa, t=t, s=t)
   assert cfg.for_nondeterministic(192, True).dq_ordered
   for d, (causal, gqa) in itertools.product((48, 80), cases):
     arrival = cfg.for_nondeterministic(d, causal, gqa)
@@ -1359,11 +1350,24 @@ def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_o
   backward = lambda d, hkv, opts: PallasMosaicGpu()._static(  # pylint: disable=protected-access
       jax.ShapeDtypeStruct((2, 1024, 8, d), BF16), jax.ShapeDtypeStruct((2, 1024, hkv, d), BF16),
       opts).backward
-  assert backward(64, 2, fast) == backward(64, 2, _opts(True))
-  assert backward(128, 2, fast) == backward(128, 2, _opts(True))
-  assert not backward(256, 8, fast).dq_ordered and backward(256, 8, _opts(True)).dq_ordered
-  # causal MQA at D = 256: one CTA per key head, split between 8 (its few key blocks)
-  assert backward(256, 1, fast) == dataclasses.replace(cfg.tuned(256, True), group_splits=8)
+  for d, hkv in ((64, 2), (128, 2), (256, 8), (256, 1)):
+    assert backward(d, hkv, fast) == backward(d, hkv, _opts(True))
+
+
+def test_an_arrival_order_section_serves_nondeterministic_calls(as_on_hopper, tuning_tables):
+  """A `d<D>[_causal][_gqa]` section makes deterministic=False calls add dq in arrival order;
+  deterministic calls keep their ordered section; a call the section does not name (here
+  causal) keeps the ordered kernel."""
+  tuning_tables(flash_attention="[pallas_mosaic_gpu_backward.default.d256]\n"
+                                "dq_split = false\ncolumn_split = true\nstages = 1\n"
+                                "[pallas_mosaic_gpu_backward.default.d256_ordered]\n"
+                                "dq_split = false\ncolumn_split = true\nstages = 1\n")
+  cfg = mb.MosaicBackwardConfig
+  arrival = cfg(dq_split=False, column_split=True, stages=1)
+  assert cfg.for_nondeterministic(256, False) == arrival
+  assert cfg.for_nondeterministic(224, False) == arrival  # D = 224 takes D = 256's sections
+  assert cfg.for_deterministic(256, False).dq_ordered
+  assert cfg.for_nondeterministic(256, True) == cfg.for_deterministic(256, True)
 
 
 def test_deterministic_calls_take_an_ordered_section(as_on_hopper, tuning_tables):
