@@ -308,9 +308,9 @@ def test_head_dims_between_the_tuned_ones_run_as_they_are(as_on_hopper, d, hkv, 
   """D = 112, 160 and 224 run unpadded on the forward settings of the next tuned head dim
   (128, 192, 256). Their backwards: at D = 224 the column-split kernel of D = 256's
   settings; at 160 the dK/dV-only kernel at full width (two Q/dO stages) beside the dq
-  kernel; at 112 the dK/dV-only kernel too, on 96-query steps, there being no ordered kernel
-  (dq_split's 56-column halves fill no 32-byte swizzle group). Every kernel a call runs lowers for
-  CUDA."""
+  kernel; at 112 the dK/dV-only kernel too, on 96-query steps, there being no ordered
+  kernel (dq_split's 56-column halves fill no 32-byte swizzle group). Every kernel a call
+  runs lowers for CUDA."""
   opts = dataclasses.replace(_opts(causal, None, segments), deterministic=deterministic)
   t = 384
   q = jax.ShapeDtypeStruct((2, t, 4, d), BF16)
