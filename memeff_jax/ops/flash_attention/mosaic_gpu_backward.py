@@ -297,9 +297,8 @@ class MosaicBackwardConfig:
                            seen: int = 0) -> "MosaicBackwardConfig":
     """The Mosaic backward of calls with deterministic=False (arguments as for_deterministic):
     dq's reductions in arrival order where the tuning table names that kernel for the call
-    (a `d<D>[_causal][_gqa]` section, for a head dim where it measures faster than the
-    ordered one: the default table has none, the column-split kernel at D = 224 and 256
-    having measured 1.2–1.4× slower in arrival order); else the ordered kernel of
+    (a `d<D>[_causal][_gqa]` section: there it measured faster than the ordered one, which
+    at D = 224 and 256 leaves causal GQA); else the ordered kernel of
     for_deterministic, which nondeterminism allows as well; else (no ordered kernel at this
     head dim) up to WHOLE_ARRIVAL_MAX_D the whole kernel in arrival order rather than the
     dK/dV-only kernel beside a dq kernel."""

@@ -1323,14 +1323,19 @@ def test_tuned_backward_configs_serve_their_calls():
           == mb.MosaicBackwardConfig.for_deterministic(256, False))
 
 
-def test_nondeterministic_calls_take_the_ordered_kernel_where_there_is_one(as_on_hopper):
-  """deterministic=False: the ordered kernel deterministic calls run (D = 64, 96, 128, 224,
-  256; D = 192 causal without GQA: the default table names no arrival-order kernel), else
-  the whole kernel in arrival order (D = 48, 80: no ordered kernel) rather than the dK/dV
-  kernel beside a dq kernel, which D = 112, 160 and 192 keep."""
+def test_nondeterministic_calls_take_arrival_order_where_it_measured_faster(as_on_hopper):
+  """deterministic=False: dq's reductions in arrival order where the table names that kernel
+  (`d256_causal_gqa`: causal GQA at D = 224 and 256), else the ordered kernel deterministic
+  calls run (D = 64, 96, 128, 224, 256; D = 192 causal without GQA), else the whole kernel
+  in arrival order (D = 48, 80: no ordered kernel) rather than the dK/dV kernel beside a dq
+  kernel, which D = 112, 160 and 192 keep."""
   cfg = mb.MosaicBackwardConfig
   cases = [(c, g) for c in (False, True) for g in (False, True)]
   for d, (causal, gqa) in itertools.product((64, 96, 128, 224, 256), cases):
+    if d > 128 and causal and gqa:
+      assert cfg.for_nondeterministic(d, causal, gqa) == cfg.tuned(256, True, True)
+      assert not cfg.tuned(256, True, True).dq_ordered
+      continue
     for t in (1024, mb.LONG_WALK_QUERIES):
       ordered = cfg.for_nondeterministic(d, causal, gqa, t=t, s=t)
       assert ordered.dq_ordered and ordered.column_split == (d > 128)
@@ -1350,8 +1355,10 @@ def test_nondeterministic_calls_take_the_ordered_kernel_where_there_is_one(as_on
   backward = lambda d, hkv, opts: PallasMosaicGpu()._static(  # pylint: disable=protected-access
       jax.ShapeDtypeStruct((2, 1024, 8, d), BF16), jax.ShapeDtypeStruct((2, 1024, hkv, d), BF16),
       opts).backward
-  for d, hkv in ((64, 2), (128, 2), (256, 8), (256, 1)):
+  for d, hkv in ((64, 2), (128, 2), (256, 8)):
     assert backward(d, hkv, fast) == backward(d, hkv, _opts(True))
+  # causal MQA at D = 256: one CTA per key head, split between 8 (its few key blocks)
+  assert backward(256, 1, fast) == dataclasses.replace(cfg.tuned(256, True), group_splits=8)
 
 
 def test_an_arrival_order_section_serves_nondeterministic_calls(as_on_hopper, tuning_tables):
