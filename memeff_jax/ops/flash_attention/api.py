@@ -279,9 +279,10 @@ def flash_attention(
       up to 16 key blocks per query block dq into the output itself, one rounding per
       add); elsewhere its kernel computes dk and dv alone and a Mosaic dq kernel dq (no
       float32 dq buffer). deterministic=False lets the reductions land in whatever order
-      the CTAs arrive where that measured faster (causal GQA at D = 224 and 256, and D = 48
-      and 80, which have no ordered kernel); else it runs what deterministic calls run, as
-      fast or faster there. Every other implementation is deterministic either way.
+      the CTAs arrive at D = 48 and 80, which have no ordered kernel, and elsewhere runs
+      what deterministic calls run, which measured as fast or faster (a tuning table may
+      name arrival order for a call). Every other implementation is deterministic either
+      way.
     implementation: None (fastest available: on NVIDIA GPUs "pallas_mosaic_gpu" where it
       serves the call (Hopper, bf16/f16, D 33–256; lengths the kernels do not take
       padded, in place or on copies, and D other than multiples of 16 up to 128 and of 32

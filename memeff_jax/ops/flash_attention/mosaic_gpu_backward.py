@@ -297,11 +297,11 @@ class MosaicBackwardConfig:
                            seen: int = 0) -> "MosaicBackwardConfig":
     """The Mosaic backward of calls with deterministic=False (arguments as for_deterministic):
     dq's reductions in arrival order where the tuning table names that kernel for the call
-    (a `d<D>[_causal][_gqa]` section: there it measured faster than the ordered one, which
-    at D = 224 and 256 leaves causal GQA); else the ordered kernel of
-    for_deterministic, which nondeterminism allows as well; else (no ordered kernel at this
-    head dim) up to WHOLE_ARRIVAL_MAX_D the whole kernel in arrival order rather than the
-    dK/dV-only kernel beside a dq kernel."""
+    (a `d<D>[_causal][_gqa]` section, for where it measured faster than the ordered one:
+    the default table has none); else the ordered kernel of for_deterministic, which
+    nondeterminism allows as well; else (no ordered kernel at this head dim) up to
+    WHOLE_ARRIVAL_MAX_D the whole kernel in arrival order rather than the dK/dV-only kernel
+    beside a dq kernel."""
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     found = _section(table, d, ("_causal" if causal else "") + ("_gqa" if gqa else ""))
     if found:

@@ -855,8 +855,8 @@ class PallasMosaicGpu:
   (`with_dq=False`: one CTA per key block, no reductions) beside a dq kernel with one CTA
   per query block; a MosaicBackwardConfig must then have with_dq=False or dq_ordered. With
   deterministic=False None means MosaicBackwardConfig.for_nondeterministic: arrival order
-  only where the table names it (D = 224 and 256 but GQA without a mask), since elsewhere
-  the ordered kernel measured as fast or faster (see its docstring).
+  only where the table names it (the default table nowhere: the ordered kernels measured
+  as fast or faster) or where there is no ordered kernel (see its docstring).
   `dq_config` picks that dq kernel: a MosaicDqConfig runs mosaic_gpu_dq's, a
   pallas_triton.BlockConfig pallas_triton's, and None mosaic_gpu_dq's where it serves the
   call (the head dims of _padding.HEAD_DIMS), pallas_triton's elsewhere.
