@@ -210,16 +210,6 @@ class MosaicBackwardConfig:
       for their Δ), which must find an SM: it applies where a key head has at most
       ROTATE_MAX_KV CTAs, as dq_rotate does. See the design doc for why the launch order
       matters under a causal mask.
-    descend_heads: (dq_ordered; masked walks) when above 0, each key block walks its query
-      blocks from the last one down, a query block's adders take their turns first key
-      block first, and the CTAs launch first key block first, descend_heads heads (of the
-      B · grid heads, halved until they divide them) at a time: each key block of those
-      heads in turn, then the next heads. Under a causal mask the longest walks then start
-      first and the shortest end the grid, where the plain order ends it with the last
-      heads' longest walks. Key block j reaches a query block a step after key block j − 1
-      when both start together, so it seldom waits for that add, and it only ever waits on
-      CTAs launched before it. Excludes fused_delta (whose first visitor of a query block
-      is the key block on its diagonal) and overrides dq_heavy_first.
     dq_rounded: (dq_ordered) dq is added in the input dtype: each key block scales its dQ
       tiles and rounds them before its reduction (the first stores), so there is no float32
       dq beside the outputs (B·T·Hq·D·4 bytes) and no pass over it after the kernel, and
@@ -261,7 +251,6 @@ class MosaicBackwardConfig:
   fused_delta: bool = False
   dq_stagger: bool = False
   dq_heavy_first: bool = False
-  descend_heads: int = 0
   dq_rounded: bool = False
   dq_rounded_per_block: bool = False
   group_splits: int = 1
@@ -462,14 +451,9 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if config.dq_ordered and not (config.with_dq and (config.dq_split or config.column_split)):
     return "dq_ordered needs dq (with_dq) added by column halves (dq_split or column_split)"
   if (config.dq_buffers != 1 or config.dq_rotate or config.dq_heavy_first
-      or config.descend_heads or config.dq_rounded
-      or config.dq_rounded_per_block) and not config.dq_ordered:
-    return ("dq_buffers, dq_rotate, dq_heavy_first, descend_heads, dq_rounded and "
-            "dq_rounded_per_block belong to dq_ordered")
-  if config.descend_heads < 0:
-    return f"descend_heads must be at least 0, got {config.descend_heads}"
-  if config.descend_heads and config.fused_delta:
-    return "descend_heads and fused_delta exclude each other"
+      or config.dq_rounded or config.dq_rounded_per_block) and not config.dq_ordered:
+    return ("dq_buffers, dq_rotate, dq_heavy_first, dq_rounded and dq_rounded_per_block "
+            "belong to dq_ordered")
   if config.dq_rounded and config.dq_rounded_per_block:
     return "dq_rounded (every query block) and dq_rounded_per_block exclude each other"
   if config.fused_delta and d % 64:
@@ -659,27 +643,7 @@ def _rotates(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> bool:
 def _heavy_first(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> bool:
   """Whether dq_ordered's key blocks launch first key block first (dq_heavy_first)."""
   return (config.dq_ordered and config.dq_heavy_first and not _rotates(config, mask, n_kv)
-          and not _descend_heads(config, mask, 1) and n_kv <= ROTATE_MAX_KV)
-
-
-def _descend_heads(config: MosaicBackwardConfig, mask: MaskSpec, heads: int) -> int:
-  """descend_heads as the call runs it, for `heads` = B · grid heads: 0 where the walks do
-  not descend (no mask, or not dq_ordered), else halved until it divides `heads`."""
-  if not (config.dq_ordered and config.descend_heads) or mask.sees_all_keys:
-    return 0
-  together = config.descend_heads
-  while heads % together:
-    together //= 2
-  return together
-
-
-def _descend_item(pos, together: int, n_kv: int, grid_heads: int):
-  """descend_heads: the (batch row, grid head, key block) of launch position `pos` (grid
-  order, key block fastest): `together` heads at a time, each key block of theirs in turn
-  from the first, then the next `together` heads."""
-  group, rest = hopper.div(pos, together * n_kv), hopper.rem(pos, together * n_kv)
-  head = group * together + hopper.rem(rest, together)  # of the B · grid_heads
-  return hopper.div(head, grid_heads), hopper.rem(head, grid_heads), hopper.div(rest, together)
+          and n_kv <= ROTATE_MAX_KV)
 
 
 def _rotation(kv, n_kv: int, n_q: int):
@@ -703,17 +667,17 @@ def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: i
   visitor launches after it."""
   one_head = group == 1 or config.gqa_per_query_head or config.group_splits >= group
   return (config.fused_delta and _SCRATCH_PARAM and one_head and n_q == 2 * n_kv
-          and mask.is_causal and not config.descend_heads)
+          and mask.is_causal)
 
 
 def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
-                     ranges=None, rotate: bool = False, descend: bool = False):
+                     ranges=None, rotate: bool = False):
   """(ranks [B, n_kv, n_q], adders [B, n_q]) int32 for dq_ordered: per key block and query
   block, how many key blocks add into that query block's dq before this one, and per query
   block how many add at all. In the plain walks later key blocks (launched first) add
-  first; with `descend` (descend_heads) earlier ones; with `rotate` (dq_rotate, no mask),
-  those that visit the block at an earlier step, then those launched first. ranges: the
-  backward's segment_block_ranges ([B, n_kv, 4]), with segment ids."""
+  first; with `rotate` (dq_rotate, no mask), those that visit the block at an earlier step,
+  then those launched first. ranges: the backward's segment_block_ranges ([B, n_kv, 4]),
+  with segment ids."""
   kv = jnp.arange(n_kv, dtype=jnp.int32)
   qb = jnp.arange(n_q, dtype=jnp.int32)
   if rotate:
@@ -727,13 +691,11 @@ def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: 
   first, last = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, n_kv))[..., None]
                  for x in (first, last))
   adds = ((first <= qb) & (qb < last)).astype(jnp.int32)  # [B, n_kv, n_q]
-  if descend:
-    return jnp.cumsum(adds, axis=1) - adds, adds.sum(axis=1)
   return jnp.cumsum(adds[:, ::-1], axis=1)[:, ::-1] - adds, adds.sum(axis=1)
 
 
 def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int, t: int,
-              ranges=None, rotate: bool = False, descend: bool = False):
+              ranges=None, rotate: bool = False):
   """(ranks, adders, written) for dq_ordered: _reduction_ranks' tables, and where dq was
   written ([B, T, 1, 1] bool; None where every query block has an adder). Without segment
   ids all three depend on the shapes alone: computed while tracing, they are constants of
@@ -741,7 +703,7 @@ def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq
   static = ranges is None
   with hopper.host_constants() if static else contextlib.nullcontext():
     ranks, adders = _reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, ranges,
-                                     rotate=rotate, descend=descend)
+                                     rotate=rotate)
     written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
     if not static:
       return ranks, adders, written
@@ -763,7 +725,6 @@ class _Item(NamedTuple):
   kv_head: jax.Array
   head0: jax.Array  # the first of them (the next ones follow it)
   rot: jax.Array | None  # dq_rotate: the query block its walk starts at
-  unmasked: tuple[jax.Array, jax.Array]  # the steps [lo, hi) of a head's walk on full blocks
 
   @property
   def per_head(self):
@@ -860,8 +821,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      dq_ref, dk_ref, dv_ref, sc: _Scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
-                     heavy_first: bool = False, descend: int = 0, order=None, delta=None,
-                     per_block=None):
+                     heavy_first: bool = False, order=None, delta=None, per_block=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
   the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
@@ -873,8 +833,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   view in the input dtype. per_block: with config.dq_rounded_per_block, _reduction_ranks'
   adders per query block (_adders_table), the float32 sums that the blocks with more than
   ROUNDED_DQ_MAX_ADDERS take (dq_ref then takes the rounded ones), and the dQ slots' view
-  of rounded tiles. lengths: the T and S it runs at (see backward). descend: the heads
-  launched together where the walks descend (_descend_heads), else 0."""
+  of rounded tiles. lengths: the T and S it runs at (see backward)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   splits = min(config.group_splits, group)
@@ -886,13 +845,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   split = config.column_split
   n_q = -(-t // bq)  # the last block may reach past T (see MosaicBackwardConfig.block_q)
   segments = mask.segments
-  grid_heads = q_ref.shape[2] if per_query_head else kv_heads * splits  # (see backward)
-
   def item_at(b, h, kvi):
     """The work of grid position (b, h, kvi)."""
-    if descend:
-      b, h, kvi = _descend_item((b * grid_heads + h) * n_kv + kvi, descend, n_kv, grid_heads)
-    elif config.dq_ordered and not heavy_first:  # the last key block launches first
+    if config.dq_ordered and not heavy_first:  # the last key block launches first
       kvi = n_kv - 1 - kvi
     seg_range = [seg_refs[2][b, kvi, i] for i in range(4)] if segments else None
     bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
@@ -906,13 +861,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       heads, kv_head, head0 = group, h, h * group
     # dq_rotate: where this key block's walk starts (per_head = n_q: no mask).
     rot = _rotation(kvi, n_kv, n_q) if rotate else None
-    first, last, full_lo, full_hi = bounds
-    if descend:  # step j of a head's walk visits query block last − 1 − j
-      lo = jnp.clip(last - full_hi, 0, last - first)
-      unmasked = lo, jnp.clip(last - full_lo, lo, last - first)
-    else:  # ... first + j
-      unmasked = full_lo - first, full_hi - first
-    return _Item(b, h, kvi, *bounds, heads, kv_head, head0, rot, unmasked)
+    return _Item(b, h, kvi, *bounds, heads, kv_head, head0, rot)
 
   # The CTA's one item, computed here: the warps' code (with jax 0.11's warpgroup lowering)
   # has no selects or clamps for the band's bounds.
@@ -950,10 +899,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     j = hopper.rem(i, it.per_head)
     if it.rot is not None:
       j = hopper.rem(j + it.rot, it.per_head)
-    qb = it.last - 1 - j if descend else it.first + j
     if per_query_head:
-      return it.h, qb
-    return it.head0 + hopper.div(i, it.per_head), qb
+      return it.h, it.first + j
+    return it.head0 + hopper.div(i, it.per_head), it.first + j
 
   @pl.when(wg < 2)
   def _compute():
@@ -1315,9 +1263,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         dk, dv, _ = _mosaic.masked_ranges(step, carry, 0, it.n_steps, 0, whole, dense=False)
       else:  # per head: the masked blocks before full_lo, the unmasked ones, the masked rest
         def head_steps(g, carry):
-          start, (lo, hi) = g * it.per_head, it.unmasked
-          return _mosaic.masked_ranges(step, carry, start, start + it.per_head, start + lo,
-                                       start + hi, dense=False)
+          start = g * it.per_head - it.first  # step i of this head visits query block i - start
+          return _mosaic.masked_ranges(step, carry, start + it.first,
+                                       start + it.first + it.per_head, start + it.full_lo,
+                                       start + it.full_hi, dense=False)
 
         dk, dv, _ = lax.fori_loop(0, it.heads, head_steps, carry)
 
@@ -1586,10 +1535,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   per_query_head = config.gqa_per_query_head and hq > hkv
   splits = min(config.group_splits, hq // hkv)
   grid_heads = hq if per_query_head else hkv * splits
-  descend = _descend_heads(config, mask, b * grid_heads)
   if config.dq_ordered:
     ranks, adders, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
-                                       ranges, rotate=rotate, descend=bool(descend))
+                                       ranges, rotate=rotate)
     rank_args = (ranks, _adders_table(adders)) if config.dq_rounded_per_block else (ranks,)
   else:
     rank_args = ()
@@ -1644,7 +1592,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
-                       descend=descend,
                        order=order, delta=delta, per_block=per_block, lengths=(t, s))
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused),

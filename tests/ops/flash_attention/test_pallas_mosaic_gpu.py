@@ -1157,17 +1157,16 @@ def test_dq_order_is_computed_while_tracing(causal, window, segments, t, s, rota
 
 
 def _run_ordered_schedule(ranks, walks, heads: int, sms: int, seed: int,
-                          heavy_first: bool = False, queue=None):
+                          heavy_first: bool = False):
   """dq_ordered's protocol, played out: `heads` key heads of CTAs launched in grid order
-  (last key block first; first key block first with `heavy_first`; or the (head, key block)
-  list `queue`) onto `sms` SMs; a CTA adds into its walk's next query block once that
-  block's counter equals its rank there, then counts it up. Resident CTAs move in a random
-  order. Returns each (head, query block)'s adders in the order they added, or None if no
-  CTA can move (deadlock)."""
+  (last key block first; first key block first with `heavy_first`) onto `sms` SMs; a CTA
+  adds into its walk's next query block once that block's counter equals its rank there,
+  then counts it up. Resident CTAs move in a random order. Returns each (head, query
+  block)'s adders in the order they added, or None if no CTA can move (deadlock)."""
   rng = np.random.default_rng(seed)
   n_kv = len(walks)
   order = list(range(n_kv) if heavy_first else reversed(range(n_kv)))
-  queue = list(queue) if queue is not None else [(hd, j) for hd in range(heads) for j in order]
+  queue = [(hd, j) for hd in range(heads) for j in order]
   resident, done = {}, {}
   counters = collections.Counter()
   while queue or resident:
@@ -1243,50 +1242,6 @@ def test_heavy_first_walks_add_in_rank_order_without_deadlock(causal, window):
     for (_, qb), adders in done.items():  # descending key block, as ranked
       assert adders == sorted(adders, reverse=True), qb
   assert _run_ordered_schedule(ranks, walks, heads=3, sms=2, seed=0, heavy_first=True) is None
-
-
-@pytest.mark.parametrize("causal, window, segments", [(True, None, False), (False, (300, 0), False),
-                                                      (True, None, True)])
-def test_descending_walks_add_in_rank_order_without_deadlock(causal, window, segments):
-  """descend_heads: the walks descend from the last query block, the adders take their turns
-  first key block first, and the CTAs launch first key block first, a few heads at a time:
-  every wait is on a CTA launched before it, so the protocol finishes on any number of SMs,
-  even one."""
-  cta_keys, bq, n_kv, heads = 2 * mb.BLOCK_KV, mb.BLOCK_Q, 6, 6
-  n_q = n_kv * cta_keys // bq
-  mask = MaskSpec.make(causal, window, segments)
-  config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, descend_heads=4,
-                                   dq_heavy_first=True)
-  together = mb._descend_heads(config, mask, heads)  # pylint: disable=protected-access
-  assert together == 2  # halved until it divides the heads
-  assert not mb._heavy_first(config, mask, n_kv)  # pylint: disable=protected-access
-  assert not mb._descend_heads(config, MaskSpec.make(False, None, False), heads)  # pylint: disable=protected-access
-  ranges = None
-  if segments:  # documents of 300 and 468 tokens, then 500 and 268, in the two batch rows
-    ids = np.stack([np.repeat([0, 1], [300, 468]), np.repeat([0, 1], [500, 268])])
-    ranges = _mosaic.segment_block_ranges(jnp.asarray(ids, jnp.int32),
-                                          jnp.asarray(ids, jnp.int32), cta_keys, bq)
-  ranks, adders = map(np.asarray, mb._reduction_ranks(  # pylint: disable=protected-access
-      mask, 2, n_kv, cta_keys, n_q, bq, ranges, descend=True))
-  launch = [tuple(int(x) for x in mb._descend_item(pos, together, n_kv, heads))  # pylint: disable=protected-access
-            for pos in range(heads * n_kv)]
-  assert sorted(launch) == [(0, h, j) for h in range(heads) for j in range(n_kv)]
-  assert [j for _, _, j in launch[:together * n_kv]] == [j for j in range(n_kv)
-                                                         for _ in range(together)]
-  for row in range(2):
-    walks = []
-    for j in range(n_kv):
-      seg = None if ranges is None else [ranges[row, j, i] for i in range(4)]
-      first, last, _, _ = mb._query_blocks(mask, j * cta_keys, cta_keys, n_q, bq, seg)  # pylint: disable=protected-access
-      walks.append(list(range(int(last) - 1, int(first) - 1, -1)))
-    assert adders[row].tolist() == [sum(qb in w for w in walks) for qb in range(n_q)]
-    queue = [(h, j) for _, h, j in launch]
-    for sms, seed in ((1, 0), (3, 1), (n_kv, 2)):
-      done = _run_ordered_schedule(ranks[row], walks, heads=heads, sms=sms, seed=seed,
-                                   queue=queue)
-      assert done is not None
-      for (_, qb), order in done.items():  # ascending key block, as ranked
-        assert order == sorted(order) and len(order) == adders[row, qb], qb
 
 
 def test_tuned_backward_configs_serve_their_calls():
@@ -1954,17 +1909,11 @@ class TestMosaicGpu:
                               dq_heavy_first=True, scores_split=True, dq_rounded=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, stages=3),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, stages=3,
-                              gqa_per_query_head=True),
-      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, descend_heads=4),
-      mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, descend_heads=4,
-                              gqa_per_query_head=True, dq_stagger=True),
-      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
-                              scores_split=True, descend_heads=2, group_splits=2)],
+                              gqa_per_query_head=True)],
       ids=["one_slot", "two_slots", "rotate", "d256", "heavy_first", "d256_heavy_first",
            "per_query_head", "d256_split_scores", "d256_heavy_first_split_scores",
            "d256_per_query_head", "rounded", "d256_rounded", "three_stages",
-           "three_stages_per_query_head", "descend", "descend_per_query_head",
-           "d256_descend"])
+           "three_stages_per_query_head"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
