@@ -229,8 +229,8 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(as_on_hopper, causal, hkv
     PallasMosaicGpu(dq_config=MosaicDqConfig(block_kv=32))._static(q, k, det)  # pylint: disable=protected-access
   # D = 256: the column-split kernel whole with split scores, dq in rank order (GQA: one CTA
   # per query head, as the table asks causal and the few key blocks ask both; causal, the
-  # longest walk launched first only without GQA); an explicit
-  # dK/dV-only form with two Q/dO stages gets a dq kernel of 64-key blocks.
+  # longest walk launched first only without GQA); an explicit dK/dV-only form with two
+  # Q/dO stages gets a dq kernel of 64-key blocks.
   q256 = jax.ShapeDtypeStruct((1, 256, 4, 256), BF16)
   k256 = jax.ShapeDtypeStruct((1, 256, hkv, 256), BF16)
   st = PallasMosaicGpu()._static(q256, k256, det)  # pylint: disable=protected-access
