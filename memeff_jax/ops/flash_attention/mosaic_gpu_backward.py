@@ -632,7 +632,7 @@ def _query_blocks(mask: MaskSpec, cta_key, cta_keys: int, n_q: int, bq: int, seg
   return first, last, full_lo, jnp.where(cta_key + cta_keys <= mask.keys, full_hi, full_lo)
 
 
-ROTATE_MAX_KV = int(__import__("os").environ.get("MEMEFF_MAX_KV", 64))  # dq_rotate's bound on a key head's CTAs: half an H100's SMs
+ROTATE_MAX_KV = 64  # dq_rotate's bound on a key head's CTAs: half an H100's SMs
 
 
 def _rotates(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> bool:
@@ -815,41 +815,6 @@ class _Scratch(NamedTuple):
         q_free=barrier(**pair, num_barriers=stages), do_free=barrier(**pair, num_barriers=stages),
         ds_ready=barrier(**pair, num_barriers=2), pair=barrier(**pair),
         **optional)
-
-
-EARLY_FREE = bool(__import__("os").environ.get("MEMEFF_EARLY_FREE"))
-TRACES = []
-_TR = [None, None, 0]  # TRACE: per-CTA stamps [n_cta, 16], per-step [n_cta, CAP, 8], heads
-
-def _tstamp(ref, word, imm=None):
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import llvm
-  mu = hopper.mgpu_utils
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def f(_, r):
-    one = mu.single_thread_predicate(mu.ThreadSubset.WARPGROUP)
-    if imm is None:
-      asm = ("{ .reg .u32 t; .reg .u32 c; mov.u32 t, %%globaltimer_lo; mov.u32 c, %%clock; "
-             "@$1 st.u32 [$0+%d], t; @$1 st.u32 [$0+%d], c; }" % (8 * word, 8 * word + 4))
-    elif imm == "smid":
-      asm = "{ .reg .u32 t; mov.u32 t, %%smid; @$1 st.u32 [$0+%d], t; }" % (8 * word)
-    else:
-      asm = "{ @$1 st.u32 [$0+%d], %d; }" % (8 * word, imm)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [mu.memref_ptr(r), one], asm, "l,b",
-                    has_side_effects=True)
-  f(ref)
-
-def _cta_index(n_kv):
-  return (lax.axis_index("b") * _TR[2] + lax.axis_index("h")) * n_kv + lax.axis_index("kv")
-
-def _cstamp(word, n_kv, imm=None):
-  if _TR[0] is not None:
-    _tstamp(_TR[0].at[_cta_index(n_kv)], word, imm)
-
-def _sstamp(i, word, n_kv, imm=None):
-  if _TR[1] is not None:
-    cap = _TR[1].shape[1]
-    pl.when(i < cap)(lambda: _tstamp(_TR[1].at[_cta_index(n_kv), jnp.minimum(i, cap - 1)], word, imm))
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
@@ -1074,13 +1039,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     def run_item(it: _Item, base):
       """The item's steps (global steps base, base + 1, ...), then its dK and dV."""
       my_key = it.kvi * cta_keys + key_row
-      pl.when(wg == 0)(lambda: (_cstamp(0, n_kv), _cstamp(7, n_kv, "smid"), None)[-1])
       plgpu.barrier_wait(sc.k_ready)
       plgpu.barrier_wait(sc.v_ready)
       if segments:
         plgpu.barrier_wait(sc.kv_seg_ready)
         key_ids = hopper.load(sc.kv_seg.at[pl.ds(key_row, bkv)], plgpu.Layout.WGMMA.reduce(1))
-      pl.when(wg == 0)(lambda: _cstamp(1, n_kv))
 
       if config.pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
         pl.when(wg == 1)(take_turn)
@@ -1130,8 +1093,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         its Q/dO slot released to the memory warpgroup."""
         if publish:
           publish_delta(it, i)
-        if EARLY_FREE:
-          return
         plgpu.barrier_arrive(sc.do_free.at[slot])
         plgpu.barrier_arrive(sc.q_free.at[slot])
 
@@ -1193,10 +1154,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       def step(i, carry, *, masked):
         dk, dv, z = carry
         z_next = zero_ref[0]  # the next step's offset (key_tiles)
-        pl.when(wg == 0)(lambda: (_sstamp(i, 0, n_kv), _sstamp(i, 7, n_kv, 2 if masked else 1), None)[-1])
-        out = step_grads(i, dk, dv, z, masked=masked)
-        pl.when(wg == 0)(lambda: _sstamp(i, 3, n_kv))
-        return (*out, z_next)
+        return (*step_grads(i, dk, dv, z, masked=masked), z_next)
 
       def step_grads(i, dk, dv, z, *, masked):
         gi = base + i  # the step's place in the CTA's pipeline: its slots
@@ -1207,7 +1165,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_wait(sc.q_ready.at[slot])
         plgpu.barrier_wait(sc.do_ready.at[slot])
         plgpu.barrier_wait(sc.stats_ready.at[slot])
-        pl.when(wg == 0)(lambda: _sstamp(i, 1, n_kv))
         fused = delta is not None and (masked or mask.is_dense)  # causal: first visits mask
         # The flag's code goes into every loop body: only in the masked steps' (where it
         # runs), the ptxas report and the times were the same.
@@ -1228,10 +1185,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         def probabilities(st):
           zt, tanh = _mosaic.exp2_scores(st, scale, softcap)
-          if masked and segments and __import__("os").environ.get("MEMEFF_NOSEG_MASK"):
-            plgpu.barrier_wait(sc.q_seg_ready.at[slot])
-            zt = jnp.where(_mosaic.visible(mask, zt.shape, 0, my_key, qb * bq + q0), zt, -jnp.inf)
-          elif masked:
+          if masked:
             zt = jnp.where(visible(slot, qb, zt.shape, q0), zt, -jnp.inf)
           elif segments:  # unread, but every load's barrier is waited on (its phase)
             plgpu.barrier_wait(sc.q_seg_ready.at[slot])
@@ -1258,9 +1212,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                           plgpu.ACC.init(zeros((bkv, nq)))))
         if config.dq_stagger:
           pl.when((i == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(sc.lead))
-        if EARLY_FREE:  # timing only: the next Q/dO overwrite this step's under dV and dK
-          plgpu.barrier_arrive(sc.do_free.at[slot])
-          plgpu.barrier_arrive(sc.q_free.at[slot])
         if not config.early_softmax:
           pt, p_ds = probabilities(st)
         pt = pt.astype(dtype)  # dV's operand
@@ -1268,7 +1219,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(sc.delta_ready))
         row_delta = hopper.load(sc.stats_smem.at[slot, 1, qs], col_layout)
         dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, dpt.shape, [1]))).astype(dtype)
-        pl.when(wg == 0)(lambda: _sstamp(i, 2, n_kv))
         if config.dq_split:
           return split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish)
         ds_buf = None
@@ -1331,7 +1281,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           store_dq(last, base + last, dq, pl.ds(0, half))  # warpgroup 0's columns
           plgpu.barrier_arrive(sc.ds_free.at[ds_slot])
 
-      pl.when(wg == 0)(lambda: _cstamp(2, n_kv))
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
       keys = pl.ds(my_key, bkv)
@@ -1347,7 +1296,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         return base + it.n_steps
       plgpu.barrier_arrive(sc.pair)  # the other warpgroup has finished reading all of K
       plgpu.barrier_wait(sc.pair)
-      pl.when(wg == 0)(lambda: _cstamp(3, n_kv))
       def put(tiles):
         """Stores this warpgroup's (smem tile, dK or dV ref) pairs at the item's head; with
         dq_ordered under gqa_per_query_head, adds them into the key head's in the order of
@@ -1382,9 +1330,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         v_mine[...] = dv.astype(dtype)
         plgpu.commit_smem()
         put([(k_mine, dk_ref), (v_mine, dv_ref)])
-      pl.when(wg == 0)(lambda: _cstamp(4, n_kv))
       hopper.wait_stores_read()
-      pl.when(wg == 0)(lambda: _cstamp(5, n_kv))
       return base + it.n_steps
 
     run_item(grid_item, jnp.int32(0))
@@ -1615,18 +1561,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                 *out_type)
   elif config.with_dq:
     dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
-  import os as _os
-  tracing = bool(_os.environ.get("MEMEFF_TRACE"))
-  n_cta = b * grid_heads * n_kv
-  trace_args = (jax.new_ref(jnp.zeros((n_cta, 16), jnp.int32)),
-                jax.new_ref(jnp.zeros((n_cta, 136, 16), jnp.int32))) if tracing else ()
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
     out_ref = None
-    if tracing:
-      refs = list(refs)
-      _TR[1] = refs.pop(len(refs) - len(out_type) - 1)
-      _TR[0] = refs.pop(len(refs) - len(out_type) - 1)
-      _TR[2] = grid_heads
     if fused:  # the forward's output, for Δ
       out_ref, *refs = refs
     tables = ()
@@ -1664,9 +1600,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   outs = pl.kernel(
       body,
       out_type=out_type,
-      mesh=plgpu.Mesh(**(dict(grid=(b, n_kv, grid_heads), grid_names=("b", "kv", "h"))
-                         if _os.environ.get("MEMEFF_KV_MAJOR") else
-                         dict(grid=(b, grid_heads, n_kv), grid_names=("b", "h", "kv"))),
+      mesh=plgpu.Mesh(grid=(b, grid_heads, n_kv), grid_names=("b", "h", "kv"),
                       num_threads=3, thread_name="wg"),
       # No step reduces across warps (fused_delta's row sums stay within them): no
       # shared-memory scratch for reductions (Mosaic GPU reserves 2 KiB otherwise, which two
@@ -1677,12 +1611,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
   )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),
-    *rank_args, *seg_args, *dq_acc, *dkv_acc, *trace_args)
-  _TR[0] = _TR[1] = None
-  if tracing and jax.default_backend() == "gpu":
-    import numpy as _np
-    jax.debug.callback(lambda x, y: TRACES.append((_np.asarray(x), _np.asarray(y))),
-                       trace_args[0][...], trace_args[1][...])
+    *rank_args, *seg_args, *dq_acc, *dkv_acc)
   dq = None
   if config.dq_rounded_per_block:
     dq, sums, *outs = outs
