@@ -45,6 +45,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -104,6 +105,9 @@ UNEVEN_SPLIT_WAVES = 8
 # partials (group_splits), as cuDNN does: the error of dK added in order grows with the
 # group, that of the partials' float32 sum does not (figures in the design doc).
 ORDERED_SHARES_MAX_GROUP = 4
+# dq_paired's model of a CTA's time, in steps: what its second key block costs beyond its
+# steps (K and V loaded once the first key block's dK and dV are stored).
+PAIRED_SWITCH_STEPS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +239,18 @@ class MosaicBackwardConfig:
       then sums in float32 in one fixed order: deterministic, with one rounding more per
       partial. A call whose key blocks and heads leave SMs idle takes more (split_group),
       e.g. MQA: B4 T2048 H71/1 has 64 key blocks for 132 SMs, each walking 71 query heads.
+    dq_paired: (dq_ordered; causal calls with T = S and an even number of key blocks) one
+      CTA per pair of key blocks, in place of one per key block, where the grid of key
+      blocks would take more than one wave and the pairs fit on the SMs at once
+      (_paired_splits): a CTA walks key block n − 1 − j (the shortest walk), then j (the
+      longest, from the last query block down), so every CTA has the same work, all start
+      together and none waits for an SM. Each query block's adders take their turns in the
+      order a lockstep model of the CTAs reaches it (_paired_schedule). The group's query
+      heads split between the most CTAs that fit (group_splits: one split per query head,
+      or fewer). Gemma-2B's MQA backward (B1 T8k H8/1, D = 256) is the call it serves: the
+      grid's last key blocks there run alone on the SMs while the rows after the first
+      launch. Not with gqa_per_query_head, pingpong or dq_stagger; without fused_delta (a
+      block's first visitor is no longer the first to launch).
   """
 
   stages: int = 2
@@ -255,6 +271,7 @@ class MosaicBackwardConfig:
   dq_rounded_per_block: bool = False
   group_splits: int = 1
   early_softmax: bool = False
+  dq_paired: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -454,6 +471,10 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
       or config.dq_rounded or config.dq_rounded_per_block) and not config.dq_ordered:
     return ("dq_buffers, dq_rotate, dq_heavy_first, dq_rounded and dq_rounded_per_block "
             "belong to dq_ordered")
+  if config.dq_paired and not config.dq_ordered:
+    return "dq_paired belongs to dq_ordered"
+  if config.dq_paired and (config.gqa_per_query_head or config.pingpong or config.dq_stagger):
+    return "dq_paired excludes gqa_per_query_head, pingpong and dq_stagger"
   if config.dq_rounded and config.dq_rounded_per_block:
     return "dq_rounded (every query block) and dq_rounded_per_block exclude each other"
   if config.fused_delta and d % 64:
@@ -646,6 +667,84 @@ def _heavy_first(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> boo
           and n_kv <= ROTATE_MAX_KV)
 
 
+def _paired_splits(config: MosaicBackwardConfig, mask: MaskSpec, batch: int, hq: int,
+                   hkv: int, t: int, s: int, sms: int) -> int | None:
+  """dq_paired: the group splits of the call's pairs (the most that leave at most one pair
+  per SM, among those that divide the group), or None where the call runs the grid of key
+  blocks instead: its mask is not causal with T = S, its key blocks are odd, even one split
+  has more pairs than SMs, or the grid (one CTA per key block and split of the config's)
+  takes one wave anyway."""
+  n_kv = s // config.cta_keys()
+  if not (config.dq_paired and mask.is_causal and t == s and n_kv % 2 == 0
+          and batch * hkv * config.group_splits * n_kv > sms):
+    return None
+  group = hq // hkv
+  fits = [n for n in range(1, group + 1)
+          if group % n == 0 and batch * hkv * n * (n_kv // 2) <= sms]
+  return max(fits, default=None)
+
+
+class _PairedDeal(NamedTuple):
+  """dq_paired's CTAs: one per pair of key blocks (per batch row, key head and split of its
+  group, key blocks n − 1 − j then j), in that order."""
+  hkv: int
+  splits: int
+  group: int
+  n_kv: int
+  n_q: int
+  cta_keys: int
+  bq: int
+
+  def item(self, c, r: int, div=operator.floordiv, rem=operator.mod):
+    """CTA c's r-th item (r = 0, 1): (b, kv_head, kvi, head0, heads, part, first, last,
+    full_lo, full_hi, descending), `part` its split (the dK and dV partials it stores), the
+    bounds _query_blocks' under a causal mask with T = S, and descending where it walks its
+    query blocks from the last down (the pair's second). div and rem: for Python ints, or
+    hopper's for the kernel's int32 scalars."""
+    unit, j = div(c, self.n_kv // 2), rem(c, self.n_kv // 2)
+    b, part = div(unit, self.hkv * self.splits), rem(unit, self.splits)
+    kv_head = rem(div(unit, self.splits), self.hkv)
+    kvi = j if r else self.n_kv - 1 - j
+    lo, hi = div(part * self.group, self.splits), div((part + 1) * self.group, self.splits)
+    keys = kvi * self.cta_keys  # the first query block sees its first key; from full_lo
+    first = div(keys, self.bq)  # on, every query sees its last
+    full_lo = div(keys + self.cta_keys + self.bq - 2, self.bq)
+    return (b, kv_head, kvi, kv_head * self.group + lo, hi - lo, part, first, self.n_q,
+            full_lo, self.n_q, r == 1)
+
+
+@functools.lru_cache(maxsize=32)
+def _paired_schedule(batch: int, hq: int, hkv: int, splits: int, n_kv: int, n_q: int,
+                     cta_keys: int, bq: int):
+  """(deal, ctas, ranks): dq_paired's _PairedDeal, its CTAs, and ranks [B, Hq, n_kv, n_q]
+  (NumPy int32): key block kv's turn among the adders into head h's query block qb, by the
+  step at which the CTAs would reach it in lockstep (the second key block
+  PAIRED_SWITCH_STEPS later), ties to the lower CTA. Each CTA's steps come in the model's
+  time order, so every turn waits only on steps the model puts earlier: with every CTA
+  resident (one per SM), no deadlock."""
+  deal = _PairedDeal(hkv, splits, hq // hkv, n_kv, n_q, cta_keys, bq)
+  ctas = batch * hkv * splits * (n_kv // 2)
+  visits = []  # (query block key, key block, time, CTA) per step, as arrays per head
+  for c in range(ctas):
+    time = 0
+    for r in range(2):
+      b, _, kvi, head0, heads, _, first, last, _, _, descending = deal.item(c, r)
+      time += r * PAIRED_SWITCH_STEPS
+      blocks = np.arange(last - 1, first - 1, -1) if descending else np.arange(first, last)
+      for head in range(head0, head0 + heads):
+        visits.append(((b * hq + head) * n_q + blocks, np.full_like(blocks, kvi),
+                       time + np.arange(len(blocks)), np.full_like(blocks, c)))
+        time += len(blocks)
+  block, kvi, time, cta = (np.concatenate(x) for x in zip(*visits))
+  order = np.lexsort((cta, time, block))  # by query block, then time, then CTA
+  sorted_blocks = block[order]
+  turn = np.arange(len(order)) - np.searchsorted(sorted_blocks, sorted_blocks)
+  ranks = np.zeros((batch * hq * n_q, n_kv), np.int32)
+  ranks[block[order], kvi[order]] = turn
+  ranks = ranks.reshape(batch, hq, n_q, n_kv).transpose(0, 1, 3, 2)
+  return deal, ctas, np.ascontiguousarray(ranks)
+
+
 def _rotation(kv, n_kv: int, n_q: int):
   """dq_rotate: the query block that key block kv's walk starts at (kv an int32 scalar in
   the kernel or an array)."""
@@ -713,7 +812,7 @@ def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq
 
 
 class _Item(NamedTuple):
-  """One key block's work: a CTA's whole grid position."""
+  """One key block's work: a CTA's whole grid position, or one of dq_paired's items."""
   b: jax.Array
   h: jax.Array  # the grid's head: the key head, or with gqa_per_query_head the query head
   kvi: jax.Array  # the key block
@@ -725,10 +824,21 @@ class _Item(NamedTuple):
   kv_head: jax.Array
   head0: jax.Array  # the first of them (the next ones follow it)
   rot: jax.Array | None  # dq_rotate: the query block its walk starts at
+  part: int | jax.Array = 0  # group_splits: its split (the dK and dV partials it stores)
+  descending: bool = False  # dq_paired's second key block: walks from the last block down
 
   @property
   def per_head(self):
     return self.last - self.first
+
+  def block(self, j):
+    """The query block of its walk's j-th step in a head."""
+    return self.last - 1 - j if self.descending else self.first + j
+
+  def unmasked(self):
+    """The steps [lo, hi) of its walk in a head that see all of its keys."""
+    lo, hi = self.full_lo - self.first, self.full_hi - self.first
+    return (self.per_head - hi, self.per_head - lo) if self.descending else (lo, hi)
 
   @property
   def n_steps(self):
@@ -770,9 +880,11 @@ class _Scratch(NamedTuple):
   lead: Any = None  # ... warpgroup 0's first scores are done: warpgroup 1 may start
   turns: Any = None  # ... per warpgroup: its turn at the dQ, dV and dK WGMMAs
   pt_smem: Any = None  # scores_split: Pᵀ's slots, as dSᵀ's
+  kv_free: Any = None  # dq_paired, 2 arrivals: both compute warpgroups are done with K and V
 
   @classmethod
-  def shapes(cls, config: MosaicBackwardConfig, d: int, dtype, segments: bool, fused: bool):
+  def shapes(cls, config: MosaicBackwardConfig, d: int, dtype, segments: bool, fused: bool,
+             paired: bool = False):
     """The _Scratch of allocation types for pl.run_scoped."""
     bq, stages, keys = config.block_q, config.stages, config.cta_keys()
     # dQ = dS K: dS's slots in K's swizzle (the halves of a 64-column K need 64 bytes, as do
@@ -801,6 +913,8 @@ class _Scratch(NamedTuple):
                       turns=barrier(num_barriers=2))
     if config.scores_split:
       optional.update(pt_smem=plgpu.SMEM(_ds_shape(config), dtype, transforms=operand_tiles))
+    if paired:
+      optional.update(kv_free=barrier(**pair))
     return cls(
         k_smem=plgpu.SMEM((keys, d), dtype, transforms=operand_tiles),
         v_smem=plgpu.SMEM((keys, d), dtype, transforms=operand_tiles),
@@ -821,7 +935,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      dq_ref, dk_ref, dv_ref, sc: _Scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
-                     heavy_first: bool = False, order=None, delta=None, per_block=None):
+                     heavy_first: bool = False, order=None, delta=None, per_block=None,
+                     work=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
   the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
@@ -833,7 +948,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   view in the input dtype. per_block: with config.dq_rounded_per_block, _reduction_ranks'
   adders per query block (_adders_table), the float32 sums that the blocks with more than
   ROUNDED_DQ_MAX_ADDERS take (dq_ref then takes the rounded ones), and the dQ slots' view
-  of rounded tiles. lengths: the T and S it runs at (see backward)."""
+  of rounded tiles. work: with dq_paired, the _PairedDeal (the rank table is then
+  _paired_schedule's, per query head). lengths: the T and S it runs at (see backward)."""
   bq, bkv, stages = config.block_q, BLOCK_KV, config.stages
   per_query_head = config.gqa_per_query_head and group > 1
   splits = min(config.group_splits, group)
@@ -851,6 +967,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       kvi = n_kv - 1 - kvi
     seg_range = [seg_refs[2][b, kvi, i] for i in range(4)] if segments else None
     bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
+    member = 0
     if per_query_head:  # this CTA's one query head, and its key head
       heads, kv_head, head0 = 1, hopper.div(h, group), h
     elif splits > 1:  # its share of its key head's query heads
@@ -861,11 +978,32 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       heads, kv_head, head0 = group, h, h * group
     # dq_rotate: where this key block's walk starts (per_head = n_q: no mask).
     rot = _rotation(kvi, n_kv, n_q) if rotate else None
-    return _Item(b, h, kvi, *bounds, heads, kv_head, head0, rot)
+    return _Item(b, h, kvi, *bounds, heads, kv_head, head0, rot, member)
 
-  # The CTA's one item, computed here: the warps' code (with jax 0.11's warpgroup lowering)
-  # has no selects or clamps for the band's bounds.
-  grid_item = item_at(*(lax.axis_index(a) for a in ("b", "h", "kv")))
+  # The CTA's one item (dq_paired: its position), read here: the warps' code (with jax 0.11's
+  # warpgroup lowering) has no selects or clamps for the band's bounds, and inside the
+  # memory warpgroup's per-warp code only the warp axis may be named.
+  if work is None:
+    grid_item = item_at(*(lax.axis_index(a) for a in ("b", "h", "kv")))
+  else:
+    cta = lax.axis_index("cta")
+
+  def paired_item(r: int):
+    """dq_paired: this CTA's r-th item (0 or 1)."""
+    (b, kv_head, kvi, head0, heads, part, first, last, full_lo, full_hi,
+     descending) = work.item(cta, r, hopper.div, hopper.rem)
+    return _Item(b, kv_head, kvi, first, last, full_lo, full_hi, heads, kv_head, head0, None,
+                 part, descending)
+
+  def each_item(fn, base):
+    """fn(item, base) for this CTA's items in order, base the global step the item's first
+    takes (each fn returns the next one's): its grid position's one item, or with dq_paired
+    its schedule's."""
+    if work is None:
+      return fn(grid_item, base)
+    for r in range(2):  # unrolled: under a loop over items the compute warpgroups spilled
+      base = fn(paired_item(r), base)
+    return base
 
   def dq_slot(i):
     """dq_ordered: global step i's dQ tile slot, and that slot's dq_full and dq_free
@@ -900,8 +1038,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     if it.rot is not None:
       j = hopper.rem(j + it.rot, it.per_head)
     if per_query_head:
-      return it.h, it.first + j
-    return it.head0 + hopper.div(i, it.per_head), it.first + j
+      return it.h, it.block(j)
+    return it.head0 + hopper.div(i, it.per_head), it.block(j)
 
   @pl.when(wg < 2)
   def _compute():
@@ -1263,10 +1401,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         dk, dv, _ = _mosaic.masked_ranges(step, carry, 0, it.n_steps, 0, whole, dense=False)
       else:  # per head: the masked blocks before full_lo, the unmasked ones, the masked rest
         def head_steps(g, carry):
-          start = g * it.per_head - it.first  # step i of this head visits query block i - start
-          return _mosaic.masked_ranges(step, carry, start + it.first,
-                                       start + it.first + it.per_head, start + it.full_lo,
-                                       start + it.full_hi, dense=False)
+          start = g * it.per_head  # the head's first step
+          lo, hi = it.unmasked()
+          return _mosaic.masked_ranges(step, carry, start, start + it.per_head, start + lo,
+                                       start + hi, dense=False)
 
         dk, dv, _ = lax.fori_loop(0, it.heads, head_steps, carry)
 
@@ -1301,8 +1439,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         dq_ordered under gqa_per_query_head, adds them into the key head's in the order of
         the group's query heads (the first stores), each after the last has landed."""
         if not per_query_head:  # (with group_splits into this CTA's partials)
-          at = (hopper.rem(it.h, splits), it.b, keys, it.kv_head) if splits > 1 else (
-              it.b, keys, it.h)
+          at = (it.part, it.b, keys, it.kv_head) if splits > 1 else (it.b, keys, it.kv_head)
           for tile, ref in tiles:
             plgpu.copy_smem_to_gmem(tile, ref.at[at])
           return
@@ -1331,9 +1468,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.commit_smem()
         put([(k_mine, dk_ref), (v_mine, dv_ref)])
       hopper.wait_stores_read()
+      if work is not None:  # K's and V's shared memory is free for the next item's
+        plgpu.barrier_arrive(sc.kv_free)
       return base + it.n_steps
 
-    run_item(grid_item, jnp.int32(0))
+    each_item(run_item, jnp.int32(0))
 
   @pl.when(wg == 2)
   def _memory():
@@ -1382,9 +1521,35 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                 sc.adders.at[ring], sc.adders_ready.at[ring])
 
     def loads():
-      load_keys(grid_item)
-      hopper.fill_ring(functools.partial(load, grid_item), grid_item.n_steps, stages,
-                       (sc.q_free, sc.do_free))
+      if work is None:
+        load_keys(grid_item)
+        hopper.fill_ring(functools.partial(load, grid_item), grid_item.n_steps, stages,
+                         (sc.q_free, sc.do_free))
+        return
+
+      def item_loads(it, base):
+        """dq_paired: the item's loads at global steps base, base + 1, ...: its first
+        steps' Q and dO (into slots the last item's last steps free) before its K and V
+        (into shared memory the compute warpgroups leave after the last item's dK and dV)."""
+        def step(i):
+          gi = base + i
+          slot = hopper.rem(gi, stages)
+
+          @pl.when(gi >= stages)
+          def _():
+            plgpu.barrier_wait(sc.q_free.at[slot])
+            plgpu.barrier_wait(sc.do_free.at[slot])
+          load(it, i, slot)
+
+        ahead = jnp.minimum(stages, it.n_steps)
+        pl.loop(0, ahead)(step)
+        if it.descending:  # the pair's second key block
+          plgpu.barrier_wait(sc.kv_free)
+        load_keys(it)
+        pl.loop(ahead, it.n_steps)(step)
+        return base + it.n_steps
+
+      each_item(item_loads, jnp.int32(0))
 
     if not config.dq_ordered:
       loads()
@@ -1397,7 +1562,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       this one, the first storing."""
       head, qb = step_block(it, i)
       counter = order[1].at[block_index(it, head, qb)]
-      rank = order[0][it.b, it.kvi, qb]
+      rank = (order[0][it.b, it.kvi, qb] if work is None
+              else order[0][it.b, head, it.kvi, qb])
       # Loaded before the waits: a load after them would lengthen each block's chain of adds.
       adders = None if per_block is None else per_block[0][it.b, qb, 0]
       slot, full, free = dq_slot(gi)
@@ -1437,7 +1603,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       def _():
         for i in range(config.dq_buffers):  # the compute warpgroups' first dQ tiles are free
           plgpu.barrier_arrive(dq_slot(i)[2])
-        pl.loop(0, grid_item.n_steps)(lambda i: send_dq(grid_item, i, i))
+        def item_sends(it, base):
+          pl.loop(0, it.n_steps)(lambda i: send_dq(it, i, base + i))
+          return base + it.n_steps
+
+        each_item(item_sends, jnp.int32(0))
         hopper.wait_stores_read()
 
 
@@ -1516,7 +1686,11 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   n_q = -(-t // bq)
   n_kv = s // config.cta_keys()
   rotate = _rotates(config, mask, n_kv)
-  fused = stats is None and _fuses_delta(config, mask, n_q, n_kv, hq // hkv)
+  paired = _paired_splits(config, mask, b, hq, hkv, t, s, hopper.sm_count())
+  if paired is not None:
+    config = dataclasses.replace(config, group_splits=paired)
+  fused = (stats is None and paired is None
+           and _fuses_delta(config, mask, n_q, n_kv, hq // hkv))
   if fused:  # the kernel adds rowsum(dO ∘ O) to −d_lse in place (fused_delta)
     stats = jax.new_ref(_mosaic.stats_to(row_stats(opts, res, -d_lse), t))
   else:
@@ -1539,6 +1713,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     ranks, adders, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
                                        ranges, rotate=rotate)
     rank_args = (ranks, _adders_table(adders)) if config.dq_rounded_per_block else (ranks,)
+    if paired is not None:  # the CTAs' items, and the ranks of their lockstep order
+      deal, ctas, ranks = _paired_schedule(b, hq, hkv, paired, n_kv, n_q, config.cta_keys(),
+                                           bq)
+      rank_args = (ranks,)
   else:
     rank_args = ()
   if per_query_head and not config.dq_ordered:  # dK and dV gather the group's query heads
@@ -1592,15 +1770,18 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
-                       order=order, delta=delta, per_block=per_block, lengths=(t, s))
+                       order=order, delta=delta, per_block=per_block, lengths=(t, s),
+                       work=None if paired is None else deal)
 
-    pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused),
+    pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused,
+                                          paired is not None),
                   collective_axes="wg")
 
   outs = pl.kernel(
       body,
       out_type=out_type,
-      mesh=plgpu.Mesh(grid=(b, grid_heads, n_kv), grid_names=("b", "h", "kv"),
+      mesh=plgpu.Mesh(grid=(b, grid_heads, n_kv) if paired is None else (ctas,),
+                      grid_names=("b", "h", "kv") if paired is None else ("cta",),
                       num_threads=3, thread_name="wg"),
       # No step reduces across warps (fused_delta's row sums stay within them): no
       # shared-memory scratch for reductions (Mosaic GPU reserves 2 KiB otherwise, which two

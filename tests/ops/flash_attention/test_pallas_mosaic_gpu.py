@@ -239,6 +239,7 @@ def test_deterministic_calls_pair_dkv_with_a_dq_kernel(as_on_hopper, causal, hkv
                                                 dq_rotate=not causal,
                                                 dq_heavy_first=causal and hkv == 4,
                                                 group_splits=4 if hkv == 1 else 1,
+                                                dq_paired=causal and hkv == 1,
                                                 dq_rounded=True)  # 4 adders
   assert st.dq is None and st.triton is None
   dkv256 = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=2, with_dq=False)
@@ -1244,6 +1245,119 @@ def test_heavy_first_walks_add_in_rank_order_without_deadlock(causal, window):
   assert _run_ordered_schedule(ranks, walks, heads=3, sms=2, seed=0, heavy_first=True) is None
 
 
+@pytest.mark.parametrize("batch, hq, hkv, n_kv, cta_keys, bq, sms", [
+    (1, 8, 1, 8, 64, 64, 8),     # MQA: 4 pairs a head, 2 splits of 4 heads
+    (2, 8, 4, 6, 64, 64, 24),    # one split per key head's 2 query heads
+    (1, 4, 4, 4, 128, 64, 9),    # no GQA, 128 keys per CTA
+    (1, 4, 2, 6, 128, 128, 12),  # 128-query steps (D = 64)
+    (1, 6, 2, 4, 64, 64, 5)])    # 3 query heads per key head, one split
+def test_paired_schedule_covers_the_walks_and_adds_without_deadlock(batch, hq, hkv, n_kv,
+                                                                    cta_keys, bq, sms):
+  """dq_paired: the most splits whose pairs fit on the SMs; the CTAs' items visit each
+  (head, query block, key block) of the causal band exactly once, in pairs of equal work
+  (key blocks n − 1 − j, then j from the last query block down); the ranks order each query
+  block's adders, and the protocol finishes with every CTA resident, however the CTAs
+  interleave."""
+  mask = MaskSpec.make(True, None, False)
+  n_q = n_kv * cta_keys // bq
+  config = mb.MosaicBackwardConfig(dq_split=cta_keys == 128, column_split=cta_keys == 64,
+                                   dq_ordered=True, dq_paired=True, group_splits=hq // hkv)
+  splits = mb._paired_splits(config, mask, batch, hq, hkv, n_q * bq, n_kv * cta_keys, sms)  # pylint: disable=protected-access
+  group = hq // hkv
+  assert splits == max(n for n in range(1, group + 1)
+                       if group % n == 0 and batch * hkv * n * n_kv // 2 <= sms)
+  deal, ctas, ranks = mb._paired_schedule(batch, hq, hkv, splits, n_kv, n_q, cta_keys, bq)  # pylint: disable=protected-access
+  assert ctas == batch * hkv * splits * n_kv // 2 <= sms
+  assert ranks.shape == (batch, hq, n_kv, n_q)
+  walks, pair_steps = [], set()
+  for c in range(ctas):
+    items = [deal.item(c, r) for r in range(2)]
+    steps = []
+    for r, (b, kv_head, kvi, head0, heads, part, first, last, full_lo, full_hi, desc) in (
+        enumerate(items)):
+      assert (first, last, full_lo, full_hi) == tuple(
+          int(x) for x in mb._query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq))  # pylint: disable=protected-access
+      assert head0 // group == kv_head and 0 <= part < splits and desc == r
+      blocks = range(first, last)[::-1] if desc else range(first, last)
+      steps += [(b, head, kvi, qb) for head in range(head0, head0 + heads) for qb in blocks]
+    assert items[0][2] == n_kv - 1 - items[1][2]  # key blocks n − 1 − j, then j
+    pair_steps.add(len(steps))
+    walks.append(steps)
+  assert len(pair_steps) == 1  # every CTA the same work
+  want = {(b, head, kvi, qb) for b in range(batch) for head in range(hq) for kvi in range(n_kv)
+          for qb in range(kvi * cta_keys // bq, n_q)}
+  visits = [v for steps in walks for v in steps]
+  assert len(visits) == len(set(visits)) and set(visits) == want
+  for b in range(batch):
+    for head in range(hq):
+      for qb in range(n_q):
+        adders = [kvi for kvi in range(n_kv) if (b, head, kvi, qb) in want]
+        assert sorted(ranks[b, head, kvi, qb] for kvi in adders) == list(range(len(adders)))
+  rng = np.random.default_rng(0)
+  at, counters = [0] * len(walks), collections.Counter()
+  while any(i < len(steps) for i, steps in zip(at, walks)):
+    movable = [c for c, steps in enumerate(walks) if at[c] < len(steps)
+               and counters[steps[at[c]][:2] + steps[at[c]][3:]] == ranks[steps[at[c]]]]
+    assert movable, "deadlock"
+    c = movable[rng.integers(len(movable))]
+    counters[walks[c][at[c]][:2] + walks[c][at[c]][3:]] += 1
+    at[c] += 1
+
+
+def test_paired_backward_applies_where_the_pairs_fit_on_the_sms():
+  """dq_paired at Gemma-2B's MQA (B1 T8k H8/1, D = 256, 128 key blocks; 8 group splits,
+  1,024 grid CTAs for 132 SMs): 2 splits, 128 CTAs of a pair each. Every other call keeps
+  the grid of key blocks: more pairs than SMs, a grid of one wave, other masks, T ≠ S, an
+  odd number of key blocks."""
+  config = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
+                                   scores_split=True, dq_ordered=True, dq_paired=True,
+                                   group_splits=8)
+  causal = MaskSpec.make(True, None, False)
+  splits = lambda mask, t, s, b=1, hkv=1, on=config: mb._paired_splits(  # pylint: disable=protected-access
+      on, mask, b, 8, hkv, t, s, 132)
+  assert splits(causal, 8192, 8192) == 2
+  assert splits(causal, 8192, 8192, b=2) == 1
+  assert splits(causal, 8192, 8192, b=2, hkv=4) is None  # Gemma-2-2B: 512 pairs
+  assert splits(causal, 1024, 1024) is None  # 16 key blocks: the grid's 128 CTAs, one wave
+  assert splits(causal, 8192, 8192 - 128) is None  # T ≠ S
+  assert splits(causal, 64 * 7, 64 * 7) is None  # 7 key blocks
+  assert splits(MaskSpec.make(False, None, False), 8192, 8192) is None
+  assert splits(MaskSpec.make(True, 1024, False), 8192, 8192) is None
+  assert splits(MaskSpec.make(True, None, True), 8192, 8192) is None
+  assert splits(causal, 8192, 8192, on=dataclasses.replace(config, dq_paired=False)) is None
+  assert "dq_paired belongs to dq_ordered" in mb.support_error(
+      (1, 256, 8, 256), (1, 256, 1, 256), BF16, _opts(True, None, False),
+      dataclasses.replace(config, dq_ordered=False))
+  assert "dq_paired excludes" in mb.support_error(
+      (1, 256, 8, 128), (1, 256, 1, 128), BF16, _opts(True, None, False),
+      mb.MosaicBackwardConfig(dq_ordered=True, dq_paired=True, dq_stagger=True))
+
+
+@pytest.mark.parametrize("d, t, hkv, sms, semantics", _alternating_lowerings([
+    (256, 512, 1, 12), (256, 768, 2, 30), (128, 512, 4, 20), (128, 1024, 1, 12)]))
+def test_paired_backward_lowers_for_cuda(monkeypatch, d, t, hkv, sms, semantics):
+  """dq_paired: a CTA per pair of key blocks (its second K and V loaded once the first key
+  block's dK and dV have left their shared memory), under both lowerings; the dK and dV
+  partials are those of the pairs' splits."""
+  _lower_with(monkeypatch, semantics)
+  monkeypatch.setattr(mb.hopper, "sm_count", lambda: sms)
+  if d == 256:
+    config = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
+                                     scores_split=True, dq_ordered=True, dq_paired=True,
+                                     group_splits=4 // hkv)
+  else:
+    config = mb.MosaicBackwardConfig(dq_ordered=True, dq_buffers=2, early_softmax=True,
+                                     fused_delta=True, dq_paired=True)
+  opts = _opts(True, None, False)
+  assert mb.support_error((2, t, 4, d), (2, t, hkv, d), BF16, opts, config) is None
+  splits = mb._paired_splits(config, opts.mask, 2, 4, hkv, t, t, sms)  # pylint: disable=protected-access
+  assert splits is not None
+  text = _backward_lowered_for_cuda(opts, config, t, t, hkv, d, False)
+  call = next(line for line in text.splitlines() if _MOSAIC_CALL.search(line))
+  parts = f"{splits}x" if splits > 1 else ""
+  assert call.split("->")[-1].count(f"tensor<{parts}2x{t}x{hkv}x{d}xbf16>") == 2
+
+
 def test_tuned_backward_configs_serve_their_calls():
   """The tuning table's sections name real fields and choices the kernel accepts, and none
   that its calls would ignore: dq_rotate applies only without a mask, so no causal section
@@ -1316,10 +1430,11 @@ def test_tuned_backward_configs_serve_their_calls():
     assert mb.MosaicBackwardConfig.for_deterministic(64, causal, gqa) == mb.MosaicBackwardConfig(
         dq_split=True, dq_ordered=True, block_q=128, stages=2, dq_buffers=1 + causal,
         dq_rotate=not causal, gqa_per_query_head=causal and gqa)
-  # d256_causal_gqa_ordered: the same with one CTA per query head, the last key block first
+  # d256_causal_gqa_ordered: the same with one CTA per query head, the last key block first;
+  # one CTA per pair of key blocks where the pairs fit on the SMs
   assert mb.MosaicBackwardConfig.for_deterministic(256, True, True) == mb.MosaicBackwardConfig(
       dq_split=False, column_split=True, stages=1, scores_split=True, dq_ordered=True,
-      group_splits=8)  # one CTA per query head, up to 8, by partials
+      group_splits=8, dq_paired=True)  # one CTA per query head, up to 8, by partials
   # d192_causal_ordered: D = 256's causal kernel with two Q/dO stages, the last key block first
   assert mb.MosaicBackwardConfig.for_deterministic(192, True) == mb.MosaicBackwardConfig(
       dq_split=False, column_split=True, stages=2, scores_split=True, dq_ordered=True)
@@ -2152,6 +2267,39 @@ class TestMosaicGpu:
                                    implementation="pallas_mosaic_gpu")
     for g, w in zip(got, want):
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("b, t, hq, hkv, d, sms", [
+    (1, 1024, 8, 1, 256, 40),  # MQA: 4 splits of 2 query heads, 32 CTAs
+    (2, 768, 4, 2, 256, 30),   # one split, 24 CTAs
+    (1, 1024, 4, 4, 128, 20),  # dq_split, 128 keys per CTA, no GQA: 16 CTAs
+    (2, 512, 8, 2, 128, 9)])   # one split, 8 CTAs
+def test_paired_backward_matches_reference(monkeypatch, b, t, hq, hkv, d, sms):
+  """dq_paired against the float32 reference, and the same bits when run again (the SMs
+  the schedule sees patched down, so that the grid of key blocks would take more than one
+  wave)."""
+  monkeypatch.setattr(mb.hopper, "sm_count", lambda: sms)
+  if d == 256:
+    config = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
+                                     scores_split=True, dq_ordered=True, dq_paired=True,
+                                     group_splits=hq // hkv)
+  else:
+    config = mb.MosaicBackwardConfig(dq_ordered=True, dq_buffers=2, early_softmax=True,
+                                     dq_paired=True)
+  assert mb._paired_splits(config, MaskSpec.make(True, None, False), b, hq, hkv, t, t, sms)  # pylint: disable=protected-access
+  impl = PallasMosaicGpu(backward_config=config)
+  q, k, v, _, ct = make_problem(jax.random.key(t + d + hkv), b, t, t, hq, hkv, d, BF16)
+  opts = dict(causal=True)
+  out, lse, grads = run(impl, q, k, v, None, ct, opts)
+  r_out, _, r_grads = run("reference", *(x.astype(jnp.float32) for x in (q, k, v)), None, ct,
+                          opts)
+  assert rel_err(out, r_out) < 3e-2
+  for g, rg in zip(grads, r_grads):
+    assert rel_err(g, rg) < 3e-2
+  for g, again in zip(grads, run(impl, q, k, v, None, ct, opts)[2]):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(again, np.float32))
 
 
 @pytest.mark.gpu
