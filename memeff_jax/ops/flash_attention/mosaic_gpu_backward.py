@@ -681,7 +681,7 @@ def _paired_splits(config: MosaicBackwardConfig, mask: MaskSpec, batch: int, hq:
   group = hq // hkv
   fits = [n for n in range(1, group + 1)
           if group % n == 0 and batch * hkv * n * (n_kv // 2) <= sms]
-  return max(fits, default=group)  # (else several pairs a CTA, one query head each)
+  return max(fits, default=None)
 
 
 class _PairedDeal(NamedTuple):
@@ -694,30 +694,23 @@ class _PairedDeal(NamedTuple):
   n_q: int
   cta_keys: int
   bq: int
-  ctas: int = 0  # (several pairs a CTA: pair r·ctas + c is CTA c's r-th)
-  pairs: int = 0
 
-  def count(self, c, div=operator.floordiv):
-    return 2 * div(self.pairs - c + self.ctas - 1, self.ctas)
-
-  def item(self, c, r, div=operator.floordiv, rem=operator.mod):
+  def item(self, c, r: int, div=operator.floordiv, rem=operator.mod):
     """CTA c's r-th item (r = 0, 1): (b, kv_head, kvi, head0, heads, part, first, last,
     full_lo, full_hi, descending), `part` its split (the dK and dV partials it stores), the
     bounds _query_blocks' under a causal mask with T = S, and descending where it walks its
     query blocks from the last down (the pair's second). div and rem: for Python ints, or
     hopper's for the kernel's int32 scalars."""
-    desc = rem(r, 2)
-    c = div(r, 2) * self.ctas + c
     unit, j = div(c, self.n_kv // 2), rem(c, self.n_kv // 2)
     b, part = div(unit, self.hkv * self.splits), rem(unit, self.splits)
     kv_head = rem(div(unit, self.splits), self.hkv)
-    kvi = self.n_kv - 1 - j + desc * (2 * j + 1 - self.n_kv)
+    kvi = j if r else self.n_kv - 1 - j
     lo, hi = div(part * self.group, self.splits), div((part + 1) * self.group, self.splits)
     keys = kvi * self.cta_keys  # the first query block sees its first key; from full_lo
     first = div(keys, self.bq)  # on, every query sees its last
     full_lo = div(keys + self.cta_keys + self.bq - 2, self.bq)
     return (b, kv_head, kvi, kv_head * self.group + lo, hi - lo, part, first, self.n_q,
-            full_lo, self.n_q, desc)
+            full_lo, self.n_q, r == 1)
 
 
 @functools.lru_cache(maxsize=32)
@@ -729,16 +722,14 @@ def _paired_schedule(batch: int, hq: int, hkv: int, splits: int, n_kv: int, n_q:
   PAIRED_SWITCH_STEPS later), ties to the lower CTA. Each CTA's steps come in the model's
   time order, so every turn waits only on steps the model puts earlier: with every CTA
   resident (one per SM), no deadlock."""
-  pairs = batch * hkv * splits * (n_kv // 2)
-  rounds = -(-pairs // hopper.sm_count())
-  ctas = -(-pairs // rounds)
-  deal = _PairedDeal(hkv, splits, hq // hkv, n_kv, n_q, cta_keys, bq, ctas, pairs)
+  deal = _PairedDeal(hkv, splits, hq // hkv, n_kv, n_q, cta_keys, bq)
+  ctas = batch * hkv * splits * (n_kv // 2)
   visits = []  # (query block key, key block, time, CTA) per step, as arrays per head
   for c in range(ctas):
     time = 0
-    for r in range(deal.count(c)):
+    for r in range(2):
       b, _, kvi, head0, heads, _, first, last, _, _, descending = deal.item(c, r)
-      time += PAIRED_SWITCH_STEPS
+      time += r * PAIRED_SWITCH_STEPS
       blocks = np.arange(last - 1, first - 1, -1) if descending else np.arange(first, last)
       for head in range(head0, head0 + heads):
         visits.append(((b * hq + head) * n_q + blocks, np.full_like(blocks, kvi),
@@ -834,7 +825,7 @@ class _Item(NamedTuple):
   head0: jax.Array  # the first of them (the next ones follow it)
   rot: jax.Array | None  # dq_rotate: the query block its walk starts at
   part: int | jax.Array = 0  # group_splits: its split (the dK and dV partials it stores)
-  descending: Any = False  # dq_paired's second key block: walks from the last block down
+  descending: bool = False  # dq_paired's second key block: walks from the last block down
 
   @property
   def per_head(self):
@@ -842,13 +833,12 @@ class _Item(NamedTuple):
 
   def block(self, j):
     """The query block of its walk's j-th step in a head."""
-    return self.first + j + self.descending * (self.per_head - 1 - 2 * j)
+    return self.last - 1 - j if self.descending else self.first + j
 
   def unmasked(self):
     """The steps [lo, hi) of its walk in a head that see all of its keys."""
     lo, hi = self.full_lo - self.first, self.full_hi - self.first
-    d = self.descending
-    return lo + d * (self.per_head - hi - lo), hi + d * (self.per_head - lo - hi)
+    return (self.per_head - hi, self.per_head - lo) if self.descending else (lo, hi)
 
   @property
   def n_steps(self):
@@ -998,7 +988,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   else:
     cta = lax.axis_index("cta")
 
-  def paired_item(r):
+  def paired_item(r: int):
     """dq_paired: this CTA's r-th item (0 or 1)."""
     (b, kv_head, kvi, head0, heads, part, first, last, full_lo, full_hi,
      descending) = work.item(cta, r, hopper.div, hopper.rem)
@@ -1011,12 +1001,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     its schedule's."""
     if work is None:
       return fn(grid_item, base)
-    if work.pairs <= work.ctas:
-      for r in range(2):  # unrolled: under a loop over items the compute warpgroups spilled
-        base = fn(paired_item(r), base)
-      return base
-    return lax.fori_loop(0, work.count(cta, hopper.div),
-                         lambda r, base: fn(paired_item(r), base), base)
+    for r in range(2):  # unrolled: under a loop over items the compute warpgroups spilled
+      base = fn(paired_item(r), base)
+    return base
 
   def dq_slot(i):
     """dq_ordered: global step i's dQ tile slot, and that slot's dq_full and dq_free
@@ -1556,7 +1543,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         ahead = jnp.minimum(stages, it.n_steps)
         pl.loop(0, ahead)(step)
-        pl.when(base > 0)(lambda: plgpu.barrier_wait(sc.kv_free))
+        if it.descending:  # the pair's second key block
+          plgpu.barrier_wait(sc.kv_free)
         load_keys(it)
         pl.loop(ahead, it.n_steps)(step)
         return base + it.n_steps
