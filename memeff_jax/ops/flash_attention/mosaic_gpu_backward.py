@@ -674,11 +674,10 @@ def _paired_splits(config: MosaicBackwardConfig, mask: MaskSpec, batch: int, hq:
   blocks instead: its mask is not causal with T = S, its key blocks are odd, even one split
   has more pairs than SMs, or the grid (one CTA per key block and split of the config's)
   takes one wave anyway."""
-  n_kv = s // config.cta_keys()
+  n_kv, group = s // config.cta_keys(), hq // hkv
   if not (config.dq_paired and mask.is_causal and t == s and n_kv % 2 == 0
-          and batch * hkv * config.group_splits * n_kv > sms):
+          and batch * hkv * min(config.group_splits, group) * n_kv > sms):
     return None
-  group = hq // hkv
   fits = [n for n in range(1, group + 1)
           if group % n == 0 and batch * hkv * n * (n_kv // 2) <= sms]
   return max(fits, default=None)

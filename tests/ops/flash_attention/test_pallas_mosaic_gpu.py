@@ -1319,6 +1319,7 @@ def test_paired_backward_applies_where_the_pairs_fit_on_the_sms():
   assert splits(causal, 8192, 8192, b=2) == 1
   assert splits(causal, 8192, 8192, b=2, hkv=4) is None  # Gemma-2-2B: 512 pairs
   assert splits(causal, 1024, 1024) is None  # 16 key blocks: the grid's 128 CTAs, one wave
+  assert splits(causal, 1024, 1024, hkv=4) is None  # 2 splits of a key head's 2 query heads
   assert splits(causal, 8192, 8192 - 128) is None  # T ≠ S
   assert splits(causal, 64 * 7, 64 * 7) is None  # 7 key blocks
   assert splits(MaskSpec.make(False, None, False), 8192, 8192) is None
