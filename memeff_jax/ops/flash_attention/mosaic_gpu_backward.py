@@ -683,6 +683,12 @@ def _paired_splits(config: MosaicBackwardConfig, mask: MaskSpec, batch: int, hq:
   return max(fits, default=None)
 
 
+def _group_share(member, group: int, splits: int, div=operator.floordiv):
+  """(lo, hi): the query heads of a key head's group (of `group`) that split `member` of
+  `splits` walks. div: for Python ints, or hopper's for the kernel's int32 scalars."""
+  return div(member * group, splits), div((member + 1) * group, splits)
+
+
 class _PairedDeal(NamedTuple):
   """dq_paired's CTAs: one per pair of key blocks (per batch row, key head and split of its
   group, key blocks n − 1 − j then j), in that order."""
@@ -690,46 +696,41 @@ class _PairedDeal(NamedTuple):
   splits: int
   group: int
   n_kv: int
-  n_q: int
-  cta_keys: int
-  bq: int
 
   def item(self, c, r: int, div=operator.floordiv, rem=operator.mod):
-    """CTA c's r-th item (r = 0, 1): (b, kv_head, kvi, head0, heads, part, first, last,
-    full_lo, full_hi, descending), `part` its split (the dK and dV partials it stores), the
-    bounds _query_blocks' under a causal mask with T = S, and descending where it walks its
-    query blocks from the last down (the pair's second). div and rem: for Python ints, or
-    hopper's for the kernel's int32 scalars."""
+    """CTA c's r-th key block (r = 0, 1; the second walks its query blocks from the last
+    down): (b, kv_head, kvi, head0, heads, part), `part` its split (the dK and dV partials
+    it stores). div and rem: for Python ints, or hopper's for the kernel's int32 scalars."""
     unit, j = div(c, self.n_kv // 2), rem(c, self.n_kv // 2)
     b, part = div(unit, self.hkv * self.splits), rem(unit, self.splits)
     kv_head = rem(div(unit, self.splits), self.hkv)
     kvi = j if r else self.n_kv - 1 - j
-    lo, hi = div(part * self.group, self.splits), div((part + 1) * self.group, self.splits)
-    keys = kvi * self.cta_keys  # the first query block sees its first key; from full_lo
-    first = div(keys, self.bq)  # on, every query sees its last
-    full_lo = div(keys + self.cta_keys + self.bq - 2, self.bq)
-    return (b, kv_head, kvi, kv_head * self.group + lo, hi - lo, part, first, self.n_q,
-            full_lo, self.n_q, r == 1)
+    lo, hi = _group_share(part, self.group, self.splits, div)
+    return b, kv_head, kvi, kv_head * self.group + lo, hi - lo, part
 
 
 @functools.lru_cache(maxsize=32)
-def _paired_schedule(batch: int, hq: int, hkv: int, splits: int, n_kv: int, n_q: int,
-                     cta_keys: int, bq: int):
+def _paired_schedule(mask: MaskSpec, batch: int, hq: int, hkv: int, splits: int, n_kv: int,
+                     n_q: int, cta_keys: int, bq: int):
   """(deal, ctas, ranks): dq_paired's _PairedDeal, its CTAs, and ranks [B, Hq, n_kv, n_q]
   (NumPy int32): key block kv's turn among the adders into head h's query block qb, by the
   step at which the CTAs would reach it in lockstep (the second key block
   PAIRED_SWITCH_STEPS later), ties to the lower CTA. Each CTA's steps come in the model's
   time order, so every turn waits only on steps the model puts earlier: with every CTA
   resident (one per SM), no deadlock."""
-  deal = _PairedDeal(hkv, splits, hq // hkv, n_kv, n_q, cta_keys, bq)
+  deal = _PairedDeal(hkv, splits, hq // hkv, n_kv)
   ctas = batch * hkv * splits * (n_kv // 2)
+  with hopper.host_constants():
+    first, last = (np.broadcast_to(np.asarray(x, np.int32), (n_kv,)) for x in
+                   _query_blocks(mask, np.arange(n_kv) * cta_keys, cta_keys, n_q, bq)[:2])
   visits = []  # (query block key, key block, time, CTA) per step, as arrays per head
   for c in range(ctas):
     time = 0
     for r in range(2):
-      b, _, kvi, head0, heads, _, first, last, _, _, descending = deal.item(c, r)
+      b, _, kvi, head0, heads, _ = deal.item(c, r)
       time += r * PAIRED_SWITCH_STEPS
-      blocks = np.arange(last - 1, first - 1, -1) if descending else np.arange(first, last)
+      blocks = np.arange(first[kvi], last[kvi])
+      blocks = blocks[::-1] if r else blocks
       for head in range(head0, head0 + heads):
         visits.append(((b * hq + head) * n_q + blocks, np.full_like(blocks, kvi),
                        time + np.arange(len(blocks)), np.full_like(blocks, c)))
@@ -971,7 +972,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       heads, kv_head, head0 = 1, hopper.div(h, group), h
     elif splits > 1:  # its share of its key head's query heads
       kv_head, member = hopper.div(h, splits), hopper.rem(h, splits)
-      lo, hi = (hopper.div(m * group, splits) for m in (member, member + 1))
+      lo, hi = _group_share(member, group, splits, hopper.div)
       heads, head0 = hi - lo, kv_head * group + lo
     else:  # every query head of this key head
       heads, kv_head, head0 = group, h, h * group
@@ -979,29 +980,26 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     rot = _rotation(kvi, n_kv, n_q) if rotate else None
     return _Item(b, h, kvi, *bounds, heads, kv_head, head0, rot, member)
 
-  # The CTA's one item (dq_paired: its position), read here: the warps' code (with jax 0.11's
+  def paired_item(r: int):
+    """dq_paired: this CTA's r-th item (0 or 1)."""
+    b, kv_head, kvi, head0, heads, part = work.item(lax.axis_index("cta"), r, hopper.div,
+                                                    hopper.rem)
+    bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq)
+    return _Item(b, kv_head, kvi, *bounds, heads, kv_head, head0, None, part, r == 1)
+
+  # The CTA's items (one; dq_paired's two), computed here: the warps' code (with jax 0.11's
   # warpgroup lowering) has no selects or clamps for the band's bounds, and inside the
   # memory warpgroup's per-warp code only the warp axis may be named.
   if work is None:
-    grid_item = item_at(*(lax.axis_index(a) for a in ("b", "h", "kv")))
-  else:
-    cta = lax.axis_index("cta")
-
-  def paired_item(r: int):
-    """dq_paired: this CTA's r-th item (0 or 1)."""
-    (b, kv_head, kvi, head0, heads, part, first, last, full_lo, full_hi,
-     descending) = work.item(cta, r, hopper.div, hopper.rem)
-    return _Item(b, kv_head, kvi, first, last, full_lo, full_hi, heads, kv_head, head0, None,
-                 part, descending)
+    items = [item_at(*(lax.axis_index(a) for a in ("b", "h", "kv")))]
+  else:  # unrolled: under a loop over items the compute warpgroups spilled
+    items = [paired_item(r) for r in range(2)]
 
   def each_item(fn, base):
     """fn(item, base) for this CTA's items in order, base the global step the item's first
-    takes (each fn returns the next one's): its grid position's one item, or with dq_paired
-    its schedule's."""
-    if work is None:
-      return fn(grid_item, base)
-    for r in range(2):  # unrolled: under a loop over items the compute warpgroups spilled
-      base = fn(paired_item(r), base)
+    takes (each fn returns the next one's)."""
+    for it in items:
+      base = fn(it, base)
     return base
 
   def dq_slot(i):
@@ -1521,8 +1519,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
     def loads():
       if work is None:
-        load_keys(grid_item)
-        hopper.fill_ring(functools.partial(load, grid_item), grid_item.n_steps, stages,
+        load_keys(items[0])
+        hopper.fill_ring(functools.partial(load, items[0]), items[0].n_steps, stages,
                          (sc.q_free, sc.do_free))
         return
 
@@ -1713,8 +1711,8 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                                        ranges, rotate=rotate)
     rank_args = (ranks, _adders_table(adders)) if config.dq_rounded_per_block else (ranks,)
     if paired is not None:  # the CTAs' items, and the ranks of their lockstep order
-      deal, ctas, ranks = _paired_schedule(b, hq, hkv, paired, n_kv, n_q, config.cta_keys(),
-                                           bq)
+      deal, ctas, ranks = _paired_schedule(mask, b, hq, hkv, paired, n_kv, n_q,
+                                           config.cta_keys(), bq)
       rank_args = (ranks,)
   else:
     rank_args = ()

@@ -1266,19 +1266,19 @@ def test_paired_schedule_covers_the_walks_and_adds_without_deadlock(batch, hq, h
   group = hq // hkv
   assert splits == max(n for n in range(1, group + 1)
                        if group % n == 0 and batch * hkv * n * n_kv // 2 <= sms)
-  deal, ctas, ranks = mb._paired_schedule(batch, hq, hkv, splits, n_kv, n_q, cta_keys, bq)  # pylint: disable=protected-access
+  deal, ctas, ranks = mb._paired_schedule(mask, batch, hq, hkv, splits, n_kv, n_q, cta_keys,  # pylint: disable=protected-access
+                                          bq)
   assert ctas == batch * hkv * splits * n_kv // 2 <= sms
   assert ranks.shape == (batch, hq, n_kv, n_q)
   walks, pair_steps = [], set()
   for c in range(ctas):
     items = [deal.item(c, r) for r in range(2)]
     steps = []
-    for r, (b, kv_head, kvi, head0, heads, part, first, last, full_lo, full_hi, desc) in (
-        enumerate(items)):
-      assert (first, last, full_lo, full_hi) == tuple(
-          int(x) for x in mb._query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq))  # pylint: disable=protected-access
-      assert head0 // group == kv_head and 0 <= part < splits and desc == r
-      blocks = range(first, last)[::-1] if desc else range(first, last)
+    for r, (b, kv_head, kvi, head0, heads, part) in enumerate(items):
+      assert head0 // group == kv_head and 0 <= part < splits
+      first, last, _, _ = (int(x) for x in mb._query_blocks(mask, kvi * cta_keys, cta_keys,  # pylint: disable=protected-access
+                                                            n_q, bq))
+      blocks = range(first, last)[::-1] if r else range(first, last)  # the second descending
       steps += [(b, head, kvi, qb) for head in range(head0, head0 + heads) for qb in blocks]
     assert items[0][2] == n_kv - 1 - items[1][2]  # key blocks n − 1 − j, then j
     pair_steps.add(len(steps))
