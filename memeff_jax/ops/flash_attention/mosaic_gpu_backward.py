@@ -680,7 +680,7 @@ def _paired_splits(config: MosaicBackwardConfig, mask: MaskSpec, batch: int, hq:
     return None
   fits = [n for n in range(1, group + 1)
           if group % n == 0 and batch * hkv * n * (n_kv // 2) <= sms]
-  return max(fits, default=min(config.group_splits, group))
+  return max(fits, default=None)
 
 
 def _group_share(member, group: int, splits: int, div=operator.floordiv):
@@ -711,7 +711,7 @@ class _PairedDeal(NamedTuple):
 
 @functools.lru_cache(maxsize=32)
 def _paired_schedule(mask: MaskSpec, batch: int, hq: int, hkv: int, splits: int, n_kv: int,
-                     n_q: int, cta_keys: int, bq: int, sms: int):
+                     n_q: int, cta_keys: int, bq: int):
   """(deal, ctas, ranks): dq_paired's _PairedDeal, its CTAs, and ranks [B, Hq, n_kv, n_q]
   (NumPy int32): key block kv's turn among the adders into head h's query block qb, by the
   step at which the CTAs would reach it in lockstep (the second key block
@@ -736,7 +736,7 @@ def _paired_schedule(mask: MaskSpec, batch: int, hq: int, hkv: int, splits: int,
                        time + np.arange(len(blocks)), np.full_like(blocks, c)))
         time += len(blocks)
   block, kvi, time, cta = (np.concatenate(x) for x in zip(*visits))
-  order = np.lexsort((cta, time, cta // sms, block))  # by query block, wave, time, CTA
+  order = np.lexsort((cta, time, block))  # by query block, then time, then CTA
   sorted_blocks = block[order]
   turn = np.arange(len(order)) - np.searchsorted(sorted_blocks, sorted_blocks)
   ranks = np.zeros((batch * hq * n_q, n_kv), np.int32)
@@ -1712,7 +1712,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     rank_args = (ranks, _adders_table(adders)) if config.dq_rounded_per_block else (ranks,)
     if paired is not None:  # the CTAs' items, and the ranks of their lockstep order
       deal, ctas, ranks = _paired_schedule(mask, b, hq, hkv, paired, n_kv, n_q,
-                                           config.cta_keys(), bq, hopper.sm_count())
+                                           config.cta_keys(), bq)
       rank_args = (ranks,)
   else:
     rank_args = ()

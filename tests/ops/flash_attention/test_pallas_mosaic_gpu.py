@@ -1250,9 +1250,7 @@ def test_heavy_first_walks_add_in_rank_order_without_deadlock(causal, window):
     (2, 8, 4, 6, 64, 64, 24),    # one split per key head's 2 query heads
     (1, 4, 4, 4, 128, 64, 9),    # no GQA, 128 keys per CTA
     (1, 4, 2, 6, 128, 128, 12),  # 128-query steps (D = 64)
-    (1, 6, 2, 4, 64, 64, 5),     # 3 query heads per key head, one split
-    (2, 8, 4, 8, 64, 64, 5),     # more pairs than SMs: waves of them (the config's splits)
-    (1, 4, 4, 8, 128, 64, 7)])   # ... no GQA, a last wave of 2 CTAs
+    (1, 6, 2, 4, 64, 64, 5)])    # 3 query heads per key head, one split
 def test_paired_schedule_covers_the_walks_and_adds_without_deadlock(batch, hq, hkv, n_kv,
                                                                     cta_keys, bq, sms):
   """dq_paired: the most splits whose pairs fit on the SMs; the CTAs' items visit each
@@ -1266,12 +1264,11 @@ def test_paired_schedule_covers_the_walks_and_adds_without_deadlock(batch, hq, h
                                    dq_ordered=True, dq_paired=True, group_splits=hq // hkv)
   splits = mb._paired_splits(config, mask, batch, hq, hkv, n_q * bq, n_kv * cta_keys, sms)  # pylint: disable=protected-access
   group = hq // hkv
-  assert splits == max((n for n in range(1, group + 1)
-                        if group % n == 0 and batch * hkv * n * n_kv // 2 <= sms),
-                       default=group)
+  assert splits == max(n for n in range(1, group + 1)
+                       if group % n == 0 and batch * hkv * n * n_kv // 2 <= sms)
   deal, ctas, ranks = mb._paired_schedule(mask, batch, hq, hkv, splits, n_kv, n_q, cta_keys,  # pylint: disable=protected-access
-                                          bq, sms)
-  assert ctas == batch * hkv * splits * n_kv // 2
+                                          bq)
+  assert ctas == batch * hkv * splits * n_kv // 2 <= sms
   assert ranks.shape == (batch, hq, n_kv, n_q)
   walks, pair_steps = [], set()
   for c in range(ctas):
@@ -1296,15 +1293,11 @@ def test_paired_schedule_covers_the_walks_and_adds_without_deadlock(batch, hq, h
       for qb in range(n_q):
         adders = [kvi for kvi in range(n_kv) if (b, head, kvi, qb) in want]
         assert sorted(ranks[b, head, kvi, qb] for kvi in adders) == list(range(len(adders)))
-  rng = np.random.default_rng(0)  # CTAs launch in order onto free SMs, one per SM
-  at, counters, launched = [0] * len(walks), collections.Counter(), 0
+  rng = np.random.default_rng(0)
+  at, counters = [0] * len(walks), collections.Counter()
   while any(i < len(steps) for i, steps in zip(at, walks)):
-    resident = [c for c in range(launched) if at[c] < len(walks[c])]
-    while len(resident) < sms and launched < ctas:
-      resident.append(launched)
-      launched += 1
-    movable = [c for c in resident
-               if counters[walks[c][at[c]][:2] + walks[c][at[c]][3:]] == ranks[walks[c][at[c]]]]
+    movable = [c for c, steps in enumerate(walks) if at[c] < len(steps)
+               and counters[steps[at[c]][:2] + steps[at[c]][3:]] == ranks[steps[at[c]]]]
     assert movable, "deadlock"
     c = movable[rng.integers(len(movable))]
     counters[walks[c][at[c]][:2] + walks[c][at[c]][3:]] += 1
@@ -2283,9 +2276,7 @@ class TestMosaicGpu:
     (1, 1024, 8, 1, 256, 40),  # MQA: 4 splits of 2 query heads, 32 CTAs
     (2, 768, 4, 2, 256, 30),   # one split, 24 CTAs
     (1, 1024, 4, 4, 128, 20),  # dq_split, 128 keys per CTA, no GQA: 16 CTAs
-    (2, 512, 8, 2, 128, 9),    # one split, 8 CTAs
-    (2, 1024, 4, 2, 256, 7),   # waves: 64 CTAs of one query head each on 7 SMs
-    (1, 1024, 4, 4, 128, 5)])  # waves: 16 CTAs on 5 SMs
+    (2, 512, 8, 2, 128, 9)])   # one split, 8 CTAs
 def test_paired_backward_matches_reference(monkeypatch, b, t, hq, hkv, d, sms):
   """dq_paired against the float32 reference, and the same bits when run again (the SMs
   the schedule sees patched down, so that the grid of key blocks would take more than one
