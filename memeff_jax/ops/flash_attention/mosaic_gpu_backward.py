@@ -249,8 +249,9 @@ class MosaicBackwardConfig:
       heads split between the most CTAs that fit (group_splits: one split per query head,
       or fewer). Gemma-2B's MQA backward (B1 T8k H8/1, D = 256) is the call it serves: the
       grid's last key blocks there run alone on the SMs while the rows after the first
-      launch. Not with gqa_per_query_head, pingpong or dq_stagger; without fused_delta (a
-      block's first visitor is no longer the first to launch).
+      launch. Not with gqa_per_query_head, pingpong, dq_stagger or dq_rounded_per_block
+      (which serves segment ids); without fused_delta (a block's first visitor is no longer
+      the first to launch).
   """
 
   stages: int = 2
@@ -473,8 +474,10 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
             "belong to dq_ordered")
   if config.dq_paired and not config.dq_ordered:
     return "dq_paired belongs to dq_ordered"
-  if config.dq_paired and (config.gqa_per_query_head or config.pingpong or config.dq_stagger):
-    return "dq_paired excludes gqa_per_query_head, pingpong and dq_stagger"
+  if config.dq_paired and (config.gqa_per_query_head or config.pingpong or config.dq_stagger
+                           or config.dq_rounded_per_block):
+    return ("dq_paired excludes gqa_per_query_head, pingpong, dq_stagger and "
+            "dq_rounded_per_block")
   if config.dq_rounded and config.dq_rounded_per_block:
     return "dq_rounded (every query block) and dq_rounded_per_block exclude each other"
   if config.fused_delta and d % 64:
@@ -1706,14 +1709,16 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   per_query_head = config.gqa_per_query_head and hq > hkv
   splits = min(config.group_splits, hq // hkv)
   grid_heads = hq if per_query_head else hkv * splits
-  if config.dq_ordered:
+  written = None
+  if paired is not None:  # the CTAs' items, and the ranks of their lockstep order (causal,
+    # T = S, no segment ids: every query block has adders, the diagonal's key block first)
+    deal, ctas, ranks = _paired_schedule(mask, b, hq, hkv, paired, n_kv, n_q,
+                                         config.cta_keys(), bq)
+    rank_args = (ranks,)
+  elif config.dq_ordered:
     ranks, adders, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
                                        ranges, rotate=rotate)
     rank_args = (ranks, _adders_table(adders)) if config.dq_rounded_per_block else (ranks,)
-    if paired is not None:  # the CTAs' items, and the ranks of their lockstep order
-      deal, ctas, ranks = _paired_schedule(mask, b, hq, hkv, paired, n_kv, n_q,
-                                           config.cta_keys(), bq)
-      rank_args = (ranks,)
   else:
     rank_args = ()
   if per_query_head and not config.dq_ordered:  # dK and dV gather the group's query heads

@@ -1332,6 +1332,9 @@ def test_paired_backward_applies_where_the_pairs_fit_on_the_sms():
   assert "dq_paired excludes" in mb.support_error(
       (1, 256, 8, 128), (1, 256, 1, 128), BF16, _opts(True, None, False),
       mb.MosaicBackwardConfig(dq_ordered=True, dq_paired=True, dq_stagger=True))
+  assert "dq_paired excludes" in mb.support_error(
+      (1, 256, 8, 128), (1, 256, 1, 128), BF16, _opts(True, None, False),
+      mb.MosaicBackwardConfig(dq_ordered=True, dq_paired=True, dq_rounded_per_block=True))
 
 
 @pytest.mark.parametrize("d, t, hkv, sms, semantics", _alternating_lowerings([
