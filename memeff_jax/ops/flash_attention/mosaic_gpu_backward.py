@@ -273,7 +273,6 @@ class MosaicBackwardConfig:
   group_splits: int = 1
   early_softmax: bool = False
   dq_paired: bool = False
-  dq_tail: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -671,18 +670,6 @@ def _heavy_first(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> boo
           and n_kv <= ROTATE_MAX_KV)
 
 
-def _tail_units(config: MosaicBackwardConfig, mask: MaskSpec, units: int, n_kv: int,
-                sms: int, heavy_first: bool) -> int:
-  """dq_tail: how many of the grid's last units (batch row and head) launch interleaved,
-  key block 0 of each first (the longest walks first), so that the grid does not end on
-  long walks; 0 where it does not apply. The adders keep their order, so the tail's CTAs
-  wait on ones launched after them: all of the tail must fit on the SMs at once."""
-  if not (config.dq_tail and config.dq_ordered and mask.is_causal and not heavy_first
-          and n_kv <= sms):
-    return 0
-  return min(units, sms // n_kv)
-
-
 def _paired_splits(config: MosaicBackwardConfig, mask: MaskSpec, batch: int, hq: int,
                    hkv: int, t: int, s: int, sms: int) -> int | None:
   """dq_paired: the group splits of the call's pairs (the most that leave at most one pair
@@ -952,7 +939,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
                      heavy_first: bool = False, order=None, delta=None, per_block=None,
-                     work=None, tail: int = 0):
+                     work=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
   the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
@@ -1007,17 +994,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   # warpgroup lowering) has no selects or clamps for the band's bounds, and inside the
   # memory warpgroup's per-warp code only the warp axis may be named.
   if work is None:
-    b, h, kv = (lax.axis_index(a) for a in ("b", "h", "kv"))
-    if tail:  # the last `tail` units interleaved, key block 0 of each first
-      heads_n = q_ref.shape[2] if per_query_head else kv_heads * splits  # the grid's
-      units = q_ref.shape[0] * heads_n
-      unit = b * heads_n + h
-      r = jnp.maximum((unit - (units - tail)) * n_kv + kv, 0)
-      in_tail = unit >= units - tail
-      unit = jnp.where(in_tail, units - tail + hopper.rem(r, tail), unit)
-      kv = jnp.where(in_tail, n_kv - 1 - hopper.div(r, tail), kv)  # (item_at flips it)
-      b, h = hopper.div(unit, heads_n), hopper.rem(unit, heads_n)
-    items = [item_at(b, h, kv)]
+    items = [item_at(*(lax.axis_index(a) for a in ("b", "h", "kv")))]
   else:  # unrolled: under a loop over items the compute warpgroups spilled
     items = [paired_item(r) for r in range(2)]
 
@@ -1796,10 +1773,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
                        order=order, delta=delta, per_block=per_block, lengths=(t, s),
-                       work=None if paired is None else deal,
-                       tail=0 if paired is not None else _tail_units(
-                           config, mask, b * grid_heads, n_kv, hopper.sm_count(),
-                           _heavy_first(config, mask, n_kv)))
+                       work=None if paired is None else deal)
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused,
                                           paired is not None),
