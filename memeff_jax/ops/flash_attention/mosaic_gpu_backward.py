@@ -273,8 +273,6 @@ class MosaicBackwardConfig:
   group_splits: int = 1
   early_softmax: bool = False
   dq_paired: bool = False
-  dq_tail: bool = False
-  refresh: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -672,18 +670,6 @@ def _heavy_first(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> boo
           and n_kv <= ROTATE_MAX_KV)
 
 
-def _tail_units(config: MosaicBackwardConfig, mask: MaskSpec, units: int, n_kv: int,
-                sms: int, heavy_first: bool) -> int:
-  """dq_tail: how many of the grid's last units (batch row and head) launch interleaved,
-  key block 0 of each first (the longest walks first), so that the grid does not end on
-  long walks; 0 where it does not apply. The adders keep their order, so the tail's CTAs
-  wait on ones launched after them: all of the tail must fit on the SMs at once."""
-  if not (config.dq_tail and config.dq_ordered and mask.is_causal and not heavy_first
-          and n_kv <= sms):
-    return 0
-  return min(units, sms // n_kv)
-
-
 def _paired_splits(config: MosaicBackwardConfig, mask: MaskSpec, batch: int, hq: int,
                    hkv: int, t: int, s: int, sms: int) -> int | None:
   """dq_paired: the group splits of the call's pairs (the most that leave at most one pair
@@ -953,7 +939,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
                      heavy_first: bool = False, order=None, delta=None, per_block=None,
-                     work=None, tail: int = 0):
+                     work=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
   the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
@@ -1007,22 +993,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   # The CTA's items (one; dq_paired's two), computed here: the warps' code (with jax 0.11's
   # warpgroup lowering) has no selects or clamps for the band's bounds, and inside the
   # memory warpgroup's per-warp code only the warp axis may be named.
-  def position(z=0):
-    b, h, kv = (lax.axis_index(a) + z for a in ("b", "h", "kv"))
-    if tail:  # the last `tail` units interleaved, key block 0 of each first
-      heads_n = q_ref.shape[2] if per_query_head else kv_heads * splits  # the grid's
-      units = q_ref.shape[0] * heads_n
-      unit = b * heads_n + h
-      r = jnp.maximum((unit - (units - tail)) * n_kv + kv, 0)
-      in_tail = unit >= units - tail
-      unit = jnp.where(in_tail, units - tail + hopper.rem(r, tail), unit)
-      kv = jnp.where(in_tail, n_kv - 1 - hopper.div(r, tail), kv)  # (item_at flips it)
-      b, h = hopper.div(unit, heads_n), hopper.rem(unit, heads_n)
-    return b, h, kv
-
-  refresh = config.refresh and work is None
   if work is None:
-    items = [item_at(*position())]
+    items = [item_at(*(lax.axis_index(a) for a in ("b", "h", "kv")))]
   else:  # unrolled: under a loop over items the compute warpgroups spilled
     items = [paired_item(r) for r in range(2)]
 
@@ -1204,8 +1176,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
     def run_item(it: _Item, base):
       """The item's steps (global steps base, base + 1, ...), then its dK and dV."""
-      if refresh:
-        it = item_at(*position(zero_ref[0]))
+      my_key = it.kvi * cta_keys + key_row
       plgpu.barrier_wait(sc.k_ready)
       plgpu.barrier_wait(sc.v_ready)
       if segments:
@@ -1221,7 +1192,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         if segments:
           plgpu.barrier_wait(sc.q_seg_ready.at[slot])
           query_ids = hopper.load(sc.q_seg.at[slot, pl.ds(q0, shape[1])], col_layout)
-        return _mosaic.visible(mask, shape, 0, it.kvi * cta_keys + key_row, qb * bq + q0,
+        return _mosaic.visible(mask, shape, 0, my_key, qb * bq + q0,
                                key_ids if segments else None, query_ids)
 
       def store_dq(i, gi, dq, cols):
@@ -1319,15 +1290,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         return dk, dv
 
       def step(i, carry, *, masked):
-        nonlocal it
         dk, dv, z = carry
         z_next = zero_ref[0]  # the next step's offset (key_tiles)
-        saved = it
-        if refresh:
-          it = item_at(*position(z))
-        out = (*step_grads(i, dk, dv, z, masked=masked), z_next)
-        it = saved
-        return out
+        return (*step_grads(i, dk, dv, z, masked=masked), z_next)
 
       def step_grads(i, dk, dv, z, *, masked):
         gi = base + i  # the step's place in the CTA's pipeline: its slots
@@ -1456,9 +1421,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
-      if refresh:  # (not live across the loop)
-        it = item_at(*position(zero_ref[0]))
-      keys = pl.ds(it.kvi * cta_keys + key_row, bkv)
+      keys = pl.ds(my_key, bkv)
       if per_query_head and not config.dq_ordered:  # add this head's share into the float32
         # dK and dV, via the dQ tile (ordered: into dK and dV themselves, see put)
         for acc, acc_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
@@ -1810,10 +1773,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
                        order=order, delta=delta, per_block=per_block, lengths=(t, s),
-                       work=None if paired is None else deal,
-                       tail=0 if paired is not None else _tail_units(
-                           config, mask, b * grid_heads, n_kv, hopper.sm_count(),
-                           _heavy_first(config, mask, n_kv)))
+                       work=None if paired is None else deal)
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused,
                                           paired is not None),
