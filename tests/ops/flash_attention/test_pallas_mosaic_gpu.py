@@ -2804,3 +2804,44 @@ class TestMosaicGpuD48(TestMosaicGpuInPlace):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 class TestMosaicGpuD48Nondeterministic(TestMosaicGpuD48):
   extra = dict(deterministic=False)
+
+
+@pytest.mark.parametrize("d, t, hkv, sms, semantics", _alternating_lowerings([
+    (128, 512, 4, 9), (128, 1024, 1, 20), (256, 512, 2, 20)]))
+def test_tail_backward_lowers_for_cuda(monkeypatch, d, t, hkv, sms, semantics):
+  """dq_tail: the grid's last units interleaved, key block 0 of each first."""
+  _lower_with(monkeypatch, semantics)
+  monkeypatch.setattr(mb.hopper, "sm_count", lambda: sms)
+  if d == 256:
+    config = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
+                                     scores_split=True, dq_ordered=True, group_splits=2,
+                                     dq_tail=True)
+  else:
+    config = dataclasses.replace(mb.MosaicBackwardConfig.for_deterministic(128, True, hkv < 4),
+                                 dq_tail=True)
+  opts = _opts(True, None, False)
+  assert mb.support_error((2, t, 4, d), (2, t, hkv, d), BF16, opts, config) is None
+  _backward_lowered_for_cuda(opts, config, t, t, hkv, d, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("b, t, hq, hkv, d, sms", [
+    (2, 1024, 4, 4, 128, 20),   # 8 key blocks: 2 units in the tail
+    (2, 1024, 8, 2, 128, 9),    # causal GQA, one CTA per query head: one unit
+    (2, 1024, 4, 2, 256, 40)])  # D = 256 GQA, group splits: 2 units of 16 key blocks
+def test_tail_backward_matches_the_grid(monkeypatch, b, t, hq, hkv, d, sms):
+  """dq_tail changes only the launch order: the same bits as without it."""
+  monkeypatch.setattr(mb.hopper, "sm_count", lambda: sms)
+  if d == 256:
+    config = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
+                                     scores_split=True, dq_ordered=True, group_splits=2)
+  else:
+    config = mb.MosaicBackwardConfig.for_deterministic(128, True, hkv < hq)
+  q, k, v, _, ct = make_problem(jax.random.key(t + d + hkv), b, t, t, hq, hkv, d, BF16)
+  opts = dict(causal=True)
+  want = run(PallasMosaicGpu(backward_config=config), q, k, v, None, ct, opts)[2]
+  tail = dataclasses.replace(config, dq_tail=True)
+  got = run(PallasMosaicGpu(backward_config=tail), q, k, v, None, ct, opts)[2]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
