@@ -273,8 +273,6 @@ class MosaicBackwardConfig:
   group_splits: int = 1
   early_softmax: bool = False
   dq_paired: bool = False
-  dq_tail: bool = False
-  item_table: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -672,18 +670,6 @@ def _heavy_first(config: MosaicBackwardConfig, mask: MaskSpec, n_kv: int) -> boo
           and n_kv <= ROTATE_MAX_KV)
 
 
-def _tail_units(config: MosaicBackwardConfig, mask: MaskSpec, units: int, n_kv: int,
-                sms: int, heavy_first: bool) -> int:
-  """dq_tail: how many of the grid's last units (batch row and head) launch interleaved,
-  key block 0 of each first (the longest walks first), so that the grid does not end on
-  long walks; 0 where it does not apply. The adders keep their order, so the tail's CTAs
-  wait on ones launched after them: all of the tail must fit on the SMs at once."""
-  if not (config.dq_tail and config.dq_ordered and mask.is_causal and not heavy_first
-          and n_kv <= sms):
-    return 0
-  return min(units, sms // n_kv)
-
-
 def _paired_splits(config: MosaicBackwardConfig, mask: MaskSpec, batch: int, hq: int,
                    hkv: int, t: int, s: int, sms: int) -> int | None:
   """dq_paired: the group splits of the call's pairs (the most that leave at most one pair
@@ -862,65 +848,6 @@ class _Item(NamedTuple):
     return self.heads * self.per_head
 
 
-class _TableItem:
-  """An _Item whose fields are loaded from the host's table (in zero_ref after its zero) at
-  each use, so that none is held in registers across the steps."""
-  FIELDS = _Item._fields[:11] + ("part",)
-
-  def __init__(self, ref, pos, heads_n, n_kv, rot, heads):
-    self._ref, self._pos, self._dims, self._rot, self._heads = ref, pos, (heads_n, n_kv), rot, heads
-
-  def __getattr__(self, name):
-    if name == "descending":
-      return False
-    if name == "rot" and not self._rot:
-      return None
-    if name == "heads" and self._heads is not None:
-      return self._heads
-    b, h, kv = self._pos
-    heads_n, n_kv = self._dims
-    return self._ref[1 + ((b * heads_n + h) * n_kv + kv) * len(self.FIELDS)
-                     + self.FIELDS.index(name)]
-
-  per_head = property(lambda self: self.last - self.first)
-  n_steps = property(lambda self: self.heads * self.per_head)
-  block = _Item.block
-  unmasked = _Item.unmasked
-
-
-def _item_table(config, mask, batch, heads_n, n_kv, n_q, bq, group, splits, per_query_head,
-                rotate, heavy_first, tail):
-  """The grid's items as _TableItem reads them: int32 [B · heads_n · n_kv · F]."""
-  cta_keys = config.cta_keys()
-  b, h, kv = (x.ravel() for x in np.meshgrid(np.arange(batch), np.arange(heads_n),
-                                             np.arange(n_kv), indexing="ij"))
-  if tail:
-    units = batch * heads_n
-    unit = b * heads_n + h
-    r = np.maximum((unit - (units - tail)) * n_kv + kv, 0)
-    in_tail = unit >= units - tail
-    unit = np.where(in_tail, units - tail + r % tail, unit)
-    kv = np.where(in_tail, n_kv - 1 - r // tail, kv)
-    b, h = unit // heads_n, unit % heads_n
-  kvi = n_kv - 1 - kv if config.dq_ordered and not heavy_first else kv
-  with hopper.host_constants():
-    bounds = [np.broadcast_to(np.asarray(x, np.int32), kvi.shape) for x in
-              _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq)]
-    rot = (np.asarray(_rotation(jnp.asarray(kvi, jnp.int32), n_kv, n_q)) if rotate
-           else np.zeros_like(kvi))
-  member = np.zeros_like(h)
-  if per_query_head:
-    heads, kv_head, head0 = np.ones_like(h), h // group, h
-  elif splits > 1:
-    kv_head, member = h // splits, h % splits
-    lo, hi = _group_share(member, group, splits)
-    heads, head0 = hi - lo, kv_head * group + lo
-  else:
-    heads, kv_head, head0 = np.full_like(h, group), h, h * group
-  fields = np.stack([b, h, kvi, *bounds, heads, kv_head, head0, rot, member], axis=-1)
-  return np.concatenate([np.zeros(1, np.int32), fields.astype(np.int32).ravel()])
-
-
 class _Scratch(NamedTuple):
   """The kernel's shared memory and barriers, allocated in this order (a field the call does
   not use is None). Shared memory: K and V (the CTA's keys), the Q, dO and row-statistics
@@ -1012,7 +939,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
                      heavy_first: bool = False, order=None, delta=None, per_block=None,
-                     work=None, tail: int = 0, table: bool = False):
+                     work=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
   the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
@@ -1066,25 +993,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
   # The CTA's items (one; dq_paired's two), computed here: the warps' code (with jax 0.11's
   # warpgroup lowering) has no selects or clamps for the band's bounds, and inside the
   # memory warpgroup's per-warp code only the warp axis may be named.
-  def position(z=0):
-    b, h, kv = (lax.axis_index(a) + z for a in ("b", "h", "kv"))
-    if tail:  # the last `tail` units interleaved, key block 0 of each first
-      heads_n = q_ref.shape[2] if per_query_head else kv_heads * splits  # the grid's
-      units = q_ref.shape[0] * heads_n
-      unit = b * heads_n + h
-      r = jnp.maximum((unit - (units - tail)) * n_kv + kv, 0)
-      in_tail = unit >= units - tail
-      unit = jnp.where(in_tail, units - tail + hopper.rem(r, tail), unit)
-      kv = jnp.where(in_tail, n_kv - 1 - hopper.div(r, tail), kv)  # (item_at flips it)
-      b, h = hopper.div(unit, heads_n), hopper.rem(unit, heads_n)
-    return b, h, kv
-
-  if table:
-    items = [_TableItem(zero_ref, tuple(lax.axis_index(a) for a in ("b", "h", "kv")),
-                        q_ref.shape[2] if per_query_head else kv_heads * splits, n_kv,
-                        rotate, None if splits > 1 else (1 if per_query_head else group))]
-  elif work is None:
-    items = [item_at(*position())]
+  if work is None:
+    items = [item_at(*(lax.axis_index(a) for a in ("b", "h", "kv")))]
   else:  # unrolled: under a loop over items the compute warpgroups spilled
     items = [paired_item(r) for r in range(2)]
 
@@ -1266,6 +1176,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
     def run_item(it: _Item, base):
       """The item's steps (global steps base, base + 1, ...), then its dK and dV."""
+      my_key = it.kvi * cta_keys + key_row
       plgpu.barrier_wait(sc.k_ready)
       plgpu.barrier_wait(sc.v_ready)
       if segments:
@@ -1281,7 +1192,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         if segments:
           plgpu.barrier_wait(sc.q_seg_ready.at[slot])
           query_ids = hopper.load(sc.q_seg.at[slot, pl.ds(q0, shape[1])], col_layout)
-        return _mosaic.visible(mask, shape, 0, it.kvi * cta_keys + key_row, qb * bq + q0,
+        return _mosaic.visible(mask, shape, 0, my_key, qb * bq + q0,
                                key_ids if segments else None, query_ids)
 
       def store_dq(i, gi, dq, cols):
@@ -1510,7 +1421,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
       if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
-      keys = pl.ds(it.kvi * cta_keys + key_row, bkv)
+      keys = pl.ds(my_key, bkv)
       if per_query_head and not config.dq_ordered:  # add this head's share into the float32
         # dK and dV, via the dQ tile (ordered: into dK and dV themselves, see put)
         for acc, acc_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
@@ -1830,12 +1741,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                 *out_type)
   elif config.with_dq:
     dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
-  tail = 0 if paired is not None else _tail_units(
-      config, mask, b * grid_heads, n_kv, hopper.sm_count(), _heavy_first(config, mask, n_kv))
-  aux = None
-  if config.item_table and paired is None and not mask.segments:
-    aux = _item_table(config, mask, b, grid_heads, n_kv, n_q, bq, hq // hkv, splits,
-                      per_query_head, rotate, _heavy_first(config, mask, n_kv), tail)
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
     out_ref = None
     if fused:  # the forward's output, for Δ
@@ -1868,8 +1773,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
                        order=order, delta=delta, per_block=per_block, lengths=(t, s),
-                       work=None if paired is None else deal,
-                       tail=tail, table=aux is not None)
+                       work=None if paired is None else deal)
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused,
                                           paired is not None),
@@ -1889,8 +1793,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
           {"reduction_scratch_bytes": 0} if _SCRATCH_PARAM else {})),
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
-  )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32) if aux is None else aux,
-    *((res.out,) if fused else ()),
+  )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),
     *rank_args, *seg_args, *dq_acc, *dkv_acc)
   dq = None
   if config.dq_rounded_per_block:
