@@ -251,10 +251,34 @@ def on_each_warp(body) -> None:
   `pl.core_map` there; jax 0.10 lowers both to the same module."""
   pl.kernel(body, mesh=plgpu.WarpMesh(axis_name="warp"))()
 
-def fill_ring(load, n, stages: int, free) -> None:
+def fill_ring(load, n, stages: int, free, base=None, after_first=None) -> None:
   """The memory warpgroup's loop: load(i, slot) for steps 0..n-1 into `stages` shared-memory
   slots, refilling a slot once every barrier array in `free` has been arrived on for it.
-  `n` may be traced (causal CTAs need fewer steps); the first fills are then guarded."""
+  `n` may be traced (causal CTAs need fewer steps); the first fills are then guarded.
+
+  base: where the ring continues from the walks before this one (their steps 0..base-1, a
+  traced count, hold its slots): step i takes slot (base + i) mod stages, and waits for it
+  unless base + i < stages. With base, after_first is called once the first
+  min(stages, n) loads are issued (e.g. the next walk's keys, wanted after its first query
+  tiles)."""
+  if base is not None:
+    def step(i):
+      gi = base + i
+      slot = rem(gi, stages)
+
+      @pl.when(gi >= stages)
+      def _():
+        for barrier in free:
+          plgpu.barrier_wait(barrier.at[slot])
+      load(i, slot)
+
+    ahead = jnp.minimum(stages, n)
+    pl.loop(0, ahead)(step)
+    if after_first is not None:
+      after_first()
+    pl.loop(ahead, n)(step)
+    return
+  assert after_first is None, "after_first goes with base"
   for i in range(stages):
     when(i < n, functools.partial(load, i, i))
 

@@ -1531,22 +1531,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         """dq_paired: the item's loads at global steps base, base + 1, ...: its first
         steps' Q and dO (into slots the last item's last steps free) before its K and V
         (into shared memory the compute warpgroups leave after the last item's dK and dV)."""
-        def step(i):
-          gi = base + i
-          slot = hopper.rem(gi, stages)
+        def keys():
+          if it.descending:  # the pair's second key block
+            plgpu.barrier_wait(sc.kv_free)
+          load_keys(it)
 
-          @pl.when(gi >= stages)
-          def _():
-            plgpu.barrier_wait(sc.q_free.at[slot])
-            plgpu.barrier_wait(sc.do_free.at[slot])
-          load(it, i, slot)
-
-        ahead = jnp.minimum(stages, it.n_steps)
-        pl.loop(0, ahead)(step)
-        if it.descending:  # the pair's second key block
-          plgpu.barrier_wait(sc.kv_free)
-        load_keys(it)
-        pl.loop(ahead, it.n_steps)(step)
+        hopper.fill_ring(functools.partial(load, it), it.n_steps, stages,
+                         (sc.q_free, sc.do_free), base=base, after_first=keys)
         return base + it.n_steps
 
       each_item(item_loads, jnp.int32(0))
