@@ -261,15 +261,15 @@ def fill_ring(load, n, stages: int, free, base=None, after_first=None) -> None:
   unless base + i < stages. With base, after_first is called once the first
   min(stages, n) loads are issued (e.g. the next walk's keys, wanted after its first query
   tiles)."""
+  def wait_free(slot):
+    for barrier in free:
+      plgpu.barrier_wait(barrier.at[slot])
+
   if base is not None:
     def step(i):
       gi = base + i
       slot = rem(gi, stages)
-
-      @pl.when(gi >= stages)
-      def _():
-        for barrier in free:
-          plgpu.barrier_wait(barrier.at[slot])
+      pl.when(gi >= stages)(functools.partial(wait_free, slot))
       load(i, slot)
 
     ahead = jnp.minimum(stages, n)
@@ -285,8 +285,7 @@ def fill_ring(load, n, stages: int, free, base=None, after_first=None) -> None:
   @pl.loop(stages, n)
   def _(i):
     slot = rem(i, stages)
-    for barrier in free:
-      plgpu.barrier_wait(barrier.at[slot])
+    wait_free(slot)
     load(i, slot)
 
 def floor_div(x, n):
