@@ -78,8 +78,8 @@ _SEG_RESERVE = 256  # the segment ids' barriers and alignment
 _ADDERS_RING = 2
 _ADDERS_COPY = 32
 # Queries from which a deterministic call takes its section's `_long` variant: a key block's
-# walk (up to T / BLOCK_Q steps) is long enough that a third Q/dO stage pays for the dQ slot
-# it displaces (see the tuning table's `_long` sections).
+# walk (up to T / BLOCK_Q steps) is long enough that staggered warpgroups pay more than Δ
+# computed in the kernel, which excludes them (see the tuning table's `_long` sections).
 LONG_WALK_QUERIES = 8192
 # Key blocks (adders into a query block's dq) up to which deterministic calls add dq in the
 # input dtype (dq_rounded): there bf16's error stays within 1.4× the float32 sum's, the
@@ -283,7 +283,8 @@ class MosaicBackwardConfig:
     left + right + 1; 0: all s): the whole kernel with dq_ordered where the tuning table
     has a `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose
     schedule differs; from LONG_WALK_QUERIES queries on, that section's `_long` variant where
-    there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add into a
+    there is one; a causal window's with dq_stagger in place of fused_delta, which does
+    not apply to it), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add into a
     query block (block_adders), else with segment ids dq_rounded_per_block; else the dK/dV-only
     kernel (tuned(with_dq=False)), which runs beside a dq kernel. A head dim without a section
     of its own takes those of _section_dims.
@@ -304,6 +305,11 @@ class MosaicBackwardConfig:
              or _section(table, d, suffix))
     if found:
       config = cls(**{**found, "dq_ordered": True})
+      if config.fused_delta and 0 < seen < (s or seen + 1) and not segments:
+        # A window's Δ does not fuse (_fuses_delta): the warpgroups stagger on the second
+        # dQ slot instead (see the design doc's "Causal windows").
+        config = dataclasses.replace(config, fused_delta=False, early_softmax=False,
+                                     dq_stagger=True)
       adders = block_adders(s, seen, config.cta_keys(), config.block_q)
       return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS,
                                  dq_rounded_per_block=segments and adders > ROUNDED_DQ_MAX_ADDERS)
@@ -520,8 +526,7 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   (D = 128 with dq_buffers=2 has 1 KB to spare, the ids take as much), and then without
   dq_stagger: with one slot warpgroup 1's dQ waits for the send of the last step's, whose
   tile warpgroup 0 leaves only in this step, which made the staggered walk the slower one.
-  A third Q/dO stage that still does not fit (D = 128's `_long` sections beside segment
-  ids) goes next."""
+  A third Q/dO stage that still does not fit goes next."""
   itemsize = jnp.dtype(dtype).itemsize
   if config.scores_split and segments:
     config = dataclasses.replace(config, scores_split=False)

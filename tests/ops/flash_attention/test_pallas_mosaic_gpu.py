@@ -653,12 +653,13 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv
 @pytest.mark.parametrize("hkv", [4, 1])
 @pytest.mark.parametrize("segments", [False, True])
 def test_long_walk_sections_lower_for_cuda(hkv, segments):
-  """The `_long` sections of causal calls (three Q/dO stages, one dQ slot; two stages beside
-  segment ids), lowered at a short length: the stages change the ring, not the walk."""
+  """The `_long` sections of causal calls (staggered warpgroups, no fused Δ; one dQ slot and
+  no stagger beside segment ids), lowered at a short length: the sections change the
+  step, not the walk."""
   config = mb.MosaicBackwardConfig.for_deterministic(128, True, hkv == 1,
                                                      t=mb.LONG_WALK_QUERIES)
   config = mb.fit_shared_memory(config, 128, BF16, segments)
-  assert config.stages == (2 if segments else 3)
+  assert (config.dq_stagger, config.fused_delta) == (not segments, False)
   opts = _opts(True, None, segments)
   assert mb.support_error((2, 512, 4, 128), (2, 512, hkv, 128), BF16, opts, config) is None
   text = _backward_lowered_for_cuda(opts, config, 512, 512, hkv, 128, segments)
@@ -1403,19 +1404,21 @@ def test_tuned_backward_configs_serve_their_calls():
         early_softmax=causal)
     assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(causal),
                             ordered) is None
-  # d128_causal[_gqa]_ordered_long: from LONG_WALK_QUERIES queries, a third Q/dO stage in
-  # place of the second dQ slot (and the fused Δ it would hold)
+  # d128_causal[_gqa]_ordered_long: from LONG_WALK_QUERIES queries, the staggered
+  # warpgroups on the second dQ slot in place of the fused Δ
   for gqa in (False, True):
     base = mb.MosaicBackwardConfig.for_deterministic(128, True, gqa)
     assert mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=4096) == base
     long = mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=mb.LONG_WALK_QUERIES)
-    assert long == dataclasses.replace(base, stages=3, dq_buffers=1, fused_delta=False)
+    assert long == dataclasses.replace(base, fused_delta=False, early_softmax=False,
+                                       dq_stagger=True)
     assert mb.support_error((1, 8192, 8, 128), (1, 8192, 2, 128), BF16, _opts(True),
                             long) is None
     assert mb.fit_shared_memory(long, 128, BF16, segments=False) == long
-    # beside segment ids the third stage does not fit: two, as the shorter calls get there
+    # beside segment ids one dQ slot fits, which does not stagger: the shorter calls' kernel
     assert (mb.fit_shared_memory(long, 128, BF16, segments=True)
-            == mb.fit_shared_memory(base, 128, BF16, segments=True))
+            == dataclasses.replace(mb.fit_shared_memory(base, 128, BF16, segments=True),
+                                   early_softmax=False))
     assert (mb.MosaicBackwardConfig.for_deterministic(128, False, gqa, t=8192)
             == mb.MosaicBackwardConfig.for_deterministic(128, False, gqa))  # causal only
   # d256[_causal]_ordered: the column-split kernel with split scores, dq in rank order (rotated
@@ -1530,9 +1533,12 @@ def test_causal_windows_at_d128_take_the_causal_sections(as_on_hopper, t, window
   # pylint: disable=protected-access
   st = PallasMosaicGpu()._static(jax.ShapeDtypeStruct((1, t, 32, d), BF16),
                                  jax.ShapeDtypeStruct((1, t, 8, d), BF16), opts)
-  want = {**_tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")[section],
-          "dq_ordered": True}
-  assert dataclasses.replace(st.backward, dq_rounded=False) == mb.MosaicBackwardConfig(**want)
+  want = mb.MosaicBackwardConfig(
+      **_tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")[section],
+      dq_ordered=True)
+  if want.fused_delta:  # which a window does not fuse: the warpgroups stagger instead
+    want = dataclasses.replace(want, fused_delta=False, early_softmax=False, dq_stagger=True)
+  assert dataclasses.replace(st.backward, dq_rounded=False) == want
 
 
 @pytest.mark.parametrize("d, causal, gqa, s, rounded", [
@@ -1677,16 +1683,14 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper)
       jax.ShapeDtypeStruct((1, t, 8, 128), BF16), jax.ShapeDtypeStruct((1, t, hkv, 128), BF16),
       opts).backward
   assert not backward(short, 2, docs).gqa_per_query_head
-  assert backward(long, 2, docs) == mb.MosaicBackwardConfig(  # _long's 3 stages: 2 fit
-      dq_split=True, gqa_per_query_head=True, dq_ordered=True, early_softmax=True,
-      dq_rounded_per_block=True)
+  assert backward(long, 2, docs) == mb.MosaicBackwardConfig(  # one dQ slot: no stagger
+      dq_split=True, gqa_per_query_head=True, dq_ordered=True, dq_rounded_per_block=True)
   assert not backward(long, 2, window).gqa_per_query_head
-  # MHA: the causal section's kernel, dq_rotate (only without a mask) and early_softmax aside
+  # MHA: the causal section's kernel, dq_rotate (only without a mask) aside
   assert not mb._rotates(backward(short, 8, docs), docs.mask, short // 128)  # pylint: disable=protected-access
-  assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False, early_softmax=True)
+  assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False)
           == backward(long, 8, docs)
-          == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, early_softmax=True,
-                                     dq_rounded_per_block=True))
+          == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_rounded_per_block=True))
   for d in (64, 256):  # other head dims: the sections without a mask at any length
     assert (mb.MosaicBackwardConfig.for_deterministic(d, True, True, t=long, segments=True)
             == mb.MosaicBackwardConfig.for_deterministic(d, False, True, t=long))
@@ -2149,14 +2153,16 @@ class TestMosaicGpu:
       assert p < 1.25 * f < o, (name, p, o, f)
 
   @pytest.mark.parametrize("hkv", [4, 1])
-  def test_long_causal_calls_take_a_third_stage(self, hkv):
+  def test_long_causal_calls_stagger(self, hkv):
     """From LONG_WALK_QUERIES queries a deterministic causal call runs the `_long` section
-    (three Q/dO stages, one dQ slot): the reference's gradients, the same bits every call."""
+    (staggered warpgroups, Δ not fused): the reference's gradients, the same bits every
+    call."""
     t = mb.LONG_WALK_QUERIES
     q, k, v, _, ct = make_problem(jax.random.key(25), 1, t, t, 4, hkv, 128, BF16)
     opts = _opts(causal=True)
     st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
-    assert (st.backward.stages, st.backward.dq_buffers, st.backward.dq_ordered) == (3, 1, True)
+    assert (st.backward.dq_stagger, st.backward.fused_delta, st.backward.dq_ordered) == (
+        True, False, True)
     _assert_reproducible_grads(PallasMosaicGpu(), q, k, v, None, ct, dict(causal=True),
                                calls=1)
 
