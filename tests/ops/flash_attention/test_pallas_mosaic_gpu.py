@@ -1421,6 +1421,10 @@ def test_tuned_backward_configs_serve_their_calls():
                                    early_softmax=False))
     assert (mb.MosaicBackwardConfig.for_deterministic(128, False, gqa, t=8192)
             == mb.MosaicBackwardConfig.for_deterministic(128, False, gqa))  # causal only
+    # a causal window's kernel is the long walks' at any span: staggered, Δ not fused
+    window = mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=1152, s=4096,
+                                                       seen=1025)
+    assert dataclasses.replace(window, dq_rounded=False) == long
   # d256[_causal]_ordered: the column-split kernel with split scores, dq in rank order (rotated
   # without a mask, causal with the longest walk launched first); in arrival order the same
   # kernel (d256, d256_causal)
