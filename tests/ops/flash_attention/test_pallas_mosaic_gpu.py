@@ -650,19 +650,21 @@ def test_ordered_backward_lowers_for_cuda(causal, window, segments, d, t, s, hkv
     assert "stablehlo.iota" not in text and "reduce_window" not in text
 
 
+@pytest.mark.parametrize("d", [128, 96])
 @pytest.mark.parametrize("hkv", [4, 1])
 @pytest.mark.parametrize("segments", [False, True])
-def test_long_walk_sections_lower_for_cuda(hkv, segments):
-  """The `_long` sections of causal calls (staggered warpgroups, no fused Δ; one dQ slot and
-  no stagger beside segment ids), lowered at a short length: the sections change the
-  step, not the walk."""
-  config = mb.MosaicBackwardConfig.for_deterministic(128, True, hkv == 1,
+def test_long_walk_sections_lower_for_cuda(hkv, segments, d):
+  """The `_long` sections of causal calls (staggered warpgroups, no fused Δ; at D = 128 one
+  dQ slot and no stagger beside segment ids), lowered at a short length: the sections
+  change the step, not the walk. D = 96 runs D = 128's sections."""
+  config = mb.MosaicBackwardConfig.for_deterministic(d, True, hkv == 1,
                                                      t=mb.LONG_WALK_QUERIES)
-  config = mb.fit_shared_memory(config, 128, BF16, segments)
-  assert (config.dq_stagger, config.fused_delta) == (not segments, False)
+  config = mb.fit_shared_memory(config, d, BF16, segments)
+  # the second dQ slot, which the stagger needs, fits beside segment ids only below D = 128
+  assert (config.dq_stagger, config.fused_delta) == (not segments or d < 128, False)
   opts = _opts(True, None, segments)
-  assert mb.support_error((2, 512, 4, 128), (2, 512, hkv, 128), BF16, opts, config) is None
-  text = _backward_lowered_for_cuda(opts, config, 512, 512, hkv, 128, segments)
+  assert mb.support_error((2, 512, 4, d), (2, 512, hkv, d), BF16, opts, config) is None
+  text = _backward_lowered_for_cuda(opts, config, 512, 512, hkv, d, segments)
   assert _MOSAIC_CALL.search(text) and "red.release.gpu" in text
 
 
@@ -2156,13 +2158,13 @@ class TestMosaicGpu:
     for name, p, o, f in zip("kv", partials, ordered, float32):
       assert p < 1.25 * f < o, (name, p, o, f)
 
-  @pytest.mark.parametrize("hkv", [4, 1])
-  def test_long_causal_calls_stagger(self, hkv):
+  @pytest.mark.parametrize("hkv, d", [(4, 128), (1, 128), (4, 96)])
+  def test_long_causal_calls_stagger(self, hkv, d):
     """From LONG_WALK_QUERIES queries a deterministic causal call runs the `_long` section
-    (staggered warpgroups, Δ not fused): the reference's gradients, the same bits every
-    call."""
+    (staggered warpgroups, Δ not fused; D = 96 takes D = 128's): the reference's gradients,
+    the same bits every call."""
     t = mb.LONG_WALK_QUERIES
-    q, k, v, _, ct = make_problem(jax.random.key(25), 1, t, t, 4, hkv, 128, BF16)
+    q, k, v, _, ct = make_problem(jax.random.key(25), 1, t, t, 4, hkv, d, BF16)
     opts = _opts(causal=True)
     st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
     assert (st.backward.dq_stagger, st.backward.fused_delta, st.backward.dq_ordered) == (
