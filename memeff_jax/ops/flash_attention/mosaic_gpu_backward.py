@@ -307,7 +307,7 @@ class MosaicBackwardConfig:
       config = cls(**{**found, "dq_ordered": True})
       if config.fused_delta and 0 < seen < (s or seen + 1) and not segments:
         # A window's Δ does not fuse (_fuses_delta): the warpgroups stagger on the second
-        # dQ slot instead (see the design doc's "Causal windows").
+        # dQ slot instead (the design doc's "Causal windows and long walks").
         config = dataclasses.replace(config, fused_delta=False, early_softmax=False,
                                      dq_stagger=True)
       adders = block_adders(s, seen, config.cta_keys(), config.block_q)
