@@ -77,9 +77,10 @@ _SEG_RESERVE = 256  # the segment ids' barriers and alignment
 # copy moves a multiple of 128 bytes; see _adders_table).
 _ADDERS_RING = 2
 _ADDERS_COPY = 32
-# Queries from which a deterministic call takes its section's `_long` variant: a key block's
-# walk (up to T / BLOCK_Q steps) is long enough that staggered warpgroups pay more than Δ
-# computed in the kernel, which excludes them (see the tuning table's `_long` sections).
+# Queries from which a deterministic call takes its section's `_long` variant (as a causal
+# window does at any span): a key block's walk (up to T / BLOCK_Q steps) is long enough that
+# staggered warpgroups pay more than Δ computed in the kernel, which excludes them (see the
+# tuning table's `_long` sections).
 LONG_WALK_QUERIES = 8192
 # Key blocks (adders into a query block's dq) up to which deterministic calls add dq in the
 # input dtype (dq_rounded): there bf16's error stays within 1.4× the float32 sum's, the
@@ -282,9 +283,8 @@ class MosaicBackwardConfig:
     span) and S = s keys (0: not known), of which one query sees at most `seen` (a window's
     left + right + 1; 0: all s): the whole kernel with dq_ordered where the tuning table
     has a `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose
-    schedule differs; from LONG_WALK_QUERIES queries on, that section's `_long` variant where
-    there is one; a causal window's with dq_stagger in place of fused_delta, which does
-    not apply to it), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add into a
+    schedule differs; from LONG_WALK_QUERIES queries on, and under a window, that section's
+    `_long` variant where there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add into a
     query block (block_adders), else with segment ids dq_rounded_per_block; else the dK/dV-only
     kernel (tuned(with_dq=False)), which runs beside a dq kernel. A head dim without a section
     of its own takes those of _section_dims.
@@ -301,15 +301,13 @@ class MosaicBackwardConfig:
       causal = False
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     suffix = ("_causal" if causal else "") + ("_gqa" if gqa else "") + "_ordered"
-    found = ((t >= LONG_WALK_QUERIES and _section(table, d, suffix + "_long"))
+    # A window's Δ does not fuse (_fuses_delta): the `_long` sections' kernel serves it at
+    # any span (the design doc's "Causal windows and long walks").
+    window = 0 < seen < (s or seen + 1)
+    found = (((t >= LONG_WALK_QUERIES or window) and _section(table, d, suffix + "_long"))
              or _section(table, d, suffix))
     if found:
       config = cls(**{**found, "dq_ordered": True})
-      if config.fused_delta and 0 < seen < (s or seen + 1) and not segments:
-        # A window's Δ does not fuse (_fuses_delta): the warpgroups stagger on the second
-        # dQ slot instead (the design doc's "Causal windows and long walks").
-        config = dataclasses.replace(config, fused_delta=False, early_softmax=False,
-                                     dq_stagger=True)
       adders = block_adders(s, seen, config.cta_keys(), config.block_q)
       return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS,
                                  dq_rounded_per_block=segments and adders > ROUNDED_DQ_MAX_ADDERS)

@@ -944,8 +944,8 @@ class PallasMosaicGpu:
         else:
           # A causal window at D = 128 takes the causal sections (under GQA one CTA per
           # query head), which measured faster than those without a mask. A key block walks
-          # the queries the window spans, however long the call (the `_long` sections from
-          # LONG_WALK_QUERIES of them); either way its warpgroups stagger (for_deterministic).
+          # the queries the window spans, however long the call; the causal sections' `_long`
+          # variants serve windows at any span (for_deterministic).
           causal = mask.is_causal_band or (mask.right == 0 and d == 128)
           walk = q.shape[1] if mask.left is None else min(
               q.shape[1], mask.left + 2 * mosaic_gpu_backward.BLOCK_KV)

@@ -1524,27 +1524,23 @@ def test_deterministic_calls_take_an_ordered_section(as_on_hopper, tuning_tables
 
 
 @pytest.mark.parametrize("t, window, d, section", [
-    (8192, 4096, 128, "d128_causal_gqa_ordered"),  # walks of 4,224 queries: not `_long`
+    (8192, 4096, 128, "d128_causal_gqa_ordered_long"),  # at any span: Δ does not fuse
     (16384, 8192, 128, "d128_causal_gqa_ordered_long"),
     (16384, None, 128, "d128_causal_gqa_ordered_long"),
-    (4096, 1024, 128, "d128_causal_gqa_ordered"),
+    (4096, 1024, 128, "d128_causal_gqa_ordered_long"),
     (8192, 4096, 256, "d256_gqa_ordered"),  # D = 256 keeps the sections without a mask
 ])
 def test_causal_windows_at_d128_take_the_causal_sections(as_on_hopper, t, window, d, section):
-  """Deterministic calls under a causal window run the causal sections at D = 128 (under
-  GQA a CTA per query head), `_long` only where the window lets a walk span
-  LONG_WALK_QUERIES queries."""
+  """Deterministic calls under a causal window run the causal sections' `_long` variants at
+  D = 128 (under GQA a CTA per query head) at any span: their Δ does not fuse."""
   opts = AttentionOptions(mask=MaskSpec.make(True, window, False), scale=0.1,
                           deterministic=True)
   # pylint: disable=protected-access
   st = PallasMosaicGpu()._static(jax.ShapeDtypeStruct((1, t, 32, d), BF16),
                                  jax.ShapeDtypeStruct((1, t, 8, d), BF16), opts)
-  want = mb.MosaicBackwardConfig(
-      **_tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")[section],
-      dq_ordered=True)
-  if want.fused_delta:  # which a window does not fuse: the warpgroups stagger instead
-    want = dataclasses.replace(want, fused_delta=False, early_softmax=False, dq_stagger=True)
-  assert dataclasses.replace(st.backward, dq_rounded=False) == want
+  want = {**_tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")[section],
+          "dq_ordered": True}
+  assert dataclasses.replace(st.backward, dq_rounded=False) == mb.MosaicBackwardConfig(**want)
 
 
 @pytest.mark.parametrize("d, causal, gqa, s, rounded", [
