@@ -490,8 +490,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
                                  and config.dq_buffers == 2):
     return ("fused_delta needs dq_ordered with dq_split and dq_buffers=2 (its O tiles land in "
             "the two dQ slots)")
-  if config.dq_stagger and not (config.dq_split and config.with_dq):
-    return "dq_stagger needs dq_split (with dq)"
+  if config.dq_stagger and not (config.dq_split and config.with_dq and not config.fused_delta):
+    return "dq_stagger needs dq_split (with dq), and not fused_delta"
   if config.dq_buffers not in (1, 2):
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:

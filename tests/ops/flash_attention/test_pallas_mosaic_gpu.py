@@ -864,7 +864,8 @@ def test_stagger_support_errors():
                                       mb.MosaicBackwardConfig(dq_split=True, **kw))
   assert why(dq_stagger=True) is None
   assert why(dq_stagger=True, dq_ordered=True, dq_buffers=2) is None
-  assert why(dq_stagger=True, dq_ordered=True, dq_buffers=2, fused_delta=True) is None
+  assert "dq_stagger needs" in why(dq_stagger=True, dq_ordered=True, dq_buffers=2,
+                                   fused_delta=True)
   assert "dq_stagger needs" in mb.support_error(
       (1, 256, 4, 64), (1, 256, 4, 64), BF16, _opts(),
       mb.MosaicBackwardConfig(dq_split=False, dq_stagger=True))
@@ -2192,25 +2193,6 @@ class TestMosaicGpu:
     for name, g, u, rg in zip("qkv", first, unfused, r_grads):
       assert rel_err(g, u) < 1e-2, name
       assert rel_err(g, rg) < 3e-2, name
-
-  @pytest.mark.parametrize("heavy_first, hq, hkv", [(False, 4, 4), (True, 4, 4), (False, 8, 2)])
-  @pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=True, logit_softcap=20.0)])
-  def test_staggered_fused_delta_gives_the_fused_bits(self, opts, heavy_first, hq, hkv):
-    """dq_stagger beside fused_delta: O's tiles sit in warpgroup 0's halves of the dQ slots,
-    which it reads (own_delta) before it stores a dQ there; the same bits as the fused
-    kernel unstaggered, on every call."""
-    q, k, v, _, ct = make_problem(jax.random.key(27), 2, 1024, 1024, hq, hkv, 128, BF16)
-    fused = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2,
-                                    fused_delta=True, dq_heavy_first=heavy_first,
-                                    gqa_per_query_head=hq > hkv)
-    assert mb._fuses_delta(fused, MaskSpec.make(True, None, False), 16, 8, hq // hkv)  # pylint: disable=protected-access
-    step = lambda c: jax.jit(lambda q, k, v: run(PallasMosaicGpu(backward_config=c), q, k, v,
-                                                 None, ct, opts)[2])
-    staggered = step(dataclasses.replace(fused, dq_stagger=True))
-    want = step(fused)(q, k, v)
-    for _ in range(3):
-      for g, h in zip(staggered(q, k, v), want):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
 
   @pytest.mark.parametrize("backward", [
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True),
