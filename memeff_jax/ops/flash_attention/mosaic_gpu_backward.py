@@ -77,11 +77,14 @@ _SEG_RESERVE = 256  # the segment ids' barriers and alignment
 # copy moves a multiple of 128 bytes; see _adders_table).
 _ADDERS_RING = 2
 _ADDERS_COPY = 32
-# Queries from which a deterministic call takes its section's `_long` variant (as a causal
-# window does at any span): a key block's walk (up to T / BLOCK_Q steps) is long enough that
-# staggered warpgroups pay more than Δ computed in the kernel, which excludes them (see the
-# tuning table's `_long` sections).
-LONG_WALK_QUERIES = 8192
+# Queries from which a deterministic causal call takes its section's `_long` variant (as a
+# causal window does at any span; long_walk_queries): a key block's walk (up to T / BLOCK_Q
+# steps) is long enough that staggered warpgroups pay more than Δ computed in the kernel (see
+# the tuning table's `_long` sections; beside the fused Δ the stagger gains nothing).
+LONG_WALK_QUERIES = 4096
+# Queries from which a causal call with segment ids takes D = 128's causal sections (one CTA
+# per query head under GQA) rather than those without a mask (see for_deterministic).
+CAUSAL_DOCUMENTS_QUERIES = 8192
 # Key blocks (adders into a query block's dq) up to which deterministic calls add dq in the
 # input dtype (dq_rounded): there bf16's error stays within 1.4× the float32 sum's, the
 # bound the loss's bf16 dW also keeps.
@@ -283,7 +286,7 @@ class MosaicBackwardConfig:
     span) and S = s keys (0: not known), of which one query sees at most `seen` (a window's
     left + right + 1; 0: all s): the whole kernel with dq_ordered where the tuning table
     has a `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose
-    schedule differs; from LONG_WALK_QUERIES queries on, and under a window, that section's
+    schedule differs; from long_walk_queries(d) queries on, and under a window, that section's
     `_long` variant where there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add into a
     query block (block_adders), else with segment ids dq_rounded_per_block; else the dK/dV-only
     kernel (tuned(with_dq=False)), which runs beside a dq kernel. A head dim without a section
@@ -291,20 +294,20 @@ class MosaicBackwardConfig:
 
     causal: a causal band (pallas_mosaic_gpu passes causal windows at D = 128 too), with or
     without segment ids. A causal call with segment ids takes D = 128's causal sections from
-    LONG_WALK_QUERIES queries on, and those without a mask below and at other head dims (not
+    CAUSAL_DOCUMENTS_QUERIES queries on, and those without a mask below and at other head dims (not
     measured with segment ids; D = 64 has no causal GQA section with dq). Its walks end at their
     documents' starts, which only the run knows: short documents favour one CTA per key head
     walking its whole group, long ones causal GQA's CTA per query head (the design doc's
     "Packed documents" has both at four packings). Without GQA the two choices give the same
     kernel beside segment ids (fit_shared_memory)."""
-    if segments and (t < LONG_WALK_QUERIES or _section_dim(d) != 128):
+    if segments and (t < CAUSAL_DOCUMENTS_QUERIES or _section_dim(d) != 128):
       causal = False
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     suffix = ("_causal" if causal else "") + ("_gqa" if gqa else "") + "_ordered"
     # A window's Δ does not fuse (_fuses_delta): the `_long` sections' kernel serves it at
     # any span (the design doc's "Causal windows and long walks").
     window = 0 < seen < (s or seen + 1)
-    found = (((t >= LONG_WALK_QUERIES or window) and _section(table, d, suffix + "_long"))
+    found = (((t >= long_walk_queries(d) or window) and _section(table, d, suffix + "_long"))
              or _section(table, d, suffix))
     if found:
       config = cls(**{**found, "dq_ordered": True})
@@ -420,6 +423,13 @@ def _section_dims(d: int) -> tuple[int, ...]:
   if d > 128 and d not in FULL_WIDTH_BLOCK_Q:
     return (d,) if d == 256 else (d, 256)
   return (96, 128) if d == 96 else (d,)
+
+
+def long_walk_queries(d: int) -> int:
+  """Queries from which a deterministic causal call of head dim d takes its section's `_long`
+  variant: LONG_WALK_QUERIES, and twice as many at D = 96, which runs D = 128's sections but
+  lost with the stagger at B4 T4k H32 (fwd+bwd 3.58–3.59 against 3.52–3.54 ms, H200)."""
+  return 2 * LONG_WALK_QUERIES if d == 96 else LONG_WALK_QUERIES
 
 
 def _section_dim(d: int) -> int:

@@ -658,7 +658,7 @@ def test_long_walk_sections_lower_for_cuda(hkv, segments, d):
   dQ slot and no stagger beside segment ids), lowered at a short length: the sections
   change the step, not the walk. D = 96 runs D = 128's sections."""
   config = mb.MosaicBackwardConfig.for_deterministic(d, True, hkv == 1,
-                                                     t=mb.LONG_WALK_QUERIES)
+                                                     t=mb.long_walk_queries(d))
   config = mb.fit_shared_memory(config, d, BF16, segments)
   # the second dQ slot, which the stagger needs, fits beside segment ids only below D = 128
   assert (config.dq_stagger, config.fused_delta) == (not segments or d < 128, False)
@@ -689,7 +689,7 @@ def test_split_group_fills_the_gpu_where_key_blocks_are_few():
   assert split(table, 2, 8, 4, 8192, True) == 2  # B2 H8/4: 1,024 CTAs, the table's 8 cut to 2
 
 
-@pytest.mark.parametrize("t", [4096, mb.LONG_WALK_QUERIES])
+@pytest.mark.parametrize("t", [1024, mb.LONG_WALK_QUERIES])
 @pytest.mark.parametrize("hq, hkv", [(32, 8), (8, 2), (32, 4), (48, 1)])
 def test_large_groups_store_shares_of_dk_dv_as_partials(t, hq, hkv):
   """Causal GQA's ordered kernel, one CTA per query head, adds each head's share of dK and
@@ -1402,7 +1402,7 @@ def test_tuned_backward_configs_serve_their_calls():
     ordered = mb.MosaicBackwardConfig.for_deterministic(128, causal, gqa)
     assert ordered == mb.MosaicBackwardConfig(
         dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=not causal,
-        fused_delta=causal, dq_stagger=not (causal or gqa), gqa_per_query_head=causal and gqa,
+        fused_delta=causal, dq_stagger=not causal, gqa_per_query_head=causal and gqa,
         early_softmax=causal)
     assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(causal),
                             ordered) is None
@@ -1410,7 +1410,7 @@ def test_tuned_backward_configs_serve_their_calls():
   # warpgroups on the second dQ slot in place of the fused Δ
   for gqa in (False, True):
     base = mb.MosaicBackwardConfig.for_deterministic(128, True, gqa)
-    assert mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=4096) == base
+    assert mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=1024) == base
     long = mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=mb.LONG_WALK_QUERIES)
     assert long == dataclasses.replace(base, fused_delta=False, early_softmax=False,
                                        dq_stagger=True)
@@ -1427,6 +1427,14 @@ def test_tuned_backward_configs_serve_their_calls():
     window = mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=1152, s=4096,
                                                        seen=1025)
     assert dataclasses.replace(window, dq_rounded=False) == long
+  # D = 96 runs these sections, its `_long` variant from twice as many queries, and without a
+  # mask under GQA unstaggered (d96_gqa_ordered)
+  det, n = mb.MosaicBackwardConfig.for_deterministic, mb.LONG_WALK_QUERIES
+  assert mb.long_walk_queries(96) == 2 * n == 2 * mb.long_walk_queries(128)
+  assert det(96, True, t=n) == det(128, True, t=n // 2) != det(128, True, t=n)
+  assert det(96, True, t=2 * n) == det(128, True, t=n)
+  assert det(96, False, True) == dataclasses.replace(det(128, False, True), dq_stagger=False)
+  assert det(96, False) == det(128, False)
   # d256[_causal]_ordered: the column-split kernel with split scores, dq in rank order (rotated
   # without a mask, causal with the longest walk launched first); in arrival order the same
   # kernel (d256, d256_causal)
@@ -1674,13 +1682,13 @@ def test_two_dq_slots_give_way_to_segment_ids(monkeypatch):
 
 
 def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper):
-  """Causal calls with segment ids: below LONG_WALK_QUERIES queries the deterministic
+  """Causal calls with segment ids: below CAUSAL_DOCUMENTS_QUERIES queries the deterministic
   sections without a mask (under GQA one CTA per key head, which short documents favour),
   from there the causal `_long` section (one CTA per query head); windows keep the sections
   without a mask, and without GQA both choices give the same kernel. deterministic=False
   runs the same ordered kernels (at D = 128)."""
   docs, window = _opts(True, None, True), _opts(True, 1024, True)
-  long, short = mb.LONG_WALK_QUERIES, mb.LONG_WALK_QUERIES // 2
+  long, short = mb.CAUSAL_DOCUMENTS_QUERIES, mb.CAUSAL_DOCUMENTS_QUERIES // 2
   backward = lambda t, hkv, opts: PallasMosaicGpu()._static(  # pylint: disable=protected-access
       jax.ShapeDtypeStruct((1, t, 8, 128), BF16), jax.ShapeDtypeStruct((1, t, hkv, 128), BF16),
       opts).backward
@@ -2052,9 +2060,9 @@ class TestMosaicGpu:
 
   def test_long_causal_documents_under_gqa_take_a_cta_per_query_head(self, monkeypatch):
     """The default backward of deterministic causal GQA calls with segment ids from
-    LONG_WALK_QUERIES on (lowered here to the test's length): one CTA per query head in
+    CAUSAL_DOCUMENTS_QUERIES on (lowered here to the test's length): one CTA per query head in
     rank order beside the ids, the same bits every call, and the reference's gradients."""
-    monkeypatch.setattr(mb, "LONG_WALK_QUERIES", 768)
+    monkeypatch.setattr(mb, "CAUSAL_DOCUMENTS_QUERIES", 768)
     q, k, v, seg, ct = make_problem(jax.random.key(27), 2, 768, 768, 8, 2, 128, BF16,
                                     segments=True)
     st = PallasMosaicGpu()._static(q, k, _opts(True, None, True))  # pylint: disable=protected-access
@@ -2156,10 +2164,10 @@ class TestMosaicGpu:
 
   @pytest.mark.parametrize("hkv, d", [(4, 128), (1, 128), (4, 96)])
   def test_long_causal_calls_stagger(self, hkv, d):
-    """From LONG_WALK_QUERIES queries a deterministic causal call runs the `_long` section
+    """From long_walk_queries(d) queries a deterministic causal call runs the `_long` section
     (staggered warpgroups, Δ not fused; D = 96 takes D = 128's): the reference's gradients,
     the same bits every call."""
-    t = mb.LONG_WALK_QUERIES
+    t = mb.long_walk_queries(d)
     q, k, v, _, ct = make_problem(jax.random.key(25), 1, t, t, 4, hkv, d, BF16)
     opts = _opts(causal=True)
     st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
