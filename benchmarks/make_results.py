@@ -146,13 +146,12 @@ def grid_section(rows: list[dict]) -> list[str]:
   case = lambda r: (r["b"], r["t"], r["h"], r["hkv"], r["d"], r["causal"], r["docs"],
                     tuple(r.get("window") or ()))
   latest_case = collections.defaultdict(dict)  # device -> case -> (stamp, {provider: row})
+  runs = collections.defaultdict(dict)  # (device, case, stamp) -> {provider: row}
   for r in sorted((r for r in rows if r["set"] == "grid" and "error" not in r),
                   key=lambda r: r["timestamp"]):
-    stamp, group = latest_case[r["device"]].get(case(r), (None, {}))
-    if stamp != r["timestamp"]:
-      stamp, group = r["timestamp"], {}
+    group = runs[r["device"], case(r), r["timestamp"]]
     group[r["provider"]] = r
-    latest_case[r["device"]][case(r)] = (stamp, group)
+    latest_case[r["device"]][case(r)] = (r["timestamp"], group)
   with (ROOT / "configs" / "benchmarks" / "flash_attention.toml").open("rb") as f:
     order = [(x["b"], x["t"], x["h"], x.get("hkv", x["h"]), x["d"], x.get("docs"),
               x.get("window")) for x in tomllib.load(f)["grid"]["shapes"]]
@@ -184,11 +183,10 @@ def grid_section(rows: list[dict]) -> list[str]:
         continue
       peer, det = group.get("cudnn"), group.get(DETERMINISTIC_CUDNN)
       packed_peer = packed_det = None
-      if r["docs"]:  # the unpacked row's peers, from the same run
+      if r["docs"]:  # the unpacked row's peers, from the same run (shown or not)
         packed_peer, packed_det = peer, det
-        unpacked = cases.get(key[:6] + (None, ()), (None, {}))
-        peer, det = ((unpacked[1].get(p) for p in ("cudnn", DETERMINISTIC_CUDNN))
-                     if unpacked[0] == stamp else (None, None))
+        unpacked = runs.get((device, key[:6] + (None, ()), stamp), {})
+        peer, det = (unpacked.get(p) for p in ("cudnn", DETERMINISTIC_CUDNN))
       mask = ("causal" if r["causal"] else "full") + (
           f", window {r['window'][0]}" if r.get("window") else "") + (
           f", {r['docs']} docs" if r["docs"] else "")

@@ -73,6 +73,13 @@ def test_grid_keeps_the_packed_row_per_visible_pair_and_adds_cudnn_packed():
   no_packed_peer = "\n".join(make_results.grid_section(
       [r for r in rows if (r["provider"], r["docs"]) != ("cudnn", 8)]))
   assert "same documents" not in no_packed_peer
+  # a later run of the unpacked row alone: shown, and the packed row keeps its own run's
+  later = [dict(r, timestamp="u", fwd_bwd_tflops=440.0, fwd_tflops=440.0)
+           for r in rows if r["docs"] is None]
+  text = "\n".join(make_results.grid_section(rows + later))
+  assert "| causal | 440 | 440 | 1.000× | 1.000× |" in text
+  assert "| causal, 8 docs (vs unpacked) | 200 | 500 | 0.400× | 0.400× |" in text
+  assert f"{0.4 ** 0.5:.3f}× cuDNN over 2 rows" in text
 
 
 def test_grid_compares_with_deterministic_cudnn_where_it_ran():
