@@ -284,20 +284,20 @@ class MosaicBackwardConfig:
                         seen: int = 0) -> "MosaicBackwardConfig":
     """The Mosaic backward of deterministic calls whose key blocks walk t queries (T, or a window's
     span) and S = s keys (0: not known), of which one query sees at most `seen` (a window's
-    left + right + 1; 0: all s): the whole kernel with dq_ordered where the tuning table
-    has a `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose
-    schedule differs; from long_walk_queries(d) queries on, and under a window, that section's
-    `_long` variant where there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks add into a
-    query block (block_adders), else with segment ids dq_rounded_per_block; else the dK/dV-only
-    kernel (tuned(with_dq=False)), which runs beside a dq kernel. A head dim without a section
-    of its own takes those of _section_dims.
+    left + right + 1; 0: all s): the whole kernel with dq_ordered where the tuning table has a
+    `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose schedule
+    differs; from long_walk_queries(d) queries on, and under a window, that section's `_long`
+    variant where there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks
+    add into a query block (block_adders), else with segment ids dq_rounded_per_block; else the
+    dK/dV-only kernel (tuned(with_dq=False)), which runs beside a dq kernel. A head dim without
+    a section of its own takes those of _section_dims.
 
     causal: a causal band (pallas_mosaic_gpu passes causal windows at D = 128 too), with or
     without segment ids. A causal call with segment ids takes D = 128's causal sections from
-    CAUSAL_DOCUMENTS_QUERIES queries on, and those without a mask below and at other head dims (not
-    measured with segment ids; D = 64 has no causal GQA section with dq). Its walks end at their
-    documents' starts, which only the run knows: short documents favour one CTA per key head
-    walking its whole group, long ones causal GQA's CTA per query head (the design doc's
+    CAUSAL_DOCUMENTS_QUERIES queries on, and those without a mask below and at other head dims
+    (not measured with segment ids; D = 64 has no causal GQA section with dq). Its walks end at
+    their documents' starts, which only the run knows: short documents favour one CTA per key
+    head walking its whole group, long ones causal GQA's CTA per query head (the design doc's
     "Packed documents" has both at four packings). Without GQA the two choices give the same
     kernel beside segment ids (fit_shared_memory)."""
     if segments and (t < CAUSAL_DOCUMENTS_QUERIES or _section_dim(d) != 128):
