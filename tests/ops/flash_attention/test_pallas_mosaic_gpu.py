@@ -1444,6 +1444,10 @@ def test_tuned_backward_configs_serve_their_calls():
         dq_rotate=not causal, dq_heavy_first=causal)
     assert mb.MosaicBackwardConfig.tuned(256, causal) == mb.MosaicBackwardConfig(
         dq_split=False, column_split=True, stages=1, scores_split=True)
+  # d224_causal_ordered: D = 256's causal kernel with the last key block first; D = 224's
+  # other calls take D = 256's sections
+  assert det(224, True) == dataclasses.replace(det(256, True), dq_heavy_first=False)
+  assert det(224, False) == det(256, False) and det(224, True, True) == det(256, True, True)
   # d64[_causal][_gqa]_ordered: the D = 128 kernel's dq_split on 128-query steps, two Q/dO
   # stages, rotated from one dQ slot without a mask, two causal (one CTA per query head under
   # GQA)
@@ -2735,6 +2739,15 @@ class TestMosaicGpuD224(TestMosaicGpuInPlace):
   T > S."""
 
   shape = dict(b=2, t=520, s=264, hq=4, hkv=1, d=224)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+class TestMosaicGpuD224Mha(TestMosaicGpuInPlace):
+  """D = 224, one query head per key head: causal calls launch the last key block first
+  (d224_causal_ordered), where D = 256 launches the first first."""
+
+  shape = dict(b=2, t=520, s=520, hq=4, hkv=4, d=224)
 
 
 @pytest.mark.gpu
