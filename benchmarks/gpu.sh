@@ -29,13 +29,17 @@ for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case $part in
     tests)  # the workers spread over the GPUs; then the mesh tests, every GPU in one process.
-      # No XLA autotuning: the suite is compile-bound (up to 5 min a test with it, under 1 without).
+      # No XLA autotuning: the suite is compile-bound (up to 5 min a test with it, under 1
+      # without). Set for the tests alone: under it XLA's GEMMs in the benchmarks after them
+      # ran many times slower (the loss's floor at Llama-3-8B: 1,386 against 78 ms, H200).
       GPUS=$(nvidia-smi -L | wc -l)
-      export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
-      MEMEFF_TEST_GPUS=$GPUS python3 -m pytest -q -m gpu tests -n "${WORKERS:-$((8 * GPUS))}" \
-        -p no:cacheprovider -p no:benchmark --ignore tests/ops/test_meshes_gpu.py --durations 15
+      TEST_XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
+      XLA_FLAGS=$TEST_XLA_FLAGS MEMEFF_TEST_GPUS=$GPUS python3 -m pytest -q -m gpu tests \
+        -n "${WORKERS:-$((8 * GPUS))}" -p no:cacheprovider -p no:benchmark \
+        --ignore tests/ops/test_meshes_gpu.py --durations 15
       if [ "$GPUS" -gt 1 ]; then
-        NCCL_NVLS_ENABLE=0 python3 -m pytest -q tests/ops/test_meshes_gpu.py -p no:cacheprovider
+        XLA_FLAGS=$TEST_XLA_FLAGS NCCL_NVLS_ENABLE=0 python3 -m pytest -q \
+          tests/ops/test_meshes_gpu.py -p no:cacheprovider
       fi ;;
     attention:*) python3 benchmarks/flash_attention.py --set "${part#*:}" --rounds "$ROUNDS" \
         ${ATTENTION_PROVIDERS:+--providers "$ATTENTION_PROVIDERS"} \
