@@ -26,7 +26,10 @@ extra memory is XLA's temporary bytes of the compiled forward+backward.
 Every provider of a case is compiled first; then `--rounds R` interleaved rounds time each once
 per round (the order rotated each round), and each figure is the median over rounds: the GPU's
 clock drifts under sustained load, and providers timed one after another carry that drift into
-their ratios. Rows are appended to benchmarks/results/flash_attention.jsonl (or --out).
+their ratios. A JAX provider's calls are queued in batches of about 20 ms and waited for once:
+a call queued behind the rest of a train step is not charged the host's round trip (the torch
+peers start behind queued matmuls for the same reason). Rows are appended to
+benchmarks/results/flash_attention.jsonl (or --out).
 """
 
 from __future__ import annotations
@@ -346,8 +349,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
           jax.block_until_ready((fwd(q, k, v), fwd_bwd(q, k, v, ct)))  # compile; fail here
           row["extra_bytes"] = _harness.jax_temp_bytes(step, q, k, v, ct)
           cases[provider] = (row, lambda fwd=fwd, fwd_bwd=fwd_bwd: (
-              _harness.time_jax(fwd, q, k, v, reps=reps, inner=5),
-              _harness.time_jax(fwd_bwd, q, k, v, ct, reps=reps, inner=5)))
+              _harness.time_jax(fwd, q, k, v, reps=reps, inner=None),
+              _harness.time_jax(fwd_bwd, q, k, v, ct, reps=reps, inner=None)))
         except ImportError as err:
           print(f"  skip {provider}: {err}")
         except Exception as err:  # pylint: disable=broad-except
