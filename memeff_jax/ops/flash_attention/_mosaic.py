@@ -6,7 +6,6 @@ Op-independent Hopper pieces live in memeff_jax.kernels.hopper."""
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -165,19 +164,6 @@ def visible(mask, shape, key_axis: int, first_key, first_query, row_ids=None, co
     ok = both(ok, lax.broadcast_in_dim(row_ids, shape, [0])
               == lax.broadcast_in_dim(col_ids, shape, [1]))
   return ok
-
-def hides_all(mask, first_key, n_keys: int, first_query, n_queries: int):
-  """Scalar bool: whether the band or the key bound hides keys first_key.. (n_keys of them)
-  from every query first_query.. (n_queries), or None where the mask has neither. Segment
-  ids are not looked at: False leaves the tile to `visible`."""
-  hidden = []
-  if mask.right is not None:  # every key right of the band of the last query
-    hidden.append(first_key - (first_query + n_queries - 1) > mask.right)
-  if mask.left is not None:  # every key left of the band of the first query
-    hidden.append(first_key + n_keys - 1 - first_query < -mask.left)
-  if mask.keys is not None:
-    hidden.append(first_key >= mask.keys)
-  return functools.reduce(operator.or_, hidden) if hidden else None
 
 def query_cta_index(mask, n_ctas: int, launch):
   """The query-CTA index of a head's CTA at launch position `launch` (grid axis "q", or a

@@ -277,7 +277,6 @@ class MosaicBackwardConfig:
   group_splits: int = 1
   early_softmax: bool = False
   dq_paired: bool = False
-  skip_hidden: bool = True
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -1209,13 +1208,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         return _mosaic.visible(mask, shape, 0, my_key, qb * bq + q0,
                                key_ids if segments else None, query_ids)
 
-      def unless_hidden(hidden, issue):
-        """Issues a step's WGMMAs unless `hidden` (step_grads) says they would add zeros."""
-        if hidden is None:
-          issue()
-        else:
-          pl.when(~hidden)(issue)
-
       def store_dq(i, gi, dq, cols):
         """Adds step i's dQ (this warpgroup's columns `cols`) into dq by a TMA reduction;
         with dq_ordered, leaves it for the memory warpgroup's (see send_dq)."""
@@ -1255,8 +1247,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_arrive(sc.do_free.at[slot])
         plgpu.barrier_arrive(sc.q_free.at[slot])
 
-      def split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish,
-                      hidden):
+      def split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish):
         """The rest of dq_split's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
         shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
         reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
@@ -1271,18 +1262,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         def grads(refs):
           dq_acc, dv_ref, dk_ref = refs
           plgpu.wgmma(dq_acc, ds_buf.T, k_cols)
-
-          def issue():
-            plgpu.wgmma(dv_ref, pt, do_tile)
-            plgpu.wgmma(dk_ref, dst, q_tile)
-
-          unless_hidden(hidden, issue)
+          plgpu.wgmma(dv_ref, pt, do_tile)
+          plgpu.wgmma(dk_ref, dst, q_tile)
           pass_turn()
-          if hidden is not None:  # without dV and dK in flight, wait_n=2 would not wait for dQ
-            @pl.when(hidden)
-            def _():
-              plgpu.wgmma_wait(0)
-
           dq = plgpu.wgmma_accumulator_load(dq_acc, wait_n=2)  # dV and dK still run
           if has_dq is None:
             store_dq(i, gi, dq, pl.ds(col, half))
@@ -1346,22 +1328,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         q0 = pl.multiple_of(wg * nq, nq) if config.scores_split else 0
         qs = pl.ds(q0, nq)
 
-        # A masked step whose queries see none of this warpgroup's keys through the band (on
-        # the causal diagonal's first step, warpgroup 1's; a window's last, warpgroup 0's)
-        # skips its Sᵀ, dPᵀ, dV and dK WGMMAs: its Pᵀ and dSᵀ are zeros (the mask's, from
-        # zero scores), and only its share of dSᵀ for dQ counts.
-        hidden = None
-        if masked and config.skip_hidden and not (split or config.scores_split):
-          hidden = _mosaic.hides_all(mask, my_key, bkv, qb * bq, bq)
-
         def scores(refs):
           s_ref, dp_ref = refs
-
-          def issue():
-            plgpu.wgmma(s_ref, k_step, (q_tile.at[qs] if config.scores_split else q_tile).T)
-            plgpu.wgmma(dp_ref, v_step, (do_tile.at[qs] if config.scores_split else do_tile).T)
-
-          unless_hidden(hidden, issue)
+          plgpu.wgmma(s_ref, k_step, (q_tile.at[qs] if config.scores_split else q_tile).T)
+          plgpu.wgmma(dp_ref, v_step, (do_tile.at[qs] if config.scores_split else do_tile).T)
           take_turn()
 
         def probabilities(st):
@@ -1401,8 +1371,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         row_delta = hopper.load(sc.stats_smem.at[slot, 1, qs], col_layout)
         dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, dpt.shape, [1]))).astype(dtype)
         if config.dq_split:
-          return split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish,
-                             hidden)
+          return split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish)
         ds_buf = None
         if config.scores_split:  # the halves meet in the step's Pᵀ and dSᵀ slots
           b = hopper.rem(gi, 2)
@@ -1418,12 +1387,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         def grads(refs):
           dv_ref, dk_ref = refs
-
-          def issue():
-            plgpu.wgmma(dv_ref, pt, do_tile.at[:, my_cols] if split else do_tile)
-            plgpu.wgmma(dk_ref, dst, q_tile.at[:, my_cols] if split else q_tile)
-
-          unless_hidden(hidden, issue)
+          plgpu.wgmma(dv_ref, pt, do_tile.at[:, my_cols] if split else do_tile)
+          plgpu.wgmma(dk_ref, dst, q_tile.at[:, my_cols] if split else q_tile)
           take_turn()
 
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
