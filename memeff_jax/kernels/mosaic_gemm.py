@@ -98,11 +98,6 @@ class GemmConfig:
       tiles: 15 each and 6 left, which without a tail are a 16th wave of 6 CTAs in 33; with
       tail_n=64 they are 12 tiles of 128 columns, half a wave, with 32 24 tiles of 64, a
       quarter. None: no tail, the walk as `minor`/`band` say.
-    k_splits: "ring" without clusters, tail_n, C or statistics: each output tile's K steps
-      are cut into this many parts, and the (part, tile) units are dealt to the CTAs part
-      by part, so that an output of few tiles still fills every SM (see split_to_fill_waves
-      and _ring_kernel). The parts' float32 products are added up in a fixed order: the
-      result's bits do not depend on timing.
   """
 
   tile_m: int = 128
@@ -117,7 +112,6 @@ class GemmConfig:
   cluster: str | None = None
   epilogue_rows: int | None = None
   tail_n: int | None = None
-  k_splits: int = 1
 
   def __post_init__(self):
     if self.schedule not in ("cooperative", "pingpong", "ring"):
@@ -143,10 +137,6 @@ class GemmConfig:
                                     or self.tail_n == self.tile_n):
       raise ValueError("tail_n is a multiple of 32 dividing tile_n (and below it), for the "
                        f"'pingpong' and 'ring' schedules without clusters, got {self}")
-    if self.k_splits < 1 or (self.k_splits > 1 and (self.schedule != "ring" or self.cluster
-                                                    or self.tail_n is not None)):
-      raise ValueError("k_splits is a positive count; above 1 it needs the 'ring' schedule "
-                       f"without cluster or tail_n, got {self}")
     if self.cluster and self.num_sms is not None and self.num_sms % 2:
       raise ValueError(f"a cluster of two needs an even num_sms, got {self.num_sms}")
 
@@ -255,23 +245,6 @@ def narrowed_to_fill_waves(config: GemmConfig, m: int, n: int, *, trans_b: bool,
     if candidate is not None and wave_span(candidate, m, n, sms) < wave_span(best, m, n, sms):
       best = candidate
   return best
-
-
-def split_to_fill_waves(config: GemmConfig, m: int, n: int, k: int, *,
-                        sms: int | None = None, max_splits: int = 16,
-                        unit_cost: int = 8) -> GemmConfig:
-  """config with the k_splits (1 to max_splits) that finishes an [m, n] output with K = k
-  soonest, counting each unit's K steps plus `unit_cost` steps for its accumulator's
-  update and the pipeline's turn; the fewest splits among equals. A few tiles' output fills
-  every SM: [1,024, 2,304] in 128 × 256 tiles is 72 tiles for 132 SMs, one wave at 55%;
-  in 11 parts 792 units, 6 waves at 100%. "ring" configs without cluster or tail_n only."""
-  if config.schedule != "ring" or config.cluster or config.tail_n is not None:
-    return config
-  tiles, ctas_ = cta_tiles(config, m, n), ctas(config, sms)
-  steps = k // config.tile_k
-  cost = lambda s: -(-tiles * s // ctas_) * (-(-steps // s) + (unit_cost if s > 1 else 0))
-  best = min(range(1, max_splits + 1), key=lambda s: (cost(s), s))
-  return dataclasses.replace(config, k_splits=best)
 
 
 def wave_span(config: GemmConfig, m: int, n: int, sms: int | None = None,
@@ -409,7 +382,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
 def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
                  trans_b: bool, sms: int, reduce: bool = False, stats_gmem=None,
                  stats_cols: int | None = None, stats_words: bool = False,
-                 exp_out: bool = False, enabled=None, scale_gmem=None, parts_gmem=None):
+                 exp_out: bool = False, enabled=None, scale_gmem=None):
   """The schedules with one ring of A/B slots across all of a CTA's tiles ("pingpong",
   "ring"): the CTA walks its tiles j = 0, 1, 2, ..., and the memory warpgroup streams their K
   steps in walk order through `max_concurrent_steps` slots, so the next tile's first steps
@@ -445,16 +418,6 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   None) multiplies every CTA's tile count: 0 makes the launch a no-op. With `scale_gmem`
   (float32 [M], see gemm's row_scale) each row of the product is multiplied by its entry
   in the epilogue, in float32, before C is added and the tile rounded.
-
-  With `config.k_splits` = S > 1 (the "ring" schedule) the CTAs walk units instead of
-  tiles: unit u is part p = u div T of tile u mod T (T output tiles, each part about K/S of
-  the K steps), dealt round-robin, so the units running at once share the K range of one or
-  two parts (their operands' blocks in L2). Each unit's float32 product goes into one of
-  the `nb` = parts_gmem.shape[0] accumulators, [nb, M, n_tiles · cn] float32: part p into
-  p mod nb, stored by the first part there and added by the others in part order, each
-  waiting on a global counter per (accumulator, tile, warpgroup) for the parts before it.
-  nb is chosen (see _launch) so that the part before a unit's in its accumulator ran in an
-  earlier round of units: no unit waits, bar rounding. The caller adds the accumulators up.
   """
   m, n = out_gmem.shape
   k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
@@ -464,10 +427,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   clm, cln = config.cluster_tile()
   m_tiles, n_tiles = m // clm, -(-n // cln)  # the last column of tiles may be partial
   k_steps = k // tk
-  # With k_splits out_gmem is a view of the float32 accumulators, which only add_part
-  # writes: the epilogue buffer keeps the operands' dtype.
-  dtype = a_gmem.dtype
-  out_dtype = dtype if parts_gmem is not None else out_gmem.dtype
+  dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   div, rem = hopper.div, hopper.rem
   pingpong = config.schedule == "pingpong"
   split = None if pingpong else config.wg_split  # ping-pong: each warpgroup owns whole tiles
@@ -483,22 +443,14 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   per_tile = stats_gmem is not None and exp_out  # each tile's sums stored as they come
   stats = stats_gmem is not None and not per_tile  # statistics carried across the walk
 
-  class Unit(NamedTuple):
-    """Part `part` of output tile `tile` (k_splits): K steps k0, k0 + 1, ..., k0 + steps - 1."""
-    part: jax.Array
-    tile: jax.Array
-    k0: jax.Array
-    steps: jax.Array
-
   class Phase(NamedTuple):
     """A run of the CTA's walk: `count` tiles (traced), each warpgroup's `width` columns
     wide, tile j's first row and column at origin(j); no tile reaches column `end` or
-    past it. With k_splits, unit(j) says which part of which tile the j-th is."""
+    past it."""
     width: int
     count: jax.Array
     origin: object
     end: int
-    unit: object = None
 
   if stats or config.tail_n is not None:  # one row block per CTA
     # walker = col0 · m_tiles + row_block
@@ -518,22 +470,6 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
       phases.append(Phase(config.tail_n, share(tail_tiles),
                           lambda j: (row_block * cm, whole * cn + (col0 + j * per_row) * tail_cn),
                           whole * cn + tail_tiles * tail_cn))
-  elif config.k_splits > 1:
-    tiles, splits = m_tiles * n_tiles, config.k_splits
-    units = tiles * splits  # walker, walker + walkers, ...
-
-    def unit(j):
-      u = walker + j * walkers
-      p = div(u, tiles)
-      k0 = div(p * k_steps, splits)
-      return Unit(p, rem(u, tiles), k0, div((p + 1) * k_steps, splits) - k0)
-
-    def unit_origin(j):
-      return cta_origin(*hopper.snake(unit(j).tile, (m_tiles, n_tiles),
-                                      0 if config.minor == "m" else 1, config.band))
-
-    phases = [Phase(tn, div(units - walker + walkers - 1, walkers), unit_origin,
-                    n_tiles * cln, unit)]
   else:
     tiles = m_tiles * n_tiles  # walker, walker + walkers, ...
     phases = [Phase(tn, div(tiles - walker + walkers - 1, walkers),
@@ -546,30 +482,13 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
     phases = [p._replace(count=p.count * enabled) for p in phases]
 
   def walk(tile, carry):
-    """Runs tile(phase, j, i, first, carry) over the CTA's tiles, i counting across phases
-    and first the tile's first step in the ring's sequence (each tile takes k_steps, each
-    unit of a k_splits walk its part's steps)."""
+    """Runs tile(phase, j, i, carry) over the CTA's tiles, i counting across phases."""
     start = 0
     for phase in phases:
-      if phase.unit is None:
-        carry = lax.fori_loop(
-            0, phase.count,
-            lambda j, c, p=phase, s=start: tile(p, j, s + j, (s + j) * k_steps, c), carry)
-      else:
-        def unit_step(j, c, p=phase, s=start):
-          first, c = c
-          return first + p.unit(j).steps, tile(p, j, s + j, first, c)
-
-        _, carry = lax.fori_loop(0, phase.count, unit_step, (jnp.int32(0), carry))
+      carry = lax.fori_loop(0, phase.count,
+                            lambda j, c, p=phase, s=start: tile(p, j, s + j, c), carry)
       start = start + phase.count
     return carry
-
-  def span(phase, j):
-    """(first K step, K steps) of the walk's j-th tile or unit in `phase`."""
-    if phase.unit is None:
-      return 0, k_steps
-    u = phase.unit(j)
-    return u.k0, u.steps
 
   a_block = (tk, cm) if trans_a else (cm, tk)
   b_block = (cn, tk) if trans_b else (tk, cn)
@@ -592,11 +511,6 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
     p = jnp.exp2(y * hopper.LOG2E - lax.broadcast_in_dim(m_sub, y.shape, [0]))
     return m_new, s * jnp.exp2(m - m_sub) + p.sum(axis=1)
 
-  flags = None
-  if parts_gmem is not None:  # counted per (accumulator, tile, warpgroup), from 0 each call
-    flags = pl.get_global(plgpu.SemaphoreType.REGULAR(
-        (parts_gmem.shape[0] * m_tiles * n_tiles * 2,)))
-
   def body(a_smem, b_smem, c_smem, ready, free, c_ready, *turn):
     wg = lax.axis_index("wg")
     turn = turn[0] if turn else None
@@ -614,35 +528,13 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
         return b_smem.at[slot].at[pl.ds(0, cn // tn * width)]
       return b_tail.at[slot].at[pl.ds(0, tk)]  # [tk, cn]: columns, through the other view
 
-    def add_part(acc, u, rows, cols, wg):
-      """k_splits: adds a unit's float32 product into its accumulator, after the parts
-      before it there (a store for the first), and counts it done. Through registers, 64
-      rows at a time; the stores reach the other CTAs before the count does (the signal's
-      barrier and release)."""
-      nb = parts_gmem.shape[0]
-      acc_index, rank = rem(u.part, nb), div(u.part, nb)
-      flag = flags.at[(acc_index * m_tiles * n_tiles + u.tile) * 2 + wg]
-      plgpu.semaphore_wait(flag, rank, decrement=False, memory_scope="gpu")
-      for r0 in range(0, tm, 64):
-        piece = acc if tm == 64 else acc[r0:r0 + 64]
-        dst = parts_gmem.at[acc_index, pl.ds(rows + r0, 64), pl.ds(cols, tn)]
-
-        @pl.when(rank == 0)
-        def _():
-          dst[...] = piece
-
-        @pl.when(rank > 0)
-        def _():
-          dst[...] = piece + hopper.load(dst, plgpu.Layout.WGMMA, optimized=False)
-      plgpu.semaphore_signal(flag, 1, memory_scope="gpu")
-
     @pl.when(wg < 2)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
 
-      def tile(phase, j, i, first, carry):
+      def tile(phase, j, i, carry):
         width = phase.width
-        k0, steps = span(phase, j)
+        first = i * k_steps  # this tile's first step in the ring's sequence
         rows, cols = phase.origin(j)
         if not pingpong:
           rows += wg * tm if config.wg_split == "m" else 0
@@ -663,7 +555,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             if turns:  # the other's last tile has seen all its slots land (none first)
               pl.when(i > 0)(lambda: plgpu.barrier_wait(turn.at[wg]))
 
-            @pl.loop(0, steps)
+            @pl.loop(0, k_steps)
             def _(kk):
               slot = rem(first + kk, stages)
               plgpu.barrier_wait(ready.at[slot])
@@ -680,13 +572,10 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             if turns:
               plgpu.barrier_arrive(turn.at[1 - wg])
             plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[rem(first + steps - 1, stages)])
+            plgpu.barrier_arrive(free.at[rem(first + k_steps - 1, stages)])
             return acc_ref[...]
 
           acc = pl.run_scoped(main_loop, plgpu.ACC((tm, width), jnp.float32))
-          if phase.unit is not None:
-            add_part(acc, phase.unit(j), rows, cols, wg)
-            return carry
           if scale_gmem is not None:
             acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
           if c_gmem is not None:
@@ -771,9 +660,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
-      def tile(phase, j, i, first, _):
+      def tile(phase, j, i, _):
         rows, cols = phase.origin(j)
-        k0, steps = span(phase, j)
         width = cn // tn * phase.width  # the B block's columns
         if reduce:
           # The running sum's tile, into L2 while the tile's main loop runs, so that the
@@ -781,16 +669,16 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
           # was slower; the LCE design doc has the figures).
           plgpu.async_prefetch(out_gmem.at[pl.ds(rows, cm), pl.ds(cols, width)])
 
-        @pl.loop(0, steps)
+        @pl.loop(0, k_steps)
         def _(kk):
-          step = first + kk
+          step = i * k_steps + kk
           slot = rem(step, stages)
 
           @pl.when(step >= stages)
           def _():
             plgpu.barrier_wait(free.at[slot])
 
-          ks = pl.ds((k0 + kk) * tk, tk)
+          ks = pl.ds(kk * tk, tk)
           a_src = a_gmem.at[ks, pl.ds(rows, cm)] if trans_a else a_gmem.at[pl.ds(rows, cm), ks]
           b_src = (b_gmem.at[pl.ds(cols, width), ks] if trans_b
                    else b_gmem.at[ks, pl.ds(cols, width)])
@@ -924,7 +812,6 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
                      f"blocks than the {sms} CTAs ({config})")
   windows = [op if isinstance(op, Rows) else None for op in operands]
   blocks = [jnp.asarray(w.block, jnp.int32) for w in windows if w is not None]
-  n_out = operands[1].shape[0 if trans_b else 1]
   if enabled is not None:
     if config.schedule not in ("pingpong", "ring"):
       raise ValueError(f"enabled needs the 'pingpong' or 'ring' schedule, got {config}")
@@ -944,10 +831,7 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
     out_ref = op_refs[2] if into else refs[-2 if stats_out else -1]
     reduce = into and accumulate and add == "tma"
     c_ref = out_ref if into and accumulate and not reduce else None
-    if config.k_splits > 1:  # out_ref: the float32 accumulators (see _split_product)
-      _ring_kernel(a_ref, b_ref, None, out_ref.at[0, :, pl.ds(0, n_out)], config=config,
-                   trans_a=trans_a, trans_b=trans_b, sms=sms, parts_gmem=out_ref)
-    elif config.schedule in ("pingpong", "ring"):
+    if config.schedule in ("pingpong", "ring"):
       _ring_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
                    trans_b=trans_b, sms=sms, reduce=reduce, stats_gmem=stats_ref,
                    stats_cols=stats_cols, stats_words=stats_into, exp_out=exp_out,
@@ -967,30 +851,6 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
       compiler_params=plgpu.CompilerParams(  # approx_math: row_stats' exp2 and log (MUFU)
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
   )(*[op.array if isinstance(op, Rows) else op for op in operands], *scales, *blocks)
-
-
-def split_accumulators(config: GemmConfig, m: int, n: int, sms: int | None = None) -> int:
-  """How many float32 accumulators a k_splits launch over an [m, n] output adds its parts
-  into: enough that the part before a unit's in its accumulator ran a round of units (one
-  unit per CTA) earlier, so that no unit waits for another still running (at most
-  k_splits)."""
-  return min(config.k_splits, -(-ctas(config, sms) // cta_tiles(config, m, n)))
-
-
-def _split_product(a, b, m: int, n: int, config: GemmConfig, *, trans_a: bool, trans_b: bool,
-                   name: str, row_scale=None):
-  """diag(row_scale) op(a) @ op(b), [m, n] in float32, by a k_splits launch: its
-  accumulators added up in order, then scaled."""
-  cn = config.cta_tile()[1]
-  parts_type = jax.ShapeDtypeStruct(
-      (split_accumulators(config, m, n), m, -(-n // cn) * cn), jnp.float32)
-  parts = _launch((a, b), parts_type, config, trans_a=trans_a, trans_b=trans_b, into=False,
-                  name=name)
-  total = parts[0]
-  for part in parts[1:]:
-    total = total + part
-  total = total[:, :n]
-  return total if row_scale is None else total * row_scale[:, None]
 
 
 def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue", out_dtype=None):
@@ -1109,12 +969,6 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   m, n, _ = _check(a, b, None, trans_a, trans_b, config, out_dtype=out_dtype)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
   row_scale = _check_scale(row_scale, m, config)
-  if config.k_splits > 1:
-    if row_stats is not None or exp_out:
-      raise ValueError(f"k_splits adds float32 parts after the kernel: it takes no row_stats "
-                       f"or exp_out ({config})")
-    return _split_product(a, b, m, n, config, trans_a=trans_a, trans_b=trans_b, name=name,
-                          row_scale=row_scale).astype(out_dtype)
   if row_stats is None:
     if exp_out:
       raise ValueError("exp_out is an option of row_stats")
@@ -1203,18 +1057,7 @@ def gemm_into(c_ref, a, b, *, trans_a: bool = False, trans_b: bool = False,
   without lax.cond, which would copy C). `row_scale` (float [M], "pingpong" and "ring")
   multiplies the product's rows before C is added: c_ref[...] (+)= diag(row_scale) op(a)
   @ op(b), in float32 before the product is rounded."""
-  m, n, _ = _check(a, b, c_ref, trans_a, trans_b, config, accumulate, add)
-  if config.k_splits > 1:
-    if enabled is not None:
-      raise ValueError(f"enabled is not an option of k_splits, whose sum XLA writes ({config})")
-    total = _split_product(a, b, m, n, config, trans_a=trans_a, trans_b=trans_b, name=name,
-                           row_scale=_check_scale(row_scale, m, config))
-    window = pl.ds(c_ref.block * c_ref.size, c_ref.size) if isinstance(c_ref, Rows) else ...
-    target = c_ref.array if isinstance(c_ref, Rows) else c_ref
-    if accumulate:
-      total = total + target[window].astype(jnp.float32)
-    target[window] = total.astype(target.dtype)
-    return
+  m, _, _ = _check(a, b, c_ref, trans_a, trans_b, config, accumulate, add)
   _launch((a, b, c_ref), (), config, trans_a=trans_a, trans_b=trans_b, into=True,
           accumulate=accumulate, add=add, name=name, enabled=enabled,
           row_scale=_check_scale(row_scale, m, config))

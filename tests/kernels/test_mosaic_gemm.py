@@ -653,39 +653,3 @@ def test_row_stats_into_a_window_as_words(name):
   used = 3 * p * M // 512  # rows of the window the words fill
   np.testing.assert_array_equal(np.asarray(after[:256], np.float32), 7.0)
   np.testing.assert_array_equal(np.asarray(after[256 + used:], np.float32), 7.0)
-
-
-SPLIT = mg.GemmConfig(schedule="ring", max_concurrent_steps=3, epilogue_rows=64, num_sms=4)
-
-
-def test_k_splits_are_checked_chosen_and_lower_for_cuda():
-  with pytest.raises(ValueError, match="k_splits"):
-    mg.GemmConfig(schedule="pingpong", k_splits=2)
-  with pytest.raises(ValueError, match="k_splits"):
-    mg.GemmConfig(schedule="ring", cluster="m", k_splits=2)
-  ring = mg.GemmConfig(schedule="ring", tile_n=128, epilogue_rows=64)
-  # Gemma-2-2b's dx at a 1,024-token chunk: 72 tiles of 128 × 256 for 132 SMs.
-  split = mg.split_to_fill_waves(ring, 1024, 2304, 256000, sms=132)
-  assert split.k_splits == 11 and mg.split_accumulators(split, 1024, 2304, 132) == 2
-  assert mg.split_to_fill_waves(ring, 4096, 4096, 32768, sms=132).k_splits == 1
-  cfg = dataclasses.replace(SPLIT, k_splits=3)
-  a = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
-  b = jax.ShapeDtypeStruct((N, K), jnp.bfloat16)
-  f = lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg)
-  assert "mosaic_gpu" in jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("splits,sms", [(2, 4), (3, 4), (3, 16), (4, 16)])
-def test_k_splits_match_reference_with_the_same_bits_each_call(splits, sms):
-  """K's 4 steps in 2–4 parts (of 1 and 2 steps) over 8 tiles: on 4 CTAs the units wrap
-  across the CTAs into one accumulator, on 16 into two; the row scale applies to the sum;
-  the bits repeat."""
-  a, b, c, ref = _operands(False, True, seed=21)
-  s = jax.random.uniform(jax.random.key(22), (M,), jnp.float32, 0.5, 2.0)
-  cfg = dataclasses.replace(SPLIT, k_splits=splits, num_sms=sms)
-  f = jax.jit(lambda a, b, s: mg.gemm(a, b, trans_b=True, config=cfg, row_scale=s,
-                                      out_dtype=jnp.float32))
-  got = f(a, b, s)
-  np.testing.assert_allclose(got, s[:, None] * ref, rtol=1e-5, atol=1e-3)
-  assert bool(jnp.all(got == f(a, b, s)))
