@@ -214,11 +214,10 @@ def narrowed_to_fill_waves(config: GemmConfig, m: int, n: int, *, trans_b: bool,
   cuBLAS's at Llama-3-8B's and Mistral-7B's heads (the LCE design doc). The narrower tile
   keeps the schedule and wg_split where its halves stay whole swizzle groups (16 columns for
   a transposed B, read by rows; 64 otherwise), else a "ring" CTA splits along M instead
-  (two 64-row halves of the tile's rows, each warpgroup the whole width). A cluster keeps
-  its pairing. The "cooperative" schedule, which needs tiles dividing N, and tail_n keep
-  their tiles.
+  (two 64-row halves of the tile's rows, each warpgroup the whole width). The "cooperative"
+  schedule, which needs tiles dividing N, clusters and tail_n keep their tiles.
   """
-  if config.schedule == "cooperative" or config.tail_n:
+  if config.schedule == "cooperative" or config.cluster or config.tail_n:
     return config
   cm, cn = config.cta_tile()
   group = 16 if trans_b else 64
