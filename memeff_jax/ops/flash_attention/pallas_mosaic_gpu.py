@@ -100,6 +100,7 @@ class MosaicConfig:
     block_q: query rows per compute warpgroup (a CTA holds two such blocks).
     block_kv: keys per pipeline step.
     stages: K/V slots in shared memory (at most what fits: 2 at D = 128, 6 at D = 64).
+      Without the overlap a walk of more than one key block needs two (support_error).
     pingpong: alternate the two compute warpgroups on the tensor cores.
     overlap: FlashAttention-3's intra-warpgroup overlap: a step issues block j's QKᵀ and
       block j−1's PV together and computes block j's softmax while PV runs (P of the
@@ -231,6 +232,17 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"num_sms={config.num_sms} needs persistent and at least one CTA"
   if config.dynamic and not config.persistent:
     return "dynamic needs persistent"
+  fits = _fitting_stages(config, d, jnp.dtype(dtype).itemsize)
+  if fits < 1:
+    return (f"block_kv={config.block_kv} at D={d} leaves no room in shared memory for a K/V "
+            f"stage{' beside the persistent output buffer' if config.persistent else ''}")
+  if not config.overlap and s > config.block_kv and min(config.stages, fits) < 2:
+    # A step waits for the next block's K before it releases its own slot, which one slot
+    # would have to hold both: the walk would deadlock.
+    return (f"needs two K/V stages to walk S={s} in blocks of {config.block_kv} without "
+            f"overlap; stages={config.stages}, block_kv={config.block_kv} at D={d}"
+            f"{' with the persistent output buffer' if config.persistent else ''} leave "
+            f"room for {min(config.stages, fits)}")
   return None
 
 

@@ -65,6 +65,16 @@ def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
      "num_sms=0 needs persistent and at least one CTA"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(dynamic=True),
      "dynamic needs persistent"),
+    # One K/V slot (the walk would deadlock): too wide a block, one stage asked for, or the
+    # persistent output's buffer taking the second at D = 256.
+    ((1, 4224, 4, 128), (1, 4224, 4, 128), BF16, _opts(), MosaicConfig(block_kv=192),
+     r"two K/V stages to walk S=4224 in blocks of 192 .* leave room for 1"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(causal=True), MosaicConfig(stages=1),
+     r"stages=1, block_kv=128 at D=128 leave room for 1"),
+    ((1, 256, 4, 256), (1, 256, 4, 256), BF16, _opts(),
+     MosaicConfig(block_kv=64, persistent=True), "with the persistent output buffer"),
+    ((1, 512, 4, 256), (1, 512, 4, 256), BF16, _opts(), MosaicConfig(block_kv=512),
+     "block_kv=512 at D=256 leaves no room"),
 ])
 def test_support_error_names_what_is_not_served(q_shape, k_shape, dtype, opts, config, match):
   assert re.search(match, pm.support_error(q_shape, k_shape, dtype, opts, config))
@@ -78,6 +88,11 @@ def test_support_error_admits_the_served_calls():
           opts = _opts(causal, window, segments, softcap)
           assert pm.support_error((2, 384, 8, d), (2, 512, 2, d), BF16, opts,
                                   MosaicConfig.for_head_dim(d)) is None
+  # One K/V slot serves the overlap (K and V in rings of their own) and a one-block walk.
+  wide = MosaicConfig(block_kv=192, overlap=True, pingpong=False)
+  assert pm.support_error((1, 4224, 4, 128), (1, 4224, 4, 128), BF16, _opts(), wide) is None
+  assert pm.support_error((1, 256, 4, 128), (1, 128, 4, 128), BF16, _opts(),
+                          MosaicConfig(stages=1)) is None
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU message")
@@ -123,8 +138,11 @@ def test_forward_overlaps_where_it_measured_faster(as_on_hopper, d, opts, s, ove
   assert st.config.block_kv == block_kv
   assert st.config.stages == (3 if d in (96, 192) and opts.mask.is_dense else 2)
   assert st.config.lazy_rescale == (d > 128)
-  explicit = PallasMosaicGpu(config=MosaicConfig())._static(q, q, opts)  # pylint: disable=protected-access
-  assert explicit.config == MosaicConfig()
+  # 64-key blocks: two K/V stages fit at every head dim (MosaicConfig()'s 128 leave one at
+  # D = 256, which support_error refuses there).
+  config = MosaicConfig(block_kv=64)
+  explicit = PallasMosaicGpu(config=config)._static(q, q, opts)  # pylint: disable=protected-access
+  assert explicit.config == config
 
 
 @pytest.mark.parametrize("causal, window, s, span", [
@@ -436,7 +454,9 @@ def test_kernel_lowers_for_cuda(monkeypatch, causal, window, segments, pingpong,
     (True, None, False, 64, False, 3, 256, 256, 1, False),
     (False, (100, 7), False, 128, False, 7, 512, 384, 2, False),
     (True, 300, True, 128, True, 4, 512, 512, 4, False),
-    (False, None, True, 256, False, 2, 256, 384, 1, False),
+    # D = 256: the persistent output's buffer leaves one K/V slot, which only the overlap's
+    # separate rings can walk (support_error refuses ping-pong there)
+    (False, None, True, 256, True, 2, 256, 384, 1, False),
     (True, None, True, 128, False, 5, 512, 512, 4, True),
     (True, None, False, 128, True, 3, 512, 384, 2, True),
     (True, None, False, 128, False, 4, 512, 640, 2, True)]))  # Q loaded in the last step
