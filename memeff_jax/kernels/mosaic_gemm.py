@@ -122,6 +122,12 @@ class GemmConfig:
     for name in ("wg_split", "minor"):
       if getattr(self, name) not in ("m", "n"):
         raise ValueError(f"{name} must be 'm' or 'n', got {getattr(self, name)!r}")
+    least = 1 if self.schedule == "cooperative" else 2
+    if self.max_concurrent_steps < least:
+      # The pingpong and ring warpgroups free a step's slot only once the next step's WGMMA
+      # is issued (one group in flight), so a single slot would deadlock their walk.
+      raise ValueError(f"the {self.schedule!r} schedule needs max_concurrent_steps >= {least}, "
+                       f"got {self.max_concurrent_steps}")
     if self.schedule == "pingpong" and self.wg_split != "n":
       raise ValueError("wg_split splits a CTA tile between the warpgroups; in 'pingpong' each "
                        "owns whole tiles, so it takes no wg_split")

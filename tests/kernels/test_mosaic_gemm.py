@@ -65,6 +65,12 @@ def test_errors_name_the_shapes():
             config=mg.GemmConfig(cluster="m"))
   with pytest.raises(ValueError, match="wg_split must be 'm' or 'n'"):
     mg.GemmConfig(wg_split="k")
+  for schedule in ("ring", "pingpong"):  # one slot would deadlock the walk
+    with pytest.raises(ValueError, match=f"'{schedule}' schedule needs max_concurrent_steps "
+                                         ">= 2, got 1"):
+      mg.GemmConfig(schedule=schedule, max_concurrent_steps=1)
+  with pytest.raises(ValueError, match="'cooperative' schedule needs max_concurrent_steps >= 1"):
+    mg.GemmConfig(max_concurrent_steps=0)
   with pytest.raises(ValueError, match="in 'pingpong' each owns whole tiles"):
     mg.GemmConfig(schedule="pingpong", wg_split="m")
   with pytest.raises(ValueError, match="an option of the 'pingpong' and 'ring' schedules"):
