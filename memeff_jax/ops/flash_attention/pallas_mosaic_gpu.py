@@ -236,13 +236,14 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if fits < 1:
     return (f"block_kv={config.block_kv} at D={d} leaves no room in shared memory for a K/V "
             f"stage{' beside the persistent output buffer' if config.persistent else ''}")
-  if not config.overlap and s > config.block_kv and min(config.stages, fits) < 2:
+  stages = _stages(config, s, d, jnp.dtype(dtype).itemsize)
+  if not config.overlap and s > config.block_kv and stages < 2:
     # A step waits for the next block's K before it releases its own slot, which one slot
     # would have to hold both: the walk would deadlock.
     return (f"needs two K/V stages to walk S={s} in blocks of {config.block_kv} without "
             f"overlap; stages={config.stages}, block_kv={config.block_kv} at D={d}"
             f"{' with the persistent output buffer' if config.persistent else ''} leave "
-            f"room for {min(config.stages, fits)}")
+            f"room for {stages}")
   return None
 
 
@@ -255,6 +256,12 @@ def _fitting_stages(cfg: MosaicConfig, d: int, itemsize: int) -> int:
   fixed = (2 + 2 * cfg.persistent) * cfg.block_q * d * itemsize + 2 * cfg.block_q * 4
   fixed += _SMEM_RESERVE
   return (hopper.SMEM_BYTES - fixed) // (2 * cfg.block_kv * d * itemsize)
+
+
+def _stages(cfg: MosaicConfig, s: int, d: int, itemsize: int) -> int:
+  """The K/V stages a walk over S = s keys runs: cfg.stages, at most its key blocks and
+  what fits."""
+  return min(cfg.stages, s // cfg.block_kv, _fitting_stages(cfg, d, itemsize))
 
 
 class _Tile(NamedTuple):
@@ -722,8 +729,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
   b, _, hq, d = q.shape
   hkv = k.shape[2]
   t, s = st.lengths or (q.shape[1], k.shape[1])
-  stages = max(1, min(cfg.stages, s // cfg.block_kv,
-                      _fitting_stages(cfg, d, jnp.dtype(q.dtype).itemsize)))
+  stages = max(1, _stages(cfg, s, d, jnp.dtype(q.dtype).itemsize))
   cfg = dataclasses.replace(cfg, stages=stages)
   layout = hopper.swizzled_tiles(hopper.row_swizzle(d, q.dtype))
   mask = st.opts.mask
