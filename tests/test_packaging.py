@@ -48,7 +48,7 @@ def test_installed_package_has_its_tuning_tables(installed):
           "device_kind='H100'); "
           "assert t['d128_ordered']['dq_rotate']; "
           "g = _tuning.lookup('linear_cross_entropy', 'mosaic_gemm', device_kind='H200'); "
-          "assert g['logits_dv']['tile_n'] == 192; print('tables ok')")
+          "assert g['logits']['tile_n'] == 192; print('tables ok')")
   out = subprocess.run([str(python), "-c", code], cwd=work, check=True, capture_output=True,
                        text=True, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
   assert "tables ok" in out.stdout

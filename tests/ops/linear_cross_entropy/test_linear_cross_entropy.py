@@ -13,7 +13,6 @@ import optax
 import pytest
 
 import memeff_jax
-from memeff_jax import _tuning
 from memeff_jax.kernels import hopper
 from memeff_jax.kernels import mosaic_gemm
 from memeff_jax.ops.linear_cross_entropy import ChunkedXla
@@ -656,20 +655,24 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemms, d", [(pallas_mosaic_gpu.GEMMS, 512), (("logits", "dw"), 512),
-                                      (("logits", "dw"), 768)])
-def test_own_slot_ping_pong_gemms_match_reference(gemms, d):
+@pytest.mark.parametrize("gemms, d, layout", [(pallas_mosaic_gpu.GEMMS, 512, "dv"),
+                                              (("logits", "dw"), 512, "dv"),
+                                              (("logits", "dw"), 768, "dv"),
+                                              ((), 512, "vd"), ((), 768, "vd")])
+def test_own_slot_ping_pong_gemms_match_reference(gemms, d, layout):
   """Two chunks of 512 tokens: at D = 512 the exp GEMM's 8 K steps and the dW GEMM's 8 run
-  the tuned "dv" ping-pong tiles on each warpgroup's own slots (mosaic_gemm.own_slots), as
-  at Llama-3-8B's shape (the other tests' 256-token chunks take the ring's fallback); at
+  the tuned ping-pong tiles on each warpgroup's own slots (mosaic_gemm.own_slots), as at
+  Llama-3-8B's shape (the other tests' 256-token chunks take the ring's fallback); at
   D = 768 (GPT-2's) the exp GEMM's 12 steps its 6-slot fallback. The second chunk adds into
-  dW by TMA. With ("logits", "dw") dx is cuBLAS's, as the default at Gemma-2's shape."""
+  dW by TMA. With ("logits", "dw") dx is cuBLAS's, as the default at Gemma-2's shape; in
+  the "vd" layout dx and dW are cuBLAS's beside the same exp GEMM tiles, as its default."""
   for key, k in (("logits", d), ("dw_tma", 512)):
     assert mosaic_gemm.own_slots(pallas_mosaic_gpu.tuned_gemm_config(key, "dv", k), k)
-  options = dict(weight_layout="dv", z_loss=1e-3)
+  options = dict(weight_layout=layout, z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(17), (2, 512), d, 2000, jnp.bfloat16,
                                     **options)
-  impl = PallasMosaicGpu(mosaic_gemms=gemms, dw_accumulation="tma_add", exp_logits=True)
+  impl = PallasMosaicGpu(mosaic_gemms=gemms, dw_accumulation="tma_add" if gemms else None,
+                         exp_logits=True)
   assert_matches(impl, x, w, labels, options, chunk=512)
 
 
@@ -788,8 +791,7 @@ def test_exp_logits_gemm_against_xla():
   kx, kw = jax.random.split(jax.random.key(15))
   x = jax.random.normal(kx, (256, 256), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(kw, (256, 2048), jnp.float32) * 1.2).astype(jnp.bfloat16)
-  config = mosaic_gemm.GemmConfig(**_tuning.lookup("linear_cross_entropy",
-                                                   "mosaic_gemm").get("logits", {}))
+  config = pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", 256)  # the ring's fallback
   e, parts = mosaic_gemm.gemm(x, w, config=config, row_stats=2000, exp_out=True)
   z = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
   want = jnp.exp(jnp.minimum(z, mosaic_gemm.EXP_CLAMP))
@@ -813,23 +815,22 @@ def test_mosaic_gemms_refuse_shapes_off_their_tiles():
 
 
 def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
-  """The "dv" exp and dW GEMMs' tuned ping-pong tiles need K's steps of 64 to be a multiple
+  """The exp and "dv" dW GEMMs' tuned ping-pong tiles need K's steps of 64 to be a multiple
   of twice their 4 slots (each warpgroup on its own slots); elsewhere their `fallback`
   sections run: the exp GEMM's 6-slot ping-pong where its steps are a multiple of 12, then
-  the ring's tiles."""
-  tiles = pallas_mosaic_gpu.tuned_gemm_config
-  for key, k in (("logits", 4096), ("logits", 2048), ("dw_tma", 1024), ("dw_tma", 512)):
-    config = tiles(key, "dv", k)
-    assert (config.schedule, config.tile_n) == ("pingpong", 192), (key, k)
-    assert mosaic_gemm.own_slots(config, k)
-  for k in (768, 2304):
-    config = tiles("logits", "dv", k)
-    assert (config.schedule, config.tile_n, config.max_concurrent_steps) == ("pingpong", 128, 6)
-    assert mosaic_gemm.own_slots(config, k)
-  for key, k in (("logits", 1088), ("logits", 320), ("dw_tma", 256), ("dw_tma", 768)):
-    config = tiles(key, "dv", k)
-    assert (config.schedule, config.tile_n) == ("ring", 128), (key, k)
-  assert tiles("logits", "vd", 4096).schedule == "ring"  # "vd" keeps its own sections
+  the ring's tiles. The logits tiles are both layouts' ("vd" has no section of its own)."""
+  def tiles(key, k, layout="dv"):
+    config = pallas_mosaic_gpu.tuned_gemm_config(key, layout, k)
+    assert config.schedule == "ring" or mosaic_gemm.own_slots(config, k), (key, k, layout)
+    return config.schedule, config.tile_n, config.max_concurrent_steps
+
+  for layout in ("dv", "vd"):
+    assert tiles("logits", 4096, layout) == tiles("logits", 2048, layout) == ("pingpong", 192, 4)
+    assert tiles("logits", 768, layout) == tiles("logits", 2304, layout) == ("pingpong", 128, 6)
+    assert tiles("logits", 1088, layout) == tiles("logits", 320, layout) == ("ring", 128, 4)
+  assert tiles("dw_tma", 1024) == tiles("dw_tma", 512) == ("pingpong", 192, 4)
+  assert tiles("dw_tma", 256)[:2] == tiles("dw_tma", 768)[:2] == ("ring", 128)
+  assert tiles("dw_tma", 1024, "vd")[1] == 128  # "vd" keeps its own dW tiles
   assert not mosaic_gemm.own_slots(mosaic_gemm.GemmConfig(schedule="ring"), 4096)
 
 
