@@ -666,8 +666,9 @@ def test_own_slot_ping_pong_gemms_match_reference(gemms, d, layout):
   D = 768 (GPT-2's) the exp GEMM's 12 steps its 6-slot fallback. The second chunk adds into
   dW by TMA. With ("logits", "dw") dx is cuBLAS's, as the default at Gemma-2's shape; in
   the "vd" layout dx and dW are cuBLAS's beside the same exp GEMM tiles, as its default."""
-  for key, k in (("logits", d), ("dw_tma", 512)):
-    assert mosaic_gemm.own_slots(pallas_mosaic_gpu.tuned_gemm_config(key, "dv", k), k)
+  keys = ("logits", "dw_tma") if "dw" in gemms else ("logits",)
+  for key, k in zip(keys, (d, 512)):  # K: D for the logits, a chunk's 512 tokens for dW
+    assert mosaic_gemm.own_slots(pallas_mosaic_gpu.tuned_gemm_config(key, layout, k), k)
   options = dict(weight_layout=layout, z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(17), (2, 512), d, 2000, jnp.bfloat16,
                                     **options)
