@@ -69,8 +69,8 @@ except ImportError:  # pragma: no cover
 
 BLOCK_Q = 64  # query rows per pipeline step (MosaicBackwardConfig.block_q may widen it)
 BLOCK_KV = 64  # keys per compute warpgroup; a CTA holds two such blocks
-_SMEM_UNIT = 1_024  # Pallas's shared-memory allocation unit: every buffer's bytes round up
-_BARRIER_BYTES = 8
+_SMEM_RESERVE = 1_024  # barriers and alignment
+_SEG_RESERVE = 256  # the segment ids' barriers and alignment
 # dq_rounded_per_block: the steps' adders counts are a ring of this many times the Q/dO
 # stages, so that a count outlives its step's slot by a step (dq_stagger's warpgroup 0
 # stores each step's dQ in the next); each count comes in a copy of _ADDERS_COPY int32 (a
@@ -520,7 +520,7 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"backward needs T a multiple of {BLOCK_Q}, got T={t}"
   if s % config.cta_keys():
     return f"backward needs S a multiple of {config.cta_keys()}, got S={s}"
-  if (need := _smem_bytes(config, d, dtype, opts.mask.segments)
+  if (need := _smem_bytes(config, d, jnp.dtype(dtype).itemsize, opts.mask.segments)
       ) > hopper.SMEM_BYTES:
     return (f"{config} needs {need} bytes of shared memory at D={d}"
             f"{' with segment ids' if opts.mask.segments else ''}, more than "
@@ -540,10 +540,10 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
     config = dataclasses.replace(config, scores_split=False)
   if config.fused_delta and d % 64:  # its O tiles and Δ go by 64-column swizzle groups
     config = dataclasses.replace(config, fused_delta=False)
-  if config.dq_buffers > 1 and _smem_bytes(config, d, dtype, segments) > hopper.SMEM_BYTES:
+  if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
     # fused_delta's O tiles need both slots; with segment ids it would not apply anyway.
     config = dataclasses.replace(config, dq_buffers=1, fused_delta=False, dq_stagger=False)
-  if config.stages > 2 and _smem_bytes(config, d, dtype, segments) > hopper.SMEM_BYTES:
+  if config.stages > 2 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
     config = dataclasses.replace(config, stages=2)
   return config
 
@@ -637,21 +637,17 @@ def _seg_len(block_q: int) -> int:
   return -(-block_q // 32) * 32
 
 
-def _smem_bytes(config: MosaicBackwardConfig, d: int, dtype, segments: bool) -> int:
-  """The kernel's shared memory as Mosaic GPU counts it: each of _Scratch's buffers rounded up
-  to Pallas's allocation unit (SMEM_ALIGNMENT, 1 KiB), each barrier 8 bytes (with
-  fused_delta's and dq_paired's where the config names them, whether or not the call takes
-  them)."""
-  shapes = _Scratch.shapes(config, d, dtype, segments, fused=config.fused_delta,
-                           paired=config.dq_paired)
-  total = 0
-  for shape in shapes:
-    if isinstance(shape, plgpu.Barrier):
-      total += _BARRIER_BYTES * math.prod(np.atleast_1d(shape.num_barriers))
-    elif shape is not None:
-      size = math.prod(shape.shape) * jnp.dtype(shape.dtype).itemsize
-      total += -(-size // _SMEM_UNIT) * _SMEM_UNIT
-  return total
+def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int, segments: bool) -> int:
+  bq = config.block_q
+  seg_ids = 4 * (config.cta_keys() + config.stages * _seg_len(bq)) + _SEG_RESERVE
+  return (2 * config.cta_keys() * d * itemsize  # K, V
+          + config.stages * (2 * bq * d * itemsize + 2 * bq * 4)  # Q, dO, lse₂, Δ
+          + (1 + config.scores_split) * math.prod(_ds_shape(config)) * itemsize  # dSᵀ (Pᵀ)
+          + math.prod(_dq_tile_shape(config, d)) * 4
+          + (seg_ids if segments else 0)
+          + (_ADDERS_RING * config.stages * 4 * _ADDERS_COPY
+             if config.dq_rounded_per_block else 0)
+          + _SMEM_RESERVE)
 
 
 def _query_blocks(mask: MaskSpec, cta_key, cta_keys: int, n_q: int, bq: int, seg_range=None):
@@ -886,8 +882,8 @@ class _Scratch(NamedTuple):
   do_free: Any  # per slot, 2 arrivals: ... with dO
   ds_ready: Any  # per dSᵀ slot, 2 arrivals: both warpgroups' rows written
   pair: Any  # 2 arrivals: the compute warpgroups meet (pingpong's turns, K read to the end)
-  seg_ids: Any = None  # segment ids, one buffer: the CTA's keys', then per slot the step's
-  # queries' (_seg_slices; each buffer's bytes are rounded up to the 1 KiB allocation unit)
+  kv_seg: Any = None  # segment ids: the CTA's keys'
+  q_seg: Any = None  # ... per slot, the step's queries'
   kv_seg_ready: Any = None
   q_seg_ready: Any = None
   adders: Any = None  # dq_rounded_per_block, a ring: each step's query block's adders count
@@ -916,7 +912,8 @@ class _Scratch(NamedTuple):
     barrier, pair = plgpu.Barrier, dict(num_arrivals=2)
     optional = {}
     if segments:
-      optional.update(seg_ids=plgpu.SMEM((keys + stages * _seg_len(bq),), jnp.int32),
+      optional.update(kv_seg=plgpu.SMEM((keys,), jnp.int32),
+                      q_seg=plgpu.SMEM((stages, _seg_len(bq)), jnp.int32),
                       kv_seg_ready=barrier(), q_seg_ready=barrier(num_barriers=stages))
     if config.dq_rounded_per_block:
       ring = _ADDERS_RING * stages
@@ -1028,11 +1025,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       return 0, sc.dq_full, sc.dq_free
     slot = hopper.rem(i, config.dq_buffers)
     return slot, sc.dq_full.at[slot], sc.dq_free.at[slot]
-
-  def q_seg(slot, start=0, size=None):
-    """Slot `slot`'s query segment ids in sc.seg_ids (after the keys'), from `start` on."""
-    seg_len = _seg_len(bq)
-    return sc.seg_ids.at[pl.ds(cta_keys + slot * seg_len + start, size or seg_len)]
 
   def adders_slot(gi):
     """dq_rounded_per_block: global step gi's entry in the ring of adders counts."""
@@ -1202,7 +1194,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       plgpu.barrier_wait(sc.v_ready)
       if segments:
         plgpu.barrier_wait(sc.kv_seg_ready)
-        key_ids = hopper.load(sc.seg_ids.at[pl.ds(key_row, bkv)], plgpu.Layout.WGMMA.reduce(1))
+        key_ids = hopper.load(sc.kv_seg.at[pl.ds(key_row, bkv)], plgpu.Layout.WGMMA.reduce(1))
 
       if config.pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
         pl.when(wg == 1)(take_turn)
@@ -1212,7 +1204,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         query_ids = None
         if segments:
           plgpu.barrier_wait(sc.q_seg_ready.at[slot])
-          query_ids = hopper.load(q_seg(slot, q0, shape[1]), col_layout)
+          query_ids = hopper.load(sc.q_seg.at[slot, pl.ds(q0, shape[1])], col_layout)
         return _mosaic.visible(mask, shape, 0, my_key, qb * bq + q0,
                                key_ids if segments else None, query_ids)
 
@@ -1504,8 +1496,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       plgpu.copy_gmem_to_smem(k_ref.at[it.b, keys, it.kv_head], sc.k_smem, sc.k_ready)
       plgpu.copy_gmem_to_smem(v_ref.at[it.b, keys, it.kv_head], sc.v_smem, sc.v_ready)
       if segments:
-        plgpu.copy_gmem_to_smem(seg_refs[1].at[it.b, keys], sc.seg_ids.at[pl.ds(0, cta_keys)],
-                                sc.kv_seg_ready)
+        plgpu.copy_gmem_to_smem(seg_refs[1].at[it.b, keys], sc.kv_seg, sc.kv_seg_ready)
 
     def load(it, i, slot):
       head, qb = step_block(it, i)
@@ -1536,7 +1527,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           stats()
       if segments:
         plgpu.copy_gmem_to_smem(seg_refs[0].at[it.b, pl.ds(qb * bq, _seg_len(bq))],
-                                q_seg(slot), sc.q_seg_ready.at[slot])
+                                sc.q_seg.at[slot], sc.q_seg_ready.at[slot])
       if per_block is not None:  # (the grid item's steps are the global ones: step_adders)
         ring = adders_slot(i)
         plgpu.copy_gmem_to_smem(per_block[0].at[it.b, qb],
