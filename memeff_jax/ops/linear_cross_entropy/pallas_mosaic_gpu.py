@@ -49,14 +49,6 @@ from memeff_jax.ops.linear_cross_entropy._vocab_parallel import VocabShards
 GEMMS = ("logits", "dx", "dw")
 
 
-def dx_product(tokens: int, d: int, vocab: int, layout: str) -> tuple[int, int, int]:
-  """[M, N, K] of the dx GEMM on kernels.mosaic_gemm: G Wᵀ in the "dv" layout; in "vd",
-  where W is [V, D], its transpose Wᵀ Gᵀ ([D, tokens], transposed back by XLA), so that B
-  is transposed there too and dx takes the narrow tiles that fill the GPU's waves
-  (mosaic_gemm.narrowed_to_fill_waves: an untransposed B keeps 64-column halves)."""
-  return (tokens, d, vocab) if layout == "dv" else (d, tokens, vocab)
-
-
 def tuned_gemm_config(key: str, layout: str, k: int, output: tuple[int, int] | None = None,
                       sms: int | None = None) -> mosaic_gemm.GemmConfig:
   """The tuned tiles (configs/tuning, [mosaic_gemm]) of the loss's GEMM `key` ("logits",
@@ -187,7 +179,7 @@ class PallasMosaicGpu:
              f"{jnp.dtype(weight_dtype)}")
     if why is not None:
       raise _dispatch.Unsupported(f"pallas_mosaic_gpu mosaic_gemms={names}: {why}")
-    shapes = dict(logits=(tokens, vocab, d), dx=dx_product(tokens, d, vocab, layout),
+    shapes = dict(logits=(tokens, vocab, d), dx=(tokens, d, vocab),
                   dw=(d, vocab, tokens) if layout == "dv" else (vocab, d, tokens))
     configs = []
     for name in GEMMS:
@@ -196,8 +188,8 @@ class PallasMosaicGpu:
         key = "dw_tma" if name == "dw" and self.dw_accumulation == "tma_add" else name
         config = tuned_gemm_config(key, layout, shapes[name][2], shapes[name][:2], sms)
         if name == "dx":
-          config = mosaic_gemm.narrowed_to_fill_waves(config, *shapes["dx"][:2], sms=sms,
-                                                      trans_b=True)
+          config = mosaic_gemm.narrowed_to_fill_waves(config, tokens, d, sms=sms,
+                                                      trans_b=layout == "dv")
         if (why := mosaic_gemm.shape_error(*shapes[name], config)) is not None:
           raise _dispatch.Unsupported(
               f"pallas_mosaic_gpu's {name} GEMM on kernels.mosaic_gemm, [M, N, K] = "
@@ -246,7 +238,7 @@ class PallasMosaicGpu:
       configs = dict(auto.gemm_configs(*shapes, sms=sms))
     except _dispatch.Unsupported:
       return cublas
-    tiles = mosaic_gemm.cta_tiles(configs["dx"], *dx_product(tokens, d, 0, shapes[-1])[:2])
+    tiles = mosaic_gemm.cta_tiles(configs["dx"], tokens, d)
     sms = mosaic_gemm.ctas(configs["dx"], sms)  # as the dx GEMM's launch will have them
     if tiles / (-(-tiles // sms) * sms) >= rule.get("min_wave_fill", 1.0):
       return GEMMS, "tma_add"
@@ -514,10 +506,9 @@ class ChunkBackend:
     product (one rounding, no pass over the rows)."""
     layout = self.opts.weight_layout
     config = self._mosaic("dx")
-    in_epilogue = (config is not None and scale is not None and layout == "dv"
-                   and config.schedule != "cooperative")
+    in_epilogue = config is not None and scale is not None and config.schedule != "cooperative"
     row_scale, scale = (scale, None) if in_epilogue else (None, scale)
-    if config is not None and dx_rows is not None and layout == "dv":
+    if config is not None and dx_rows is not None:
       mosaic_gemm.gemm_into(dx_rows, g, w, trans_b=layout == "dv", accumulate=False,
                             config=config, name="lce_dx_gemm", row_scale=row_scale)
       dx = dx_rows.array[...]
@@ -530,12 +521,9 @@ class ChunkBackend:
         dx = jax.lax.dynamic_update_slice_in_dim(
             dx, (scale[:, None] * rows.astype(jnp.float32)).astype(dx.dtype), start, axis=0)
       return dx
-    if config is not None and layout == "dv":
-      dx_c = mosaic_gemm.gemm(g, w, trans_b=True, config=config, name="lce_dx_gemm",
+    if config is not None:
+      dx_c = mosaic_gemm.gemm(g, w, trans_b=layout == "dv", config=config, name="lce_dx_gemm",
                               row_scale=row_scale)
-    elif config is not None:  # "vd": dxᵀ = Wᵀ Gᵀ (dx_product)
-      dx_c = mosaic_gemm.gemm(w, g, trans_a=True, trans_b=True, config=config,
-                              name="lce_dx_gemm").T
     else:
       dx_c = _common.dx_dot(g, w, layout, g.dtype)
     if scale is not None:
