@@ -299,7 +299,8 @@ class MosaicBackwardConfig:
     their documents' starts, which only the run knows: short documents favour one CTA per key
     head walking its whole group, long ones causal GQA's CTA per query head (the design doc's
     "Packed documents" has both at four packings). Without GQA the two choices give the same
-    kernel beside segment ids (fit_shared_memory)."""
+    kernel beside segment ids (fit_shared_memory), which there computes Pᵀ early
+    (early_softmax)."""
     if segments and (t < CAUSAL_DOCUMENTS_QUERIES or _section_dim(d) != 128):
       causal = False
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
@@ -312,8 +313,15 @@ class MosaicBackwardConfig:
     if found:
       config = cls(**{**found, "dq_ordered": True})
       adders = block_adders(s, seen, config.cta_keys(), config.block_q)
-      return dataclasses.replace(config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS,
-                                 dq_rounded_per_block=segments and adders > ROUNDED_DQ_MAX_ADDERS)
+      config = dataclasses.replace(
+          config, dq_rounded=0 < adders <= ROUNDED_DQ_MAX_ADDERS,
+          dq_rounded_per_block=segments and adders > ROUNDED_DQ_MAX_ADDERS)
+      if (segments and fit_shared_memory(config, d, jnp.bfloat16, True).dq_buffers
+          < config.dq_buffers):
+        # One dQ slot beside the ids, unstaggered: nothing else fills the tensor cores during
+        # the softmax, so Pᵀ goes under dPᵀ's WGMMA (the design doc's "Packed documents").
+        config = dataclasses.replace(config, early_softmax=True)
+      return config
     return cls.tuned(d, causal, gqa, with_dq=False)
 
   @classmethod

@@ -1709,8 +1709,8 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper)
   """Causal calls with segment ids: below CAUSAL_DOCUMENTS_QUERIES queries the deterministic
   sections without a mask (under GQA one CTA per key head, which short documents favour),
   from there the causal `_long` section (one CTA per query head); windows keep the sections
-  without a mask, and without GQA both choices give the same kernel. deterministic=False
-  runs the same ordered kernels (at D = 128)."""
+  without a mask, and without GQA both choices give the same kernel: one dQ slot beside the
+  ids, so Pᵀ early. deterministic=False runs the same ordered kernels (at D = 128)."""
   docs, window = _opts(True, None, True), _opts(True, 1024, True)
   long, short = mb.CAUSAL_DOCUMENTS_QUERIES, mb.CAUSAL_DOCUMENTS_QUERIES // 2
   backward = lambda t, hkv, opts: PallasMosaicGpu()._static(  # pylint: disable=protected-access
@@ -1718,13 +1718,15 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper)
       opts).backward
   assert not backward(short, 2, docs).gqa_per_query_head
   assert backward(long, 2, docs) == mb.MosaicBackwardConfig(  # one dQ slot: no stagger
-      dq_split=True, gqa_per_query_head=True, dq_ordered=True, dq_rounded_per_block=True)
+      dq_split=True, gqa_per_query_head=True, dq_ordered=True, dq_rounded_per_block=True,
+      early_softmax=True)
   assert not backward(long, 2, window).gqa_per_query_head
   # MHA: the causal section's kernel, dq_rotate (only without a mask) aside
   assert not mb._rotates(backward(short, 8, docs), docs.mask, short // 128)  # pylint: disable=protected-access
   assert (dataclasses.replace(backward(short, 8, docs), dq_rotate=False)
           == backward(long, 8, docs)
-          == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_rounded_per_block=True))
+          == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_rounded_per_block=True,
+                                     early_softmax=True))
   for d in (64, 256):  # other head dims: the sections without a mask at any length
     assert (mb.MosaicBackwardConfig.for_deterministic(d, True, True, t=long, segments=True)
             == mb.MosaicBackwardConfig.for_deterministic(d, False, True, t=long))
