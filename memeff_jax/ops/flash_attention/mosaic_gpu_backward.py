@@ -234,8 +234,8 @@ class MosaicBackwardConfig:
       short documents then skip the float32 pass, as dq_rounded does.
     early_softmax: a step waits for its Sᵀ alone and computes Pᵀ while its dPᵀ WGMMA still
       runs, instead of waiting for both (the same bits). Measured faster only where nothing
-      else fills the tensor cores meanwhile: D = 96 and 128 causal, without dq_stagger (see
-      the design doc).
+      else fills the tensor cores meanwhile: D = 96 and 128 causal without dq_stagger, and
+      beside segment ids on one dQ slot (for_deterministic; see the design doc).
     group_splits: (not gqa_per_query_head) CTAs per key block and key head, each walking its
       share of the group's query heads (shares differ by at most one head where the splits do
       not divide the group; never more CTAs than query heads). Each stores its dK and dV, in
