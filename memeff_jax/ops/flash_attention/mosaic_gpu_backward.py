@@ -277,7 +277,6 @@ class MosaicBackwardConfig:
   group_splits: int = 1
   early_softmax: bool = False
   dq_paired: bool = False
-  dkv_direct: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -1453,15 +1452,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           plgpu.copy_smem_to_gmem(sc.dq_smem.at[wg], acc_ref.at[it.b, keys, it.kv_head, my_cols],
                                   reduction_op="add")
         hopper.wait_stores_read()
-        return base + it.n_steps
-      if config.dkv_direct and not per_query_head:
-        # Each warpgroup stores its dK and dV from registers straight into global memory:
-        # no meeting, no staging through K's and V's shared memory, no wait for a TMA read.
-        at = (it.part, it.b, keys, it.kv_head) if splits > 1 else (it.b, keys, it.kv_head)
-        dk_ref.at[(*at, my_cols)][...] = (dk * scale).astype(dtype)
-        dv_ref.at[(*at, my_cols)][...] = dv.astype(dtype)
-        if work is not None:  # this warpgroup's reads of K and V are done
-          plgpu.barrier_arrive(sc.kv_free)
         return base + it.n_steps
       plgpu.barrier_arrive(sc.pair)  # the other warpgroup has finished reading all of K
       plgpu.barrier_wait(sc.pair)
