@@ -256,11 +256,6 @@ class MosaicBackwardConfig:
       launch. Not with gqa_per_query_head, pingpong, dq_stagger or dq_rounded_per_block
       (which serves segment ids); without fused_delta (a block's first visitor is no longer
       the first to launch).
-    kv_pairs: (dq_ordered; an even number of key blocks) one CTA per two adjacent key blocks,
-      2p + 1 then 2p, the order in which they add into a query block, the last pair launched
-      first: where walks are a few steps (packed documents), a CTA's start and end, and the
-      gap before the next CTA on its SM, come once per two key blocks. Not with dq_paired,
-      dq_rotate, dq_heavy_first, dq_stagger, fused_delta, gqa_per_query_head or group_splits.
   """
 
   stages: int = 2
@@ -282,7 +277,6 @@ class MosaicBackwardConfig:
   group_splits: int = 1
   early_softmax: bool = False
   dq_paired: bool = False
-  kv_pairs: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -506,15 +500,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
                            or config.dq_rounded_per_block):
     return ("dq_paired excludes gqa_per_query_head, pingpong, dq_stagger and "
             "dq_rounded_per_block")
-  if config.kv_pairs and not config.dq_ordered:
-    return "kv_pairs belongs to dq_ordered"
-  if config.kv_pairs and (config.dq_paired or config.dq_rotate or config.dq_heavy_first
-                          or config.dq_stagger or config.fused_delta
-                          or config.gqa_per_query_head or config.group_splits > 1):
-    return ("kv_pairs excludes dq_paired, dq_rotate, dq_heavy_first, dq_stagger, fused_delta, "
-            "gqa_per_query_head and group_splits")
-  if config.kv_pairs and s % (2 * config.cta_keys()):
-    return f"kv_pairs needs S a multiple of {2 * config.cta_keys()}, got S={s}"
   if config.dq_rounded and config.dq_rounded_per_block:
     return "dq_rounded (every query block) and dq_rounded_per_block exclude each other"
   if config.fused_delta and d % 64:
@@ -748,22 +733,6 @@ class _PairedDeal(NamedTuple):
     return b, kv_head, kvi, kv_head * self.group + lo, hi - lo, part
 
 
-class _AdjacentDeal(NamedTuple):
-  """kv_pairs' CTAs: one per two adjacent key blocks (per batch row and key head), the last
-  pair first."""
-  hkv: int
-  group: int
-  n_kv: int
-
-  def item(self, c, r: int, div=operator.floordiv, rem=operator.mod):
-    """CTA c's r-th key block (r = 0, 1): 2p + 1, then 2p, p its pair: (b, kv_head, kvi,
-    head0, heads, part) as _PairedDeal's."""
-    pairs = self.n_kv // 2
-    unit, p = div(c, pairs), pairs - 1 - rem(c, pairs)
-    b, kv_head = div(unit, self.hkv), rem(unit, self.hkv)
-    return b, kv_head, 2 * p + 1 - r, kv_head * self.group, self.group, 0
-
-
 @functools.lru_cache(maxsize=32)
 def _paired_schedule(mask: MaskSpec, batch: int, hq: int, hkv: int, splits: int, n_kv: int,
                      n_q: int, cta_keys: int, bq: int):
@@ -825,7 +794,7 @@ def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: i
 
 
 def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
-                     ranges=None, rotate: bool = False, pairs_group: int = 0):
+                     ranges=None, rotate: bool = False):
   """(ranks [B, n_kv, n_q], adders [B, n_q]) int32 for dq_ordered: per key block and query
   block, how many key blocks add into that query block's dq before this one, and per query
   block how many add at all. In the plain walks later key blocks (launched first) add
@@ -845,24 +814,11 @@ def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: 
   first, last = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, n_kv))[..., None]
                  for x in (first, last))
   adds = ((first <= qb) & (qb < last)).astype(jnp.int32)  # [B, n_kv, n_q]
-  if pairs_group:  # kv_pairs: [B, group, n_kv, n_q], by the step of a lockstep model
-    steps = last - first  # per head, [B, n_kv, 1]
-    after = jnp.concatenate([steps[:, 1:], steps[:, :1]], axis=1)  # key block kv + 1's
-    h = jnp.arange(pairs_group, dtype=jnp.int32)[None, :, None, None]
-    odd = (kv % 2 == 1)[None, None, :, None]
-    time = (h * steps[:, None] + (qb - first)[:, None]
-            + jnp.where(odd, 0, pairs_group * after[:, None] + PAIRED_SWITCH_STEPS))
-    # kv' adds before kv: an earlier step, or the same step and launched first (higher)
-    earlier = ((time[:, :, :, None] < time[:, :, None, :])
-               | ((time[:, :, :, None] == time[:, :, None, :])
-                  & (kv[:, None] > kv[None, :])[None, None, :, :, None]))
-    ranks = (earlier * adds[:, None, :, None, :]).sum(axis=2, dtype=jnp.int32)
-    return ranks, adds.sum(axis=1)
   return jnp.cumsum(adds[:, ::-1], axis=1)[:, ::-1] - adds, adds.sum(axis=1)
 
 
 def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int, t: int,
-              ranges=None, rotate: bool = False, pairs_group: int = 0):
+              ranges=None, rotate: bool = False):
   """(ranks, adders, written) for dq_ordered: _reduction_ranks' tables, and where dq was
   written ([B, T, 1, 1] bool; None where every query block has an adder). Without segment
   ids all three depend on the shapes alone: computed while tracing, they are constants of
@@ -870,7 +826,7 @@ def _dq_order(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq
   static = ranges is None
   with hopper.host_constants() if static else contextlib.nullcontext():
     ranks, adders = _reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, ranges,
-                                     rotate=rotate, pairs_group=pairs_group)
+                                     rotate=rotate)
     written = jnp.repeat(adders > 0, bq, axis=1)[:, :t, None, None]
     if not static:
       return ranks, adders, written
@@ -1048,17 +1004,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
     rot = _rotation(kvi, n_kv, n_q) if rotate else None
     return _Item(b, h, kvi, *bounds, heads, kv_head, head0, rot, member)
 
-  adjacent = isinstance(work, _AdjacentDeal)
-
   def paired_item(r: int):
-    """dq_paired (or kv_pairs): this CTA's r-th item (0 or 1)."""
+    """dq_paired: this CTA's r-th item (0 or 1)."""
     b, kv_head, kvi, head0, heads, part = work.item(lax.axis_index("cta"), r, hopper.div,
                                                     hopper.rem)
-    seg_range = ([seg_refs[2][b, kvi, i] for i in range(4)] if segments and adjacent
-                 else None)
-    bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq, seg_range)
-    return _Item(b, kv_head, kvi, *bounds, heads, kv_head, head0, None, part,
-                 r == 1 and not adjacent)
+    bounds = _query_blocks(mask, kvi * cta_keys, cta_keys, n_q, bq)
+    return _Item(b, kv_head, kvi, *bounds, heads, kv_head, head0, None, part, r == 1)
 
   # The CTA's items (one; dq_paired's two), computed here: the warps' code (with jax 0.11's
   # warpgroup lowering) has no selects or clamps for the band's bounds, and inside the
@@ -1555,8 +1506,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       if segments:
         plgpu.copy_gmem_to_smem(seg_refs[1].at[it.b, keys], sc.kv_seg, sc.kv_seg_ready)
 
-    def load(it, i, slot, gi=None):
-      """The item's step i into `slot`; gi its global step (i where the CTA has one item)."""
+    def load(it, i, slot):
       head, qb = step_block(it, i)
       rows = pl.ds(qb * bq, bq)
       plgpu.copy_gmem_to_smem(q_ref.at[it.b, rows, head], sc.q_smem.at[slot], sc.q_ready.at[slot])
@@ -1587,7 +1537,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.copy_gmem_to_smem(seg_refs[0].at[it.b, pl.ds(qb * bq, _seg_len(bq))],
                                 sc.q_seg.at[slot], sc.q_seg_ready.at[slot])
       if per_block is not None:  # (the grid item's steps are the global ones: step_adders)
-        ring = adders_slot(i if gi is None else gi)
+        ring = adders_slot(i)
         plgpu.copy_gmem_to_smem(per_block[0].at[it.b, qb],
                                 sc.adders.at[ring], sc.adders_ready.at[ring])
 
@@ -1603,11 +1553,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         steps' Q and dO (into slots the last item's last steps free) before its K and V
         (into shared memory the compute warpgroups leave after the last item's dK and dV)."""
         def keys():
-          if it is not items[0]:  # the pair's second key block
+          if it.descending:  # the pair's second key block
             plgpu.barrier_wait(sc.kv_free)
           load_keys(it)
 
-        hopper.fill_ring(lambda i, slot: load(it, i, slot, base + i), it.n_steps, stages,
+        hopper.fill_ring(functools.partial(load, it), it.n_steps, stages,
                          (sc.q_free, sc.do_free), base=base, after_first=keys)
         return base + it.n_steps
 
@@ -1625,7 +1575,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       head, qb = step_block(it, i)
       counter = order[1].at[block_index(it, head, qb)]
       rank = (order[0][it.b, it.kvi, qb] if work is None
-              else order[0][it.b, head - it.head0, it.kvi, qb] if adjacent
               else order[0][it.b, head, it.kvi, qb])
       # Loaded before the waits: a load after them would lengthen each block's chain of adds.
       adders = None if per_block is None else per_block[0][it.b, qb, 0]
@@ -1752,7 +1701,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   paired = _paired_splits(config, mask, b, hq, hkv, t, s, hopper.sm_count())
   if paired is not None:
     config = dataclasses.replace(config, group_splits=paired)
-  adjacent = _AdjacentDeal(hkv, hq // hkv, n_kv) if config.kv_pairs else None
   fused = (stats is None and paired is None
            and _fuses_delta(config, mask, n_q, n_kv, hq // hkv))
   if fused:  # the kernel adds rowsum(dO ∘ O) to −d_lse in place (fused_delta)
@@ -1781,8 +1729,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     rank_args = (ranks,)
   elif config.dq_ordered:
     ranks, adders, written = _dq_order(mask, b, n_kv, config.cta_keys(), n_q, bq, q.shape[1],
-                                       ranges, rotate=rotate,
-                                       pairs_group=hq // hkv if config.kv_pairs else 0)
+                                       ranges, rotate=rotate)
     rank_args = (ranks, _adders_table(adders)) if config.dq_rounded_per_block else (ranks,)
   else:
     rank_args = ()
@@ -1838,19 +1785,17 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
                        order=order, delta=delta, per_block=per_block, lengths=(t, s),
-                       work=adjacent if paired is None else deal)
+                       work=None if paired is None else deal)
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused,
-                                          paired is not None or adjacent is not None),
+                                          paired is not None),
                   collective_axes="wg")
 
   outs = pl.kernel(
       body,
       out_type=out_type,
-      mesh=plgpu.Mesh(grid=((b, grid_heads, n_kv) if paired is None and adjacent is None
-                            else (ctas,) if paired is not None else (b * hkv * n_kv // 2,)),
-                      grid_names=(("b", "h", "kv") if paired is None and adjacent is None
-                                  else ("cta",)),
+      mesh=plgpu.Mesh(grid=(b, grid_heads, n_kv) if paired is None else (ctas,),
+                      grid_names=("b", "h", "kv") if paired is None else ("cta",),
                       num_threads=3, thread_name="wg"),
       # No step reduces across warps (fused_delta's row sums stay within them): no
       # shared-memory scratch for reductions (Mosaic GPU reserves 2 KiB otherwise, which two

@@ -1327,50 +1327,6 @@ def test_paired_schedule_covers_the_walks_and_adds_without_deadlock(batch, hq, h
     at[c] += 1
 
 
-@pytest.mark.parametrize("batch, hkv, group, n_kv, sms", [(2, 2, 1, 8, 3), (1, 2, 2, 6, 2),
-                                                       (1, 1, 1, 4, 2), (1, 1, 1, 32, 16)])
-def test_adjacent_pairs_cover_the_key_blocks_in_rank_order(batch, hkv, group, n_kv, sms):
-  """kv_pairs: the CTAs' items are each (batch row, key head, key block) once, 2p + 1 before
-  2p, the last pair first; with `sms` CTAs resident at a time in launch order, each adding
-  into a query block only at its rank (_reduction_ranks, causal), every walk finishes."""
-  deal = mb._AdjacentDeal(hkv, group, n_kv)  # pylint: disable=protected-access
-  ctas = batch * hkv * n_kv // 2
-  items = [[deal.item(c, r) for r in range(2)] for c in range(ctas)]
-  assert sorted((b, h, kvi) for pair in items for b, h, kvi, *_ in pair) == [
-      (b, h, kvi) for b in range(batch) for h in range(hkv) for kvi in range(n_kv)]
-  for c, (first, second) in enumerate(items):
-    assert first[:2] == second[:2] and first[2] == second[2] + 1 and first[2] % 2 == 1
-    assert first[3:] == second[3:] == (first[1] * group, group, 0)
-    if c % (n_kv // 2):  # the last pair of a (row, key head) first
-      assert items[c - 1][0][2] == first[2] + 2
-  mask, cta_keys, bq = MaskSpec.make(True, None, False), 128, 64
-  n_q = n_kv * cta_keys // bq
-  ranks, _ = mb._reduction_ranks(mask, batch, n_kv, cta_keys, n_q, bq, pairs_group=group)  # pylint: disable=protected-access
-  ranks = np.asarray(ranks)
-  walks = []
-  for pair in items:
-    walks.append([(b, head, kvi, qb) for b, _, kvi, head0, heads, _ in pair
-                  for head in range(head0, head0 + heads)
-                  for qb in range(kvi * cta_keys // bq, n_q)])
-  at, counters, launched, ticks = [0] * ctas, collections.Counter(), 0, 0
-  while any(i < len(w) for i, w in zip(at, walks)):
-    while launched < ctas and sum(at[c] < len(walks[c]) for c in range(launched)) < sms:
-      launched += 1
-    movable = []
-    for c in range(launched):
-      if at[c] < len(walks[c]):
-        b, head, kvi, qb = walks[c][at[c]]
-        if counters[b, head, qb] == ranks[b, head % group, kvi, qb]:
-          movable.append(c)
-    assert movable, "deadlock"
-    for c in movable:  # in lockstep
-      b, head, _, qb = walks[c][at[c]]
-      counters[b, head, qb] += 1
-      at[c] += 1
-    ticks += 1
-  assert ticks <= max(ctas // sms + 1, 1) * max(map(len, walks))  # no chain across CTAs
-
-
 def test_paired_backward_applies_where_the_pairs_fit_on_the_sms():
   """dq_paired at Gemma-2B's MQA (B1 T8k H8/1, D = 256, 128 key blocks; 8 group splits,
   1,024 grid CTAs for 132 SMs): 2 splits, 128 CTAs of a pair each. Every other call keeps
