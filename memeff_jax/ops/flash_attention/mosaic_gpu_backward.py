@@ -162,13 +162,6 @@ class MosaicBackwardConfig:
       exchange their halves of Pᵀ and dSᵀ through shared memory (two slots each), where
       dV, dK and dQ read them. A half is 32 queries, stored as columns of the exchange
       slots: the operand tiles take 64-byte swizzles.
-    scores_whole: (scores_split) warpgroup 0 computes the step's whole Sᵀ and warpgroup 1
-      its whole dPᵀ, one WGMMA of N = 64 each where the halves take two of N = 32 that
-      each read all of K or V from shared memory (a third less operand traffic), and each
-      sends the other, in float32, the query half of its product that the other needs.
-      The halves cross through the bytes of the step's Pᵀ and dSᵀ slots, which are free
-      until the halves of Pᵀ and dSᵀ are written there; K and V (and Q and dO) share one
-      allocation, so that the warpgroup's index picks its operands without a branch.
     with_dq: False computes dK and dV only (four matmuls per step, no float32 dq, no
       reductions): each key block has one CTA, so the result is deterministic, and dq comes
       from elsewhere (pallas_mosaic_gpu's deterministic backward: mosaic_gpu_dq's kernel, or
@@ -284,7 +277,6 @@ class MosaicBackwardConfig:
   group_splits: int = 1
   early_softmax: bool = False
   dq_paired: bool = False
-  scores_whole: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -484,8 +476,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if config.scores_split and not (config.column_split and config.with_dq
                                   and not config.pingpong):
     return "scores_split needs column_split with dq, and not pingpong"
-  if config.scores_whole and not config.scores_split:
-    return "scores_whole needs scores_split"
   if config.scores_split and opts.mask.segments:  # 112 bytes short at D = 256
     return "scores_split does not fit in shared memory beside segment ids"
   if config.dq_split and config.pingpong:
@@ -555,7 +545,7 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   A third Q/dO stage that still does not fit goes next."""
   itemsize = jnp.dtype(dtype).itemsize
   if config.scores_split and segments:
-    config = dataclasses.replace(config, scores_split=False, scores_whole=False)
+    config = dataclasses.replace(config, scores_split=False)
   if config.fused_delta and d % 64:  # its O tiles and Δ go by 64-column swizzle groups
     config = dataclasses.replace(config, fused_delta=False)
   if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
@@ -915,11 +905,6 @@ class _Scratch(NamedTuple):
   turns: Any = None  # ... per warpgroup: its turn at the dQ, dV and dK WGMMAs
   pt_smem: Any = None  # scores_split: Pᵀ's slots, as dSᵀ's
   kv_free: Any = None  # dq_paired, 2 arrivals: both compute warpgroups are done with K and V
-  scores_ready: Any = None  # scores_whole, per Pᵀ/dSᵀ slot, 2 arrivals: both halves sent
-  scores_read: Any = None  # ... both warpgroups have read the half sent to them
-  kv_smem: Any = None  # scores_whole: K and V as one [2, keys, D] array (set in the kernel)
-  qdo_smem: Any = None  # ... Q and dO as one [2, stages, block_q, D] array (likewise)
-  xchg_smem: Any = None  # ... the halves sent, [sender, slot, keys, queries / 2] float32
 
   @classmethod
   def shapes(cls, config: MosaicBackwardConfig, d: int, dtype, segments: bool, fused: bool,
@@ -954,24 +939,13 @@ class _Scratch(NamedTuple):
       optional.update(pt_smem=plgpu.SMEM(_ds_shape(config), dtype, transforms=operand_tiles))
     if paired:
       optional.update(kv_free=barrier(**pair))
-    k = plgpu.SMEM((keys, d), dtype, transforms=operand_tiles)
-    q = plgpu.SMEM((stages, bq, d), dtype, transforms=operand_tiles)
-    ds = plgpu.SMEM(_ds_shape(config), dtype, transforms=operand_tiles)
-    v, do = k, q
-    if config.scores_whole:  # see _Scratch.views
-      k = plgpu.SMEM((2, keys, d), dtype, transforms=operand_tiles)
-      q = plgpu.SMEM((2, stages, bq, d), dtype, transforms=operand_tiles)
-      v = do = None
-      # Sender s's halves of slot b overlap Pᵀ's slot b (s = 0) or dSᵀ's (s = 1).
-      xchg = plgpu.SMEM((2, *_ds_shape(config)[:2], config.block_q // 2), jnp.float32,
-                        transforms=hopper.swizzled_tiles(128, jnp.float32))
-      ds = plgpu.RefUnion((optional.pop("pt_smem"), ds), xchg)
-      optional.update(scores_ready=barrier(**pair, num_barriers=2),
-                      scores_read=barrier(**pair, num_barriers=2))
     return cls(
-        k_smem=k, v_smem=v, q_smem=q, do_smem=do,
+        k_smem=plgpu.SMEM((keys, d), dtype, transforms=operand_tiles),
+        v_smem=plgpu.SMEM((keys, d), dtype, transforms=operand_tiles),
+        q_smem=plgpu.SMEM((stages, bq, d), dtype, transforms=operand_tiles),
+        do_smem=plgpu.SMEM((stages, bq, d), dtype, transforms=operand_tiles),
         stats_smem=plgpu.SMEM((stages, 2, bq), jnp.float32),
-        ds_smem=ds,
+        ds_smem=plgpu.SMEM(_ds_shape(config), dtype, transforms=operand_tiles),
         dq_smem=_dq_scratch(config, d, dtype),
         k_ready=barrier(), v_ready=barrier(),
         q_ready=barrier(num_barriers=stages), do_ready=barrier(num_barriers=stages),
@@ -979,21 +953,6 @@ class _Scratch(NamedTuple):
         q_free=barrier(**pair, num_barriers=stages), do_free=barrier(**pair, num_barriers=stages),
         ds_ready=barrier(**pair, num_barriers=2), pair=barrier(**pair),
         **optional)
-
-  def views(self, config: MosaicBackwardConfig) -> "_Scratch":
-    """The kernel's view of what `shapes` allocated: with scores_whole, K, V, Q and dO
-    are views of their joint arrays, and Pᵀ's and dSᵀ's slots and the sent halves come out
-    of their union."""
-    if not config.scores_whole:
-      return self
-    kv, qdo = self.k_smem, self.q_smem
-    (pt, ds), xchg = self.ds_smem
-    # Indices computed in the kernel, not literals: under warpgroup semantics a literal
-    # index of a ref that a WGMMA's pl.run_state reads does not lower.
-    k, v = (lax.axis_index("wg") * 0 + i for i in (0, 1))
-    return self._replace(k_smem=kv.at[k], v_smem=kv.at[v], q_smem=qdo.at[k],
-                         do_smem=qdo.at[v], ds_smem=ds, pt_smem=pt, kv_smem=kv,
-                         qdo_smem=qdo, xchg_smem=xchg)
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
@@ -1351,27 +1310,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         take_turn()  # pingpong: a step's second turn, as when dQ was issued on its own
         return dk, dv
 
-      def whole_scores(gi, slot, z):
-        """scores_whole: warpgroup 0's Sᵀ or warpgroup 1's dPᵀ for the whole step, and the
-        other's through shared memory; returns this warpgroup's query half of both."""
-        b, nq = hopper.rem(gi, 2), bq // 2
-        rows = pl.ds(pl.multiple_of(key_row + z, bkv), bkv)
-
-        def product(acc_ref):  # K Qᵀ or V dOᵀ
-          plgpu.wgmma(acc_ref, sc.kv_smem.at[wg].at[rows], sc.qdo_smem.at[wg, slot].T)
-
-        acc = pl.run_state(product)(plgpu.ACC.init(zeros((bkv, bq))))
-        # Warpgroup 0 keeps queries 0..nq-1, warpgroup 1 the rest (a predicate of the
-        # tiles' shape: warpgroup semantics select without broadcasting).
-        first = jnp.broadcast_to(wg == 0, (bkv, nq))
-        lo, hi = acc[:, :nq], acc[:, nq:]
-        sc.xchg_smem.at[wg, b][...] = jnp.where(first, hi, lo)
-        meet(sc.scores_ready.at[b])
-        theirs = hopper.load(sc.xchg_smem.at[1 - wg, b], plgpu.Layout.WGMMA)
-        plgpu.barrier_arrive(sc.scores_read.at[b])  # waited for before Pᵀ's halves
-        mine = jnp.where(first, lo, hi)
-        return jnp.where(first, mine, theirs), jnp.where(first, theirs, mine)
-
       def step(i, carry, *, masked):
         dk, dv, z = carry
         z_next = zero_ref[0]  # the next step's offset (key_tiles)
@@ -1428,8 +1366,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
           pt, p_ds, dpt = pl.run_scoped(scores_early, plgpu.ACC((bkv, nq), jnp.float32),
                                         plgpu.ACC((bkv, nq), jnp.float32))
-        elif config.scores_whole:
-          st, dpt = whole_scores(gi, slot, z)
         else:
           st, dpt = pl.run_state(scores)((plgpu.ACC.init(zeros((bkv, nq))),
                                           plgpu.ACC.init(zeros((bkv, nq)))))
@@ -1448,8 +1384,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         if config.scores_split:  # the halves meet in the step's Pᵀ and dSᵀ slots
           b = hopper.rem(gi, 2)
           ds_buf, pt_buf = sc.ds_smem.at[b], sc.pt_smem.at[b]
-          if config.scores_whole:  # the halves sent through these bytes have been read
-            plgpu.barrier_wait(sc.scores_read.at[b])
           pt_buf.at[:, qs][...] = pt
           ds_buf.at[:, qs][...] = dst
           meet(sc.ds_ready.at[b])
@@ -1834,7 +1768,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       dq_ref, dk_ref, dv_ref = refs if config.with_dq else (None, *refs)
 
     def kernel(sc: _Scratch):
-      sc = sc.views(config)
       views = _DqViews.of(config, sc.dq_smem)
       sc = sc._replace(dq_smem=views.tiles)
       delta = per_block = None

@@ -787,27 +787,22 @@ def test_ordered_query_head_ctas_lower_for_cuda(monkeypatch, causal, window, seg
   assert "red.release.gpu" in text
 
 
-@pytest.mark.parametrize("causal, window, segments, softcap, ordered, t, s, hkv, whole, semantics",
+@pytest.mark.parametrize("causal, window, segments, softcap, ordered, t, s, hkv, semantics",
                          _alternating_lowerings([
-    (True, None, False, None, True, 512, 512, 4, False),
-    (False, None, False, 20.0, True, 256, 384, 2, False),
-    (True, 200, False, None, True, 384, 256, 1, False),
-    (False, (100, 7), False, None, False, 256, 512, 2, False),
-    (True, None, False, 30.0, False, 512, 384, 4, False),
-    (True, None, False, None, True, 512, 512, 4, True),
-    (False, None, False, 20.0, True, 256, 384, 2, True),
-    (True, 200, False, None, False, 384, 256, 1, True),
-    (False, (100, 7), False, None, True, 256, 512, 2, True)]))
+    (True, None, False, None, True, 512, 512, 4),
+    (False, None, False, 20.0, True, 256, 384, 2),
+    (True, 200, False, None, True, 384, 256, 1),
+    (False, (100, 7), False, None, False, 256, 512, 2),
+    (True, None, False, 30.0, False, 512, 384, 4)]))
 def test_split_scores_lower_for_cuda(monkeypatch, causal, window, segments, softcap, ordered, t,
-                                     s, hkv, whole, semantics):
+                                     s, hkv, semantics):
   """scores_split (D = 256): each warpgroup computes Sᵀ and dPᵀ for half of the step's
   queries and writes its halves of Pᵀ and dSᵀ as columns of shared slots (64-byte swizzles),
-  where dV, dK and dQ read them; with scores_whole warpgroup 0 computes Sᵀ and warpgroup 1
-  dPᵀ, and they trade float32 halves through the same slots' bytes."""
+  where dV, dK and dQ read them."""
   _lower_with(monkeypatch, semantics)
   config = mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
                                    scores_split=True, dq_ordered=ordered,
-                                   dq_heavy_first=ordered and causal, scores_whole=whole)
+                                   dq_heavy_first=ordered and causal)
   opts = dataclasses.replace(_opts(causal, window, segments), logit_softcap=softcap)
   assert mb.support_error((2, t, 4, 256), (2, s, hkv, 256), BF16, opts, config) is None
   text = _backward_lowered_for_cuda(opts, config, t, s, hkv, 256, segments)
@@ -823,16 +818,12 @@ def test_split_scores_support_errors():
   assert "scores_split needs" in mb.support_error(  # D = 128's dq_split kernel
       (1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), mb.MosaicBackwardConfig(scores_split=True))
   assert "scores_split needs" in why(**{**d256, "with_dq": False})
-  assert "scores_whole needs scores_split" in why(**{**d256, "scores_split": False,
-                                                      "scores_whole": True})
-  assert why(**{**d256, "scores_whole": True}) is None
-  for whole in (False, True):  # beside segment ids, the kernel without either
-    config = mb.MosaicBackwardConfig(**d256, scores_whole=whole)
-    assert "segment ids" in mb.support_error((1, 256, 4, 256), (1, 256, 4, 256), BF16,
-                                             _opts(segments=True), config)
-    assert mb.fit_shared_memory(config, 256, BF16, segments=True) == dataclasses.replace(
-        config, scores_split=False, scores_whole=False)
-    assert mb.fit_shared_memory(config, 256, BF16, segments=False) == config
+  config = mb.MosaicBackwardConfig(**d256)  # beside segment ids, the kernel without it
+  assert "segment ids" in mb.support_error((1, 256, 4, 256), (1, 256, 4, 256), BF16,
+                                           _opts(segments=True), config)
+  assert mb.fit_shared_memory(config, 256, BF16, segments=True) == dataclasses.replace(
+      config, scores_split=False)
+  assert mb.fit_shared_memory(config, 256, BF16, segments=False) == config
 
 
 @pytest.mark.parametrize("buffers", [2, 1])
@@ -1984,9 +1975,7 @@ class TestMosaicGpu:
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, pingpong=True),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1,
                               gqa_per_query_head=True),
-      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, scores_split=True),
-      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, scores_split=True,
-                              scores_whole=True)])
+      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, scores_split=True)])
   @pytest.mark.parametrize("causal", [False, True])
   @pytest.mark.parametrize("b, t, s, hq, hkv", [(2, 256, 320, 8, 2), (1, 384, 192, 4, 4)])
   def test_mosaic_backward_d256_column_split(self, backward, causal, b, t, s, hq, hkv):
@@ -2073,10 +2062,6 @@ class TestMosaicGpu:
                               dq_heavy_first=True, scores_split=True),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
                               dq_heavy_first=True, scores_split=True, gqa_per_query_head=True),
-      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
-                              dq_rotate=True, scores_split=True, scores_whole=True),
-      mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
-                              scores_split=True, scores_whole=True, gqa_per_query_head=True),
       mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=True,
                               dq_rounded=True),
       mb.MosaicBackwardConfig(dq_split=False, column_split=True, stages=1, dq_ordered=True,
@@ -2086,8 +2071,8 @@ class TestMosaicGpu:
                               gqa_per_query_head=True)],
       ids=["one_slot", "two_slots", "rotate", "d256", "heavy_first", "d256_heavy_first",
            "per_query_head", "d256_split_scores", "d256_heavy_first_split_scores",
-           "d256_per_query_head", "d256_whole_scores", "d256_whole_scores_per_query_head",
-           "rounded", "d256_rounded", "three_stages", "three_stages_per_query_head"])
+           "d256_per_query_head", "rounded", "d256_rounded", "three_stages",
+           "three_stages_per_query_head"])
   @pytest.mark.parametrize("opts", [dict(causal=False), dict(causal=True),
                                     dict(sliding_window=(300, 100))])
   def test_ordered_backward_is_bitwise_reproducible(self, backward, opts):
