@@ -105,9 +105,8 @@ class MosaicConfig:
     overlap: FlashAttention-3's intra-warpgroup overlap: a step issues block j's QKᵀ and
       block j−1's PV together and computes block j's softmax while PV runs (P of the
       previous block is carried in registers). K and V then stream through separate rings,
-      since a block's V is released a step after its K. With pingpong too the warpgroups
-      hand the turn to issue WGMMAs to each other (FlashAttention-3's warp scheduler
-      barriers), rather than meeting at each turn.
+      since a block's V is released a step after its K. Excludes pingpong (which measured
+      slower with it: the turns hold back the warpgroup whose PV is in flight).
     persistent: one CTA per SM (num_sms, else the device's count), each looping over its
       share of the query tiles (dealt in launch order by their key blocks:
       hopper.greedy_schedule; with dynamic, taken at run time). The K/V ring runs on across
@@ -227,6 +226,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"needs S a multiple of {config.block_kv}, got S={s}"
   if opts.scale <= 0:
     return f"needs scale > 0, got {opts.scale}"
+  if config.overlap and config.pingpong:
+    return "overlap and pingpong exclude each other"
   if config.num_sms is not None and not (config.persistent and config.num_sms >= 1):
     return f"num_sms={config.num_sms} needs persistent and at least one CTA"
   if config.dynamic and not config.persistent:
@@ -292,7 +293,7 @@ class _Scratch(NamedTuple):
   v_ready: Any  # ... its V
   k_free: Any  # per slot, 2 arrivals: both warpgroups are done with K
   v_free: Any  # ... with V
-  turn: Any  # pingpong's turns: 2 arrivals, or with the overlap 2 barriers of 1
+  turn: Any  # 2 arrivals: pingpong's turns
   seg: Any  # _mosaic.SegmentScratch with segment ids, else None
   tiles: Any  # with config.dynamic: 2 int32 slots of taken tiles, their ready and free barriers
 
@@ -326,11 +327,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
   static_range = mask.sees_all_keys
   ready = (k_ready, v_ready) + ((seg.kv_ready,) if segments else ())  # a key block's loads
 
-  # pingpong without the overlap: the warpgroups meet at each turn (`turn`, 2 arrivals).
-  # With the overlap, FlashAttention-3's handoff: turn[w] (1 arrival) says that warpgroup w
-  # may issue, and each issue passes the turn to the other (see overlapped_blocks).
-  rendezvous = config.pingpong and not config.overlap
-  handoff = config.pingpong and config.overlap
   take_turn = functools.partial(hopper.take_turn, turn)
 
   n_h = q_ref.shape[2]
@@ -444,19 +440,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         plgpu.copy_gmem_to_smem(seg_refs[0].at[b, pl.ds(first_row(qi), bq)],
                                 seg.q_ids.at[wg], seg.q_ready.at[wg])
 
-    if handoff:  # warpgroup 0 issues first
-      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
-
-    def my_turn():  # handoff: the other warpgroup has issued its last WGMMAs
-      plgpu.barrier_wait(turn.at[wg])
-
-    def your_turn():  # handoff: ours are issued
-      plgpu.barrier_arrive(turn.at[1 - wg])
-
-    def passed_turn():  # handoff, a walk's step without WGMMAs: both the above
-      my_turn()
-      your_turn()
-
     if config.persistent:
       if config.dynamic:
         load_q(*at_launch(cta))
@@ -481,7 +464,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
 
-      if rendezvous:  # warpgroup 1 starts half a turn behind warpgroup 0
+      if config.pingpong:  # warpgroup 1 starts half a turn behind warpgroup 0
         pl.when(wg == 1)(take_turn)
 
       # Persistent: the next tile's Q (with config.dynamic at the launch position the
@@ -554,13 +537,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       def block_scores(slot):
         """QKᵀ of the key block in `slot` (then the ping-pong turn), waited for."""
         def qk(s_ref):
-          if handoff:
-            my_turn()
           plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-          if rendezvous:
+          if config.pingpong:
             take_turn()
-          elif handoff:
-            your_turn()
           return s_ref[...]
 
         return pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
@@ -573,10 +552,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
           pl.when(j == hi - 1)(load_next_q)
         p, m_new, l, alpha = online_softmax(j, slot, scores, m, l, masked=masked)
         acc = rescale(acc, alpha)
-        if rendezvous:
+        if config.pingpong:
           plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may issue
         plgpu.barrier_wait(v_ready.at[slot])
-        if rendezvous:
+        if config.pingpong:
           plgpu.barrier_wait(turn)  # and now it is our turn on the tensor cores
 
         def pv(acc_ref):
@@ -594,9 +573,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         slot = slot_of(j)
         _mosaic.release_key_block([r.at[slot] for r in ready],
                                   [k_free.at[slot], v_free.at[slot]],
-                                  take_turn if rendezvous else None)
-        if handoff:
-          passed_turn()
+                                  take_turn if config.pingpong else None)
 
       def first_k():
         plgpu.barrier_wait(k_ready.at[slot_of(bounds[0])])
@@ -605,11 +582,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         """visit_key_blocks with FlashAttention-3's intra-warpgroup overlap
         (config.overlap): block lo's QKᵀ and softmax, then per block j QKᵀ_j and PV_{j−1}
         issued together and block j's softmax computed while PV_{j−1} runs, then block
-        hi−1's PV. With handoff each of those issues takes the warpgroup's turn and passes
-        it on, so that the two warpgroups issue in alternation, half a step apart, and one's
-        softmax runs under the other's WGMMAs (FlashAttention-3's warp scheduler barriers);
-        a skipped block, or a walk without blocks, takes and passes one turn, so that both
-        warpgroups take as many."""
+        hi−1's PV."""
         lo, hi, full_lo, full_hi = bounds
         zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
                                                 plgpu.Layout.WGMMA)
@@ -622,8 +595,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
           return run
 
         def no_blocks():
-          if handoff:
-            passed_turn()
           return zeros((bq, bkv)).astype(dtype), m, l
 
         def step(j, carry, *, masked):
@@ -634,12 +605,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
 
           def issue_both(refs):
             s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-            if handoff:
-              my_turn()
             plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
             plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
-            if handoff:
-              your_turn()
             # PV_{j−1} may still run, except on a masked block: the mask's registers then
             # made ptxas serialize every WGMMA of the kernel (ptxas warning C7513).
             scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if masked else 1)
@@ -657,11 +624,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
             plgpu.barrier_wait(v_ready.at[prev])
 
             def pv(o_ref):
-              if handoff:
-                my_turn()
               plgpu.wgmma(o_ref, p, v_smem.at[prev])
-              if handoff:
-                your_turn()
 
             out = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[prev])
@@ -688,7 +651,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
       else:
         acc, m, l = _mosaic.visit_key_blocks(step, skip, (acc, m, l), bounds, cta_lo, cta_hi,
                                              dense=mask.is_dense, start=first_k)
-      if rendezvous:  # warpgroup 0 takes the turn warpgroup 1 took at the start
+      if config.pingpong:  # warpgroup 0 takes the turn warpgroup 1 took at the start
         pl.when(wg == 0)(take_turn)
       if early_q:  # a warpgroup with no key block has not loaded it
         pl.when(bounds[0] >= hi)(load_next_q)
@@ -817,9 +780,7 @@ def _forward(st: "_Static", q, k, v, q_seg, kv_seg):
         q_ready=barrier(num_barriers=2), k_ready=barrier(num_barriers=stages),
         v_ready=barrier(num_barriers=stages),
         k_free=barrier(num_arrivals=2, num_barriers=stages),
-        v_free=barrier(num_arrivals=2, num_barriers=stages),
-        turn=(barrier(num_barriers=2) if cfg.overlap and cfg.pingpong
-              else barrier(num_arrivals=2)),
+        v_free=barrier(num_arrivals=2, num_barriers=stages), turn=barrier(num_arrivals=2),
         seg=(_mosaic.SegmentScratch.shapes(cfg.block_q, cfg.block_kv, stages)
              if segments else None),
         tiles=((plgpu.SMEM((2,), jnp.int32), barrier(num_barriers=2),

@@ -57,6 +57,8 @@ def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
     ((1, 200, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(), "T=200"),
     ((1, 256, 4, 128), (1, 300, 4, 128), BF16, _opts(), MosaicConfig(), "S=300"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(scale=-1.0), MosaicConfig(), "scale > 0"),
+    ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(overlap=True),
+     "overlap and pingpong"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(num_sms=8),
      "num_sms=8 needs persistent"),
     ((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(), MosaicConfig(persistent=True, num_sms=0),
