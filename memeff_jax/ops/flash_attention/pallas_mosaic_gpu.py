@@ -139,7 +139,6 @@ class MosaicConfig:
   num_sms: int | None = None
   dynamic: bool = False
   lazy_rescale: bool = False
-  split_scores: bool = False
 
   @classmethod
   def for_head_dim(cls, d: int) -> "MosaicConfig":
@@ -233,9 +232,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
     return f"num_sms={config.num_sms} needs persistent and at least one CTA"
   if config.dynamic and not config.persistent:
     return "dynamic needs persistent"
-  if config.split_scores and not (config.overlap and config.block_kv == 128
-                                  and not opts.mask.segments):
-    return "split_scores needs the overlap on 128-key blocks, without segment ids"
   fits = _fitting_stages(config, d, jnp.dtype(dtype).itemsize)
   if fits < 1:
     return (f"block_kv={config.block_kv} at D={d} leaves no room in shared memory for a K/V "
@@ -650,125 +646,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
         lax.fori_loop(hi, cta_hi, skip, None)
         return acc, m, l
 
-      def overlapped_halves(acc, m, l):
-        """overlapped_blocks with each block's QKᵀ issued as two WGMMAs of half the keys:
-        the first half's exponentials (on its own running maximum, rescaled by the second's
-        once that is known) run while the second half's QKᵀ is still on the tensor cores.
-        P is carried as its two halves, and PV is two WGMMAs."""
-        lo, hi, full_lo, full_hi = bounds
-        hk = bkv // 2
-        zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
-                                                plgpu.Layout.WGMMA)
-        k_half = lambda slot, h: k_smem.at[slot].at[pl.ds(h * hk, hk)]
-        v_half = lambda slot, h: v_smem.at[slot].at[pl.ds(h * hk, hk)]
-
-        def half_exp(j, scores, m, h, masked):
-          if softcap is not None:
-            scores = jnp.tanh(scores * (scale / softcap)) * (softcap * hopper.LOG2E)
-          if masked:
-            ok = _mosaic.visible(mask, scores.shape, 1, j * bkv + h * hk, row)
-            if ok is not None:
-              scores = jnp.where(ok, scores, -jnp.inf)
-          if softcap is None:
-            m_new = jnp.maximum(m, scores.max(axis=1) * c)
-            z = scores * c
-          else:
-            m_new = jnp.maximum(m, scores.max(axis=1))
-            z = scores
-          m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
-          return jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0])), m_new, m_sub
-
-        def softmax(j, slot, loads, m, l, masked):
-          p_a, m_a, sub_a = half_exp(j, loads[0](), m, 0, masked)
-          scores_b = loads[1]()
-          plgpu.barrier_arrive(k_free.at[slot])
-          p_b, m_b, sub_b = half_exp(j, scores_b, m_a, 1, masked)
-          beta = jnp.exp2(sub_a - sub_b)
-          if may_be_empty:
-            beta = jnp.where(m_a == -jnp.inf, 0.0, beta)
-          p_a = p_a * lax.broadcast_in_dim(beta, p_a.shape, [0])
-          alpha = jnp.exp2(m - sub_b)
-          l = l * alpha + p_a.sum(axis=1) + p_b.sum(axis=1)
-          return p_a.astype(dtype), p_b.astype(dtype), m_b, l, alpha
-
-        def first(masked):
-          def run():
-            slot = slot_of(lo)
-            plgpu.barrier_wait(k_ready.at[slot])
-
-            def qk(refs):
-              sa_ref, sb_ref, pa_ref, pb_ref, m_ref, l_ref = refs
-              for h, s_ref in enumerate((sa_ref, sb_ref)):
-                plgpu.wgmma(s_ref, q_tile, k_half(slot, h).T)
-              loads = (lambda: plgpu.wgmma_accumulator_load(sa_ref, wait_n=0 if masked else 1),
-                       lambda: plgpu.wgmma_accumulator_load(sb_ref, wait_n=0))
-              pa_ref[...], pb_ref[...], m_ref[...], l_ref[...], _ = softmax(
-                  lo, slot, loads, m, l, masked)
-
-            half = zeros((bq, hk))
-            _, _, p_a, p_b, m_new, l_new = pl.run_state(qk)(
-                (plgpu.ACC.init(half), plgpu.ACC.init(half), half.astype(dtype),
-                 half.astype(dtype), m, l))
-            return (p_a, p_b), m_new, l_new
-          return run
-
-        def no_blocks():
-          half = zeros((bq, hk)).astype(dtype)
-          return (half, half), m, l
-
-        def step(j, carry, *, masked):
-          acc, m, l, p_prev = carry
-          slot, prev = slot_of(j), slot_of(j - 1)
-          plgpu.barrier_wait(k_ready.at[slot])
-          plgpu.barrier_wait(v_ready.at[prev])
-
-          def issue(refs):
-            sa_ref, sb_ref, o_ref, pa_ref, pb_ref, m_ref, l_ref, alpha_ref = refs
-            for h, s_ref in enumerate((sa_ref, sb_ref)):
-              plgpu.wgmma(s_ref, q_tile, k_half(slot, h).T)
-            for h in range(2):
-              plgpu.wgmma(o_ref, p_prev[h], v_half(prev, h))
-            loads = (lambda: plgpu.wgmma_accumulator_load(sa_ref, wait_n=0 if masked else 3),
-                     lambda: plgpu.wgmma_accumulator_load(sb_ref, wait_n=0 if masked else 2))
-            pa_ref[...], pb_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(
-                j, slot, loads, m, l, masked)
-
-          half = zeros((bq, hk))
-          _, _, acc, p_a, p_b, m, l, alpha = pl.run_state(issue)(
-              (plgpu.ACC.init(half), plgpu.ACC.init(half), plgpu.ACC.init(acc), p_prev[0],
-               p_prev[1], m, l, m))
-          plgpu.barrier_arrive(v_free.at[prev])
-          return rescale(acc, alpha), m, l, (p_a, p_b)
-
-        def last(acc, p):
-          def run():
-            prev = slot_of(hi - 1)
-            plgpu.barrier_wait(v_ready.at[prev])
-
-            def pv(o_ref):
-              for h in range(2):
-                plgpu.wgmma(o_ref, p[h], v_half(prev, h))
-
-            out = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[prev])
-            return out
-          return run
-
-        lax.fori_loop(cta_lo, lo, skip, None)
-        if may_be_empty:
-          p, m, l = lax.cond(lo < hi, first(masked=True), no_blocks)
-        else:
-          lo_is_whole = static_range and bounds[2] <= lo < bounds[3]
-          p, m, l = first(masked=not lo_is_whole)()
-        acc, m, l, p = _mosaic.masked_ranges(step, (acc, m, l, p), lo + 1, hi, full_lo,
-                                             full_hi, dense=mask.is_dense)
-        acc = lax.cond(lo < hi, last(acc, p), lambda: acc) if may_be_empty else last(acc, p)()
-        lax.fori_loop(hi, cta_hi, skip, None)
-        return acc, m, l
-
-      if config.overlap and config.split_scores:
-        acc, m, l = overlapped_halves(acc, m, l)
-      elif config.overlap:
+      if config.overlap:
         acc, m, l = overlapped_blocks(acc, m, l)
       else:
         acc, m, l = _mosaic.visit_key_blocks(step, skip, (acc, m, l), bounds, cta_lo, cta_hi,
