@@ -262,20 +262,10 @@ def wave_span(config: GemmConfig, m: int, n: int, sms: int | None = None,
   return -(-cta_tiles(config, m, n) // ctas(config, sms)) * (config.cta_tile()[1] + tile_cost)
 
 
-def _swizzled(minor_elems: int, dtype, at_most: int = 128) -> tuple:
-  """Shared-memory transforms of tiles whose rows are `minor_elems` long: the widest
-  swizzle that divides a row, up to `at_most` bytes."""
-  swizzle = min(plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8), at_most)
+def _swizzled(minor_elems: int, dtype) -> tuple:
+  swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
   elems = swizzle // jnp.dtype(dtype).itemsize
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
-
-
-def _operand_swizzle(a_block, b_block, dtype) -> int:
-  """The swizzle (bytes) of both operands' slots: WGMMA reads A and B in one swizzle, so
-  where one's rows are narrower (32-deep K steps of an A stored [M, K] take 64-byte rows)
-  the other takes that one's too."""
-  return min(plgpu.find_swizzle(block[1] * jnp.dtype(dtype).itemsize * 8)
-             for block in (a_block, b_block))
 
 
 def _wg_operands(a_smem, b_smem, wg, split: str | None, config: GemmConfig, trans_a: bool,
@@ -307,7 +297,6 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
   # A block [cm, tk] (or [tk, cm] stored transposed), B block [tk, cn] (or [cn, tk]).
   a_block, a_index = ((tk, cm), lambda kk: (kk, 0)) if trans_a else ((cm, tk), lambda kk: (0, kk))
   b_block, b_index = ((cn, tk), lambda kk: (0, kk)) if trans_b else ((tk, cn), lambda kk: (kk, 0))
-  swizzle = _operand_swizzle(a_block, b_block, dtype)
 
   # Consecutive tiles of one CTA run as one "pipeline of pipelines" (no drain and refill of
   # the A/B pipeline between tiles) when its depth divides the number of K steps.
@@ -319,9 +308,9 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
         grid=(k // tk,),
         memory_registers=40,
         in_specs=[
-            plgpu.BlockSpec(a_block, a_index, transforms=_swizzled(a_block[1], dtype, swizzle),
+            plgpu.BlockSpec(a_block, a_index, transforms=_swizzled(a_block[1], dtype),
                             memory_space=plgpu.SMEM, collective_axes=a_shared),
-            plgpu.BlockSpec(b_block, b_index, transforms=_swizzled(b_block[1], dtype, swizzle),
+            plgpu.BlockSpec(b_block, b_index, transforms=_swizzled(b_block[1], dtype),
                             memory_space=plgpu.SMEM, collective_axes=b_shared),
         ],
         wg_axis="wg",
@@ -728,8 +717,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   # B's slots stored [tk, cn] likewise (a tail block [tk, tail_cn] is then a slot's prefix).
   arrivals = 1 if turns else 2  # per CTA, on each slot's `free`
   c_buffer = plgpu.SMEM((2, er, tn), out_dtype, transforms=_swizzled(tn, out_dtype))
-  swizzle = _operand_swizzle(a_block, b_block, dtype)
-  b_slots = plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype, swizzle))
+  b_slots = plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype))
   if config.tail_n is not None:
     c_buffer = plgpu.RefUnion(c_buffer, plgpu.SMEM(
         (2, er * tn // config.tail_n, config.tail_n), out_dtype,
@@ -737,11 +725,10 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
     if not trans_b:
       tail_cn = cn // tn * config.tail_n
       b_slots = plgpu.RefUnion(b_slots, plgpu.SMEM(
-          (stages, tk * cn // tail_cn, tail_cn), dtype,
-          transforms=_swizzled(tail_cn, dtype, swizzle)))
+          (stages, tk * cn // tail_cn, tail_cn), dtype, transforms=_swizzled(tail_cn, dtype)))
   pl.run_scoped(
       body,
-      plgpu.SMEM((stages, *a_block), dtype, transforms=_swizzled(a_block[1], dtype, swizzle)),
+      plgpu.SMEM((stages, *a_block), dtype, transforms=_swizzled(a_block[1], dtype)),
       b_slots,
       c_buffer,
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # ready: A and B landed
