@@ -102,28 +102,6 @@ WARPGROUP_REGISTERS = (240, 24)
 LOG2E = math.log2(math.e)  # the kernels' exponentials are exp2: e^x = 2^(x·log2 e)
 
 LN2 = math.log(2.0)  # and back: log x = log2(x) · ln 2
-
-# exp2_poly's minimax polynomial for 2^f on [-1/2, 1/2], lowest degree first: relative error
-# 7.7e-8, MUFU's ex2.approx's order (float32 coefficients, Horner's rule).
-_EXP2_POLY = (1.0000001192092896, 0.6931469440460205, 0.24022114276885986,
-              0.05550709739327431, 0.009675757959485054, 0.0013277939287945628)
-_ROUNDING = 12582912.0  # 1.5 · 2^23: x + it rounds x to an integer held in its low bits
-
-
-def exp2_poly(x):
-  """2^x for x ≤ 0 (-inf gives 0) on the FMA and integer pipes rather than the
-  special-function unit's ex2: x = n + f with n = round(x), 2^f by a polynomial, and n added
-  to the result's exponent bits. Below x = -126 the result is 0 or a subnormal. Inside a
-  kernel only: XLA simplifies (x + c) - c to x, which this rounding relies on not happening."""
-  x = jnp.maximum(x, -128.0)
-  t = x + _ROUNDING
-  f = x - (t - _ROUNDING)
-  p = _EXP2_POLY[-1]
-  for c in _EXP2_POLY[-2::-1]:
-    p = p * f + c
-  bits = (jax.lax.bitcast_convert_type(p, jnp.int32)
-          + jax.lax.shift_left(jax.lax.bitcast_convert_type(t, jnp.int32), 23))
-  return jax.lax.bitcast_convert_type(jnp.maximum(bits, 0), jnp.float32)
 # TMA moves a 16-bit array in tiles of 8 rows (of the swizzle's width): an array that a kernel
 # reads or writes by TMA has a whole number of them.
 TMA_ROWS = 8

@@ -139,7 +139,6 @@ class MosaicConfig:
   num_sms: int | None = None
   dynamic: bool = False
   lazy_rescale: bool = False
-  poly_exp_cols: int = 0  # (ping-pong) the last columns' exponentials by hopper.exp2_poly
 
   @classmethod
   def for_head_dim(cls, d: int) -> "MosaicConfig":
@@ -329,7 +328,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
   ready = (k_ready, v_ready) + ((seg.kv_ready,) if segments else ())  # a key block's loads
 
   take_turn = functools.partial(hopper.take_turn, turn)
-  poly = 0 if config.overlap else config.poly_exp_cols
 
   n_h = q_ref.shape[2]
   n_tiles = q_ref.shape[0] * n_h * n_q_ctas
@@ -527,13 +525,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
           m_new = jnp.where(m_new > m + RESCALE_THRESHOLD, m_new, m)
         # A row with no visible key yet has m_new = -inf: subtract 0 instead (p = 0, α = 0).
         m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
-        x = z - lax.broadcast_in_dim(m_sub, scores.shape, [0])
+        p = jnp.exp2(z - lax.broadcast_in_dim(m_sub, scores.shape, [0]))
         alpha = jnp.exp2(m - m_sub)
-        if poly:  # the last `poly` columns' exponentials off the special-function unit
-          p_hw, p_sw = jnp.exp2(x[:, :bkv - poly]), hopper.exp2_poly(x[:, bkv - poly:])
-          l = l * alpha + p_hw.sum(axis=1) + p_sw.sum(axis=1)
-          return (p_hw.astype(dtype), p_sw.astype(dtype)), m_new, l, alpha
-        p = jnp.exp2(x)
         return p.astype(dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
       def rescale(acc, alpha):
@@ -566,11 +559,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, schedule, o_ref, lse_ref, q_s
           plgpu.barrier_wait(turn)  # and now it is our turn on the tensor cores
 
         def pv(acc_ref):
-          if poly:
-            plgpu.wgmma(acc_ref, p[0], v_smem.at[slot, pl.ds(0, bkv - poly)])
-            plgpu.wgmma(acc_ref, p[1], v_smem.at[slot, pl.ds(bkv - poly, poly)])
-          else:
-            plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
 
           @pl.when(j + 1 < hi)  # the next K lands while this WGMMA runs
           def _():
