@@ -13,6 +13,8 @@ every shape of a set), xla and cudnn (jax.nn.dot_product_attention; packed docum
 cudnn through its packed layout, jax's cuDNN attention with sequence lengths and offsets),
 cudnn:deterministic (cudnn compiled with XLA's nondeterministic ops excluded: its backward
 otherwise adds dq in arrival order, and its gradients differ from call to call),
+rows:PROVIDER (a JAX provider on packed documents of equal length cut into rows of their
+own, [B, T] as [B·m, T / m]: what a caller who does not pack runs; the same visible pairs),
 tokamax:mosaic and tokamax:triton (if importable), and on CUDA torch's
 scaled_dot_product_attention on one of its backends: torch:cudnn, torch:flash,
 torch:efficient (if torch imports). A provider that cannot express a case (segment ids for
@@ -59,6 +61,7 @@ DEFAULT_PROVIDERS = ("memeff,memeff:nondeterministic,xla,cudnn,cudnn:determinist
 # XLA options of a provider's programs: cudnn:deterministic's make cuDNN's backward
 # bitwise repeatable (XLA's GPU determinism switch, per program rather than per process).
 COMPILER_OPTIONS = {"cudnn:deterministic": {"xla_gpu_exclude_nondeterministic_ops": True}}
+ROWS = "rows:"  # a provider's prefix: packed documents run as rows of their own
 # torch providers: scaled_dot_product_attention held to one of these SDPBackend members.
 TORCH_BACKENDS = {"torch:cudnn": "CUDNN_ATTENTION", "torch:flash": "FLASH_ATTENTION",
                   "torch:efficient": "EFFICIENT_ATTENTION", "torch:math": "MATH"}
@@ -133,6 +136,16 @@ def parse_memeff(provider: str):
 def attention_fn(provider, causal, seg, window=None):
   """f(q, k, v) -> out for a provider, or None where it cannot express the case. `window` is
   a (left, right) sliding window (jax.nn's local_window_size)."""
+  if provider.startswith(ROWS):
+    docs = None if seg is None else documents_as_rows(seg)
+    inner = attention_fn(provider[len(ROWS):], causal, None, window)
+    if docs is None or inner is None:
+      return None
+
+    def attend_rows(q, k, v):
+      rows = lambda x: x.reshape(x.shape[0] * docs, x.shape[1] // docs, *x.shape[2:])
+      return inner(rows(q), rows(k), rows(v)).reshape(q.shape)
+    return attend_rows
   if provider == "cudnn:deterministic":  # cudnn's call; COMPILER_OPTIONS make it repeatable
     provider = "cudnn"
   if provider.startswith("memeff"):
@@ -217,6 +230,17 @@ def cudnn_packed_layout(seg):
     lengths[i, :len(st)] = np.diff(np.r_[st, t])
     offsets[i, :len(st)] = st
   return jnp.asarray(lengths), jnp.asarray(offsets)
+
+
+def documents_as_rows(seg) -> int | None:
+  """m where each row of segment ids [B, T] holds m contiguous documents of T / m tokens
+  (so that [B, T] reshapes to [B·m, T / m] with one document a row), else None."""
+  layout = cudnn_packed_layout(seg)
+  if layout is None:
+    return None
+  lengths = np.asarray(layout[0])
+  docs, t = lengths.shape[1], seg.shape[1]
+  return docs if t % docs == 0 and (lengths == t // docs).all() else None
 
 
 def cudnn_packed_fn(causal, seg, window):
@@ -329,13 +353,14 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
               continue
             cases[provider] = (row, torch_timer(provider, row, q, k, v, ct, causal, reps))
             continue
-          if provider.startswith("memeff"):
-            row["deterministic"] = parse_memeff(provider)[1]
+          if provider.removeprefix(ROWS).startswith("memeff"):
+            row["deterministic"] = parse_memeff(provider.removeprefix(ROWS))[1]
           f = attention_fn(provider, causal, seg, window)
           if f is None:
             print(f"  skip {provider}: cannot express this mask")
             continue
-          jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS.get(provider))
+          options = COMPILER_OPTIONS.get(provider.removeprefix(ROWS))
+          jit = functools.partial(jax.jit, compiler_options=options)
           fwd = jit(f)
           # The cotangent is an argument, as in a train step: a constant one would be folded
           # into the program (with any padding of it) at compile time.
