@@ -150,9 +150,9 @@ def _attention(shape: str, provider: str | None):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   sizes = {k: int(v) for k, v in (part.split("=") for part in shape.split(","))}
   causal = bool(sizes.pop("causal", 1))
-  unknown = set(sizes) - {"b", "t", "h", "d", "hkv", "docs", "window"}
+  unknown = set(sizes) - {"b", "t", "s", "h", "d", "hkv", "docs", "window"}
   if unknown:
-    raise SystemExit(f"--attention: unknown sizes {sorted(unknown)} (b, t, h, d, hkv, docs, "
+    raise SystemExit(f"--attention: unknown sizes {sorted(unknown)} (b, t, s, h, d, hkv, "
                      "window, causal)")
   dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
   q, k, v, ct, seg = inputs(sizes, dtype)
