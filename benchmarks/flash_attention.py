@@ -353,14 +353,14 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
               continue
             cases[provider] = (row, torch_timer(provider, row, q, k, v, ct, causal, reps))
             continue
-          if provider.removeprefix(ROWS).startswith("memeff"):
-            row["deterministic"] = parse_memeff(provider.removeprefix(ROWS))[1]
+          base = provider.removeprefix(ROWS)  # the provider that rows: wraps, or itself
+          if base.startswith("memeff"):
+            row["deterministic"] = parse_memeff(base)[1]
           f = attention_fn(provider, causal, seg, window)
           if f is None:
             print(f"  skip {provider}: cannot express this mask")
             continue
-          options = COMPILER_OPTIONS.get(provider.removeprefix(ROWS))
-          jit = functools.partial(jax.jit, compiler_options=options)
+          jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS.get(base))
           fwd = jit(f)
           # The cotangent is an argument, as in a train step: a constant one would be folded
           # into the program (with any padding of it) at compile time.

@@ -53,6 +53,7 @@ def test_documents_as_rows_compute_what_segment_ids_do(causal):
   ours = lambda q, k, v: memeff_jax.flash_attention(
       q, k, v, causal=causal, q_segment_ids=seg, kv_segment_ids=seg,
       implementation="reference")
+
   def out_and_grads(f):
     out, pull = jax.vjp(f, q, k, v)
     return (out, *pull(ct))
