@@ -56,7 +56,7 @@ from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import masks  # noqa: E402
 from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
 
-DEFAULT_PROVIDERS = ("memeff,memeff:nondeterministic,xla,cudnn,cudnn:deterministic,"
+DEFAULT_PROVIDERS = ("memeff,memeff:nondeterministic,xla,cudnn,cudnn:deterministic,rows:cudnn,"
                      "tokamax:mosaic,tokamax:triton,torch:cudnn,torch:flash")
 # XLA options of a provider's programs: cudnn:deterministic's make cuDNN's backward
 # bitwise repeatable (XLA's GPU determinism switch, per program rather than per process).
@@ -138,8 +138,8 @@ def attention_fn(provider, causal, seg, window=None):
   a (left, right) sliding window (jax.nn's local_window_size)."""
   if provider.startswith(ROWS):
     docs = None if seg is None else documents_as_rows(seg)
-    inner = attention_fn(provider[len(ROWS):], causal, None, window)
-    if docs is None or inner is None:
+    inner = None if docs is None else attention_fn(provider[len(ROWS):], causal, None, window)
+    if inner is None:
       return None
 
     def attend_rows(q, k, v):
