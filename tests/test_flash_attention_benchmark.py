@@ -140,6 +140,18 @@ def test_grid_compares_with_deterministic_cudnn_where_it_ran():
   assert "| causal | 400 | 500 | 0.800× | 0.800× |\n" in plain
 
 
+def test_a_peer_on_the_documents_as_rows_is_a_jax_peer():
+  """The per-shape table's best JAX peer counts rows:PEER (cuDNN on the documents as rows
+  where that beats its packed layout), not memeff on those rows."""
+  from benchmarks import make_results  # pylint: disable=import-outside-toplevel
+  base = dict(causal=True, fwd_ms=1.0, fwd_tflops=1.0, fwd_bwd_ms=1.0)
+  rows = [dict(base, provider=p, fwd_bwd_tflops=v) for p, v in (
+      ("memeff", 260.0), ("cudnn", 193.0), ("rows:cudnn", 200.0), ("rows:memeff", 286.0))]
+  text = make_results.fa_table(rows)
+  assert "| memeff | True | 1.00 | 1 | 1.00 | 260 | 1.300× |" in text
+  assert "| rows:memeff | True | 1.00 | 1 | 1.00 | 286 | 1.430× |" in text
+
+
 @pytest.mark.gpu
 def test_deterministic_cudnn_gives_the_same_gradients_every_call():
   """cudnn:deterministic's programs (COMPILER_OPTIONS) make cuDNN's backward repeatable."""
