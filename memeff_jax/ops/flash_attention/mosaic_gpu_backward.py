@@ -277,7 +277,6 @@ class MosaicBackwardConfig:
   group_splits: int = 1
   early_softmax: bool = False
   dq_paired: bool = False
-  prefetch_ahead: int = 0
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
@@ -961,7 +960,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
                      heavy_first: bool = False, order=None, delta=None, per_block=None,
-                     work=None, grid_heads: int = 0):
+                     work=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
   the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
@@ -1542,41 +1541,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.copy_gmem_to_smem(per_block[0].at[it.b, qb],
                                 sc.adders.at[ring], sc.adders_ready.at[ring])
 
-    ahead = None
-    if config.prefetch_ahead and work is None:
-      # The CTA launched prefetch_ahead after this one (CUDA launches the grid's CTAs in
-      # order, kv fastest): its K and V, into L2, so that its first wait is on L2, not HBM.
-      bb, hh, kk = (lax.axis_index(a) for a in ("b", "h", "kv"))
-      nxt = (bb * grid_heads + hh) * n_kv + kk + config.prefetch_ahead
-      total = q_ref.shape[0] * grid_heads * n_kv
-      nxt_b = hopper.div(nxt, grid_heads * n_kv)
-      nxt_h = hopper.rem(hopper.div(nxt, n_kv), grid_heads)
-      nxt_kv = hopper.rem(nxt, n_kv)
-      if config.dq_ordered and not heavy_first:
-        nxt_kv = n_kv - 1 - nxt_kv
-      if per_query_head:
-        nxt_head = hopper.div(nxt_h, group)
-      elif splits > 1:
-        nxt_head = hopper.div(nxt_h, splits)
-      else:
-        nxt_head = nxt_h
-      ahead = (nxt < total, nxt_b, nxt_head, nxt_kv)
-
-    def prefetch_ahead():
-      if ahead is None:
-        return
-      when, nb, nh, nk = ahead
-
-      @pl.when(when)
-      def _():
-        keys = pl.ds(nk * cta_keys, cta_keys)
-        plgpu.async_prefetch(k_ref.at[nb, keys, nh])
-        plgpu.async_prefetch(v_ref.at[nb, keys, nh])
-
     def loads():
       if work is None:
         load_keys(items[0])
-        prefetch_ahead()
         hopper.fill_ring(functools.partial(load, items[0]), items[0].n_steps, stages,
                          (sc.q_free, sc.do_free))
         return
@@ -1818,7 +1785,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
                        order=order, delta=delta, per_block=per_block, lengths=(t, s),
-                       work=None if paired is None else deal, grid_heads=grid_heads)
+                       work=None if paired is None else deal)
 
     pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused,
                                           paired is not None),
