@@ -202,7 +202,6 @@ def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_w
                      f"(q.shape={q.shape}, k.shape={k.shape})")
   if q_segment_ids is None and kv_segment_ids is not None:
     raise ValueError("kv_segment_ids needs q_segment_ids")
-  shared_ids = kv_segment_ids is None or kv_segment_ids is q_segment_ids
   if q_segment_ids is not None:
     q_segment_ids = _check_segments("q_segment_ids", q_segment_ids, b, t, "T")
     if kv_segment_ids is None:
@@ -222,7 +221,7 @@ def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_w
     raise ValueError(f"scale must be finite, got {scale!r}")
 
   opts = AttentionOptions(
-      mask=MaskSpec.make(causal, sliding_window, q_segment_ids is not None, shared_ids),
+      mask=MaskSpec.make(causal, sliding_window, q_segment_ids is not None),
       scale=float(scale), logit_softcap=logit_softcap, deterministic=deterministic,
       context=context)
   return opts, q_segment_ids, kv_segment_ids

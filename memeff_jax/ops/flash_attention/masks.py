@@ -24,25 +24,22 @@ import numpy as np
 class MaskSpec:
   """The static part of a mask. left/right None mean unbounded. `keys` is set only on a
   call run at padded lengths (pallas_mosaic_gpu's _padding): the keys from it on are padding,
-  hidden from every query. `shared_ids`: with segments, kv_segment_ids are q_segment_ids
-  (T = S), so that every query's segment holds the key at its own position."""
+  hidden from every query."""
 
   left: int | None = None
   right: int | None = None
   segments: bool = False
   keys: int | None = None
-  shared_ids: bool = False
 
   @classmethod
-  def make(cls, causal: bool, sliding_window, segments: bool,
-           shared_ids: bool = False) -> "MaskSpec":
+  def make(cls, causal: bool, sliding_window, segments: bool) -> "MaskSpec":
     left = right = None
     if sliding_window is not None:
       left, right = ((sliding_window, sliding_window) if isinstance(sliding_window, int)
                      else tuple(sliding_window))
     if causal:
       right = 0 if right is None else min(right, 0)
-    return cls(left=left, right=right, segments=segments, shared_ids=segments and shared_ids)
+    return cls(left=left, right=right, segments=segments)
 
   @property
   def is_causal_band(self) -> bool:

@@ -69,14 +69,13 @@ except ImportError:  # pragma: no cover
 
 BLOCK_Q = 64  # query rows per pipeline step (MosaicBackwardConfig.block_q may widen it)
 BLOCK_KV = 64  # keys per compute warpgroup; a CTA holds two such blocks
-# How Mosaic GPU lays out a kernel's scratch: each shared-memory buffer from a multiple of
-# SMEM_ALIGNMENT bytes, then the barriers, BARRIER_BYTES each, and a few bytes of its own
-# (8 to 88 in the kernels' lowerings for CUDA at D = 64 to 256, within SMEM_RESERVE).
-SMEM_ALIGNMENT = 1_024
-BARRIER_BYTES = 8
-SMEM_RESERVE = 256
-# dq_rounded_per_block: each step's adders count comes in a copy of _ADDERS_COPY int32 (a
-# copy moves a multiple of 128 bytes; see _adders_table), into a ring (_adders_ring).
+_SMEM_RESERVE = 1_024  # barriers and alignment
+_SEG_RESERVE = 256  # the segment ids' barriers and alignment
+# dq_rounded_per_block: the steps' adders counts are a ring of this many times the Q/dO
+# stages, so that a count outlives its step's slot by a step (dq_stagger's warpgroup 0
+# stores each step's dQ in the next); each count comes in a copy of _ADDERS_COPY int32 (a
+# copy moves a multiple of 128 bytes; see _adders_table).
+_ADDERS_RING = 2
 _ADDERS_COPY = 32
 # Queries from which a deterministic causal call takes its section's `_long` variant (as a
 # causal window does at any span; long_walk_queries): a key block's walk (up to T / BLOCK_Q
@@ -278,12 +277,11 @@ class MosaicBackwardConfig:
   group_splits: int = 1
   early_softmax: bool = False
   dq_paired: bool = False
-  delta_first: bool = False
 
   @classmethod
   def for_deterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
-                        s: int = 0, segments: bool = False, seen: int = 0,
-                        shared_ids: bool = False) -> "MosaicBackwardConfig":
+                        s: int = 0, segments: bool = False,
+                        seen: int = 0) -> "MosaicBackwardConfig":
     """The Mosaic backward of deterministic calls whose key blocks walk t queries (T, or a window's
     span) and S = s keys (0: not known), of which one query sees at most `seen` (a window's
     left + right + 1; 0: all s): the whole kernel with dq_ordered where the tuning table has a
@@ -300,19 +298,19 @@ class MosaicBackwardConfig:
     (not measured with segment ids; D = 64 has no causal GQA section with dq). Its walks end at
     their documents' starts, which only the run knows: short documents favour one CTA per key
     head walking its whole group, long ones causal GQA's CTA per query head (the design doc's
-    "Packed documents" has both at four packings). Without GQA and a window, below
-    CAUSAL_DOCUMENTS_QUERIES, and with `shared_ids` (MaskSpec.shared_ids: each query block's
-    first visitor is its diagonal key block, as _fuses_delta needs), it takes the causal
-    section of short walks, whose Δ fuses (with the key ids in dSᵀ's bytes: _kv_seg_in_ds),
-    as a row of one document does. Other such calls, and where the two dQ slots that needs do
-    not fit, run one slot, unfused and unstaggered beside the ids (fit_shared_memory), which
-    there computes Pᵀ early (early_softmax)."""
+    "Packed documents" has both at four packings). Without GQA the two choices give the same
+    kernel beside segment ids (fit_shared_memory), which there computes Pᵀ early
+    (early_softmax)."""
+    if segments and (t < CAUSAL_DOCUMENTS_QUERIES or _section_dim(d) != 128):
+      causal = False
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
+    suffix = ("_causal" if causal else "") + ("_gqa" if gqa else "") + "_ordered"
     # A window's Δ does not fuse (_fuses_delta): the `_long` sections' kernel serves it at
     # any span (the design doc's "Causal windows and long walks").
     window = 0 < seen < (s or seen + 1)
-
-    def ordered(found):
+    found = (((t >= long_walk_queries(d) or window) and _section(table, d, suffix + "_long"))
+             or _section(table, d, suffix))
+    if found:
       config = cls(**{**found, "dq_ordered": True})
       adders = block_adders(s, seen, config.cta_keys(), config.block_q)
       config = dataclasses.replace(
@@ -324,24 +322,12 @@ class MosaicBackwardConfig:
         # the softmax, so Pᵀ goes under dPᵀ's WGMMA (the design doc's "Packed documents").
         config = dataclasses.replace(config, early_softmax=True)
       return config
-
-    if segments and (t < CAUSAL_DOCUMENTS_QUERIES or _section_dim(d) != 128):
-      found = (causal and shared_ids and not (gqa or window)
-               and _section(table, d, "_causal_ordered"))
-      if found and fit_shared_memory(ordered(found), d, jnp.bfloat16, True).fused_delta:
-        return ordered(found)
-      causal = False
-    suffix = ("_causal" if causal else "") + ("_gqa" if gqa else "") + "_ordered"
-    found = (((t >= long_walk_queries(d) or window) and _section(table, d, suffix + "_long"))
-             or _section(table, d, suffix))
-    if found:
-      return ordered(found)
     return cls.tuned(d, causal, gqa, with_dq=False)
 
   @classmethod
   def for_nondeterministic(cls, d: int, causal: bool, gqa: bool = False, t: int = 0,
-                           s: int = 0, segments: bool = False, seen: int = 0,
-                           shared_ids: bool = False) -> "MosaicBackwardConfig":
+                           s: int = 0, segments: bool = False,
+                           seen: int = 0) -> "MosaicBackwardConfig":
     """The Mosaic backward of calls with deterministic=False (arguments as for_deterministic):
     dq's reductions in arrival order where the tuning table names that kernel for the call
     (a `d<D>[_causal][_gqa]` section, for where it measured faster than the ordered one:
@@ -353,8 +339,7 @@ class MosaicBackwardConfig:
     found = _section(table, d, ("_causal" if causal else "") + ("_gqa" if gqa else ""))
     if found:
       return cls(**found)
-    ordered = cls.for_deterministic(d, causal, gqa, t=t, s=s, segments=segments, seen=seen,
-                                    shared_ids=shared_ids)
+    ordered = cls.for_deterministic(d, causal, gqa, t=t, s=s, segments=segments, seen=seen)
     if ordered.with_dq or d > WHOLE_ARRIVAL_MAX_D:
       return ordered
     return cls.tuned(d, causal, gqa)
@@ -660,44 +645,17 @@ def _seg_len(block_q: int) -> int:
   return -(-block_q // 32) * 32
 
 
-def _adders_ring(config: MosaicBackwardConfig) -> int:
-  """dq_rounded_per_block's ring of adders counts: one per Q/dO stage, where a step reads its
-  count before it frees its Q/dO slot; two per stage with dq_stagger, whose warpgroup 0
-  stores each step's dQ (reading its count) in the next step."""
-  return config.stages * (2 if config.dq_stagger else 1)
-
-
-def _kv_seg_in_ds(config: MosaicBackwardConfig, segments: bool) -> bool:
-  """Whether the CTA's key ids share the bytes of dSᵀ's second slot (with fused_delta beside
-  segment ids, where two dQ slots otherwise miss the shared memory by a few hundred bytes).
-  Both compute warpgroups load the ids into registers before their first step, and that
-  slot is first written in step 1, after they have met at step 0's exchange of dSᵀ
-  (dq_split, unstaggered)."""
-  return segments and config.fused_delta and config.dq_split and not config.dq_stagger
-
-
-def _ids_with_adders(config: MosaicBackwardConfig, segments: bool) -> bool:
-  """Whether each step's adders count (dq_rounded_per_block) lands in its query ids' row of
-  shared memory rather than a ring of its own: where the ring has a slot per Q/dO stage (no
-  dq_stagger), both fit in one SMEM_ALIGNMENT block at block_q = 64, where apart they take
-  two. Each copy starts on a 128-byte boundary (_seg_len and _ADDERS_COPY are multiples)."""
-  return segments and config.dq_rounded_per_block and not config.dq_stagger
-
-
 def _smem_bytes(config: MosaicBackwardConfig, d: int, itemsize: int, segments: bool) -> int:
-  """The kernel's shared memory as Mosaic GPU lays out _Scratch.shapes: each buffer from a
-  SMEM_ALIGNMENT boundary (a union: its largest group, each of its buffers so aligned), then
-  BARRIER_BYTES a barrier, and SMEM_RESERVE."""
-  dtype = jnp.float16 if itemsize == 2 else jnp.dtype(f"float{8 * itemsize}")
-  scratch = _Scratch.shapes(config, d, dtype, segments, config.fused_delta, config.dq_paired)
-  total = SMEM_RESERVE
-  for field in scratch:
-    if isinstance(field, plgpu.Barrier):
-      total += BARRIER_BYTES * math.prod(np.shape(field.num_barriers))
-    elif field is not None:
-      size = math.prod(field.shape) * jnp.dtype(field.dtype).itemsize
-      total += -(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
-  return total
+  bq = config.block_q
+  seg_ids = 4 * (config.cta_keys() + config.stages * _seg_len(bq)) + _SEG_RESERVE
+  return (2 * config.cta_keys() * d * itemsize  # K, V
+          + config.stages * (2 * bq * d * itemsize + 2 * bq * 4)  # Q, dO, lse₂, Δ
+          + (1 + config.scores_split) * math.prod(_ds_shape(config)) * itemsize  # dSᵀ (Pᵀ)
+          + math.prod(_dq_tile_shape(config, d)) * 4
+          + (seg_ids if segments else 0)
+          + (_ADDERS_RING * config.stages * 4 * _ADDERS_COPY
+             if config.dq_rounded_per_block else 0)
+          + _SMEM_RESERVE)
 
 
 def _query_blocks(mask: MaskSpec, cta_key, cta_keys: int, n_q: int, bq: int, seg_range=None):
@@ -827,14 +785,12 @@ def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: i
                  group: int) -> bool:
   """Whether config.fused_delta applies to the call: every query block's first visitor is
   the key block whose walk starts on it (causal walks start on the diagonal, block 2j, where
-  n_q = 2·n_kv; with segment ids too where queries and keys share them, so that each query
-  sees its own key), launched before the others, and each key block walks one query head.
+  n_q = 2·n_kv), launched before the others, and each key block walks one query head.
   dq_rotate's walks (no mask) never qualify: each key block there visits blocks whose first
   visitor launches after it."""
   one_head = group == 1 or config.gqa_per_query_head or config.group_splits >= group
   return (config.fused_delta and _SCRATCH_PARAM and one_head and n_q == 2 * n_kv
-          and mask.is_causal_band and mask.keys is None
-          and (mask.shared_ids or not mask.segments))
+          and mask.is_causal)
 
 
 def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
@@ -934,7 +890,7 @@ class _Scratch(NamedTuple):
   do_free: Any  # per slot, 2 arrivals: ... with dO
   ds_ready: Any  # per dSᵀ slot, 2 arrivals: both warpgroups' rows written
   pair: Any  # 2 arrivals: the compute warpgroups meet (pingpong's turns, K read to the end)
-  kv_seg: Any = None  # segment ids: the CTA's keys' (maybe in dSᵀ's bytes: _kv_seg_in_ds)
+  kv_seg: Any = None  # segment ids: the CTA's keys'
   q_seg: Any = None  # ... per slot, the step's queries'
   kv_seg_ready: Any = None
   q_seg_ready: Any = None
@@ -950,20 +906,6 @@ class _Scratch(NamedTuple):
   pt_smem: Any = None  # scores_split: Pᵀ's slots, as dSᵀ's
   kv_free: Any = None  # dq_paired, 2 arrivals: both compute warpgroups are done with K and V
 
-  def unpacked(self, config: MosaicBackwardConfig, segments: bool) -> "_Scratch":
-    """The scratch with the buffers that shapes lays out together as refs of their own: the
-    key ids in the bytes of dSᵀ's second slot (_kv_seg_in_ds), the steps' adders counts in
-    the rows of their query ids (_ids_with_adders)."""
-    sc = self
-    if _kv_seg_in_ds(config, segments):
-      ds, (_, kv_seg) = sc.ds_smem
-      sc = sc._replace(ds_smem=ds, kv_seg=kv_seg)
-    if _ids_with_adders(config, segments):
-      ids = _seg_len(config.block_q)
-      sc = sc._replace(q_seg=sc.q_seg.at[:, pl.ds(0, ids)],
-                       adders=sc.q_seg.at[:, pl.ds(ids, _ADDERS_COPY)])
-    return sc
-
   @classmethod
   def shapes(cls, config: MosaicBackwardConfig, d: int, dtype, segments: bool, fused: bool,
              paired: bool = False):
@@ -977,28 +919,19 @@ class _Scratch(NamedTuple):
         bq // 2 if config.scores_split else bq, d, d // 2 if halves else None))
     barrier, pair = plgpu.Barrier, dict(num_arrivals=2)
     optional = {}
-    ds_smem = plgpu.SMEM(_ds_shape(config), dtype, transforms=operand_tiles)
     if segments:
-      kv_seg = plgpu.SMEM((keys,), jnp.int32)
-      if _kv_seg_in_ds(config, segments):  # after dSᵀ's first slot (see _Scratch.unpacked)
-        slot = math.prod(_ds_shape(config)[1:]) * jnp.dtype(dtype).itemsize
-        ds_smem = plgpu.RefUnion(ds_smem, (plgpu.SMEM((slot,), jnp.int8), kv_seg))
-      else:
-        optional.update(kv_seg=kv_seg)
-      ids = _seg_len(bq) + (_ADDERS_COPY if _ids_with_adders(config, segments) else 0)
-      optional.update(q_seg=plgpu.SMEM((stages, ids), jnp.int32),
+      optional.update(kv_seg=plgpu.SMEM((keys,), jnp.int32),
+                      q_seg=plgpu.SMEM((stages, _seg_len(bq)), jnp.int32),
                       kv_seg_ready=barrier(), q_seg_ready=barrier(num_barriers=stages))
     if config.dq_rounded_per_block:
-      ring = _adders_ring(config)
-      if not _ids_with_adders(config, segments):
-        optional.update(adders=plgpu.SMEM((ring, _ADDERS_COPY), jnp.int32))
-      optional.update(adders_ready=barrier(num_barriers=ring))
+      ring = _ADDERS_RING * stages
+      optional.update(adders=plgpu.SMEM((ring, _ADDERS_COPY), jnp.int32),
+                      adders_ready=barrier(num_barriers=ring))
     if config.dq_ordered:
       optional.update(dq_full=barrier(**pair, num_barriers=config.dq_buffers),
                       dq_free=barrier(num_barriers=config.dq_buffers))
     if fused:
-      optional.update(o_ready=barrier(num_barriers=2),
-                      delta_ready=barrier(num_barriers=2 if config.delta_first else 1))
+      optional.update(o_ready=barrier(num_barriers=2), delta_ready=barrier())
     if config.dq_stagger:
       optional.update(ds_free=barrier(**pair, num_barriers=2), lead=barrier(),
                       turns=barrier(num_barriers=2))
@@ -1012,7 +945,7 @@ class _Scratch(NamedTuple):
         q_smem=plgpu.SMEM((stages, bq, d), dtype, transforms=operand_tiles),
         do_smem=plgpu.SMEM((stages, bq, d), dtype, transforms=operand_tiles),
         stats_smem=plgpu.SMEM((stages, 2, bq), jnp.float32),
-        ds_smem=ds_smem,
+        ds_smem=plgpu.SMEM(_ds_shape(config), dtype, transforms=operand_tiles),
         dq_smem=_dq_scratch(config, d, dtype),
         k_ready=barrier(), v_ready=barrier(),
         q_ready=barrier(num_barriers=stages), do_ready=barrier(num_barriers=stages),
@@ -1103,7 +1036,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
   def adders_slot(gi):
     """dq_rounded_per_block: global step gi's entry in the ring of adders counts."""
-    return hopper.rem(gi, _adders_ring(config))
+    return hopper.rem(gi, _ADDERS_RING * stages)
 
   def step_adders(gi):
     """dq_rounded_per_block: how many key blocks add into global step gi's query block, from
@@ -1247,7 +1180,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.commit_smem()
         head = step_block(it, i)[0]
         plgpu.copy_smem_to_gmem(row, stats_ref.at[it.b, head, 1, pl.ds(qb * bq, bq)])
-        plgpu.barrier_arrive(sc.delta_ready.at[i] if config.delta_first else sc.delta_ready)
+        plgpu.barrier_arrive(sc.delta_ready)
 
     def publish_delta(it, i):
       """fused_delta, at the end of a step that computed Δ (before it frees the statistics'
@@ -1273,13 +1206,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
       if config.pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
         pl.when(wg == 1)(take_turn)
-      if delta is not None and config.delta_first:
-        # The Δ of the walk's first two query blocks (its own), before dK and dV hold anything.
-        for i in range(2):
-          slot = hopper.rem(base + i, stages)
-          plgpu.barrier_wait(sc.do_ready.at[slot])
-          plgpu.barrier_wait(sc.stats_ready.at[slot])
-          own_delta(it, i, slot, step_block(it, i)[1], sc.do_smem.at[slot])
 
       def visible(slot, qb, shape, q0=0):
         """Which keys (rows of Sᵀ) the queries q0.. of block qb (columns) see."""
@@ -1396,19 +1322,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         q_tile, do_tile = sc.q_smem.at[slot], sc.do_smem.at[slot]
         k_step, v_step, k_cols = key_tiles(z)
         plgpu.barrier_wait(sc.q_ready.at[slot])
+        plgpu.barrier_wait(sc.do_ready.at[slot])
+        plgpu.barrier_wait(sc.stats_ready.at[slot])
         fused = delta is not None and (masked or mask.is_dense)  # causal: first visits mask
-        if fused and config.delta_first:  # the walk's first two waited for before it
-          @pl.when(~owns(i))
-          def _():
-            plgpu.barrier_wait(sc.do_ready.at[slot])
-            plgpu.barrier_wait(sc.stats_ready.at[slot])
-        else:
-          plgpu.barrier_wait(sc.do_ready.at[slot])
-          plgpu.barrier_wait(sc.stats_ready.at[slot])
         # The flag's code goes into every loop body: only in the masked steps' (where it
         # runs), the ptxas report and the times were the same.
         publish = delta is not None
-        if fused and not config.delta_first:
+        if fused:
           own_delta(it, i, slot, qb, do_tile)
 
         # scores_split: this warpgroup's half of the step's queries (columns of Sᵀ)
@@ -1455,8 +1375,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           pt, p_ds = probabilities(st)
         pt = pt.astype(dtype)  # dV's operand
         if fused:  # warpgroup 0 wrote this step's Δ (own_delta)
-          pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(
-              sc.delta_ready.at[i] if config.delta_first else sc.delta_ready))
+          pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(sc.delta_ready))
         row_delta = hopper.load(sc.stats_smem.at[slot, 1, qs], col_layout)
         dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, dpt.shape, [1]))).astype(dtype)
         if config.dq_split:
@@ -1850,7 +1769,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
 
     def kernel(sc: _Scratch):
       views = _DqViews.of(config, sc.dq_smem)
-      sc = sc._replace(dq_smem=views.tiles).unpacked(config, mask.segments)
+      sc = sc._replace(dq_smem=views.tiles)
       delta = per_block = None
       if fused:  # O's view of the dQ slots, and the flags that a block's Δ is stored
         delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), views.o)

@@ -970,7 +970,7 @@ class PallasMosaicGpu:
           mosaic = (MosaicBackwardConfig.for_deterministic if det
                     else MosaicBackwardConfig.for_nondeterministic)(
               d, causal, gqa, t=walk, s=k.shape[1], segments=mask.segments,
-              seen=mask.span(k.shape[1]), shared_ids=mask.shared_ids)
+              seen=mask.span(k.shape[1]))
         # Under GQA: CTAs enough to fill the GPU where key blocks and key heads are few.
         mosaic = mosaic_gpu_backward.split_group(
             mosaic, q.shape[0], q.shape[2], k.shape[2], k.shape[1],

@@ -61,7 +61,6 @@ def _value_and_grads(impl, options):
   options.pop("segments", None)
 
   def f(q, k, v, seg, ct):
-    # seg: (q ids, kv ids), or (ids, None) for ids the queries and keys share
     seg_ids = {} if seg is None else dict(q_segment_ids=seg[0], kv_segment_ids=seg[1])
     out, lse = flash_attention(q, k, v, return_lse=True, implementation=impl, **options,
                                **seg_ids)

@@ -45,10 +45,9 @@ def as_on_hopper(monkeypatch):
   monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
 
 
-def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125,
-          shared_ids=False):
-  return AttentionOptions(mask=MaskSpec.make(causal, window, segments, shared_ids),
-                          scale=scale, logit_softcap=softcap)
+def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
+  return AttentionOptions(mask=MaskSpec.make(causal, window, segments), scale=scale,
+                          logit_softcap=softcap)
 
 
 @pytest.mark.parametrize("q_shape, k_shape, dtype, opts, config, match", [
@@ -949,42 +948,6 @@ def test_fused_delta_applies_where_every_block_has_a_first_visitor(causal, windo
       opts, mb.fit_shared_memory(config, 128, BF16, segments), t, s, hkv, 128, segments))
 
 
-def test_segment_ids_shared_by_queries_and_keys():
-  """MaskSpec.shared_ids, which the fused Δ needs beside segment ids: kv_segment_ids left out
-  or the very array of q_segment_ids, not merely equal ids."""
-  from memeff_jax.ops.flash_attention import api  # pylint: disable=import-outside-toplevel
-  q = jnp.zeros((1, 256, 2, 128), BF16)
-  ids = jnp.zeros((1, 256), jnp.int32)
-  mask = lambda **seg: api._prepare(  # pylint: disable=protected-access
-      q, q, q, causal=True, scale=None, sliding_window=None, logit_softcap=None,
-      deterministic=True, **{"q_segment_ids": None, "kv_segment_ids": None, **seg})[0].mask
-  assert not mask().shared_ids
-  assert mask(q_segment_ids=ids).shared_ids
-  assert mask(q_segment_ids=ids, kv_segment_ids=ids).shared_ids
-  assert not mask(q_segment_ids=ids, kv_segment_ids=jnp.zeros((1, 256), jnp.int32)).shared_ids
-  config = mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_buffers=2,
-                                   fused_delta=True)
-  for shared in (False, True):
-    opts = _opts(True, None, True, shared_ids=shared)
-    assert mb._fuses_delta(config, opts.mask, 4, 2, 1) == shared  # pylint: disable=protected-access
-
-
-@pytest.mark.parametrize("t, semantics", [(1024, "Lane"), (2304, "Warpgroup")])
-def test_causal_documents_with_fused_delta_lower_for_cuda(monkeypatch, t, semantics):
-  """Causal MHA with shared segment ids: the fused Δ's two dQ slots beside the ids, the key
-  ids in dSᵀ's second slot and (per block, 2,304 tokens) the adders counts in the query ids'
-  rows, within the shared memory as Mosaic GPU counts it."""
-  _lower_with(monkeypatch, semantics)
-  opts = _opts(True, None, True, shared_ids=True)
-  config = mb.fit_shared_memory(mb.MosaicBackwardConfig.for_deterministic(
-      128, True, t=t, s=t, segments=True, shared_ids=True), 128, BF16, True)
-  assert config.fused_delta and config.dq_buffers == 2
-  assert mb._kv_seg_in_ds(config, True)  # pylint: disable=protected-access
-  assert mb._ids_with_adders(config, True) == (t > 2048)  # pylint: disable=protected-access
-  assert mb.support_error((2, t, 4, 128), (2, t, 4, 128), BF16, opts, config) is None
-  assert _MOSAIC_CALL.search(_backward_lowered_for_cuda(opts, config, t, t, 4, 128, True))
-
-
 def test_fused_delta_support_errors():
   why = lambda **kw: mb.support_error((1, 256, 4, 128), (1, 256, 4, 128), BF16, _opts(),
                                       mb.MosaicBackwardConfig(**kw))
@@ -1474,11 +1437,10 @@ def test_tuned_backward_configs_serve_their_calls():
     assert mb.support_error((1, 8192, 8, 128), (1, 8192, 2, 128), BF16, _opts(True),
                             long) is None
     assert mb.fit_shared_memory(long, 128, BF16, segments=False) == long
-    # beside segment ids the staggered walk's two dQ slots do not fit, and one does not
-    # stagger; the fused Δ's two fit, the key ids in dSᵀ's second slot (_kv_seg_in_ds)
+    # beside segment ids one dQ slot fits, which does not stagger: the shorter calls' kernel
     assert (mb.fit_shared_memory(long, 128, BF16, segments=True)
-            == dataclasses.replace(long, dq_buffers=1, dq_stagger=False))
-    assert mb.fit_shared_memory(base, 128, BF16, segments=True) == base
+            == dataclasses.replace(mb.fit_shared_memory(base, 128, BF16, segments=True),
+                                   early_softmax=False))
     assert (mb.MosaicBackwardConfig.for_deterministic(128, False, gqa, t=8192)
             == mb.MosaicBackwardConfig.for_deterministic(128, False, gqa))  # causal only
     # a causal window's kernel is the long walks' at any span: staggered, Δ not fused
@@ -1765,14 +1727,6 @@ def test_causal_documents_take_the_causal_sections_from_long_walks(as_on_hopper)
           == backward(long, 8, docs)
           == mb.MosaicBackwardConfig(dq_split=True, dq_ordered=True, dq_rounded_per_block=True,
                                      early_softmax=True))
-  # MHA with the ids queries and keys share, below CAUSAL_DOCUMENTS_QUERIES: the causal
-  # section of short walks, its Δ fused beside the ids
-  shared = _opts(True, None, True, shared_ids=True)
-  assert backward(short, 8, shared) == mb.MosaicBackwardConfig(
-      dq_split=True, dq_ordered=True, dq_buffers=2, fused_delta=True, early_softmax=True,
-      dq_rounded_per_block=True)
-  assert backward(long, 8, shared) == backward(long, 8, docs)
-  assert backward(short, 2, shared) == backward(short, 2, docs)  # GQA: as before
   for d in (64, 256):  # other head dims: the sections without a mask at any length
     assert (mb.MosaicBackwardConfig.for_deterministic(d, True, True, t=long, segments=True)
             == mb.MosaicBackwardConfig.for_deterministic(d, False, True, t=long))
@@ -2129,23 +2083,6 @@ class TestMosaicGpu:
     q, k, v, _, ct = make_problem(jax.random.key(22), 2, 1024, 2048, 8, 2, d, BF16)
     _assert_reproducible_grads(PallasMosaicGpu(backward_config=backward), q, k, v, None, ct,
                                opts)
-
-  @pytest.mark.parametrize("t, docs", [(1024, "equal"), (2304, "random")])
-  def test_causal_documents_fuse_delta_beside_the_ids(self, t, docs):
-    """Deterministic causal MHA calls with segment ids that queries and keys share: Δ
-    computed in the kernel beside the ids (two dQ slots, the key ids in dSᵀ's second slot),
-    dq rounded per add (1,024 tokens) or per query block (2,304); the same bits every call
-    and the reference's gradients, for documents of equal and of random lengths."""
-    q, k, v, _, ct = make_problem(jax.random.key(28), 2, t, t, 4, 4, 128, BF16)
-    ids = (jnp.repeat(jnp.arange(4), t // 4)[None].repeat(2, 0) if docs == "equal" else
-           jnp.sort(jax.random.randint(jax.random.key(29), (2, t), 0, 7), axis=1))
-    opts = _opts(True, None, True, shared_ids=True)
-    st = PallasMosaicGpu()._static(q, k, opts)  # pylint: disable=protected-access
-    assert st.backward.fused_delta and st.backward.dq_buffers == 2
-    assert mb._fuses_delta(st.backward, opts.mask, t // 64, t // 128, 1)  # pylint: disable=protected-access
-    assert st.backward.dq_rounded_per_block == (t > 2048)
-    _assert_reproducible_grads("pallas_mosaic_gpu", q, k, v, (ids, None), ct,
-                               dict(causal=True, segments=True))
 
   def test_long_causal_documents_under_gqa_take_a_cta_per_query_head(self, monkeypatch):
     """The default backward of deterministic causal GQA calls with segment ids from
