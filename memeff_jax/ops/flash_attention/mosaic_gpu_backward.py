@@ -79,8 +79,8 @@ _ADDERS_RING = 2
 _ADDERS_COPY = 32
 # Queries from which a deterministic causal call takes its section's `_long` variant (as a
 # causal window does at any span; long_walk_queries): a key block's walk (up to T / BLOCK_Q
-# steps) is long enough that staggered warpgroups pay more than Δ computed in the kernel (see
-# the tuning table's `_long` sections; beside the fused Δ the stagger gains nothing).
+# steps) is long enough that staggered warpgroups on two dQ slots pay (see the tuning table's
+# `_long` sections); shorter walks run one slot, unstaggered.
 LONG_WALK_QUERIES = 4096
 # Queries from which a causal call with segment ids takes D = 128's causal sections (one CTA
 # per query head under GQA) rather than those without a mask (see for_deterministic).
@@ -210,7 +210,9 @@ class MosaicBackwardConfig:
       last key block first). Other calls (no mask: a rotated walk would wait on key blocks
       launched after it, which slowed the headline's backward by 40%; a window or
       segment ids, T ≠ S, GQA) run the kernel with the pass, as dq_rotate
-      applies only where it can.
+      applies only where it can. No section of the tuning table takes it: beside the pass
+      it measured level, and it keeps the forward's output alive through the kernel, beside
+      the gradients (B·T·Hq·D more temporaries; the design doc's "Determinism").
     dq_heavy_first: (dq_ordered, walks not rotated) the key blocks launch in grid order,
       the first key block (under a causal mask the longest walk) first, as in arrival
       order, rather than last first; the adders keep their order (descending key block),

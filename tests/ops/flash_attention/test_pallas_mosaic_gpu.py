@@ -714,8 +714,8 @@ def test_split_group_fills_the_gpu_where_key_blocks_are_few():
 def test_large_groups_store_shares_of_dk_dv_as_partials(t, hq, hkv):
   """Causal GQA's ordered kernel, one CTA per query head, adds each head's share of dK and
   dV into the outputs in order up to ORDERED_SHARES_MAX_GROUP heads per key head; larger
-  groups store them as partials, one split per query head, with Δ still fused where the
-  section fuses it."""
+  groups store them as partials, one split per query head (where a config fuses Δ, it
+  still does)."""
   config = mb.MosaicBackwardConfig.for_deterministic(128, True, True, t=t, s=t)
   assert config.gqa_per_query_head and config.dq_ordered
   split = mb.split_group(config, 1, hq, hkv, t, True, sms=132)
@@ -1420,27 +1420,26 @@ def test_tuned_backward_configs_serve_their_calls():
   # (causal GQA: one CTA per query head, as without GQA)
   for causal, gqa in ((False, False), (True, False), (False, True), (True, True)):
     ordered = mb.MosaicBackwardConfig.for_deterministic(128, causal, gqa)
-    assert ordered == mb.MosaicBackwardConfig(
-        dq_split=True, dq_ordered=True, dq_buffers=2, dq_rotate=not causal,
-        fused_delta=causal, dq_stagger=not causal, gqa_per_query_head=causal and gqa,
-        early_softmax=causal)
+    assert ordered == mb.MosaicBackwardConfig(  # causal: one dQ slot, Δ by XLA's pass
+        dq_split=True, dq_ordered=True, dq_buffers=1 + (not causal), dq_rotate=not causal,
+        dq_stagger=not causal, gqa_per_query_head=causal and gqa, early_softmax=causal)
     assert mb.support_error((2, 256, 8, 128), (2, 256, 2, 128), BF16, _opts(causal),
                             ordered) is None
   # d128_causal[_gqa]_ordered_long: from LONG_WALK_QUERIES queries, the staggered
-  # warpgroups on the second dQ slot in place of the fused Δ
+  # warpgroups on a second dQ slot in place of early_softmax
   for gqa in (False, True):
     base = mb.MosaicBackwardConfig.for_deterministic(128, True, gqa)
     assert mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=1024) == base
     long = mb.MosaicBackwardConfig.for_deterministic(128, True, gqa, t=mb.LONG_WALK_QUERIES)
-    assert long == dataclasses.replace(base, fused_delta=False, early_softmax=False,
+    assert long == dataclasses.replace(base, dq_buffers=2, early_softmax=False,
                                        dq_stagger=True)
     assert mb.support_error((1, 8192, 8, 128), (1, 8192, 2, 128), BF16, _opts(True),
                             long) is None
     assert mb.fit_shared_memory(long, 128, BF16, segments=False) == long
     # beside segment ids one dQ slot fits, which does not stagger: the shorter calls' kernel
+    assert mb.fit_shared_memory(base, 128, BF16, segments=True) == base
     assert (mb.fit_shared_memory(long, 128, BF16, segments=True)
-            == dataclasses.replace(mb.fit_shared_memory(base, 128, BF16, segments=True),
-                                   early_softmax=False))
+            == dataclasses.replace(base, early_softmax=False))
     assert (mb.MosaicBackwardConfig.for_deterministic(128, False, gqa, t=8192)
             == mb.MosaicBackwardConfig.for_deterministic(128, False, gqa))  # causal only
     # a causal window's kernel is the long walks' at any span: staggered, Δ not fused
@@ -1671,6 +1670,8 @@ def test_rounded_dq_lowers_for_cuda(causal, window, segments, d, t, s, hkv, fuse
   tiles in that dtype, with no float32 dq and no pass after it (T ≠ S leaves no query
   block without an adder here)."""
   config = mb.MosaicBackwardConfig.for_deterministic(d, causal, hkv < 4, t=t, s=s)
+  if fused:  # no section fuses Δ; the kernel still takes it (two dQ slots)
+    config = dataclasses.replace(config, fused_delta=True, dq_buffers=2)
   config = mb.fit_shared_memory(config, d, BF16, segments)
   assert config.dq_rounded
   opts = _opts(causal, window, segments)
@@ -2098,13 +2099,13 @@ class TestMosaicGpu:
 
   @pytest.mark.parametrize("hkv", [4, 1])
   def test_rounded_dq_matches_and_keeps_the_float32_sums_error(self, hkv):
-    """Short deterministic calls add dq in the input dtype (dq_rounded; causal with T = S
-    also with the fused Δ): the same bits every call, and at ROUNDED_DQ_MAX_ADDERS key blocks
-    an error against the float32 reference within 1.4× the float32 sum's."""
+    """Short deterministic calls add dq in the input dtype (dq_rounded): the same bits every
+    call, and at ROUNDED_DQ_MAX_ADDERS key blocks an error against the float32 reference
+    within 1.4× the float32 sum's."""
     t = mb.ROUNDED_DQ_MAX_ADDERS * 2 * mb.BLOCK_KV
     q, k, v, _, ct = make_problem(jax.random.key(26), 1, t, t, 4, hkv, 128, BF16)
     st = PallasMosaicGpu()._static(q, k, _opts(causal=True))  # pylint: disable=protected-access
-    assert st.backward.dq_rounded and st.backward.fused_delta
+    assert st.backward.dq_rounded
     f32_sum = PallasMosaicGpu(backward_config=dataclasses.replace(st.backward, dq_rounded=False))
     step = lambda impl: jax.jit(lambda q, k, v: run(impl, q, k, v, None, ct,
                                                     dict(causal=True))[2])
