@@ -198,28 +198,13 @@ class MosaicBackwardConfig:
       warpgroups take turns issuing their dQ, dV and dK WGMMAs, warpgroup 0 first (in a
       free-running stagger nothing keeps warpgroup 1 from drifting back into lockstep); Sᵀ
       and dPᵀ go out as soon as a warpgroup reaches them, so that each one's softmax runs
-      under the other's dQ, dV, dK and next Sᵀ, dPᵀ. Not with fused_delta.
-    fused_delta: (dq_ordered with dq_split and two dQ slots; causal calls) Δ =
-      rowsum(dO ∘ O) is computed in the kernel, not by an XLA pass over O and dO before it
-      (which reads both from memory again). Under a causal mask with T = S, key block j's walk
-      starts on query blocks 2j and 2j + 1 (its diagonal), which no key block launched before
-      it visits: it loads their O into its two dQ tile slots (free on its first two steps),
-      computes their Δ, stores it into the row statistics in global memory and raises a flag
-      per block; the later key blocks' loads wait for that flag before loading a block's
-      statistics. A wait is only ever on a CTA launched earlier (dq_ordered launches the
-      last key block first). Other calls (no mask: a rotated walk would wait on key blocks
-      launched after it, which slowed the headline's backward by 40%; a window or
-      segment ids, T ≠ S, GQA) run the kernel with the pass, as dq_rotate
-      applies only where it can. No section of the tuning table takes it: beside the pass
-      it measured level, and it keeps the forward's output alive through the kernel, beside
-      the gradients (B·T·Hq·D more temporaries; the design doc's "Determinism").
+      under the other's dQ, dV, dK and next Sᵀ, dPᵀ.
     dq_heavy_first: (dq_ordered, walks not rotated) the key blocks launch in grid order,
       the first key block (under a causal mask the longest walk) first, as in arrival
       order, rather than last first; the adders keep their order (descending key block),
-      so a CTA then waits on ones launched after it (for their dq, and with fused_delta
-      for their Δ), which must find an SM: it applies where a key head has at most
-      ROTATE_MAX_KV CTAs, as dq_rotate does. See the design doc for why the launch order
-      matters under a causal mask.
+      so a CTA then waits on ones launched after it (for their dq), which must find an SM:
+      it applies where a key head has at most ROTATE_MAX_KV CTAs, as dq_rotate does. See the
+      design doc for why the launch order matters under a causal mask.
     dq_rounded: (dq_ordered) dq is added in the input dtype: each key block scales its dQ
       tiles and rounds them before its reduction (the first stores), so there is no float32
       dq beside the outputs (B·T·Hq·D·4 bytes) and no pass over it after the kernel, and
@@ -256,8 +241,7 @@ class MosaicBackwardConfig:
       or fewer). Gemma-2B's MQA backward (B1 T8k H8/1, D = 256) is the call it serves: the
       grid's last key blocks there run alone on the SMs while the rows after the first
       launch. Not with gqa_per_query_head, pingpong, dq_stagger or dq_rounded_per_block
-      (which serves segment ids); without fused_delta (a block's first visitor is no longer
-      the first to launch).
+      (which serves segment ids).
   """
 
   stages: int = 2
@@ -271,7 +255,6 @@ class MosaicBackwardConfig:
   dq_ordered: bool = False
   dq_buffers: int = 1
   dq_rotate: bool = False
-  fused_delta: bool = False
   dq_stagger: bool = False
   dq_heavy_first: bool = False
   dq_rounded: bool = False
@@ -307,8 +290,8 @@ class MosaicBackwardConfig:
       causal = False
     table = _tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")
     suffix = ("_causal" if causal else "") + ("_gqa" if gqa else "") + "_ordered"
-    # A window's Δ does not fuse (_fuses_delta): the `_long` sections' kernel serves it at
-    # any span (the design doc's "Causal windows and long walks").
+    # A causal window runs the `_long` sections' kernel at any span (the design doc's "Causal
+    # windows and long walks").
     window = 0 < seen < (s or seen + 1)
     found = (((t >= long_walk_queries(d) or window) and _section(table, d, suffix + "_long"))
              or _section(table, d, suffix))
@@ -504,14 +487,8 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
             "dq_rounded_per_block")
   if config.dq_rounded and config.dq_rounded_per_block:
     return "dq_rounded (every query block) and dq_rounded_per_block exclude each other"
-  if config.fused_delta and d % 64:
-    return f"fused_delta needs D a multiple of 64, got D={d}"
-  if config.fused_delta and not (config.dq_ordered and config.dq_split
-                                 and config.dq_buffers == 2):
-    return ("fused_delta needs dq_ordered with dq_split and dq_buffers=2 (its O tiles land in "
-            "the two dQ slots)")
-  if config.dq_stagger and not (config.dq_split and config.with_dq and not config.fused_delta):
-    return "dq_stagger needs dq_split (with dq), and not fused_delta"
+  if config.dq_stagger and not (config.dq_split and config.with_dq):
+    return "dq_stagger needs dq_split (with dq)"
   if config.dq_buffers not in (1, 2):
     return f"dq_buffers must be 1 or 2, got {config.dq_buffers}"
   if config.stages < 1:
@@ -524,8 +501,6 @@ def support_error(q_shape, k_shape, dtype, opts: AttentionOptions,
   if config.block_q == 128 and (d > (64 if config.with_dq else 80) or config.column_split):
     return (f"block_q=128 needs D ≤ 64, or 80 without dq (its Sᵀ and dPᵀ tiles beside dK "
             f"and dV fill the registers), got D={d}")
-  if config.fused_delta and config.block_q != BLOCK_Q:
-    return f"fused_delta needs block_q={BLOCK_Q} (two query blocks per key block's diagonal)"
   if t % BLOCK_Q:
     return f"backward needs T a multiple of {BLOCK_Q}, got T={t}"
   if s % config.cta_keys():
@@ -548,11 +523,8 @@ def fit_shared_memory(config: MosaicBackwardConfig, d: int, dtype,
   itemsize = jnp.dtype(dtype).itemsize
   if config.scores_split and segments:
     config = dataclasses.replace(config, scores_split=False)
-  if config.fused_delta and d % 64:  # its O tiles and Δ go by 64-column swizzle groups
-    config = dataclasses.replace(config, fused_delta=False)
   if config.dq_buffers > 1 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
-    # fused_delta's O tiles need both slots; with segment ids it would not apply anyway.
-    config = dataclasses.replace(config, dq_buffers=1, fused_delta=False, dq_stagger=False)
+    config = dataclasses.replace(config, dq_buffers=1, dq_stagger=False)
   if config.stages > 2 and _smem_bytes(config, d, itemsize, segments) > hopper.SMEM_BYTES:
     config = dataclasses.replace(config, stages=2)
   return config
@@ -593,10 +565,9 @@ def _dq_tile_transforms(config: MosaicBackwardConfig, d: int, dtype=jnp.float32)
 
 def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
   """The dQ tile slots in shared memory: float32, or with dq_rounded in the input dtype,
-  each tile in rows 0..block_q of a slot twice as tall (the float32 tile's bytes, so that
-  fused_delta's O lands where it does without). With dq_rounded_per_block or fused_delta a
-  union of views of the same bytes (see _DqViews); each is read only through the view it
-  was written through."""
+  each tile in rows 0..block_q of a slot twice as tall (the float32 tile's bytes). With
+  dq_rounded_per_block a union of both views of the same bytes (see _DqViews); each is read
+  only through the view it was written through."""
   slots, rows, cols = _dq_tile_shape(config, d)
   rounded = plgpu.SMEM((slots, 2 * rows, cols), dtype,
                        transforms=_dq_tile_transforms(config, d, dtype))
@@ -604,29 +575,21 @@ def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
       (slots, rows, cols), jnp.float32, transforms=_dq_tile_transforms(config, d))]
   if config.dq_rounded_per_block:
     views.append(rounded)
-  if config.fused_delta:
-    views.append(plgpu.SMEM((slots, rows, 2 * cols), dtype,
-                            transforms=hopper.swizzled_tiles(128, dtype)))
   return views[0] if len(views) == 1 else plgpu.RefUnion(*views)
 
 
 class _DqViews(NamedTuple):
   """The dQ slots' views: the tiles (float32, or in the input dtype with dq_rounded); with
-  dq_rounded_per_block the rounded tiles of the blocks that take them, as dq_rounded's; with
-  fused_delta a query block's O (BLOCK_Q × D in the input dtype: the bytes of one float32
-  dQ tile of dq_split), which the walk's first two steps hold before their dQ tiles are
-  written."""
+  dq_rounded_per_block the rounded tiles of the blocks that take them, as dq_rounded's."""
   tiles: Any
   rounded: Any = None
-  o: Any = None
 
   @classmethod
   def of(cls, config: MosaicBackwardConfig, scratch) -> "_DqViews":
-    if not (config.dq_rounded_per_block or config.fused_delta):
+    if not config.dq_rounded_per_block:
       return cls(scratch)
-    tiles, *rest = scratch
-    rounded = rest.pop(0) if config.dq_rounded_per_block else None
-    return cls(tiles, rounded, rest[0] if config.fused_delta else None)
+    tiles, rounded = scratch
+    return cls(tiles, rounded)
 
 
 def _operand_swizzle(block_q: int, d: int, half: int | None = None) -> int:
@@ -777,22 +740,9 @@ def _rotation(kv, n_kv: int, n_q: int):
   return lax.rem(kv * max(n_q // n_kv, 1), jnp.int32(n_q))
 
 
-# fused_delta's kernel, and 128-query steps with two dQ slots, fit in shared memory only
-# without the reduction scratch.
+# 128-query steps with two dQ slots fit in shared memory only without the reduction scratch.
 _SCRATCH_PARAM = plgpu is not None and "reduction_scratch_bytes" in {
     f.name for f in dataclasses.fields(plgpu.CompilerParams)}
-
-
-def _fuses_delta(config: MosaicBackwardConfig, mask: MaskSpec, n_q: int, n_kv: int,
-                 group: int) -> bool:
-  """Whether config.fused_delta applies to the call: every query block's first visitor is
-  the key block whose walk starts on it (causal walks start on the diagonal, block 2j, where
-  n_q = 2·n_kv), launched before the others, and each key block walks one query head.
-  dq_rotate's walks (no mask) never qualify: each key block there visits blocks whose first
-  visitor launches after it."""
-  one_head = group == 1 or config.gqa_per_query_head or config.group_splits >= group
-  return (config.fused_delta and _SCRATCH_PARAM and one_head and n_q == 2 * n_kv
-          and mask.is_causal)
 
 
 def _reduction_ranks(mask: MaskSpec, batch: int, n_kv: int, cta_keys: int, n_q: int, bq: int,
@@ -874,8 +824,9 @@ class _Item(NamedTuple):
 class _Scratch(NamedTuple):
   """The kernel's shared memory and barriers, allocated in this order (a field the call does
   not use is None). Shared memory: K and V (the CTA's keys), the Q, dO and row-statistics
-  ring of `stages` slots, the dSᵀ slots, the float32 dQ tile slots (with fused_delta a
-  (float32, input-dtype) pair of views of the same bytes, see _dq_scratch)."""
+  ring of `stages` slots, the dSᵀ slots, the float32 dQ tile slots (with
+  dq_rounded_per_block a (float32, input-dtype) pair of views of the same bytes, see
+  _dq_scratch)."""
   k_smem: Any
   v_smem: Any
   q_smem: Any
@@ -900,8 +851,6 @@ class _Scratch(NamedTuple):
   adders_ready: Any = None
   dq_full: Any = None  # dq_ordered, per dQ slot, 2 arrivals: both warpgroups' tiles written
   dq_free: Any = None  # ... per dQ slot: read by their reductions
-  o_ready: Any = None  # fused_delta, per slot: O landed in the dQ slot
-  delta_ready: Any = None  # ... warpgroup 0 has written the block's Δ
   ds_free: Any = None  # dq_stagger, per dSᵀ slot, 2 arrivals: both dQs reading it are done
   lead: Any = None  # ... warpgroup 0's first scores are done: warpgroup 1 may start
   turns: Any = None  # ... per warpgroup: its turn at the dQ, dV and dK WGMMAs
@@ -909,7 +858,7 @@ class _Scratch(NamedTuple):
   kv_free: Any = None  # dq_paired, 2 arrivals: both compute warpgroups are done with K and V
 
   @classmethod
-  def shapes(cls, config: MosaicBackwardConfig, d: int, dtype, segments: bool, fused: bool,
+  def shapes(cls, config: MosaicBackwardConfig, d: int, dtype, segments: bool,
              paired: bool = False):
     """The _Scratch of allocation types for pl.run_scoped."""
     bq, stages, keys = config.block_q, config.stages, config.cta_keys()
@@ -932,8 +881,6 @@ class _Scratch(NamedTuple):
     if config.dq_ordered:
       optional.update(dq_full=barrier(**pair, num_barriers=config.dq_buffers),
                       dq_free=barrier(num_barriers=config.dq_buffers))
-    if fused:
-      optional.update(o_ready=barrier(num_barriers=2), delta_ready=barrier())
     if config.dq_stagger:
       optional.update(ds_free=barrier(**pair, num_barriers=2), lead=barrier(),
                       turns=barrier(num_barriers=2))
@@ -961,17 +908,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                      dq_ref, dk_ref, dv_ref, sc: _Scratch, *,
                      config: MosaicBackwardConfig, mask: MaskSpec, scale: float,
                      softcap: float | None, group: int, rotate: bool, lengths: tuple[int, int],
-                     heavy_first: bool = False, order=None, delta=None, per_block=None,
-                     work=None):
+                     heavy_first: bool = False, order=None, per_block=None, work=None):
   """`group` query heads per key head; with config.gqa_per_query_head, grid axis "h" is the
   query head and dk_ref/dv_ref are float32 [B, S, Hkv, D] accumulators (arrival order) or
   the outputs (dq_ordered), else "h" is the key head. zero_ref: int32 zeros (see key_tiles).
   sc: the shared memory and barriers. order: with config.dq_ordered, the _reduction_ranks
   table and the [B · Hq · n_q] counters the reductions wait on (with gqa_per_query_head
   also [B · Hkv · n_kv · 2] counters, per key block and warpgroup, that dK and dV's adds
-  wait on). delta: where the call fuses Δ (_fuses_delta), the forward's output O,
-  the [B · Hq · n_q] flags that a query block's Δ is in stats_ref, and the dQ tile slots'
-  view in the input dtype. per_block: with config.dq_rounded_per_block, _reduction_ranks'
+  wait on). per_block: with config.dq_rounded_per_block, _reduction_ranks'
   adders per query block (_adders_table), the float32 sums that the blocks with more than
   ROUNDED_DQ_MAX_ADDERS take (dq_ref then takes the rounded ones), and the dQ slots' view
   of rounded tiles. work: with dq_paired, the _PairedDeal (the rank table is then
@@ -1051,7 +995,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
   def block_index(it, head, qb):
     """Query block qb of `head` in the item's batch row, as an index into the
-    [B · Hq · n_q] semaphores (dq_ordered's counters, fused_delta's flags)."""
+    [B · Hq · n_q] semaphores (dq_ordered's counters)."""
     return (it.b * q_ref.shape[2] + head) * n_q + qb
 
   def step_block(it, i):
@@ -1156,47 +1100,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
       return pl.run_scoped(mm, plgpu.ACC((bq, half), jnp.float32))
 
-    def owns(i):
-      """fused_delta: whether step i visits its query block first (the walk's first two)."""
-      return i < 2
-
-    def own_delta(it, i, slot, qb, do_tile):
-      """fused_delta, on a step that visits its query block first: warpgroup 0 computes the
-      block's Δ = rowsum(dO ∘ O) + stats (−d_lse), 64 columns at a time, writes it over the
-      statistics' Δ row for both warpgroups and stores it into the statistics in global
-      memory (publish_delta raises the block's flag once it has landed)."""
-      o_tiles = delta[2]
-
-      @pl.when(owns(i) & (wg == 0))
-      def _():
-        plgpu.barrier_wait(sc.o_ready.at[i])
-        total = None
-        for c in range(d // 64):
-          cols = pl.ds(c * 64, 64)
-          o = hopper.load(o_tiles.at[2 * i, :, cols], plgpu.Layout.WGMMA)
-          g = hopper.load(do_tile.at[:, cols], plgpu.Layout.WGMMA)
-          part = (o.astype(jnp.float32) * g.astype(jnp.float32)).sum(axis=1)
-          total = part if total is None else total + part
-        row = sc.stats_smem.at[slot, 1]
-        row[...] = total + hopper.load(row, plgpu.Layout.WGMMA.reduce(1))
-        plgpu.commit_smem()
-        head = step_block(it, i)[0]
-        plgpu.copy_smem_to_gmem(row, stats_ref.at[it.b, head, 1, pl.ds(qb * bq, bq)])
-        plgpu.barrier_arrive(sc.delta_ready)
-
-    def publish_delta(it, i):
-      """fused_delta, at the end of a step that computed Δ (before it frees the statistics'
-      slot, which the store reads): once warpgroup 0's store has landed, the block's flag.
-      Raised any earlier (right after the step's first WGMMAs, waiting there for the store to
-      land; or by a warp of the memory warpgroup) the causal headline's fwd+bwd took as long
-      as with the pass, where raised here it took 1.3–1.7% less."""
-      @pl.when(owns(i) & (wg == 0))
-      def _():
-        plgpu.wait_smem_to_gmem(0)
-        head, qb = step_block(it, i)
-        plgpu.semaphore_signal(delta[1].at[block_index(it, head, qb)], 1,
-                               memory_scope="gpu")
-
     def run_item(it: _Item, base):
       """The item's steps (global steps base, base + 1, ...), then its dK and dV."""
       my_key = it.kvi * cta_keys + key_row
@@ -1249,15 +1152,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
                                 dq_ref.at[it.b, pl.ds(qb * bq, bq), head, cols],
                                 reduction_op="add")
 
-      def end_step(i, slot, publish):
-        """After step i's last WGMMA on Q and dO: the Δ flag it owes (fused_delta), then
-        its Q/dO slot released to the memory warpgroup."""
-        if publish:
-          publish_delta(it, i)
+      def end_step(slot):
+        """After a step's last WGMMA on Q and dO: its Q/dO slot released to the memory
+        warpgroup."""
         plgpu.barrier_arrive(sc.do_free.at[slot])
         plgpu.barrier_arrive(sc.q_free.at[slot])
 
-      def split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish):
+      def split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv):
         """The rest of dq_split's step i after Pᵀ and dSᵀ: dSᵀ exchanged through
         shared memory, then dQ, dV and dK issued together, and dQ stored and sent to its
         reduction while dV and dK run. k_cols: K's columns of this warpgroup's half of dQ."""
@@ -1286,11 +1187,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, half))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
-        end_step(i, slot, publish)
+        end_step(slot)
         return dk, dv
 
-      def split_cols_grads(i, gi, slot, q_tile, do_tile, k_step, pt, dst, ds_buf, dk, dv,
-                           publish):
+      def split_cols_grads(i, gi, slot, q_tile, do_tile, k_step, pt, dst, ds_buf, dk, dv):
         """The rest of column_split's step i after Pᵀ and dSᵀ: dQ, dV and dK issued together
         on this warpgroup's columns, dQ first, so that its store (and, with dq_ordered, the
         wait for a free dQ slot) runs under dV and dK rather than after them."""
@@ -1308,7 +1208,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         _, dv, dk = pl.run_state(grads)((plgpu.ACC.init(zeros((bq, oc))), plgpu.ACC.init(dv),
                                          plgpu.ACC.init(dk)))
-        end_step(i, slot, publish)
+        end_step(slot)
         take_turn()  # pingpong: a step's second turn, as when dQ was issued on its own
         return dk, dv
 
@@ -1326,12 +1226,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         plgpu.barrier_wait(sc.q_ready.at[slot])
         plgpu.barrier_wait(sc.do_ready.at[slot])
         plgpu.barrier_wait(sc.stats_ready.at[slot])
-        fused = delta is not None and (masked or mask.is_dense)  # causal: first visits mask
-        # The flag's code goes into every loop body: only in the masked steps' (where it
-        # runs), the ptxas report and the times were the same.
-        publish = delta is not None
-        if fused:
-          own_delta(it, i, slot, qb, do_tile)
 
         # scores_split: this warpgroup's half of the step's queries (columns of Sᵀ)
         nq = bq // 2 if config.scores_split else bq
@@ -1376,12 +1270,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
         if not config.early_softmax:
           pt, p_ds = probabilities(st)
         pt = pt.astype(dtype)  # dV's operand
-        if fused:  # warpgroup 0 wrote this step's Δ (own_delta)
-          pl.when(owns(i) & (wg == 1))(lambda: plgpu.barrier_wait(sc.delta_ready))
         row_delta = hopper.load(sc.stats_smem.at[slot, 1, qs], col_layout)
         dst = (p_ds * (dpt - lax.broadcast_in_dim(row_delta, dpt.shape, [1]))).astype(dtype)
         if config.dq_split:
-          return split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv, publish)
+          return split_grads(i, gi, slot, q_tile, do_tile, k_cols, pt, dst, dk, dv)
         ds_buf = None
         if config.scores_split:  # the halves meet in the step's Pᵀ and dSᵀ slots
           b = hopper.rem(gi, 2)
@@ -1393,7 +1285,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
 
         if split and config.with_dq:
           return split_cols_grads(i, gi, slot, q_tile, do_tile, k_step, pt, dst, ds_buf,
-                                  dk, dv, publish)
+                                  dk, dv)
 
         def grads(refs):
           dv_ref, dk_ref = refs
@@ -1402,7 +1294,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
           take_turn()
 
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-        end_step(i, slot, publish)
+        end_step(slot)
         if not config.with_dq:
           return dk, dv
 
@@ -1515,26 +1407,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, seg_refs,
       plgpu.copy_gmem_to_smem(do_ref.at[it.b, rows, head], sc.do_smem.at[slot],
                               sc.do_ready.at[slot])
 
-      def stats():
-        plgpu.copy_gmem_to_smem(stats_ref.at[it.b, head, :, rows], sc.stats_smem.at[slot],
-                                sc.stats_ready.at[slot])
-
-      if delta is None:
-        stats()
-      else:  # fused_delta: a first visit loads O, the others wait for the visitor's Δ
-        out_ref, flags, o_tiles = delta
-
-        @pl.when(i < 2)
-        def _():
-          plgpu.copy_gmem_to_smem(out_ref.at[it.b, rows, head], o_tiles.at[2 * i],
-                                  sc.o_ready.at[i])
-          stats()
-
-        @pl.when(i >= 2)
-        def _():
-          plgpu.semaphore_wait(flags.at[block_index(it, head, qb)], 1,
-                               decrement=False, memory_scope="gpu")
-          stats()
+      plgpu.copy_gmem_to_smem(stats_ref.at[it.b, head, :, rows], sc.stats_smem.at[slot],
+                              sc.stats_ready.at[slot])
       if segments:
         plgpu.copy_gmem_to_smem(seg_refs[0].at[it.b, pl.ds(qb * bq, _seg_len(bq))],
                                 sc.q_seg.at[slot], sc.q_seg_ready.at[slot])
@@ -1703,14 +1577,9 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   paired = _paired_splits(config, mask, b, hq, hkv, t, s, hopper.sm_count())
   if paired is not None:
     config = dataclasses.replace(config, group_splits=paired)
-  fused = (stats is None and paired is None
-           and _fuses_delta(config, mask, n_q, n_kv, hq // hkv))
-  if fused:  # the kernel adds rowsum(dO ∘ O) to −d_lse in place (fused_delta)
-    stats = jax.new_ref(_mosaic.stats_to(row_stats(opts, res, -d_lse), t))
-  else:
-    if stats is None:
-      stats = row_stats(opts, res, _common.softmax_delta(res.out, d_out, d_lse))
-    stats = _mosaic.stats_to(stats, t)
+  if stats is None:
+    stats = row_stats(opts, res, _common.softmax_delta(res.out, d_out, d_lse))
+  stats = _mosaic.stats_to(stats, t)
   if mask.segments:
     q_seg, kv_seg = res.q_segment_ids, res.kv_segment_ids
     # Query blocks reaching past T take the last id there: they add nothing (zero rows),
@@ -1756,9 +1625,6 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
   elif config.with_dq:
     dq_acc = (jax.new_ref(jnp.zeros(q.shape, jnp.float32)),)
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, zero_ref, *refs):
-    out_ref = None
-    if fused:  # the forward's output, for Δ
-      out_ref, *refs = refs
     tables = ()
     if config.dq_ordered:  # the rank table (with dq_rounded_per_block the adders' too)
       tables, refs = refs[:len(rank_args)], refs[len(rank_args):]
@@ -1772,9 +1638,7 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
     def kernel(sc: _Scratch):
       views = _DqViews.of(config, sc.dq_smem)
       sc = sc._replace(dq_smem=views.tiles)
-      delta = per_block = None
-      if fused:  # O's view of the dQ slots, and the flags that a block's Δ is stored
-        delta = (out_ref, pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,))), views.o)
+      per_block = None
       if config.dq_rounded_per_block:
         per_block = (tables[1], sums_ref, views.rounded)
       order = None
@@ -1786,10 +1650,10 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
                        dq_ref, dk_ref, dv_ref, sc, config=config, mask=mask,
                        scale=opts.scale, softcap=opts.logit_softcap, group=hq // hkv,
                        rotate=rotate, heavy_first=_heavy_first(config, mask, n_kv),
-                       order=order, delta=delta, per_block=per_block, lengths=(t, s),
+                       order=order, per_block=per_block, lengths=(t, s),
                        work=None if paired is None else deal)
 
-    pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments, fused,
+    pl.run_scoped(kernel, _Scratch.shapes(config, d, q.dtype, mask.segments,
                                           paired is not None),
                   collective_axes="wg")
 
@@ -1799,16 +1663,15 @@ def backward(opts: AttentionOptions, config: MosaicBackwardConfig, res: _common.
       mesh=plgpu.Mesh(grid=(b, grid_heads, n_kv) if paired is None else (ctas,),
                       grid_names=("b", "h", "kv") if paired is None else ("cta",),
                       num_threads=3, thread_name="wg"),
-      # No step reduces across warps (fused_delta's row sums stay within them): no
-      # shared-memory scratch for reductions (Mosaic GPU reserves 2 KiB otherwise, which two
-      # dQ slots, scores_split's Pᵀ slots, or two dQ slots beside 128-query steps leave no
-      # room for).
+      # No step reduces across warps: no shared-memory scratch for reductions (Mosaic GPU
+      # reserves 2 KiB otherwise, which scores_split's Pᵀ slots or two dQ slots beside
+      # 128-query steps leave no room for).
       compiler_params=plgpu.CompilerParams(approx_math=True, **(
           {"reduction_scratch_bytes": 0} if _SCRATCH_PARAM else {})),
       cost_estimate=_common.cost_estimate(opts, q, k, 5 if config.with_dq else 4),
       name="flash_attention_bwd_mosaic",
-  )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *((res.out,) if fused else ()),
-    *rank_args, *seg_args, *dq_acc, *dkv_acc)
+  )(q, k, v, d_out, stats, jnp.zeros((1,), jnp.int32), *rank_args, *seg_args, *dq_acc,
+    *dkv_acc)
   dq = None
   if config.dq_rounded_per_block:
     dq, sums, *outs = outs
