@@ -3,6 +3,7 @@
 # and jax with CUDA:
 #
 #   bash benchmarks/gpu.sh tests                          # every `gpu`-marked test
+#   bash benchmarks/gpu.sh tests:1/3                      # the first of three parts of them
 #   bash benchmarks/gpu.sh attention:headline lce:llama3-8b train
 #
 # Parts run in the order given: `tests` (8 pytest-xdist workers per GPU, then the mesh tests
@@ -28,7 +29,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case $part in
-    tests)  # the workers spread over the GPUs; then the mesh tests, every GPU in one process.
+    tests|tests:*)  # the workers spread over the GPUs; then the mesh tests, every GPU in one
+      # process. tests:K/N runs the K-th of N interleaved parts of each (pytest --shard).
+      SHARD=(); [ "$part" = tests ] || SHARD=(--shard "${part#tests:}")
       # No XLA autotuning: the suite is compile-bound (up to 5 min a test with it, under 1
       # without). Set for the tests alone: under it XLA's GEMMs in the benchmarks after them
       # ran many times slower (the loss's floor at Llama-3-8B: 1,386 against 78 ms, H200).
@@ -36,10 +39,10 @@ for part in "$@"; do
       TEST_XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
       XLA_FLAGS=$TEST_XLA_FLAGS MEMEFF_TEST_GPUS=$GPUS python3 -m pytest -q -m gpu tests \
         -n "${WORKERS:-$((8 * GPUS))}" -p no:cacheprovider -p no:benchmark \
-        --ignore tests/ops/test_meshes_gpu.py --durations 15
+        --ignore tests/ops/test_meshes_gpu.py --durations 15 "${SHARD[@]}"
       if [ "$GPUS" -gt 1 ]; then
         XLA_FLAGS=$TEST_XLA_FLAGS NCCL_NVLS_ENABLE=0 python3 -m pytest -q \
-          tests/ops/test_meshes_gpu.py -p no:cacheprovider
+          tests/ops/test_meshes_gpu.py -p no:cacheprovider "${SHARD[@]}"
       fi ;;
     attention:*) python3 benchmarks/flash_attention.py --set "${part#*:}" --rounds "$ROUNDS" \
         ${ATTENTION_PROVIDERS:+--providers "$ATTENTION_PROVIDERS"} \
@@ -54,7 +57,8 @@ for part in "$@"; do
     # A loss call's time varies by 3% between rounds: scaling takes at least 7 of them.
     scaling) NCCL_NVLS_ENABLE=0 python3 benchmarks/scaling.py \
         --rounds "$((ROUNDS > 7 ? ROUNDS : 7))" --out "$RESULTS/scaling.jsonl" ;;
-    *) echo "unknown part: $part (tests, attention:SET, lce:SET, train[:MESH], bridge, scaling)"
+    *) echo "unknown part: $part (tests[:K/N], attention:SET, lce:SET, train[:MESH], bridge," \
+         "scaling)"
        exit 2 ;;
   esac
 done

@@ -2,7 +2,8 @@
 that the README's `pytest -n 2` workers (pytest-xdist) can share one GPU; with
 MEMEFF_TEST_GPUS=n, xdist worker i sees GPU i mod n only (benchmarks/gpu.sh spreads the
 workers over the host's GPUs so); eight CPU devices for meshes; fast-compiling XLA
-flags; a compilation cache per run on CPU; tuning tables of a test's own (`tuning_tables`)."""
+flags; a compilation cache per run on CPU; tuning tables of a test's own (`tuning_tables`);
+`--shard K/N` to run a suite in parts (where one command may run only so long)."""
 
 import os
 
@@ -52,8 +53,30 @@ def _compilation_cache(tmp_path_factory):
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+      "--shard", default=None, metavar="K/N",
+      help="run only the K-th (1-based) of N interleaved parts of the collected tests: every "
+           "N-th test from the K-th on, so that each part takes a share of every class")
+
+
+def _shard(value: str) -> tuple[int, int]:
+  try:
+    k, n = (int(part) for part in value.split("/"))
+  except ValueError:
+    k = n = 0
+  if not 1 <= k <= n:
+    raise pytest.UsageError(f"--shard {value!r}: expected K/N with 1 <= K <= N, e.g. 2/3")
+  return k, n
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs: even parts
 def pytest_collection_modifyitems(config, items):
-  del config
+  if (value := config.getoption("shard")) is not None:
+    k, n = _shard(value)
+    kept = items[k - 1::n]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k - 1])
+    items[:] = kept
   if _has_gpu():
     return
   skip = pytest.mark.skip(reason="needs a GPU")
