@@ -25,7 +25,8 @@ from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
 from memeff_jax.ops.linear_cross_entropy._vocab_parallel import VocabShards
 
-# float32 logits + float32 G + G in the compute dtype, per logit element.
+# The chunk's temporaries per logit at most, as the compiled program holds them: float32
+# logits and G, with G in x's dtype beside them or a logit softcap's factor (a tested bound).
 _BYTES_PER_LOGIT = 12
 _MIN_TOKEN_CHUNK = 16
 # The chunks' temporaries aim at no more than this share of the full float32 logits (N·V·4
@@ -94,6 +95,12 @@ class XlaChunkBackend:
     del w
     return jnp.float32
 
+  @property
+  def _columns(self):
+    """block_stats' options here: the blocks tile the vocabulary exactly (no padding
+    columns), and Σ ẑ is wanted only under label smoothing."""
+    return {"padded": False, "logit_sum": bool(self.opts.label_smoothing)}
+
   def _capped_logits(self, x_c, w, bias, start, size):
     layout = self.opts.weight_layout
     w_blk = w if size == self.opts.vocab_size else _common.vocab_slice(w, start, size, layout)
@@ -105,7 +112,7 @@ class XlaChunkBackend:
   def _block_stats(self, x_c, w, bias, labels_c, start, size):
     zc = self._capped_logits(x_c, w, bias, start, size)
     cols = start + jnp.arange(size, dtype=jnp.int32)
-    return _common.block_stats(zc, cols, labels_c, self.opts.vocab_size)
+    return _common.block_stats(zc, cols, labels_c, self.opts.vocab_size, **self._columns)
 
   def stats(self, x_c, w, bias, labels_c) -> Stats:
     vocab = self.opts.vocab_size
@@ -133,7 +140,8 @@ class XlaChunkBackend:
     reuse = single and lse_c is None
     if reuse:
       zc = self._capped_logits(x_c, w, bias, 0, vocab)
-      m, s, y, t = _common.block_stats(zc, jnp.arange(vocab, dtype=jnp.int32), labels_c, vocab)
+      m, s, y, t = _common.block_stats(zc, jnp.arange(vocab, dtype=jnp.int32), labels_c, vocab,
+                                       **self._columns)
       stats = Stats(m + jnp.log(s), y, t)
     elif lse_c is None:
       stats = self.stats(x_c, w, bias, labels_c)
@@ -148,7 +156,7 @@ class XlaChunkBackend:
       zc_blk = zc if reuse else self._capped_logits(x_c, w, bias, start, size)
       w_blk = w if single else _common.vocab_slice(w, start, size, layout)
       cols = start + jnp.arange(size, dtype=jnp.int32)
-      g = _common.block_grad(zc_blk, cols, labels_c, stats.lse, a_c, e_c, opts)
+      g = _common.block_grad(zc_blk, cols, labels_c, stats.lse, a_c, e_c, opts, padded=False)
       g_lo = g.astype(x_c.dtype)  # tensor-core operand; products accumulate in float32
       if need_dx:
         dx_c = dx_c + _common.dx_dot(g_lo, w_blk, layout, jnp.float32)

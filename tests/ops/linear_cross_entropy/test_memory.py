@@ -49,7 +49,8 @@ def test_chunked_xla_holds_under_ten_percent_of_the_logits():
 def test_chunks_are_sized_from_the_logits_they_replace(n, v):
   """The default chunk holds 1/20 of the problem's own float32 logits, or 256 tokens' where
   that is more (within memory_budget_bytes), not a fixed token count: the temporaries are
-  the chunk's 12 bytes per logit (float32 logits and G, G in x's dtype), its largest buffer
+  within the chunk's 12 bytes per logit (float32 logits and G, and G in x's dtype or a
+  softcap's factor; test_chunk_temporaries_per_option), its largest buffer
   one float32 [chunk, V], and from 15,360 tokens on they are under a tenth of the logits."""
   x, w, y = _shapes(n, 64, v, jnp.float32)
   logits_bytes = n * v * 4
@@ -66,6 +67,25 @@ def test_chunks_are_sized_from_the_logits_they_replace(n, v):
   # Every buffer but those of dW's [D, V] shape (the gradient's own size) is chunk-sized.
   chunked = [b for b in report.buffers if tuple(b.shape) != (64, v)]
   assert max(b.nbytes for b in chunked) <= tokens * cols * 4
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunk_temporaries_per_option(dtype):
+  """Every option stays within the plan's 12 bytes per chunk logit; without a softcap the
+  chunk holds 8 (float32 logits and G): no masked copy of the logits, whose blocks never
+  hold padding columns, and no Σẑ pass without label smoothing."""
+  n, d, v = 4096, 64, 50257
+  x, w, y = _shapes(n, d, v, dtype)
+  tokens, cols = ChunkedXla().plan(n, v, None)
+  per_logit = {}
+  for name, options in [("plain", {}), ("label_smoothing", {"label_smoothing": 0.1}),
+                        ("z_loss", {"z_loss": 1e-4}), ("logit_softcap", {"logit_softcap": 30.0})]:
+    temp = _temp_bytes(lambda x, w, y: memeff_jax.linear_cross_entropy(
+        x, w, y, implementation="chunked_xla", **options), x, w, y)
+    per_logit[name] = (temp - d * v * 4) / (tokens * cols)  # less the float32 dW
+  # (+ 1%: the [N] statistics and the like)
+  assert max(per_logit.values()) <= 12 * 1.01, per_logit
+  assert max(per_logit[k] for k in ("plain", "label_smoothing", "z_loss")) <= 8 * 1.01, per_logit
 
 
 def test_mean_loss_without_aux_holds_no_per_token_statistics():
