@@ -571,11 +571,9 @@ def _dq_scratch(config: MosaicBackwardConfig, d: int, dtype):
   slots, rows, cols = _dq_tile_shape(config, d)
   rounded = plgpu.SMEM((slots, 2 * rows, cols), dtype,
                        transforms=_dq_tile_transforms(config, d, dtype))
-  views = [rounded if config.dq_rounded else plgpu.SMEM(
-      (slots, rows, cols), jnp.float32, transforms=_dq_tile_transforms(config, d))]
-  if config.dq_rounded_per_block:
-    views.append(rounded)
-  return views[0] if len(views) == 1 else plgpu.RefUnion(*views)
+  tiles = rounded if config.dq_rounded else plgpu.SMEM(
+      (slots, rows, cols), jnp.float32, transforms=_dq_tile_transforms(config, d))
+  return plgpu.RefUnion(tiles, rounded) if config.dq_rounded_per_block else tiles
 
 
 class _DqViews(NamedTuple):
@@ -586,10 +584,7 @@ class _DqViews(NamedTuple):
 
   @classmethod
   def of(cls, config: MosaicBackwardConfig, scratch) -> "_DqViews":
-    if not config.dq_rounded_per_block:
-      return cls(scratch)
-    tiles, rounded = scratch
-    return cls(tiles, rounded)
+    return cls(*scratch) if config.dq_rounded_per_block else cls(scratch)
 
 
 def _operand_swizzle(block_q: int, d: int, half: int | None = None) -> int:
