@@ -1,5 +1,6 @@
 """Linear cross-entropy on NVIDIA GPUs: on Hopper, Mosaic GPU GEMMs with the softmax folded
-into their epilogues; elsewhere, cuBLAS GEMMs around a Pallas Triton softmax kernel.
+into their epilogues; elsewhere, cuBLAS GEMMs around a Pallas Triton softmax kernel (in XLA,
+xla_softmax, where JAX no longer has Pallas Triton).
 
 Per token chunk (see _chunked for the loop and the custom_vjp), the loss and its gradients
 cost the three matmuls they cannot avoid. On Hopper with bfloat16 inputs (the default,
@@ -42,6 +43,7 @@ from memeff_jax.ops import _dispatch
 from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy import triton_softmax
+from memeff_jax.ops.linear_cross_entropy import xla_softmax
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions, Stats
 from memeff_jax.ops.linear_cross_entropy._vocab_parallel import VocabShards
 
@@ -79,7 +81,8 @@ def tuned_gemm_config(key: str, layout: str, k: int, output: tuple[int, int] | N
 
 @dataclasses.dataclass(frozen=True)
 class PallasMosaicGpu:
-  """Chunked implementation whose per-chunk softmax pass is a Pallas GPU kernel.
+  """Chunked implementation whose per-chunk softmax pass is a Pallas Triton kernel (XLA's
+  where JAX has no Pallas Triton), around Mosaic GPU or cuBLAS GEMMs.
 
   Attributes:
     memory_budget_bytes: bytes for the chunk's logits/G buffer and its rows' partial sums
@@ -96,7 +99,9 @@ class PallasMosaicGpu:
       default): "float32" where a 16-bit dW would be rounded more than the tuning table's
       `max_rounded_chunks` times (its error grows with the roundings), else "tma_add" where
       the dW GEMM is Mosaic's, else "weight".
-    kernel: tile config; None looks up configs/tuning for the device, else the default.
+    kernel: the softmax pass's tiles (triton_softmax's Pallas Triton kernel); None looks
+      up configs/tuning for the device. Where JAX has no Pallas Triton (it deprecates that
+      backend) the pass runs in XLA (xla_softmax), and a kernel given raises Unsupported.
     vocab_multiple: pad the vocabulary of W (with zero columns) to a multiple of this, so
       that GEMM rows are 16-byte aligned (V = 50,257 otherwise leaves cuBLAS on slow
       kernels). Costs a copy of W when V is not already a multiple.
@@ -291,15 +296,12 @@ class PallasMosaicGpu:
 
   def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None,
                vocab: VocabShards | None = None):
-    if triton_softmax.plgpu is None:
-      raise _dispatch.Unsupported("jax.experimental.pallas.triton is not importable")
     if not self.interpret and not hopper.on_nvidia_gpu():
       raise _dispatch.Unsupported(
           f"pallas_mosaic_gpu needs a GPU, an NVIDIA one (default device: "
           f"{jax.devices()[0].device_kind}); PallasMosaicGpu(interpret=True) runs the kernel in "
           "the Pallas interpreter")
-    kernel = self.kernel or triton_softmax.SoftmaxKernelConfig(**_tuning.lookup(
-        "linear_cross_entropy", "triton_softmax", fields=triton_softmax.SoftmaxKernelConfig))
+    kernel = self._softmax_kernel()
     whole, opts = opts, opts if vocab is None else vocab.options(opts, weight)
     pad = -opts.vocab_size % self.vocab_multiple
     rows = x.shape[0]
@@ -345,6 +347,18 @@ class PallasMosaicGpu:
     static = _chunked.Static(backend, whole, tokens, vocab, tail)
     return _chunked.chunked_loss(static, x, weight, bias, labels, valid)
 
+  def _softmax_kernel(self) -> triton_softmax.SoftmaxKernelConfig | None:
+    """The Triton softmax pass's tiles; None where this JAX has no Pallas Triton."""
+    if triton_softmax.plgpu is None:
+      if self.kernel is not None:
+        raise _dispatch.Unsupported(
+            f"kernel={self.kernel} configures the Pallas Triton softmax pass, and "
+            "jax.experimental.pallas.triton is not importable (leave kernel=None: the pass "
+            "then runs in XLA)")
+      return None
+    return self.kernel or triton_softmax.SoftmaxKernelConfig(**_tuning.lookup(
+        "linear_cross_entropy", "triton_softmax", fields=triton_softmax.SoftmaxKernelConfig))
+
   def _chunk_backend(self, shapes: tuple, opts: LossOptions, kernel, wanted: bool
                      ) -> ChunkBackend:
     """The ChunkBackend of chunks of shapes[0] tokens (`shapes` as gemm_configs takes
@@ -383,7 +397,7 @@ class ChunkBackend:
   implementation = "pallas_mosaic_gpu"  # its name in errors (a class attribute, not a field)
 
   opts: LossOptions
-  kernel: triton_softmax.SoftmaxKernelConfig
+  kernel: triton_softmax.SoftmaxKernelConfig | None  # None: the softmax pass in XLA
   interpret: bool
   dw_accumulation: str
   gemms: tuple[tuple[str, mosaic_gemm.GemmConfig], ...] = ()  # those on kernels.mosaic_gemm
@@ -431,7 +445,10 @@ class ChunkBackend:
     return z
 
   def _softmax(self, z, labels_c, *args, **kwargs):
-    """triton_softmax.softmax_pass over the chunk's logits with this backend's settings."""
+    """The softmax pass over the chunk's logits: triton_softmax's kernel with this backend's
+    settings, or XLA's (xla_softmax) where this JAX has no Pallas Triton (kernel None)."""
+    if self.kernel is None:
+      return xla_softmax.softmax_pass(z, labels_c, *args, opts=self.opts, **kwargs)
     return triton_softmax.softmax_pass(z, labels_c, *args, opts=self.opts, config=self.kernel,
                                        interpret=self.interpret, **kwargs)
 

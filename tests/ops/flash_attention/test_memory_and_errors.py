@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from memeff_jax.ops.flash_attention import PallasTriton
 from memeff_jax.ops.flash_attention import flash_attention
+from memeff_jax.ops.flash_attention import pallas_triton
 
 
 def _temp_bytes(fn, *args):
@@ -170,10 +172,22 @@ def test_jax_errors_while_tracing_are_not_a_reason_to_fall_through():
 
 
 def test_interpret_mode_kernels_run_under_x64():
-  from memeff_jax.ops.flash_attention import PallasTriton  # pylint: disable=import-outside-toplevel
   q, k, v = _problem(jax.random.key(4), 1, 32, 32, 2, 1, 16)
   with jax.enable_x64(True):  # under jit too: the interpreter runs at lowering, with x64 on
     got = _value_and_grads(PallasTriton(interpret=True), q, k, v, jit=True, causal=True)
   want = _value_and_grads("reference", q, k, v, causal=True)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_without_pallas_triton_calls_fall_through(monkeypatch):
+  """A JAX without Pallas Triton (deprecated there): pallas_triton is Unsupported, naming
+  the missing module, and a call that names it first runs on the next implementation."""
+  monkeypatch.setattr(pallas_triton, "plgpu", None)
+  q, k, v = _problem(jax.random.key(5), 1, 32, 32, 2, 1, 16)
+  with pytest.raises(NotImplementedError, match=r"pallas\.triton is not importable"):
+    flash_attention(q, k, v, implementation=PallasTriton(interpret=True))
+  got = _value_and_grads((PallasTriton(interpret=True), "chunked_xla"), q, k, v, causal=True)
+  want = _value_and_grads("chunked_xla", q, k, v, causal=True)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(g, w)

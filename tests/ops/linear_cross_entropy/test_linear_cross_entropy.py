@@ -24,6 +24,7 @@ from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy import chunked_xla
 from memeff_jax.ops.linear_cross_entropy import pallas_mosaic_gpu
 from memeff_jax.ops.linear_cross_entropy import triton_softmax
+from memeff_jax.ops.linear_cross_entropy import xla_softmax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -527,6 +528,80 @@ def test_exp_chunk_rows_that_do_not_count_may_leave_the_range():
   assert rel_err(scale[:, None] * buf, want_g) < 1e-5
 
 
+@pytest.fixture
+def without_pallas_triton(monkeypatch):
+  """A JAX without Pallas Triton (deprecated there): triton_softmax finds no module."""
+  monkeypatch.setattr(triton_softmax, "plgpu", None)
+
+
+@pytest.mark.usefixtures("without_pallas_triton")
+class TestPallasGpuWithoutTritonInterpret(_LinearCrossEntropyTest):
+  """pallas_mosaic_gpu where JAX has no Pallas Triton: its softmax pass runs in XLA
+  (xla_softmax), every option through it."""
+
+  impl = PallasMosaicGpu(interpret=True)
+
+
+@pytest.mark.usefixtures("without_pallas_triton")
+class TestPallasGpuExpLogitsWithoutTritonInterpret(TestPallasGpuExpLogitsInterpret):
+  """exp_logits where JAX has no Pallas Triton: the fallback and the options it does not
+  take run XLA's softmax pass (under lax.cond for the fallback)."""
+
+
+@pytest.mark.parametrize("block_v", [256, xla_softmax.BLOCK_V])
+@pytest.mark.parametrize("smoothing,softcap,vocab", [(0.0, None, 1000), (0.1, 5.0, 1000),
+                                                     (0.1, None, 936)])
+def test_xla_softmax_pass_matches_the_kernel(smoothing, softcap, vocab, block_v, monkeypatch):
+  """xla_softmax.softmax_pass against triton_softmax's kernel (interpret mode) in every form
+  the chunks call it: statistics only, G with them, G from a known log-sum-exp, G from
+  partial log-sum-exps (float32 and as bfloat16 words), and under `enabled` both ways.
+  1,000 columns, the last 64 padding in the 936 case; 37 rows, some labels ignored; the
+  sweeps in one block, or in three of 256 and a ragged one."""
+  monkeypatch.setattr(xla_softmax, "BLOCK_V", block_v)
+  opts = _common.LossOptions(vocab_size=vocab, label_smoothing=smoothing, z_loss=1e-3,
+                             logit_softcap=softcap)
+  k = jax.random.split(jax.random.key(31), 4)
+  z = (4 * jax.random.normal(k[0], (37, 1000), jnp.float32)).astype(jnp.bfloat16)
+  z = z.at[:, vocab:].set(0)  # padding columns hold zero logits
+  labels = jax.random.randint(k[1], (37,), 0, vocab).at[3].set(-100)
+  a = jax.random.uniform(k[2], (37,), jnp.float32)
+  e = jax.random.uniform(k[3], (37,), jnp.float32)
+  lse = jax.nn.logsumexp(_common.cap_logits(z[:, :vocab].astype(jnp.float32), softcap), axis=1)
+  config = SoftmaxKernelConfig(block_v=256)
+  on = dict(enabled=jnp.bool_(True))
+  calls = [((), {}), ((), on), ((a, e), {}), ((a, e), on), ((a, e, lse), {})]
+  if softcap is None:
+    bounds = [0, 120, 500, 730, vocab]
+    zf = z.astype(jnp.float32)
+    partials = jnp.stack([jax.nn.logsumexp(zf[:, lo:hi], axis=1)
+                          for lo, hi in zip(bounds, bounds[1:])])
+    rows = jnp.concatenate([jnp.zeros((7, 37), jnp.bfloat16), *_split_words(partials)])
+    calls += [((a, e), dict(partials=partials)),
+              ((a, e), dict(partials=mosaic_gemm.StatsWords(rows, jnp.int32(7), 4)))]
+  for args, kw in calls:
+    want = triton_softmax.softmax_pass(z, labels, *args, opts=opts, config=config,
+                                       interpret=True, **kw)
+    got = jax.jit(lambda z: xla_softmax.softmax_pass(z, labels, *args, opts=opts, **kw))(z)
+    assert len(got) == len(want)
+    for name, g, w in zip(("G", "lse", "label logit", "logit sum")[-len(got):], got, want):
+      assert g.shape == w.shape and g.dtype == w.dtype, (name, g.dtype, w.dtype)
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                 rtol=1e-5, atol=2e-5, err_msg=f"{name} {sorted(kw)}")
+  off = xla_softmax.softmax_pass(z, labels, a, e, opts=opts, enabled=jnp.bool_(False))
+  np.testing.assert_array_equal(np.asarray(off[0], np.float32), np.asarray(z, np.float32))
+
+
+def test_softmax_kernel_config_without_pallas_triton_is_an_error(without_pallas_triton):
+  """Tiles for the Triton softmax pass where JAX has none: Unsupported, naming `kernel`
+  (not ignored); without them the same call runs its pass in XLA."""
+  x, w, labels, _, _ = make_problem(jax.random.key(4), (40,), 16, 300, jnp.float32)
+  impl = PallasMosaicGpu(interpret=True, kernel=SoftmaxKernelConfig(block_v=128))
+  with pytest.raises(NotImplementedError, match=r"kernel=.*pallas\.triton is not importable"):
+    loss_fn(impl, labels, {})(x, w, None, None)
+  got = loss_fn(PallasMosaicGpu(interpret=True), labels, {})(x, w, None, None)
+  assert rel_err(got, loss_fn("reference", labels, {})(x, w, None, None)) < 1e-6
+
+
 class TestPallasGpuFloat32DwInterpret(_LinearCrossEntropyTest):
   """dW accumulated in float32: the options change the coefficients, not how dW adds up, so
   they run together ("all", "all_vd") beside the plain call, a mask and the "vd" layout."""
@@ -574,6 +649,12 @@ class TestPallasGpuOnGpu(_LinearCrossEntropyTest):
   impl = "pallas_mosaic_gpu"
   lead = (4, 250)
   chunk_size = 128
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("without_pallas_triton")
+class TestPallasGpuWithoutTritonOnGpu(TestPallasGpuOnGpu):
+  """The GPU kernels where JAX has no Pallas Triton: Mosaic GEMMs, XLA's softmax pass."""
 
 
 @pytest.mark.gpu
