@@ -882,7 +882,8 @@ class PallasMosaicGpu:
   `pad` says which calls whose lengths or head dim the kernels do not take run on padded
   copies (_padding): "always" every one, "where_faster" (flash_attention's default order)
   only those whose padding adds less work than pallas_triton's kernels lose; the others
-  raise Unsupported, so that pallas_triton serves them.
+  raise Unsupported, so that pallas_triton serves them (every one where JAX has no Pallas
+  Triton).
   """
 
   config: MosaicConfig | None = None
@@ -920,7 +921,9 @@ class PallasMosaicGpu:
     in_place = (padding.d == d and t % hopper.TMA_ROWS == 0 and s % hopper.TMA_ROWS == 0
                 and padded.backward is not None and padded.triton is None)
     padding = padding._replace(in_place=in_place)
-    if self.pad == "where_faster" and not padding.pays(t, s):
+    # Those that padding does not pay for go to pallas_triton, where this JAX has it.
+    if (self.pad == "where_faster" and not padding.pays(t, s)
+        and pallas_triton.plgpu is not None):
       raise _dispatch.Unsupported(
           f"pallas_mosaic_gpu: T={t}, S={s} would run padded to {padding.t}, {padding.s} "
           f"(D={d} at {padding.d}, {'in place' if in_place else 'on copies'}), "

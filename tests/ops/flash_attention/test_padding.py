@@ -22,6 +22,7 @@ from memeff_jax.ops.flash_attention import flash_attention
 from memeff_jax.ops.flash_attention import masks
 from memeff_jax.ops.flash_attention import mosaic_gpu_backward
 from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pm
+from memeff_jax.ops.flash_attention import pallas_triton
 from memeff_jax.ops.flash_attention import PallasMosaicGpu
 from memeff_jax.ops.flash_attention import PallasTriton
 from memeff_jax.ops.flash_attention import reference
@@ -175,6 +176,27 @@ def test_default_order_leaves_costly_padding_to_triton(monkeypatch):
   with pytest.raises(NotImplementedError, match=r"T=257, S=257 would run padded to 384, 384"):
     flash_attention(*(jnp.zeros((2, 257, 4, 64), jnp.bfloat16),) * 3,
                     implementation=pm.PallasMosaicGpu(pad="where_faster"))
+
+
+def test_without_pallas_triton_the_default_order_pads(monkeypatch):
+  """Where JAX has no Pallas Triton, implementation=None runs the Mosaic kernels padded
+  however much the padding costs (T = 257 at 384, T = 700 on copies), and D = 32, which
+  they do not serve, on chunked_xla (no kernel)."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  monkeypatch.setattr(pallas_triton, "plgpu", None)
+
+  def kernels(t, d=64):
+    x = jax.ShapeDtypeStruct((2, t, 4, d), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v).astype(jnp.float32))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    return {"mosaic" if "mosaic_gpu" in name else name
+            for name in re.findall(r"custom_call @(\S+)\(", text)}
+
+  assert kernels(257) == {"mosaic"}
+  assert kernels(700) == {"mosaic"}
+  assert kernels(1024, d=32) == set()
 
 
 def test_pad_takes_two_settings():
