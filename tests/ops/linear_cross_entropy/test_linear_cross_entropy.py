@@ -386,6 +386,16 @@ class TestPallasGpuInterpret(_LinearCrossEntropyTest):
         assert rel_err(got, want) < 1e-5, options
 
 
+def _softmax_pass_problem(key, vocab):
+  """(logits [37, 1,000] bf16 with zeros past `vocab`, labels with one ignored, a, e)."""
+  k = jax.random.split(key, 4)
+  z = (4 * jax.random.normal(k[0], (37, 1000), jnp.float32)).astype(jnp.bfloat16)
+  z = z.at[:, vocab:].set(0)  # padding columns hold zero logits
+  labels = jax.random.randint(k[1], (37,), 0, vocab).at[3].set(-100)
+  return (z, labels, jax.random.uniform(k[2], (37,), jnp.float32),
+          jax.random.uniform(k[3], (37,), jnp.float32))
+
+
 @pytest.mark.parametrize("smoothing,vocab", [(0.0, 1000), (0.1, 1000), (0.0, 936)])
 def test_softmax_pass_from_partial_log_sum_exps(smoothing, vocab):
   """Given partial log-sum-exps over disjoint column sets (as the Mosaic logits GEMM's
@@ -393,12 +403,7 @@ def test_softmax_pass_from_partial_log_sum_exps(smoothing, vocab):
   logit and Σ ẑ are those of the two-sweep kernel. 1,000 columns, of which the last 64 are
   padding in the 936 case; 37 rows; five uneven column sets, one of them empty (-inf)."""
   opts = _common.LossOptions(vocab_size=vocab, label_smoothing=smoothing, z_loss=1e-3)
-  k = jax.random.split(jax.random.key(21), 4)
-  z = (4 * jax.random.normal(k[0], (37, 1000), jnp.float32)).astype(jnp.bfloat16)
-  z = z.at[:, vocab:].set(0)  # padding columns hold zero logits
-  labels = jax.random.randint(k[1], (37,), 0, vocab).at[3].set(-100)
-  a = jax.random.uniform(k[2], (37,), jnp.float32)
-  e = jax.random.uniform(k[3], (37,), jnp.float32)
+  z, labels, a, e = _softmax_pass_problem(jax.random.key(21), vocab)
   bounds = [0, 120, 500, 500, 730, vocab]
   zf = z.astype(jnp.float32)
   partials = jnp.stack([jax.nn.logsumexp(zf[:, lo:hi], axis=1) if hi > lo
@@ -545,7 +550,7 @@ class TestPallasGpuWithoutTritonInterpret(_LinearCrossEntropyTest):
 @pytest.mark.usefixtures("without_pallas_triton")
 class TestPallasGpuExpLogitsWithoutTritonInterpret(TestPallasGpuExpLogitsInterpret):
   """exp_logits where JAX has no Pallas Triton: the fallback and the options it does not
-  take run XLA's softmax pass (under lax.cond for the fallback)."""
+  take run XLA's softmax pass (the fallback's in a loop run once or not at all)."""
 
 
 @pytest.mark.parametrize("block_v", [256, xla_softmax.BLOCK_V])
@@ -560,12 +565,7 @@ def test_xla_softmax_pass_matches_the_kernel(smoothing, softcap, vocab, block_v,
   monkeypatch.setattr(xla_softmax, "BLOCK_V", block_v)
   opts = _common.LossOptions(vocab_size=vocab, label_smoothing=smoothing, z_loss=1e-3,
                              logit_softcap=softcap)
-  k = jax.random.split(jax.random.key(31), 4)
-  z = (4 * jax.random.normal(k[0], (37, 1000), jnp.float32)).astype(jnp.bfloat16)
-  z = z.at[:, vocab:].set(0)  # padding columns hold zero logits
-  labels = jax.random.randint(k[1], (37,), 0, vocab).at[3].set(-100)
-  a = jax.random.uniform(k[2], (37,), jnp.float32)
-  e = jax.random.uniform(k[3], (37,), jnp.float32)
+  z, labels, a, e = _softmax_pass_problem(jax.random.key(31), vocab)
   lse = jax.nn.logsumexp(_common.cap_logits(z[:, :vocab].astype(jnp.float32), softcap), axis=1)
   config = SoftmaxKernelConfig(block_v=256)
   on = dict(enabled=jnp.bool_(True))
