@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from memeff_jax.kernels import mosaic_gemm
+from memeff_jax.ops.linear_cross_entropy import _chunked
 from memeff_jax.ops.linear_cross_entropy import _common
 from memeff_jax.ops.linear_cross_entropy._common import LossOptions
 
@@ -52,14 +53,7 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
   vocab, smoothing = opts.vocab_size, bool(opts.label_smoothing)
   padded = width != vocab
   labels = labels.astype(jnp.int32)
-  block = min(BLOCK_V, width)
-  n_full, tail = divmod(width, block)
-
-  def sweep(step, carry):
-    """step(start, size, carry) over the column blocks."""
-    if n_full:
-      carry = jax.lax.fori_loop(0, n_full, lambda i, c: step(i * block, block, c), carry)
-    return step(n_full * block, tail, carry) if tail else carry
+  sweep = lambda step, carry: _chunked.blocked_loop(width, min(BLOCK_V, width), step, carry)
 
   def capped(z, start, size):
     z = jax.lax.dynamic_slice_in_dim(z, start, size, axis=1).astype(jnp.float32)
@@ -86,6 +80,7 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     stats = (row_lse, label_logit, logit_sum)
     if not with_grad:
       return stats
+
     def grad_step(start, size, buf):
       zc, cols = capped(buf, start, size)
       g = _common.block_grad(zc, cols, labels, row_lse, a.astype(jnp.float32),
