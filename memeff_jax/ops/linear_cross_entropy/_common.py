@@ -164,15 +164,17 @@ def grad_scale(a, e, lse, opts: LossOptions):
   return a * (1.0 + 2.0 * opts.z_loss * lse) + e
 
 
-def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions, *, padded: bool = True):
+def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions, *, padded: bool = True,
+               probs=None):
   """G for one block of capped logits (float32 [R, Vb]); zero in padding columns.
 
-  G = b·p − a·q with p = exp(ẑ − lse), q = (1 − ε)·onehot(label) + ε/V; labels=None means
-  no row's label is among `cols`, and `padded` as in block_stats.
+  G = b·p − a·q with p = exp(ẑ − lse) (or `probs`, p computed already), q = (1 − ε)·onehot(
+  label) + ε/V; labels=None means no row's label is among `cols`, and `padded` as in
+  block_stats.
   """
   eps = opts.label_smoothing
   b = grad_scale(a, e, lse, opts)
-  g = b[:, None] * jnp.exp(zc - lse[:, None])
+  g = b[:, None] * (jnp.exp(zc - lse[:, None]) if probs is None else probs)
   if eps:
     g = g - (a * (eps / opts.smoothing_vocab))[:, None]
   if labels is not None:

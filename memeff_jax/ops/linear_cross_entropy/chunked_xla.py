@@ -112,7 +112,8 @@ class XlaChunkBackend:
   def _block_stats(self, x_c, w, bias, labels_c, start, size):
     zc = self._capped_logits(x_c, w, bias, start, size)
     cols = start + jnp.arange(size, dtype=jnp.int32)
-    return _common.block_stats(zc, cols, labels_c, self.opts.vocab_size, **self._columns)
+    m, s, _, t = _common.block_stats(zc, cols, None, self.opts.vocab_size, **self._columns)
+    return m, s, _label_logits(zc, labels_c, start), t
 
   def stats(self, x_c, w, bias, labels_c) -> Stats:
     vocab = self.opts.vocab_size
@@ -138,11 +139,18 @@ class XlaChunkBackend:
     # One vocabulary block, statistics wanted: form the logits once for both uses.
     # Otherwise (vocabulary blocks, or lse given by the forward pass) each block recomputes.
     reuse = single and lse_c is None
+    probs = None
     if reuse:
+      # The exponentials once, for Σ and for G (XLA's CPU backend computes them in each
+      # fusion that reads them otherwise).
       zc = self._capped_logits(x_c, w, bias, 0, vocab)
-      m, s, y, t = _common.block_stats(zc, jnp.arange(vocab, dtype=jnp.int32), labels_c, vocab,
-                                       **self._columns)
-      stats = Stats(m + jnp.log(s), y, t)
+      m = jnp.max(zc, axis=1)
+      exps = jnp.exp(zc - m[:, None])
+      s = jnp.sum(exps, axis=1)
+      t = jnp.sum(zc, axis=1) if opts.label_smoothing else jnp.zeros_like(m)
+      stats = Stats(m + jnp.log(s), _label_logits(zc, labels_c, 0), t)
+      if shards is None:  # vocab parallel: G from the merged statistics, not this slice's
+        probs = exps * (1.0 / s)[:, None]
     elif lse_c is None:
       stats = self.stats(x_c, w, bias, labels_c)
     else:  # the backward pass: statistics are known and not returned
@@ -156,7 +164,8 @@ class XlaChunkBackend:
       zc_blk = zc if reuse else self._capped_logits(x_c, w, bias, start, size)
       w_blk = w if single else _common.vocab_slice(w, start, size, layout)
       cols = start + jnp.arange(size, dtype=jnp.int32)
-      g = _common.block_grad(zc_blk, cols, labels_c, stats.lse, a_c, e_c, opts, padded=False)
+      g = _common.block_grad(zc_blk, cols, labels_c, stats.lse, a_c, e_c, opts, padded=False,
+                             probs=probs)
       g_lo = g.astype(x_c.dtype)  # tensor-core operand; products accumulate in float32
       if need_dx:
         dx_c = dx_c + _common.dx_dot(g_lo, w_blk, layout, jnp.float32)
@@ -177,3 +186,12 @@ class XlaChunkBackend:
     dx_c, dw_acc, db_acc = _chunked.blocked_loop(vocab, vocab if single else self.vocab_chunk,
                                                  block, carry)
     return stats, dx_c, dw_acc, db_acc
+
+
+def _label_logits(zc, labels, start):
+  """Each row's capped logit at its label where the label is among zc's columns (vocabulary
+  ids start, start + 1, ...), else 0: a gather, where a compare over the block made XLA's
+  CPU backend write a [C, Vb] select out for the reduction."""
+  inside = (labels >= start) & (labels < start + zc.shape[1])
+  col = jnp.where(inside, labels - start, 0)
+  return jnp.where(inside, jnp.take_along_axis(zc, col[:, None], axis=1)[:, 0], 0.0)
