@@ -141,15 +141,17 @@ class XlaChunkBackend:
     reuse = single and lse_c is None
     probs = None
     if reuse:
-      # The exponentials once, for Σ and for G (XLA's CPU backend computes them in each
-      # fusion that reads them otherwise).
+      # On CPU the exponentials once, for Σ and for G: XLA's CPU backend computes them again
+      # in each fusion that reads them. Elsewhere G recomputes them, as the GPU form was
+      # measured (a [C, V] buffer of them would add a write and a read where bandwidth bounds).
       zc = self._capped_logits(x_c, w, bias, 0, vocab)
       m = jnp.max(zc, axis=1)
       exps = jnp.exp(zc - m[:, None])
       s = jnp.sum(exps, axis=1)
       t = jnp.sum(zc, axis=1) if opts.label_smoothing else jnp.zeros_like(m)
       stats = Stats(m + jnp.log(s), _label_logits(zc, labels_c, 0), t)
-      if shards is None:  # vocab parallel: G from the merged statistics, not this slice's
+      # Vocab parallel, G comes from the merged statistics, not this slice's.
+      if shards is None and jax.default_backend() == "cpu":
         probs = exps * (1.0 / s)[:, None]
     elif lse_c is None:
       stats = self.stats(x_c, w, bias, labels_c)
