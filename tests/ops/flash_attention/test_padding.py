@@ -147,32 +147,40 @@ def test_padding_pays_where_the_work_stays_under_tritons_slowdown(t, s, d, in_pl
   assert pad.pays(t, s) == pays, (pad, pad.work(t, s))
 
 
+def _as_on_hopper(monkeypatch):
+  """Dispatch as on a Hopper GPU, so that calls lower for CUDA on this host."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+
+
+def _lowered(t, implementation, d=64):
+  """A bf16 [2, t, 4, d] self-attention's fwd+bwd lowered for CUDA, as text."""
+  x = jax.ShapeDtypeStruct((2, t, 4, d), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(flash_attention(
+      q, k, v, implementation=implementation).astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
+def _kernels(text):
+  """"mosaic" or "triton" per custom call of lowered text (names vary by jax release)."""
+  return {"mosaic" if "mosaic_gpu" in name else "triton" if "triton" in name else name
+          for name in re.findall(r"custom_call @(\S+)\(", text)}
+
+
 def test_default_order_leaves_costly_padding_to_triton(monkeypatch):
   """implementation=None lowers T = 257 (384 padded, 2.23× the work) and T = 700 (768 on
   copies, 1.20×) to pallas_triton's kernels, T = 1,000 and 600 (640 in place, 1.14×) to the
   Mosaic ones, and D = 40 (64 on copies, where pallas_triton computes too) to the Mosaic ones,
   D = 32 not; asked for by name, the Mosaic kernels run T = 257 padded all the same."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
-
-  def lowered(t, implementation, d=64):
-    x = jax.ShapeDtypeStruct((2, t, 4, d), jnp.bfloat16)
-    loss = lambda q, k, v: jnp.sum(flash_attention(
-        q, k, v, implementation=implementation).astype(jnp.float32))
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
-        lowering_platforms=("cuda",)).as_text()
-
-  def kernels(text):  # "mosaic" or "triton" per custom call (names vary by jax release)
-    return {"mosaic" if "mosaic_gpu" in name else "triton" if "triton" in name else name
-            for name in re.findall(r"custom_call @(\S+)\(", text)}
-
-  assert kernels(lowered(257, None)) == {"triton"}
-  assert kernels(lowered(1000, None)) == {"mosaic"}
-  assert kernels(lowered(600, None)) == {"mosaic"}
-  assert kernels(lowered(700, None)) == {"triton"}
-  assert kernels(lowered(1024, None, d=40)) == {"mosaic"}
-  assert kernels(lowered(1024, None, d=32)) == {"triton"}
-  assert "tensor<2x384x4x64xbf16>" in lowered(257, "pallas_mosaic_gpu")
+  _as_on_hopper(monkeypatch)
+  assert _kernels(_lowered(257, None)) == {"triton"}
+  assert _kernels(_lowered(1000, None)) == {"mosaic"}
+  assert _kernels(_lowered(600, None)) == {"mosaic"}
+  assert _kernels(_lowered(700, None)) == {"triton"}
+  assert _kernels(_lowered(1024, None, d=40)) == {"mosaic"}
+  assert _kernels(_lowered(1024, None, d=32)) == {"triton"}
+  assert "tensor<2x384x4x64xbf16>" in _lowered(257, "pallas_mosaic_gpu")
   with pytest.raises(NotImplementedError, match=r"T=257, S=257 would run padded to 384, 384"):
     flash_attention(*(jnp.zeros((2, 257, 4, 64), jnp.bfloat16),) * 3,
                     implementation=pm.PallasMosaicGpu(pad="where_faster"))
@@ -182,21 +190,11 @@ def test_without_pallas_triton_the_default_order_pads(monkeypatch):
   """Where JAX has no Pallas Triton, implementation=None runs the Mosaic kernels padded
   however much the padding costs (T = 257 at 384, T = 700 on copies), and D = 32, which
   they do not serve, on chunked_xla (no kernel)."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  _as_on_hopper(monkeypatch)
   monkeypatch.setattr(pallas_triton, "plgpu", None)
-
-  def kernels(t, d=64):
-    x = jax.ShapeDtypeStruct((2, t, 4, d), jnp.bfloat16)
-    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v).astype(jnp.float32))
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
-        lowering_platforms=("cuda",)).as_text()
-    return {"mosaic" if "mosaic_gpu" in name else name
-            for name in re.findall(r"custom_call @(\S+)\(", text)}
-
-  assert kernels(257) == {"mosaic"}
-  assert kernels(700) == {"mosaic"}
-  assert kernels(1024, d=32) == set()
+  assert _kernels(_lowered(257, None)) == {"mosaic"}
+  assert _kernels(_lowered(700, None)) == {"mosaic"}
+  assert _kernels(_lowered(1024, None, d=32)) == set()
 
 
 def test_pad_takes_two_settings():
