@@ -65,6 +65,21 @@ except ImportError:  # pragma: no cover
 EXP_CLAMP = 64.0
 
 
+def _exponentials(acc, softcap: float | None):
+  """exp_out's epilogue on a float32 tile: (the exponentials its partials sum, the values
+  it stores). Without a cap both are exp(min(acc, EXP_CLAMP)); with a cap c they are
+  y = exp(min(ẑ, EXP_CLAMP)) for ẑ = c·tanh(acc / c), and y·(1 − tanh²) to store."""
+  if softcap is None:
+    y = jnp.exp2(jnp.minimum(acc, EXP_CLAMP) * hopper.LOG2E)
+    return y, y
+  # tanh(u) = 1 − 2 / (1 + e^2u), from exp2 and a division, keeps float32's precision where
+  # approx_math's tanh (tanh.approx.f32, 2^-11 relative) would move ẑ by up to c·2^-11.
+  # e^2u saturates at 2^64, where tanh is 1 in float32.
+  t = 1.0 - 2.0 / (1.0 + jnp.exp2(jnp.minimum(acc * (2.0 * hopper.LOG2E / softcap), 64.0)))
+  y = jnp.exp2(jnp.minimum(softcap * t, EXP_CLAMP) * hopper.LOG2E)
+  return y, y * ((1.0 - t) * (1.0 + t))
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
   """Tiles and schedule.
@@ -388,7 +403,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bo
 def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_a: bool,
                  trans_b: bool, sms: int, reduce: bool = False, stats_gmem=None,
                  stats_cols: int | None = None, stats_words: bool = False,
-                 exp_out: bool = False, enabled=None, scale_gmem=None):
+                 exp_out: bool = False, softcap: float | None = None, enabled=None,
+                 scale_gmem=None):
   """The schedules with one ring of A/B slots across all of a CTA's tiles ("pingpong",
   "ring"): the CTA walks its tiles j = 0, 1, 2, ..., and the memory warpgroup streams their K
   steps in walk order through `max_concurrent_steps` slots, so the next tile's first steps
@@ -420,7 +436,9 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   With `exp_out` (and stats) the tiles stored are exp(min(product, EXP_CLAMP)), and each
   warpgroup tile stores its rows' sums of those float32 exponentials at once, in
   the row of stats_gmem that is its column strip (cols // tile_n): no running statistics,
-  so the walk is the ordinary one over all CTAs (see gemm). `enabled` (a traced int32, or
+  so the walk is the ordinary one over all CTAs (see gemm); with `softcap` too, those of
+  the capped product, and the tiles hold them times the cap's derivative (_exponentials).
+  `enabled` (a traced int32, or
   None) multiplies every CTA's tile count: 0 makes the launch a no-op. With `scale_gmem`
   (float32 [M], see gemm's row_scale) each row of the product is multiplied by its entry
   in the epilogue, in float32, before C is added and the tile rounded.
@@ -588,8 +606,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             plgpu.barrier_wait(c_ready.at[wg])
             acc = acc + buf[...].astype(jnp.float32)
           if exp_out:  # float32 exponentials for the statistics, rounded for the stores
-            y = jnp.exp2(jnp.minimum(acc, EXP_CLAMP) * hopper.LOG2E)
-            out = y.astype(out_dtype)
+            y, stored = _exponentials(acc, softcap)
+            out = stored.astype(out_dtype)
           else:
             out = acc.astype(out_dtype)  # rounded once, for the stores and the statistics
             y = out.astype(jnp.float32)
@@ -801,7 +819,8 @@ def row_stats_rows(m: int, config: GemmConfig) -> int:
 def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: bool,
             into: bool, accumulate: bool = True, add: str = "epilogue",
             name: str = "mosaic_gemm", stats_cols: int | None = None,
-            stats_into: bool = False, exp_out: bool = False, enabled=None, row_scale=None):
+            stats_into: bool = False, exp_out: bool = False, softcap: float | None = None,
+            enabled=None, row_scale=None):
   """A persistent launch: one CTA per SM, two compute and one memory warpgroup. With `into`
   the last operand is C, which the kernel updates in place (out_type is then ()): C plus
   the product with `accumulate` (added as `add` says, see gemm_into), the product alone
@@ -841,6 +860,7 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
       _ring_kernel(a_ref, b_ref, c_ref, out_ref, config=config, trans_a=trans_a,
                    trans_b=trans_b, sms=sms, reduce=reduce, stats_gmem=stats_ref,
                    stats_cols=stats_cols, stats_words=stats_into, exp_out=exp_out,
+                   softcap=softcap,
                    enabled=None if enabled is None else next(block_refs)[...],
                    scale_gmem=refs[len(operands)] if scales else None)
     else:
@@ -941,7 +961,7 @@ def _check_scale(row_scale, m: int, config: GemmConfig):
 def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
          config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm",
          row_stats: int | None = None, row_stats_into: Rows | None = None,
-         exp_out: bool = False, row_scale=None):
+         exp_out: bool = False, softcap: float | None = None, row_scale=None):
   """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype).
   a and b are arrays or `Rows` of arrays; `name` names the kernel in profiles.
 
@@ -966,7 +986,11 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   (not their logs: a plain sum over the strips then gives the row's sum, which EXP_CLAMP
   keeps far inside float32), stored by each tile as it is done, so that the tiles are
   walked as without row_stats, by every CTA (linear_cross_entropy's exp_logits, which
-  checks that no row it uses came near the clamp).
+  checks that no row it uses came near the clamp). With `softcap=c` as well the
+  exponentials are those of the capped product ẑ = c·tanh(product / c), the partials sum
+  them, and `out` holds each one times ẑ's derivative, 1 − tanh²(product / c): the
+  gradient of a softcapped softmax up to a factor per row (linear_cross_entropy's
+  logit_softcap).
 
   With `row_scale` (float [M], without row_stats) it returns diag(row_scale) op(a) @ op(b):
   each row of the float32 product times its factor, then rounded once ("ring" and
@@ -975,6 +999,9 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   m, n, _ = _check(a, b, None, trans_a, trans_b, config, out_dtype=out_dtype)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
   row_scale = _check_scale(row_scale, m, config)
+  if softcap is not None and not (exp_out and softcap > 0):
+    raise ValueError(f"softcap is a positive cap of exp_out's product, got softcap={softcap} "
+                     f"with exp_out={exp_out}")
   if row_stats is None:
     if exp_out:
       raise ValueError("exp_out is an option of row_stats")
@@ -1002,7 +1029,7 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   stats_type = jax.ShapeDtypeStruct((parts, m), jnp.float32)
   return tuple(_launch((a, b), (out_type, stats_type), config, trans_a=trans_a,
                        trans_b=trans_b, into=False, name=name, stats_cols=row_stats,
-                       exp_out=exp_out))
+                       exp_out=exp_out, softcap=softcap))
 
 
 class StatsWords(NamedTuple):

@@ -492,6 +492,12 @@ def test_row_stats_lower_for_cuda_and_check_their_arguments():
   assert jax.eval_shape(f, a, b)[1].shape == (1088 // 128 + 1, 256)  # one per column strip
   with pytest.raises(ValueError, match="exp_out is an option of row_stats"):
     mg.gemm(a, b, trans_b=True, config=cfg, exp_out=True)
+  f = lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols, exp_out=True,
+                           softcap=30.0)
+  assert "mosaic_gpu" in jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  for bad in (dict(softcap=30.0), dict(softcap=0.0, exp_out=True)):
+    with pytest.raises(ValueError, match="softcap is a positive cap of exp_out's product"):
+      mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols, **bad)
   with pytest.raises(ValueError, match="exp_out.*neither row_stats_into nor tail_n"):
     mg.gemm(a, b, trans_b=True, config=TAIL_CONFIGS["ring-n"], row_stats=cols, exp_out=True)
 
@@ -528,17 +534,27 @@ def test_exp_out_in_cta_pairs_lowers_for_cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [None, 8.0])
 @pytest.mark.parametrize("name", sorted(EXP_OUT_CONFIGS))
-def test_exp_out_matches_reference(name):
+def test_exp_out_matches_reference(name, softcap):
   """exp_out: the output is exp(min(product, 64)) and the per-strip partials are each row's
   sums of its exponentials there, over the first `cols` columns in all; every schedule,
-  ragged N, idle CTAs, CTA pairs."""
+  ragged N, idle CTAs, CTA pairs. With a softcap c the exponentials are of c·tanh(product
+  / c) and the output holds them times 1 − tanh²."""
   a, b, cols, cfg = _row_stats_case(name, configs=EXP_OUT_CONFIGS)
   out, parts = jax.jit(lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols,
-                                            exp_out=True))(a, b)
-  ref = jnp.minimum(a.astype(jnp.float32) @ b.T.astype(jnp.float32), mg.EXP_CLAMP)
+                                            exp_out=True, softcap=softcap))(a, b)
+  ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
+  slope, atol = 1.0, 1e-30
+  if softcap is not None:  # in float64: 1 − t² of a float32 t near ±1 is its rounding
+    t = np.tanh(ref / softcap)
+    ref, slope = softcap * t, (1.0 - t) * (1.0 + t)
+    # The kernel's float32 t is that far from tanh: 1e-7 of slope at e^8's exponentials.
+    atol = 1e-6 * np.exp(softcap)
+  ref = np.minimum(ref, mg.EXP_CLAMP)
   assert parts.shape == (-(-b.shape[0] // cfg.tile_n), a.shape[0])
-  np.testing.assert_allclose(out.astype(np.float32), np.exp(ref), rtol=1e-2, atol=1e-30)
+  np.testing.assert_allclose(out.astype(np.float32), np.exp(ref) * slope, rtol=1e-2,
+                             atol=atol)
   want = jax.nn.logsumexp(ref[:, :cols], axis=1)
   np.testing.assert_allclose(jnp.log(jnp.sum(parts, axis=0)), want, rtol=1e-5, atol=1e-4)
   strips = [jnp.sum(jnp.exp(ref[:, c:min(c + cfg.tile_n, cols)]), axis=1)

@@ -16,8 +16,9 @@ only chunk-sized buffers (0.247 GiB at Llama-3-8B's shape). PallasMosaicGpu.auto
 where all three GEMMs are ours (measured level with cuBLAS there); a chunk whose
 exponentials leave the safe range takes the softmax pass instead (ChunkBackend._exp_chunk).
 
-The softmax pass (other GPUs, float16, calls with a bias, softcap or label smoothing, the
-backward of reduction="none"): z = x_c @ W (cuBLAS or kernels.mosaic_gemm), then
+With a logit softcap c, step 1 stores exp(ẑ) times ẑ's slope (ẑ = c·tanh(z / c)), which
+keeps G = diag(s) E. The softmax pass (other GPUs, float16, calls with a bias or label smoothing, the backward
+of reduction="none"): z = x_c @ W (cuBLAS or kernels.mosaic_gemm), then
 triton_softmax's kernel overwrites z with G = ∂loss/∂z, then dx_c = G Wᵀ and dW += x_cᵀ G.
 Memory: one [C, V] buffer in the compute dtype; dW accumulates in the weight's dtype (one
 rounding per chunk with cuBLAS, two with the Mosaic GEMM's TMA adds) unless
@@ -127,9 +128,10 @@ class PallasMosaicGpu:
       dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
       scaled rows wait in dx's rows; where dx's is, it writes them in place and scales
       them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the
-      safe range falls back to the softmax pass. Calls with a bias, a logit softcap or
-      label smoothing, and the backward pass of reduction="none", use the softmax pass
-      throughout. None (the default): wherever that GEMM can run (a Hopper GPU, x and
+      safe range falls back to the softmax pass. Calls with a bias or label smoothing, and
+      the backward pass of reduction="none", use the softmax pass throughout (a logit
+      softcap does not: E then holds each exponential times the cap's slope). None (the
+      default): wherever that GEMM can run (a Hopper GPU, x and
       weight both bfloat16, as float16 cannot hold E's range; a chunk that fits its
       tiles; never in interpret mode), unless fused_lse is set (the softmax pass whose
       partials take no memory: the lowest-memory setting); True: always,
@@ -314,8 +316,7 @@ class PallasMosaicGpu:
         raise _dispatch.Unsupported("pallas_mosaic_gpu exp_logits stores exp(z) up to e^64 in "
                                     "x's dtype, which float16 cannot hold; got float16 x")
       wanted = False
-    wanted = wanted and bias is None and not (opts.logit_softcap is not None
-                                              or opts.label_smoothing)
+    wanted = wanted and bias is None and not opts.label_smoothing
     if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
       raise _dispatch.Unsupported("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds "
                                   "no bias and applies no logit_softcap")
@@ -568,30 +569,38 @@ class ChunkBackend:
     return dw_c if dw_acc is None else dw_acc + dw_c
 
   def _exp_logits(self, x_c, w):
-    """(E, partials): E [C, V] = exp(min(z, EXP_CLAMP)) in x's dtype, partials [P, C] float32
-    sums of the exponentials of E's rows over disjoint column sets (mosaic_gemm.gemm's
-    exp_out, or the same in XLA in interpret mode)."""
-    layout, vocab = self.opts.weight_layout, self.opts.vocab_size
+    """(E, partials): E [C, V] = exp(min(ẑ, EXP_CLAMP)) in x's dtype, partials [P, C]
+    float32 sums of those exponentials over disjoint column sets of E's rows (mosaic_gemm.
+    gemm's exp_out, or the same in XLA in interpret mode). With a logit softcap c, ẑ =
+    c·tanh(z / c) and E holds each exponential times ẑ's slope, 1 − tanh²(z / c), which
+    G carries (_common.block_grad)."""
+    layout, vocab, cap = self.opts.weight_layout, self.opts.vocab_size, self.opts.logit_softcap
     if (config := self.exp_gemm) is not None:  # per-tile sums: no tail tiles
       return mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd",
                               config=dataclasses.replace(config, tail_n=None),
-                              name="lce_exp_logits_gemm", row_stats=vocab, exp_out=True)
+                              name="lce_exp_logits_gemm", row_stats=vocab, exp_out=True,
+                              softcap=cap)
     x_c = _sliced(x_c)
-    e = jnp.exp(jnp.minimum(_common.logits_dot(x_c, w, layout, jnp.float32),
-                            mosaic_gemm.EXP_CLAMP))
+    z = _common.logits_dot(x_c, w, layout, jnp.float32)
+    t = None if cap is None else jnp.tanh(z / cap)
+    e = jnp.exp(jnp.minimum(z if cap is None else cap * t, mosaic_gemm.EXP_CLAMP))
+    stored = e if cap is None else e * ((1.0 - t) * (1.0 + t))
     in_vocab = jnp.arange(e.shape[1]) < vocab
-    return e.astype(x_c.dtype), jnp.sum(jnp.where(in_vocab, e, 0.0), axis=1)[None]
+    return stored.astype(x_c.dtype), jnp.sum(jnp.where(in_vocab, e, 0.0), axis=1)[None]
 
   def _exp_chunk(self, x_c, w, labels_c, a_c, e_c, vocab: VocabShards | None = None):
     """G of the chunk without a softmax pass: (buffer, scale, Stats) with G = diag(scale)
     buffer.
 
     With E = exp(z) from the logits GEMM and lse from its row sums, G = b·p − a·onehot
-    (block_grad without cap or smoothing; b = a (1 + 2λ lse) + e) is diag(b e^-lse) E with
-    each row's label entry replaced by e^lse (p_y − a/b): one scattered write per row. The
-    label logit is log E[n, y]. Exact up to E's rounding (the softmax pass rounds G and the
-    logits), provided every row that counts has lse in LSE_RANGE (so nothing it needs was
-    clamped or flushed to zero), b ≠ 0 where a ≠ 0, and E[n, y] ≥ e^MIN_LABEL_LOGIT. When
+    (block_grad without smoothing; b = a (1 + 2λ lse) + e) is diag(b e^-lse) E with each
+    row's label entry replaced by e^lse (p_y − a/b): one scattered write per row. The label
+    logit is log E[n, y]. With a logit softcap E holds exp(ẑ) times ẑ's slope s (see
+    _exp_logits), the label entry is e^lse (p_y − a/b) s_y, and the label logit comes from
+    a dot of x's row with W's label column (log E[n, y] would hold s_y too). Exact up to
+    E's rounding (the softmax pass rounds G and the logits), provided every row that counts
+    has lse in LSE_RANGE (so nothing it needs was clamped or flushed to zero), b ≠ 0 where
+    a ≠ 0, and the label logit ≥ MIN_LABEL_LOGIT. When
     a row does not, the chunk takes the softmax pass instead (a second logits GEMM written
     over E, then the pass over it) and the scale is 1. That choice is made by the kernels
     themselves (their `enabled`, and the patch's indices dropped), not by lax.cond, whose
@@ -610,8 +619,13 @@ class ChunkBackend:
     # The barrier keeps XLA from gathering E[n, y] again inside later fusions, after the
     # fallback may have written over E (which would make it copy E to keep it).
     e_y, e = jax.lax.optimization_barrier((e[rows, col].astype(jnp.float32), e))
-    z_y = jnp.log(e_y)
-    low = in_range & (a_c != 0) & (e_y < math.exp(MIN_LABEL_LOGIT))
+    if opts.logit_softcap is None:
+      z_y, slope_y = jnp.log(e_y), 1.0
+    else:
+      t_y = jnp.tanh(_label_dots(_sliced(x_c), w, col, opts.weight_layout)
+                     / opts.logit_softcap)
+      z_y, slope_y = opts.logit_softcap * t_y, (1.0 - t_y) * (1.0 + t_y)
+    low = in_range & (a_c != 0) & (z_y < MIN_LABEL_LOGIT)
     # Per row: Σ E (0 where every entry underflowed), the label logit, whether the label is
     # in the vocabulary and whether its entry is too small to patch.
     rowwise = jnp.stack([jnp.sum(partials, axis=0), jnp.where(in_range, z_y, 0.0),
@@ -642,7 +656,7 @@ class ChunkBackend:
 
     patch = in_range & (a_c != 0)
     safe_b = jnp.where(b != 0, b, 1.0)
-    entry = jnp.exp(lse) * (jnp.expm1(z_y - lse) + (1.0 - a_c / safe_b))
+    entry = jnp.exp(lse) * (jnp.expm1(z_y - lse) + (1.0 - a_c / safe_b)) * slope_y
     target = jnp.where(ok, rows, rows + rows.shape[0])  # out of bounds: dropped
     e = e.at[target, col].set(jnp.where(patch, entry, e_y).astype(e.dtype), mode="drop",
                               unique_indices=True, indices_are_sorted=True)
@@ -658,6 +672,12 @@ class ChunkBackend:
 # zero (z < -87) then has p < e^-50.
 LSE_RANGE = (-25.0, 60.0)
 MIN_LABEL_LOGIT = -80.0
+
+
+def _label_dots(x_c, w, col, layout: str):
+  """[C] float32 z[n, col[n]] = x_c[n] · (W's column col[n]): the logits at the labels."""
+  w_col = w[:, col].T if layout == "dv" else w[col]
+  return jnp.einsum("cd,cd->c", x_c, w_col, preferred_element_type=jnp.float32)
 
 
 def _window(rows: mosaic_gemm.Rows):

@@ -39,6 +39,7 @@ OPTION_SETS = {
     "bias": dict(bias=True),
     "where": dict(where=True),
     "vd": dict(weight_layout="vd"),
+    "softcap_vd": dict(logit_softcap=3.0, z_loss=1e-2, where=True, weight_layout="vd"),
     "all": dict(label_smoothing=0.2, z_loss=1e-2, logit_softcap=3.0, bias=True, where=True),
     "all_vd": dict(label_smoothing=0.2, z_loss=1e-2, logit_softcap=3.0, bias=True, where=True,
                    weight_layout="vd"),
@@ -467,12 +468,12 @@ def test_pallas_gpu_kernel_lowers_for_cuda():
 
 
 class TestPallasGpuExpLogitsInterpret(_LinearCrossEntropyTest):
-  """exp_logits with the logits GEMM's XLA equivalent. The options it does not take (bias,
-  softcap, smoothing) send a call through the softmax pass, which TestPallasGpuInterpret
-  tests option by option: here only together ("all", "all_vd")."""
+  """exp_logits with the logits GEMM's XLA equivalent, a logit softcap included. The options
+  it does not take (bias, smoothing) send a call through the softmax pass, which
+  TestPallasGpuInterpret tests option by option: here only together ("all", "all_vd")."""
 
   impl = PallasMosaicGpu(interpret=True, exp_logits=True)
-  option_sets = ("plain", "z_loss", "where", "vd", "all", "all_vd")
+  option_sets = ("plain", "z_loss", "where", "vd", "softcap", "softcap_vd", "all", "all_vd")
 
 
 def test_exp_logits_refuses_float16():
@@ -490,15 +491,19 @@ def _exp_chunk(x, w, labels, a, e, opts):
   return jax.jit(backend._exp_chunk)(x, w, labels, a, e)
 
 
-@pytest.mark.parametrize("shift,fast", [(0.0, True), (30.0, True), (-15.0, True),
-                                        (80.0, False), (-60.0, False)])
-def test_exp_chunk_against_softmax_pass(shift, fast):
+@pytest.mark.parametrize("shift,softcap,fast", [
+    (0.0, None, True), (30.0, None, True), (-15.0, None, True), (80.0, None, False),
+    (-60.0, None, False), (0.0, 20.0, True), (80.0, 20.0, True), (-60.0, 20.0, True),
+    (100.0, 70.0, False)])
+def test_exp_chunk_against_softmax_pass(shift, softcap, fast):
   """One chunk's G as exp_logits makes it (diag(scale) buffer) against the softmax pass's,
   with logits shifted by `shift` (x's last feature is 1, w's last row the shift): inside
   the safe range the buffer holds exponentials (scale ≠ 1), outside it the chunk falls back
-  to the softmax pass (scale = 1). Rows with ignored and out-of-range labels, a z-loss, and
-  coefficients e as a differentiated log-sum-exp gives them."""
-  opts = _common.LossOptions(vocab_size=1000, z_loss=1e-3)
+  to the softmax pass (scale = 1). A softcap of 20 keeps every shift inside the range (the
+  buffer then holds the cap's slope too); one of 70 does not. Rows with ignored and
+  out-of-range labels, a z-loss, and coefficients e as a differentiated log-sum-exp gives
+  them."""
+  opts = _common.LossOptions(vocab_size=1000, z_loss=1e-3, logit_softcap=softcap)
   x, w, labels, _, _ = make_problem(jax.random.key(21), (48,), 32, 1000, jnp.float32)
   x = x.at[:, -1].set(1.0)
   w = w.at[-1].set(shift)
@@ -511,7 +516,9 @@ def test_exp_chunk_against_softmax_pass(shift, fast):
   z = x @ w
   want_g, *want = triton_softmax.softmax_pass(z, labels, a, e, opts=opts,
                                               config=SoftmaxKernelConfig(), interpret=True)
-  assert rel_err(g, want_g) < 1e-5
+  # Near the cap's saturation its slope 1 − tanh² (1.3e-3 at z / c = 4, the shift of 80)
+  # holds float32's rounding of tanh relative to its own size: ~1e-4 there, in either form.
+  assert rel_err(g, want_g) < (1e-5 if softcap is None or not shift else 2e-4)
   in_range = (labels >= 0) & (labels < 1000)
   for got, ref in zip(stats[:2], want[:2]):  # lse, label logit (logit_sum: smoothing only)
     assert rel_err(jnp.where(in_range, got, 0), jnp.where(in_range, ref, 0)) < 1e-6
@@ -736,6 +743,27 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+@pytest.mark.parametrize("n", [712, 4096])
+def test_softcapped_exp_logits_match_reference(layout, n):
+  """Gemma-2's logit softcap (30) on the exp path: the exp GEMM stores exp(ẑ) times the
+  cap's slope, with the default GEMMs in both layouts; 712 tokens in chunks of 256 (a
+  ragged one first) and 4,096 in the default's chunks, a z-loss and `where`. The logits
+  reach about ±90, so the cap bends them."""
+  options = dict(weight_layout=layout, z_loss=1e-3, where=True, logit_softcap=30.0)
+  x, w, labels, _, where = make_problem(jax.random.key(24), (n,), 256, 2000, jnp.bfloat16,
+                                        **options)
+  w = w * 12
+  f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, labels, where=where,
+                                                   implementation="pallas_mosaic_gpu",
+                                                   **{k: v for k, v in options.items()
+                                                      if k != "where"})
+  assert "lce_exp_logits_gemm" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
+  assert_matches(PallasMosaicGpu(), x, w, labels, options, where,
+                 chunk=256 if n == 712 else None)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gemms, d, layout", [(pallas_mosaic_gpu.GEMMS, 512, "dv"),
                                               (("logits", "dw"), 512, "dv"),
                                               (("logits", "dw"), 768, "dv"),
@@ -841,9 +869,9 @@ def test_a_call_under_one_chunk_runs_on_whole_tiles():
 
 @pytest.mark.gpu
 def test_exp_logits_is_the_default_where_it_serves():
-  """The default pallas_mosaic_gpu runs the exp GEMM for a bf16 mean loss, with or without the
-  other GEMMs on kernels.mosaic_gemm, and the softmax pass (no exp GEMM) with a bias, label
-  smoothing, float32 or float16 inputs, or fused_lse."""
+  """The default pallas_mosaic_gpu runs the exp GEMM for a bf16 mean loss, a softcapped one
+  too, with or without the other GEMMs on kernels.mosaic_gemm, and the softmax pass (no exp
+  GEMM) with a bias, label smoothing, float32 or float16 inputs, or fused_lse."""
   x, w, labels, b, _ = make_problem(jax.random.key(16), (512,), 256, 2000, jnp.bfloat16,
                                     bias=True)
 
@@ -856,6 +884,7 @@ def test_exp_logits_is_the_default_where_it_serves():
   assert uses_exp()
   assert not uses_exp(bias=b)
   assert not uses_exp(label_smoothing=0.1)
+  assert uses_exp(logit_softcap=30.0)
   assert not uses_exp(dtype=jnp.float32)
   assert not uses_exp(dtype=jnp.float16)  # E's range is beyond float16's
   assert uses_exp(PallasMosaicGpu(mosaic_gemms=("logits", "dx", "dw")))
