@@ -175,6 +175,9 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
     offset = vocab.offset(backend.opts.vocab_size)
   local = (lambda labels_c: labels_c) if vocab is None else (lambda labels_c: labels_c - offset)
   parallel = {} if vocab is None else {"vocab": vocab}
+  apart = opts.smoothing_apart and opts.label_smoothing
+  if apart:  # Σ_v ẑ[n, v] = x[n] · w_sum (no cap, no bias: see smoothing_terms)
+    w_sum = jnp.sum(w, axis=1 if opts.weight_layout == "dv" else 0, dtype=jnp.float32)
 
   def step(carry, backend, start, size: int, window=None):
     """The chunk of `size` tokens from `start`: a whole chunk (`window`, its traced index,
@@ -209,6 +212,9 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
       chunk_stats = kernels(backend.stats)(x_c, w, bias, local(labels_c))
       if vocab is not None:
         chunk_stats = vocab.merge(Stats(*chunk_stats))
+    if apart:
+      logit_sum = jnp.einsum("cd,d->c", part(x), w_sum, preferred_element_type=jnp.float32)
+      chunk_stats = Stats(*chunk_stats)._replace(logit_sum=logit_sum)
     if reduced is not None:
       per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts)
       stats = stats + _common.reduced_sum(per_token, counted, reduced.scale)
@@ -225,7 +231,26 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   if first < n_full:
     carry = jax.lax.fori_loop(first, n_full, lambda i, c: step(c, backend, i * chunk, chunk,
                                                                 window=i), carry)
+  if apart and with_grads:
+    a_all = jnp.where(reduced.valid, reduced.scale, 0.0) if reduced is not None else a
+    carry = smoothing_terms(carry, x, w_sum, a_all, opts)
   return carry
+
+
+def smoothing_terms(carry, x, w_sum, a, opts: LossOptions):
+  """Adds label smoothing's uniform share of G, −a[n] ε / V in every entry, which the chunks
+  left out (opts.smoothing_apart), to dx and dW: dx[n] −= a[n] ε / V · Σ_v W[:, v], and
+  every column of dW −= ε / V · Σ_n a[n] x[n]. One pass over each, where a pass over every
+  chunk's [C, V] buffer would have added it to G; each takes one more rounding there."""
+  stats, dx, dw, db = carry
+  k = a.astype(jnp.float32) * (opts.label_smoothing / opts.smoothing_vocab)
+  if dx is not None:
+    dx = (dx.astype(jnp.float32) - k[:, None] * w_sum[None, :]).astype(dx.dtype)
+  if dw is not None:
+    u = jnp.einsum("n,nd->d", k, x, preferred_element_type=jnp.float32)
+    u = u[:, None] if opts.weight_layout == "dv" else u[None, :]
+    dw = (dw.astype(jnp.float32) - u).astype(dw.dtype)
+  return stats, dx, dw, db
 
 
 def _reduced_in_loop(opts: LossOptions) -> bool:

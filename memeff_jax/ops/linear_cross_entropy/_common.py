@@ -48,6 +48,10 @@ class LossOptions:
   # Vocab parallel: a shard's options name its slice's size in vocab_size and the whole
   # vocabulary's here, over which label smoothing spreads ε; None: vocab_size is the whole.
   whole_vocab: int | None = None
+  # Label smoothing's uniform share of G, −a ε / V in every entry, left out of block_grad:
+  # the chunk loop adds it to dx and dW once for all tokens (_chunked.run_chunks), so that
+  # G is a factor per row times the exponentials (pallas_mosaic_gpu's exp_logits).
+  smoothing_apart: bool = False
 
   @property
   def smoothing_vocab(self) -> int:
@@ -169,13 +173,13 @@ def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions, *, padded: bool =
   """G for one block of capped logits (float32 [R, Vb]); zero in padding columns.
 
   G = b·p − a·q with p = exp(ẑ − lse) (or `probs`, p computed already), q = (1 − ε)·onehot(
-  label) + ε/V; labels=None means no row's label is among `cols`, and `padded` as in
-  block_stats.
+  label) + ε/V (without the ε/V where opts.smoothing_apart); labels=None means no row's
+  label is among `cols`, and `padded` as in block_stats.
   """
   eps = opts.label_smoothing
   b = grad_scale(a, e, lse, opts)
   g = b[:, None] * (jnp.exp(zc - lse[:, None]) if probs is None else probs)
-  if eps:
+  if eps and not opts.smoothing_apart:
     g = g - (a * (eps / opts.smoothing_vocab))[:, None]
   if labels is not None:
     hit = cols[None, :] == labels[:, None]

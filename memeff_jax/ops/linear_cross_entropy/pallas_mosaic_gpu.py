@@ -17,8 +17,11 @@ where all three GEMMs are ours (measured level with cuBLAS there); a chunk whose
 exponentials leave the safe range takes the softmax pass instead (ChunkBackend._exp_chunk).
 
 With a logit softcap c, step 1 stores exp(ẑ) times ẑ's slope (ẑ = c·tanh(z / c)), which
-keeps G = diag(s) E. The softmax pass (other GPUs, float16, calls with a bias or label smoothing, the backward
-of reduction="none"): z = x_c @ W (cuBLAS or kernels.mosaic_gemm), then
+keeps G = diag(s) E. With label smoothing, G's uniform share −a ε / V goes to dx and dW after
+the chunks (LossOptions.smoothing_apart), which keeps it too.
+
+The softmax pass (other GPUs, float16, calls with a bias, label smoothing under a cap or
+vocab parallel, the backward of reduction="none"): z = x_c @ W (cuBLAS or kernels.mosaic_gemm), then
 triton_softmax's kernel overwrites z with G = ∂loss/∂z, then dx_c = G Wᵀ and dW += x_cᵀ G.
 Memory: one [C, V] buffer in the compute dtype; dW accumulates in the weight's dtype (one
 rounding per chunk with cuBLAS, two with the Mosaic GEMM's TMA adds) unless
@@ -128,14 +131,15 @@ class PallasMosaicGpu:
       dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
       scaled rows wait in dx's rows; where dx's is, it writes them in place and scales
       them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the
-      safe range falls back to the softmax pass. Calls with a bias or label smoothing, and
-      the backward pass of reduction="none", use the softmax pass throughout (a logit
-      softcap does not: E then holds each exponential times the cap's slope). None (the
-      default): wherever that GEMM can run (a Hopper GPU, x and
-      weight both bfloat16, as float16 cannot hold E's range; a chunk that fits its
-      tiles; never in interpret mode), unless fused_lse is set (the softmax pass whose
-      partials take no memory: the lowest-memory setting); True: always,
-      NotImplementedError where it cannot run; False: never.
+      safe range falls back to the softmax pass. Calls with a bias, label smoothing under a
+      logit softcap or vocab parallel, and the backward pass of reduction="none", use the
+      softmax pass throughout (a softcap alone does not: E then holds each exponential times
+      the cap's slope; nor does smoothing alone: its uniform share of G goes to dx and dW
+      after the chunks, LossOptions.smoothing_apart). None (the default): wherever that
+      GEMM can run (a Hopper GPU, x and weight both bfloat16, as float16 cannot hold E's
+      range; a chunk that fits its tiles; never in interpret mode), unless fused_lse is set
+      (the softmax pass whose partials take no memory: the lowest-memory setting); True:
+      always, NotImplementedError where it cannot run; False: never.
   """
 
   memory_budget_bytes: int | None = None
@@ -316,7 +320,13 @@ class PallasMosaicGpu:
         raise _dispatch.Unsupported("pallas_mosaic_gpu exp_logits stores exp(z) up to e^64 in "
                                     "x's dtype, which float16 cannot hold; got float16 x")
       wanted = False
-    wanted = wanted and bias is None and not opts.label_smoothing
+    # Label smoothing's uniform share of G goes to dx and dW after the chunks
+    # (LossOptions.smoothing_apart); under a cap it is not uniform, and vocab parallel would
+    # need its column sums merged across the shards.
+    wanted = wanted and bias is None and not (opts.label_smoothing and (
+        opts.logit_softcap is not None or vocab is not None))
+    if wanted and opts.label_smoothing:
+      whole = opts = dataclasses.replace(opts, smoothing_apart=True)
     if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
       raise _dispatch.Unsupported("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds "
                                   "no bias and applies no logit_softcap")
@@ -592,9 +602,10 @@ class ChunkBackend:
     """G of the chunk without a softmax pass: (buffer, scale, Stats) with G = diag(scale)
     buffer.
 
-    With E = exp(z) from the logits GEMM and lse from its row sums, G = b·p − a·onehot
-    (block_grad without smoothing; b = a (1 + 2λ lse) + e) is diag(b e^-lse) E with each
-    row's label entry replaced by e^lse (p_y − a/b): one scattered write per row. The label
+    With E = exp(z) from the logits GEMM and lse from its row sums, G = b·p − a'·onehot
+    (block_grad; b = a (1 + 2λ lse) + e, a' = a (1 − ε), label smoothing's uniform share
+    apart: LossOptions.smoothing_apart) is diag(b e^-lse) E with each row's label entry
+    replaced by e^lse (p_y − a'/b): one scattered write per row. The label
     logit is log E[n, y]. With a logit softcap E holds exp(ẑ) times ẑ's slope s (see
     _exp_logits), the label entry is e^lse (p_y − a/b) s_y, and the label logit comes from
     a dot of x's row with W's label column (log E[n, y] would hold s_y too). Exact up to
@@ -656,7 +667,8 @@ class ChunkBackend:
 
     patch = in_range & (a_c != 0)
     safe_b = jnp.where(b != 0, b, 1.0)
-    entry = jnp.exp(lse) * (jnp.expm1(z_y - lse) + (1.0 - a_c / safe_b)) * slope_y
+    label_weight = a_c * (1.0 - opts.label_smoothing)  # a': the uniform share is apart
+    entry = jnp.exp(lse) * (jnp.expm1(z_y - lse) + (1.0 - label_weight / safe_b)) * slope_y
     target = jnp.where(ok, rows, rows + rows.shape[0])  # out of bounds: dropped
     e = e.at[target, col].set(jnp.where(patch, entry, e_y).astype(e.dtype), mode="drop",
                               unique_indices=True, indices_are_sorted=True)

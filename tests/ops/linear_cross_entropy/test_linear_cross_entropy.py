@@ -40,6 +40,7 @@ OPTION_SETS = {
     "where": dict(where=True),
     "vd": dict(weight_layout="vd"),
     "softcap_vd": dict(logit_softcap=3.0, z_loss=1e-2, where=True, weight_layout="vd"),
+    "smoothing_vd": dict(label_smoothing=0.2, z_loss=1e-2, where=True, weight_layout="vd"),
     "all": dict(label_smoothing=0.2, z_loss=1e-2, logit_softcap=3.0, bias=True, where=True),
     "all_vd": dict(label_smoothing=0.2, z_loss=1e-2, logit_softcap=3.0, bias=True, where=True,
                    weight_layout="vd"),
@@ -468,12 +469,52 @@ def test_pallas_gpu_kernel_lowers_for_cuda():
 
 
 class TestPallasGpuExpLogitsInterpret(_LinearCrossEntropyTest):
-  """exp_logits with the logits GEMM's XLA equivalent, a logit softcap included. The options
-  it does not take (bias, smoothing) send a call through the softmax pass, which
-  TestPallasGpuInterpret tests option by option: here only together ("all", "all_vd")."""
+  """exp_logits with the logits GEMM's XLA equivalent, a logit softcap and label smoothing
+  included (each alone). What it does not take (a bias, smoothing under a cap) sends a call
+  through the softmax pass, which TestPallasGpuInterpret tests option by option: here only
+  together ("all", "all_vd")."""
 
   impl = PallasMosaicGpu(interpret=True, exp_logits=True)
-  option_sets = ("plain", "z_loss", "where", "vd", "softcap", "softcap_vd", "all", "all_vd")
+  option_sets = ("plain", "z_loss", "where", "vd", "softcap", "softcap_vd", "smoothing",
+                 "smoothing_vd", "all", "all_vd")
+
+
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+@pytest.mark.parametrize("reduction", ["sum", "none", "aux"])
+def test_smoothing_apart_matches_reference(layout, reduction, monkeypatch):
+  """Label smoothing on the exponential path (interpret mode): the chunks leave G's uniform
+  share out and _chunked.smoothing_terms adds it to dx and dW in each pass that makes
+  gradients: the forward's for a sum, the backward's for reduction="none", and the
+  backward's second pass where return_aux's log-sum-exp is differentiated. 74 tokens in
+  chunks of 16 (a ragged one), `where` and a z-loss."""
+  passes = []
+  add = _chunked.smoothing_terms
+  monkeypatch.setattr(_chunked, "smoothing_terms", lambda *a: passes.append(1) or add(*a))
+  options = dict(label_smoothing=0.2, z_loss=1e-2, weight_layout=layout)
+  x, w, labels, _, where = make_problem(jax.random.key(25), (2, 37), 24, 1000, jnp.float32,
+                                        where=True, **options)
+  impl = PallasMosaicGpu(interpret=True, exp_logits=True)
+  if reduction != "aux":
+    options["reduction"] = reduction
+    got, got_g = value_and_grads(loss_fn(impl, labels, options, 16), x, w, None, where,
+                                 reduction)
+    ref, ref_g = value_and_grads(loss_fn("reference", labels, options), x, w, None, where,
+                                 reduction)
+  else:
+    def total(impl, x, w):
+      loss, aux = memeff_jax.linear_cross_entropy(x, w, labels, where=where, return_aux=True,
+                                                  implementation=impl, chunk_size=16, **options)
+      ct = jnp.sin(jnp.arange(aux.lse.size, dtype=jnp.float32)).reshape(aux.lse.shape)
+      return loss + jnp.sum(aux.lse * ct), loss
+
+    (_, got), got_g = jax.value_and_grad(lambda x, w: total(impl, x, w), argnums=(0, 1),
+                                         has_aux=True)(x, w)
+    (_, ref), ref_g = jax.value_and_grad(lambda x, w: total("reference", x, w),
+                                         argnums=(0, 1), has_aux=True)(x, w)
+  assert passes
+  assert rel_err(got, ref) < TOL[jnp.float32]
+  for gg, rg in zip(got_g, ref_g):
+    assert rel_err(gg, rg) < TOL[jnp.float32]
 
 
 def test_exp_logits_refuses_float16():
@@ -494,16 +535,18 @@ def _exp_chunk(x, w, labels, a, e, opts):
 @pytest.mark.parametrize("shift,softcap,fast", [
     (0.0, None, True), (30.0, None, True), (-15.0, None, True), (80.0, None, False),
     (-60.0, None, False), (0.0, 20.0, True), (80.0, 20.0, True), (-60.0, 20.0, True),
-    (100.0, 70.0, False)])
+    (100.0, 70.0, False), (0.0, "smoothing", True), (80.0, "smoothing", False)])
 def test_exp_chunk_against_softmax_pass(shift, softcap, fast):
   """One chunk's G as exp_logits makes it (diag(scale) buffer) against the softmax pass's,
   with logits shifted by `shift` (x's last feature is 1, w's last row the shift): inside
   the safe range the buffer holds exponentials (scale ≠ 1), outside it the chunk falls back
   to the softmax pass (scale = 1). A softcap of 20 keeps every shift inside the range (the
-  buffer then holds the cap's slope too); one of 70 does not. Rows with ignored and
-  out-of-range labels, a z-loss, and coefficients e as a differentiated log-sum-exp gives
-  them."""
-  opts = _common.LossOptions(vocab_size=1000, z_loss=1e-3, logit_softcap=softcap)
+  buffer then holds the cap's slope too); one of 70 does not. With label smoothing (no cap)
+  both leave its uniform share out (smoothing_apart). Rows with ignored and out-of-range
+  labels, a z-loss, and coefficients e as a differentiated log-sum-exp gives them."""
+  smoothing = dict(label_smoothing=0.1, smoothing_apart=True) if softcap == "smoothing" else {}
+  softcap = None if smoothing else softcap
+  opts = _common.LossOptions(vocab_size=1000, z_loss=1e-3, logit_softcap=softcap, **smoothing)
   x, w, labels, _, _ = make_problem(jax.random.key(21), (48,), 32, 1000, jnp.float32)
   x = x.at[:, -1].set(1.0)
   w = w.at[-1].set(shift)
@@ -743,17 +786,20 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("option", ["softcap", "smoothing"])
 @pytest.mark.parametrize("layout", ["dv", "vd"])
 @pytest.mark.parametrize("n", [712, 4096])
-def test_softcapped_exp_logits_match_reference(layout, n):
-  """Gemma-2's logit softcap (30) on the exp path: the exp GEMM stores exp(ẑ) times the
-  cap's slope, with the default GEMMs in both layouts; 712 tokens in chunks of 256 (a
-  ragged one first) and 4,096 in the default's chunks, a z-loss and `where`. The logits
-  reach about ±90, so the cap bends them."""
-  options = dict(weight_layout=layout, z_loss=1e-3, where=True, logit_softcap=30.0)
+def test_capped_or_smoothed_exp_logits_match_reference(option, layout, n):
+  """Gemma-2's logit softcap (30), or label smoothing (0.1), on the exp path with the default
+  GEMMs in both layouts: the exp GEMM stores exp(ẑ) times the cap's slope (logits up to
+  about ±90, which the cap bends), or smoothing's uniform share goes to dx and dW after the
+  chunks. 712 tokens in chunks of 256 (a ragged one first) and 4,096 in the default's
+  chunks, a z-loss and `where`."""
+  extra = dict(logit_softcap=30.0) if option == "softcap" else dict(label_smoothing=0.1)
+  options = dict(weight_layout=layout, z_loss=1e-3, where=True, **extra)
   x, w, labels, _, where = make_problem(jax.random.key(24), (n,), 256, 2000, jnp.bfloat16,
                                         **options)
-  w = w * 12
+  w = w * (12 if option == "softcap" else 3)
   f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, labels, where=where,
                                                    implementation="pallas_mosaic_gpu",
                                                    **{k: v for k, v in options.items()
@@ -869,9 +915,10 @@ def test_a_call_under_one_chunk_runs_on_whole_tiles():
 
 @pytest.mark.gpu
 def test_exp_logits_is_the_default_where_it_serves():
-  """The default pallas_mosaic_gpu runs the exp GEMM for a bf16 mean loss, a softcapped one
-  too, with or without the other GEMMs on kernels.mosaic_gemm, and the softmax pass (no exp
-  GEMM) with a bias, label smoothing, float32 or float16 inputs, or fused_lse."""
+  """The default pallas_mosaic_gpu runs the exp GEMM for a bf16 mean loss, with a softcap or
+  label smoothing too, with or without the other GEMMs on kernels.mosaic_gemm, and the
+  softmax pass (no exp GEMM) with a bias, smoothing under a cap, float32 or float16 inputs,
+  or fused_lse."""
   x, w, labels, b, _ = make_problem(jax.random.key(16), (512,), 256, 2000, jnp.bfloat16,
                                     bias=True)
 
@@ -883,8 +930,9 @@ def test_exp_logits_is_the_default_where_it_serves():
 
   assert uses_exp()
   assert not uses_exp(bias=b)
-  assert not uses_exp(label_smoothing=0.1)
   assert uses_exp(logit_softcap=30.0)
+  assert uses_exp(label_smoothing=0.1)
+  assert not uses_exp(label_smoothing=0.1, logit_softcap=30.0)
   assert not uses_exp(dtype=jnp.float32)
   assert not uses_exp(dtype=jnp.float16)  # E's range is beyond float16's
   assert uses_exp(PallasMosaicGpu(mosaic_gemms=("logits", "dx", "dw")))
