@@ -13,7 +13,8 @@ Providers (those whose packages are missing are skipped, with a note):
   tokamax            tokamax.linear_softmax_cross_entropy_loss (default implementation)
   torch_naive, torch_compile, liger, cce    PyTorch peers (CUDA only)
 
-A set's `logit_softcap` caps every provider's logits (the floor's matmuls are the same).
+A set's `logit_softcap` and `label_smoothing` apply to every provider (the floor's matmuls
+are the same).
 
 Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step), extra memory
 (XLA temporaries for JAX; peak allocated over the inputs for torch) and the loss value.
@@ -66,23 +67,30 @@ def _loss_and_grads(loss_fn):
   return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
 
 
-def _capped(logits, softcap):
-  return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
+def _naive_losses(logits, y, softcap=None, smoothing=0.0):
+  """Per-token losses of [C, V] float32 logits, capped and smoothed as the set says."""
+  import optax  # pylint: disable=import-outside-toplevel
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
+  if not smoothing:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  picked = jnp.take_along_axis(logp, y[:, None], axis=-1)[:, 0]
+  return -(1.0 - smoothing) * picked - smoothing * jnp.mean(logp, axis=-1)
 
 
-def jax_case(provider, x, w, y, kg, softcap=None):
+def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0):
   """(jitted fn, args) computing the loss and (dx, dW) for a JAX provider; `softcap` caps
-  the logits (Gemma-2's final_logit_softcapping), as every provider but the floor does."""
+  the logits (Gemma-2's final_logit_softcapping) and `smoothing` smooths the labels, as
+  every provider but the floor does."""
   if provider == "floor":
     w = jnp.pad(w, ((0, 0), (0, -w.shape[1] % 128)))
     g = jax.random.normal(kg, (x.shape[0], w.shape[1]), jnp.float32).astype(x.dtype) * 1e-3
     fn = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
     return fn, (x, w, g)
-  import optax  # pylint: disable=import-outside-toplevel
   if provider == "jax_naive":
     def loss(x, w):
-      logits = _capped((x @ w).astype(jnp.float32), softcap)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+      return _naive_losses((x @ w).astype(jnp.float32), y, softcap, smoothing).mean()
     return _loss_and_grads(loss), (x, w)
   if provider == "jax_scan_remat":
     chunk = math.gcd(x.shape[0], 1024)
@@ -90,15 +98,14 @@ def jax_case(provider, x, w, y, kg, softcap=None):
     def loss(x, w):
       @jax.checkpoint
       def one(xc, yc):
-        logits = _capped((xc @ w).astype(jnp.float32), softcap)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, yc).sum()
+        return _naive_losses((xc @ w).astype(jnp.float32), yc, softcap, smoothing).sum()
       xs, ys = x[:n].reshape(-1, chunk, x.shape[1]), y[:n].reshape(-1, chunk)
       total = jax.lax.scan(lambda acc, xy: (acc + one(*xy), None), 0.0, (xs, ys))[0]
       return total / n
     return _loss_and_grads(loss), (x, w)
   if provider == "tokamax":
-    if softcap is not None:
-      raise ImportError("tokamax's loss takes no logit softcap")
+    if softcap is not None or smoothing:
+      raise ImportError("tokamax's loss takes no logit softcap or label smoothing")
     tokamax = import_tokamax()
     return _loss_and_grads(lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
         x, y, w, reduction="mean")), (x, w)
@@ -107,7 +114,8 @@ def jax_case(provider, x, w, y, kg, softcap=None):
     if layout == "vd":
       w = jax.block_until_ready(jnp.copy(w.T))
     return _loss_and_grads(lambda x, w: memeff_jax.linear_cross_entropy(
-        x, w, y, weight_layout=layout, implementation=impl, logit_softcap=softcap)), (x, w)
+        x, w, y, weight_layout=layout, implementation=impl, logit_softcap=softcap,
+        label_smoothing=smoothing)), (x, w)
   raise KeyError(provider)
 
 
@@ -206,7 +214,7 @@ def parse_memeff(provider: str):
   return impl, layout
 
 
-def torch_loss_fn(provider, softcap=None):
+def torch_loss_fn(provider, softcap=None, smoothing=0.0):
   """loss_fn(x [N, D], w [V, D], y [N] int64) for a PyTorch provider."""
   import torch  # pylint: disable=import-outside-toplevel
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
@@ -215,7 +223,7 @@ def torch_loss_fn(provider, softcap=None):
     logits = F.linear(x, w).float()
     if softcap is not None:
       logits = softcap * torch.tanh(logits / softcap)
-    return F.cross_entropy(logits, y)
+    return F.cross_entropy(logits, y, label_smoothing=smoothing)
 
   if provider == "torch_naive":
     return naive
@@ -223,15 +231,17 @@ def torch_loss_fn(provider, softcap=None):
     return torch.compile(naive)
   if provider == "liger":
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
-    module = LigerFusedLinearCrossEntropyLoss(softcap=softcap)
+    module = LigerFusedLinearCrossEntropyLoss(softcap=softcap, label_smoothing=smoothing)
     return lambda x, w, y: module(w, x, y)
   if provider == "cce":
     from cut_cross_entropy import linear_cross_entropy as cce_loss  # pylint: disable=import-outside-toplevel
+    if smoothing:
+      raise ImportError("Cut Cross-Entropy takes no label smoothing")
     return lambda x, w, y: cce_loss(x, w, y, softcap=softcap)
   raise KeyError(provider)
 
 
-def torch_case(provider, x, w, y, softcap=None):
+def torch_case(provider, x, w, y, softcap=None, smoothing=0.0):
   """A closure running forward+backward in torch, and a loss getter."""
   import torch  # pylint: disable=import-outside-toplevel
   dev = "cuda"
@@ -241,7 +251,7 @@ def torch_case(provider, x, w, y, softcap=None):
   wt = torch.from_numpy(np.array(w, np.float32).T).to(dev, tdtype).contiguous()
   wt.requires_grad_()
   yt = torch.from_numpy(np.asarray(y).astype(np.int64)).to(dev)
-  step, state = torch_step(torch_loss_fn(provider, softcap), xt, wt, yt)
+  step, state = torch_step(torch_loss_fn(provider, softcap, smoothing), xt, wt, yt)
   return step, state, (xt, wt, yt)
 
 
@@ -263,7 +273,7 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
   sets = _harness.shape_sets("linear_cross_entropy")
   spec = sets[set_name]
   dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
-  softcap = spec.get("logit_softcap")
+  softcap, smoothing = spec.get("logit_softcap"), spec.get("label_smoothing", 0.0)
   env = _harness.environment()
   rows = []
   for shape in spec["shapes"]:
@@ -276,17 +286,19 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
                  dtype=dtype.name, provider=provider, rounds=rounds, **env)
       if softcap is not None:
         row["logit_softcap"] = softcap
+      if smoothing:
+        row["label_smoothing"] = smoothing
       try:
         if provider.startswith("torch") or provider in ("liger", "cce"):
           if env["platform"] != "gpu":
             print(f"  skip {provider}: torch peers run on CUDA only")
             continue
-          step, state, tensors = torch_case(provider, x, w, y, softcap)
+          step, state, tensors = torch_case(provider, x, w, y, softcap, smoothing)
           row["extra_bytes"] = _harness.torch_extra_bytes(step, tensors[:2])
           cases[provider] = (row, lambda step=step: _harness.time_torch(step, reps=reps),
                              lambda state=state: float(state["loss"].detach()))
         else:
-          fn, args = jax_case(provider, x, w, y, kg, softcap)
+          fn, args = jax_case(provider, x, w, y, kg, softcap, smoothing)
           row["extra_bytes"] = _harness.jax_temp_bytes(fn, *args)
           loss = float(fn(*args)[0]) if provider != "floor" else None
           timer = functools.partial(_harness.time_jax, fn, *args, reps=reps, inner=None)

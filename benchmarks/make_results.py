@@ -251,8 +251,9 @@ def runs(rows: list[dict]):
 def run_heading(key, rows) -> str:
   set_name, device, stamp, n, d, v, dtype = key
   versions = ", ".join(f"{k} {rows[0][k]}" for k in ("jax", "torch") if k in rows[0])
-  cap = rows[0].get("logit_softcap")
+  cap, smoothing = rows[0].get("logit_softcap"), rows[0].get("label_smoothing")
   dtype = dtype if cap is None else f"{dtype}, logit softcap {cap:g}"
+  dtype = dtype if not smoothing else f"{dtype}, label smoothing {smoothing:g}"
   return (f"**{set_name}** (N={n:,}, D={d:,}, V={v:,}, {dtype}) on {device}, {stamp} "
           f"({versions}), forward+backward{_rounds(rows)}")
 
