@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads the torch and JAX peers' wheels (pure Python, plus the few compiled dependencies
 # tokamax needs that the device image lacks) into .whl/, which the device calls carry
-# (carry [".whl"]) and benchmarks/device_env.sh installs there. The image already has jax,
+# (carry [".whl"]) and benchmarks/gpu.sh installs there. The image already has jax,
 # torch, triton, flax, optax, chex, numpy and absl. Compiled wheels are fetched for the
 # image's Python (3.12, manylinux x86_64).
 set -euo pipefail
