@@ -21,7 +21,7 @@ keeps G = diag(s) E. With label smoothing, G's uniform share −a ε / V goes to
 the chunks (LossOptions.smoothing_apart), which keeps it too.
 
 The softmax pass (other GPUs, float16, calls with a bias, label smoothing under a cap or
-vocab parallel, the backward of reduction="none"): z = x_c @ W (cuBLAS or kernels.mosaic_gemm), then
+vocab parallel, and every call's statistics without gradients): z = x_c @ W (cuBLAS or kernels.mosaic_gemm), then
 triton_softmax's kernel overwrites z with G = ∂loss/∂z, then dx_c = G Wᵀ and dW += x_cᵀ G.
 Memory: one [C, V] buffer in the compute dtype; dW accumulates in the weight's dtype (one
 rounding per chunk with cuBLAS, two with the Mosaic GEMM's TMA adds) unless
@@ -131,9 +131,8 @@ class PallasMosaicGpu:
       dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
       scaled rows wait in dx's rows; where dx's is, it writes them in place and scales
       them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the
-      safe range falls back to the softmax pass. Calls with a bias, label smoothing under a
-      logit softcap or vocab parallel, and the backward pass of reduction="none", use the
-      softmax pass throughout (a softcap alone does not: E then holds each exponential times
+      safe range falls back to the softmax pass. Calls with a bias, or label smoothing under
+      a logit softcap or vocab parallel, use the softmax pass throughout (a softcap alone does not: E then holds each exponential times
       the cap's slope; nor does smoothing alone: its uniform share of G goes to dx and dW
       after the chunks, LossOptions.smoothing_apart). None (the default): wherever that
       GEMM can run (a Hopper GPU, x and weight both bfloat16, as float16 cannot hold E's
@@ -481,8 +480,8 @@ class ChunkBackend:
     if need_dx and dx_into is not None:
       dx_rows = dx_into._replace(array=jax.new_ref(dx_into.array))
     scale = None  # exp_logits: the per-row factor of G that the buffer does not hold
-    if self.exp_logits and lse_c is None:
-      g, scale, stats = self._exp_chunk(x_c, w, labels_c, a_c, e_c, vocab)
+    if self.exp_logits:
+      g, scale, stats = self._exp_chunk(x_c, w, labels_c, a_c, e_c, vocab, lse_c)
     elif vocab is not None and lse_c is None:  # the slice's statistics, merged, then G
       z = self._logits(x_c, w, bias)
       stats = vocab.merge(Stats(*self._softmax(z, labels_c)))
@@ -598,7 +597,8 @@ class ChunkBackend:
     in_vocab = jnp.arange(e.shape[1]) < vocab
     return stored.astype(x_c.dtype), jnp.sum(jnp.where(in_vocab, e, 0.0), axis=1)[None]
 
-  def _exp_chunk(self, x_c, w, labels_c, a_c, e_c, vocab: VocabShards | None = None):
+  def _exp_chunk(self, x_c, w, labels_c, a_c, e_c, vocab: VocabShards | None = None,
+                 lse_c=None):
     """G of the chunk without a softmax pass: (buffer, scale, Stats) with G = diag(scale)
     buffer.
 
@@ -620,7 +620,8 @@ class ChunkBackend:
     Vocab parallel, E's row sums need no shift to be merged: one psum gives the whole
     vocabulary's, with the label logit and the label checks of the shard holding the label,
     so every shard makes the same choice; the fallback merges its pass's statistics
-    (VocabShards.merge) before making G.
+    (VocabShards.merge) before making G. With `lse_c` (a backward pass, the forward's
+    whole-vocabulary log-sum-exps) G is made from it and the row sums go unused.
     """
     opts = self.opts
     rows = jnp.arange(labels_c.shape[0])
@@ -643,7 +644,8 @@ class ChunkBackend:
                          in_range.astype(jnp.float32), low.astype(jnp.float32)])
     if vocab is not None:
       rowwise = vocab.sum(rowwise)
-    lse, label_logit = jnp.log(rowwise[0]), rowwise[1]
+    lse = jnp.log(rowwise[0]) if lse_c is None else lse_c
+    label_logit = rowwise[1]
     b = _common.grad_scale(a_c, e_c, lse, opts)
     counts, labelled = (a_c != 0) | (b != 0), (rowwise[2] > 0) & (a_c != 0)
     lo, hi = LSE_RANGE
@@ -659,8 +661,8 @@ class ChunkBackend:
       e = ref[...]
     else:  # interpret mode: XLA, which has no in-place conditional GEMM
       e = jnp.where(ok, e, self._logits(x_c, w, None))
-    if vocab is None:
-      e, *slow = self._softmax(e, labels_c, a_c, e_c, enabled=~ok)
+    if vocab is None or lse_c is not None:
+      e, *slow = self._softmax(e, labels_c, a_c, e_c, lse_c, enabled=~ok)
     else:
       slow = vocab.merge(Stats(*self._softmax(e, labels_c, enabled=~ok)))
       e, *_ = self._softmax(e, labels_c, a_c, e_c, slow.lse, enabled=~ok)

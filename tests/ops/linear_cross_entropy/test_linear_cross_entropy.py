@@ -100,11 +100,11 @@ class _LinearCrossEntropyTest:
   chunk_size = 16
   option_sets = tuple(OPTION_SETS)  # those test_matches_reference runs
 
-  # Every option set with reduction="mean"; "sum" on plain and all_vd, "none" on all and
-  # all_vd.
+  # Every option set with reduction="mean"; "sum" on plain and all_vd, "none" on all,
+  # all_vd and softcap_vd (its backward on pallas_mosaic_gpu's exponential path).
   @pytest.mark.parametrize("name, reduction", [(name, "mean") for name in sorted(OPTION_SETS)]
                            + [("plain", "sum"), ("all_vd", "sum"), ("all", "none"),
-                              ("all_vd", "none")])
+                              ("all_vd", "none"), ("softcap_vd", "none")])
   def test_matches_reference(self, name, reduction):
     options = dict(OPTION_SETS[name], reduction=reduction)
     if name not in self.option_sets:
@@ -526,10 +526,10 @@ def test_exp_logits_refuses_float16():
         x, w, None, None)
 
 
-def _exp_chunk(x, w, labels, a, e, opts):
+def _exp_chunk(x, w, labels, a, e, opts, lse=None):
   backend = pallas_mosaic_gpu.ChunkBackend(opts=opts, kernel=SoftmaxKernelConfig(), interpret=True,
                                           dw_accumulation="weight", exp_logits=True)
-  return jax.jit(backend._exp_chunk)(x, w, labels, a, e)
+  return jax.jit(backend._exp_chunk)(x, w, labels, a, e, None, lse)
 
 
 @pytest.mark.parametrize("shift,softcap,fast", [
@@ -561,10 +561,15 @@ def test_exp_chunk_against_softmax_pass(shift, softcap, fast):
                                               config=SoftmaxKernelConfig(), interpret=True)
   # Near the cap's saturation its slope 1 − tanh² (1.3e-3 at z / c = 4, the shift of 80)
   # holds float32's rounding of tanh relative to its own size: ~1e-4 there, in either form.
-  assert rel_err(g, want_g) < (1e-5 if softcap is None or not shift else 2e-4)
+  tol = 1e-5 if softcap is None or not shift else 2e-4
+  assert rel_err(g, want_g) < tol
   in_range = (labels >= 0) & (labels < 1000)
   for got, ref in zip(stats[:2], want[:2]):  # lse, label logit (logit_sum: smoothing only)
     assert rel_err(jnp.where(in_range, got, 0), jnp.where(in_range, ref, 0)) < 1e-6
+  # A backward pass's: G from the forward's log-sum-exps.
+  buf, scale, _ = _exp_chunk(x, w, labels, a, e, opts, lse=want[0])
+  assert bool(jnp.any(scale != 1.0)) == fast
+  assert rel_err(scale[:, None] * buf, want_g) < tol
 
 
 def test_exp_chunk_rows_that_do_not_count_may_leave_the_range():
@@ -788,24 +793,25 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
 @pytest.mark.gpu
 @pytest.mark.parametrize("option", ["softcap", "smoothing"])
 @pytest.mark.parametrize("layout", ["dv", "vd"])
-@pytest.mark.parametrize("n", [712, 4096])
-def test_capped_or_smoothed_exp_logits_match_reference(option, layout, n):
+@pytest.mark.parametrize("n, reduction", [(712, "mean"), (712, "none"), (4096, "mean")])
+def test_capped_or_smoothed_exp_logits_match_reference(option, layout, n, reduction):
   """Gemma-2's logit softcap (30), or label smoothing (0.1), on the exp path with the default
   GEMMs in both layouts: the exp GEMM stores exp(ẑ) times the cap's slope (logits up to
   about ±90, which the cap bends), or smoothing's uniform share goes to dx and dW after the
   chunks. 712 tokens in chunks of 256 (a ragged one first) and 4,096 in the default's
-  chunks, a z-loss and `where`."""
+  chunks, a z-loss and `where`; reduction="none", whose backward pass takes the exp path
+  with the forward's log-sum-exps."""
   extra = dict(logit_softcap=30.0) if option == "softcap" else dict(label_smoothing=0.1)
-  options = dict(weight_layout=layout, z_loss=1e-3, where=True, **extra)
+  options = dict(weight_layout=layout, z_loss=1e-3, where=True, reduction=reduction, **extra)
   x, w, labels, _, where = make_problem(jax.random.key(24), (n,), 256, 2000, jnp.bfloat16,
                                         **options)
   w = w * (12 if option == "softcap" else 3)
-  f = lambda x, w: memeff_jax.linear_cross_entropy(x, w, labels, where=where,
-                                                   implementation="pallas_mosaic_gpu",
-                                                   **{k: v for k, v in options.items()
-                                                      if k != "where"})
+  f = lambda x, w: jnp.sum(memeff_jax.linear_cross_entropy(
+      x, w, labels, where=where, implementation="pallas_mosaic_gpu",
+      **{k: v for k, v in options.items() if k != "where"}))
+  # (reduction="none": the forward's statistics take the softmax pass, the backward this.)
   assert "lce_exp_logits_gemm" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
-  assert_matches(PallasMosaicGpu(), x, w, labels, options, where,
+  assert_matches(PallasMosaicGpu(), x, w, labels, options, where, reduction=reduction,
                  chunk=256 if n == 712 else None)
 
 
