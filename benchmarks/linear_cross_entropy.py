@@ -13,8 +13,9 @@ Providers (those whose packages are missing are skipped, with a note):
   tokamax            tokamax.linear_softmax_cross_entropy_loss (default implementation)
   torch_naive, torch_compile, liger, cce    PyTorch peers (CUDA only)
 
-A set's `logit_softcap` and `label_smoothing` apply to every provider (the floor's matmuls
-are the same).
+A set's `logit_softcap`, `label_smoothing` and `reduction` (default "mean"; "none" sums the
+per-token losses to differentiate them) apply to every provider (the floor's matmuls are the
+same).
 
 Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step), extra memory
 (XLA temporaries for JAX; peak allocated over the inputs for torch) and the loss value.
@@ -79,10 +80,16 @@ def _naive_losses(logits, y, softcap=None, smoothing=0.0):
   return -(1.0 - smoothing) * picked - smoothing * jnp.mean(logp, axis=-1)
 
 
-def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0):
+def _reduced(losses, reduction):
+  """A scalar to differentiate: the mean, or the sum (of per-token losses, "none")."""
+  return losses.mean() if reduction == "mean" else losses.sum()
+
+
+def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean"):
   """(jitted fn, args) computing the loss and (dx, dW) for a JAX provider; `softcap` caps
-  the logits (Gemma-2's final_logit_softcapping) and `smoothing` smooths the labels, as
-  every provider but the floor does."""
+  the logits (Gemma-2's final_logit_softcapping), `smoothing` smooths the labels and
+  `reduction` reduces the tokens' losses ("none": per-token losses, summed here for the
+  gradient), as every provider but the floor does."""
   if provider == "floor":
     w = jnp.pad(w, ((0, 0), (0, -w.shape[1] % 128)))
     g = jax.random.normal(kg, (x.shape[0], w.shape[1]), jnp.float32).astype(x.dtype) * 1e-3
@@ -90,7 +97,8 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0):
     return fn, (x, w, g)
   if provider == "jax_naive":
     def loss(x, w):
-      return _naive_losses((x @ w).astype(jnp.float32), y, softcap, smoothing).mean()
+      return _reduced(_naive_losses((x @ w).astype(jnp.float32), y, softcap, smoothing),
+                      reduction)
     return _loss_and_grads(loss), (x, w)
   if provider == "jax_scan_remat":
     chunk = math.gcd(x.shape[0], 1024)
@@ -101,11 +109,11 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0):
         return _naive_losses((xc @ w).astype(jnp.float32), yc, softcap, smoothing).sum()
       xs, ys = x[:n].reshape(-1, chunk, x.shape[1]), y[:n].reshape(-1, chunk)
       total = jax.lax.scan(lambda acc, xy: (acc + one(*xy), None), 0.0, (xs, ys))[0]
-      return total / n
+      return total / n if reduction == "mean" else total
     return _loss_and_grads(loss), (x, w)
   if provider == "tokamax":
-    if softcap is not None or smoothing:
-      raise ImportError("tokamax's loss takes no logit softcap or label smoothing")
+    if softcap is not None or smoothing or reduction != "mean":
+      raise ImportError("tokamax's loss takes no logit softcap, label smoothing or reduction")
     tokamax = import_tokamax()
     return _loss_and_grads(lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
         x, y, w, reduction="mean")), (x, w)
@@ -113,9 +121,9 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0):
     impl, layout = parse_memeff(provider)
     if layout == "vd":
       w = jax.block_until_ready(jnp.copy(w.T))
-    return _loss_and_grads(lambda x, w: memeff_jax.linear_cross_entropy(
+    return _loss_and_grads(lambda x, w: _reduced(memeff_jax.linear_cross_entropy(
         x, w, y, weight_layout=layout, implementation=impl, logit_softcap=softcap,
-        label_smoothing=smoothing)), (x, w)
+        label_smoothing=smoothing, reduction=reduction), "sum")), (x, w)
   raise KeyError(provider)
 
 
@@ -214,7 +222,7 @@ def parse_memeff(provider: str):
   return impl, layout
 
 
-def torch_loss_fn(provider, softcap=None, smoothing=0.0):
+def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean"):
   """loss_fn(x [N, D], w [V, D], y [N] int64) for a PyTorch provider."""
   import torch  # pylint: disable=import-outside-toplevel
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
@@ -223,7 +231,7 @@ def torch_loss_fn(provider, softcap=None, smoothing=0.0):
     logits = F.linear(x, w).float()
     if softcap is not None:
       logits = softcap * torch.tanh(logits / softcap)
-    return F.cross_entropy(logits, y, label_smoothing=smoothing)
+    return F.cross_entropy(logits, y, label_smoothing=smoothing, reduction=reduction).sum()
 
   if provider == "torch_naive":
     return naive
@@ -231,17 +239,18 @@ def torch_loss_fn(provider, softcap=None, smoothing=0.0):
     return torch.compile(naive)
   if provider == "liger":
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
-    module = LigerFusedLinearCrossEntropyLoss(softcap=softcap, label_smoothing=smoothing)
-    return lambda x, w, y: module(w, x, y)
+    module = LigerFusedLinearCrossEntropyLoss(softcap=softcap, label_smoothing=smoothing,
+                                              reduction=reduction)
+    return lambda x, w, y: module(w, x, y).sum()
   if provider == "cce":
     from cut_cross_entropy import linear_cross_entropy as cce_loss  # pylint: disable=import-outside-toplevel
     if smoothing:
       raise ImportError("Cut Cross-Entropy takes no label smoothing")
-    return lambda x, w, y: cce_loss(x, w, y, softcap=softcap)
+    return lambda x, w, y: cce_loss(x, w, y, softcap=softcap, reduction=reduction).sum()
   raise KeyError(provider)
 
 
-def torch_case(provider, x, w, y, softcap=None, smoothing=0.0):
+def torch_case(provider, x, w, y, softcap=None, smoothing=0.0, reduction="mean"):
   """A closure running forward+backward in torch, and a loss getter."""
   import torch  # pylint: disable=import-outside-toplevel
   dev = "cuda"
@@ -251,7 +260,7 @@ def torch_case(provider, x, w, y, softcap=None, smoothing=0.0):
   wt = torch.from_numpy(np.array(w, np.float32).T).to(dev, tdtype).contiguous()
   wt.requires_grad_()
   yt = torch.from_numpy(np.asarray(y).astype(np.int64)).to(dev)
-  step, state = torch_step(torch_loss_fn(provider, softcap, smoothing), xt, wt, yt)
+  step, state = torch_step(torch_loss_fn(provider, softcap, smoothing, reduction), xt, wt, yt)
   return step, state, (xt, wt, yt)
 
 
@@ -274,6 +283,7 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
   spec = sets[set_name]
   dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
   softcap, smoothing = spec.get("logit_softcap"), spec.get("label_smoothing", 0.0)
+  reduction = spec.get("reduction", "mean")
   env = _harness.environment()
   rows = []
   for shape in spec["shapes"]:
@@ -288,17 +298,19 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
         row["logit_softcap"] = softcap
       if smoothing:
         row["label_smoothing"] = smoothing
+      if reduction != "mean":
+        row["reduction"] = reduction
       try:
         if provider.startswith("torch") or provider in ("liger", "cce"):
           if env["platform"] != "gpu":
             print(f"  skip {provider}: torch peers run on CUDA only")
             continue
-          step, state, tensors = torch_case(provider, x, w, y, softcap, smoothing)
+          step, state, tensors = torch_case(provider, x, w, y, softcap, smoothing, reduction)
           row["extra_bytes"] = _harness.torch_extra_bytes(step, tensors[:2])
           cases[provider] = (row, lambda step=step: _harness.time_torch(step, reps=reps),
                              lambda state=state: float(state["loss"].detach()))
         else:
-          fn, args = jax_case(provider, x, w, y, kg, softcap, smoothing)
+          fn, args = jax_case(provider, x, w, y, kg, softcap, smoothing, reduction)
           row["extra_bytes"] = _harness.jax_temp_bytes(fn, *args)
           loss = float(fn(*args)[0]) if provider != "floor" else None
           timer = functools.partial(_harness.time_jax, fn, *args, reps=reps, inner=None)

@@ -254,6 +254,8 @@ def run_heading(key, rows) -> str:
   cap, smoothing = rows[0].get("logit_softcap"), rows[0].get("label_smoothing")
   dtype = dtype if cap is None else f"{dtype}, logit softcap {cap:g}"
   dtype = dtype if not smoothing else f"{dtype}, label smoothing {smoothing:g}"
+  if rows[0].get("reduction"):
+    dtype = f"{dtype}, reduction {rows[0]['reduction']!r}"
   return (f"**{set_name}** (N={n:,}, D={d:,}, V={v:,}, {dtype}) on {device}, {stamp} "
           f"({versions}), forward+backward{_rounds(rows)}")
 
