@@ -157,3 +157,20 @@ def test_exp_logits_with_mosaic_gemms_fits_a_quarter_gib():
   logits, strips = 1024 * v * 2, (v // 128) * 1024 * 4
   assert logits <= temp < logits + strips + 2**18, f"{(temp - logits) / 2**20:.2f} MiB over E"
   assert temp < 2**28, f"{temp / 2**30:.4f} GiB"
+
+
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+def test_smoothing_apart_adds_its_share_in_place(layout):
+  """Label smoothing on the exponential path (interpret mode: the exp GEMM's XLA equivalent)
+  adds its uniform share of G to dx and dW after the chunks, in their buffers: against the
+  same call without smoothing the temporaries grow by a few vectors ([D] column sums and
+  Σ a x, [N] weights), not by a second dW (4 MiB here) or dx (1 MiB)."""
+  n, d, v = 2048, 256, 8192
+  x, w, y = _shapes(n, d, v, jnp.bfloat16)
+  if layout == "vd":
+    w = jax.ShapeDtypeStruct((v, d), jnp.bfloat16)
+  impl = PallasMosaicGpu(interpret=True, exp_logits=True)
+  temp = {eps: _temp_bytes(lambda x, w, y, eps=eps: memeff_jax.linear_cross_entropy(
+      x, w, y, weight_layout=layout, label_smoothing=eps, implementation=impl,
+      chunk_size=512), x, w, y) for eps in (0.0, 0.1)}
+  assert temp[0.1] - temp[0.0] < 2**18, {k: t / 2**20 for k, t in temp.items()}
