@@ -438,8 +438,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   the row of stats_gmem that is its column strip (cols // tile_n): no running statistics,
   so the walk is the ordinary one over all CTAs (see gemm); with `softcap` too, those of
   the capped product, and the tiles hold them times the cap's derivative (_exponentials).
-  `enabled` (a traced int32, or
-  None) multiplies every CTA's tile count: 0 makes the launch a no-op. With `scale_gmem`
+  `enabled` (a traced int32, or None) multiplies every CTA's tile count: 0 makes the launch
+  a no-op. With `scale_gmem`
   (float32 [M], see gemm's row_scale) each row of the product is multiplied by its entry
   in the epilogue, in float32, before C is added and the tile rounded.
   """

@@ -21,8 +21,9 @@ keeps G = diag(s) E. With label smoothing, G's uniform share −a ε / V goes to
 the chunks (LossOptions.smoothing_apart), which keeps it too.
 
 The softmax pass (other GPUs, float16, calls with a bias, label smoothing under a cap or
-vocab parallel, and every call's statistics without gradients): z = x_c @ W (cuBLAS or kernels.mosaic_gemm), then
-triton_softmax's kernel overwrites z with G = ∂loss/∂z, then dx_c = G Wᵀ and dW += x_cᵀ G.
+vocab parallel, and every call's statistics without gradients): z = x_c @ W (cuBLAS or
+kernels.mosaic_gemm), then triton_softmax's kernel overwrites z with G = ∂loss/∂z, then
+dx_c = G Wᵀ and dW += x_cᵀ G.
 Memory: one [C, V] buffer in the compute dtype; dW accumulates in the weight's dtype (one
 rounding per chunk with cuBLAS, two with the Mosaic GEMM's TMA adds) unless
 `dw_accumulation="float32"`. With `fused_lse` the Mosaic logits GEMM also hands over each
@@ -132,9 +133,10 @@ class PallasMosaicGpu:
       scaled rows wait in dx's rows; where dx's is, it writes them in place and scales
       them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the
       safe range falls back to the softmax pass. Calls with a bias, or label smoothing under
-      a logit softcap or vocab parallel, use the softmax pass throughout (a softcap alone does not: E then holds each exponential times
-      the cap's slope; nor does smoothing alone: its uniform share of G goes to dx and dW
-      after the chunks, LossOptions.smoothing_apart). None (the default): wherever that
+      a logit softcap or vocab parallel, use the softmax pass throughout (a softcap alone
+      does not: E then holds each exponential times the cap's slope; nor does smoothing
+      alone: its uniform share of G goes to dx and dW after the chunks,
+      LossOptions.smoothing_apart). None (the default): wherever that
       GEMM can run (a Hopper GPU, x and weight both bfloat16, as float16 cannot hold E's
       range; a chunk that fits its tiles; never in interpret mode), unless fused_lse is set
       (the softmax pass whose partials take no memory: the lowest-memory setting); True:
@@ -605,17 +607,16 @@ class ChunkBackend:
     With E = exp(z) from the logits GEMM and lse from its row sums, G = b·p − a'·onehot
     (block_grad; b = a (1 + 2λ lse) + e, a' = a (1 − ε), label smoothing's uniform share
     apart: LossOptions.smoothing_apart) is diag(b e^-lse) E with each row's label entry
-    replaced by e^lse (p_y − a'/b): one scattered write per row. The label
-    logit is log E[n, y]. With a logit softcap E holds exp(ẑ) times ẑ's slope s (see
-    _exp_logits), the label entry is e^lse (p_y − a/b) s_y, and the label logit comes from
-    a dot of x's row with W's label column (log E[n, y] would hold s_y too). Exact up to
-    E's rounding (the softmax pass rounds G and the logits), provided every row that counts
-    has lse in LSE_RANGE (so nothing it needs was clamped or flushed to zero), b ≠ 0 where
-    a ≠ 0, and the label logit ≥ MIN_LABEL_LOGIT. When
-    a row does not, the chunk takes the softmax pass instead (a second logits GEMM written
-    over E, then the pass over it) and the scale is 1. That choice is made by the kernels
-    themselves (their `enabled`, and the patch's indices dropped), not by lax.cond, whose
-    branches would each copy the [C, V] buffer.
+    replaced by e^lse (p_y − a'/b): one scattered write per row. The label logit is
+    log E[n, y]. With a logit softcap E holds exp(ẑ) times ẑ's slope s (see _exp_logits),
+    the label entry is e^lse (p_y − a'/b) s_y, and the label logit comes from a dot of x's
+    row with W's label column (log E[n, y] would hold s_y too). Exact up to E's rounding
+    (the softmax pass rounds G and the logits), provided every row that counts has lse in
+    LSE_RANGE (so nothing it needs was clamped or flushed to zero), b ≠ 0 where a ≠ 0, and
+    the label logit ≥ MIN_LABEL_LOGIT. When a row does not, the chunk takes the softmax
+    pass instead (a second logits GEMM written over E, then the pass over it) and the scale
+    is 1. That choice is made by the kernels themselves (their `enabled`, and the patch's
+    indices dropped), not by lax.cond, whose branches would each copy the [C, V] buffer.
 
     Vocab parallel, E's row sums need no shift to be merged: one psum gives the whole
     vocabulary's, with the label logit and the label checks of the shard holding the label,
