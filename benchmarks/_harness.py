@@ -126,9 +126,10 @@ def time_torch(fn, warmup: int = 2, reps: int = 10, lead_ms: float = 0.0) -> flo
 
 
 def torch_extra_bytes(step, leaves) -> int:
-  """Bytes torch allocates at the peak of step() (a forward and backward) beyond what was
-  allocated before it and the gradients it leaves in `leaves`' .grad, as XLA's temporaries
-  count. step() runs once before (compiling, autotuning), outside the measured peak."""
+  """Bytes torch allocates at the peak of step() (a forward and backward, or a forward)
+  beyond what was allocated before it and the gradients it leaves in `leaves`' .grad, as
+  XLA's temporaries count. step() runs once before (compiling, autotuning), outside the
+  measured peak."""
   import torch  # pylint: disable=import-outside-toplevel
   step()
   for x in leaves:  # the gradients are outputs: not held at the start
@@ -138,7 +139,7 @@ def torch_extra_bytes(step, leaves) -> int:
   base = torch.cuda.memory_allocated()
   step()
   torch.cuda.synchronize()
-  grads = sum(x.grad.numel() * x.grad.element_size() for x in leaves)
+  grads = sum(x.grad.numel() * x.grad.element_size() for x in leaves if x.grad is not None)
   return int(torch.cuda.max_memory_allocated() - base - grads)
 
 

@@ -15,10 +15,12 @@ Providers (those whose packages are missing are skipped, with a note):
 
 A set's `logit_softcap`, `label_smoothing` and `reduction` (default "mean"; "none" sums the
 per-token losses to differentiate them) apply to every provider (the floor's matmuls are the
-same).
+same). A set with `backward = false` times the loss alone, without gradients (evaluation, or
+an RL step's reference log-probs): the floor is then x@W alone, torch runs under no_grad.
 
-Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step), extra memory
-(XLA temporaries for JAX; peak allocated over the inputs for torch) and the loss value.
+Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step, 2·N·D·V for the loss
+alone), extra memory (XLA temporaries for JAX; peak allocated over the inputs for torch) and
+the loss value.
 Every provider is built and run once first (memory is measured then); `--rounds R` interleaved
 rounds then time each once per round, the order rotated each round, and ms is the median over
 rounds (see _harness.interleaved). A JAX provider's calls are queued in batches of about
@@ -64,7 +66,10 @@ def make_inputs(n, d, v, dtype, seed=0):
   return x, w, y, kg
 
 
-def _loss_and_grads(loss_fn):
+def _loss_and_grads(loss_fn, backward: bool = True):
+  """The jitted loss and (dx, dW), or with backward=False the loss alone (as a 1-tuple)."""
+  if not backward:
+    return jax.jit(lambda x, w: (loss_fn(x, w),))
   return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
 
 
@@ -85,21 +90,26 @@ def _reduced(losses, reduction):
   return losses.mean() if reduction == "mean" else losses.sum()
 
 
-def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean"):
-  """(jitted fn, args) computing the loss and (dx, dW) for a JAX provider; `softcap` caps
-  the logits (Gemma-2's final_logit_softcapping), `smoothing` smooths the labels and
-  `reduction` reduces the tokens' losses ("none": per-token losses, summed here for the
-  gradient), as every provider but the floor does."""
+def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean",
+             backward=True):
+  """(jitted fn, args) computing the loss and (dx, dW) for a JAX provider, or with
+  backward=False the loss alone; `softcap` caps the logits (Gemma-2's
+  final_logit_softcapping), `smoothing` smooths the labels and `reduction` reduces the
+  tokens' losses ("none": per-token losses, summed here), as every provider but the floor
+  does. fn(*args)[0] is the loss."""
   if provider == "floor":
     w = jnp.pad(w, ((0, 0), (0, -w.shape[1] % 128)))
+    if not backward:
+      return jax.jit(lambda x, w: (x @ w,)), (x, w)
     g = jax.random.normal(kg, (x.shape[0], w.shape[1]), jnp.float32).astype(x.dtype) * 1e-3
     fn = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
     return fn, (x, w, g)
+  grads = functools.partial(_loss_and_grads, backward=backward)
   if provider == "jax_naive":
     def loss(x, w):
       return _reduced(_naive_losses((x @ w).astype(jnp.float32), y, softcap, smoothing),
                       reduction)
-    return _loss_and_grads(loss), (x, w)
+    return grads(loss), (x, w)
   if provider == "jax_scan_remat":
     chunk = math.gcd(x.shape[0], 1024)
     n = x.shape[0]
@@ -110,18 +120,18 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean
       xs, ys = x[:n].reshape(-1, chunk, x.shape[1]), y[:n].reshape(-1, chunk)
       total = jax.lax.scan(lambda acc, xy: (acc + one(*xy), None), 0.0, (xs, ys))[0]
       return total / n if reduction == "mean" else total
-    return _loss_and_grads(loss), (x, w)
+    return grads(loss), (x, w)
   if provider == "tokamax":
     if softcap is not None or smoothing or reduction != "mean":
       raise ImportError("tokamax's loss takes no logit softcap, label smoothing or reduction")
     tokamax = import_tokamax()
-    return _loss_and_grads(lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
+    return grads(lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
         x, y, w, reduction="mean")), (x, w)
   if provider.startswith("memeff"):
     impl, layout = parse_memeff(provider)
     if layout == "vd":
       w = jax.block_until_ready(jnp.copy(w.T))
-    return _loss_and_grads(lambda x, w: _reduced(memeff_jax.linear_cross_entropy(
+    return grads(lambda x, w: _reduced(memeff_jax.linear_cross_entropy(
         x, w, y, weight_layout=layout, implementation=impl, logit_softcap=softcap,
         label_smoothing=smoothing, reduction=reduction), "sum")), (x, w)
   raise KeyError(provider)
@@ -250,26 +260,34 @@ def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean"):
   raise KeyError(provider)
 
 
-def torch_case(provider, x, w, y, softcap=None, smoothing=0.0, reduction="mean"):
-  """A closure running forward+backward in torch, and a loss getter."""
+def torch_case(provider, x, w, y, softcap=None, smoothing=0.0, reduction="mean",
+               backward=True):
+  """A closure running forward+backward in torch (the forward alone, under no_grad, with
+  backward=False), and a loss getter."""
   import torch  # pylint: disable=import-outside-toplevel
   dev = "cuda"
   tdtype = {jnp.bfloat16: torch.bfloat16, jnp.float32: torch.float32,
             jnp.float16: torch.float16}[jnp.dtype(x.dtype).type]
-  xt = torch.from_numpy(np.array(x, np.float32)).to(dev, tdtype).requires_grad_()
+  xt = torch.from_numpy(np.array(x, np.float32)).to(dev, tdtype).requires_grad_(backward)
   wt = torch.from_numpy(np.array(w, np.float32).T).to(dev, tdtype).contiguous()
-  wt.requires_grad_()
+  wt.requires_grad_(backward)
   yt = torch.from_numpy(np.asarray(y).astype(np.int64)).to(dev)
-  step, state = torch_step(torch_loss_fn(provider, softcap, smoothing, reduction), xt, wt, yt)
+  step, state = torch_step(torch_loss_fn(provider, softcap, smoothing, reduction), xt, wt, yt,
+                           backward)
   return step, state, (xt, wt, yt)
 
 
-def torch_step(loss_fn, xt, wt, yt):
-  """(step, state): step() runs loss_fn forward+backward from cleared gradients and keeps
-  the loss in state["loss"]."""
+def torch_step(loss_fn, xt, wt, yt, backward=True):
+  """(step, state): step() runs loss_fn forward+backward from cleared gradients (the
+  forward alone under no_grad with backward=False) and keeps the loss in state["loss"]."""
+  import torch  # pylint: disable=import-outside-toplevel
   state = {}
 
   def step():
+    if not backward:
+      with torch.no_grad():
+        state["loss"] = loss_fn(xt, wt, yt)
+      return
     xt.grad = wt.grad = None
     loss = loss_fn(xt, wt, yt)
     loss.backward()
@@ -284,12 +302,14 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
   dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
   softcap, smoothing = spec.get("logit_softcap"), spec.get("label_smoothing", 0.0)
   reduction = spec.get("reduction", "mean")
+  backward = spec.get("backward", True)
+  options = (softcap, smoothing, reduction, backward)
   env = _harness.environment()
   rows = []
   for shape in spec["shapes"]:
     n, d, v = shape["n"], shape["d"], shape["v"]
     x, w, y, kg = make_inputs(n, d, v, dtype)
-    flops = 6.0 * n * d * v
+    flops = (6.0 if backward else 2.0) * n * d * v
     cases = {}  # provider -> (row, timer, loss getter): built and run once before any timing
     for provider in providers:
       row = dict(op="linear_cross_entropy", set=set_name, n=n, d=d, v=v,
@@ -300,17 +320,19 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
         row["label_smoothing"] = smoothing
       if reduction != "mean":
         row["reduction"] = reduction
+      if not backward:
+        row["backward"] = False
       try:
         if provider.startswith("torch") or provider in ("liger", "cce"):
           if env["platform"] != "gpu":
             print(f"  skip {provider}: torch peers run on CUDA only")
             continue
-          step, state, tensors = torch_case(provider, x, w, y, softcap, smoothing, reduction)
+          step, state, tensors = torch_case(provider, x, w, y, *options)
           row["extra_bytes"] = _harness.torch_extra_bytes(step, tensors[:2])
           cases[provider] = (row, lambda step=step: _harness.time_torch(step, reps=reps),
                              lambda state=state: float(state["loss"].detach()))
         else:
-          fn, args = jax_case(provider, x, w, y, kg, softcap, smoothing, reduction)
+          fn, args = jax_case(provider, x, w, y, kg, *options)
           row["extra_bytes"] = _harness.jax_temp_bytes(fn, *args)
           loss = float(fn(*args)[0]) if provider != "floor" else None
           timer = functools.partial(_harness.time_jax, fn, *args, reps=reps, inner=None)

@@ -256,8 +256,9 @@ def run_heading(key, rows) -> str:
   dtype = dtype if not smoothing else f"{dtype}, label smoothing {smoothing:g}"
   if rows[0].get("reduction"):
     dtype = f"{dtype}, reduction {rows[0]['reduction']!r}"
+  passes = "forward+backward" if rows[0].get("backward", True) else "forward (no gradients)"
   return (f"**{set_name}** (N={n:,}, D={d:,}, V={v:,}, {dtype}) on {device}, {stamp} "
-          f"({versions}), forward+backward{_rounds(rows)}")
+          f"({versions}), {passes}{_rounds(rows)}")
 
 
 def _by_run(rows, *fields):

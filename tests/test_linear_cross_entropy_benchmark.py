@@ -1,0 +1,52 @@
+"""benchmarks/linear_cross_entropy.py's loss-alone mode (a set's `backward = false`): every JAX
+provider computes the same loss with and without its gradients, and a run's rows say which
+pass they timed."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import linear_cross_entropy as bench
+from benchmarks import make_results
+
+PROVIDERS = ["jax_naive", "jax_scan_remat", "memeff", "memeff:chunked_xla"]
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(reduction="none"),
+    dict(softcap=5.0, smoothing=0.1),
+])
+def test_the_loss_alone_is_the_loss_of_the_step(options):
+  x, w, y, kg = bench.make_inputs(256, 64, 1000, jnp.float32, seed=1)
+  for provider in PROVIDERS:
+    step, step_args = bench.jax_case(provider, x, w, y, kg, **options)
+    alone, alone_args = bench.jax_case(provider, x, w, y, kg, **options, backward=False)
+    loss, (dx, dw) = step(*step_args)
+    out = alone(*alone_args)
+    assert len(out) == 1, provider  # the loss, no gradients
+    np.testing.assert_allclose(out[0], loss, rtol=1e-5, err_msg=provider)
+    assert dx.shape == x.shape and dw.shape == w.shape
+
+
+def test_the_floor_alone_is_the_logits_product():
+  x, w, y, kg = bench.make_inputs(64, 32, 200, jnp.float32)
+  fn, args = bench.jax_case("floor", x, w, y, kg, backward=False)
+  (logits,) = fn(*args)
+  assert logits.shape == (64, 256)  # the vocabulary padded to a multiple of 128
+  np.testing.assert_allclose(logits[:, :200], x @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_run_says_so(tmp_path):
+  out = tmp_path / "rows.jsonl"
+  rows = bench.run("small-forward", ["floor", "memeff"], str(out), reps=1)
+  assert {r["provider"] for r in rows} == {"floor", "memeff"}
+  for r in rows:
+    assert r["backward"] is False
+    assert r["tflops"] == pytest.approx(2.0 * r["n"] * r["d"] * r["v"] / r["ms"] / 1e9)
+  assert len(out.read_text().splitlines()) == len(rows)
+  (key, group), *_ = make_results.runs([json.loads(line) for line in
+                                        out.read_text().splitlines()])
+  assert "forward (no gradients)" in make_results.run_heading(key, group)
