@@ -327,7 +327,10 @@ _VOCAB_IMPLEMENTATIONS = {
     ("pallas_softmax", 1.0, dict(), False),
     ("pallas_exp_logits", 1.0, dict(z_loss=1e-3), False),
     ("pallas_exp_logits", 40.0, dict(), True),  # lse > 60 on most rows: the softmax fallback
-    ("pallas_exp_logits", 1.0, dict(reduction="none", return_aux=True), True)])
+    ("pallas_exp_logits", 1.0, dict(reduction="none", return_aux=True), True),
+    # Smoothing's share after the chunks (smoothing_apart): the slices' Σ ẑ and dx added up.
+    ("pallas_exp_logits", 1.0, dict(label_smoothing=0.1, z_loss=1e-3), True),
+    ("pallas_exp_logits", 1.0, dict(label_smoothing=0.1, reduction="none"), False)])
 def test_loss_vocab_parallel_implementations(mesh, check_vma, impl, scale, kw):
   """Vocab parallel in shard_map by the reference (JAX's autodiff through the merge) and
   the GPU loss's kernels in interpret mode: the softmax pass on merged statistics, and

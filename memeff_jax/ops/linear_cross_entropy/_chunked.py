@@ -177,6 +177,7 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   parallel = {} if vocab is None else {"vocab": vocab}
   apart = opts.smoothing_apart and opts.label_smoothing
   if apart:  # Σ_v ẑ[n, v] = x[n] · w_sum (no cap, no bias: see smoothing_terms)
+    # Vocab parallel: the slice's column sums, whose shares of dx and Σ ẑ the shards add up.
     w_sum = jnp.sum(w, axis=1 if opts.weight_layout == "dv" else 0, dtype=jnp.float32)
 
   def step(carry, backend, start, size: int, window=None):
@@ -214,6 +215,8 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
         chunk_stats = vocab.merge(Stats(*chunk_stats))
     if apart:
       logit_sum = jnp.einsum("cd,d->c", part(x), w_sum, preferred_element_type=jnp.float32)
+      if vocab is not None:
+        logit_sum = vocab.sum(logit_sum)
       chunk_stats = Stats(*chunk_stats)._replace(logit_sum=logit_sum)
     if reduced is not None:
       per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts)

@@ -20,8 +20,8 @@ With a logit softcap c, step 1 stores exp(ẑ) times ẑ's slope (ẑ = c·tanh(
 keeps G = diag(s) E. With label smoothing, G's uniform share −a ε / V goes to dx and dW after
 the chunks (LossOptions.smoothing_apart), which keeps it too.
 
-The softmax pass (other GPUs, float16, calls with a bias, label smoothing under a cap or
-vocab parallel, and every call's statistics without gradients): z = x_c @ W (cuBLAS or
+The softmax pass (other GPUs, float16, calls with a bias, label smoothing under a cap,
+and every call's statistics without gradients): z = x_c @ W (cuBLAS or
 kernels.mosaic_gemm), then triton_softmax's kernel overwrites z with G = ∂loss/∂z, then
 dx_c = G Wᵀ and dW += x_cᵀ G.
 Memory: one [C, V] buffer in the compute dtype; dW accumulates in the weight's dtype (one
@@ -133,14 +133,14 @@ class PallasMosaicGpu:
       scaled rows wait in dx's rows; where dx's is, it writes them in place and scales
       them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the
       safe range falls back to the softmax pass. Calls with a bias, or label smoothing under
-      a logit softcap or vocab parallel, use the softmax pass throughout (a softcap alone
-      does not: E then holds each exponential times the cap's slope; nor does smoothing
-      alone: its uniform share of G goes to dx and dW after the chunks,
-      LossOptions.smoothing_apart). None (the default): wherever that
-      GEMM can run (a Hopper GPU, x and weight both bfloat16, as float16 cannot hold E's
-      range; a chunk that fits its tiles; never in interpret mode), unless fused_lse is set
-      (the softmax pass whose partials take no memory: the lowest-memory setting); True:
-      always, NotImplementedError where it cannot run; False: never.
+      a logit softcap, use the softmax pass throughout (a softcap alone does not: E then
+      holds each exponential times the cap's slope; nor does smoothing alone, vocab
+      parallel or not: its uniform share of G goes to dx and dW after the chunks,
+      LossOptions.smoothing_apart). None (the default): wherever that GEMM can run (a
+      Hopper GPU, x and weight both bfloat16, as float16 cannot hold E's range; a chunk
+      that fits its tiles; never in interpret mode), unless fused_lse is set (the softmax
+      pass whose partials take no memory: the lowest-memory setting); True: always,
+      NotImplementedError where it cannot run; False: never.
   """
 
   memory_budget_bytes: int | None = None
@@ -322,12 +322,11 @@ class PallasMosaicGpu:
                                     "x's dtype, which float16 cannot hold; got float16 x")
       wanted = False
     # Label smoothing's uniform share of G goes to dx and dW after the chunks
-    # (LossOptions.smoothing_apart); under a cap it is not uniform, and vocab parallel would
-    # need its column sums merged across the shards.
-    wanted = wanted and bias is None and not (opts.label_smoothing and (
-        opts.logit_softcap is not None or vocab is not None))
+    # (LossOptions.smoothing_apart); under a cap it is not uniform.
+    wanted = wanted and bias is None and not (opts.label_smoothing
+                                              and opts.logit_softcap is not None)
     if wanted and opts.label_smoothing:
-      whole = opts = dataclasses.replace(opts, smoothing_apart=True)
+      whole, opts = (dataclasses.replace(o, smoothing_apart=True) for o in (whole, opts))
     if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
       raise _dispatch.Unsupported("pallas_mosaic_gpu fused_lse: the logits GEMM's epilogue adds "
                                   "no bias and applies no logit_softcap")
