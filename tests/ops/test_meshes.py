@@ -209,6 +209,32 @@ def test_attention_on_an_explicit_mesh(explicit_mesh, hkv, kv_spec):
           else 1 <= collectives["all-reduce"] <= 2), collectives
 
 
+@pytest.mark.parametrize("axes", ["auto", "explicit"])
+def test_attention_sequence_lengths_on_a_mesh(request, axes):
+  """query_seq_lengths and key_value_seq_lengths, sharded with the batch over 'data' (the
+  heads over 'model'), beside packed documents: one device's output and gradients, no
+  input gathered."""
+  mesh = request.getfixturevalue("mesh" if axes == "auto" else "explicit_mesh")
+  ks = jax.random.split(jax.random.key(14), 3)
+  q, k, v = (jax.random.normal(key, (8, 40, 4, 16)) for key in ks)
+  seg = (jnp.arange(40) // 13)[None].repeat(8, 0)
+  q_len, kv_len = jnp.array([40, 31, 0, 12, 40, 5, 39, 20]), jnp.array([40, 35, 9, 12, 1, 40,
+                                                                         39, 30])
+  f = lambda q, k, v, seg, q_len, kv_len: memeff_jax.flash_attention(
+      q, k, v, causal=True, q_segment_ids=seg, query_seq_lengths=q_len,
+      key_value_seq_lengths=kv_len)
+  loss = lambda *a: jnp.sum(jnp.sin(f(*a)))
+  args = (q, k, v, seg, q_len, kv_len)
+  want, want_grads = f(*args), jax.grad(loss, argnums=(0, 1, 2))(*args)
+  specs = (P("data", None, "model"),) * 3 + (P("data"),) * 3
+  with jax.set_mesh(mesh):
+    sharded = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(args, specs)]
+    got, grads, collectives, _ = _run(f, loss, (0, 1, 2), *sharded)
+  _close(got, want)
+  _close(grads, want_grads, 1e-4)
+  assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
+
+
 def test_attention_refuses_what_it_cannot_shard(explicit_mesh):
   """The head dim sharded; the sequence of q sharded but not that of k and v (context
   parallelism shards all three alike)."""

@@ -81,13 +81,15 @@ def rank_segments(q_ids, kv_ids):
   """(q_ids, kv_ids) with each row's ids replaced by their int32 rank among the row's
   distinct ids (0, 1, ...): equal exactly where the given ids are, in the same order."""
   both = jnp.concatenate([q_ids, kv_ids], axis=1)  # [B, T + S]
-  order = jnp.argsort(both, axis=1)
-  ranked = jnp.take_along_axis(both, order, axis=1)
+  # Sorts along the rows only (no scatter, no gather): they stay per shard on a mesh whose
+  # axes shard the batch. The positions are sharded as the ids are (an Explicit mesh's
+  # sort takes operands sharded alike).
+  position = jnp.cumsum(jnp.ones_like(both, jnp.int32), axis=1) - 1
+  ranked, order = lax.sort((both, position), dimension=1, num_keys=1)
   new = jnp.concatenate([jnp.zeros_like(ranked[:, :1], jnp.bool_),
                          ranked[:, 1:] != ranked[:, :-1]], axis=1)
   rank = jnp.cumsum(new, axis=1, dtype=jnp.int32)
-  rows = jnp.arange(both.shape[0])[:, None]
-  rank = jnp.zeros_like(rank).at[rows, order].set(rank)
+  _, rank = lax.sort((order, rank), dimension=1, num_keys=1)  # back to the rows' order
   return rank[:, :q_ids.shape[1]], rank[:, q_ids.shape[1]:]
 
 

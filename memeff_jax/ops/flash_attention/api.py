@@ -42,6 +42,22 @@ def _check_segments(name, ids, batch, length, which):
   return ids
 
 
+def _checked_segments(q_ids, kv_ids, b: int, t: int, s: int):
+  """The segment ids, checked; kv_ids defaults to q_ids (which needs T == S). (None, None)
+  where none are given."""
+  if q_ids is None:
+    if kv_ids is not None:
+      raise ValueError("kv_segment_ids needs q_segment_ids")
+    return None, None
+  q_ids = _check_segments("q_segment_ids", q_ids, b, t, "T")
+  if kv_ids is None:
+    if s != t:
+      raise ValueError(f"kv_segment_ids defaults to q_segment_ids, which needs T == S; got "
+                       f"T={t}, S={s}: pass kv_segment_ids")
+    kv_ids = q_ids
+  return q_ids, _check_segments("kv_segment_ids", kv_ids, b, s, "S")
+
+
 def _int32_segments(q_ids, kv_ids):
   """Segment ids as the kernels take them, int32, equal exactly where the given ids are.
 
@@ -55,6 +71,42 @@ def _int32_segments(q_ids, kv_ids):
     raise TypeError(f"q_segment_ids ({q_ids.dtype}) and kv_segment_ids ({kv_ids.dtype}) have "
                     "no common integer type; pass both as int32 or int64")
   return _common.rank_segments(q_ids.astype(common), kv_ids.astype(common))
+
+
+def _length_segments(q, k, q_ids, kv_ids, query_seq_lengths, key_value_seq_lengths):
+  """Segment ids that also hide each row's queries from query_seq_lengths[b] on and its keys
+  from key_value_seq_lengths[b] on (either may be None: all valid): such a query sees no key,
+  such a key no query. The given ids (or one document per row) are ranked to ids below
+  T + S, and hidden queries and keys take the ids T + S and T + S + 1, which no query or key
+  shares with them; padding at the rows' ends keeps ids that never decrease, whose blocks
+  the Mosaic kernels skip exactly (_mosaic.segment_block_ranges)."""
+  if jnp.ndim(q) != 4 or jnp.ndim(k) != 4:
+    raise ValueError(f"q and k must be [B, T, heads, D] and [B, S, heads, D], got "
+                     f"q.shape={jnp.shape(q)}, k.shape={jnp.shape(k)}")
+  (b, t), s = jnp.shape(q)[:2], jnp.shape(k)[1]
+
+  def valid(name, lengths, length):
+    if lengths is None:
+      return None
+    lengths = jnp.asarray(lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integers, got {name}.dtype={lengths.dtype}")
+    if lengths.shape != (b,):
+      raise ValueError(f"{name}.shape={lengths.shape} must be (B,)=({b},)")
+    return jnp.arange(length)[None, :] < lengths[:, None]
+
+  q_valid = valid("query_seq_lengths", query_seq_lengths, t)
+  kv_valid = valid("key_value_seq_lengths", key_value_seq_lengths, s)
+  q_ids, kv_ids = _checked_segments(q_ids, kv_ids, b, t, s)
+  if q_ids is None:
+    q_ids, kv_ids = jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)
+  else:
+    q_ids, kv_ids = _common.rank_segments(*_int32_segments(q_ids, kv_ids))
+  if q_valid is not None:
+    q_ids = jnp.where(q_valid, q_ids, t + s)
+  if kv_valid is not None:
+    kv_ids = jnp.where(kv_valid, kv_ids, t + s + 1)
+  return q_ids, kv_ids
 
 
 def _window(sliding_window):
@@ -200,16 +252,8 @@ def _prepare(q, k, v, *, causal, scale, q_segment_ids, kv_segment_ids, sliding_w
   if hkv == 0 and hq != 0 or hkv and hq % hkv:
     raise ValueError(f"query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv} "
                      f"(q.shape={q.shape}, k.shape={k.shape})")
-  if q_segment_ids is None and kv_segment_ids is not None:
-    raise ValueError("kv_segment_ids needs q_segment_ids")
+  q_segment_ids, kv_segment_ids = _checked_segments(q_segment_ids, kv_segment_ids, b, t, s)
   if q_segment_ids is not None:
-    q_segment_ids = _check_segments("q_segment_ids", q_segment_ids, b, t, "T")
-    if kv_segment_ids is None:
-      if s != t:
-        raise ValueError(f"kv_segment_ids defaults to q_segment_ids, which needs T == S; got "
-                         f"T={t}, S={s}: pass kv_segment_ids")
-      kv_segment_ids = q_segment_ids
-    kv_segment_ids = _check_segments("kv_segment_ids", kv_segment_ids, b, s, "S")
     q_segment_ids, kv_segment_ids = _int32_segments(q_segment_ids, kv_segment_ids)
   sliding_window = _window(sliding_window)
   logit_softcap = _checks.logit_softcap(logit_softcap)
@@ -239,6 +283,8 @@ def flash_attention(
     sliding_window: int | tuple[int, int] | None = None,
     logit_softcap: float | None = None,
     mask: jax.Array | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
     return_lse: bool = False,
     deterministic: bool = True,
     implementation=None,
@@ -270,6 +316,11 @@ def flash_attention(
       Only `chunked_xla` (query blocks of 128 rows against all keys, recomputed in the
       backward: [B, Hq, 128, S] scores at a time) and `reference` take one; prefer the
       structured masks, which the GPU kernels serve.
+    query_seq_lengths, key_value_seq_lengths: optional [B] ints, as jax.nn.dot_product_
+      attention's: row b's queries from query_seq_lengths[b] on, and its keys from
+      key_value_seq_lengths[b] on, are padding: such a query sees no key (output 0), such
+      a key no query. They become segment ids (combined with any given), which the GPU
+      kernels serve.
     return_lse: also return the float32 log-sum-exp, [B, T, Hq] (differentiable).
     deterministic: the backward gives bitwise-identical gradients on every run (the
       default). pallas_mosaic_gpu's one-pass backward adds dq into a float32 buffer by TMA
@@ -338,6 +389,13 @@ def flash_attention(
   if context_strategy not in _context.STRATEGIES:
     raise ValueError(f"context_strategy must be one of {_context.STRATEGIES}, got "
                      f"{context_strategy!r}")
+  if query_seq_lengths is not None or key_value_seq_lengths is not None:
+    if context_axis is not None:
+      raise ValueError("query_seq_lengths and key_value_seq_lengths count the whole sequence, "
+                       "which a shard does not see under context_axis: pass segment ids "
+                       "that mark the padding instead")
+    q_segment_ids, kv_segment_ids = _length_segments(q, k, q_segment_ids, kv_segment_ids,
+                                                     query_seq_lengths, key_value_seq_lengths)
   if context_axis is not None:
     return _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
                              context_axis, context_order, context_strategy, **options)
@@ -380,7 +438,9 @@ def flash_attention(
 
 def flash_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, causal=False, scale=None,
                              q_segment_ids=None, kv_segment_ids=None, sliding_window=None,
-                             logit_softcap=None, deterministic=True, implementation=None):
+                             logit_softcap=None, query_seq_lengths=None,
+                             key_value_seq_lengths=None, deterministic=True,
+                             implementation=None):
   """(dq, dk, dv) of flash_attention from its saved output and log-sum-exp.
 
   For callers that keep their own residuals (the PyTorch bridge): out [B, T, Hq, D] and
@@ -388,6 +448,9 @@ def flash_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, causal=Fal
   d_lse like lse or None. Options must equal the forward call's. No forward pass is run
   (the reference implementation excepted: it recomputes).
   """
+  if query_seq_lengths is not None or key_value_seq_lengths is not None:
+    q_segment_ids, kv_segment_ids = _length_segments(q, k, q_segment_ids, kv_segment_ids,
+                                                     query_seq_lengths, key_value_seq_lengths)
   opts, q_segment_ids, kv_segment_ids = _prepare(
       q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,

@@ -131,6 +131,30 @@ class _FlashAttentionTest:
       want = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
       assert rel_err(got, want) < 2e-5
 
+  @pytest.mark.parametrize("causal", [False, True])
+  def test_sequence_lengths_match_jax_nn(self, causal):
+    """query_seq_lengths and key_value_seq_lengths as jax.nn.dot_product_attention's, on the
+    queries that are not padding, forward and gradients (T ≠ S, GQA, a row without
+    queries, one with 5 keys), in the suite's first dtype against float32; a padding
+    query gives 0."""
+    b, t, s, dtype = 3, 40, 56, self.dtypes[0]
+    q, k, v, _, ct = make_problem(jax.random.key(12), b, t, s, 4, 2, 64, dtype)
+    lengths = dict(query_seq_lengths=jnp.array([40, 17, 0]),
+                   key_value_seq_lengths=jnp.array([56, 30, 5]))
+    valid = (jnp.arange(t)[None] < lengths["query_seq_lengths"][:, None])[..., None, None]
+    ours = lambda q, k, v: flash_attention(q, k, v, causal=causal, implementation=self.impl,
+                                           **lengths, **self.extra)
+    theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                          **lengths)
+    loss = lambda f: jax.jit(jax.value_and_grad(
+        lambda q, k, v: jnp.sum(jnp.where(valid, f(q, k, v).astype(jnp.float32), 0.0) * ct),
+        argnums=(0, 1, 2)))
+    up = lambda x: x.astype(jnp.float32)
+    got, want = loss(ours)(q, k, v), loss(theirs)(up(q), up(k), up(v))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert rel_err(g, w) < TOL[dtype]
+    assert np.all(np.asarray(jnp.where(valid, 0.0, ours(q, k, v))) == 0.0)
+
 
 class TestChunkedXla(_FlashAttentionTest):
   impl = ChunkedXla(block_q=32, block_k=16)
@@ -163,6 +187,35 @@ class TestPallasTritonGpu(_FlashAttentionTest):
     assert rel_err(out, r_out) < 3e-2
     for g, rg in zip(grads, r_grads):
       assert rel_err(g, rg) < 3e-2
+
+
+def test_sequence_lengths_beside_segment_ids():
+  """Lengths on packed documents whose ids include T + S and T + S + 1 (the ids the padding
+  takes) and a negative one: the dense mask of both, through the mask path, forward and
+  gradients, the backward from saved residuals too."""
+  from memeff_jax.ops.flash_attention import flash_attention_backward  # pylint: disable=import-outside-toplevel
+  b, t = 2, 24
+  q, k, v, _, ct = make_problem(jax.random.key(13), b, t, t, 2, 2, 16, jnp.float32)
+  seg = jnp.array([[-5] * 6 + [48] * 8 + [49] * 10, [48] * 12 + [49] * 12])
+  q_len, kv_len = jnp.array([20, 9]), jnp.array([24, 14])
+  rows = jnp.arange(t)[None]
+  dense = ((seg[:, :, None] == seg[:, None, :]) & (rows < q_len[:, None])[:, :, None]
+           & (rows < kv_len[:, None])[:, None, :])
+  opts = dict(causal=True, implementation="chunked_xla")
+  ours = lambda q, k, v: flash_attention(q, k, v, q_segment_ids=seg, query_seq_lengths=q_len,
+                                         key_value_seq_lengths=kv_len, **opts)
+  masked = lambda q, k, v: flash_attention(q, k, v, mask=dense[:, None], **opts)
+  grads = lambda f: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v) * ct),
+                                               argnums=(0, 1, 2)))(q, k, v)
+  for g, w in zip(jax.tree.leaves(grads(ours)), jax.tree.leaves(grads(masked))):
+    assert rel_err(g, w) < 1e-6
+  out, lse = flash_attention(q, k, v, q_segment_ids=seg, query_seq_lengths=q_len,
+                             key_value_seq_lengths=kv_len, return_lse=True, **opts)
+  back = flash_attention_backward(q, k, v, out, lse, ct, q_segment_ids=seg,
+                                  query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                                  **opts)
+  for g, w in zip(back, grads(masked)[1]):
+    assert rel_err(g, w) < 1e-6
 
 
 @pytest.mark.parametrize("impl", ["reference", "chunked_xla",

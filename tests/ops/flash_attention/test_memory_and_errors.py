@@ -69,6 +69,15 @@ K = jnp.ones((2, 24, 2, 32))
     ((Q, K, K), dict(implementation=123), TypeError, r"implementation must be None, a name"),
     ((Q, jnp.ones((2, 24, 0, 32)), jnp.ones((2, 24, 0, 32))), {}, ValueError,
      r"Hq=4 must be a multiple of key/value heads Hkv=0"),
+    ((Q, K, K), dict(query_seq_lengths=jnp.array([3.0, 4.0])), TypeError,
+     r"query_seq_lengths must be integers, got query_seq_lengths.dtype=float32"),
+    ((Q, K, K), dict(key_value_seq_lengths=jnp.array([3, 4, 5])), ValueError,
+     r"key_value_seq_lengths.shape=\(3,\) must be \(B,\)=\(2,\)"),
+    ((Q, K, K), dict(query_seq_lengths=jnp.array([3, 4]),
+                     q_segment_ids=jnp.zeros((2, 16), jnp.int32)), ValueError,
+     r"kv_segment_ids defaults to q_segment_ids, which needs T == S"),
+    ((Q, K, K), dict(key_value_seq_lengths=jnp.array([3, 4]), context_axis="x"), ValueError,
+     r"count the whole sequence, which a shard does not see under context_axis"),
 ])
 def test_bad_input(args, kwargs, error, match):
   with pytest.raises(error, match=match):
