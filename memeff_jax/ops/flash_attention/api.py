@@ -101,12 +101,22 @@ def _length_segments(q, k, q_ids, kv_ids, query_seq_lengths, key_value_seq_lengt
   if q_ids is None:
     q_ids, kv_ids = jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)
   else:
-    q_ids, kv_ids = _common.rank_segments(*_int32_segments(q_ids, kv_ids))
+    q_ids, kv_ids = _common.rank_segments(*_int32_segments(_whole_rows(q_ids),
+                                                           _whole_rows(kv_ids)))
   if q_valid is not None:
     q_ids = jnp.where(q_valid, q_ids, t + s)
   if kv_valid is not None:
     kv_ids = jnp.where(kv_valid, kv_ids, t + s + 1)
   return q_ids, kv_ids
+
+
+def _whole_rows(ids):
+  """[B, L] ids with each row whole on a shard: on an Explicit mesh that shards the sequence
+  its axes are gathered (a few bytes a token), as rank_segments' sorts along the rows need."""
+  mesh, dims = _explicit.layout(ids)
+  if mesh is None or not dims[1]:
+    return ids
+  return jax.sharding.reshard(ids, _explicit.spec([dims[0], ()]))
 
 
 def _window(sliding_window):
@@ -390,10 +400,11 @@ def flash_attention(
     raise ValueError(f"context_strategy must be one of {_context.STRATEGIES}, got "
                      f"{context_strategy!r}")
   if query_seq_lengths is not None or key_value_seq_lengths is not None:
-    if context_axis is not None:
-      raise ValueError("query_seq_lengths and key_value_seq_lengths count the whole sequence, "
-                       "which a shard does not see under context_axis: pass segment ids "
-                       "that mark the padding instead")
+    if context_axis is not None or context_order != "contiguous":
+      raise ValueError("query_seq_lengths and key_value_seq_lengths count positions of the "
+                       "whole sequence in order, which a shard under context_axis does not "
+                       "see and context_order='zigzag' reorders: pass segment ids that mark "
+                       "the padding instead")
     q_segment_ids, kv_segment_ids = _length_segments(q, k, q_segment_ids, kv_segment_ids,
                                                      query_seq_lengths, key_value_seq_lengths)
   if context_axis is not None:

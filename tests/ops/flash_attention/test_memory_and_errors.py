@@ -77,7 +77,9 @@ K = jnp.ones((2, 24, 2, 32))
                      q_segment_ids=jnp.zeros((2, 16), jnp.int32)), ValueError,
      r"kv_segment_ids defaults to q_segment_ids, which needs T == S"),
     ((Q, K, K), dict(key_value_seq_lengths=jnp.array([3, 4]), context_axis="x"), ValueError,
-     r"count the whole sequence, which a shard does not see under context_axis"),
+     r"count positions of the whole sequence in order, which a shard under context_axis"),
+    ((Q, K, K), dict(query_seq_lengths=jnp.array([3, 4]), context_order="zigzag"), ValueError,
+     r"context_order='zigzag' reorders: pass segment ids"),
 ])
 def test_bad_input(args, kwargs, error, match):
   with pytest.raises(error, match=match):
