@@ -79,7 +79,10 @@ def _length_segments(q, k, q_ids, kv_ids, query_seq_lengths, key_value_seq_lengt
   such a key no query. The given ids (or one document per row) are ranked to ids below
   T + S, and hidden queries and keys take the ids T + S and T + S + 1, which no query or key
   shares with them; padding at the rows' ends keeps ids that never decrease, whose blocks
-  the Mosaic kernels skip exactly (_mosaic.segment_block_ranges)."""
+  the Mosaic kernels skip exactly (_mosaic.segment_block_ranges). Without lengths, the
+  given ids as they are."""
+  if query_seq_lengths is None and key_value_seq_lengths is None:
+    return q_ids, kv_ids
   if jnp.ndim(q) != 4 or jnp.ndim(k) != 4:
     raise ValueError(f"q and k must be [B, T, heads, D] and [B, S, heads, D], got "
                      f"q.shape={jnp.shape(q)}, k.shape={jnp.shape(k)}")
@@ -399,14 +402,14 @@ def flash_attention(
   if context_strategy not in _context.STRATEGIES:
     raise ValueError(f"context_strategy must be one of {_context.STRATEGIES}, got "
                      f"{context_strategy!r}")
-  if query_seq_lengths is not None or key_value_seq_lengths is not None:
-    if context_axis is not None or context_order != "contiguous":
-      raise ValueError("query_seq_lengths and key_value_seq_lengths count positions of the "
-                       "whole sequence in order, which a shard under context_axis does not "
-                       "see and context_order='zigzag' reorders: pass segment ids that mark "
-                       "the padding instead")
-    q_segment_ids, kv_segment_ids = _length_segments(q, k, q_segment_ids, kv_segment_ids,
-                                                     query_seq_lengths, key_value_seq_lengths)
+  if ((query_seq_lengths is not None or key_value_seq_lengths is not None)
+      and (context_axis is not None or context_order != "contiguous")):
+    raise ValueError("query_seq_lengths and key_value_seq_lengths count positions of the "
+                     "whole sequence in order, which a shard under context_axis does not "
+                     "see and context_order='zigzag' reorders: pass segment ids that mark "
+                     "the padding instead")
+  q_segment_ids, kv_segment_ids = _length_segments(q, k, q_segment_ids, kv_segment_ids,
+                                                   query_seq_lengths, key_value_seq_lengths)
   if context_axis is not None:
     return _context_parallel(q, k, v, q_segment_ids, kv_segment_ids, mask, return_lse,
                              context_axis, context_order, context_strategy, **options)
@@ -459,9 +462,8 @@ def flash_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, causal=Fal
   d_lse like lse or None. Options must equal the forward call's. No forward pass is run
   (the reference implementation excepted: it recomputes).
   """
-  if query_seq_lengths is not None or key_value_seq_lengths is not None:
-    q_segment_ids, kv_segment_ids = _length_segments(q, k, q_segment_ids, kv_segment_ids,
-                                                     query_seq_lengths, key_value_seq_lengths)
+  q_segment_ids, kv_segment_ids = _length_segments(q, k, q_segment_ids, kv_segment_ids,
+                                                   query_seq_lengths, key_value_seq_lengths)
   opts, q_segment_ids, kv_segment_ids = _prepare(
       q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
