@@ -545,6 +545,58 @@ def test_vocab_axis_needs_an_enclosing_shard_map():
                                     jnp.zeros(4, jnp.int32), vocab_axis=3)
 
 
+@pytest.mark.parametrize("kind, kw", [
+    ("shard_map", dict(label_smoothing=0.1, z_loss=1e-3, where=True)),
+    ("shard_map_unchecked", dict(reduction="none", return_aux=True, z_loss=1e-3)),
+    ("shard_map", dict(z_loss=1e-3, implementation=_VOCAB_IMPLEMENTATIONS["pallas_exp_logits"])),
+    ("shard_map_unchecked", dict(implementation=_VOCAB_IMPLEMENTATIONS["pallas_softmax"])),
+    ("auto", dict(bias=True, z_loss=1e-3, where=True)),
+    ("auto", dict(return_aux=True, reduction="sum", z_loss=1e-3)),
+    ("explicit", dict(label_smoothing=0.1, where=True)),
+    ("explicit", dict(reduction="none", weight_layout="vd"))])
+def test_token_weights_on_meshes(mesh, explicit_mesh, kind, kw):
+  """token_weights sharded like the tokens, W's vocabulary over 'model': inside shard_map
+  with vocab_axis (either check_vma setting), under jit on Auto and Explicit meshes; the
+  values and the gradients of x, W, the bias and the weights one device's."""
+  layout = kw.get("weight_layout", "dv")
+  x, w, y, b, where = _vocab_problem(13, layout=layout)
+  omega = jax.random.normal(jax.random.key(14), y.shape)
+  kw, call = _vocab_call(kw, y, b, where)
+  mask = call.__defaults__[1]
+  obj = lambda f: lambda x, w, b, om: sum(map(_weighted_sum, jax.tree.leaves(f(x, w, b, om))))
+  w_spec = P(None, "model") if layout == "dv" else P("model")
+  if kind.startswith("shard_map"):
+    none = kw.get("reduction") == "none"
+    per_shard = lambda out: out if none else jax.tree.map(lambda t: t[None], out)
+    sharded = shard_map(
+        lambda x, w, b, y_, m, om: per_shard(call(x, w, b, y_, m, vocab_axis="model",
+                                                  token_weights=om)),
+        mesh=mesh, in_specs=(P("data"), w_spec, P("model"), P("data"),
+                             None if mask is None else P("data"), P("data")),
+        out_specs=P("data"), check_vma=kind == "shard_map")
+    got = lambda x, w, b, om: sharded(x, w, b, y, mask, om)
+
+    def want(x, w, b, om):  # one device, each 'data' shard's two rows of tokens on their own
+      rows = lambda t, r: None if t is None else t[r:r + 2]
+      outs = [per_shard(call(x[r:r + 2], w, b, y[r:r + 2], rows(mask, r),
+                             token_weights=om[r:r + 2])) for r in range(0, 8, 2)]
+      return jax.tree.map(lambda *ts: jnp.concatenate(ts), *outs)
+    args, context = (x, w, b, omega), contextlib.nullcontext()
+  else:
+    want = got = lambda x, w, b, om: call(x, w, b, token_weights=om)
+    on = mesh if kind == "auto" else explicit_mesh
+    put = lambda a, spec: jax.device_put(a, NamedSharding(on, spec))
+    args = (put(x, P("data")), put(w, w_spec), put(b, P("model")), put(omega, P("data")))
+    context = jax.set_mesh(explicit_mesh) if kind == "explicit" else contextlib.nullcontext()
+  with context:
+    values, grads, collectives, _ = _run(got, obj(got), (0, 1, 2, 3), *args)
+  _close(values, want(x, w, b, omega), 1e-5)
+  _close(grads, jax.grad(obj(want), argnums=(0, 1, 2, 3))(x, w, b, omega), 1e-5)
+  if not kind.startswith("shard_map"):
+    assert grads[3].sharding.is_equivalent_to(args[3].sharding, 2)
+    assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
+
+
 # bias, sum, smoothing, z-loss, softcap, aux outputs, "none", the "vd" layout and a mask
 @pytest.mark.parametrize("kw", _VOCAB_OPTIONS[1:4])
 def test_loss_vocab_parallel_on_an_explicit_mesh(explicit_mesh, kw):

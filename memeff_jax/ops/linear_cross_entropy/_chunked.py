@@ -33,7 +33,8 @@ Gradients in the forward pass. For reduction "mean"/"sum" the loss's cotangent i
 scalar, so the forward pass computes the gradients for a cotangent of 1 while the chunk's
 logits are at hand (three matmuls in all) and the backward pass only scales them. For
 "none", or when the log-sum-exp / z-loss outputs get a cotangent, the backward pass runs
-the chunks again with the real cotangents.
+the chunks again with the real cotangents. Token weights are known in the forward pass, so
+a weighted mean/sum keeps the three matmuls: they scale each token's coefficients.
 
 A mean/sum loss without the auxiliary outputs (`opts.aux_outputs` False) is reduced inside
 the loop: each chunk adds its tokens' share to a scalar and makes its gradient coefficients
@@ -74,7 +75,9 @@ class Residuals(NamedTuple):
   bias: jax.Array | None
   labels: jax.Array  # [N] int32, or [N, 2] int32 words of int64 ids (_common.int32_labels)
   valid: jax.Array
+  weights: jax.Array | None  # float32 [N] token weights; None: all 1
   lse: jax.Array | None  # float32 [N]; None for a loss reduced in the loop
+  losses: tuple | None  # the unweighted (loss[n], z-loss term[n]) where weights get gradients
   dx: jax.Array | None  # gradients for a unit loss cotangent (mean/sum only)
   dweight: jax.Array | None
   dbias: jax.Array | None
@@ -129,16 +132,19 @@ class Reduced(NamedTuple):
   """A mean/sum loss reduced inside the chunk loop (no per-token outputs wanted)."""
 
   valid: jax.Array  # bool [N]: the counted tokens
-  scale: jax.Array  # float32 scalar: d(loss) / d(loss[n]) of a counted token
-  grads: bool  # also the gradients for a unit cotangent (a = scale·valid, e = 0)
+  scale: jax.Array  # float32 scalar: d(loss) / d(loss[n]) of a counted token of weight 1
+  grads: bool  # also the gradients for a unit cotangent (a = scale·valid·weights, e = 0)
+  weights: jax.Array | None = None  # float32 [N] token weights; None: all 1
 
 
 def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
-               need=(True, True, True), reduced: Reduced | None = None):
+               need=(True, True, True), reduced: Reduced | None = None, needed=None):
   """Stats for all tokens, and with coefficients (a, e) also dx, dW and db.
 
   With `reduced` the first result is the reduced loss (a float32 scalar) instead of the
   [N] statistics, and the coefficients come from reduced (a and e must be None).
+  `needed` (bool [N], or None): tokens whose statistics must be exact even where their
+  coefficients are 0 (counted tokens of weight 0), which a backend's `grads` is then given.
 
   The tokens are N // C whole chunks of C = token_chunk, run by one compiled loop body so
   that the running dW is updated in place, and, where C does not divide N, the rest: one
@@ -194,16 +200,19 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
     labels_c = _common.int32_labels(part(labels))
     if reduced is not None:
       counted = part(reduced.valid)
+      scale_c = _common.weighted(reduced.scale, None if reduced.weights is None
+                                 else part(reduced.weights))
     if with_grads:
       if reduced is not None:
-        a_c = jnp.where(counted, reduced.scale, 0.0)
+        a_c = jnp.where(counted, scale_c, 0.0)
         e_c = jnp.zeros_like(a_c)
       else:
         a_c, e_c = part(a), part(e)
       into = {"dx_into": Rows(dx, window, size)} if whole and "dx" in rows and need_dx else {}
+      exact = {} if needed is None else {"needed": part(needed)}
       chunk_stats, dx_c, dw, db = kernels(backend.grads)(
           x_c, w, bias, local(labels_c), a_c, e_c, None if lse is None else part(lse),
-          dw, db, (need_dx, need_dw, need_db), **into, **parallel)
+          dw, db, (need_dx, need_dw, need_db), **into, **exact, **parallel)
       if into:
         dx = dx_c
       elif need_dx:
@@ -220,7 +229,7 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
       chunk_stats = Stats(*chunk_stats)._replace(logit_sum=logit_sum)
     if reduced is not None:
       per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts)
-      stats = stats + _common.reduced_sum(per_token, counted, reduced.scale)
+      stats = stats + _common.reduced_sum(per_token, counted, scale_c)
     else:
       stats = Stats(*(jax.lax.dynamic_update_slice_in_dim(s, c[:size], start, axis=0)
                       for s, c in zip(stats, chunk_stats)))
@@ -235,7 +244,8 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
     carry = jax.lax.fori_loop(first, n_full, lambda i, c: step(c, backend, i * chunk, chunk,
                                                                 window=i), carry)
   if apart and with_grads:
-    a_all = jnp.where(reduced.valid, reduced.scale, 0.0) if reduced is not None else a
+    a_all = a if reduced is None else jnp.where(
+        reduced.valid, _common.weighted(reduced.scale, reduced.weights), 0.0)
     carry = smoothing_terms(carry, x, w_sum, a_all, opts)
   return carry
 
@@ -273,16 +283,18 @@ def _nonzero(ct):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunked_loss(static: Static, x, w, bias, labels, valid):
-  """(loss, lse, z-loss term) of the chunked computation; see module docstring. With a
-  loss reduced in the loop (`_reduced_in_loop`) the last two are None."""
+def chunked_loss(static: Static, x, w, bias, labels, valid, weights=None):
+  """(loss, lse, z-loss term) of the chunked computation, each token's loss times its
+  weight (`weights` float32 [N], None: 1); see module docstring. With a loss reduced in the
+  loop (`_reduced_in_loop`) the last two are None."""
   if _reduced_in_loop(static.opts):
     scale = _common.valid_scale(valid, static.opts.reduction)
     loss, *_ = run_chunks(static, x, w, bias, labels,
-                          reduced=Reduced(valid, scale, grads=False))
+                          reduced=Reduced(valid, scale, grads=False, weights=weights))
     return _alike(static, (loss, None, None))
   stats, *_ = run_chunks(static, x, w, bias, labels)
-  return _alike(static, _common.finish(stats, _common.int32_labels(labels), valid, static.opts))
+  return _alike(static, _common.finish(stats, _common.int32_labels(labels), valid, static.opts,
+                                       weights))
 
 
 def _alike(static: Static, out):
@@ -290,26 +302,32 @@ def _alike(static: Static, out):
   return out if static.vocab is None else static.vocab.invariant(out)
 
 
-def _fwd(static: Static, x, w, bias, labels, valid):
+def _fwd(static: Static, x, w, bias, labels, valid, weights):
   need = (_perturbed(x), _perturbed(w), _perturbed(bias))
-  x, w, bias, labels, valid = map(_value, (x, w, bias, labels, valid))
+  weighs = _perturbed(weights)  # the token weights get gradients: keep the tokens' losses
+  x, w, bias, labels, valid, weights = map(_value, (x, w, bias, labels, valid, weights))
   x, w, bias = _checks.first_order_only(static.backend.implementation, x, w, bias)
   opts = static.opts
   if opts.reduction == "none":
     stats, *_ = run_chunks(static, x, w, bias, labels)
     grads = (None, None, None)
-  elif _reduced_in_loop(opts):  # scalar loss, gradients for a unit cotangent, no [N] stats
+  elif _reduced_in_loop(opts) and not weighs:  # gradients for a unit cotangent, no [N] stats
     scale = _common.valid_scale(valid, opts.reduction)
-    loss, *grads = run_chunks(static, x, w, bias, labels,
-                              reduced=Reduced(valid, scale, grads=True), need=need)
-    return _alike(static, (loss, None, None)), Residuals(x, w, bias, labels, valid, None,
-                                                         *grads)
+    loss, *grads = run_chunks(static, x, w, bias, labels, need=need,
+                              reduced=Reduced(valid, scale, grads=True, weights=weights),
+                              needed=None if weights is None else valid)
+    return _alike(static, (loss, None, None)), Residuals(x, w, bias, labels, valid, weights,
+                                                         None, None, *grads)
   else:  # scalar loss: gradients now, for a unit cotangent.
-    r = _common.token_scale(valid, opts.reduction)
+    r = _common.token_scale(valid, opts.reduction, weights)
     stats, *grads = run_chunks(static, x, w, bias, labels, a=r, e=jnp.zeros_like(r),
-                               need=need)
-  out = _alike(static, _common.finish(stats, _common.int32_labels(labels), valid, opts))
-  return out, Residuals(x, w, bias, labels, valid, stats.lse, *grads)
+                               need=need, needed=None if weights is None else valid)
+  ids = _common.int32_labels(labels)
+  out = _alike(static, _common.finish(stats, ids, valid, opts, weights))
+  if _reduced_in_loop(opts):  # as chunked_loss returns it
+    out = (out[0], None, None)
+  losses = _alike(static, _common.token_loss(stats, ids, valid, opts)) if weighs else None
+  return out, Residuals(x, w, bias, labels, valid, weights, stats.lse, losses, *grads)
 
 
 def _scale(t, g, like):
@@ -326,6 +344,9 @@ def _add(t, u):
 
 def _bwd(static: Static, res: Residuals, cts):
   g_loss, g_lse, g_z = map(_nonzero, cts)
+  dweights = None
+  if res.losses is not None:  # from the cotangents as given: shares are summed by the caller
+    dweights = _common.weight_grads(res.losses, res.valid, g_loss, g_z, static.opts)
   if static.vocab is not None:
     g_loss, g_lse, g_z = static.vocab.cotangents(g_loss, g_lse, g_z)
   res, g_loss, g_lse, g_z = _checks.first_order_only(static.backend.implementation, res,
@@ -333,7 +354,7 @@ def _bwd(static: Static, res: Residuals, cts):
   opts = static.opts
   need = (True, True, res.bias is not None)
   if opts.reduction == "none":
-    a, e = _common.coefficients(res.valid, res.lse, g_loss, g_lse, g_z, opts)
+    a, e = _common.coefficients(res.valid, res.lse, g_loss, g_lse, g_z, opts, res.weights)
     _, dx, dw, db = run_chunks(static, res.x, res.weight, res.bias, res.labels,
                                a=a, e=e, lse=res.lse, need=need)
   else:
@@ -341,13 +362,15 @@ def _bwd(static: Static, res: Residuals, cts):
                   ((res.dx, res.x), (res.dweight, res.weight), (res.dbias, res.bias)))
     if g_lse is not None or (g_z is not None and opts.z_loss):
       # The auxiliary outputs were differentiated: one more pass for their share.
-      a, e = _common.coefficients(res.valid, res.lse, None, g_lse, g_z, opts)
+      a, e = _common.coefficients(res.valid, res.lse, None, g_lse, g_z, opts, res.weights)
       _, dx2, dw2, db2 = run_chunks(static, res.x, res.weight, res.bias, res.labels,
                                     a=a, e=e, lse=res.lse, need=need)
       dx, dw, db = _add(dx, dx2), _add(dw, dw2), _add(db, db2)
   cast = lambda t, like: None if t is None or like is None else t.astype(like.dtype)
-  grads = (cast(dx, res.x), cast(dw, res.weight), cast(db, res.bias))
-  return (*_vma.cotangents_like(grads, (res.x, res.weight, res.bias)), None, None)
+  grads = (cast(dx, res.x), cast(dw, res.weight), cast(db, res.bias), dweights)
+  dx, dw, db, dweights = _vma.cotangents_like(grads, (res.x, res.weight, res.bias,
+                                                      res.weights))
+  return dx, dw, db, None, None, dweights
 
 
 chunked_loss.defvjp(_fwd, _bwd, symbolic_zeros=True)

@@ -8,7 +8,7 @@ Notation (per token n, vocabulary entry v):
   q[n, v]   = (1 - ε) [v = y_n] + ε / V               target distribution (label smoothing ε)
   ce[n]     = lse[n] - Σ_v q[n, v] ẑ[n, v]
             = lse[n] - (1 - ε) ẑ[n, y_n] - ε / V Σ_v ẑ[n, v]
-  loss[n]   = valid[n] · (ce[n] + λ lse[n]²)          λ = z_loss
+  loss[n]   = valid[n] · ω[n] · (ce[n] + λ lse[n]²)   λ = z_loss, ω = token_weights (or 1)
 
 The gradient with respect to the raw logits, for per-token coefficients a (on the loss) and
 e (extra weight on the softmax, e.g. from a differentiated log-sum-exp output), is
@@ -201,13 +201,20 @@ def valid_scale(valid: jax.Array, reduction: str) -> jax.Array:
   return jnp.float32(1.0)
 
 
-def token_scale(valid: jax.Array, reduction: str) -> jax.Array:
-  """r[n]: d(reduced loss) / d(loss[n]): valid/count for mean, valid otherwise (float32)."""
-  return valid.astype(jnp.float32) * valid_scale(valid, reduction)
+def weighted(t, weights):
+  """t times the token weights (float32 [N] or, None, all 1: t itself)."""
+  return t if weights is None else t * weights
+
+
+def token_scale(valid: jax.Array, reduction: str, weights=None) -> jax.Array:
+  """r[n]: d(reduced loss) / d(unweighted loss[n]): valid/count for mean, valid otherwise,
+  times the token's weight (float32)."""
+  return weighted(valid.astype(jnp.float32) * valid_scale(valid, reduction), weights)
 
 
 def token_loss(stats: Stats, labels, valid, opts: LossOptions):
-  """(loss[n], z-loss term[n]) from per-token statistics; 0 where a token is not counted."""
+  """(loss[n], z-loss term[n]) from per-token statistics, before the token weights; 0 where a
+  token is not counted."""
   in_range = (labels >= 0) & (labels < opts.vocab_size)
   label_logit = jnp.where(in_range, stats.label_logit, jnp.nan)  # optax: NaN, never finite
   eps = opts.label_smoothing
@@ -225,18 +232,32 @@ def reduced_sum(per_token, valid, scale):
   return jnp.sum(jnp.where(valid, per_token * scale, 0.0))
 
 
-def finish(stats: Stats, labels, valid, opts: LossOptions):
-  """(loss, lse, z-loss term) from per-token statistics, reduced as `opts.reduction` says."""
+def finish(stats: Stats, labels, valid, opts: LossOptions, weights=None):
+  """(loss, lse, z-loss term) from per-token statistics, weighted by the token weights
+  (None: 1) and reduced as `opts.reduction` says."""
   per_token, zterm = token_loss(stats, labels, valid, opts)
   if opts.reduction == "none":
-    return per_token, stats.lse, zterm
-  r = valid_scale(valid, opts.reduction)
+    return weighted(per_token, weights), stats.lse, weighted(zterm, weights)
+  r = weighted(valid_scale(valid, opts.reduction), weights)
   return reduced_sum(per_token, valid, r), stats.lse, jnp.sum(zterm * r)
 
 
-def coefficients(valid, lse, g_loss, g_lse, g_z, opts: LossOptions):
-  """Per-token (a, e) of block_grad for output cotangents; None means a zero cotangent."""
+def weight_grads(losses, valid, g_loss, g_z, opts: LossOptions):
+  """d(outputs)/d(token weights) for the outputs' cotangents (None: zero): the unweighted
+  per-token `losses` = (loss[n], z-loss term[n]) of token_loss, each scaled as finish
+  reduces it (each loss is linear in its token's weight)."""
   r = token_scale(valid, opts.reduction)
+  dw = jnp.zeros_like(r)
+  for ct, t in zip((g_loss, g_z), losses):
+    if ct is not None:
+      dw = dw + ct * r * t
+  return dw
+
+
+def coefficients(valid, lse, g_loss, g_lse, g_z, opts: LossOptions, weights=None):
+  """Per-token (a, e) of block_grad for output cotangents (None means a zero cotangent), with
+  the token weights (None: 1)."""
+  r = token_scale(valid, opts.reduction, weights)
   a = jnp.zeros_like(r) if g_loss is None else g_loss * r
   e = jnp.zeros_like(r) if g_lse is None else g_lse.astype(jnp.float32)
   if g_z is not None and opts.z_loss:

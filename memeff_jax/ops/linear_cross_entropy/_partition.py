@@ -16,7 +16,8 @@ the chunked implementations do for a summed loss (G is made with the loss), and 
 scales them by the cotangent: the custom_vjp stays outermost, and a call that is not
 differentiated runs the loss alone. Per-token outputs (reduction="none", or return_aux's
 log-sum-exps and z-loss terms) get their gradients in the backward instead, from their
-cotangents (per_token_loss).
+cotangents (per_token_loss). Token weights, where given, are one more operand sharded like
+the labels, and get their gradients with the others.
 """
 
 from __future__ import annotations
@@ -35,30 +36,30 @@ def _divides(mesh, axes: tuple, size: int) -> tuple:
   return axes if size % _auto.size(mesh, axes) == 0 else ()
 
 
-def _has_bias(n_operands: int, mode: str, k: int = 1) -> bool:
-  """Whether a partitioned call's operands (x, w[, b], labels, valid[, cts]) hold a bias.
-  `mode` says what the call returns: the reduced loss ("loss"), with its gradients
+def _has_bias(n_operands: int, mode: str, k: int = 1, weighted: bool = False) -> bool:
+  """Whether a partitioned call's operands (x, w[, b], labels, valid[, weights][, cts]) hold
+  a bias. `mode` says what the call returns: the reduced loss ("loss"), with its gradients
   ("grads"), `k` per-token outputs ("tokens": the losses, or with the auxiliary outputs the
   losses, log-sum-exps and z-loss terms), or the gradients for their cotangents, `k` more
-  [N] operands ("vjp")."""
-  return n_operands - (k if mode == "vjp" else 0) == 5
+  [N] operands ("vjp"). `weighted`: the operands hold token weights."""
+  return n_operands - (k if mode == "vjp" else 0) - weighted == 5
 
 
-def _rule(layout: str, mode: str, k: int):
+def _rule(layout: str, mode: str, k: int, weighted: bool):
   def rule(mesh, value_types, result_types):
     ops = [ArrayMapping("n", "d"),
            ArrayMapping("d", "v") if layout == "dv" else ArrayMapping("v", "d")]
-    if _has_bias(len(value_types), mode, k):
+    if _has_bias(len(value_types), mode, k, weighted):
       ops.append(ArrayMapping("v"))
-    params = len(ops)
-    ops += [ArrayMapping("n"), ArrayMapping("n")] + [ArrayMapping("n")] * (k * (mode == "vjp"))
-    results = {"loss": (ArrayMapping(),), "grads": (ArrayMapping(), *ops[:params]),
-               "tokens": (ArrayMapping("n"),) * k, "vjp": tuple(ops[:params])}[mode]
+    grads = (*ops, *(ArrayMapping("n"),) * weighted)  # the token weights' after the others'
+    ops += [ArrayMapping("n")] * (2 + weighted + k * (mode == "vjp"))
+    results = {"loss": (ArrayMapping(),), "grads": (ArrayMapping(), *grads),
+               "tokens": (ArrayMapping("n"),) * k, "vjp": grads}[mode]
     return SdyShardingRule(tuple(ops), results, need_replication_factors=("d",))
   return rule
 
 
-def _partition(layout: str, mode: str, k: int, local):
+def _partition(layout: str, mode: str, k: int, weighted: bool, local):
   """The per-shard computation and shardings from the inputs' shardings."""
   def partition(mesh, arg_shapes, result_shape):
     x, w = arg_shapes[0], arg_shapes[1]
@@ -76,10 +77,11 @@ def _partition(layout: str, mode: str, k: int, local):
     fsdp = _divides(mesh, fsdp, w.shape[1 - v_dim]) if mode in ("grads", "vjp") else ()
     ns = lambda *dims: NamedSharding(mesh, _auto.spec(*dims))
     w_dims = lambda d_axes: (d_axes, vocab) if layout == "dv" else (vocab, d_axes)
-    has_bias = _has_bias(len(arg_shapes), mode, k)
+    has_bias = _has_bias(len(arg_shapes), mode, k, weighted)
     params = [ns(tokens, ()), ns(*w_dims(()))] + [ns(vocab)] * has_bias
-    args = params + [ns(tokens)] * (2 + k * (mode == "vjp"))
-    grads = [ns(tokens + shared, ()), ns(*w_dims(fsdp))] + [ns(vocab)] * has_bias
+    args = params + [ns(tokens)] * (2 + weighted + k * (mode == "vjp"))
+    grads = ([ns(tokens + shared, ()), ns(*w_dims(fsdp))] + [ns(vocab)] * has_bias
+             + [ns(tokens)] * weighted)
     outs = {"loss": (ns(),), "grads": (ns(), *grads), "tokens": (ns(tokens),) * k,
             "vjp": tuple(grads)}[mode]
 
@@ -92,19 +94,31 @@ def _partition(layout: str, mode: str, k: int, local):
   return partition
 
 
-def _partitioned(layout: str, mode: str, local, k: int = 1):
-  """local(x, w, b, labels, valid[, cts], tokens=, vocab=, scatter=, sequence=) as a
-  custom_partitioning call of the operands (x, w[, b], labels, valid[, cts]); k: see
-  _has_bias."""
+def _partitioned(layout: str, mode: str, local, k: int = 1, weighted: bool = False):
+  """local(x, w, b, labels, valid, weights[, cts], tokens=, vocab=, scatter=, sequence=) as a
+  custom_partitioning call of the operands (x, w[, b], labels, valid[, weights][, cts])
+  (weights None where not `weighted`); k: see _has_bias."""
   def inner(x, w, *rest):
-    has_bias = _has_bias(2 + len(rest), mode, k)
-    return local(x, w, rest[0] if has_bias else None, *rest[has_bias:], tokens=(), vocab=(),
-                 scatter=((), 0), sequence=())
-  return _auto.partitioned(inner, _partition(layout, mode, k, local), _rule(layout, mode, k))
+    has_bias = _has_bias(2 + len(rest), mode, k, weighted)
+    return _local(local, weighted, x, w, rest[0] if has_bias else None, *rest[has_bias:],
+                  tokens=(), vocab=(), scatter=((), 0), sequence=())
+
+  def per_shard(x, w, b, *rest, **axes):
+    return _local(local, weighted, x, w, b, *rest, **axes)
+
+  return _auto.partitioned(inner, _partition(layout, mode, k, weighted, per_shard),
+                           _rule(layout, mode, k, weighted))
 
 
-def _operands(x, w, b, *rest):
-  return (x, w) + (() if b is None else (b,)) + rest
+def _local(local, weighted: bool, x, w, b, labels, valid, *rest, **axes):
+  """local's call with its weights argument (None where the operands hold none)."""
+  weights, cts = (rest[0], rest[1:]) if weighted else (None, rest)
+  return local(x, w, b, labels, valid, weights, *cts, **axes)
+
+
+def _operands(x, w, b, labels, valid, weights, *cts):
+  return ((x, w) + (() if b is None else (b,)) + (labels, valid)
+          + (() if weights is None else (weights,)) + cts)
 
 
 def _dx_summed(dx, vocab: tuple, sequence: tuple):
@@ -118,12 +132,16 @@ def _dx_summed(dx, vocab: tuple, sequence: tuple):
   return dx
 
 
-def _value_and_grads(f, x, w, b):
-  """(f(x, w, b), (dx, dw, db)), db None without a bias."""
-  if b is None:
-    loss, (dx, dw) = jax.value_and_grad(lambda x, w: f(x, w, None), argnums=(0, 1))(x, w)
-    return loss, (dx, dw, None)
-  return jax.value_and_grad(f, argnums=(0, 1, 2))(x, w, b)
+def _value_and_grads(f, x, w, b, weights):
+  """(f(x, w, b, weights), (dx, dw, db, dweights)); db and dweights None where b and
+  weights are (None is an empty pytree: it gets no gradient)."""
+  return jax.value_and_grad(lambda args: f(*args))((x, w, b, weights))
+
+
+def _present(*arrays) -> tuple:
+  """The arrays that are not None: a partitioned call's results, whose bias and token
+  weights' gradients exist only where those operands do."""
+  return tuple(a for a in arrays if a is not None)
 
 
 def token_group(rounded_tokens, x, w, scatter: tuple) -> int | None:
@@ -144,27 +162,30 @@ def token_slices(n: int, group: int) -> list[slice]:
 def _token_groups(n: int, group: int, rows_grads, x, w, b, tokens: tuple, scatter: tuple,
                   scale=1.0):
   """A shard's gradients from its tokens in groups of at most `group` (FSDP: see
-  reduced_loss's rounded_tokens). rows_grads(rows) -> (value, dx, dW, db) of the tokens
-  `rows`; each group's dW (and db) is summed over the token shards as it comes (_summed)
-  and added up in float32. Returns (Σ value, dx, dW, [db]), all times `scale`, the
-  gradients in their inputs' dtypes."""
+  reduced_loss's rounded_tokens). rows_grads(rows) -> (value, dx, dW, db, dweights) of the
+  tokens `rows` (db and dweights None without a bias or token weights); each group's dW (and
+  db) is summed over the token shards as it comes (_summed) and added up in float32. Returns
+  (Σ value, dx, dW, db, dweights), all times `scale`, the gradients in their inputs' dtypes
+  (dweights float32)."""
   f32 = jax.numpy.float32
-  total, dxs, dw, db = 0.0, [], 0.0, 0.0
+  total, dxs, dws, dw, db = 0.0, [], [], 0.0, 0.0
   for rows in token_slices(n, group):
-    value, dx_g, dw_g, db_g = rows_grads(rows)
-    dw_g, *db_g = _summed(dw_g, db_g, tokens, scatter)
-    total, dw, db = total + value, dw + dw_g.astype(f32), db + sum(
-        g.astype(f32) for g in db_g)
+    value, dx_g, dw_g, db_g, dweights_g = rows_grads(rows)
+    dw_g, db_g = _summed(dw_g, db_g, tokens, scatter)
+    total, dw = total + value, dw + dw_g.astype(f32)
+    db = db if db_g is None else db + db_g.astype(f32)
     dxs.append(dx_g)
-  dx = jax.numpy.concatenate(dxs)
-  grads = ((dx.astype(f32) * scale).astype(x.dtype), (dw * scale).astype(w.dtype))
-  return (total * scale, *grads) + (() if b is None else ((db * scale).astype(b.dtype),))
+    dws.append(dweights_g)
+  dx = (jax.numpy.concatenate(dxs).astype(f32) * scale).astype(x.dtype)
+  dweights = None if dws[0] is None else jax.numpy.concatenate(dws) * scale
+  return (total * scale, dx, (dw * scale).astype(w.dtype),
+          None if b is None else (db * scale).astype(b.dtype), dweights)
 
 
 def _summed(dw, db, tokens: tuple, scatter: tuple):
-  """dW and the bias's gradient (or None) summed over the token shards: dW reduce-scattered
-  over the axes `scatter` = (axes, D's dimension) names and summed over the other token axes;
-  the bias's gradient summed over all of them."""
+  """(dW, db): dW and the bias's gradient (or None) summed over the token shards: dW
+  reduce-scattered over the axes `scatter` = (axes, D's dimension) names and summed over the
+  other token axes; the bias's gradient summed over all of them."""
   axes, d_dim = scatter
   rest = tuple(a for a in tokens if a not in axes)
   if axes:
@@ -173,82 +194,92 @@ def _summed(dw, db, tokens: tuple, scatter: tuple):
     dw = jax.lax.psum(dw, rest)
   if db is not None and tokens:
     db = jax.lax.psum(db, tokens)
-  return (dw,) if db is None else (dw, db)
+  return dw, db
 
 
-def reduced_loss(x, w, b, labels, valid, *, reduction: str, weight_layout: str, loss_fn,
-                 name: str, rounded_tokens=None):
+def reduced_loss(x, w, b, labels, valid, weights, *, reduction: str, weight_layout: str,
+                 loss_fn, name: str, rounded_tokens=None):
   """The mean or summed loss over counted tokens, partitioned over the tokens and W's
-  vocabulary on Auto meshes. loss_fn(x, w, b, labels, valid, vocab_axis, reduction) -> the
-  single-device (loss, lse, z-loss term) of a shard (vocab_axis: the mesh axes W's
-  vocabulary is sharded over, or None; lse and the z-loss term may be None). With the tokens
-  sharded, a mean is each shard's sum over the global count. name: the implementation, for
-  the error a second-order gradient raises.
+  vocabulary on Auto meshes. loss_fn(x, w, b, labels, valid, weights, vocab_axis, reduction)
+  -> the single-device (loss, lse, z-loss term) of a shard (vocab_axis: the mesh axes W's
+  vocabulary is sharded over, or None; lse and the z-loss term may be None; weights: the
+  token weights, or None). With the tokens sharded, a mean is each shard's sum over the
+  global count. name: the implementation, for the error a second-order gradient raises.
 
   rounded_tokens(v_local) -> the most tokens whose dW the implementation adds up in W's
   16-bit dtype (beyond them it holds a float32 dW), or None. Where W's D is sharded over
   token axes (FSDP) and a shard has more tokens, they are taken in groups of at most that
   many (_token_groups): each group's dW is reduce-scattered as it comes and added to a
   float32 shard of dW, so no device holds a whole float32 dW."""
-  def shard_loss(x, w, b, labels, valid, tokens, vocab):
+  weighted = weights is not None
+
+  def shard_loss(x, w, b, labels, valid, weights, tokens, vocab):
     if tokens and reduction == "mean":
       count = jax.lax.psum(jax.numpy.sum(valid, dtype=jax.numpy.float32), tokens)
-      total = loss_fn(x, w, b, labels, valid, vocab or None, "sum")[0]
+      total = loss_fn(x, w, b, labels, valid, weights, vocab or None, "sum")[0]
       return total / jax.numpy.maximum(count, 1.0)
-    return loss_fn(x, w, b, labels, valid, vocab or None, reduction)[0]
+    return loss_fn(x, w, b, labels, valid, weights, vocab or None, reduction)[0]
 
-  def local(x, w, b, labels, valid, *, tokens, vocab, scatter, sequence):
+  def local(x, w, b, labels, valid, weights, *, tokens, vocab, scatter, sequence):
     del scatter, sequence
-    loss = shard_loss(x, w, b, labels, valid, tokens, vocab)
+    loss = shard_loss(x, w, b, labels, valid, weights, tokens, vocab)
     return (jax.lax.psum(loss, tokens) if tokens else loss,)
 
-  def local_with_grads(x, w, b, labels, valid, *, tokens, vocab, scatter, sequence):
+  def local_with_grads(x, w, b, labels, valid, weights, *, tokens, vocab, scatter, sequence):
     group = token_group(rounded_tokens, x, w, scatter)
     if group:
-      return grouped_grads(x, w, b, labels, valid, group, tokens, vocab, scatter, sequence)
-    f = lambda x, w, b: shard_loss(x, w, b, labels, valid, tokens, vocab)
-    loss, (dx, dw, db) = _value_and_grads(f, x, w, b)
-    dx = _dx_summed(dx, vocab, sequence)
-    if tokens:
-      loss = jax.lax.psum(loss, tokens)
-    return (loss, dx, *_summed(dw, db, tokens, scatter))
+      loss, dx, dw, db, dweights = grouped_grads(x, w, b, labels, valid, weights, group,
+                                                 tokens, vocab, scatter)
+    else:
+      f = lambda x, w, b, weights: shard_loss(x, w, b, labels, valid, weights, tokens, vocab)
+      loss, (dx, dw, db, dweights) = _value_and_grads(f, x, w, b, weights)
+      dw, db = _summed(dw, db, tokens, scatter)
+      if tokens:
+        loss = jax.lax.psum(loss, tokens)
+    return _present(loss, _dx_summed(dx, vocab, sequence), dw, db, dweights)
 
-  def grouped_grads(x, w, b, labels, valid, group, tokens, vocab, scatter, sequence):
+  def grouped_grads(x, w, b, labels, valid, weights, group, tokens, vocab, scatter):
     """local_with_grads in token groups of at most `group` (see _token_groups)."""
     count = jax.numpy.sum(valid, dtype=jax.numpy.float32)
     count = jax.lax.psum(count, tokens) if tokens else count
     scale = 1.0 / jax.numpy.maximum(count, 1.0) if reduction == "mean" else 1.0
 
     def rows_grads(rows):
-      f = lambda x, w, b: loss_fn(x, w, b, labels[rows], valid[rows], vocab or None, "sum")[0]
-      loss_g, grads = _value_and_grads(f, x[rows], w, b)
+      f = lambda x, w, b, weights: loss_fn(x, w, b, labels[rows], valid[rows], weights,
+                                           vocab or None, "sum")[0]
+      loss_g, grads = _value_and_grads(f, x[rows], w, b, _rows(weights, rows))
       return (loss_g, *grads)
 
     loss, *grads = _token_groups(x.shape[0], group, rows_grads, x, w, b, tokens, scatter,
                                  scale)
-    if tokens:
-      loss = jax.lax.psum(loss, tokens)
-    return (loss, _dx_summed(grads[0], vocab, sequence), *grads[1:])
+    return (jax.lax.psum(loss, tokens) if tokens else loss, *grads)
 
   @jax.custom_vjp
-  def loss(x, w, b, labels, valid):
-    return _partitioned(weight_layout, "loss", local)(*_operands(x, w, b, labels, valid))[0]
+  def loss(x, w, b, labels, valid, weights):
+    return _partitioned(weight_layout, "loss", local, weighted=weighted)(
+        *_operands(x, w, b, labels, valid, weights))[0]
 
-  def fwd(x, w, b, labels, valid):
+  def fwd(x, w, b, labels, valid, weights):
     x, w = _checks.first_order_only(name, x, w)
-    out = _partitioned(weight_layout, "grads", local_with_grads)(
-        *_operands(x, w, b, labels, valid))
+    out = _partitioned(weight_layout, "grads", local_with_grads, weighted=weighted)(
+        *_operands(x, w, b, labels, valid, weights))
     return out[0], out[1:]
 
   def bwd(grads, ct):
-    scaled = tuple((g * ct).astype(g.dtype) for g in grads)
-    return (*scaled, *((None,) if len(scaled) == 2 else ()), None, None)
+    dx, dw, *rest = (g * ct for g in grads)
+    db = rest.pop(0).astype(b.dtype) if b is not None else None
+    dweights = rest.pop(0) if weighted else None
+    return dx.astype(grads[0].dtype), dw.astype(grads[1].dtype), db, None, None, dweights
 
   loss.defvjp(fwd, bwd)
-  return loss(x, w, b, labels, valid)
+  return loss(x, w, b, labels, valid, weights)
 
 
-def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name: str,
+def _rows(t, rows):
+  return None if t is None else t[rows]
+
+
+def per_token_loss(x, w, b, labels, valid, weights, *, weight_layout: str, loss_fn, name: str,
                    outputs: int = 1, rounded_tokens=None):
   """The first `outputs` of loss_fn's per-token results (reduction="none": the [N] losses,
   log-sum-exps and z-loss terms), partitioned over the tokens and W's vocabulary on Auto
@@ -257,40 +288,48 @@ def per_token_loss(x, w, b, labels, valid, *, weight_layout: str, loss_fn, name:
   forward run again, as under rematerialization), dx summed over the vocabulary slices
   (_dx_summed), dW and the bias's gradient over the token shards, under FSDP in token groups
   as reduced_loss takes them (`rounded_tokens`). A tuple of `outputs` arrays."""
-  def shard(x, w, b, labels, valid, vocab):
-    return tuple(loss_fn(x, w, b, labels, valid, vocab or None, "none")[:outputs])
+  weighted = weights is not None
 
-  def local(x, w, b, labels, valid, *, tokens, vocab, scatter, sequence):
+  def shard(x, w, b, labels, valid, weights, vocab):
+    return tuple(loss_fn(x, w, b, labels, valid, weights, vocab or None, "none")[:outputs])
+
+  def local(x, w, b, labels, valid, weights, *, tokens, vocab, scatter, sequence):
     del tokens, scatter, sequence
-    return shard(x, w, b, labels, valid, vocab)
+    return shard(x, w, b, labels, valid, weights, vocab)
 
-  def local_vjp(x, w, b, labels, valid, *cts, tokens, vocab, scatter, sequence):
+  def local_vjp(x, w, b, labels, valid, weights, *cts, tokens, vocab, scatter, sequence):
     def rows_grads(rows):
-      f = lambda x, w, b: shard(x, w, b, labels[rows], valid[rows], vocab)
-      return (0.0, *jax.vjp(f, x[rows], w, b)[1](tuple(ct[rows] for ct in cts)))
+      f = lambda args: shard(args[0], args[1], args[2], labels[rows], valid[rows], args[3],
+                             vocab)
+      grads, = jax.vjp(f, (x[rows], w, b, _rows(weights, rows)))[1](
+          tuple(ct[rows] for ct in cts))
+      return (0.0, *grads)
 
     group = token_group(rounded_tokens, x, w, scatter)
     if group:
-      _, dx, *grads = _token_groups(x.shape[0], group, rows_grads, x, w, b, tokens, scatter)
+      _, dx, dw, db, dweights = _token_groups(x.shape[0], group, rows_grads, x, w, b, tokens,
+                                              scatter)
     else:
-      _, dx, dw, db = rows_grads(slice(None))
-      grads = _summed(dw, db, tokens, scatter)
-    return (_dx_summed(dx, vocab, sequence), *grads)
+      _, dx, dw, db, dweights = rows_grads(slice(None))
+      dw, db = _summed(dw, db, tokens, scatter)
+    return _present(_dx_summed(dx, vocab, sequence), dw, db, dweights)
 
   @jax.custom_vjp
-  def loss(x, w, b, labels, valid):
-    return tuple(_partitioned(weight_layout, "tokens", local, outputs)(
-        *_operands(x, w, b, labels, valid)))
+  def loss(x, w, b, labels, valid, weights):
+    return tuple(_partitioned(weight_layout, "tokens", local, outputs, weighted)(
+        *_operands(x, w, b, labels, valid, weights)))
 
-  def fwd(x, w, b, labels, valid):
+  def fwd(x, w, b, labels, valid, weights):
     x, w = _checks.first_order_only(name, x, w)
-    return loss(x, w, b, labels, valid), (x, w, b, labels, valid)
+    return loss(x, w, b, labels, valid, weights), (x, w, b, labels, valid, weights)
 
   def bwd(res, cts):
-    x, w, b, labels, valid = res
-    grads = _partitioned(weight_layout, "vjp", local_vjp, outputs)(
-        *_operands(x, w, b, labels, valid, *cts))
-    return (*grads, *((None,) if b is None else ()), None, None)
+    x, w, b, labels, valid, weights = res
+    grads = list(_partitioned(weight_layout, "vjp", local_vjp, outputs, weighted)(
+        *_operands(x, w, b, labels, valid, weights, *cts)))
+    dx, dw = grads[:2]
+    db = grads[2] if b is not None else None
+    return dx, dw, db, None, None, grads[-1] if weighted else None
 
   loss.defvjp(fwd, bwd)
-  return loss(x, w, b, labels, valid)
+  return loss(x, w, b, labels, valid, weights)

@@ -36,7 +36,7 @@ class Aux(NamedTuple):
   """Auxiliary outputs of linear_cross_entropy(..., return_aux=True)."""
 
   lse: jax.Array  # float32, labels.shape: log-sum-exp of each token's (capped) logits
-  z_loss: jax.Array  # the z-loss term λ·lse², reduced like the loss (already in the loss)
+  z_loss: jax.Array  # the z-loss term λ·lse², weighted and reduced like the loss (in it)
 
 
 class Int64Labels(NamedTuple):
@@ -101,8 +101,8 @@ def _chunk_size(chunk_size):
   return sizes if pair else sizes[0]
 
 
-def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction, return_aux,
-               weight_layout, **options):
+def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_index, reduction,
+               return_aux, weight_layout, **options):
   """linear_cross_entropy on an Explicit mesh. x's token dims may be sharded (data
   parallelism); W's vocabulary too (vocab parallelism: each shard runs the loss on its
   slice, see _vocab_parallel, the bias sharded with it), and W's D (FSDP: W gathered
@@ -139,6 +139,8 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
   tokens = _explicit.spec(token_dims)
   labels = jax.sharding.reshard(labels, tokens)
   where = None if where is None else jax.sharding.reshard(where, tokens)
+  if token_weights is not None:
+    token_weights = jax.sharding.reshard(_checked_weights(token_weights, labels.shape), tokens)
   local_reduction = "none" if reduction == "none" else "sum"
 
   def gathered(t):  # the tokens of every shard of the shared axes
@@ -154,7 +156,7 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
         t = jax.lax.dynamic_slice_in_dim(t, jax.lax.axis_index(names) * size, size, axis=dim)
     return t
 
-  def grouped_loss(x, weight, labels, bias, where):
+  def grouped_loss(x, weight, labels, bias, where, weights):
     """The shard's loss and aux outputs (local_reduction) of its tokens, under FSDP in
     groups: W gathered whole per group, its transpose reduce-scattering that group's dW."""
     lead, d = x.shape[:-1], x.shape[-1]
@@ -167,18 +169,21 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
       if d_axes:
         weight = jax.lax.all_gather(weight, d_axes, axis=d_dim, tiled=True)
       out = linear_cross_entropy(x, weight, labels, bias=bias, where=where,
+                                 token_weights=weights,
                                  ignore_index=ignore_index, reduction=local_reduction,
                                  return_aux=return_aux, weight_layout=weight_layout,
                                  vocab_axis=v_axes or None, **options)
       return out if return_aux else (out, None)
     # The groups' gathers read a float32 copy: the shards of dW add up in float32.
     w32, flat = weight.astype(jnp.float32), lambda t: None if t is None else t.reshape(n)
-    x, labels, where = x.reshape(n, d), flat(labels), flat(where)
+    x, labels, where, weights = x.reshape(n, d), flat(labels), flat(where), flat(weights)
+    part = lambda t, rows: None if t is None else t[rows]
     outs = []
     for rows in _partition.token_slices(n, group):
       w = jax.lax.all_gather(w32.astype(weight.dtype), d_axes, axis=d_dim, tiled=True)
       outs.append(linear_cross_entropy(
-          x[rows], w, labels[rows], bias=bias, where=None if where is None else where[rows],
+          x[rows], w, labels[rows], bias=bias, where=part(where, rows),
+          token_weights=part(weights, rows),
           ignore_index=ignore_index, reduction=local_reduction, return_aux=True,
           weight_layout=weight_layout, vocab_axis=v_axes or None, **options))
     join = (lambda ts: jnp.concatenate(ts).reshape(lead)) if local_reduction == "none" else sum
@@ -186,8 +191,9 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
               z_loss=join([o[1].z_loss for o in outs]))
     return join([o[0] for o in outs]), aux if return_aux else None
 
-  def local(x, weight, labels, bias, where):
-    loss, aux = grouped_loss(gathered(x), weight, gathered(labels), bias, gathered(where))
+  def local(x, weight, labels, bias, where, weights):
+    loss, aux = grouped_loss(gathered(x), weight, gathered(labels), bias, gathered(where),
+                             gathered(weights))
     if reduction == "none":
       return own(loss), aux and Aux(*map(own, aux))
     # Its tokens were gathered over the shared axes: the sums are over the other ones.
@@ -201,7 +207,7 @@ def _per_shard(mesh, x, weight, labels, bias, where, *, ignore_index, reduction,
     return sums[0], aux and Aux(lse=own(aux.lse), z_loss=sums[1])
 
   reduced = tokens if reduction == "none" else P()  # a sum over the shards is replicated
-  args = (x, weight, labels, bias, where)
+  args = (x, weight, labels, bias, where, token_weights)
   loss, aux = jax.shard_map(
       local, mesh=mesh, in_specs=tuple(map(_explicit.spec_of, args)),
       out_specs=(reduced, Aux(lse=tokens, z_loss=reduced) if return_aux else None))(*args)
@@ -238,9 +244,10 @@ def _rounded_tokens(impl, dtype, chunk_size):
   return tokens
 
 
-def _compute(x2, weight, bias, labels2, valid, opts: LossOptions, implementations, chunk_size,
-             vocab_axis, in_shard_map: bool = True):
-  """(loss, lse, z-loss term) of [N, D] tokens by the first implementation that serves them;
+def _compute(x2, weight, bias, labels2, valid, weights, opts: LossOptions, implementations,
+             chunk_size, vocab_axis, in_shard_map: bool = True):
+  """(loss, lse, z-loss term) of [N, D] tokens (with their weights, or None) by the first
+  implementation that serves them;
   with vocab_axis, `weight` (and `bias`) are this shard's slice of opts.vocab_size (see
   _vocab_parallel), inside jax.shard_map or (not in_shard_map) custom_partitioning."""
   vocab = {}
@@ -248,7 +255,19 @@ def _compute(x2, weight, bias, labels2, valid, opts: LossOptions, implementation
     shares = in_shard_map and not _vma.checking()
     vocab = {"vocab": _vocab_parallel.VocabShards(vocab_axis, cotangent_shares=shares)}
   return _dispatch.first_that_serves(implementations, lambda impl: impl(
-      x2, weight, bias, labels2, valid, opts=opts, chunk_size=chunk_size, **vocab))
+      x2, weight, bias, labels2, valid, weights, opts=opts, chunk_size=chunk_size, **vocab))
+
+
+def _checked_weights(token_weights, shape):
+  """token_weights as an array, after checking them against the labels' shape."""
+  token_weights = jnp.asarray(token_weights)
+  if not jnp.issubdtype(token_weights.dtype, jnp.floating):
+    raise TypeError(f"token_weights must be floating point, got token_weights.dtype="
+                    f"{token_weights.dtype}")
+  if token_weights.shape != shape:
+    raise ValueError(f"token_weights.shape={token_weights.shape} must equal labels.shape="
+                     f"{shape}")
+  return token_weights
 
 
 def _check_float(name, a):
@@ -269,6 +288,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
     where: jax.Array | None = None,
+    token_weights: jax.Array | None = None,
     return_aux: bool = False,
     implementation=None,
     chunk_size: int | tuple[int, int] | None = None,
@@ -285,6 +305,8 @@ def linear_cross_entropy(
 
   Tokens whose label is `ignore_index`, or where `where` is False, contribute 0 and are
   left out of the mean; with every token left out the loss is 0 and so are the gradients.
+  `token_weights` ω multiply each token's loss_n: "sum" is Σ ω_n loss_n, "mean" that over the
+  number of counted tokens (not Σ ω), "none" ω_n loss_n.
   A label outside [0, V) that is not `ignore_index` gives NaN for that token, as optax does.
 
   Args:
@@ -301,7 +323,13 @@ def linear_cross_entropy(
     z_loss: λ ≥ 0, weight of the log-sum-exp² regulariser (PaLM).
     logit_softcap: optional c > 0 (Gemma 2).
     where: optional boolean [...] mask, like labels; False tokens are skipped.
-    return_aux: also return `Aux(lse, z_loss)`; both are differentiable.
+    token_weights: optional float [...] weights, like labels, any sign (a policy gradient's
+      advantages, per-sequence normalisers), differentiable. A weighted mean or sum costs
+      what the unweighted one does: the three matmuls, gradients made in the forward pass;
+      `reduction="none"` then a weighted sum by the caller needs a fourth (the logits
+      again in the backward pass, for the per-token cotangents).
+    return_aux: also return `Aux(lse, z_loss)`; both are differentiable. The z-loss term is
+      weighted like the loss, the log-sum-exp not.
     implementation: None (fastest available: "pallas_mosaic_gpu" on NVIDIA GPUs, then
       "chunked_xla"), a name ("reference", "chunked_xla", "pallas_mosaic_gpu"), an implementation
       object (`PallasMosaicGpu(...)`, `ChunkedXla(...)`) or a sequence of those tried in order.
@@ -344,7 +372,7 @@ def linear_cross_entropy(
   """
   x, weight = jnp.asarray(x), jnp.asarray(weight)
   ignore_index = _checks.static_int("ignore_index", ignore_index)
-  mesh = _explicit.common_mesh(x, weight, bias, where,
+  mesh = _explicit.common_mesh(x, weight, bias, where, token_weights,
                                None if isinstance(labels, Int64Labels) else labels)
   if mesh is not None:
     if isinstance(labels, Int64Labels):
@@ -354,7 +382,7 @@ def linear_cross_entropy(
                        "mesh the weight's sharding says which axes hold the vocabulary")
     if reduction not in _common.REDUCTIONS:
       raise ValueError(f"reduction must be one of {_common.REDUCTIONS}, got {reduction!r}")
-    return _per_shard(mesh, x, weight, jnp.asarray(labels), bias, where,
+    return _per_shard(mesh, x, weight, jnp.asarray(labels), bias, where, token_weights,
                       ignore_index=ignore_index, reduction=reduction,
                       return_aux=_checks.static_bool("return_aux", return_aux),
                       weight_layout=weight_layout, label_smoothing=label_smoothing,
@@ -396,6 +424,9 @@ def linear_cross_entropy(
       raise TypeError(f"where must be a boolean mask, got where.dtype={where.dtype}")
     if where.shape != labels.shape:
       raise ValueError(f"where.shape={where.shape} must equal labels.shape={labels.shape}")
+  weights = token_weights
+  if weights is not None:
+    weights = _checked_weights(weights, labels.shape).reshape(-1).astype(jnp.float32)
   if not 0.0 <= _checks.static_real("label_smoothing", label_smoothing) <= 1.0:
     raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
   if not 0.0 <= _checks.static_real("z_loss", z_loss) < float("inf"):
@@ -433,18 +464,19 @@ def linear_cross_entropy(
   if x2.shape[0] == 0:  # no tokens: no chunks; the reference's (empty) computation
     implementations = [IMPLEMENTATIONS["reference"]]
   if _auto_partitions(vocab_axis, labels, x2, weight, d, implementations):
-    def shard_loss(x, w, b, labels, valid, axis, reduction):  # W: a vocabulary slice
-      return _compute(x, w, b, labels, valid, dataclasses.replace(opts, reduction=reduction),
-                      implementations, chunk_size, axis, in_shard_map=False)
+    def shard_loss(x, w, b, labels, valid, weights, axis, reduction):  # W: a vocabulary slice
+      return _compute(x, w, b, labels, valid, weights,
+                      dataclasses.replace(opts, reduction=reduction), implementations,
+                      chunk_size, axis, in_shard_map=False)
 
     shared = dict(weight_layout=weight_layout, loss_fn=shard_loss,
                   name=getattr(implementations[0], "name", type(implementations[0]).__name__),
                   rounded_tokens=_rounded_tokens(implementations[0], dtype, chunk_size))
     if reduction != "none" and not return_aux:
-      return _partition.reduced_loss(x2, weight, bias, labels2, valid, reduction=reduction,
-                                     **shared)
+      return _partition.reduced_loss(x2, weight, bias, labels2, valid, weights,
+                                     reduction=reduction, **shared)
     # Per-token outputs per shard; a reduced loss with its aux outputs reduced from them.
-    loss, *aux = _partition.per_token_loss(x2, weight, bias, labels2, valid,
+    loss, *aux = _partition.per_token_loss(x2, weight, bias, labels2, valid, weights,
                                            outputs=3 if return_aux else 1, **shared)
     if reduction == "none":
       return (loss.reshape(lead), Aux(*(a.reshape(lead) for a in aux))) if return_aux \
@@ -452,8 +484,8 @@ def linear_cross_entropy(
     r = _common.valid_scale(valid, reduction)
     return _common.reduced_sum(loss, valid, r), Aux(lse=aux[0].reshape(lead),
                                                     z_loss=jnp.sum(aux[1] * r))
-  loss, lse, zterm = _compute(x2, weight, bias, labels2, valid, opts, implementations,
-                              chunk_size, vocab_axis)
+  loss, lse, zterm = _compute(x2, weight, bias, labels2, valid, weights, opts,
+                              implementations, chunk_size, vocab_axis)
   if reduction == "none":
     loss = loss.reshape(lead)
   if return_aux:  # (without it, chunked implementations may return None for lse and zterm)

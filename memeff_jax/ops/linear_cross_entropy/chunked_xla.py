@@ -73,13 +73,13 @@ class ChunkedXla:
     cols = max(128, budget // (tokens * _BYTES_PER_LOGIT) // 128 * 128)
     return tokens, min(cols, vocab)
 
-  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None,
-               vocab: VocabShards | None = None):
+  def __call__(self, x, weight, bias, labels, valid, weights=None, *, opts: LossOptions,
+               chunk_size=None, vocab: VocabShards | None = None):
     local = opts if vocab is None else vocab.options(opts, weight)
     tokens, cols = self.plan(x.shape[0], local.vocab_size, chunk_size)
     backend = XlaChunkBackend(opts=local, vocab_chunk=cols)
     return _chunked.chunked_loss(_chunked.Static(backend, opts, tokens, vocab),
-                                 x, weight, bias, labels, valid)
+                                 x, weight, bias, labels, valid, weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +131,8 @@ class XlaChunkBackend:
     return Stats(m + jnp.log(s), y, t)
 
   def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
-            vocab: VocabShards | None = None):
+            vocab: VocabShards | None = None, needed=None):
+    del needed  # every row's statistics are exact here
     need_dx, need_dw, need_db = need
     shards = vocab
     opts, layout, vocab = self.opts, self.opts.weight_layout, self.opts.vocab_size

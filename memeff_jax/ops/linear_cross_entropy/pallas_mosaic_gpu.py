@@ -301,8 +301,8 @@ class PallasMosaicGpu:
         return -(-n_tokens // 128) * 128
     return _chunked.balanced_chunk(n_tokens, tokens, min_exact=min_tokens)
 
-  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None,
-               vocab: VocabShards | None = None):
+  def __call__(self, x, weight, bias, labels, valid, weights=None, *, opts: LossOptions,
+               chunk_size=None, vocab: VocabShards | None = None):
     if not self.interpret and not hopper.on_nvidia_gpu():
       raise _dispatch.Unsupported(
           f"pallas_mosaic_gpu needs a GPU, an NVIDIA one (default device: "
@@ -356,7 +356,7 @@ class PallasMosaicGpu:
       weight = jnp.pad(weight, [(0, pad if i == axis else 0) for i in range(2)])
       bias = None if bias is None else jnp.pad(bias, (0, pad))
     static = _chunked.Static(backend, whole, tokens, vocab, tail)
-    return _chunked.chunked_loss(static, x, weight, bias, labels, valid)
+    return _chunked.chunked_loss(static, x, weight, bias, labels, valid, weights)
 
   def _softmax_kernel(self) -> triton_softmax.SoftmaxKernelConfig | None:
     """The Triton softmax pass's tiles; None where this JAX has no Pallas Triton."""
@@ -472,7 +472,7 @@ class ChunkBackend:
   runs_kernels = True  # Pallas kernels: traced without check_vma inside shard_map (_vma)
 
   def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
-            dx_into=None, vocab: VocabShards | None = None):
+            dx_into=None, vocab: VocabShards | None = None, needed=None):
     need_dx, need_dw, need_db = need
     # dx's rows of the chunk, written in place (no [C, D] buffer where the dx GEMM is
     # Mosaic's); until then they are scratch, where fused_lse's partials or exp_logits'
@@ -482,7 +482,7 @@ class ChunkBackend:
       dx_rows = dx_into._replace(array=jax.new_ref(dx_into.array))
     scale = None  # exp_logits: the per-row factor of G that the buffer does not hold
     if self.exp_logits:
-      g, scale, stats = self._exp_chunk(x_c, w, labels_c, a_c, e_c, vocab, lse_c)
+      g, scale, stats = self._exp_chunk(x_c, w, labels_c, a_c, e_c, vocab, lse_c, needed)
     elif vocab is not None and lse_c is None:  # the slice's statistics, merged, then G
       z = self._logits(x_c, w, bias)
       stats = vocab.merge(Stats(*self._softmax(z, labels_c)))
@@ -599,7 +599,7 @@ class ChunkBackend:
     return stored.astype(x_c.dtype), jnp.sum(jnp.where(in_vocab, e, 0.0), axis=1)[None]
 
   def _exp_chunk(self, x_c, w, labels_c, a_c, e_c, vocab: VocabShards | None = None,
-                 lse_c=None):
+                 lse_c=None, needed=None):
     """G of the chunk without a softmax pass: (buffer, scale, Stats) with G = diag(scale)
     buffer.
 
@@ -610,7 +610,8 @@ class ChunkBackend:
     log E[n, y]. With a logit softcap E holds exp(ẑ) times ẑ's slope s (see _exp_logits),
     the label entry is e^lse (p_y − a'/b) s_y, and the label logit comes from a dot of x's
     row with W's label column (log E[n, y] would hold s_y too). Exact up to E's rounding
-    (the softmax pass rounds G and the logits), provided every row that counts has lse in
+    (the softmax pass rounds G and the logits), provided every row that counts (a or b ≠ 0,
+    or `needed`: its statistics are outputs, as a counted token's of weight 0) has lse in
     LSE_RANGE (so nothing it needs was clamped or flushed to zero), b ≠ 0 where a ≠ 0, and
     the label logit ≥ MIN_LABEL_LOGIT. When a row does not, the chunk takes the softmax
     pass instead (a second logits GEMM written over E, then the pass over it) and the scale
@@ -637,7 +638,8 @@ class ChunkBackend:
       t_y = jnp.tanh(_label_dots(_sliced(x_c), w, col, opts.weight_layout)
                      / opts.logit_softcap)
       z_y, slope_y = opts.logit_softcap * t_y, (1.0 - t_y) * (1.0 + t_y)
-    low = in_range & (a_c != 0) & (z_y < MIN_LABEL_LOGIT)
+    counts = a_c != 0 if needed is None else (a_c != 0) | needed
+    low = in_range & counts & (z_y < MIN_LABEL_LOGIT)
     # Per row: Σ E (0 where every entry underflowed), the label logit, whether the label is
     # in the vocabulary and whether its entry is too small to patch.
     rowwise = jnp.stack([jnp.sum(partials, axis=0), jnp.where(in_range, z_y, 0.0),
@@ -647,10 +649,10 @@ class ChunkBackend:
     lse = jnp.log(rowwise[0]) if lse_c is None else lse_c
     label_logit = rowwise[1]
     b = _common.grad_scale(a_c, e_c, lse, opts)
-    counts, labelled = (a_c != 0) | (b != 0), (rowwise[2] > 0) & (a_c != 0)
+    counts, labelled = counts | (b != 0), (rowwise[2] > 0) & (a_c != 0)
     lo, hi = LSE_RANGE
     ok = (jnp.all(~counts | ((lse >= lo) & (lse <= hi)))
-          & jnp.all(~labelled | ((b != 0) & (rowwise[3] == 0))))
+          & jnp.all(~labelled | (b != 0)) & jnp.all(rowwise[3] == 0))
 
     # Fallback: the logits over E (every kernel a no-op where ok), then the softmax pass.
     if (config := self.exp_gemm) is not None:

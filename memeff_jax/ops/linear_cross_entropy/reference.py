@@ -39,8 +39,8 @@ class Reference:
 
   name: str = "reference"
 
-  def __call__(self, x, weight, bias, labels, valid, *, opts: LossOptions, chunk_size=None,
-               vocab: VocabShards | None = None):
+  def __call__(self, x, weight, bias, labels, valid, weights=None, *, opts: LossOptions,
+               chunk_size=None, vocab: VocabShards | None = None):
     del chunk_size  # the reference holds everything at once
     labels = _common.int32_labels(labels)
     if vocab is None:
@@ -49,4 +49,4 @@ class Reference:
       local = vocab.options(opts, weight)
       stats = vocab.merge(reference_stats(x, weight, bias,
                                           labels - vocab.offset(local.vocab_size), local))
-    return _common.finish(stats, labels, valid, opts)
+    return _common.finish(stats, labels, valid, opts, weights)

@@ -160,6 +160,53 @@ class _LinearCrossEntropyTest:
     for a, b in zip(got_g, ref_g):
       assert rel_err(a, b) < 2e-5
 
+  @pytest.mark.parametrize("reduction, aux", [("mean", False), ("sum", False),
+                                              ("none", False), ("mean", True),
+                                              ("none", True)])
+  def test_token_weights_match_the_weighted_reference(self, reduction, aux):
+    """token_weights ω (either sign, some 0) against the reference's unweighted per-token
+    losses weighted by hand: Σ ω·loss, over the number of counted tokens for a mean; the
+    z-loss term weighted so, the log-sum-exp not. Values and the gradients of x, W and ω;
+    with ω a constant too (a mean or sum then reduced in the chunk loop)."""
+    options = dict(z_loss=1e-2, label_smoothing=0.1)
+    x, w, labels, _, where = make_problem(jax.random.key(21), self.lead, 24, 555,
+                                          jnp.float32, where=True)
+    omega = jax.random.normal(jax.random.key(22), labels.shape).at[0, :5].set(0.0)
+    counted = jnp.sum((labels != -100) & where)
+    ct = 1.5 + jnp.cos(jnp.arange(labels.size, dtype=jnp.float32)).reshape(labels.shape)
+    reduce = lambda t: (jnp.sum(t * ct) if reduction == "none" else
+                        jnp.sum(t) / jnp.maximum(counted, 1) if reduction == "mean" else
+                        jnp.sum(t))
+
+    def ours(x, w, omega):
+      out = memeff_jax.linear_cross_entropy(
+          x, w, labels, where=where, token_weights=omega, reduction=reduction,
+          return_aux=aux, implementation=self.impl, chunk_size=self.chunk_size, **options)
+      loss, extra = out if aux else (out, None)
+      total = jnp.sum(loss * ct) if reduction == "none" else loss
+      if aux:
+        z = jnp.sum(extra.z_loss * ct) if reduction == "none" else extra.z_loss
+        total = total + 3.0 * z + jnp.sum(extra.lse * ct ** 2)
+      return total
+
+    def by_hand(x, w, omega):
+      loss, extra = memeff_jax.linear_cross_entropy(
+          x, w, labels, where=where, reduction="none", return_aux=True,
+          implementation="reference", **options)
+      total = reduce(omega * loss)
+      if aux:
+        total = total + 3.0 * reduce(omega * extra.z_loss) + jnp.sum(extra.lse * ct ** 2)
+      return total
+
+    grads = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, w, omega)
+    (got, got_g), (want, want_g) = grads(ours), grads(by_hand)
+    assert rel_err(got, want) < 2e-5, rel_err(got, want)
+    for g, r, arg in zip(got_g, want_g, ("x", "w", "token_weights")):
+      assert rel_err(g, r) < 2e-5, (arg, rel_err(g, r))
+    constant = jax.jit(jax.grad(lambda x, w: ours(x, w, omega), argnums=(0, 1)))(x, w)
+    for g, r in zip(constant, want_g):
+      assert rel_err(g, r) < 2e-5
+
   def test_all_tokens_ignored_gives_zero_not_nan(self):
     x, w, labels, _, _ = make_problem(jax.random.key(4), self.lead, 16, 300, jnp.float32)
     labels = jnp.full_like(labels, -100)
@@ -283,7 +330,8 @@ class _TiledTail(ChunkedXla):
   rows: int = 16
   seen: list = dataclasses.field(default_factory=list, compare=False)
 
-  def __call__(self, x, weight, bias, labels, valid, *, opts, chunk_size=None, vocab=None):
+  def __call__(self, x, weight, bias, labels, valid, weights=None, *, opts, chunk_size=None,
+               vocab=None):
     tokens, cols = self.plan(x.shape[0], opts.vocab_size, chunk_size)
     seen = self.seen
 
@@ -301,7 +349,7 @@ class _TiledTail(ChunkedXla):
 
     static = _chunked.Static(chunked_xla.XlaChunkBackend(opts=opts, vocab_chunk=cols), opts,
                              tokens, tail_backend=Tiled(opts=opts, vocab_chunk=cols))
-    return _chunked.chunked_loss(static, x, weight, bias, labels, valid)
+    return _chunked.chunked_loss(static, x, weight, bias, labels, valid, weights)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -586,6 +634,31 @@ def test_exp_chunk_rows_that_do_not_count_may_leave_the_range():
   want_g, *_ = triton_softmax.softmax_pass(x @ w, labels, a, jnp.zeros(48), opts=opts,
                                        config=SoftmaxKernelConfig(), interpret=True)
   assert rel_err(scale[:, None] * buf, want_g) < 1e-5
+
+
+def test_exp_logits_keeps_the_statistics_of_tokens_of_weight_0():
+  """A counted token of weight 0 has coefficients 0, like an ignored one, but its
+  log-sum-exp and loss are outputs (Aux.lse, the weights' gradient): where its logits
+  leave exp's safe range the chunk takes the softmax pass, so both stay exact."""
+  impl = PallasMosaicGpu(interpret=True, exp_logits=True)
+  x, w, labels, _, _ = make_problem(jax.random.key(23), (48,), 32, 1000, jnp.float32,
+                                    ignore_frac=0.0)
+  x = x.at[3].multiply(400.0)  # logits in the hundreds: lse past the safe range
+  omega = jnp.linspace(0.5, 2.0, 48).at[3].set(0.0)
+
+  def f(impl, x, w, omega):
+    loss, aux = memeff_jax.linear_cross_entropy(x, w, labels, token_weights=omega,
+                                                return_aux=True, implementation=impl)
+    return loss, aux.lse
+
+  run = lambda impl: jax.value_and_grad(lambda *a: f(impl, *a), argnums=(0, 1, 2),
+                                        has_aux=True)(x, w, omega)
+  (got, got_lse), got_g = run(impl)
+  (want, want_lse), want_g = run("reference")
+  assert rel_err(got, want) < 1e-5 and rel_err(got_lse, want_lse) < 1e-5
+  for g, r in zip(got_g, want_g):
+    assert rel_err(g, r) < 1e-5
+  assert float(got_g[2][3]) > 1.0  # the token's loss over 48 tokens: in the hundreds
 
 
 @pytest.fixture
