@@ -308,6 +308,7 @@ def _fwd(static: Static, x, w, bias, labels, valid, weights):
   x, w, bias, labels, valid, weights = map(_value, (x, w, bias, labels, valid, weights))
   x, w, bias = _checks.first_order_only(static.backend.implementation, x, w, bias)
   opts = static.opts
+  needed = None if weights is None else valid  # counted tokens of weight 0 among them
   if opts.reduction == "none":
     stats, *_ = run_chunks(static, x, w, bias, labels)
     grads = (None, None, None)
@@ -315,13 +316,13 @@ def _fwd(static: Static, x, w, bias, labels, valid, weights):
     scale = _common.valid_scale(valid, opts.reduction)
     loss, *grads = run_chunks(static, x, w, bias, labels, need=need,
                               reduced=Reduced(valid, scale, grads=True, weights=weights),
-                              needed=None if weights is None else valid)
+                              needed=needed)
     return _alike(static, (loss, None, None)), Residuals(x, w, bias, labels, valid, weights,
                                                          None, None, *grads)
   else:  # scalar loss: gradients now, for a unit cotangent.
     r = _common.token_scale(valid, opts.reduction, weights)
     stats, *grads = run_chunks(static, x, w, bias, labels, a=r, e=jnp.zeros_like(r),
-                               need=need, needed=None if weights is None else valid)
+                               need=need, needed=needed)
   ids = _common.int32_labels(labels)
   out = _alike(static, _common.finish(stats, ids, valid, opts, weights))
   if _reduced_in_loop(opts):  # as chunked_loss returns it

@@ -144,6 +144,15 @@ def _present(*arrays) -> tuple:
   return tuple(a for a in arrays if a is not None)
 
 
+def _cotangents(grads, b, weights):
+  """The custom_vjp's cotangents of (x, w, b, labels, valid, weights) from a partitioned
+  call's gradients (dx, dw[, db][, dweights]) (_present's inverse: None where b or weights
+  is None, and for the labels and valid)."""
+  dx, dw, *rest = grads
+  db = rest.pop(0) if b is not None else None
+  return dx, dw, db, None, None, rest.pop(0) if weights is not None else None
+
+
 def token_group(rounded_tokens, x, w, scatter: tuple) -> int | None:
   """The token group size a shard's FSDP gradients take (see reduced_loss's rounded_tokens),
   or None where its tokens (x's rows) go in one piece: no FSDP, no limit, or no more tokens
@@ -247,7 +256,7 @@ def reduced_loss(x, w, b, labels, valid, weights, *, reduction: str, weight_layo
     def rows_grads(rows):
       f = lambda x, w, b, weights: loss_fn(x, w, b, labels[rows], valid[rows], weights,
                                            vocab or None, "sum")[0]
-      loss_g, grads = _value_and_grads(f, x[rows], w, b, _rows(weights, rows))
+      loss_g, grads = _value_and_grads(f, x[rows], w, b, token_rows(weights, rows))
       return (loss_g, *grads)
 
     loss, *grads = _token_groups(x.shape[0], group, rows_grads, x, w, b, tokens, scatter,
@@ -266,16 +275,14 @@ def reduced_loss(x, w, b, labels, valid, weights, *, reduction: str, weight_layo
     return out[0], out[1:]
 
   def bwd(grads, ct):
-    dx, dw, *rest = (g * ct for g in grads)
-    db = rest.pop(0).astype(b.dtype) if b is not None else None
-    dweights = rest.pop(0) if weighted else None
-    return dx.astype(grads[0].dtype), dw.astype(grads[1].dtype), db, None, None, dweights
+    return _cotangents(tuple((g * ct).astype(g.dtype) for g in grads), b, weights)
 
   loss.defvjp(fwd, bwd)
   return loss(x, w, b, labels, valid, weights)
 
 
-def _rows(t, rows):
+def token_rows(t, rows):
+  """t[rows] of a per-token array that may be None."""
   return None if t is None else t[rows]
 
 
@@ -301,7 +308,7 @@ def per_token_loss(x, w, b, labels, valid, weights, *, weight_layout: str, loss_
     def rows_grads(rows):
       f = lambda args: shard(args[0], args[1], args[2], labels[rows], valid[rows], args[3],
                              vocab)
-      grads, = jax.vjp(f, (x[rows], w, b, _rows(weights, rows)))[1](
+      grads, = jax.vjp(f, (x[rows], w, b, token_rows(weights, rows)))[1](
           tuple(ct[rows] for ct in cts))
       return (0.0, *grads)
 
@@ -325,11 +332,8 @@ def per_token_loss(x, w, b, labels, valid, weights, *, weight_layout: str, loss_
 
   def bwd(res, cts):
     x, w, b, labels, valid, weights = res
-    grads = list(_partitioned(weight_layout, "vjp", local_vjp, outputs, weighted)(
-        *_operands(x, w, b, labels, valid, weights, *cts)))
-    dx, dw = grads[:2]
-    db = grads[2] if b is not None else None
-    return dx, dw, db, None, None, grads[-1] if weighted else None
+    return _cotangents(_partitioned(weight_layout, "vjp", local_vjp, outputs, weighted)(
+        *_operands(x, w, b, labels, valid, weights, *cts)), b, weights)
 
   loss.defvjp(fwd, bwd)
   return loss(x, w, b, labels, valid, weights)

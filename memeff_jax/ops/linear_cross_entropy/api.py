@@ -177,13 +177,12 @@ def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_in
     # The groups' gathers read a float32 copy: the shards of dW add up in float32.
     w32, flat = weight.astype(jnp.float32), lambda t: None if t is None else t.reshape(n)
     x, labels, where, weights = x.reshape(n, d), flat(labels), flat(where), flat(weights)
-    part = lambda t, rows: None if t is None else t[rows]
     outs = []
     for rows in _partition.token_slices(n, group):
       w = jax.lax.all_gather(w32.astype(weight.dtype), d_axes, axis=d_dim, tiled=True)
       outs.append(linear_cross_entropy(
-          x[rows], w, labels[rows], bias=bias, where=part(where, rows),
-          token_weights=part(weights, rows),
+          x[rows], w, labels[rows], bias=bias, where=_partition.token_rows(where, rows),
+          token_weights=_partition.token_rows(weights, rows),
           ignore_index=ignore_index, reduction=local_reduction, return_aux=True,
           weight_layout=weight_layout, vocab_axis=v_axes or None, **options))
     join = (lambda ts: jnp.concatenate(ts).reshape(lead)) if local_reduction == "none" else sum
