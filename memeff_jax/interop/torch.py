@@ -241,100 +241,122 @@ def _implementation_key(implementation) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, has_bias,
-             chunk_size, implementation):
-  """Jitted JAX functions for one set of options: value, value+unit grads, and vjp."""
+             weights_grad, chunk_size, implementation):
+  """Jitted JAX functions of (x, W, bias, labels, token_weights) for one set of options:
+  value, value+unit grads, and vjp. The grads are those of x, W, then the bias when there is
+  one and the token weights when weights_grad (otherwise the weights are a constant, and the
+  loss keeps no per-token statistics for their gradient)."""
   opts = dict(weight_layout="vd", reduction=reduction, ignore_index=ignore_index,
               label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap,
               chunk_size=chunk_size,
               implementation=_IMPLEMENTATIONS.get(implementation, implementation or None))
 
-  def loss(x, w, b, y):
-    return _lce(x, w, y, bias=b, **opts)
+  def loss(x, w, b, y, tw):
+    return _lce(x, w, y, bias=b, token_weights=tw, **opts)
 
-  argnums = (0, 1, 2) if has_bias else (0, 1)
+  argnums = (0, 1) + ((2,) if has_bias else ()) + ((4,) if weights_grad else ())
   value = jax.jit(loss)
   # For mean/sum the library computes the gradients inside the forward (three matmuls); the
   # gradient of a unit cotangent is what the torch backward scales.
   value_and_grads = jax.jit(jax.value_and_grad(loss, argnums=argnums))
 
-  def vjp(x, w, b, y, g):
-    return jax.vjp(lambda *a: loss(*a, y) if has_bias else loss(a[0], a[1], None, y),
-                   *((x, w, b) if has_bias else (x, w)))[1](g)
+  def vjp(x, w, b, y, tw, g):
+    args = (x, w, b, y, tw)
+
+    def of_differentiated(*diff):
+      chosen = dict(zip(argnums, diff))
+      return loss(*(chosen.get(i, a) for i, a in enumerate(args)))
+
+    return jax.vjp(of_differentiated, *(args[i] for i in argnums))[1](g)
 
   return value, value_and_grads, jax.jit(vjp)
 
 
 def _lce_key(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, bias,
-             chunk_size, implementation):
+             weights_grad, chunk_size, implementation):
   return (reduction, int(ignore_index), float(label_smoothing), float(z_loss),
           None if logit_softcap is None else float(logit_softcap), bias is not None,
-          None if chunk_size is None else int(chunk_size), implementation)
+          bool(weights_grad), None if chunk_size is None else int(chunk_size), implementation)
+
+
+def _lce_grads(grads, x, bias, weights_grad):
+  """(dx, dW, db, d token_weights) as torch tensors from the JAX grads in `_lce_fns`'s
+  order, an empty tensor for each one not computed."""
+  grads = [to_torch(g) for g in grads]
+  db = grads.pop(2) if bias is not None else _empty(x)
+  dtw = grads.pop(2) if weights_grad else _empty(x)
+  return grads[0], grads[1], db, dtw
 
 
 @torch.library.custom_op("memeff::linear_cross_entropy", mutates_args=())
 def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-            bias: torch.Tensor | None, ignore_index: int, reduction: str,
-            label_smoothing: float, z_loss: float, logit_softcap: float | None,
-            chunk_size: int | None, implementation: str, with_grads: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-  """(loss, dx, dW, db) with the gradients of a unit cotangent when with_grads (mean/sum)."""
+            bias: torch.Tensor | None, token_weights: torch.Tensor | None, ignore_index: int,
+            reduction: str, label_smoothing: float, z_loss: float, logit_softcap: float | None,
+            chunk_size: int | None, implementation: str, with_grads: bool, weights_grad: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+  """(loss, dx, dW, db, d token_weights) with the gradients of a unit cotangent when
+  with_grads (mean/sum); d token_weights only when weights_grad."""
   value, value_and_grads, _ = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing,
-                                                 z_loss, logit_softcap, bias, chunk_size,
-                                                 implementation))
-  args = _lce_arrays(x, weight, bias, labels)
+                                                 z_loss, logit_softcap, bias, weights_grad,
+                                                 chunk_size, implementation))
+  args = _lce_arrays(x, weight, bias, labels, token_weights)
   with _on(x):
     if not with_grads:
-      return to_torch(value(*args)), _empty(x), _empty(x), _empty(x)
+      return (to_torch(value(*args)),) + tuple(_empty(x) for _ in range(4))
     loss, grads = value_and_grads(*args)
-  db = to_torch(grads[2]) if bias is not None else _empty(x)
-  return to_torch(loss), to_torch(grads[0]), to_torch(grads[1]), db
+  return (to_torch(loss),) + _lce_grads(grads, x, bias, weights_grad)
+
+
+def _fake_grads(x, weight, bias, token_weights, weights_grad):
+  db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
+  dtw = torch.empty_like(token_weights) if weights_grad else x.new_empty(0)
+  return torch.empty_like(x), torch.empty_like(weight), db, dtw
 
 
 @_lce_op.register_fake
-def _(x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
-      chunk_size, implementation, with_grads):
+def _(x, weight, labels, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
+      logit_softcap, chunk_size, implementation, with_grads, weights_grad):
   loss = x.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
   if not with_grads:
-    return loss, x.new_empty(0), x.new_empty(0), x.new_empty(0)
-  db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
-  return loss, torch.empty_like(x), torch.empty_like(weight), db
+    return (loss,) + tuple(x.new_empty(0) for _ in range(4))
+  return (loss,) + _fake_grads(x, weight, bias, token_weights, weights_grad)
 
 
 @torch.library.custom_op("memeff::linear_cross_entropy_backward", mutates_args=())
 def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                bias: torch.Tensor | None, grad: torch.Tensor, ignore_index: int,
-                reduction: str, label_smoothing: float, z_loss: float,
-                logit_softcap: float | None, chunk_size: int | None, implementation: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-  """(dx, dW, db) for a per-token cotangent (reduction "none"): recomputes the chunks."""
+                bias: torch.Tensor | None, token_weights: torch.Tensor | None,
+                grad: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+                z_loss: float, logit_softcap: float | None, chunk_size: int | None,
+                implementation: str, weights_grad: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+  """(dx, dW, db, d token_weights) for a per-token cotangent (reduction "none"): recomputes
+  the chunks."""
   _, _, vjp = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing, z_loss,
-                                 logit_softcap, bias, chunk_size, implementation))
-  args = _lce_arrays(x, weight, bias, labels, grad)
+                                 logit_softcap, bias, weights_grad, chunk_size, implementation))
+  args = _lce_arrays(x, weight, bias, labels, token_weights, grad)
   with _on(x):
     grads = vjp(*args)
-  db = to_torch(grads[2]) if bias is not None else _empty(x)
-  return to_torch(grads[0]), to_torch(grads[1]), db
+  return _lce_grads(grads, x, bias, weights_grad)
 
 
 @_lce_bwd_op.register_fake
-def _(x, weight, labels, bias, grad, ignore_index, reduction, label_smoothing, z_loss,
-      logit_softcap, chunk_size, implementation):
-  db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
-  return torch.empty_like(x), torch.empty_like(weight), db
+def _(x, weight, labels, bias, token_weights, grad, ignore_index, reduction, label_smoothing,
+      z_loss, logit_softcap, chunk_size, implementation, weights_grad):
+  return _fake_grads(x, weight, bias, token_weights, weights_grad)
 
 
 def _lce_setup(ctx, inputs, output):
-  (x, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
-   chunk_size, implementation, _) = inputs
+  (x, weight, labels, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
+   softcap, chunk_size, implementation, _, weights_grad) = inputs
   ctx.options = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size,
-                 implementation)
+                 implementation, weights_grad)
   ctx.has_bias = bias is not None
   ctx.scaled = False
   # Only the loss is differentiated; without this autograd would fill [N, D] and [V, D]
   # zero gradients for the other outputs before every backward.
   ctx.set_materialize_grads(False)
   if reduction == "none":  # recompute from the inputs: saving them copies nothing
-    ctx.save_for_backward(x, weight, labels, bias)
+    ctx.save_for_backward(x, weight, labels, bias, token_weights)
   else:  # the unit gradients the forward computed
     ctx.save_for_backward(*output[1:])
 
@@ -400,30 +422,38 @@ def _scale_unless_one(tensors, g: torch.Tensor):
 def _lce_backward(ctx, g_loss, *unused):
   del unused
   if g_loss is None:  # nothing flowed into the loss
-    return (None,) * 12
-  ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size, impl = ctx.options
+    return (None,) * 14
+  (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size, impl,
+   weights_grad) = ctx.options
   if reduction == "none":
-    x, weight, labels, bias = ctx.saved_tensors
-    dx, dw, db = _lce_bwd_op(x, weight, labels, bias, g_loss.contiguous().float(), ignore_index,
-                             reduction, label_smoothing, z_loss, softcap, chunk_size, impl)
+    x, weight, labels, bias, token_weights = ctx.saved_tensors
+    grads = _lce_bwd_op(x, weight, labels, bias, token_weights, g_loss.contiguous().float(),
+                        ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size,
+                        impl, weights_grad)
   elif _tracing(g_loss):
-    dx, dw, db = ((t * g_loss).to(t.dtype) for t in ctx.saved_tensors)
+    grads = [(t * g_loss).to(t.dtype) for t in ctx.saved_tensors]
   else:  # eager: scale the unit gradients in place (they are ours alone), no second dW
     if ctx.scaled:
       raise RuntimeError("memeff linear_cross_entropy: a second backward through the same "
                          "loss (retain_graph=True) is not supported; its gradients were "
                          "scaled in place by the first. Call the loss again instead.")
     ctx.scaled = True
-    dx, dw, db = ctx.saved_tensors
-    _scale_unless_one((dx, dw, db), g_loss)
-  return (dx, dw, None, db if ctx.has_bias else None) + (None,) * 8
+    grads = ctx.saved_tensors
+    _scale_unless_one(grads, g_loss)
+  dx, dw, db, dtw = grads
+  return ((dx, dw, None, db if ctx.has_bias else None, dtw if weights_grad else None)
+          + (None,) * 9)
 
 
 _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
 
 
-def _check_lce_shapes(x, weight, labels, bias):
-  """The loss's shapes in torch's terms: x [..., D], weight [V, D] as nn.Linear's."""
+def _check_lce_inputs(x, weight, labels, bias, token_weights):
+  """The loss's inputs in torch's terms: x [..., D], weight [V, D] as nn.Linear's, integer
+  labels and float token weights [...], all on x's device."""
+  if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+    raise TypeError(f"labels must be integer class ids, got labels.dtype={labels.dtype}; "
+                    "convert explicitly, e.g. labels.to(torch.int64)")
   if x.dim() < 1 or weight.dim() != 2:
     raise ValueError(f"x must be [..., D] and weight [V, D] (torch.nn.Linear's weight), "
                      f"got x.shape={tuple(x.shape)}, weight.shape={tuple(weight.shape)}")
@@ -438,10 +468,22 @@ def _check_lce_shapes(x, weight, labels, bias):
                      f"{tuple(x.shape[:-1])}")
   if bias is not None and tuple(bias.shape) != (weight.shape[0],):
     raise ValueError(f"bias.shape={tuple(bias.shape)} must be [V]=({weight.shape[0]},)")
+  if token_weights is not None:
+    if not token_weights.dtype.is_floating_point:
+      raise TypeError(f"token_weights must be floating point, got token_weights.dtype="
+                      f"{token_weights.dtype}")
+    if tuple(token_weights.shape) != tuple(labels.shape):
+      raise ValueError(f"token_weights.shape={tuple(token_weights.shape)} must equal "
+                       f"labels.shape={tuple(labels.shape)}")
+  for name, t in (("weight", weight), ("labels", labels), ("bias", bias),
+                  ("token_weights", token_weights)):
+    if t is not None and t.device != x.device:
+      raise ValueError(f"{name} is on {t.device}, x on {x.device}: pass them on one device")
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                         bias: torch.Tensor | None = None, ignore_index: int = -100,
+                         bias: torch.Tensor | None = None,
+                         token_weights: torch.Tensor | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, logit_softcap: float | None = None,
                          chunk_size: int | None = None, implementation=None) -> torch.Tensor:
@@ -452,10 +494,16 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
       (int64, as F.cross_entropy takes them, is read in place as int32 words: no copy; ids
       are compared with ignore_index on all 64 bits, and one past the int32 range is out
       of range, NaN as for any id outside [0, V));
-    bias: optional [V]; ignore_index, reduction ("mean" | "sum" | "none"), label_smoothing:
-      as F.cross_entropy; z_loss, logit_softcap, chunk_size: as
-      memeff_jax.linear_cross_entropy (chunk_size: tokens per chunk, default from the
-      implementation's memory budget).
+    bias: optional [V];
+    token_weights: optional float [...] weights ω, like labels, of any sign, that multiply
+      each token's loss: "sum" is Σ ω·loss, "mean" that over the number of tokens not
+      ignored, "none" ω·loss. With requires_grad, they get ω.grad (the cotangent times
+      each token's unweighted loss). A weighted mean or sum keeps the gradients in the
+      forward pass, unlike "none" followed by a weighted sum, which makes the logits again
+      in the backward (e.g. policy-gradient advantages);
+    ignore_index, reduction ("mean" | "sum" | "none"), label_smoothing: as
+      F.cross_entropy; z_loss, logit_softcap, chunk_size: as memeff_jax.linear_cross_entropy
+      (chunk_size: tokens per chunk, default from the implementation's memory budget).
     implementation: as memeff_jax.linear_cross_entropy: None (the fastest available), a
       name ("reference", "chunked_xla", "pallas_mosaic_gpu"), an implementation object such as
       `memeff_jax.ops.linear_cross_entropy.PallasMosaicGpu(mosaic_gemms=("logits", "dx", "dw"),
@@ -465,19 +513,19 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
   Returns:
     float32 loss (scalar, or labels.shape for "none").
   """
-  if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-    raise TypeError(f"labels must be integer class ids, got labels.dtype={labels.dtype}; "
-                    "convert explicitly, e.g. labels.to(torch.int64)")
-  _check_lce_shapes(x, weight, labels, bias)
-  needs_grad = torch.is_grad_enabled() and any(
+  _check_lce_inputs(x, weight, labels, bias, token_weights)
+  grad_enabled = torch.is_grad_enabled()
+  weights_grad = grad_enabled and token_weights is not None and token_weights.requires_grad
+  needs_grad = weights_grad or grad_enabled and any(
       t is not None and t.requires_grad for t in (x, weight, bias))
   if labels.dtype not in (torch.int64, torch.int32):
     labels = labels.to(torch.int32)
-  loss, *_ = _lce_op(x, weight, labels, bias, int(ignore_index), reduction,
+  loss, *_ = _lce_op(x, weight, labels, bias, token_weights, int(ignore_index), reduction,
                      float(label_smoothing), float(z_loss),
                      None if logit_softcap is None else float(logit_softcap),
                      None if chunk_size is None else int(chunk_size),
-                     _implementation_key(implementation), needs_grad and reduction != "none")
+                     _implementation_key(implementation), needs_grad and reduction != "none",
+                     weights_grad)
   return loss
 
 
@@ -503,8 +551,10 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                         logit_softcap=logit_softcap, chunk_size=chunk_size,
                         implementation=implementation)
 
-  def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return linear_cross_entropy(x, self._weight[0], labels, bias=self._bias[0], **self.options)
+  def forward(self, x: torch.Tensor, labels: torch.Tensor,
+              token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    return linear_cross_entropy(x, self._weight[0], labels, bias=self._bias[0],
+                                token_weights=token_weights, **self.options)
 
 
 # ----------------------------------------------------------------------------------------

@@ -73,6 +73,56 @@ def test_lce_equals_torch(reduction, smoothing, bias, device):
     _close(a, r)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weights_grad", [False, True])
+def test_lce_token_weights_equal_torch(reduction, weights_grad, device):
+  """token_weights ω against torch's per-token losses weighted by hand ("mean" over the
+  tokens not ignored): the loss, x, W and bias gradients, and ω.grad when ω requires it."""
+  x, w, b, y = _lce_inputs(bias=True, device=device)
+  g = torch.Generator().manual_seed(2)
+  omega = torch.randn(y.shape, generator=g).to(device).requires_grad_(weights_grad)
+  ct = torch.cos(torch.arange(3 * N, dtype=torch.float32)).reshape(3, N).to(device)
+  inputs = (x, w, b, omega) if weights_grad else (x, w, b)
+
+  def run(fn):
+    loss = fn()
+    grads = torch.autograd.grad((loss * ct).sum() if reduction == "none" else loss * -1.5,
+                                inputs)
+    return loss, grads
+
+  def ref():
+    per_token = F.cross_entropy(F.linear(x, w, b).reshape(-1, V), y.reshape(-1),
+                                reduction="none", label_smoothing=0.1).reshape(y.shape)
+    weighted = per_token * omega
+    if reduction == "none":
+      return weighted
+    return weighted.sum() / ((y != -100).sum() if reduction == "mean" else 1)
+
+  ours = run(lambda: mt.linear_cross_entropy(x, w, y, bias=b, token_weights=omega,
+                                             reduction=reduction, label_smoothing=0.1))
+  want = run(ref)
+  _close(ours[0], want[0])
+  for a, r in zip(ours[1], want[1]):
+    assert a.dtype == r.dtype and a.device == r.device
+    _close(a, r)
+
+
+def test_lce_token_weights_through_the_module_and_torch_compile(device):
+  """The module's forward takes token_weights; torch.compile(fullgraph=True) traces the op
+  with them, ω.grad included, and matches eager."""
+  x, w, _, y = _lce_inputs(device=device)
+  omega = torch.rand(y.shape, device=device, requires_grad=True)
+  loss_fn = mt.LinearCrossEntropyLoss(w, reduction="sum")
+  eager = loss_fn(x, y, omega)
+  eager_grads = torch.autograd.grad(eager * 0.5, (x, w, omega))
+  compiled = torch.compile(lambda *a: loss_fn(*a) * 0.5, fullgraph=True, backend="aot_eager")
+  got = compiled(x, y, omega)
+  got_grads = torch.autograd.grad(got, (x, w, omega))
+  _close(got, eager * 0.5, 1e-6)
+  for a, r in zip(got_grads, eager_grads):
+    _close(a, r, 1e-6)
+
+
 @pytest.mark.parametrize("scale", [1.0, -2.5])
 def test_lce_scaled_loss_gradients(scale, device):
   """The unit gradients computed in the forward are scaled by the loss's cotangent."""
@@ -486,6 +536,25 @@ def test_lce_errors_speak_torch(weight, labels, match):
   with pytest.raises(ValueError, match=match):
     mt.linear_cross_entropy(torch.randn(4, 8), torch.randn(*weight),
                             torch.zeros(labels, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("weights, error, match", [
+    (torch.ones(4, dtype=torch.int32), TypeError,
+     r"token_weights must be floating point, got token_weights.dtype=torch.int32"),
+    (torch.ones(2, 2), ValueError, r"token_weights.shape=\(2, 2\) must equal labels.shape=\(4,\)")])
+def test_lce_bad_token_weights_raise(weights, error, match):
+  with pytest.raises(error, match=match):
+    mt.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8),
+                            torch.zeros(4, dtype=torch.int64), token_weights=weights)
+
+
+def test_lce_inputs_on_another_device_raise():
+  x, w = torch.randn(4, 8), torch.randn(10, 8)
+  with pytest.raises(ValueError, match=r"labels is on meta, x on cpu: pass them on one device"):
+    mt.linear_cross_entropy(x, w, torch.zeros(4, dtype=torch.int64, device="meta"))
+  with pytest.raises(ValueError, match=r"token_weights is on meta, x on cpu"):
+    mt.linear_cross_entropy(x, w, torch.zeros(4, dtype=torch.int64),
+                            token_weights=torch.ones(4, device="meta"))
 
 
 def test_attention_errors_show_the_callers_shapes():
