@@ -9,13 +9,17 @@ Providers (those whose packages are missing are skipped, with a note):
   jax_naive          x@W then optax.softmax_cross_entropy_with_integer_labels, jax.grad
   jax_scan_remat     jax.checkpoint of the naive loss over token chunks in a lax.scan
   memeff             memeff_jax.linear_cross_entropy, default implementation
-  memeff:NAME[:k=v]  one implementation with options, e.g. memeff:pallas_mosaic_gpu:budget_mib=128
+  memeff:NAME[:k=v]  one implementation with options, e.g. memeff:pallas_mosaic_gpu:budget_mib=128;
+                     per_token=1 asks for reduction="none" and reduces (weights) the losses
+                     after it, as a caller without token_weights would
   tokamax            tokamax.linear_softmax_cross_entropy_loss (default implementation)
   torch_naive, torch_compile, liger, cce    PyTorch peers (CUDA only)
 
 A set's `logit_softcap`, `label_smoothing` and `reduction` (default "mean"; "none" sums the
 per-token losses to differentiate them) apply to every provider (the floor's matmuls are the
-same). A set with `backward = false` times the loss alone, without gradients (evaluation, or
+same). A set with `token_weights = true` weights each token's loss by a fixed normal weight
+(an on-policy policy gradient's advantages): memeff passes them as `token_weights`, every
+other provider multiplies its per-token losses. A set with `backward = false` times the loss alone, without gradients (evaluation, or
 an RL step's reference log-probs): the floor is then x@W alone, torch runs under no_grad.
 
 Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step, 2·N·D·V for the loss
@@ -85,18 +89,26 @@ def _naive_losses(logits, y, softcap=None, smoothing=0.0):
   return -(1.0 - smoothing) * picked - smoothing * jnp.mean(logp, axis=-1)
 
 
-def _reduced(losses, reduction):
-  """A scalar to differentiate: the mean, or the sum (of per-token losses, "none")."""
+def _reduced(losses, reduction, weights=None):
+  """A scalar to differentiate: the mean, or the sum (of per-token losses, "none"), of the
+  losses times `weights` when given."""
+  if weights is not None:
+    losses = losses * weights
   return losses.mean() if reduction == "mean" else losses.sum()
 
 
+def token_weights(n, seed=0):
+  """[N] float32 fixed per-token weights, standard normal: a policy gradient's advantages."""
+  return jax.random.normal(jax.random.key(seed + 1), (n,), jnp.float32)
+
+
 def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean",
-             backward=True):
+             backward=True, weights=None):
   """(jitted fn, args) computing the loss and (dx, dW) for a JAX provider, or with
   backward=False the loss alone; `softcap` caps the logits (Gemma-2's
-  final_logit_softcapping), `smoothing` smooths the labels and `reduction` reduces the
-  tokens' losses ("none": per-token losses, summed here), as every provider but the floor
-  does. fn(*args)[0] is the loss."""
+  final_logit_softcapping), `smoothing` smooths the labels, `weights` [N] weight the
+  tokens' losses and `reduction` reduces them ("none": per-token losses, summed here), as
+  every provider but the floor does. fn(*args)[0] is the loss."""
   if provider == "floor":
     w = jnp.pad(w, ((0, 0), (0, -w.shape[1] % 128)))
     if not backward:
@@ -108,32 +120,39 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean
   if provider == "jax_naive":
     def loss(x, w):
       return _reduced(_naive_losses((x @ w).astype(jnp.float32), y, softcap, smoothing),
-                      reduction)
+                      reduction, weights)
     return grads(loss), (x, w)
   if provider == "jax_scan_remat":
     chunk = math.gcd(x.shape[0], 1024)
     n = x.shape[0]
     def loss(x, w):
       @jax.checkpoint
-      def one(xc, yc):
-        return _naive_losses((xc @ w).astype(jnp.float32), yc, softcap, smoothing).sum()
+      def one(xc, yc, wc):
+        return _reduced(_naive_losses((xc @ w).astype(jnp.float32), yc, softcap, smoothing),
+                        "sum", wc)
       xs, ys = x[:n].reshape(-1, chunk, x.shape[1]), y[:n].reshape(-1, chunk)
-      total = jax.lax.scan(lambda acc, xy: (acc + one(*xy), None), 0.0, (xs, ys))[0]
+      ws = None if weights is None else weights.reshape(-1, chunk)
+      total = jax.lax.scan(lambda acc, xyw: (acc + one(*xyw), None), 0.0, (xs, ys, ws))[0]
       return total / n if reduction == "mean" else total
     return grads(loss), (x, w)
   if provider == "tokamax":
-    if softcap is not None or smoothing or reduction != "mean":
-      raise ImportError("tokamax's loss takes no logit softcap, label smoothing or reduction")
+    if softcap is not None or smoothing or reduction != "mean" or weights is not None:
+      raise ImportError("tokamax's loss takes no logit softcap, label smoothing, reduction or "
+                        "token weights")
     tokamax = import_tokamax()
     return grads(lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
         x, y, w, reduction="mean")), (x, w)
   if provider.startswith("memeff"):
-    impl, layout = parse_memeff(provider)
+    impl, layout, per_token = parse_memeff(provider)
     if layout == "vd":
       w = jax.block_until_ready(jnp.copy(w.T))
+    options = dict(weight_layout=layout, implementation=impl, logit_softcap=softcap,
+                   label_smoothing=smoothing)
+    if per_token:
+      return grads(lambda x, w: _reduced(memeff_jax.linear_cross_entropy(
+          x, w, y, reduction="none", **options), reduction, weights)), (x, w)
     return grads(lambda x, w: _reduced(memeff_jax.linear_cross_entropy(
-        x, w, y, weight_layout=layout, implementation=impl, logit_softcap=softcap,
-        label_smoothing=smoothing, reduction=reduction), "sum")), (x, w)
+        x, w, y, reduction=reduction, token_weights=weights, **options), "sum")), (x, w)
   raise KeyError(provider)
 
 
@@ -194,12 +213,13 @@ def _mosaic_kernel_names():
 
 
 def parse_memeff(provider: str):
-  """memeff[:name[:key=value...]] -> (implementation argument, weight layout)."""
+  """memeff[:name[:key=value...]] -> (implementation argument, weight layout, per_token)."""
   parts = provider.split(":")
   if len(parts) == 1:
-    return None, "dv"
+    return None, "dv", False
   name, opts = parts[1], dict(p.split("=", 1) for p in parts[2:])
   layout = opts.pop("layout", "dv")
+  per_token = bool(int(opts.pop("per_token", 0)))
   if name == "default":
     impl = None
   elif name == "chunked_xla":
@@ -229,19 +249,27 @@ def parse_memeff(provider: str):
     impl = name
   if opts:
     raise ValueError(f"unknown options {opts} in provider {provider!r}")
-  return impl, layout
+  return impl, layout, per_token
 
 
-def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean"):
-  """loss_fn(x [N, D], w [V, D], y [N] int64) for a PyTorch provider."""
+def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean", weights=None):
+  """loss_fn(x [N, D], w [V, D], y [N] int64) for a PyTorch provider; with `weights` [N]
+  (a tensor), the peer's per-token losses times the weights, then reduced."""
   import torch  # pylint: disable=import-outside-toplevel
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+  peer_reduction = reduction if weights is None else "none"
+
+  def reduced(losses):
+    if weights is None:
+      return losses.sum()
+    return _reduced(losses, reduction, weights)
 
   def naive(x, w, y):
     logits = F.linear(x, w).float()
     if softcap is not None:
       logits = softcap * torch.tanh(logits / softcap)
-    return F.cross_entropy(logits, y, label_smoothing=smoothing, reduction=reduction).sum()
+    return reduced(F.cross_entropy(logits, y, label_smoothing=smoothing,
+                                   reduction=peer_reduction))
 
   if provider == "torch_naive":
     return naive
@@ -250,18 +278,18 @@ def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean"):
   if provider == "liger":
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
     module = LigerFusedLinearCrossEntropyLoss(softcap=softcap, label_smoothing=smoothing,
-                                              reduction=reduction)
-    return lambda x, w, y: module(w, x, y).sum()
+                                              reduction=peer_reduction)
+    return lambda x, w, y: reduced(module(w, x, y))
   if provider == "cce":
     from cut_cross_entropy import linear_cross_entropy as cce_loss  # pylint: disable=import-outside-toplevel
     if smoothing:
       raise ImportError("Cut Cross-Entropy takes no label smoothing")
-    return lambda x, w, y: cce_loss(x, w, y, softcap=softcap, reduction=reduction).sum()
+    return lambda x, w, y: reduced(cce_loss(x, w, y, softcap=softcap, reduction=peer_reduction))
   raise KeyError(provider)
 
 
 def torch_case(provider, x, w, y, softcap=None, smoothing=0.0, reduction="mean",
-               backward=True):
+               backward=True, weights=None):
   """A closure running forward+backward in torch (the forward alone, under no_grad, with
   backward=False), and a loss getter."""
   import torch  # pylint: disable=import-outside-toplevel
@@ -272,8 +300,10 @@ def torch_case(provider, x, w, y, softcap=None, smoothing=0.0, reduction="mean",
   wt = torch.from_numpy(np.array(w, np.float32).T).to(dev, tdtype).contiguous()
   wt.requires_grad_(backward)
   yt = torch.from_numpy(np.asarray(y).astype(np.int64)).to(dev)
-  step, state = torch_step(torch_loss_fn(provider, softcap, smoothing, reduction), xt, wt, yt,
-                           backward)
+  if weights is not None:
+    weights = torch.from_numpy(np.asarray(weights)).to(dev)
+  step, state = torch_step(torch_loss_fn(provider, softcap, smoothing, reduction, weights),
+                           xt, wt, yt, backward)
   return step, state, (xt, wt, yt)
 
 
@@ -303,12 +333,13 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
   softcap, smoothing = spec.get("logit_softcap"), spec.get("label_smoothing", 0.0)
   reduction = spec.get("reduction", "mean")
   backward = spec.get("backward", True)
-  options = (softcap, smoothing, reduction, backward)
+  weighted = spec.get("token_weights", False)
   env = _harness.environment()
   rows = []
   for shape in spec["shapes"]:
     n, d, v = shape["n"], shape["d"], shape["v"]
     x, w, y, kg = make_inputs(n, d, v, dtype)
+    options = (softcap, smoothing, reduction, backward, token_weights(n) if weighted else None)
     flops = (6.0 if backward else 2.0) * n * d * v
     cases = {}  # provider -> (row, timer, loss getter): built and run once before any timing
     for provider in providers:
@@ -320,6 +351,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
         row["label_smoothing"] = smoothing
       if reduction != "mean":
         row["reduction"] = reduction
+      if weighted:
+        row["token_weights"] = True
       if not backward:
         row["backward"] = False
       try:

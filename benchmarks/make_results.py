@@ -256,6 +256,8 @@ def run_heading(key, rows) -> str:
   dtype = dtype if not smoothing else f"{dtype}, label smoothing {smoothing:g}"
   if rows[0].get("reduction"):
     dtype = f"{dtype}, reduction {rows[0]['reduction']!r}"
+  if rows[0].get("token_weights"):
+    dtype = f"{dtype}, token weights"
   passes = "forward+backward" if rows[0].get("backward", True) else "forward (no gradients)"
   return (f"**{set_name}** (N={n:,}, D={d:,}, V={v:,}, {dtype}) on {device}, {stamp} "
           f"({versions}), {passes}{_rounds(rows)}")

@@ -4,6 +4,7 @@ pass they timed."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,6 +30,24 @@ def test_the_loss_alone_is_the_loss_of_the_step(options):
     assert len(out) == 1, provider  # the loss, no gradients
     np.testing.assert_allclose(out[0], loss, rtol=1e-5, err_msg=provider)
     assert dx.shape == x.shape and dw.shape == w.shape
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_every_provider_weights_the_same_tokens(reduction):
+  """A `token_weights` set: memeff's token_weights, its per-token losses weighted after
+  (per_token=1) and the plain JAX losses weighted give one loss and one set of gradients."""
+  x, w, y, kg = bench.make_inputs(256, 64, 1000, jnp.float32, seed=2)
+  weights = bench.token_weights(256)
+  results = {}
+  for provider in PROVIDERS + ["memeff:default:per_token=1"]:
+    fn, args = bench.jax_case(provider, x, w, y, kg, reduction=reduction, weights=weights)
+    results[provider] = fn(*args)
+  want = results.pop("jax_naive")
+  unweighted = bench.jax_case("jax_naive", x, w, y, kg, reduction=reduction)[0](x, w)
+  assert not np.allclose(unweighted[0], want[0], rtol=1e-2)  # the weights count
+  for provider, got in results.items():
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=provider)
 
 
 def test_the_floor_alone_is_the_logits_product():
