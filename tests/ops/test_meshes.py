@@ -597,6 +597,57 @@ def test_token_weights_on_meshes(mesh, explicit_mesh, kind, kw):
     assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
 
 
+@pytest.mark.parametrize("kind, kw", [
+    ("shard_map", dict(logit_softcap=5.0, bias=True)),
+    ("shard_map_unchecked", dict(reduction="none", label_smoothing=0.1)),
+    ("shard_map", dict(implementation=_VOCAB_IMPLEMENTATIONS["pallas_softmax"])),
+    ("shard_map_unchecked", dict(reduction="none",
+                                 implementation=_VOCAB_IMPLEMENTATIONS["pallas_exp_logits"])),
+    ("auto", dict(z_loss=1e-3, where=True)),
+    ("auto", dict(reduction="none", weight_layout="vd")),
+    ("explicit", dict(reduction="sum", bias=True)),
+    ("explicit", dict(reduction="none", where=True))])
+def test_entropy_on_meshes(mesh, explicit_mesh, kind, kw):
+  """Aux.entropy with W's vocabulary over 'model' and the tokens over 'data' (its statistic
+  merged over the slices): inside shard_map with vocab_axis (either check_vma setting),
+  under jit on Auto and Explicit meshes; the values, and the gradients of x, W and the bias
+  of every output differentiated, the entropy among them, one device's."""
+  layout = kw.get("weight_layout", "dv")
+  x, w, y, b, where = _vocab_problem(15, layout=layout)
+  kw, call = _vocab_call(dict(kw, return_aux=True, entropy=True), y, b, where)
+  mask = call.__defaults__[1]
+  obj = lambda f: lambda x, w, b: sum(map(_weighted_sum, jax.tree.leaves(f(x, w, b))))
+  w_spec = P(None, "model") if layout == "dv" else P("model")
+  if kind.startswith("shard_map"):
+    per_shard = lambda out: jax.tree.map(lambda t: t if t.ndim else t[None], out)
+    sharded = shard_map(
+        lambda x, w, b, y_, m: per_shard(call(x, w, b, y_, m, vocab_axis="model")),
+        mesh=mesh, in_specs=(P("data"), w_spec, P("model"), P("data"),
+                             None if mask is None else P("data")),
+        out_specs=(P("data"), P("data")), check_vma=kind == "shard_map")
+    got = lambda x, w, b: sharded(x, w, b, y, mask)
+
+    def want(x, w, b):  # one device, each 'data' shard's two rows of tokens on their own
+      rows = lambda t, r: None if t is None else t[r:r + 2]
+      outs = [per_shard(call(x[r:r + 2], w, b, y[r:r + 2], rows(mask, r)))
+              for r in range(0, 8, 2)]
+      return jax.tree.map(lambda *ts: jnp.concatenate(ts), *outs)
+    args, context = (x, w, b), contextlib.nullcontext()
+  else:
+    want = got = call
+    on = mesh if kind == "auto" else explicit_mesh
+    put = lambda a, spec: jax.device_put(a, NamedSharding(on, spec))
+    args = (put(x, P("data")), put(w, w_spec), put(b, P("model")))
+    context = jax.set_mesh(explicit_mesh) if kind == "explicit" else contextlib.nullcontext()
+  with context:
+    values, grads, collectives, _ = _run(got, obj(got), (0, 1, 2), *args)
+  assert values[1].entropy.shape == y.shape
+  _close(values, want(x, w, b), 1e-5)
+  _close(grads, jax.grad(obj(want), argnums=(0, 1, 2))(x, w, b), 1e-5)
+  if not kind.startswith("shard_map"):
+    assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
+
+
 # bias, sum, smoothing, z-loss, softcap, aux outputs, "none", the "vd" layout and a mask
 @pytest.mark.parametrize("kw", _VOCAB_OPTIONS[1:4])
 def test_loss_vocab_parallel_on_an_explicit_mesh(explicit_mesh, kw):

@@ -9,6 +9,9 @@ Both implementations walk the tokens in chunks of `token_chunk` and hand each ch
 
 `grads` computes G (see _common) for the chunk and applies the two matmuls that consume it,
 accumulating dW and db into the running sums it is given. Nothing of size [N, V] exists.
+Where the entropy's cotangent h is not zero, `grads` is also given `entropy=(h_c, μ_c)`
+(the backward pass, with μ from the forward's statistics). With `LossOptions.entropy` the
+Stats carry μ.
 
 A backend with `first_chunk_writes_dw = True` is given dw_acc=None for the first chunk,
 which runs before the loop, and returns that chunk's dW as the running sum (no zero-filled
@@ -32,8 +35,8 @@ slice's share (summed by cotangents_like under check_vma, else by the caller).
 Gradients in the forward pass. For reduction "mean"/"sum" the loss's cotangent is a single
 scalar, so the forward pass computes the gradients for a cotangent of 1 while the chunk's
 logits are at hand (three matmuls in all) and the backward pass only scales them. For
-"none", or when the log-sum-exp / z-loss outputs get a cotangent, the backward pass runs
-the chunks again with the real cotangents. Token weights are known in the forward pass, so
+"none", or when the log-sum-exp / z-loss / entropy outputs get a cotangent, the backward
+pass runs the chunks again with the real cotangents. Token weights are known in the forward pass, so
 a weighted mean/sum keeps the three matmuls: they scale each token's coefficients.
 
 A mean/sum loss without the auxiliary outputs (`opts.aux_outputs` False) is reduced inside
@@ -77,6 +80,7 @@ class Residuals(NamedTuple):
   valid: jax.Array
   weights: jax.Array | None  # float32 [N] token weights; None: all 1
   lse: jax.Array | None  # float32 [N]; None for a loss reduced in the loop
+  mean_logit: jax.Array | None  # float32 [N] μ = Σ_v p ẑ, for the entropy's gradient
   losses: tuple | None  # the unweighted (loss[n], z-loss term[n]) where weights get gradients
   dx: jax.Array | None  # gradients for a unit loss cotangent (mean/sum only)
   dweight: jax.Array | None
@@ -138,8 +142,10 @@ class Reduced(NamedTuple):
 
 
 def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
-               need=(True, True, True), reduced: Reduced | None = None, needed=None):
-  """Stats for all tokens, and with coefficients (a, e) also dx, dW and db.
+               need=(True, True, True), reduced: Reduced | None = None, needed=None,
+               entropy=None):
+  """Stats for all tokens, and with coefficients (a, e) also dx, dW and db; `entropy`
+  (h, μ), each float32 [N], adds the entropy's share to G (see _common.block_grad).
 
   With `reduced` the first result is the reduced loss (a float32 scalar) instead of the
   [N] statistics, and the coefficients come from reduced (a and e must be None).
@@ -164,8 +170,9 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   need_db = need_db and bias is not None
   peel = with_grads and need_dw and getattr(backend, "first_chunk_writes_dw", False)
   rows = getattr(backend, "takes_rows", lambda *_: ())(n, chunk) if n_full else ()
-  stats0 = (jnp.zeros((), jnp.float32) if reduced is not None
-            else Stats(*(jnp.zeros((n,), jnp.float32) for _ in range(3))))
+  # μ where the entropy is wanted and the statistics are made (not given: lse).
+  stats0 = (jnp.zeros((), jnp.float32) if reduced is not None else Stats(
+      *(jnp.zeros((n,), jnp.float32) for _ in range(3 + (opts.entropy and lse is None)))))
   # Written in place chunk by chunk, every row once (the chunks tile the tokens): no fill.
   dx0 = (jax.lax.empty if "dx" in rows else jnp.zeros)((n, d), x.dtype)
   carry = (
@@ -210,6 +217,8 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
         a_c, e_c = part(a), part(e)
       into = {"dx_into": Rows(dx, window, size)} if whole and "dx" in rows and need_dx else {}
       exact = {} if needed is None else {"needed": part(needed)}
+      if entropy is not None:
+        exact["entropy"] = tuple(map(part, entropy))
       chunk_stats, dx_c, dw, db = kernels(backend.grads)(
           x_c, w, bias, local(labels_c), a_c, e_c, None if lse is None else part(lse),
           dw, db, (need_dx, need_dw, need_db), **into, **exact, **parallel)
@@ -231,7 +240,8 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
       per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts)
       stats = stats + _common.reduced_sum(per_token, counted, scale_c)
     else:
-      stats = Stats(*(jax.lax.dynamic_update_slice_in_dim(s, c[:size], start, axis=0)
+      stats = Stats(*(None if s is None else
+                      jax.lax.dynamic_update_slice_in_dim(s, c[:size], start, axis=0)
                       for s, c in zip(stats, chunk_stats)))
     return stats, dx, dw, db
 
@@ -284,14 +294,15 @@ def _nonzero(ct):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def chunked_loss(static: Static, x, w, bias, labels, valid, weights=None):
-  """(loss, lse, z-loss term) of the chunked computation, each token's loss times its
-  weight (`weights` float32 [N], None: 1); see module docstring. With a loss reduced in the
-  loop (`_reduced_in_loop`) the last two are None."""
+  """(loss, lse, z-loss term, entropy) of the chunked computation, each token's loss times
+  its weight (`weights` float32 [N], None: 1); see module docstring. With a loss reduced in
+  the loop (`_reduced_in_loop`) the last three are None, the entropy without
+  LossOptions.entropy."""
   if _reduced_in_loop(static.opts):
     scale = _common.valid_scale(valid, static.opts.reduction)
     loss, *_ = run_chunks(static, x, w, bias, labels,
                           reduced=Reduced(valid, scale, grads=False, weights=weights))
-    return _alike(static, (loss, None, None))
+    return _alike(static, (loss, None, None, None))
   stats, *_ = run_chunks(static, x, w, bias, labels)
   return _alike(static, _common.finish(stats, _common.int32_labels(labels), valid, static.opts,
                                        weights))
@@ -317,8 +328,8 @@ def _fwd(static: Static, x, w, bias, labels, valid, weights):
     loss, *grads = run_chunks(static, x, w, bias, labels, need=need,
                               reduced=Reduced(valid, scale, grads=True, weights=weights),
                               needed=needed)
-    return _alike(static, (loss, None, None)), Residuals(x, w, bias, labels, valid, weights,
-                                                         None, None, *grads)
+    return _alike(static, (loss, None, None, None)), Residuals(
+        x, w, bias, labels, valid, weights, None, None, None, *grads)
   else:  # scalar loss: gradients now, for a unit cotangent.
     r = _common.token_scale(valid, opts.reduction, weights)
     stats, *grads = run_chunks(static, x, w, bias, labels, a=r, e=jnp.zeros_like(r),
@@ -326,9 +337,11 @@ def _fwd(static: Static, x, w, bias, labels, valid, weights):
   ids = _common.int32_labels(labels)
   out = _alike(static, _common.finish(stats, ids, valid, opts, weights))
   if _reduced_in_loop(opts):  # as chunked_loss returns it
-    out = (out[0], None, None)
+    out = (out[0], None, None, None)
   losses = _alike(static, _common.token_loss(stats, ids, valid, opts)) if weighs else None
-  return out, Residuals(x, w, bias, labels, valid, weights, stats.lse, losses, *grads)
+  mean_logit = None if stats.mean_logit is None else _alike(static, stats.mean_logit)
+  return out, Residuals(x, w, bias, labels, valid, weights, stats.lse, mean_logit, losses,
+                        *grads)
 
 
 def _scale(t, g, like):
@@ -344,28 +357,29 @@ def _add(t, u):
 
 
 def _bwd(static: Static, res: Residuals, cts):
-  g_loss, g_lse, g_z = map(_nonzero, cts)
+  g_loss, g_lse, g_z, g_ent = map(_nonzero, cts)
   dweights = None
   if res.losses is not None:  # from the cotangents as given: shares are summed by the caller
     dweights = _common.weight_grads(res.losses, res.valid, g_loss, g_z, static.opts)
   if static.vocab is not None:
-    g_loss, g_lse, g_z = static.vocab.cotangents(g_loss, g_lse, g_z)
-  res, g_loss, g_lse, g_z = _checks.first_order_only(static.backend.implementation, res,
-                                                     g_loss, g_lse, g_z)
+    g_loss, g_lse, g_z, g_ent = static.vocab.cotangents(g_loss, g_lse, g_z, g_ent)
+  res, g_loss, g_lse, g_z, g_ent = _checks.first_order_only(
+      static.backend.implementation, res, g_loss, g_lse, g_z, g_ent)
   opts = static.opts
   need = (True, True, res.bias is not None)
+  entropy = None if g_ent is None else (g_ent.astype(jnp.float32), res.mean_logit)
   if opts.reduction == "none":
     a, e = _common.coefficients(res.valid, res.lse, g_loss, g_lse, g_z, opts, res.weights)
     _, dx, dw, db = run_chunks(static, res.x, res.weight, res.bias, res.labels,
-                               a=a, e=e, lse=res.lse, need=need)
+                               a=a, e=e, lse=res.lse, need=need, entropy=entropy)
   else:
     dx, dw, db = (_scale(t, g_loss, like) for t, like in
                   ((res.dx, res.x), (res.dweight, res.weight), (res.dbias, res.bias)))
-    if g_lse is not None or (g_z is not None and opts.z_loss):
+    if g_lse is not None or (g_z is not None and opts.z_loss) or entropy is not None:
       # The auxiliary outputs were differentiated: one more pass for their share.
       a, e = _common.coefficients(res.valid, res.lse, None, g_lse, g_z, opts, res.weights)
       _, dx2, dw2, db2 = run_chunks(static, res.x, res.weight, res.bias, res.labels,
-                                    a=a, e=e, lse=res.lse, need=need)
+                                    a=a, e=e, lse=res.lse, need=need, entropy=entropy)
       dx, dw, db = _add(dx, dx2), _add(dw, dw2), _add(db, db2)
   cast = lambda t, like: None if t is None or like is None else t.astype(like.dtype)
   grads = (cast(dx, res.x), cast(dw, res.weight), cast(db, res.bias), dweights)

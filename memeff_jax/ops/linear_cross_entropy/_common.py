@@ -9,14 +9,17 @@ Notation (per token n, vocabulary entry v):
   ce[n]     = lse[n] - Σ_v q[n, v] ẑ[n, v]
             = lse[n] - (1 - ε) ẑ[n, y_n] - ε / V Σ_v ẑ[n, v]
   loss[n]   = valid[n] · ω[n] · (ce[n] + λ lse[n]²)   λ = z_loss, ω = token_weights (or 1)
+  μ[n]      = Σ_v p[n, v] ẑ[n, v],  H[n] = lse[n] − μ[n]   p = softmax(ẑ); H: the entropy
 
-The gradient with respect to the raw logits, for per-token coefficients a (on the loss) and
-e (extra weight on the softmax, e.g. from a differentiated log-sum-exp output), is
+The gradient with respect to the raw logits, for per-token coefficients a (on the loss),
+e (extra weight on the softmax, e.g. from a differentiated log-sum-exp output) and h (the
+entropy's cotangent), is
 
-  G[n, v] = (b[n] p[n, v] - a[n] q[n, v]) · (1 - (ẑ[n, v] / c)²),   b = a (1 + 2 λ lse) + e,
+  G[n, v] = (b[n] p[n, v] - a[n] q[n, v] - h[n] p[n, v] (ẑ[n, v] - μ[n]))
+            · (1 - (ẑ[n, v] / c)²),                        b = a (1 + 2 λ lse) + e.
 
-with p = softmax(ẑ). Every implementation computes exactly this; they differ only in how
-much of z they hold at once.
+Every implementation computes exactly this; they differ only in how much of z they hold at
+once.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class LossOptions:
   # the chunk loop adds it to dx and dW once for all tokens (_chunked.run_chunks), so that
   # G is a factor per row times the exponentials (pallas_mosaic_gpu's exp_logits).
   smoothing_apart: bool = False
+  # Whether each token's entropy is wanted (linear_cross_entropy's `entropy`): the
+  # statistics then carry μ = Σ_v p ẑ, and G may take the entropy's cotangent.
+  entropy: bool = False
 
   @property
   def smoothing_vocab(self) -> int:
@@ -65,6 +71,7 @@ class Stats(NamedTuple):
   lse: jax.Array  # log-sum-exp
   label_logit: jax.Array  # ẑ[n, y_n]; 0 where y_n is outside [0, V)
   logit_sum: jax.Array  # Σ_v ẑ[n, v]; only meaningful with label smoothing
+  mean_logit: jax.Array | None = None  # μ = Σ_v p[n, v] ẑ[n, v]; with LossOptions.entropy
 
 
 def int32_labels(labels: jax.Array) -> jax.Array:
@@ -122,8 +129,14 @@ def cap_logits(z: jax.Array, cap: float | None) -> jax.Array:
   return z if cap is None else cap * jnp.tanh(z / cap)
 
 
+def floored(zc):
+  """ẑ with −inf raised to −1e30, for the products p·ẑ of the entropy: a logit of −inf (a
+  bias masking an entry) has p = 0, and 0·ẑ must be 0 there, not NaN."""
+  return jnp.maximum(zc, -1e30)
+
+
 def block_stats(zc, cols, labels, vocab_size: int, *, padded: bool = True,
-                logit_sum: bool = True, extremes: bool = True):
+                logit_sum: bool = True, extremes: bool = True, weighted_sum: bool = False):
   """Partial statistics of one block of capped logits.
 
   Args:
@@ -134,31 +147,53 @@ def block_stats(zc, cols, labels, vocab_size: int, *, padded: bool = True,
     logit_sum: whether to sum ẑ (label smoothing needs it); else that output is 0.
     extremes: whether to find the max and Σ exp (else both are None: the log-sum-exp is
       known from elsewhere).
+    weighted_sum: whether to sum exp(ẑ − max)·ẑ (the entropy needs it; with extremes);
+      else that output is 0.
 
   Returns:
-    (max, sum of exp(ẑ - max), label logit, sum of ẑ), each [R] float32.
+    (max, Σ exp(ẑ − max), label logit, Σ ẑ, Σ exp(ẑ − max)·ẑ), each [R] float32.
   """
   in_vocab = (cols < vocab_size)[None, :] if padded else None
   m = s = None
+  zeros = jnp.zeros((zc.shape[0],), jnp.float32)
+  label_logit = logit_total = weighted_total = zeros
   if extremes:
     masked = zc if in_vocab is None else jnp.where(in_vocab, zc, -jnp.inf)
     m = jnp.max(masked, axis=1)
-    s = jnp.sum(jnp.exp(masked - m[:, None]), axis=1)
-  label_logit = logit_total = jnp.zeros((zc.shape[0],), jnp.float32)
+    p = jnp.exp(masked - m[:, None])
+    s = jnp.sum(p, axis=1)
+    if weighted_sum:  # p is 0 in padding
+      zf = floored(zc if in_vocab is None else jnp.where(in_vocab, zc, 0.0))
+      weighted_total = jnp.sum(p * zf, axis=1)
   if labels is not None:
     label_logit = jnp.sum(jnp.where(cols[None, :] == labels[:, None], zc, 0.0), axis=1)
   if logit_sum:
     logit_total = jnp.sum(zc if in_vocab is None else jnp.where(in_vocab, zc, 0.0), axis=1)
-  return m, s, label_logit, logit_total
+  return m, s, label_logit, logit_total, weighted_total
 
 
 def combine_stats(a, b):
   """Merges two block_stats results over disjoint column sets."""
-  m_a, s_a, y_a, t_a = a
-  m_b, s_b, y_b, t_b = b
+  m_a, s_a, y_a, t_a, u_a = a
+  m_b, s_b, y_b, t_b, u_b = b
   m = jnp.maximum(m_a, m_b)
-  s = s_a * jnp.exp(m_a - m) + s_b * jnp.exp(m_b - m)
-  return m, s, y_a + y_b, t_a + t_b
+  scale_a, scale_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
+  return m, s_a * scale_a + s_b * scale_b, y_a + y_b, t_a + t_b, u_a * scale_a + u_b * scale_b
+
+
+def softmax_weighted_sum(zc, cols, lse, vocab_size: int, *, padded: bool = True):
+  """Σ p·ẑ over one block's columns, p = exp(ẑ − lse) with each row's log-sum-exp known
+  (block_stats' Σ exp(ẑ − max)·ẑ where the max is not at hand), [R] float32."""
+  zf = floored(zc)
+  if padded:
+    zf = jnp.where((cols < vocab_size)[None, :], zf, -1e30)
+  return jnp.sum(jnp.exp(zf - lse[:, None]) * zf, axis=1)
+
+
+def stats_of(acc, opts: LossOptions) -> Stats:
+  """Stats from a combine_stats accumulation over a whole (slice of the) vocabulary."""
+  m, s, label_logit, logit_sum, u = acc
+  return Stats(m + jnp.log(s), label_logit, logit_sum, u / s if opts.entropy else None)
 
 
 def grad_scale(a, e, lse, opts: LossOptions):
@@ -169,16 +204,22 @@ def grad_scale(a, e, lse, opts: LossOptions):
 
 
 def block_grad(zc, cols, labels, lse, a, e, opts: LossOptions, *, padded: bool = True,
-               probs=None):
+               probs=None, entropy=None):
   """G for one block of capped logits (float32 [R, Vb]); zero in padding columns.
 
-  G = b·p − a·q with p = exp(ẑ − lse) (or `probs`, p computed already), q = (1 − ε)·onehot(
-  label) + ε/V (without the ε/V where opts.smoothing_apart); labels=None means no row's
-  label is among `cols`, and `padded` as in block_stats.
+  G = b·p − a·q − h·p·(ẑ − μ) with p = exp(ẑ − lse) (or `probs`, p computed already), q =
+  (1 − ε)·onehot(label) + ε/V (without the ε/V where opts.smoothing_apart), and `entropy`
+  = (h, μ) [R] each, or None for h = 0; labels=None means no row's label is among `cols`,
+  and `padded` as in block_stats.
   """
   eps = opts.label_smoothing
   b = grad_scale(a, e, lse, opts)
-  g = b[:, None] * (jnp.exp(zc - lse[:, None]) if probs is None else probs)
+  p = jnp.exp(zc - lse[:, None]) if probs is None else probs
+  if entropy is None:
+    g = b[:, None] * p
+  else:
+    h, mu = entropy
+    g = p * (b[:, None] - h[:, None] * (floored(zc) - mu[:, None]))
   if eps and not opts.smoothing_apart:
     g = g - (a * (eps / opts.smoothing_vocab))[:, None]
   if labels is not None:
@@ -232,14 +273,21 @@ def reduced_sum(per_token, valid, scale):
   return jnp.sum(jnp.where(valid, per_token * scale, 0.0))
 
 
+def entropy_of(stats: Stats, opts: LossOptions):
+  """Each token's entropy H = lse − μ (float32 [N]), or None without opts.entropy."""
+  return stats.lse - stats.mean_logit if opts.entropy else None
+
+
 def finish(stats: Stats, labels, valid, opts: LossOptions, weights=None):
-  """(loss, lse, z-loss term) from per-token statistics, weighted by the token weights
-  (None: 1) and reduced as `opts.reduction` says."""
+  """(loss, lse, z-loss term, entropy) from per-token statistics, weighted by the token
+  weights (None: 1) and reduced as `opts.reduction` says; the entropy None without
+  opts.entropy."""
   per_token, zterm = token_loss(stats, labels, valid, opts)
+  entropy = entropy_of(stats, opts)
   if opts.reduction == "none":
-    return weighted(per_token, weights), stats.lse, weighted(zterm, weights)
+    return weighted(per_token, weights), stats.lse, weighted(zterm, weights), entropy
   r = weighted(valid_scale(valid, opts.reduction), weights)
-  return reduced_sum(per_token, valid, r), stats.lse, jnp.sum(zterm * r)
+  return reduced_sum(per_token, valid, r), stats.lse, jnp.sum(zterm * r), entropy
 
 
 def weight_grads(losses, valid, g_loss, g_z, opts: LossOptions):

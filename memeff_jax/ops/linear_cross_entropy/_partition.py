@@ -40,7 +40,7 @@ def _has_bias(n_operands: int, mode: str, k: int = 1, weighted: bool = False) ->
   """Whether a partitioned call's operands (x, w[, b], labels, valid[, weights][, cts]) hold
   a bias. `mode` says what the call returns: the reduced loss ("loss"), with its gradients
   ("grads"), `k` per-token outputs ("tokens": the losses, or with the auxiliary outputs the
-  losses, log-sum-exps and z-loss terms), or the gradients for their cotangents, `k` more
+  losses, log-sum-exps, z-loss terms and entropies), or the gradients for their cotangents, `k` more
   [N] operands ("vjp"). `weighted`: the operands hold token weights."""
   return n_operands - (k if mode == "vjp" else 0) - weighted == 5
 
@@ -210,8 +210,8 @@ def reduced_loss(x, w, b, labels, valid, weights, *, reduction: str, weight_layo
                  loss_fn, name: str, rounded_tokens=None):
   """The mean or summed loss over counted tokens, partitioned over the tokens and W's
   vocabulary on Auto meshes. loss_fn(x, w, b, labels, valid, weights, vocab_axis, reduction)
-  -> the single-device (loss, lse, z-loss term) of a shard (vocab_axis: the mesh axes W's
-  vocabulary is sharded over, or None; lse and the z-loss term may be None; weights: the
+  -> the single-device (loss, lse, z-loss term, entropy) of a shard (vocab_axis: the mesh
+  axes W's vocabulary is sharded over, or None; the last three may be None; weights: the
   token weights, or None). With the tokens sharded, a mean is each shard's sum over the
   global count. name: the implementation, for the error a second-order gradient raises.
 
@@ -289,7 +289,7 @@ def token_rows(t, rows):
 def per_token_loss(x, w, b, labels, valid, weights, *, weight_layout: str, loss_fn, name: str,
                    outputs: int = 1, rounded_tokens=None):
   """The first `outputs` of loss_fn's per-token results (reduction="none": the [N] losses,
-  log-sum-exps and z-loss terms), partitioned over the tokens and W's vocabulary on Auto
+  log-sum-exps, z-loss terms and entropies), partitioned over the tokens and W's vocabulary on Auto
   meshes: the forward runs loss_fn (as reduced_loss takes it, returning that triple) per
   shard; the backward runs its vjp per shard for the outputs' cotangents (the shard's
   forward run again, as under rematerialization), dx summed over the vocabulary slices

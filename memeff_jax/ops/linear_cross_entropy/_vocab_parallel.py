@@ -6,10 +6,10 @@ implementations merge each token chunk's row statistics across the axis inside t
 loop, between the logits GEMM and G (see _chunked):
 
   1. z = x_c · W_s, the slice's statistics: lse_s, the label logit where the label is in
-     the slice (else 0), Σ_v ẑ for label smoothing;
+     the slice (else 0), Σ_v ẑ for label smoothing, μ_s = Σ_v p_s ẑ for the entropy;
   2. merged over the axis through [C]-sized collectives only (`VocabShards.merge`):
        lse = m + log Σ_s exp(lse_s − m)      m = max_s lse_s (pmax)
-     and psums of the label logit and Σ_v ẑ;
+     and psums of the label logit, Σ_v ẑ and exp(lse_s − m) μ_s;
   3. G of the slice with the global lse: exp(ẑ − lse) is the global softmax restricted to
      the slice, so dx_c = G W_sᵀ is the slice's share of dx and dW_s = x_cᵀ G is exactly
      dW's slice.
@@ -62,12 +62,17 @@ class VocabShards:
 
   def merge(self, local: Stats) -> Stats:
     """The whole vocabulary's Stats from every shard's Stats of its slice (the label logit 0
-    where the label lies in another slice): a pmax and a psum of [3, C]."""
+    where the label lies in another slice): a pmax and a psum of [3, C] ([4, C] with the
+    entropy's μ, each slice's weighted by its share of the softmax, exp(lse_s − lse))."""
     m = jax.lax.pmax(jax.lax.stop_gradient(local.lse), self.axis)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))  # all -inf: no −inf − −inf
-    s, label_logit, logit_sum = jax.lax.psum(
-        jnp.stack([jnp.exp(local.lse - m), local.label_logit, local.logit_sum]), self.axis)
-    return Stats(m + jnp.log(s), label_logit, logit_sum)
+    share = jnp.exp(local.lse - m)
+    parts = [share, local.label_logit, local.logit_sum]
+    if local.mean_logit is not None:
+      parts.append(share * local.mean_logit)
+    s, label_logit, logit_sum, *weighted = jax.lax.psum(jnp.stack(parts), self.axis)
+    mean_logit = weighted[0] / s if weighted else None
+    return Stats(m + jnp.log(s), label_logit, logit_sum, mean_logit)
 
   def sum(self, x):
     return jax.lax.psum(x, self.axis)

@@ -37,6 +37,8 @@ class Aux(NamedTuple):
 
   lse: jax.Array  # float32, labels.shape: log-sum-exp of each token's (capped) logits
   z_loss: jax.Array  # the z-loss term λ·lse², weighted and reduced like the loss (in it)
+  # float32, labels.shape: each token's entropy −Σ_v p log p of softmax(ẑ), with `entropy`
+  entropy: jax.Array | None = None
 
 
 class Int64Labels(NamedTuple):
@@ -187,14 +189,16 @@ def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_in
           weight_layout=weight_layout, vocab_axis=v_axes or None, **options))
     join = (lambda ts: jnp.concatenate(ts).reshape(lead)) if local_reduction == "none" else sum
     aux = Aux(lse=jnp.concatenate([o[1].lse for o in outs]).reshape(lead),
-              z_loss=join([o[1].z_loss for o in outs]))
+              z_loss=join([o[1].z_loss for o in outs]),
+              entropy=None if outs[0][1].entropy is None else
+              jnp.concatenate([o[1].entropy for o in outs]).reshape(lead))
     return join([o[0] for o in outs]), aux if return_aux else None
 
   def local(x, weight, labels, bias, where, weights):
     loss, aux = grouped_loss(gathered(x), weight, gathered(labels), bias, gathered(where),
                              gathered(weights))
     if reduction == "none":
-      return own(loss), aux and Aux(*map(own, aux))
+      return own(loss), aux and Aux(*(None if a is None else own(a) for a in aux))
     # Its tokens were gathered over the shared axes: the sums are over the other ones.
     summed = tuple(a for a in axes if not any(a in names for names in shared))
     sums = jnp.stack([loss] + ([aux.z_loss] if return_aux else []))
@@ -203,13 +207,16 @@ def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_in
       valid = _int32_labels(labels, ignore_index)[1]
       valid = valid if where is None else valid & where.reshape(-1)
       sums = sums / jnp.maximum(jax.lax.psum(jnp.sum(valid, dtype=jnp.float32), axes), 1.0)
-    return sums[0], aux and Aux(lse=own(aux.lse), z_loss=sums[1])
+    return sums[0], aux and Aux(lse=own(aux.lse), z_loss=sums[1],
+                                entropy=None if aux.entropy is None else own(aux.entropy))
 
   reduced = tokens if reduction == "none" else P()  # a sum over the shards is replicated
   args = (x, weight, labels, bias, where, token_weights)
   loss, aux = jax.shard_map(
       local, mesh=mesh, in_specs=tuple(map(_explicit.spec_of, args)),
-      out_specs=(reduced, Aux(lse=tokens, z_loss=reduced) if return_aux else None))(*args)
+      out_specs=(reduced, Aux(lse=tokens, z_loss=reduced,
+                              entropy=tokens if options.get("entropy") else None)
+                 if return_aux else None))(*args)
   return (loss, aux) if return_aux else loss
 
 
@@ -245,8 +252,8 @@ def _rounded_tokens(impl, dtype, chunk_size):
 
 def _compute(x2, weight, bias, labels2, valid, weights, opts: LossOptions, implementations,
              chunk_size, vocab_axis, in_shard_map: bool = True):
-  """(loss, lse, z-loss term) of [N, D] tokens (with their weights, or None) by the first
-  implementation that serves them; with vocab_axis, `weight` (and `bias`) are this shard's
+  """(loss, lse, z-loss term, entropy) of [N, D] tokens (with their weights, or None) by the
+  first implementation that serves them; with vocab_axis, `weight` (and `bias`) are this shard's
   slice of opts.vocab_size (see _vocab_parallel), inside jax.shard_map or (not
   in_shard_map) custom_partitioning."""
   vocab = {}
@@ -255,6 +262,15 @@ def _compute(x2, weight, bias, labels2, valid, weights, opts: LossOptions, imple
     vocab = {"vocab": _vocab_parallel.VocabShards(vocab_axis, cotangent_shares=shares)}
   return _dispatch.first_that_serves(implementations, lambda impl: impl(
       x2, weight, bias, labels2, valid, weights, opts=opts, chunk_size=chunk_size, **vocab))
+
+
+def _checked_entropy(entropy, return_aux: bool) -> bool:
+  """`entropy` as a bool, after checking that the auxiliary outputs that hold it are asked
+  for."""
+  entropy = _checks.static_bool("entropy", entropy)
+  if entropy and not return_aux:
+    raise ValueError("entropy=True returns the entropy in Aux: pass return_aux=True too")
+  return entropy
 
 
 def _checked_weights(token_weights, shape):
@@ -289,6 +305,7 @@ def linear_cross_entropy(
     where: jax.Array | None = None,
     token_weights: jax.Array | None = None,
     return_aux: bool = False,
+    entropy: bool = False,
     implementation=None,
     chunk_size: int | tuple[int, int] | None = None,
     vocab_axis: str | tuple[str, ...] | None = None,
@@ -327,8 +344,12 @@ def linear_cross_entropy(
       what the unweighted one does: the three matmuls, gradients made in the forward pass;
       `reduction="none"` then a weighted sum by the caller needs a fourth (the logits
       again in the backward pass, for the per-token cotangents).
-    return_aux: also return `Aux(lse, z_loss)`; both are differentiable. The z-loss term is
-      weighted like the loss, the log-sum-exp not.
+    return_aux: also return `Aux(lse, z_loss, entropy)`; all are differentiable. The z-loss
+      term is weighted like the loss, the log-sum-exp and entropy not.
+    entropy: with return_aux, also each token's entropy H = −Σ_v p log p of softmax(ẑ)
+      (Aux.entropy, float32 labels.shape; None without it): an RL step's entropy, logged
+      or, differentiated, a bonus. Its statistic Σ_v p ẑ costs an elementwise product in
+      the softmax pass; pallas_mosaic_gpu then takes that pass rather than exp_logits.
     implementation: None (fastest available: "pallas_mosaic_gpu" on NVIDIA GPUs, then
       "chunked_xla"), a name ("reference", "chunked_xla", "pallas_mosaic_gpu"), an implementation
       object (`PallasMosaicGpu(...)`, `ChunkedXla(...)`) or a sequence of those tried in order.
@@ -384,6 +405,7 @@ def linear_cross_entropy(
     return _per_shard(mesh, x, weight, jnp.asarray(labels), bias, where, token_weights,
                       ignore_index=ignore_index, reduction=reduction,
                       return_aux=_checks.static_bool("return_aux", return_aux),
+                      entropy=_checked_entropy(entropy, return_aux),
                       weight_layout=weight_layout, label_smoothing=label_smoothing,
                       z_loss=z_loss, logit_softcap=logit_softcap,
                       implementation=implementation, chunk_size=chunk_size)
@@ -433,6 +455,7 @@ def linear_cross_entropy(
   logit_softcap = _checks.logit_softcap(logit_softcap)
   chunk_size = _chunk_size(chunk_size)
   return_aux = _checks.static_bool("return_aux", return_aux)
+  entropy = _checked_entropy(entropy, return_aux)
   if vocab == 0:
     raise ValueError(f"the vocabulary is empty (weight.shape={weight.shape})")
   vocab_axis, shards = _checks.manual_axis("vocab_axis", vocab_axis,
@@ -444,7 +467,7 @@ def linear_cross_entropy(
                      reduction=reduction,
                      label_smoothing=_checks.static_real("label_smoothing", label_smoothing),
                      z_loss=_checks.static_real("z_loss", z_loss), logit_softcap=logit_softcap,
-                     aux_outputs=return_aux)
+                     aux_outputs=return_aux, entropy=entropy)
   lead = labels.shape
   dtype = jnp.result_type(x.dtype, weight.dtype)
   x2 = x.reshape(math.prod(lead), d).astype(dtype)  # (-1 cannot be inferred at D = 0)
@@ -476,18 +499,19 @@ def linear_cross_entropy(
                                      reduction=reduction, **shared)
     # Per-token outputs per shard; a reduced loss with its aux outputs reduced from them.
     loss, *aux = _partition.per_token_loss(x2, weight, bias, labels2, valid, weights,
-                                           outputs=3 if return_aux else 1, **shared)
+                                           outputs=1 + 2 * return_aux + entropy, **shared)
     if reduction == "none":
       return (loss.reshape(lead), Aux(*(a.reshape(lead) for a in aux))) if return_aux \
           else loss.reshape(lead)
     r = _common.valid_scale(valid, reduction)
-    return _common.reduced_sum(loss, valid, r), Aux(lse=aux[0].reshape(lead),
-                                                    z_loss=jnp.sum(aux[1] * r))
-  loss, lse, zterm = _compute(x2, weight, bias, labels2, valid, weights, opts,
-                              implementations, chunk_size, vocab_axis)
+    return _common.reduced_sum(loss, valid, r), Aux(
+        lse=aux[0].reshape(lead), z_loss=jnp.sum(aux[1] * r),
+        entropy=aux[2].reshape(lead) if entropy else None)
+  loss, lse, zterm, ent = _compute(x2, weight, bias, labels2, valid, weights, opts,
+                                   implementations, chunk_size, vocab_axis)
   if reduction == "none":
     loss = loss.reshape(lead)
   if return_aux:  # (without it, chunked implementations may return None for lse and zterm)
     return loss, Aux(lse=lse.reshape(lead), z_loss=zterm.reshape(lead) if reduction == "none"
-                     else zterm)
+                     else zterm, entropy=None if ent is None else ent.reshape(lead))
   return loss

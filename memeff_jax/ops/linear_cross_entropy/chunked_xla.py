@@ -98,8 +98,9 @@ class XlaChunkBackend:
   @property
   def _columns(self):
     """block_stats' options here: the blocks tile the vocabulary exactly (no padding
-    columns), and Σ ẑ is wanted only under label smoothing."""
-    return {"padded": False, "logit_sum": bool(self.opts.label_smoothing)}
+    columns), Σ ẑ is wanted only under label smoothing and Σ p ẑ only for the entropy."""
+    return {"padded": False, "logit_sum": bool(self.opts.label_smoothing),
+            "weighted_sum": self.opts.entropy}
 
   def _capped_logits(self, x_c, w, bias, start, size):
     layout = self.opts.weight_layout
@@ -112,26 +113,27 @@ class XlaChunkBackend:
   def _block_stats(self, x_c, w, bias, labels_c, start, size):
     zc = self._capped_logits(x_c, w, bias, start, size)
     cols = start + jnp.arange(size, dtype=jnp.int32)
-    m, s, _, t = _common.block_stats(zc, cols, None, self.opts.vocab_size, **self._columns)
-    return m, s, _label_logits(zc, labels_c, start), t
+    m, s, _, t, u = _common.block_stats(zc, cols, None, self.opts.vocab_size,
+                                        **self._columns)
+    return m, s, _label_logits(zc, labels_c, start), t, u
 
   def stats(self, x_c, w, bias, labels_c) -> Stats:
     vocab = self.opts.vocab_size
     if self.vocab_chunk >= vocab:
-      m, s, y, t = self._block_stats(x_c, w, bias, labels_c, 0, vocab)
+      acc = self._block_stats(x_c, w, bias, labels_c, 0, vocab)
     else:
       rows = x_c.shape[0]
       init = _vma.varying_like((jnp.full((rows,), -jnp.inf, jnp.float32),) + tuple(
-          jnp.zeros((rows,), jnp.float32) for _ in range(3)), x_c, w, bias, labels_c)
-      m, s, y, t = _chunked.blocked_loop(
+          jnp.zeros((rows,), jnp.float32) for _ in range(4)), x_c, w, bias, labels_c)
+      acc = _chunked.blocked_loop(
           vocab, self.vocab_chunk,
           lambda start, size, acc: _common.combine_stats(
               acc, self._block_stats(x_c, w, bias, labels_c, start, size)),
           init)
-    return Stats(m + jnp.log(s), y, t)
+    return _common.stats_of(acc, self.opts)
 
   def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
-            vocab: VocabShards | None = None, needed=None):
+            vocab: VocabShards | None = None, needed=None, entropy=None):
     del needed  # every row's statistics are exact here
     need_dx, need_dw, need_db = need
     shards = vocab
@@ -139,7 +141,8 @@ class XlaChunkBackend:
     single = self.vocab_chunk >= vocab
     # One vocabulary block, statistics wanted: form the logits once for both uses.
     # Otherwise (vocabulary blocks, or lse given by the forward pass) each block recomputes.
-    reuse = single and lse_c is None
+    # The entropy's statistics come from stats (a loss with return_aux: not the fast path).
+    reuse = single and lse_c is None and not opts.entropy
     probs = None
     if reuse:
       # On CPU the exponentials once, for Σ and for G: XLA's CPU backend computes them again
@@ -168,7 +171,7 @@ class XlaChunkBackend:
       w_blk = w if single else _common.vocab_slice(w, start, size, layout)
       cols = start + jnp.arange(size, dtype=jnp.int32)
       g = _common.block_grad(zc_blk, cols, labels_c, stats.lse, a_c, e_c, opts, padded=False,
-                             probs=probs)
+                             probs=probs, entropy=entropy)
       g_lo = g.astype(x_c.dtype)  # tensor-core operand; products accumulate in float32
       if need_dx:
         dx_c = dx_c + _common.dx_dot(g_lo, w_blk, layout, jnp.float32)

@@ -132,11 +132,11 @@ class PallasMosaicGpu:
       dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
       scaled rows wait in dx's rows; where dx's is, it writes them in place and scales
       them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the
-      safe range falls back to the softmax pass. Calls with a bias, or label smoothing under
-      a logit softcap, use the softmax pass throughout (a softcap alone does not: E then
-      holds each exponential times the cap's slope; nor does smoothing alone, vocab
-      parallel or not: its uniform share of G goes to dx and dW after the chunks,
-      LossOptions.smoothing_apart). None (the default): wherever that GEMM can run (a
+      safe range falls back to the softmax pass. Calls with a bias, the entropy, or label
+      smoothing under a logit softcap, use the softmax pass throughout (a softcap alone
+      does not: E then holds each exponential times the cap's slope; nor does smoothing
+      alone, vocab parallel or not: its uniform share of G goes to dx and dW after the
+      chunks, LossOptions.smoothing_apart). None (the default): wherever that GEMM can run (a
       Hopper GPU, x and weight both bfloat16, as float16 cannot hold E's range; a chunk
       that fits its tiles; never in interpret mode), unless fused_lse is set (the softmax
       pass whose partials take no memory: the lowest-memory setting); True: always,
@@ -322,9 +322,10 @@ class PallasMosaicGpu:
                                     "x's dtype, which float16 cannot hold; got float16 x")
       wanted = False
     # Label smoothing's uniform share of G goes to dx and dW after the chunks
-    # (LossOptions.smoothing_apart); under a cap it is not uniform.
-    wanted = wanted and bias is None and not (opts.label_smoothing
-                                              and opts.logit_softcap is not None)
+    # (LossOptions.smoothing_apart); under a cap it is not uniform. The entropy's Σ p ẑ is
+    # no row sum of E's.
+    wanted = wanted and bias is None and not opts.entropy and not (
+        opts.label_smoothing and opts.logit_softcap is not None)
     if wanted and opts.label_smoothing:
       whole, opts = (dataclasses.replace(o, smoothing_apart=True) for o in (whole, opts))
     if self.fused_lse and (bias is not None or opts.logit_softcap is not None):
@@ -472,7 +473,7 @@ class ChunkBackend:
   runs_kernels = True  # Pallas kernels: traced without check_vma inside shard_map (_vma)
 
   def grads(self, x_c, w, bias, labels_c, a_c, e_c, lse_c, dw_acc, db_acc, need,
-            dx_into=None, vocab: VocabShards | None = None, needed=None):
+            dx_into=None, vocab: VocabShards | None = None, needed=None, entropy=None):
     need_dx, need_dw, need_db = need
     # dx's rows of the chunk, written in place (no [C, D] buffer where the dx GEMM is
     # Mosaic's); until then they are scratch, where fused_lse's partials or exp_logits'
@@ -495,7 +496,8 @@ class ChunkBackend:
                                    partials_into=dx_rows if fits else None)
       else:
         z, partials = self._logits(x_c, w, bias), None
-      g, *stats = self._softmax(z, labels_c, a_c, e_c, lse_c, partials=partials)
+      g, *stats = self._softmax(z, labels_c, a_c, e_c, lse_c, partials=partials,
+                                entropy=entropy)
       stats = Stats(*stats)
     dx_c, dw_acc = self._apply(g, x_c, w, dw_acc, (need_dx, need_dw), dx_rows, scale)
     if need_db:
@@ -678,7 +680,7 @@ class ChunkBackend:
                               unique_indices=True, indices_are_sorted=True)
     scale = jnp.where(counts, b * jnp.exp(-jnp.where(counts, lse, 0.0)), 0.0)
     fast = Stats(lse, label_logit, jnp.zeros_like(lse))
-    stats = Stats(*(jnp.where(ok, f, s) for f, s in zip(fast, slow)))
+    stats = Stats(*(jnp.where(ok, f, s) for f, s in zip(fast[:3], slow[:3])))  # (no μ here)
     return e, jnp.where(ok, scale, 1.0), stats
 
 

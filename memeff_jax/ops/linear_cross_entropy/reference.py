@@ -30,7 +30,11 @@ def reference_stats(x, weight, bias, labels, opts: LossOptions) -> Stats:
   inside = (labels >= 0) & (labels < opts.vocab_size)
   safe = jnp.where(inside, labels, 0)
   label_logit = jnp.where(inside, jnp.take_along_axis(z, safe[:, None], axis=-1)[:, 0], 0.0)
-  return Stats(lse, label_logit, jnp.sum(z, axis=-1))
+  mean_logit = None
+  if opts.entropy:  # Σ p ẑ, with p ẑ = 0 where ẑ = −inf (p = 0): a bias masking entries
+    mean_logit = jnp.sum(jax.nn.softmax(z, axis=-1) * jnp.where(jnp.isneginf(z), 0.0, z),
+                         axis=-1)
+  return Stats(lse, label_logit, jnp.sum(z, axis=-1), mean_logit)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,9 +42,9 @@ class SoftmaxKernelConfig:
 
 
 
-def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, logits_ref,
-                         grad_ref, lse_ref, label_logit_ref, logit_sum_ref,
-                         *, opts: LossOptions, block_rows: int, block_v: int,
+def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, entropy_refs,
+                         logits_ref, grad_ref, lse_ref, label_logit_ref, logit_sum_ref,
+                         mean_logit_ref, *, opts: LossOptions, block_rows: int, block_v: int,
                          l2_hints: bool, program):
   """One program (number `program`): `block_rows` tokens, all V vocabulary entries, two
   sweeps of block_v.
@@ -55,7 +55,9 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, log
   sweep 1 must find the log-sum-exp itself. Follows FlashAttention's online softmax
   (Dao et al. 2022, Alg. 1) for sweep 1. With partials_ref ([P, rows] partial log-sum-exps
   from the logits GEMM's epilogue) there is no sweep 1: the log-sum-exp is theirs, and
-  sweep 2 also gathers the label logit and Σ ẑ.
+  sweep 2 also gathers the label logit and Σ ẑ. With opts.entropy the statistics include
+  μ = Σ p ẑ (mean_logit_ref); entropy_refs, (h, μ) refs or None, add the entropy's
+  cotangent to G.
   """
   n_rows = logits_ref.shape[0]
   vocab = opts.vocab_size
@@ -71,6 +73,7 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, log
   n_full, ragged = divmod(vocab, block_v)
   rows_ragged = n_rows % block_rows != 0
   smoothing = bool(opts.label_smoothing)
+  zeros = jnp.zeros((block_rows,), jnp.float32)
 
   def load(j, eviction_policy, padded):
     cols = j * block_v + jnp.arange(block_v, dtype=jnp.int32)
@@ -108,39 +111,43 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, log
     m = jnp.max(p, axis=0)
     m = jnp.where(row_ok, m, 0.0)  # rows past the end: no -inf - -inf
     lse = m + jnp.log(jnp.sum(jnp.exp(p - m[None, :]), axis=0))
-    label_logit = logit_sum = jnp.zeros((block_rows,), jnp.float32)
+    label_logit = logit_sum = mean_logit = zeros
   elif lse_in_ref is None:
     def sweep1(j, acc, padded=False):
       cols, _, zc = load(j, "evict_last" if l2_hints else None, padded)  # sweep 2 rereads it
-      stats = by_label(j, lambda lab: _common.block_stats(zc, cols, lab, vocab, padded=padded,
-                                                          logit_sum=smoothing))
+      stats = by_label(j, lambda lab: _common.block_stats(
+          zc, cols, lab, vocab, padded=padded, logit_sum=smoothing, weighted_sum=opts.entropy))
       return _common.combine_stats(acc, stats)
 
-    init = (jnp.full((block_rows,), -jnp.inf, jnp.float32),) + tuple(
-        jnp.zeros((block_rows,), jnp.float32) for _ in range(3))
+    init = (jnp.full((block_rows,), -jnp.inf, jnp.float32),) + (zeros,) * 4
     acc = jax.lax.fori_loop(0, n_full, sweep1, init)
     if ragged:  # a traced start: the masked block may reach past the array's end
       acc = sweep1(jnp.int32(n_full), acc, padded=True)
-    m, s, label_logit, logit_sum = acc
-    lse = m + jnp.log(s)
+    lse, label_logit, logit_sum, mean_logit = _common.stats_of(acc, opts)
   else:
     lse = plgpu.load(lse_in_ref.at[row_slice], mask=row_ok, other=0.0)
-    label_logit = logit_sum = jnp.zeros((block_rows,), jnp.float32)
+    label_logit = logit_sum = mean_logit = zeros
 
   if grad_ref is not None:
     a = plgpu.load(a_ref.at[row_slice], mask=row_ok, other=0.0)
     e = plgpu.load(e_ref.at[row_slice], mask=row_ok, other=0.0)
+    entropy = None
+    if entropy_refs is not None:
+      entropy = tuple(plgpu.load(ref.at[row_slice], mask=row_ok, other=0.0)
+                      for ref in entropy_refs)
 
     def sweep2(j, carry, padded=False):
       cols, mask, zc = load(j, "evict_first" if l2_hints else None, padded)
 
       def grad(lab):
-        g = _common.block_grad(zc, cols, lab, lse, a, e, opts, padded=padded)
+        g = _common.block_grad(zc, cols, lab, lse, a, e, opts, padded=padded, entropy=entropy)
         if not from_partials:
           return g
-        _, _, y, t = _common.block_stats(zc, cols, lab, vocab, padded=padded,
-                                         logit_sum=smoothing, extremes=False)
-        return g, (carry[0] + y, carry[1] + t)
+        _, _, y, t, _ = _common.block_stats(zc, cols, lab, vocab, padded=padded,
+                                            logit_sum=smoothing, extremes=False)
+        u = (_common.softmax_weighted_sum(zc, cols, lse, vocab, padded=padded)
+             if opts.entropy else 0.0)
+        return g, (carry[0] + y, carry[1] + t, carry[2] + u)
 
       if from_partials:
         g, carry = by_label(j, grad)
@@ -151,20 +158,22 @@ def _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, log
                   g.astype(grad_ref.dtype), **kw)
       return carry
 
-    carry = jax.lax.fori_loop(0, n_full, sweep2, (label_logit, logit_sum))
+    carry = jax.lax.fori_loop(0, n_full, sweep2, (label_logit, logit_sum, mean_logit))
     if ragged:
       carry = sweep2(jnp.int32(n_full), carry, padded=True)
     if from_partials:
-      label_logit, logit_sum = carry
+      label_logit, logit_sum, mean_logit = carry
 
   plgpu.store(lse_ref.at[row_slice], lse, mask=row_ok)
   plgpu.store(label_logit_ref.at[row_slice], label_logit, mask=row_ok)
   plgpu.store(logit_sum_ref.at[row_slice], logit_sum, mask=row_ok)
+  if mean_logit_ref is not None:
+    plgpu.store(mean_logit_ref.at[row_slice], mean_logit, mask=row_ok)
 
 
 def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
                  config: SoftmaxKernelConfig, interpret: bool = False, partials=None,
-                 enabled=None):
+                 enabled=None, entropy=None):
   """Runs the kernel over one chunk's logits.
 
   Args:
@@ -179,10 +188,12 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     enabled: a traced bool; where false the kernel does nothing: the buffer keeps what it
       held and the statistics are undefined (a conditional pass without lax.cond, which
       would copy the buffer).
+    entropy: (h, μ), [C] float32 each: the entropy's cotangent and Σ p ẑ, added to G (with
+      a and e); None for h = 0.
 
   Returns:
-    Without a/e: (lse, label_logit, logit_sum). With them: (G, lse, label_logit,
-    logit_sum), G [C, V] in the logits' dtype, written over the logits' buffer.
+    Without a/e: (lse, label_logit, logit_sum), and mean_logit (μ) with opts.entropy. With
+    them: G [C, V] in the logits' dtype, written over the logits' buffer, then those.
   """
   n_rows, vocab = logits.shape
   with_grad = a is not None
@@ -191,7 +202,8 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
                      "is not given")
   block_v = min(config.block_v, pl.next_power_of_2(vocab))
   f32 = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-  out_shape = ([jax.ShapeDtypeStruct(logits.shape, logits.dtype)] if with_grad else []) + [f32] * 3
+  out_shape = (([jax.ShapeDtypeStruct(logits.shape, logits.dtype)] if with_grad else [])
+               + [f32] * (3 + opts.entropy))
   inputs = [labels.astype(jnp.int32)]
   if with_grad:
     inputs += [a.astype(jnp.float32), e.astype(jnp.float32)]
@@ -202,6 +214,8 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     inputs += [partials.words, jnp.reshape(partials.start, (1,)).astype(jnp.int32)]
   elif partials is not None:
     inputs.append(partials.astype(jnp.float32))
+  if entropy is not None:
+    inputs += [t.astype(jnp.float32) for t in entropy]
   if enabled is not None:
     inputs.append(jnp.reshape(enabled, (1,)).astype(jnp.int32))
   inputs.append(logits)
@@ -223,10 +237,13 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     partials_ref = ins.pop(0) if partials is not None else None
     if words:
       partials_ref = (partials_ref, ins.pop(0), partials.count)
+    entropy_refs = (ins.pop(0), ins.pop(0)) if entropy is not None else None
     logits_ref = ins.pop(0)
     grad_ref = outs.pop(0) if with_grad else None
-    _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, logits_ref,
-                         grad_ref, *outs,
+    if not opts.entropy:
+      outs.append(None)  # no mean_logit output
+    _softmax_grad_kernel(labels_ref, a_ref, e_ref, lse_in_ref, partials_ref, entropy_refs,
+                         logits_ref, grad_ref, *outs,
                          opts=opts, block_rows=config.block_rows, block_v=block_v,
                          l2_hints=config.l2_hints, program=program)
 

@@ -42,7 +42,7 @@ def _partial_lse(partials, rows: int) -> jax.Array:
 
 
 def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions, partials=None,
-                 enabled=None):
+                 enabled=None, entropy=None):
   """triton_softmax.softmax_pass in XLA: the same arguments but the kernel's tiles, the same
   results (G zero in padding columns, where the kernel leaves the logits' zeros)."""
   rows, width = logits.shape
@@ -51,6 +51,7 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
     raise ValueError("partials serve the gradient pass of uncapped logits whose log-sum-exp "
                      "is not given")
   vocab, smoothing = opts.vocab_size, bool(opts.label_smoothing)
+  n_stats = 3 + opts.entropy
   padded = width != vocab
   labels = labels.astype(jnp.int32)
   sweep = lambda step, carry: _chunked.blocked_loop(width, min(BLOCK_V, width), step, carry)
@@ -62,35 +63,45 @@ def softmax_pass(logits, labels, a=None, e=None, lse=None, *, opts: LossOptions,
   def run(logits):
     zeros = jnp.zeros((rows,), jnp.float32)
     if lse is not None:  # the backward pass: statistics known, not returned
-      row_lse, label_logit, logit_sum = lse.astype(jnp.float32), zeros, zeros
-    else:
-      extremes = partials is None
+      row_lse = lse.astype(jnp.float32)
+      stats = (row_lse,) + (zeros,) * (n_stats - 1)
+    elif partials is None:
+      def stats_step(start, size, acc):
+        zc, cols = capped(logits, start, size)
+        return _common.combine_stats(acc, _common.block_stats(
+            zc, cols, labels, vocab, padded=padded, logit_sum=smoothing,
+            weighted_sum=opts.entropy))
+
+      m, s, label_logit, logit_sum, u = sweep(stats_step, (jnp.full((rows,), -jnp.inf),)
+                                              + (zeros,) * 4)
+      stats = tuple(_common.stats_of((m, s, label_logit, logit_sum, u), opts))[:n_stats]
+      row_lse = stats[0]
+    else:  # the log-sum-exp from the partials; Σ p ẑ then needs no running max
+      row_lse = _partial_lse(partials, rows)
 
       def stats_step(start, size, acc):
         zc, cols = capped(logits, start, size)
-        stats = _common.block_stats(zc, cols, labels, vocab, padded=padded,
-                                    logit_sum=smoothing, extremes=extremes)
-        if extremes:
-          return _common.combine_stats(acc, stats)
-        return acc[:2] + (acc[2] + stats[2], acc[3] + stats[3])
+        _, _, y, t, _ = _common.block_stats(zc, cols, labels, vocab, padded=padded,
+                                            logit_sum=smoothing, extremes=False)
+        u = (_common.softmax_weighted_sum(zc, cols, row_lse, vocab, padded=padded)
+             if opts.entropy else 0.0)
+        return acc[0] + y, acc[1] + t, acc[2] + u
 
-      m, s, label_logit, logit_sum = sweep(stats_step, (jnp.full((rows,), -jnp.inf), zeros,
-                                                        zeros, zeros))
-      row_lse = m + jnp.log(s) if extremes else _partial_lse(partials, rows)
-    stats = (row_lse, label_logit, logit_sum)
+      stats = (row_lse, *sweep(stats_step, (zeros,) * 3))[:n_stats]
     if not with_grad:
       return stats
+    ent = None if entropy is None else tuple(t.astype(jnp.float32) for t in entropy)
 
     def grad_step(start, size, buf):
       zc, cols = capped(buf, start, size)
       g = _common.block_grad(zc, cols, labels, row_lse, a.astype(jnp.float32),
-                             e.astype(jnp.float32), opts, padded=padded)
+                             e.astype(jnp.float32), opts, padded=padded, entropy=ent)
       return jax.lax.dynamic_update_slice_in_dim(buf, g.astype(buf.dtype), start, axis=1)
 
     return (sweep(grad_step, logits),) + stats
 
   if enabled is None:
     return run(logits)
-  out = (logits,) * with_grad + (jnp.zeros((rows,), jnp.float32),) * 3
+  out = (logits,) * with_grad + (jnp.zeros((rows,), jnp.float32),) * n_stats
   return jax.lax.fori_loop(0, jnp.where(enabled, 1, 0),
                            lambda _, out: run(out[0] if with_grad else logits), out)

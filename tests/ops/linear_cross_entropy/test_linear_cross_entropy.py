@@ -67,12 +67,13 @@ def rel_err(got, ref):
 
 
 def loss_fn(impl, labels, options, chunk_size=None):
+  """f(x, w, b, where) of implementation `impl` (None: the reference) with `options`."""
   options = {k: v for k, v in options.items() if k not in ("bias", "where")}
 
   def f(x, w, b, where):
     return memeff_jax.linear_cross_entropy(
-        x, w, labels, bias=b, where=where, implementation=impl, chunk_size=chunk_size,
-        **options)
+        x, w, labels, bias=b, where=where, implementation=impl or "reference",
+        chunk_size=None if impl is None else chunk_size, **options)
 
   return f
 
@@ -207,6 +208,54 @@ class _LinearCrossEntropyTest:
     for g, r in zip(constant, want_g):
       assert rel_err(g, r) < 2e-5
 
+  @pytest.mark.parametrize("name, reduction, uses, whole", [
+      ("plain", "mean", "loss+entropy", False), ("plain", "none", "entropy", True),
+      ("all", "mean", "loss+entropy", True), ("all_vd", "none", "loss+entropy", False),
+      ("masked", "sum", "entropy", False)])
+  def test_entropy_and_its_gradients(self, name, reduction, uses, whole):
+    """Aux.entropy against −Σ p log p of the materialized (biased, capped) logits, and the
+    gradients of a sum of it (with the loss and lse, or alone) against JAX's autodiff of
+    that formula; on tokens in whole chunks or not. "masked": a bias of −inf on some
+    entries, which count as p = 0."""
+    options = dict(OPTION_SETS.get(name, dict(bias=True)), reduction=reduction)
+    layout, cap = options.get("weight_layout", "dv"), options.get("logit_softcap")
+    lead = (4, self.chunk_size) if whole else self.lead
+    x, w, labels, b, where = make_problem(jax.random.key(31), lead, 24, 300, jnp.float32,
+                                          **options)
+    keep = np.ones(300, bool)
+    if name == "masked":
+      keep[::7] = False
+      b = jnp.where(jnp.asarray(keep), b, -jnp.inf)
+      labels = jnp.where(jnp.isin(labels, jnp.arange(0, 300, 7)), -100, labels)
+    ct = 1.5 + jnp.cos(jnp.arange(labels.size, dtype=jnp.float32)).reshape(labels.shape)
+
+    def plain_entropy(x, w, b):
+      z = x @ (w if layout == "dv" else w.T)
+      z = z if b is None else z + b
+      z = _common.cap_logits(z, cap)[..., keep]
+      return -jnp.sum(jax.nn.softmax(z) * jax.nn.log_softmax(z), axis=-1)
+
+    def total(impl, x, w, b):
+      loss, aux = loss_fn(impl, labels, dict(options, return_aux=True, entropy=True),
+                          self.chunk_size)(x, w, b, where)
+      entropy = aux.entropy if impl is not None else plain_entropy(x, w, b)
+      out = jnp.sum(entropy * ct)
+      if uses == "loss+entropy":
+        out = out + jnp.sum(loss * ct ** 2) + 0.5 * jnp.sum(aux.lse)
+      return out, entropy
+
+    argnums = (0, 1, 2) if b is not None else (0, 1)
+    run = lambda impl: jax.jit(jax.value_and_grad(
+        lambda *a: total(impl, *a), argnums=argnums, has_aux=True))(x, w, b)
+    (_, got), got_g = run(self.impl)
+    (_, want), want_g = run(None)  # the loss by the reference, the entropy by the formula
+    assert got.shape == labels.shape and got.dtype == jnp.float32
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert rel_err(got, want) < 2e-5, rel_err(got, want)
+    for g, r, arg in zip(got_g, want_g, "xwb"):
+      assert np.all(np.isfinite(np.asarray(g))), arg
+      assert rel_err(g, r) < 2e-5, (arg, rel_err(g, r))
+
   def test_all_tokens_ignored_gives_zero_not_nan(self):
     x, w, labels, _, _ = make_problem(jax.random.key(4), self.lead, 16, 300, jnp.float32)
     labels = jnp.full_like(labels, -100)
@@ -297,6 +346,21 @@ class TestChunkedXla(_LinearCrossEntropyTest):
       assert rel_err(got, ref) < 2e-5
       for a, r in zip(got_g, ref_g):
         assert rel_err(a, r) < 2e-5
+
+  def test_entropy_in_vocab_chunks(self):
+    """The entropy's Σ p ẑ merged over ragged vocabulary blocks (online, as the log-sum-exp),
+    and its gradient block by block: those of the whole-vocabulary path."""
+    options = dict(OPTION_SETS["all"], reduction="none", return_aux=True, entropy=True)
+    x, w, labels, b, where = make_problem(jax.random.key(9), self.lead, 24, 1000,
+                                          jnp.float32, **options)
+    ct = jnp.cos(jnp.arange(labels.size, dtype=jnp.float32)).reshape(labels.shape)
+    run = lambda chunk: jax.value_and_grad(
+        lambda x, w, b: jnp.sum(loss_fn("chunked_xla", labels, options, chunk)(
+            x, w, b, where)[1].entropy * ct), argnums=(0, 1, 2))(x, w, b)
+    (got, got_g), (want, want_g) = run((16, 300)), run(16)
+    assert rel_err(got, want) < 2e-6
+    for a, r in zip(got_g, want_g):
+      assert rel_err(a, r) < 2e-5
 
   def test_budget_picks_vocab_chunks_for_huge_vocab(self):
     impl = ChunkedXla(memory_budget_bytes=1 << 20)
@@ -446,23 +510,37 @@ def _softmax_pass_problem(key, vocab):
           jax.random.uniform(k[3], (37,), jnp.float32))
 
 
-@pytest.mark.parametrize("smoothing,vocab", [(0.0, 1000), (0.1, 1000), (0.0, 936)])
-def test_softmax_pass_from_partial_log_sum_exps(smoothing, vocab):
+_PASS_OUTPUTS = ("G", "lse", "label logit", "logit sum", "mean logit")
+
+
+@pytest.mark.parametrize("smoothing,vocab,entropy", [(0.0, 1000, False), (0.1, 1000, False),
+                                                     (0.0, 936, False), (0.1, 936, True)])
+def test_softmax_pass_from_partial_log_sum_exps(smoothing, vocab, entropy):
   """Given partial log-sum-exps over disjoint column sets (as the Mosaic logits GEMM's
   epilogue makes them), the kernel skips its first sweep: G, the log-sum-exp, the label
-  logit and Σ ẑ are those of the two-sweep kernel. 1,000 columns, of which the last 64 are
+  logit and Σ ẑ (and with the entropy μ = Σ p ẑ, and G with its cotangent) are those of
+  the two-sweep kernel, μ that of its formula. 1,000 columns, of which the last 64 are
   padding in the 936 case; 37 rows; five uneven column sets, one of them empty (-inf)."""
-  opts = _common.LossOptions(vocab_size=vocab, label_smoothing=smoothing, z_loss=1e-3)
+  opts = _common.LossOptions(vocab_size=vocab, label_smoothing=smoothing, z_loss=1e-3,
+                             entropy=entropy)
   z, labels, a, e = _softmax_pass_problem(jax.random.key(21), vocab)
   bounds = [0, 120, 500, 500, 730, vocab]
   zf = z.astype(jnp.float32)
   partials = jnp.stack([jax.nn.logsumexp(zf[:, lo:hi], axis=1) if hi > lo
                         else jnp.full((37,), -jnp.inf) for lo, hi in zip(bounds, bounds[1:])])
   config = SoftmaxKernelConfig(block_v=256)
-  want = triton_softmax.softmax_pass(z, labels, a, e, opts=opts, config=config, interpret=True)
+  kw = {}
+  if entropy:
+    mu = jnp.sum(jax.nn.softmax(zf[:, :vocab]) * zf[:, :vocab], axis=1)
+    kw = dict(entropy=(jnp.sin(jnp.arange(37.0)), mu))
+  want = triton_softmax.softmax_pass(z, labels, a, e, opts=opts, config=config, interpret=True,
+                                     **kw)
   got = triton_softmax.softmax_pass(z, labels, a, e, opts=opts, config=config, interpret=True,
-                                partials=partials)
-  for name, g, w in zip(("G", "lse", "label logit", "logit sum"), got, want):
+                                partials=partials, **kw)
+  assert len(got) == len(want) == 4 + entropy
+  if entropy:
+    np.testing.assert_allclose(want[-1], mu, rtol=2e-6, atol=1e-5)
+  for name, g, w in zip(_PASS_OUTPUTS, got, want):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                rtol=2e-6, atol=1e-5, err_msg=name)
   with pytest.raises(ValueError, match="partials serve the gradient pass"):
@@ -476,8 +554,8 @@ def test_softmax_pass_from_partial_log_sum_exps(smoothing, vocab):
                           jnp.full((5, 37), 3.0, jnp.bfloat16)])
   stored = mosaic_gemm.StatsWords(rows, jnp.int32(7), partials.shape[0])
   from_words = triton_softmax.softmax_pass(z, labels, a, e, opts=opts, config=config,
-                                       interpret=True, partials=stored)
-  for name, g, w in zip(("G", "lse", "label logit", "logit sum"), from_words, got):
+                                       interpret=True, partials=stored, **kw)
+  for name, g, w in zip(_PASS_OUTPUTS, from_words, got):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                   err_msg=name)
 
@@ -494,14 +572,18 @@ def _split_words(x):
 def test_pallas_gpu_kernel_lowers_for_cuda():
   """The softmax kernel lowers to Triton on a CPU host (what the GPU would compile): catches
   operations Pallas Triton has no lowering for, which interpret mode runs happily."""
-  for vocab, smoothing in ((128_256, 0.0), (50_257, 0.1)):
-    opts = _common.LossOptions(vocab_size=vocab, label_smoothing=smoothing)
+  for vocab, smoothing, entropy in ((128_256, 0.0, False), (50_257, 0.1, False),
+                                   (50_257, 0.1, True)):
+    opts = _common.LossOptions(vocab_size=vocab, label_smoothing=smoothing, entropy=entropy)
     logits = jax.ShapeDtypeStruct((64, vocab + (-vocab % 64)), jnp.bfloat16)
     labels = jax.ShapeDtypeStruct((64,), jnp.int32)
     coef = jax.ShapeDtypeStruct((64,), jnp.float32)
     parts = jnp.zeros((33, 64), jnp.float32)
     words = jnp.zeros((4 * 33 + 5, 64), jnp.bfloat16)
-    for fn in (lambda z, y, a, e: triton_softmax.softmax_pass(z, y, opts=opts,
+    backward = [lambda z, y, a, e: triton_softmax.softmax_pass(
+        z, y, a, e, a, opts=opts, config=SoftmaxKernelConfig(), entropy=(a, e))]
+    for fn in (*(backward if entropy else ()),
+               lambda z, y, a, e: triton_softmax.softmax_pass(z, y, opts=opts,
                                                           config=SoftmaxKernelConfig()),
                lambda z, y, a, e: triton_softmax.softmax_pass(z, y, a, e, opts=opts,
                                                           config=SoftmaxKernelConfig()),
@@ -682,22 +764,27 @@ class TestPallasGpuExpLogitsWithoutTritonInterpret(TestPallasGpuExpLogitsInterpr
 
 
 @pytest.mark.parametrize("block_v", [256, xla_softmax.BLOCK_V])
-@pytest.mark.parametrize("smoothing,softcap,vocab", [(0.0, None, 1000), (0.1, 5.0, 1000),
-                                                     (0.1, None, 936)])
-def test_xla_softmax_pass_matches_the_kernel(smoothing, softcap, vocab, block_v, monkeypatch):
+@pytest.mark.parametrize("smoothing,softcap,vocab,entropy", [
+    (0.0, None, 1000, False), (0.1, 5.0, 1000, False), (0.1, None, 936, False),
+    (0.0, None, 1000, True), (0.1, 5.0, 936, True)])
+def test_xla_softmax_pass_matches_the_kernel(smoothing, softcap, vocab, entropy, block_v,
+                                             monkeypatch):
   """xla_softmax.softmax_pass against triton_softmax's kernel (interpret mode) in every form
-  the chunks call it: statistics only, G with them, G from a known log-sum-exp, G from
-  partial log-sum-exps (float32 and as bfloat16 words), and under `enabled` both ways.
-  1,000 columns, the last 64 padding in the 936 case; 37 rows, some labels ignored; the
-  sweeps in one block, or in three of 256 and a ragged one."""
+  the chunks call it: statistics only, G with them, G from a known log-sum-exp (with the
+  entropy's cotangent, where wanted), G from partial log-sum-exps (float32 and as bfloat16
+  words), and under `enabled` both ways. 1,000 columns, the last 64 padding in the 936
+  case; 37 rows, some labels ignored; the sweeps in one block, or in three of 256 and a
+  ragged one."""
   monkeypatch.setattr(xla_softmax, "BLOCK_V", block_v)
   opts = _common.LossOptions(vocab_size=vocab, label_smoothing=smoothing, z_loss=1e-3,
-                             logit_softcap=softcap)
+                             logit_softcap=softcap, entropy=entropy)
   z, labels, a, e = _softmax_pass_problem(jax.random.key(31), vocab)
   lse = jax.nn.logsumexp(_common.cap_logits(z[:, :vocab].astype(jnp.float32), softcap), axis=1)
   config = SoftmaxKernelConfig(block_v=256)
   on = dict(enabled=jnp.bool_(True))
   calls = [((), {}), ((), on), ((a, e), {}), ((a, e), on), ((a, e, lse), {})]
+  if entropy:
+    calls.append(((a, e, lse), dict(entropy=(jnp.sin(jnp.arange(37.0)), lse - 2.0))))
   if softcap is None:
     bounds = [0, 120, 500, 730, vocab]
     zf = z.astype(jnp.float32)
@@ -710,8 +797,9 @@ def test_xla_softmax_pass_matches_the_kernel(smoothing, softcap, vocab, block_v,
     want = triton_softmax.softmax_pass(z, labels, *args, opts=opts, config=config,
                                        interpret=True, **kw)
     got = jax.jit(lambda z: xla_softmax.softmax_pass(z, labels, *args, opts=opts, **kw))(z)
-    assert len(got) == len(want)
-    for name, g, w in zip(("G", "lse", "label logit", "logit sum")[-len(got):], got, want):
+    assert len(got) == len(want) == (4 if args else 3) + entropy
+    names = _PASS_OUTPUTS[:len(got)] if args else _PASS_OUTPUTS[1:]
+    for name, g, w in zip(names, got, want):
       assert g.shape == w.shape and g.dtype == w.dtype, (name, g.dtype, w.dtype)
       np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                  rtol=1e-5, atol=2e-5, err_msg=f"{name} {sorted(kw)}")
