@@ -88,6 +88,25 @@ def test_chunk_temporaries_per_option(dtype):
   assert max(per_logit[k] for k in ("plain", "label_smoothing", "z_loss")) <= 8 * 1.01, per_logit
 
 
+def test_entropy_keeps_the_chunks_memory():
+  """The entropy (return_aux, entropy=True): logged, the temporaries of the aux outputs
+  without it plus [N]-sized statistics; differentiated too (its backward recomputes the
+  chunks), within the plan's 12 bytes per chunk logit."""
+  n, d, v = 4096, 64, 50257
+  shapes = _shapes(n, d, v, jnp.float32)
+  tokens, cols = ChunkedXla().plan(n, v, None)
+
+  def temp(entropy, differentiated):
+    def loss(x, w, y):
+      out, aux = memeff_jax.linear_cross_entropy(x, w, y, implementation="chunked_xla",
+                                                 return_aux=True, entropy=entropy)
+      return out + (jnp.sum(aux.entropy) if differentiated else 0.0)
+    return _temp_bytes(loss, *shapes) - d * v * 4  # less the float32 dW
+
+  assert temp(True, False) <= temp(False, False) + 4 * n * 4
+  assert temp(True, True) <= 12 * 1.01 * tokens * cols
+
+
 def test_mean_loss_without_aux_holds_no_per_token_statistics():
   """Without return_aux a mean loss is summed inside the chunk loop: no [N] float32 log-sum-
   exp, label logit, Σẑ or gradient coefficients. A small head at 65,536 and 131,072 tokens
