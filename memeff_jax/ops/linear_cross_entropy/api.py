@@ -350,6 +350,9 @@ def linear_cross_entropy(
       (Aux.entropy, float32 labels.shape; None without it): an RL step's entropy, logged
       or, differentiated, a bonus. Its statistic Σ_v p ẑ costs an elementwise product in
       the softmax pass; pallas_mosaic_gpu then takes that pass rather than exp_logits.
+      Differentiated beside a mean or sum loss it costs one more pass over the chunks
+      (the forward made the loss's gradients without it); with reduction="none" it shares
+      that reduction's one backward pass.
     implementation: None (fastest available: "pallas_mosaic_gpu" on NVIDIA GPUs, then
       "chunked_xla"), a name ("reference", "chunked_xla", "pallas_mosaic_gpu"), an implementation
       object (`PallasMosaicGpu(...)`, `ChunkedXla(...)`) or a sequence of those tried in order.

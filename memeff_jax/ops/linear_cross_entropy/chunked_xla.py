@@ -141,8 +141,7 @@ class XlaChunkBackend:
     single = self.vocab_chunk >= vocab
     # One vocabulary block, statistics wanted: form the logits once for both uses.
     # Otherwise (vocabulary blocks, or lse given by the forward pass) each block recomputes.
-    # The entropy's statistics come from stats (a loss with return_aux: not the fast path).
-    reuse = single and lse_c is None and not opts.entropy
+    reuse = single and lse_c is None
     probs = None
     if reuse:
       # On CPU the exponentials once, for Σ and for G: XLA's CPU backend computes them again
@@ -153,7 +152,8 @@ class XlaChunkBackend:
       exps = jnp.exp(zc - m[:, None])
       s = jnp.sum(exps, axis=1)
       t = jnp.sum(zc, axis=1) if opts.label_smoothing else jnp.zeros_like(m)
-      stats = Stats(m + jnp.log(s), _label_logits(zc, labels_c, 0), t)
+      mu = jnp.sum(exps * _common.floored(zc), axis=1) / s if opts.entropy else None
+      stats = Stats(m + jnp.log(s), _label_logits(zc, labels_c, 0), t, mu)
       # Vocab parallel, G comes from the merged statistics, not this slice's.
       if shards is None and jax.default_backend() == "cpu":
         probs = exps * (1.0 / s)[:, None]
