@@ -19,7 +19,11 @@ A set's `logit_softcap`, `label_smoothing` and `reduction` (default "mean"; "non
 per-token losses to differentiate them) apply to every provider (the floor's matmuls are the
 same). A set with `token_weights = true` weights each token's loss by a fixed normal weight
 (an on-policy policy gradient's advantages): memeff passes them as `token_weights`, every
-other provider multiplies its per-token losses. A set with `backward = false` times the loss alone, without gradients (evaluation, or
+other provider multiplies its per-token losses. A set with `entropy_bonus = β` subtracts β
+times the tokens' mean entropy from the loss (an RL step's entropy bonus, differentiated):
+memeff takes the entropy from `return_aux=True, entropy=True`, plain JAX and torch from the
+logits; Liger, CCE and tokamax, which give no entropy, are skipped. A set with
+`backward = false` times the loss alone, without gradients (evaluation, or
 an RL step's reference log-probs): the floor is then x@W alone, torch runs under no_grad.
 
 Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step, 2·N·D·V for the loss
@@ -97,18 +101,34 @@ def _reduced(losses, reduction, weights=None):
   return losses.mean() if reduction == "mean" else losses.sum()
 
 
+def _reduced_first(out, reduction, weights=None):
+  """_reduced of a loss, or of the loss of a (loss, aux) pair (return_aux), aux kept."""
+  if isinstance(out, tuple):
+    return _reduced(out[0], reduction, weights), out[1]
+  return _reduced(out, reduction, weights)
+
+
+def _naive_entropy(logits, softcap=None):
+  """Each row's entropy −Σ p log p of [C, V] float32 logits, capped as the set says."""
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
+  return -jnp.sum(jax.nn.softmax(logits, axis=-1) * jax.nn.log_softmax(logits, axis=-1),
+                  axis=-1)
+
+
 def token_weights(n, seed=0):
   """[N] float32 fixed per-token weights, standard normal: a policy gradient's advantages."""
   return jax.random.normal(jax.random.key(seed + 1), (n,), jnp.float32)
 
 
 def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean",
-             backward=True, weights=None):
+             backward=True, weights=None, bonus=None):
   """(jitted fn, args) computing the loss and (dx, dW) for a JAX provider, or with
   backward=False the loss alone; `softcap` caps the logits (Gemma-2's
   final_logit_softcapping), `smoothing` smooths the labels, `weights` [N] weight the
-  tokens' losses and `reduction` reduces them ("none": per-token losses, summed here), as
-  every provider but the floor does. fn(*args)[0] is the loss."""
+  tokens' losses and `reduction` reduces them ("none": per-token losses, summed here), and
+  `bonus` β subtracts β times the mean entropy, as every provider but the floor does.
+  fn(*args)[0] is the loss."""
   if provider == "floor":
     w = jnp.pad(w, ((0, 0), (0, -w.shape[1] % 128)))
     if not backward:
@@ -117,28 +137,36 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean
     fn = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
     return fn, (x, w, g)
   grads = functools.partial(_loss_and_grads, backward=backward)
+  n = x.shape[0]
+  less_bonus = lambda total, entropy_sum: total if bonus is None else total - bonus * (
+      entropy_sum / n)
   if provider == "jax_naive":
     def loss(x, w):
-      return _reduced(_naive_losses((x @ w).astype(jnp.float32), y, softcap, smoothing),
-                      reduction, weights)
+      logits = (x @ w).astype(jnp.float32)
+      total = _reduced(_naive_losses(logits, y, softcap, smoothing), reduction, weights)
+      return less_bonus(total, None if bonus is None else
+                        jnp.sum(_naive_entropy(logits, softcap)))
     return grads(loss), (x, w)
   if provider == "jax_scan_remat":
     chunk = math.gcd(x.shape[0], 1024)
-    n = x.shape[0]
     def loss(x, w):
       @jax.checkpoint
-      def one(xc, yc, wc):
-        return _reduced(_naive_losses((xc @ w).astype(jnp.float32), yc, softcap, smoothing),
-                        "sum", wc)
+      def one(xc, yc, wc):  # the chunk's summed losses and entropies
+        logits = (xc @ w).astype(jnp.float32)
+        total = _reduced(_naive_losses(logits, yc, softcap, smoothing), "sum", wc)
+        entropy = 0.0 if bonus is None else jnp.sum(_naive_entropy(logits, softcap))
+        return jnp.stack([total, entropy])
       xs, ys = x[:n].reshape(-1, chunk, x.shape[1]), y[:n].reshape(-1, chunk)
       ws = None if weights is None else weights.reshape(-1, chunk)
-      total = jax.lax.scan(lambda acc, xyw: (acc + one(*xyw), None), 0.0, (xs, ys, ws))[0]
-      return total / n if reduction == "mean" else total
+      total, entropy = jax.lax.scan(lambda acc, xyw: (acc + one(*xyw), None),
+                                    jnp.zeros(2), (xs, ys, ws))[0]
+      return less_bonus(total / n if reduction == "mean" else total, entropy)
     return grads(loss), (x, w)
   if provider == "tokamax":
-    if softcap is not None or smoothing or reduction != "mean" or weights is not None:
-      raise ImportError("tokamax's loss takes no logit softcap, label smoothing, reduction or "
-                        "token weights")
+    if (softcap is not None or smoothing or reduction != "mean" or weights is not None
+        or bonus is not None):
+      raise ImportError("tokamax's loss takes no logit softcap, label smoothing, reduction, "
+                        "token weights or entropy")
     tokamax = import_tokamax()
     return grads(lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
         x, y, w, reduction="mean")), (x, w)
@@ -148,11 +176,20 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean
       w = jax.block_until_ready(jnp.copy(w.T))
     options = dict(weight_layout=layout, implementation=impl, logit_softcap=softcap,
                    label_smoothing=smoothing)
+    if bonus is not None:
+      options.update(return_aux=True, entropy=True)
+
+    def with_bonus(out):  # the loss, less the bonus where the entropy came with it
+      if bonus is None:
+        return out
+      loss, aux = out
+      return less_bonus(loss, jnp.sum(aux.entropy))
+
     if per_token:
-      return grads(lambda x, w: _reduced(memeff_jax.linear_cross_entropy(
-          x, w, y, reduction="none", **options), reduction, weights)), (x, w)
-    return grads(lambda x, w: _reduced(memeff_jax.linear_cross_entropy(
-        x, w, y, reduction=reduction, token_weights=weights, **options), "sum")), (x, w)
+      return grads(lambda x, w: with_bonus(_reduced_first(memeff_jax.linear_cross_entropy(
+          x, w, y, reduction="none", **options), reduction, weights))), (x, w)
+    return grads(lambda x, w: with_bonus(_reduced_first(memeff_jax.linear_cross_entropy(
+        x, w, y, reduction=reduction, token_weights=weights, **options), "sum"))), (x, w)
   raise KeyError(provider)
 
 
@@ -252,12 +289,16 @@ def parse_memeff(provider: str):
   return impl, layout, per_token
 
 
-def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean", weights=None):
+def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean", weights=None,
+                  bonus=None):
   """loss_fn(x [N, D], w [V, D], y [N] int64) for a PyTorch provider; with `weights` [N]
-  (a tensor), the peer's per-token losses times the weights, then reduced."""
+  (a tensor), the peer's per-token losses times the weights, then reduced; with `bonus` β,
+  less β times the mean entropy of the logits (torch_naive and torch_compile only)."""
   import torch  # pylint: disable=import-outside-toplevel
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
   peer_reduction = reduction if weights is None else "none"
+  if bonus is not None and provider not in ("torch_naive", "torch_compile"):
+    raise ImportError(f"{provider}'s loss gives no entropy")
 
   def reduced(losses):
     if weights is None:
@@ -268,8 +309,12 @@ def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean", weigh
     logits = F.linear(x, w).float()
     if softcap is not None:
       logits = softcap * torch.tanh(logits / softcap)
-    return reduced(F.cross_entropy(logits, y, label_smoothing=smoothing,
+    loss = reduced(F.cross_entropy(logits, y, label_smoothing=smoothing,
                                    reduction=peer_reduction))
+    if bonus is None:
+      return loss
+    entropy = -(F.softmax(logits, -1) * F.log_softmax(logits, -1)).sum(-1)
+    return loss - bonus * entropy.mean()
 
   if provider == "torch_naive":
     return naive
@@ -289,7 +334,7 @@ def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean", weigh
 
 
 def torch_case(provider, x, w, y, softcap=None, smoothing=0.0, reduction="mean",
-               backward=True, weights=None):
+               backward=True, weights=None, bonus=None):
   """A closure running forward+backward in torch (the forward alone, under no_grad, with
   backward=False), and a loss getter."""
   import torch  # pylint: disable=import-outside-toplevel
@@ -302,8 +347,8 @@ def torch_case(provider, x, w, y, softcap=None, smoothing=0.0, reduction="mean",
   yt = torch.from_numpy(np.asarray(y).astype(np.int64)).to(dev)
   if weights is not None:
     weights = torch.from_numpy(np.asarray(weights)).to(dev)
-  step, state = torch_step(torch_loss_fn(provider, softcap, smoothing, reduction, weights),
-                           xt, wt, yt, backward)
+  step, state = torch_step(torch_loss_fn(provider, softcap, smoothing, reduction, weights,
+                                         bonus), xt, wt, yt, backward)
   return step, state, (xt, wt, yt)
 
 
@@ -334,12 +379,14 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
   reduction = spec.get("reduction", "mean")
   backward = spec.get("backward", True)
   weighted = spec.get("token_weights", False)
+  bonus = spec.get("entropy_bonus")
   env = _harness.environment()
   rows = []
   for shape in spec["shapes"]:
     n, d, v = shape["n"], shape["d"], shape["v"]
     x, w, y, kg = make_inputs(n, d, v, dtype)
-    options = (softcap, smoothing, reduction, backward, token_weights(n) if weighted else None)
+    options = (softcap, smoothing, reduction, backward, token_weights(n) if weighted else None,
+               bonus)
     flops = (6.0 if backward else 2.0) * n * d * v
     cases = {}  # provider -> (row, timer, loss getter): built and run once before any timing
     for provider in providers:
@@ -353,6 +400,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
         row["reduction"] = reduction
       if weighted:
         row["token_weights"] = True
+      if bonus is not None:
+        row["entropy_bonus"] = bonus
       if not backward:
         row["backward"] = False
       try:

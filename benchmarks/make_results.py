@@ -258,6 +258,8 @@ def run_heading(key, rows) -> str:
     dtype = f"{dtype}, reduction {rows[0]['reduction']!r}"
   if rows[0].get("token_weights"):
     dtype = f"{dtype}, token weights"
+  if rows[0].get("entropy_bonus") is not None:
+    dtype = f"{dtype}, entropy bonus {rows[0]['entropy_bonus']:g}"
   passes = "forward+backward" if rows[0].get("backward", True) else "forward (no gradients)"
   return (f"**{set_name}** (N={n:,}, D={d:,}, V={v:,}, {dtype}) on {device}, {stamp} "
           f"({versions}), {passes}{_rounds(rows)}")

@@ -50,6 +50,22 @@ def test_every_provider_weights_the_same_tokens(reduction):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=provider)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(softcap=5.0, reduction="none")])
+def test_every_provider_takes_the_same_entropy_bonus(options):
+  """An `entropy_bonus` set: memeff's Aux.entropy (also with per_token=1) and the plain JAX
+  entropies of the logits give one objective and one set of gradients."""
+  x, w, y, kg = bench.make_inputs(256, 64, 1000, jnp.float32, seed=3)
+  results = {provider: bench.jax_case(provider, x, w, y, kg, bonus=0.5, **options)
+             for provider in PROVIDERS + ["memeff:default:per_token=1"]}
+  results = {p: fn(*args) for p, (fn, args) in results.items()}
+  want = results.pop("jax_naive")
+  plain = bench.jax_case("jax_naive", x, w, y, kg, **options)[0](x, w)
+  assert not np.allclose(plain[0], want[0], rtol=1e-3)  # the bonus counts
+  for provider, got in results.items():
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=provider)
+
+
 def test_the_floor_alone_is_the_logits_product():
   x, w, y, kg = bench.make_inputs(64, 32, 200, jnp.float32)
   fn, args = bench.jax_case("floor", x, w, y, kg, backward=False)
