@@ -36,8 +36,8 @@ Gradients in the forward pass. For reduction "mean"/"sum" the loss's cotangent i
 scalar, so the forward pass computes the gradients for a cotangent of 1 while the chunk's
 logits are at hand (three matmuls in all) and the backward pass only scales them. For
 "none", or when the log-sum-exp / z-loss / entropy outputs get a cotangent, the backward
-pass runs the chunks again with the real cotangents. Token weights are known in the forward pass, so
-a weighted mean/sum keeps the three matmuls: they scale each token's coefficients.
+pass runs the chunks again with the real cotangents. Token weights are known in the forward
+pass, so a weighted mean/sum keeps the three matmuls: they scale each token's coefficients.
 
 A mean/sum loss without the auxiliary outputs (`opts.aux_outputs` False) is reduced inside
 the loop: each chunk adds its tokens' share to a scalar and makes its gradient coefficients

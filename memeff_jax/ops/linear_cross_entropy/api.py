@@ -253,8 +253,8 @@ def _rounded_tokens(impl, dtype, chunk_size):
 def _compute(x2, weight, bias, labels2, valid, weights, opts: LossOptions, implementations,
              chunk_size, vocab_axis, in_shard_map: bool = True):
   """(loss, lse, z-loss term, entropy) of [N, D] tokens (with their weights, or None) by the
-  first implementation that serves them; with vocab_axis, `weight` (and `bias`) are this shard's
-  slice of opts.vocab_size (see _vocab_parallel), inside jax.shard_map or (not
+  first implementation that serves them; with vocab_axis, `weight` (and `bias`) are this
+  shard's slice of opts.vocab_size (see _vocab_parallel), inside jax.shard_map or (not
   in_shard_map) custom_partitioning."""
   vocab = {}
   if vocab_axis is not None:
