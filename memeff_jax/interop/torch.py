@@ -241,24 +241,28 @@ def _implementation_key(implementation) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, has_bias,
-             weights_grad, chunk_size, implementation):
+             weights_grad, entropy, chunk_size, implementation):
   """Jitted JAX functions of (x, W, bias, labels, token_weights) for one set of options:
-  value, value+unit grads, and vjp. The grads are those of x, W, then the bias when there is
+  value, value+unit grads, and vjp. The value is the loss, or with `entropy` the pair
+  (loss, each token's entropy), whose entropy the unit grads leave out (an aux output) and
+  the vjp takes a cotangent for. The grads are those of x, W, then the bias when there is
   one and the token weights when weights_grad (otherwise the weights are a constant, and the
   loss keeps no per-token statistics for their gradient)."""
   opts = dict(weight_layout="vd", reduction=reduction, ignore_index=ignore_index,
               label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap,
-              chunk_size=chunk_size,
+              chunk_size=chunk_size, return_aux=entropy, entropy=entropy,
               implementation=_IMPLEMENTATIONS.get(implementation, implementation or None))
 
   def loss(x, w, b, y, tw):
-    return _lce(x, w, y, bias=b, token_weights=tw, **opts)
+    out = _lce(x, w, y, bias=b, token_weights=tw, **opts)
+    return (out[0], out[1].entropy) if entropy else out
 
   argnums = (0, 1) + ((2,) if has_bias else ()) + ((4,) if weights_grad else ())
   value = jax.jit(loss)
   # For mean/sum the library computes the gradients inside the forward (three matmuls); the
   # gradient of a unit cotangent is what the torch backward scales.
-  value_and_grads = jax.jit(jax.value_and_grad(loss, argnums=argnums))
+  # With the entropy, (loss, entropy) is value_and_grad's (value, aux): ((loss, entropy), grads).
+  value_and_grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=entropy))
 
   def vjp(x, w, b, y, tw, g):
     args = (x, w, b, y, tw)
@@ -273,10 +277,11 @@ def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, ha
 
 
 def _lce_key(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, bias,
-             weights_grad, chunk_size, implementation):
+             weights_grad, entropy, chunk_size, implementation):
   return (reduction, int(ignore_index), float(label_smoothing), float(z_loss),
           None if logit_softcap is None else float(logit_softcap), bias is not None,
-          bool(weights_grad), None if chunk_size is None else int(chunk_size), implementation)
+          bool(weights_grad), bool(entropy), None if chunk_size is None else int(chunk_size),
+          implementation)
 
 
 def _lce_grads(grads, x, bias, weights_grad):
@@ -292,19 +297,25 @@ def _lce_grads(grads, x, bias, weights_grad):
 def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
             bias: torch.Tensor | None, token_weights: torch.Tensor | None, ignore_index: int,
             reduction: str, label_smoothing: float, z_loss: float, logit_softcap: float | None,
-            chunk_size: int | None, implementation: str, with_grads: bool, weights_grad: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-  """(loss, dx, dW, db, d token_weights) with the gradients of a unit cotangent when
-  with_grads (mean/sum); d token_weights only when weights_grad."""
+            chunk_size: int | None, implementation: str, with_grads: bool, weights_grad: bool,
+            entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor, torch.Tensor]:
+  """(loss, entropy, dx, dW, db, d token_weights): the entropy with `entropy`, the
+  gradients of a unit loss cotangent when with_grads (mean/sum), d token_weights only when
+  weights_grad; an empty tensor for each one not computed."""
   value, value_and_grads, _ = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing,
                                                  z_loss, logit_softcap, bias, weights_grad,
-                                                 chunk_size, implementation))
+                                                 entropy, chunk_size, implementation))
   args = _lce_arrays(x, weight, bias, labels, token_weights)
   with _on(x):
     if not with_grads:
-      return (to_torch(value(*args)),) + tuple(_empty(x) for _ in range(4))
-    loss, grads = value_and_grads(*args)
-  return (to_torch(loss),) + _lce_grads(grads, x, bias, weights_grad)
+      out, grads = value(*args), None
+    else:
+      out, grads = value_and_grads(*args)
+  loss, ent = (to_torch(out[0]), to_torch(out[1])) if entropy else (to_torch(out), _empty(x))
+  if grads is None:
+    return (loss, ent) + tuple(_empty(x) for _ in range(4))
+  return (loss, ent) + _lce_grads(grads, x, bias, weights_grad)
 
 
 def _fake_grads(x, weight, bias, token_weights, weights_grad):
@@ -315,50 +326,57 @@ def _fake_grads(x, weight, bias, token_weights, weights_grad):
 
 @_lce_op.register_fake
 def _(x, weight, labels, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
-      logit_softcap, chunk_size, implementation, with_grads, weights_grad):
+      logit_softcap, chunk_size, implementation, with_grads, weights_grad, entropy):
   loss = x.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
+  ent = x.new_empty(labels.shape, dtype=torch.float32) if entropy else x.new_empty(0)
   if not with_grads:
-    return (loss,) + tuple(x.new_empty(0) for _ in range(4))
-  return (loss,) + _fake_grads(x, weight, bias, token_weights, weights_grad)
+    return (loss, ent) + tuple(x.new_empty(0) for _ in range(4))
+  return (loss, ent) + _fake_grads(x, weight, bias, token_weights, weights_grad)
 
 
 @torch.library.custom_op("memeff::linear_cross_entropy_backward", mutates_args=())
 def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 bias: torch.Tensor | None, token_weights: torch.Tensor | None,
-                grad: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-                z_loss: float, logit_softcap: float | None, chunk_size: int | None,
-                implementation: str, weights_grad: bool
+                grad: torch.Tensor, grad_entropy: torch.Tensor | None, ignore_index: int,
+                reduction: str, label_smoothing: float, z_loss: float,
+                logit_softcap: float | None, chunk_size: int | None, implementation: str,
+                weights_grad: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-  """(dx, dW, db, d token_weights) for a per-token cotangent (reduction "none"): recomputes
-  the chunks."""
+  """(dx, dW, db, d token_weights) for the loss's cotangent (per token for "none") and the
+  entropy's (or None): recomputes the chunks."""
+  entropy = grad_entropy is not None
   _, _, vjp = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing, z_loss,
-                                 logit_softcap, bias, weights_grad, chunk_size, implementation))
-  args = _lce_arrays(x, weight, bias, labels, token_weights, grad)
+                                 logit_softcap, bias, weights_grad, entropy, chunk_size,
+                                 implementation))
+  args = _lce_arrays(x, weight, bias, labels, token_weights, grad, grad_entropy)
   with _on(x):
-    grads = vjp(*args)
+    grads = vjp(*args[:-2], tuple(args[-2:]) if entropy else args[-2])
   return _lce_grads(grads, x, bias, weights_grad)
 
 
 @_lce_bwd_op.register_fake
-def _(x, weight, labels, bias, token_weights, grad, ignore_index, reduction, label_smoothing,
-      z_loss, logit_softcap, chunk_size, implementation, weights_grad):
+def _(x, weight, labels, bias, token_weights, grad, grad_entropy, ignore_index, reduction,
+      label_smoothing, z_loss, logit_softcap, chunk_size, implementation, weights_grad):
   return _fake_grads(x, weight, bias, token_weights, weights_grad)
 
 
 def _lce_setup(ctx, inputs, output):
   (x, weight, labels, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
-   softcap, chunk_size, implementation, _, weights_grad) = inputs
+   softcap, chunk_size, implementation, _, weights_grad, entropy) = inputs
   ctx.options = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size,
                  implementation, weights_grad)
   ctx.has_bias = bias is not None
   ctx.scaled = False
-  # Only the loss is differentiated; without this autograd would fill [N, D] and [V, D]
-  # zero gradients for the other outputs before every backward.
+  # Only the loss and entropy are differentiated; without this autograd would fill [N, D]
+  # and [V, D] zero gradients for the other outputs before every backward.
   ctx.set_materialize_grads(False)
-  if reduction == "none":  # recompute from the inputs: saving them copies nothing
-    ctx.save_for_backward(x, weight, labels, bias, token_weights)
+  # The inputs, to recompute from (saving them copies nothing): for "none", and for an
+  # entropy, whose cotangent the forward's unit gradients leave out.
+  inputs = (x, weight, labels, bias, token_weights)
+  if reduction == "none":
+    ctx.save_for_backward(*inputs)
   else:  # the unit gradients the forward computed
-    ctx.save_for_backward(*output[1:])
+    ctx.save_for_backward(*output[2:], *(inputs if entropy else ()))
 
 
 def _tracing(t: torch.Tensor) -> bool:
@@ -419,30 +437,37 @@ def _scale_unless_one(tensors, g: torch.Tensor):
         kernel[(min(programs, -(-t.numel() // block)),)](t, t.numel(), g, BLOCK=block)
 
 
-def _lce_backward(ctx, g_loss, *unused):
+def _lce_backward(ctx, g_loss, g_entropy, *unused):
   del unused
-  if g_loss is None:  # nothing flowed into the loss
-    return (None,) * 14
+  if g_loss is None and g_entropy is None:  # nothing flowed into the outputs
+    return (None,) * 15
   (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size, impl,
    weights_grad) = ctx.options
-  if reduction == "none":
-    x, weight, labels, bias, token_weights = ctx.saved_tensors
+  if reduction == "none" or g_entropy is not None:  # recompute, for the cotangents given
+    x, weight, labels, bias, token_weights = ctx.saved_tensors[-5:]
+    if g_loss is None:
+      g_loss = torch.zeros(labels.shape if reduction == "none" else (), device=x.device)
+    if reduction != "none":  # as each token's cotangent: the recompute makes no unit grads
+      g_loss = g_loss.float().expand(labels.shape)
+      if reduction == "mean":
+        g_loss = g_loss / (labels != ignore_index).sum().clamp(min=1)
     grads = _lce_bwd_op(x, weight, labels, bias, token_weights, g_loss.contiguous().float(),
-                        ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size,
+                        None if g_entropy is None else g_entropy.contiguous().float(),
+                        ignore_index, "none", label_smoothing, z_loss, softcap, chunk_size,
                         impl, weights_grad)
   elif _tracing(g_loss):
-    grads = [(t * g_loss).to(t.dtype) for t in ctx.saved_tensors]
+    grads = [(t * g_loss).to(t.dtype) for t in ctx.saved_tensors[:4]]
   else:  # eager: scale the unit gradients in place (they are ours alone), no second dW
     if ctx.scaled:
       raise RuntimeError("memeff linear_cross_entropy: a second backward through the same "
                          "loss (retain_graph=True) is not supported; its gradients were "
                          "scaled in place by the first. Call the loss again instead.")
     ctx.scaled = True
-    grads = ctx.saved_tensors
+    grads = ctx.saved_tensors[:4]
     _scale_unless_one(grads, g_loss)
   dx, dw, db, dtw = grads
   return ((dx, dw, None, db if ctx.has_bias else None, dtw if weights_grad else None)
-          + (None,) * 9)
+          + (None,) * 10)
 
 
 _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
@@ -486,7 +511,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                          token_weights: torch.Tensor | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, logit_softcap: float | None = None,
-                         chunk_size: int | None = None, implementation=None) -> torch.Tensor:
+                         chunk_size: int | None = None, implementation=None,
+                         return_entropy: bool = False):
   """`F.cross_entropy(F.linear(x, weight, bias), labels, ...)` without the logits.
 
   Args:
@@ -509,10 +535,16 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
       `memeff_jax.ops.linear_cross_entropy.PallasMosaicGpu(mosaic_gemms=("logits", "dx", "dw"),
       dw_accumulation="tma_add", fused_lse=True)` (the lowest-memory setting on Hopper, see
       the README), or a sequence of them.
+    return_entropy: also return each token's entropy −Σ p log p of softmax(logits)
+      (float32, labels.shape), differentiable (an RL step's entropy bonus): as
+      memeff_jax.linear_cross_entropy's `entropy`. Differentiated, it makes the backward
+      recompute the chunks, as "none" does.
 
   Returns:
-    float32 loss (scalar, or labels.shape for "none").
+    float32 loss (scalar, or labels.shape for "none"); with return_entropy, (loss, entropy).
   """
+  if not isinstance(return_entropy, bool):
+    raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}")
   _check_lce_inputs(x, weight, labels, bias, token_weights)
   grad_enabled = torch.is_grad_enabled()
   weights_grad = grad_enabled and token_weights is not None and token_weights.requires_grad
@@ -520,13 +552,13 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
       t is not None and t.requires_grad for t in (x, weight, bias))
   if labels.dtype not in (torch.int64, torch.int32):
     labels = labels.to(torch.int32)
-  loss, *_ = _lce_op(x, weight, labels, bias, token_weights, int(ignore_index), reduction,
-                     float(label_smoothing), float(z_loss),
-                     None if logit_softcap is None else float(logit_softcap),
-                     None if chunk_size is None else int(chunk_size),
-                     _implementation_key(implementation), needs_grad and reduction != "none",
-                     weights_grad)
-  return loss
+  loss, entropy, *_ = _lce_op(
+      x, weight, labels, bias, token_weights, int(ignore_index), reduction,
+      float(label_smoothing), float(z_loss),
+      None if logit_softcap is None else float(logit_softcap),
+      None if chunk_size is None else int(chunk_size), _implementation_key(implementation),
+      needs_grad and reduction != "none", weights_grad, return_entropy)
+  return (loss, entropy) if return_entropy else loss
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
@@ -541,7 +573,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
   def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                z_loss: float = 0.0, logit_softcap: float | None = None,
-               chunk_size: int | None = None, implementation=None):
+               chunk_size: int | None = None, implementation=None,
+               return_entropy: bool = False):
     super().__init__()
     if weight.ndim != 2:
       raise ValueError(f"weight must be [V, D], got weight.shape={tuple(weight.shape)}")
@@ -549,10 +582,10 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     self.options = dict(ignore_index=ignore_index, reduction=reduction,
                         label_smoothing=label_smoothing, z_loss=z_loss,
                         logit_softcap=logit_softcap, chunk_size=chunk_size,
-                        implementation=implementation)
+                        implementation=implementation, return_entropy=return_entropy)
 
   def forward(self, x: torch.Tensor, labels: torch.Tensor,
-              token_weights: torch.Tensor | None = None) -> torch.Tensor:
+              token_weights: torch.Tensor | None = None):
     return linear_cross_entropy(x, self._weight[0], labels, bias=self._bias[0],
                                 token_weights=token_weights, **self.options)
 

@@ -107,18 +107,66 @@ def test_lce_token_weights_equal_torch(reduction, weights_grad, device):
     _close(a, r)
 
 
-def test_lce_token_weights_through_the_module_and_torch_compile(device):
-  """The module's forward takes token_weights; torch.compile(fullgraph=True) traces the op
-  with them, ω.grad included, and matches eager."""
+@pytest.mark.parametrize("reduction, uses", [("mean", "loss"), ("mean", "both"),
+                                             ("sum", "entropy"), ("none", "both"),
+                                             ("none", "loss")])
+def test_lce_entropy_equals_torch(reduction, uses, device):
+  """return_entropy: each token's entropy of the logits, torch's; the gradients of x, W, the
+  bias and the token weights from the loss, the entropy, or both (mean's unit gradients,
+  or the recompute with each token's cotangent), against torch autograd."""
+  x, w, b, y = _lce_inputs(bias=True, device=device)
+  omega = torch.rand(y.shape, device=device, requires_grad=True)
+  ct = torch.cos(torch.arange(3 * N, dtype=torch.float32)).reshape(3, N).to(device)
+  inputs = (x, w, b, omega)
+
+  def objective(loss, entropy):
+    loss = (loss * ct).sum() if reduction == "none" else loss * 2.0
+    return {"loss": loss, "entropy": (entropy * ct).sum(), "both": loss + (entropy * ct).sum()
+            }[uses]
+
+  def ref():
+    logits = F.linear(x, w, b)
+    per_token = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), reduction="none",
+                                label_smoothing=0.1).reshape(y.shape) * omega
+    loss = {"none": per_token, "sum": per_token.sum(),
+            "mean": per_token.sum() / (y != -100).sum()}[reduction]
+    entropy = -(F.softmax(logits, -1) * F.log_softmax(logits, -1)).sum(-1)
+    return loss, entropy
+
+  got = mt.linear_cross_entropy(x, w, y, bias=b, token_weights=omega, reduction=reduction,
+                                label_smoothing=0.1, return_entropy=True)
+  want = ref()
+  assert got[1].shape == y.shape and got[1].dtype == torch.float32
+  for a, r in zip(got, want):
+    _close(a, r)
+  got_g = torch.autograd.grad(objective(*got), inputs, allow_unused=True)
+  want_g = torch.autograd.grad(objective(*want), inputs, allow_unused=True)
+  for a, r in zip(got_g, want_g):
+    if r is None:  # (ω, for the entropy alone)
+      continue
+    assert a is not None
+    _close(a, r)
+
+
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_lce_token_weights_through_the_module_and_torch_compile(return_entropy, device):
+  """The module's forward takes token_weights (and gives the entropy where asked);
+  torch.compile(fullgraph=True) traces the op with them, ω.grad included, and matches
+  eager."""
   x, w, _, y = _lce_inputs(device=device)
   omega = torch.rand(y.shape, device=device, requires_grad=True)
-  loss_fn = mt.LinearCrossEntropyLoss(w, reduction="sum")
-  eager = loss_fn(x, y, omega)
-  eager_grads = torch.autograd.grad(eager * 0.5, (x, w, omega))
-  compiled = torch.compile(lambda *a: loss_fn(*a) * 0.5, fullgraph=True, backend="aot_eager")
+  loss_fn = mt.LinearCrossEntropyLoss(w, reduction="sum", return_entropy=return_entropy)
+
+  def objective(*args):
+    out = loss_fn(*args)
+    return out[0] * 0.5 - 0.1 * out[1].sum() if return_entropy else out * 0.5
+
+  eager = objective(x, y, omega)
+  eager_grads = torch.autograd.grad(eager, (x, w, omega))
+  compiled = torch.compile(objective, fullgraph=True, backend="aot_eager")
   got = compiled(x, y, omega)
   got_grads = torch.autograd.grad(got, (x, w, omega))
-  _close(got, eager * 0.5, 1e-6)
+  _close(got, eager, 1e-6)
   for a, r in zip(got_grads, eager_grads):
     _close(a, r, 1e-6)
 
