@@ -261,7 +261,7 @@ def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, ha
   value = jax.jit(loss)
   # For mean/sum the library computes the gradients inside the forward (three matmuls); the
   # gradient of a unit cotangent is what the torch backward scales.
-  # With the entropy, (loss, entropy) is value_and_grad's (value, aux): ((loss, entropy), grads).
+  # With the entropy, (loss, entropy) is value_and_grad's (value, aux).
   value_and_grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=entropy))
 
   def vjp(x, w, b, y, tw, g):
@@ -338,14 +338,13 @@ def _(x, weight, labels, bias, token_weights, ignore_index, reduction, label_smo
 def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 bias: torch.Tensor | None, token_weights: torch.Tensor | None,
                 grad: torch.Tensor, grad_entropy: torch.Tensor | None, ignore_index: int,
-                reduction: str, label_smoothing: float, z_loss: float,
-                logit_softcap: float | None, chunk_size: int | None, implementation: str,
-                weights_grad: bool
+                label_smoothing: float, z_loss: float, logit_softcap: float | None,
+                chunk_size: int | None, implementation: str, weights_grad: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-  """(dx, dW, db, d token_weights) for the loss's cotangent (per token for "none") and the
-  entropy's (or None): recomputes the chunks."""
+  """(dx, dW, db, d token_weights) for each token's loss cotangent (of reduction "none") and
+  the entropy's (or None): recomputes the chunks."""
   entropy = grad_entropy is not None
-  _, _, vjp = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing, z_loss,
+  _, _, vjp = _lce_fns(*_lce_key("none", ignore_index, label_smoothing, z_loss,
                                  logit_softcap, bias, weights_grad, entropy, chunk_size,
                                  implementation))
   args = _lce_arrays(x, weight, bias, labels, token_weights, grad, grad_entropy)
@@ -355,7 +354,7 @@ def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
 
 
 @_lce_bwd_op.register_fake
-def _(x, weight, labels, bias, token_weights, grad, grad_entropy, ignore_index, reduction,
+def _(x, weight, labels, bias, token_weights, grad, grad_entropy, ignore_index,
       label_smoothing, z_loss, logit_softcap, chunk_size, implementation, weights_grad):
   return _fake_grads(x, weight, bias, token_weights, weights_grad)
 
@@ -453,8 +452,8 @@ def _lce_backward(ctx, g_loss, g_entropy, *unused):
         g_loss = g_loss / (labels != ignore_index).sum().clamp(min=1)
     grads = _lce_bwd_op(x, weight, labels, bias, token_weights, g_loss.contiguous().float(),
                         None if g_entropy is None else g_entropy.contiguous().float(),
-                        ignore_index, "none", label_smoothing, z_loss, softcap, chunk_size,
-                        impl, weights_grad)
+                        ignore_index, label_smoothing, z_loss, softcap, chunk_size, impl,
+                        weights_grad)
   elif _tracing(g_loss):
     grads = [(t * g_loss).to(t.dtype) for t in ctx.saved_tensors[:4]]
   else:  # eager: scale the unit gradients in place (they are ours alone), no second dW
