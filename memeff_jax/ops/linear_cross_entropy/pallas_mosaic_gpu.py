@@ -465,6 +465,8 @@ class ChunkBackend:
                                        interpret=self.interpret, **kwargs)
 
   def stats(self, x_c, w, bias, labels_c) -> Stats:
+    if self.exp_logits and self.opts.whole_vocab is None:  # vocab parallel merges a pass's
+      return self._exp_stats(x_c, w, labels_c)
     return Stats(*self._softmax(self._logits(x_c, w, bias), labels_c))
 
   # The chunk loop runs the first chunk on its own with dw_acc=None: its GEMM writes dW, so
@@ -629,17 +631,7 @@ class ChunkBackend:
     opts = self.opts
     rows = jnp.arange(labels_c.shape[0])
     e, partials = self._exp_logits(x_c, w)
-    in_range = (labels_c >= 0) & (labels_c < opts.vocab_size)
-    col = jnp.where(in_range, labels_c, 0)
-    # The barrier keeps XLA from gathering E[n, y] again inside later fusions, after the
-    # fallback may have written over E (which would make it copy E to keep it).
-    e_y, e = jax.lax.optimization_barrier((e[rows, col].astype(jnp.float32), e))
-    if opts.logit_softcap is None:
-      z_y, slope_y = jnp.log(e_y), 1.0
-    else:
-      t_y = jnp.tanh(_label_dots(_sliced(x_c), w, col, opts.weight_layout)
-                     / opts.logit_softcap)
-      z_y, slope_y = opts.logit_softcap * t_y, (1.0 - t_y) * (1.0 + t_y)
+    in_range, col, e_y, e, z_y, slope_y = self._at_labels(x_c, w, labels_c, e)
     counts = a_c != 0 if needed is None else (a_c != 0) | needed
     low = in_range & counts & (z_y < MIN_LABEL_LOGIT)
     # Per row: Σ E (0 where every entry underflowed), the label logit, whether the label is
@@ -657,14 +649,7 @@ class ChunkBackend:
           & jnp.all(~labelled | (b != 0)) & jnp.all(rowwise[3] == 0))
 
     # Fallback: the logits over E (every kernel a no-op where ok), then the softmax pass.
-    if (config := self.exp_gemm) is not None:
-      ref = jax.new_ref(e)
-      mosaic_gemm.gemm_into(ref, x_c, w, trans_b=opts.weight_layout == "vd",
-                            accumulate=False, config=config, name="lce_logits_gemm",
-                            enabled=~ok)
-      e = ref[...]
-    else:  # interpret mode: XLA, which has no in-place conditional GEMM
-      e = jnp.where(ok, e, self._logits(x_c, w, None))
+    e = self._logits_unless(ok, x_c, w, e)
     if vocab is None or lse_c is not None:
       e, *slow = self._softmax(e, labels_c, a_c, e_c, lse_c, enabled=~ok)
     else:
@@ -682,6 +667,52 @@ class ChunkBackend:
     fast = Stats(lse, label_logit, jnp.zeros_like(lse))
     stats = Stats(*(jnp.where(ok, f, s) for f, s in zip(fast[:3], slow[:3])))  # (no μ here)
     return e, jnp.where(ok, scale, 1.0), stats
+
+
+  def _at_labels(self, x_c, w, labels_c, e):
+    """(in_range, col, e_y, e, z_y, slope_y) at each row's label: whether it is in the
+    vocabulary, its column (0 where not), E's entry there, E (after a barrier), the label
+    logit and ẑ's slope there (1 without a cap). Without a cap the label logit is log E[n,
+    y]; with one, E's entry holds the slope too, and the logit is a dot of x's row with W's
+    label column."""
+    opts = self.opts
+    in_range = (labels_c >= 0) & (labels_c < opts.vocab_size)
+    col = jnp.where(in_range, labels_c, 0)
+    # The barrier keeps XLA from gathering E[n, y] again inside later fusions, after the
+    # fallback may have written over E (which would make it copy E to keep it).
+    e_y, e = jax.lax.optimization_barrier(
+        (e[jnp.arange(labels_c.shape[0]), col].astype(jnp.float32), e))
+    if opts.logit_softcap is None:
+      return in_range, col, e_y, e, jnp.log(e_y), 1.0
+    t_y = jnp.tanh(_label_dots(_sliced(x_c), w, col, opts.weight_layout) / opts.logit_softcap)
+    return in_range, col, e_y, e, opts.logit_softcap * t_y, (1.0 - t_y) * (1.0 + t_y)
+
+  def _logits_unless(self, ok, x_c, w, e):
+    """E where `ok`, else the chunk's logits written over it: the exp path's fallback (the
+    logits GEMM a no-op where ok)."""
+    if (config := self.exp_gemm) is not None:
+      ref = jax.new_ref(e)
+      mosaic_gemm.gemm_into(ref, x_c, w, trans_b=self.opts.weight_layout == "vd",
+                            accumulate=False, config=config, name="lce_logits_gemm",
+                            enabled=~ok)
+      return ref[...]
+    return jnp.where(ok, e, self._logits(x_c, w, None))  # interpret mode: XLA's, no in place
+
+  def _exp_stats(self, x_c, w, labels_c) -> Stats:
+    """The chunk's statistics without a softmax pass: lse from the exp GEMM's row sums, the
+    label logit as _at_labels finds it, Σ ẑ left to the chunk loop (LossOptions.
+    smoothing_apart; 0 without smoothing). Where a row's lse leaves LSE_RANGE or a label
+    logit falls below MIN_LABEL_LOGIT, the chunk's logits go over E and the softmax pass
+    finds them instead (as _exp_chunk's fallback)."""
+    e, partials = self._exp_logits(x_c, w)
+    in_range, _, _, e, z_y, _ = self._at_labels(x_c, w, labels_c, e)
+    lse = jnp.log(jnp.sum(partials, axis=0))
+    lo, hi = LSE_RANGE
+    ok = (jnp.all((lse >= lo) & (lse <= hi))
+          & jnp.all(~in_range | (z_y >= MIN_LABEL_LOGIT)))
+    slow = self._softmax(self._logits_unless(ok, x_c, w, e), labels_c, enabled=~ok)
+    fast = Stats(lse, jnp.where(in_range, z_y, 0.0), jnp.zeros_like(lse))
+    return Stats(*(jnp.where(ok, f, s) for f, s in zip(fast, slow)))
 
 
 # exp_logits' safe range (see ChunkBackend._exp_chunk). A row's largest logit is at

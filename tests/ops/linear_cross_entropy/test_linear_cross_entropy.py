@@ -656,10 +656,13 @@ def test_exp_logits_refuses_float16():
         x, w, None, None)
 
 
+def _exp_backend(opts):
+  return pallas_mosaic_gpu.ChunkBackend(opts=opts, kernel=SoftmaxKernelConfig(), interpret=True,
+                                        dw_accumulation="weight", exp_logits=True)
+
+
 def _exp_chunk(x, w, labels, a, e, opts, lse=None):
-  backend = pallas_mosaic_gpu.ChunkBackend(opts=opts, kernel=SoftmaxKernelConfig(), interpret=True,
-                                          dw_accumulation="weight", exp_logits=True)
-  return jax.jit(backend._exp_chunk)(x, w, labels, a, e, None, lse)
+  return jax.jit(_exp_backend(opts)._exp_chunk)(x, w, labels, a, e, None, lse)
 
 
 @pytest.mark.parametrize("shift,softcap,fast", [
@@ -700,6 +703,10 @@ def test_exp_chunk_against_softmax_pass(shift, softcap, fast):
   buf, scale, _ = _exp_chunk(x, w, labels, a, e, opts, lse=want[0])
   assert bool(jnp.any(scale != 1.0)) == fast
   assert rel_err(scale[:, None] * buf, want_g) < tol
+  # Statistics alone (no gradients): from the row sums, or the pass where out of range.
+  got = jax.jit(_exp_backend(opts).stats)(x, w, None, labels)
+  for got, ref in zip(got[:2], want[:2]):
+    assert rel_err(jnp.where(in_range, got, 0), jnp.where(in_range, ref, 0)) < 1e-6
 
 
 def test_exp_chunk_rows_that_do_not_count_may_leave_the_range():
