@@ -34,10 +34,12 @@ kernels' lowering is checked on the CPU).
 Epilogue options for the loss: `row_stats=c` also returns each row's partial log-sum-exps
 over the first c columns (fused_lse), or with `row_stats_into` stores them as bfloat16
 words in rows of an array that are scratch until a later kernel writes them; `exp_out=True`
-stores exp(product) and each tile's row sums of it (exp_logits); `row_scale` multiplies each
-row of the float32 product by a factor before it is rounded; `GemmConfig.tail_n` fills the
-last wave of tiles with narrower ones; `gemm_into(..., enabled=flag)` runs no tile where the
-traced flag is false (an in-place conditional update that lax.cond would copy).
+stores exp(product) and each tile's row sums of it (exp_logits), or with `store=False` the
+sums alone (the loss without gradients); `row_scale` multiplies each row of the float32
+product by a factor before it is rounded; `GemmConfig.tail_n` fills the last wave of tiles
+with narrower ones; `enabled=flag` (gemm_into, or gemm without row_stats) runs no tile
+where the traced flag is false (a conditional product, or an in-place conditional update,
+that lax.cond would copy).
 docs/design/hopper_gemm.md has the design's measurements.
 """
 
@@ -438,20 +440,22 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   the row of stats_gmem that is its column strip (cols // tile_n): no running statistics,
   so the walk is the ordinary one over all CTAs (see gemm); with `softcap` too, those of
   the capped product, and the tiles hold them times the cap's derivative (_exponentials).
+  With exp_out and `out_gmem` None the tiles are not stored at all, only their sums.
   `enabled` (a traced int32, or None) multiplies every CTA's tile count: 0 makes the launch
   a no-op. With `scale_gmem`
   (float32 [M], see gemm's row_scale) each row of the product is multiplied by its entry
   in the epilogue, in float32, before C is added and the tile rounded.
   """
-  m, n = out_gmem.shape
-  k = a_gmem.shape[0] if trans_a else a_gmem.shape[1]
+  m, k = a_gmem.shape[::-1] if trans_a else a_gmem.shape
+  n = b_gmem.shape[0] if trans_b else b_gmem.shape[1]
   tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
   cm, cn = config.cta_tile()
   stages = config.max_concurrent_steps
   clm, cln = config.cluster_tile()
   m_tiles, n_tiles = m // clm, -(-n // cln)  # the last column of tiles may be partial
   k_steps = k // tk
-  dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
+  dtype = a_gmem.dtype
+  out_dtype = dtype if out_gmem is None else out_gmem.dtype
   div, rem = hopper.div, hopper.rem
   pingpong = config.schedule == "pingpong"
   split = None if pingpong else config.wg_split  # ping-pong: each warpgroup owns whole tiles
@@ -607,11 +611,11 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
             acc = acc + buf[...].astype(jnp.float32)
           if exp_out:  # float32 exponentials for the statistics, rounded for the stores
             y, stored = _exponentials(acc, softcap)
-            out = stored.astype(out_dtype)
+            out = None if out_gmem is None else stored.astype(out_dtype)
           else:
             out = acc.astype(out_dtype)  # rounded once, for the stores and the statistics
             y = out.astype(jnp.float32)
-          for r0 in range(0, tm, er):  # through a buffer of er rows
+          for r0 in range(0, tm, er) if out is not None else ():  # through a buffer of er rows
             if r0:
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             buf[...] = out if er == tm else out[r0:r0 + er]
@@ -820,16 +824,17 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
             into: bool, accumulate: bool = True, add: str = "epilogue",
             name: str = "mosaic_gemm", stats_cols: int | None = None,
             stats_into: bool = False, exp_out: bool = False, softcap: float | None = None,
-            enabled=None, row_scale=None):
+            store: bool = True, enabled=None, row_scale=None):
   """A persistent launch: one CTA per SM, two compute and one memory warpgroup. With `into`
   the last operand is C, which the kernel updates in place (out_type is then ()): C plus
   the product with `accumulate` (added as `add` says, see gemm_into), the product alone
   without. With `stats_cols` out_type is (product, partial log-sum-exps) (see gemm), or,
   with `stats_into`, the product alone, the partials going into the last operand's window
-  as words (gemm's row_stats_into). Operands may be `Rows`. `enabled` (a traced scalar,
-  ring schedules) makes the launch do nothing where it is 0; `row_scale` (float32 [M], ring
-  schedules) scales the product's rows (see gemm). The kernel is named after
-  `name` in profiles (Mosaic GPU names it after the body function)."""
+  as words (gemm's row_stats_into); with exp_out and not `store`, the partials alone.
+  Operands may be `Rows`. `enabled` (a traced scalar, ring schedules) makes the launch do
+  nothing where it is 0; `row_scale` (float32 [M], ring schedules) scales the product's
+  rows (see gemm). The kernel is named after `name` in profiles (Mosaic GPU names it after
+  the body function)."""
   sms = ctas(config)
   if (((stats_cols is not None and not exp_out) or config.tail_n is not None)
       and operands[0].shape[1 if trans_a else 0] // config.cta_tile()[0] > sms):
@@ -853,7 +858,7 @@ def _launch(operands, out_type, config: GemmConfig, *, trans_a: bool, trans_b: b
     a_ref, b_ref = op_refs[:2]
     stats_out = stats_cols is not None and not stats_into  # partials as an output
     stats_ref = op_refs[2] if stats_into else refs[-1] if stats_out else None
-    out_ref = op_refs[2] if into else refs[-2 if stats_out else -1]
+    out_ref = op_refs[2] if into else refs[-2 if stats_out else -1] if store else None
     reduce = into and accumulate and add == "tma"
     c_ref = out_ref if into and accumulate and not reduce else None
     if config.schedule in ("pingpong", "ring"):
@@ -961,7 +966,8 @@ def _check_scale(row_scale, m: int, config: GemmConfig):
 def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
          config: GemmConfig = GemmConfig(), name: str = "mosaic_gemm",
          row_stats: int | None = None, row_stats_into: Rows | None = None,
-         exp_out: bool = False, softcap: float | None = None, row_scale=None):
+         exp_out: bool = False, softcap: float | None = None, store: bool = True,
+         row_scale=None, enabled=None):
   """op(a) @ op(b) accumulated in float32, returned in `out_dtype` (default a's dtype).
   a and b are arrays or `Rows` of arrays; `name` names the kernel in profiles.
 
@@ -990,11 +996,17 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   exponentials are those of the capped product ẑ = c·tanh(product / c), the partials sum
   them, and `out` holds each one times ẑ's derivative, 1 − tanh²(product / c): the
   gradient of a softcapped softmax up to a factor per row (linear_cross_entropy's
-  logit_softcap).
+  logit_softcap). With `store=False` as well nothing but the partials is written, and gemm
+  returns them alone: the row sums without an [M, N] output (linear_cross_entropy's loss
+  without gradients).
 
   With `row_scale` (float [M], without row_stats) it returns diag(row_scale) op(a) @ op(b):
   each row of the float32 product times its factor, then rounded once ("ring" and
-  "pingpong" schedules)."""
+  "pingpong" schedules).
+
+  `enabled` (a traced bool or int scalar, without row_stats, "ring" and "pingpong"
+  schedules) runs no tile where it is false: `out` is then left as allocated, undefined (a
+  product needed only in some calls, without lax.cond)."""
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   m, n, _ = _check(a, b, None, trans_a, trans_b, config, out_dtype=out_dtype)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
@@ -1002,11 +1014,17 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
   if softcap is not None and not (exp_out and softcap > 0):
     raise ValueError(f"softcap is a positive cap of exp_out's product, got softcap={softcap} "
                      f"with exp_out={exp_out}")
+  if not store and not exp_out:
+    raise ValueError("store=False is an option of exp_out (whose row sums are then the "
+                     "output); a plain product is always stored")
   if row_stats is None:
     if exp_out:
       raise ValueError("exp_out is an option of row_stats")
     return _launch((a, b), out_type, config, trans_a=trans_a, trans_b=trans_b, into=False,
-                   name=name, row_scale=row_scale)
+                   name=name, row_scale=row_scale, enabled=enabled)
+  if enabled is not None:
+    raise ValueError("enabled is an option of a plain product (no row_stats): statistics "
+                     "are always computed")
   if row_scale is not None:
     raise ValueError("row_scale and row_stats do not combine: the statistics would be of "
                      "the unscaled product")
@@ -1027,9 +1045,12 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out_dtype=None,
     return out, _stats_words(row_stats_into, m, config)
   parts = -(-n // config.tile_n) if exp_out else row_stats_rows(m, config)
   stats_type = jax.ShapeDtypeStruct((parts, m), jnp.float32)
-  return tuple(_launch((a, b), (out_type, stats_type), config, trans_a=trans_a,
-                       trans_b=trans_b, into=False, name=name, stats_cols=row_stats,
-                       exp_out=exp_out, softcap=softcap))
+  launch = functools.partial(_launch, (a, b), config=config, trans_a=trans_a, trans_b=trans_b,
+                             into=False, name=name, stats_cols=row_stats, exp_out=exp_out,
+                             softcap=softcap)
+  if not store:
+    return launch(stats_type, store=False)
+  return tuple(launch((out_type, stats_type)))
 
 
 class StatsWords(NamedTuple):

@@ -138,6 +138,10 @@ def test_matches_float32_reference(trans_a, trans_b, split):
   out = jax.jit(lambda a, b: mg.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg))(a, b)
   np.testing.assert_allclose(out.astype(np.float32), ref.astype(jnp.bfloat16).astype(np.float32),
                              rtol=1e-2, atol=0.5)
+  if cfg.schedule != "cooperative":  # enabled: the same product (a disabled one is undefined)
+    on = jax.jit(lambda a, b, on: mg.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg,
+                                          enabled=on))(a, b, jnp.bool_(True))
+    np.testing.assert_array_equal(on, out)
 
   if cfg.epilogue_rows:
     return
@@ -349,6 +353,10 @@ def test_pingpong_on_own_slots_matches_reference(slots, num_sms, trans_a, trans_
   out = jax.jit(lambda a, b: mg.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg))(a, b)
   np.testing.assert_allclose(out.astype(np.float32), ref.astype(jnp.bfloat16).astype(np.float32),
                              rtol=1e-2, atol=0.5)
+  if cfg.schedule != "cooperative":  # enabled: the same product (a disabled one is undefined)
+    on = jax.jit(lambda a, b, on: mg.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg,
+                                          enabled=on))(a, b, jnp.bool_(True))
+    np.testing.assert_array_equal(on, out)
   want = (c.astype(jnp.float32) + ref).astype(jnp.bfloat16).astype(np.float32)
   for add in ("tma",) if wide else ("epilogue", "tma"):
     def into(c, a, b, add=add):
@@ -500,6 +508,28 @@ def test_row_stats_lower_for_cuda_and_check_their_arguments():
       mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols, **bad)
   with pytest.raises(ValueError, match="exp_out.*neither row_stats_into nor tail_n"):
     mg.gemm(a, b, trans_b=True, config=TAIL_CONFIGS["ring-n"], row_stats=cols, exp_out=True)
+  for cap in (None, 30.0):  # the row sums alone: one output, no [M, N] product
+    f = lambda a, b, cap=cap: mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols,
+                                      exp_out=True, softcap=cap, store=False)
+    assert jax.eval_shape(f, a, b).shape == (1088 // 128 + 1, 256)
+    assert "mosaic_gpu" in jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  for bad in (dict(), dict(row_stats=cols)):
+    with pytest.raises(ValueError, match="store=False is an option of exp_out"):
+      mg.gemm(a, b, trans_b=True, config=cfg, store=False, **bad)
+
+
+def test_a_plain_product_may_be_disabled():
+  """gemm(enabled=flag) lowers with a traced flag; statistics cannot be switched off."""
+  a, b, cols, cfg = _row_stats_case("ringE-n, ragged, 1,000 columns")
+  f = lambda a, b, on: mg.gemm(a, b, trans_b=True, config=cfg, enabled=on)
+  on = jnp.bool_(True)
+  assert jax.eval_shape(f, a, b, on).shape == (256, 1088)
+  assert "mosaic_gpu" in jax.jit(f).trace(a, b, on).lower(
+      lowering_platforms=("cuda",)).as_text()
+  with pytest.raises(ValueError, match="enabled is an option of a plain product"):
+    mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols, exp_out=True, enabled=on)
+  with pytest.raises(ValueError, match="enabled needs the 'pingpong' or 'ring' schedule"):
+    mg.gemm(a, b[:1024], trans_b=True, config=mg.GemmConfig(tile_n=128), enabled=on)
 
 
 @pytest.mark.gpu
@@ -560,6 +590,10 @@ def test_exp_out_matches_reference(name, softcap):
   strips = [jnp.sum(jnp.exp(ref[:, c:min(c + cfg.tile_n, cols)]), axis=1)
             for c in range(0, b.shape[0], cfg.tile_n)]
   np.testing.assert_allclose(parts, jnp.stack(strips), rtol=1e-4, atol=1e-30)
+  # Without the stores: the same sums, bit for bit.
+  alone = jax.jit(lambda a, b: mg.gemm(a, b, trans_b=True, config=cfg, row_stats=cols,
+                                       exp_out=True, softcap=softcap, store=False))(a, b)
+  np.testing.assert_array_equal(alone, parts)
 
 
 TAIL_CONFIGS = {  # M = 256, N = 1,088: whole CTA tiles dealt evenly, the rest in tail tiles

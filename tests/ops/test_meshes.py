@@ -358,6 +358,7 @@ _VOCAB_IMPLEMENTATIONS = {
     ("pallas_exp_logits", 1.0, dict(z_loss=1e-3), False),
     ("pallas_exp_logits", 40.0, dict(), True),  # lse > 60 on most rows: the softmax fallback
     ("pallas_exp_logits", 1.0, dict(reduction="none", return_aux=True), True),
+    ("pallas_exp_logits", 40.0, dict(reduction="none"), False),  # the statistics' fallback
     # Smoothing's share after the chunks (smoothing_apart): the slices' Σ ẑ and dx added up.
     ("pallas_exp_logits", 1.0, dict(label_smoothing=0.1, z_loss=1e-3), True),
     ("pallas_exp_logits", 1.0, dict(label_smoothing=0.1, reduction="none"), False)])
@@ -383,8 +384,11 @@ def test_loss_vocab_parallel_implementations(mesh, check_vma, impl, scale, kw):
 
   obj = lambda f: lambda x, w, b: _weighted_sum(f(x, w, b))
   values, grads, _, _ = _run(got, obj(got), (0, 1, 2), x, w, b)
-  _close(values, want(x, w, b), 1e-4)
-  _close(grads, jax.grad(obj(want), argnums=(0, 1, 2))(x, w, b), 1e-4)
+  # Scaled logits reach hundreds: float32's rounding of them and of lse, merged across the
+  # shards in another order, moves G's small entries by ~1e-4 where gradients reach 100.
+  tol = 1e-4 * max(1.0, scale / 4)
+  _close(values, want(x, w, b), tol)
+  _close(grads, jax.grad(obj(want), argnums=(0, 1, 2))(x, w, b), tol)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

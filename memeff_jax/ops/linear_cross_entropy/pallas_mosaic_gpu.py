@@ -18,12 +18,13 @@ exponentials leave the safe range takes the softmax pass instead (ChunkBackend._
 
 With a logit softcap c, step 1 stores exp(ẑ) times ẑ's slope (ẑ = c·tanh(z / c)), which
 keeps G = diag(s) E. With label smoothing, G's uniform share −a ε / V goes to dx and dW after
-the chunks (LossOptions.smoothing_apart), which keeps it too.
+the chunks (LossOptions.smoothing_apart), which keeps it too. Without gradients (the loss
+alone, or reduction="none"'s forward) step 1 stores the row sums alone, and the label
+logits are dots of x's rows with W's label columns (ChunkBackend._exp_stats).
 
-The softmax pass (other GPUs, float16, calls with a bias, label smoothing under a cap,
-and every call's statistics without gradients): z = x_c @ W (cuBLAS or
-kernels.mosaic_gemm), then triton_softmax's kernel overwrites z with G = ∂loss/∂z, then
-dx_c = G Wᵀ and dW += x_cᵀ G.
+The softmax pass (other GPUs, float16, calls with a bias, label smoothing under a cap):
+z = x_c @ W (cuBLAS or kernels.mosaic_gemm), then triton_softmax's kernel overwrites z
+with G = ∂loss/∂z, then dx_c = G Wᵀ and dW += x_cᵀ G.
 Memory: one [C, V] buffer in the compute dtype; dW accumulates in the weight's dtype (one
 rounding per chunk with cuBLAS, two with the Mosaic GEMM's TMA adds) unless
 `dw_accumulation="float32"`. With `fused_lse` the Mosaic logits GEMM also hands over each
@@ -131,16 +132,17 @@ class PallasMosaicGpu:
       sums, the label entries are patched, and the softmax's per-row factor is applied to
       dx's rows and to x's rows before the dW GEMM (where that GEMM is Mosaic's, x's
       scaled rows wait in dx's rows; where dx's is, it writes them in place and scales
-      them in its epilogue, mosaic_gemm's row_scale). A chunk whose exponentials leave the
-      safe range falls back to the softmax pass. Calls with a bias, the entropy, or label
-      smoothing under a logit softcap, use the softmax pass throughout (a softcap alone
-      does not: E then holds each exponential times the cap's slope; nor does smoothing
-      alone, vocab parallel or not: its uniform share of G goes to dx and dW after the
-      chunks, LossOptions.smoothing_apart). None (the default): wherever that GEMM can run (a
-      Hopper GPU, x and weight both bfloat16, as float16 cannot hold E's range; a chunk
-      that fits its tiles; never in interpret mode), unless fused_lse is set (the softmax
-      pass whose partials take no memory: the lowest-memory setting); True: always,
-      NotImplementedError where it cannot run; False: never.
+      them in its epilogue, mosaic_gemm's row_scale). Statistics without gradients take
+      the GEMM's row sums alone (ChunkBackend._exp_stats). A chunk whose exponentials
+      leave the safe range falls back to the softmax pass. Calls with a bias, the entropy,
+      or label smoothing under a logit softcap, use the softmax pass throughout (a softcap
+      alone does not: E then holds each exponential times the cap's slope; nor does
+      smoothing alone, vocab parallel or not: its uniform share of G goes to dx and dW
+      after the chunks, LossOptions.smoothing_apart). None (the default): wherever that
+      GEMM can run (a Hopper GPU, x and weight both bfloat16, as float16 cannot hold E's
+      range; a chunk that fits its tiles; never in interpret mode), unless fused_lse is
+      set (the softmax pass whose partials take no memory: the lowest-memory setting);
+      True: always, NotImplementedError where it cannot run; False: never.
   """
 
   memory_budget_bytes: int | None = None
@@ -465,7 +467,7 @@ class ChunkBackend:
                                        interpret=self.interpret, **kwargs)
 
   def stats(self, x_c, w, bias, labels_c) -> Stats:
-    if self.exp_logits and self.opts.whole_vocab is None:  # vocab parallel merges a pass's
+    if self.exp_logits:
       return self._exp_stats(x_c, w, labels_c)
     return Stats(*self._softmax(self._logits(x_c, w, bias), labels_c))
 
@@ -582,25 +584,28 @@ class ChunkBackend:
     # Same dtype on both sides of the add, so XLA fuses it into the GEMM (beta = 1).
     return dw_c if dw_acc is None else dw_acc + dw_c
 
-  def _exp_logits(self, x_c, w):
+  def _exp_logits(self, x_c, w, store: bool = True):
     """(E, partials): E [C, V] = exp(min(ẑ, EXP_CLAMP)) in x's dtype, partials [P, C]
     float32 sums of those exponentials over disjoint column sets of E's rows (mosaic_gemm.
     gemm's exp_out, or the same in XLA in interpret mode). With a logit softcap c, ẑ =
     c·tanh(z / c) and E holds each exponential times ẑ's slope, 1 − tanh²(z / c), which
-    G carries (_common.block_grad)."""
+    G carries (_common.block_grad). With store=False E is None: the GEMM writes the
+    partials alone."""
     layout, vocab, cap = self.opts.weight_layout, self.opts.vocab_size, self.opts.logit_softcap
     if (config := self.exp_gemm) is not None:  # per-tile sums: no tail tiles
-      return mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd",
-                              config=dataclasses.replace(config, tail_n=None),
-                              name="lce_exp_logits_gemm", row_stats=vocab, exp_out=True,
-                              softcap=cap)
+      out = mosaic_gemm.gemm(x_c, w, trans_b=layout == "vd",
+                             config=dataclasses.replace(config, tail_n=None),
+                             name="lce_exp_logits_gemm", row_stats=vocab, exp_out=True,
+                             softcap=cap, store=store)
+      return out if store else (None, out)
     x_c = _sliced(x_c)
     z = _common.logits_dot(x_c, w, layout, jnp.float32)
     t = None if cap is None else jnp.tanh(z / cap)
     e = jnp.exp(jnp.minimum(z if cap is None else cap * t, mosaic_gemm.EXP_CLAMP))
     stored = e if cap is None else e * ((1.0 - t) * (1.0 + t))
     in_vocab = jnp.arange(e.shape[1]) < vocab
-    return stored.astype(x_c.dtype), jnp.sum(jnp.where(in_vocab, e, 0.0), axis=1)[None]
+    partials = jnp.sum(jnp.where(in_vocab, e, 0.0), axis=1)[None]
+    return stored.astype(x_c.dtype) if store else None, partials
 
   def _exp_chunk(self, x_c, w, labels_c, a_c, e_c, vocab: VocabShards | None = None,
                  lse_c=None, needed=None):
@@ -684,8 +689,16 @@ class ChunkBackend:
         (e[jnp.arange(labels_c.shape[0]), col].astype(jnp.float32), e))
     if opts.logit_softcap is None:
       return in_range, col, e_y, e, jnp.log(e_y), 1.0
-    t_y = jnp.tanh(_label_dots(_sliced(x_c), w, col, opts.weight_layout) / opts.logit_softcap)
-    return in_range, col, e_y, e, opts.logit_softcap * t_y, (1.0 - t_y) * (1.0 + t_y)
+    return in_range, col, e_y, e, *self._label_logits(x_c, w, col)
+
+  def _label_logits(self, x_c, w, col):
+    """(ẑ, ẑ's slope) at column `col` of each row, from a dot of x's row with W's column
+    there (_label_dots), capped as the logits are (slope 1 without a cap)."""
+    z = _label_dots(_sliced(x_c), w, col, self.opts.weight_layout)
+    if (cap := self.opts.logit_softcap) is None:
+      return z, 1.0
+    t = jnp.tanh(z / cap)
+    return cap * t, (1.0 - t) * (1.0 + t)
 
   def _logits_unless(self, ok, x_c, w, e):
     """E where `ok`, else the chunk's logits written over it: the exp path's fallback (the
@@ -699,20 +712,28 @@ class ChunkBackend:
     return jnp.where(ok, e, self._logits(x_c, w, None))  # interpret mode: XLA's, no in place
 
   def _exp_stats(self, x_c, w, labels_c) -> Stats:
-    """The chunk's statistics without a softmax pass: lse from the exp GEMM's row sums, the
-    label logit as _at_labels finds it, Σ ẑ left to the chunk loop (LossOptions.
-    smoothing_apart; 0 without smoothing). Where a row's lse leaves LSE_RANGE or a label
-    logit falls below MIN_LABEL_LOGIT, the chunk's logits go over E and the softmax pass
-    finds them instead (as _exp_chunk's fallback)."""
-    e, partials = self._exp_logits(x_c, w)
-    in_range, _, _, e, z_y, _ = self._at_labels(x_c, w, labels_c, e)
+    """The chunk's statistics (a loss without gradients, or reduction="none"'s forward)
+    from the exp GEMM's row sums alone: it stores no [C, V] buffer. lse is the log of the
+    sums, the label logit a dot of x's row with W's label column (_label_logits), Σ ẑ is
+    left to the chunk loop (LossOptions.smoothing_apart; 0 without smoothing). Where a
+    row's lse leaves LSE_RANGE (an exponential may have met the clamp) the chunk's logits
+    are computed and the softmax pass finds the statistics instead, both no-ops elsewhere
+    (mosaic_gemm.gemm's `enabled`). Vocab parallel these are the slice's statistics, which
+    the chunk loop merges; each slice decides its own fallback."""
+    _, partials = self._exp_logits(x_c, w, store=False)
     lse = jnp.log(jnp.sum(partials, axis=0))
+    in_range = (labels_c >= 0) & (labels_c < self.opts.vocab_size)
+    z_y, _ = self._label_logits(x_c, w, jnp.where(in_range, labels_c, 0))
     lo, hi = LSE_RANGE
-    ok = (jnp.all((lse >= lo) & (lse <= hi))
-          & jnp.all(~in_range | (z_y >= MIN_LABEL_LOGIT)))
-    slow = self._softmax(self._logits_unless(ok, x_c, w, e), labels_c, enabled=~ok)
+    ok = jnp.all((lse >= lo) & (lse <= hi))
+    if (config := self.exp_gemm) is not None:
+      z = mosaic_gemm.gemm(x_c, w, trans_b=self.opts.weight_layout == "vd", config=config,
+                           name="lce_logits_gemm", enabled=~ok)
+    else:  # interpret mode: XLA's logits
+      z = self._logits(x_c, w, None)
+    slow = self._softmax(z, labels_c, enabled=~ok)
     fast = Stats(lse, jnp.where(in_range, z_y, 0.0), jnp.zeros_like(lse))
-    return Stats(*(jnp.where(ok, f, s) for f, s in zip(fast, slow)))
+    return Stats(*(jnp.where(ok, f, s) for f, s in zip(fast[:3], slow[:3])))  # (no μ)
 
 
 # exp_logits' safe range (see ChunkBackend._exp_chunk). A row's largest logit is at

@@ -126,6 +126,22 @@ class _LinearCrossEntropyTest:
         assert gg.dtype == dtype, (arg, gg.dtype)
         assert rel_err(gg, rg) < tol, (dtype, arg, rel_err(gg, rg))
 
+  @pytest.mark.parametrize("name", ["plain", "softcap_vd", "smoothing", "all"])
+  def test_loss_alone_matches_reference(self, name):
+    """The loss without gradients (its primal: statistics alone, chunk by chunk), per token
+    and reduced, with a whole-vocabulary aux lse."""
+    if name not in self.option_sets:
+      pytest.skip(f"{type(self).__name__} runs {self.option_sets} (see its docstring)")
+    x, w, labels, b, where = make_problem(jax.random.key(11), self.lead, 24, 1000, jnp.float32,
+                                          **OPTION_SETS[name])
+    for reduction in ("none", "mean"):
+      options = dict(OPTION_SETS[name], reduction=reduction, return_aux=True)
+      got, got_aux = jax.jit(loss_fn(self.impl, labels, options, self.chunk_size))(x, w, b,
+                                                                                    where)
+      ref, ref_aux = loss_fn("reference", labels, options)(x, w, b, where)
+      assert rel_err(got, ref) < TOL[jnp.float32], (reduction, rel_err(got, ref))
+      assert rel_err(got_aux.lse, ref_aux.lse) < TOL[jnp.float32]
+
   def test_large_vocab_matches_optax(self):
     """V = 50,257 (GPT-2), [B, T, D] input, against optax on materialized logits."""
     x, w, labels, _, _ = make_problem(jax.random.key(7), self.lead, 32, 50257, jnp.float32,
@@ -977,10 +993,49 @@ def test_capped_or_smoothed_exp_logits_match_reference(option, layout, n, reduct
   f = lambda x, w: jnp.sum(memeff_jax.linear_cross_entropy(
       x, w, labels, where=where, implementation="pallas_mosaic_gpu",
       **{k: v for k, v in options.items() if k != "where"}))
-  # (reduction="none": the forward's statistics take the softmax pass, the backward this.)
+  # (reduction="none": the forward's statistics from its row sums, the backward's G.)
   assert "lce_exp_logits_gemm" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
   assert_matches(PallasMosaicGpu(), x, w, labels, options, where, reduction=reduction,
                  chunk=256 if n == 712 else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+@pytest.mark.parametrize("option", ["plain", "softcap", "shifted"])
+def test_loss_alone_from_the_exp_gemms_row_sums(layout, option):
+  """The loss without gradients on the GPU's exp path: the exp GEMM stores its row sums
+  alone (store=False) and the label logits are dots of x's rows with W's label columns; a
+  logit softcap of 30 on logits up to about ±90. With every logit shifted by 70 each
+  chunk's lse leaves the safe range, and the chunk takes the logits GEMM and the softmax
+  pass instead (against the same pass on the same kernels' logits: bf16 logits near 70 are
+  0.5 apart). 712 tokens in chunks of 256 (a ragged one first), per token and mean, with
+  the aux lse."""
+  options = dict(weight_layout=layout, z_loss=1e-3, where=True)
+  if option == "softcap":
+    options["logit_softcap"] = 30.0
+  x, w, labels, _, where = make_problem(jax.random.key(26), (712,), 256, 2000, jnp.bfloat16,
+                                        **options)
+  if option == "softcap":
+    w = w * 12
+  if option == "shifted":
+    x = x.at[:, -1].set(1.0)
+    w = w.at[-1].set(70.0) if layout == "dv" else w.at[:, -1].set(70.0)
+  up = lambda t: t.astype(jnp.float32)
+  for reduction in ("none", "mean"):
+    opts = dict(options, reduction=reduction, return_aux=True)
+    f = jax.jit(loss_fn(PallasMosaicGpu(), labels, opts, 256))
+    assert "lce_exp_logits_gemm" in str(jax.make_jaxpr(f)(x, w, None, where))
+    got, got_aux = f(x, w, None, where)
+    if option == "shifted":
+      same = PallasMosaicGpu(mosaic_gemms=("logits",), dw_accumulation="weight",
+                             exp_logits=False)
+      ref, ref_aux = jax.jit(loss_fn(same, labels, opts, 256))(x, w, None, where)
+      tol = 1e-3
+    else:
+      ref, ref_aux = loss_fn("reference", labels, opts)(up(x), up(w), None, where)
+      tol = 1e-4
+    assert rel_err(got, ref) < tol, (reduction, rel_err(got, ref))
+    assert rel_err(got_aux.lse, ref_aux.lse) < tol
 
 
 @pytest.mark.gpu
