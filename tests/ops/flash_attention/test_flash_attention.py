@@ -134,11 +134,13 @@ class _FlashAttentionTest:
   @pytest.mark.parametrize("causal", [False, True])
   def test_sequence_lengths_match_jax_nn(self, causal):
     """query_seq_lengths and key_value_seq_lengths as jax.nn.dot_product_attention's, on the
-    queries that are not padding, forward and gradients (T ≠ S, GQA, a row without
-    queries, one with 5 keys), in the suite's first dtype against float32; a padding
-    query gives 0."""
+    queries that are not padding, the outputs and gradients (T ≠ S, GQA, a row without
+    queries, one with 5 keys), in the suite's first dtype and head dim against float32; a
+    padding query gives 0. (Not the scalar the gradients are of: a sum of outputs times
+    cotangents of either sign, whose cancellation leaves it 3% off in bfloat16 at D = 40
+    and 80 where every output is within 0.2%.)"""
     b, t, s, dtype = 3, 40, 56, self.dtypes[0]
-    q, k, v, _, ct = make_problem(jax.random.key(12), b, t, s, 4, 2, 64, dtype)
+    q, k, v, _, ct = make_problem(jax.random.key(12), b, t, s, 4, 2, self.shape["d"], dtype)
     lengths = dict(query_seq_lengths=jnp.array([40, 17, 0]),
                    key_value_seq_lengths=jnp.array([56, 30, 5]))
     valid = (jnp.arange(t)[None] < lengths["query_seq_lengths"][:, None])[..., None, None]
@@ -146,11 +148,12 @@ class _FlashAttentionTest:
                                            **lengths, **self.extra)
     theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                           **lengths)
-    loss = lambda f: jax.jit(jax.value_and_grad(
-        lambda q, k, v: jnp.sum(jnp.where(valid, f(q, k, v).astype(jnp.float32), 0.0) * ct),
-        argnums=(0, 1, 2)))
+    outputs = lambda f, *a: jnp.where(valid, f(*a).astype(jnp.float32), 0.0)
+    grads = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(outputs(f, q, k, v) * ct),
+                                       argnums=(0, 1, 2)))
     up = lambda x: x.astype(jnp.float32)
-    got, want = loss(ours)(q, k, v), loss(theirs)(up(q), up(k), up(v))
+    got = (outputs(ours, q, k, v), grads(ours)(q, k, v))
+    want = (outputs(theirs, up(q), up(k), up(v)), grads(theirs)(up(q), up(k), up(v)))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert rel_err(g, w) < TOL[dtype]
     assert np.all(np.asarray(jnp.where(valid, 0.0, ours(q, k, v))) == 0.0)
