@@ -673,7 +673,6 @@ class ChunkBackend:
     stats = Stats(*(jnp.where(ok, f, s) for f, s in zip(fast[:3], slow[:3])))  # (no μ here)
     return e, jnp.where(ok, scale, 1.0), stats
 
-
   def _at_labels(self, x_c, w, labels_c, e):
     """(in_range, col, e_y, e, z_y, slope_y) at each row's label: whether it is in the
     vocabulary, its column (0 where not), E's entry there, E (after a barrier), the label
