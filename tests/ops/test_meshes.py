@@ -491,16 +491,19 @@ def test_loss_fsdp_weight_on_an_auto_mesh(mesh, kw):
       "dW should leave by a reduce-scatter"
 
 
-# Every pair of (groups, reduction, mesh kind).
-@pytest.mark.parametrize("groups, reduction, kind", [
-    (True, "mean", "auto"), (True, "none", "explicit"), (False, "mean", "explicit"),
-    (False, "none", "auto")])
-def test_loss_fsdp_groups_keep_no_float32_dw(request, monkeypatch, groups, reduction, kind):
+# Every pair of (groups, reduction, mesh kind); the groups with a token_loss on each kind.
+@pytest.mark.parametrize("groups, reduction, kind, token_loss", [
+    (True, "mean", "auto", False), (True, "none", "explicit", False),
+    (False, "mean", "explicit", False), (False, "none", "auto", False),
+    (True, "mean", "explicit", True), (True, "none", "auto", True)])
+def test_loss_fsdp_groups_keep_no_float32_dw(request, monkeypatch, groups, reduction, kind,
+                                             token_loss):
   """FSDP (W's D over 'data', its vocabulary over 'model') with more tokens per shard than
   the GPU loss adds up in bf16 (max_rounded_chunks chunks, here 32 chunks of one token):
   the tokens go in groups, each group's bf16 dW reduce-scattered as it comes, so no chunk
   loop accumulates a float32 dW of the shard's whole [D, V_s] (without the groups, one
-  does); one device's loss and gradients either way, on Auto and Explicit meshes."""
+  does); one device's loss and gradients either way, on Auto and Explicit meshes, also
+  with a token_loss (its arguments split into the groups with the tokens)."""
   mesh = request.getfixturevalue("mesh" if kind == "auto" else "explicit_mesh")
   from memeff_jax.ops.linear_cross_entropy import PallasMosaicGpu  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.linear_cross_entropy import api  # pylint: disable=import-outside-toplevel
@@ -516,8 +519,12 @@ def test_loss_fsdp_groups_keep_no_float32_dw(request, monkeypatch, groups, reduc
   x, w, y, _, _ = _vocab_problem(16, n_lead=(16, 16))
   x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
   weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+  if token_loss:
+    ppo = dict(token_loss=_clipped_ratio, token_loss_args=(
+        weights + 0.5, -4.6 + 0.5 * jnp.sin(jnp.arange(y.size, dtype=jnp.float32)).reshape(
+            y.shape)))
   f = lambda x, w, **kw: jnp.sum(weights * memeff_jax.linear_cross_entropy(
-      x, w, y, chunk_size=1, reduction=reduction, **kw))
+      x, w, y, chunk_size=1, reduction=reduction, **kw, **(ppo if token_loss else {})))
   want, want_grads = jax.value_and_grad(lambda x, w: f(x, w, implementation="reference"),
                                         argnums=(0, 1))(x, w)
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
@@ -598,6 +605,76 @@ def test_token_weights_on_meshes(mesh, explicit_mesh, kind, kw):
   _close(grads, jax.grad(obj(want), argnums=(0, 1, 2, 3))(x, w, b, omega), 1e-5)
   if not kind.startswith("shard_map"):
     assert grads[3].sharding.is_equivalent_to(args[3].sharding, 2)
+    assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
+
+
+def _clipped_ratio(log_p, advantages, old_log_p):
+  """A token_loss: PPO's clipped surrogate."""
+  ratio = jnp.exp(log_p - old_log_p)
+  return -jnp.minimum(ratio * advantages, jnp.clip(ratio, 0.8, 1.2) * advantages)
+
+
+@pytest.mark.parametrize("kind, kw", [
+    ("shard_map", dict(logit_softcap=5.0, where=True)),
+    ("shard_map_unchecked", dict(reduction="none",
+                                 implementation=_VOCAB_IMPLEMENTATIONS["pallas_exp_logits"])),
+    ("shard_map", dict(implementation=_VOCAB_IMPLEMENTATIONS["pallas_softmax"], bias=True)),
+    ("auto", dict(reduction="sum", bias=True)),
+    ("auto", dict(reduction="none", weight_layout="vd", return_aux=True)),
+    ("explicit", dict(where=True)),
+    ("explicit", dict(reduction="none", weight_layout="vd"))])
+def test_token_loss_on_meshes(mesh, explicit_mesh, kind, kw):
+  """A token_loss with its arguments and token weights sharded like the tokens, W's
+  vocabulary over 'model': inside shard_map with vocab_axis, under jit on Auto and Explicit
+  meshes; the values and the gradients of x, W, the bias, the weights and f's arguments one
+  device's."""
+  layout = kw.get("weight_layout", "dv")
+  x, w, y, b, where = _vocab_problem(17, layout=layout)
+  ks = jax.random.split(jax.random.key(18), 3)
+  omega, adv = jax.random.uniform(ks[0], y.shape), jax.random.normal(ks[1], y.shape)
+  old = -4.6 + 0.5 * jax.random.normal(ks[2], y.shape)  # log(1/96) nearby: some clipped
+  kw, call = _vocab_call(dict(kw, token_loss=_clipped_ratio), y, b, where)
+  mask = call.__defaults__[1]
+  loss = lambda f: lambda x, w, b, om, a, o: sum(map(_weighted_sum,
+                                                    jax.tree.leaves(f(x, w, b, om, a, o))))
+  w_spec = P(None, "model") if layout == "dv" else P("model")
+  if kind.startswith("shard_map"):
+    none = kw.get("reduction") == "none"
+    per_shard = lambda out: out if none else jax.tree.map(lambda t: t[None], out)
+    sharded = shard_map(
+        lambda x, w, b, y_, m, om, a, o: per_shard(call(
+            x, w, b, y_, m, vocab_axis="model", token_weights=om, token_loss_args=(a, o))),
+        mesh=mesh, in_specs=(P("data"), w_spec, P("model"), P("data"),
+                             None if mask is None else P("data"), P("data"), P("data"),
+                             P("data")),
+        out_specs=P("data"), check_vma=kind == "shard_map")
+    got = lambda x, w, b, om, a, o: sharded(x, w, b, y, mask, om, a, o)
+
+    def want(x, w, b, om, a, o):  # one device, each 'data' shard's two rows on their own
+      rows = lambda t, r: None if t is None else t[r:r + 2]
+      outs = [per_shard(call(x[r:r + 2], w, b, y[r:r + 2], rows(mask, r),
+                             token_weights=om[r:r + 2], token_loss_args=(a[r:r + 2],
+                                                                         o[r:r + 2])))
+              for r in range(0, 8, 2)]
+      return jax.tree.map(lambda *ts: jnp.concatenate(ts), *outs)
+    args, context = (x, w, b, omega, adv, old), contextlib.nullcontext()
+  else:
+    want = got = lambda x, w, b, om, a, o: call(x, w, b, token_weights=om,
+                                                token_loss_args=(a, o))
+    on = mesh if kind == "auto" else explicit_mesh
+    put = lambda a, spec: jax.device_put(a, NamedSharding(on, spec))
+    args = (put(x, P("data")), put(w, w_spec), put(b, P("model")), put(omega, P("data")),
+            put(adv, P("data")), put(old, P("data")))
+    context = jax.set_mesh(explicit_mesh) if kind == "explicit" else contextlib.nullcontext()
+  argnums = (0, 1, 2, 3, 4, 5)
+  with context:
+    values, grads, collectives, _ = _run(got, loss(got), argnums, *args)
+  _close(values, want(x, w, b, omega, adv, old), 1e-5)
+  _close(grads, jax.grad(loss(want), argnums=argnums)(x, w, b, omega, adv, old), 1e-5)
+  assert all(np.any(np.asarray(g) != 0) for g in grads[3:])
+  if not kind.startswith("shard_map"):
+    for i in (3, 4, 5):
+      assert grads[i].sharding.is_equivalent_to(args[i].sharding, 2)
     assert collectives["all-gather"] == collectives["all-to-all"] == 0, collectives
 
 

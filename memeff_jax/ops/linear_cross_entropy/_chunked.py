@@ -9,6 +9,8 @@ Both implementations walk the tokens in chunks of `token_chunk` and hand each ch
 
 `grads` computes G (see _common) for the chunk and applies the two matmuls that consume it,
 accumulating dW and db into the running sums it is given. Nothing of size [N, V] exists.
+With a token_loss, a_c in the forward pass is a _common.TokenCoefficients, which `grads`
+resolves into the coefficients once it has the chunk's statistics.
 Where the entropy's cotangent h is not zero, `grads` is also given `entropy=(h_c, μ_c)`
 (the backward pass, with μ from the forward's statistics). With `LossOptions.entropy` the
 Stats carry μ.
@@ -37,7 +39,8 @@ scalar, so the forward pass computes the gradients for a cotangent of 1 while th
 logits are at hand (three matmuls in all) and the backward pass only scales them. For
 "none", or when the log-sum-exp / z-loss / entropy outputs get a cotangent, the backward
 pass runs the chunks again with the real cotangents. Token weights are known in the forward
-pass, so a weighted mean/sum keeps the three matmuls: they scale each token's coefficients.
+pass, so a weighted mean/sum keeps the three matmuls: they scale each token's coefficients;
+so does a token_loss, whose factor −f'(ℓ) per token is known with the chunk's statistics.
 
 A mean/sum loss without the auxiliary outputs (`opts.aux_outputs` False) is reduced inside
 the loop: each chunk adds its tokens' share to a scalar and makes its gradient coefficients
@@ -78,10 +81,11 @@ class Residuals(NamedTuple):
   bias: jax.Array | None
   labels: jax.Array  # [N] int32, or [N, 2] int32 words of int64 ids (_common.int32_labels)
   valid: jax.Array
-  weights: jax.Array | None  # float32 [N] token weights; None: all 1
+  weights: jax.Array | None  # float32 [N] token weights ([N, 1 + k]: _common.split_weights)
   lse: jax.Array | None  # float32 [N]; None for a loss reduced in the loop
   mean_logit: jax.Array | None  # float32 [N] μ = Σ_v p ẑ, for the entropy's gradient
   losses: tuple | None  # the unweighted (loss[n], z-loss term[n]) where weights get gradients
+  log_prob: jax.Array | None  # float32 [N] ℓ, for a token_loss's gradients in the backward
   dx: jax.Array | None  # gradients for a unit loss cotangent (mean/sum only)
   dweight: jax.Array | None
   dbias: jax.Array | None
@@ -138,7 +142,7 @@ class Reduced(NamedTuple):
   valid: jax.Array  # bool [N]: the counted tokens
   scale: jax.Array  # float32 scalar: d(loss) / d(loss[n]) of a counted token of weight 1
   grads: bool  # also the gradients for a unit cotangent (a = scale·valid·weights, e = 0)
-  weights: jax.Array | None = None  # float32 [N] token weights; None: all 1
+  weights: jax.Array | None = None  # as Residuals.weights; None: all 1
 
 
 def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
@@ -205,16 +209,20 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
     whole = window is not None
     x_c = Rows(x, window, size) if whole and "x" in rows else part(x)
     labels_c = _common.int32_labels(part(labels))
+    args_c = None
     if reduced is not None:
       counted = part(reduced.valid)
-      scale_c = _common.weighted(reduced.scale, None if reduced.weights is None
-                                 else part(reduced.weights))
+      weights_c, args_c = _common.split_weights(
+          None if reduced.weights is None else part(reduced.weights), opts)
+      scale_c = _common.weighted(reduced.scale, weights_c)
     if with_grads:
       if reduced is not None:
         a_c = jnp.where(counted, scale_c, 0.0)
-        e_c = jnp.zeros_like(a_c)
+        if opts.token_loss is not None:  # times −f'(ℓ), once the backend has ℓ
+          a_c = _common.TokenCoefficients(a_c, args_c)
+        e_c = jnp.zeros_like(_common.base(a_c))
       else:
-        a_c, e_c = part(a), part(e)
+        a_c, e_c = jax.tree.map(part, a), part(e)
       into = {"dx_into": Rows(dx, window, size)} if whole and "dx" in rows and need_dx else {}
       exact = {} if needed is None else {"needed": part(needed)}
       if entropy is not None:
@@ -237,7 +245,7 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
         logit_sum = vocab.sum(logit_sum)
       chunk_stats = Stats(*chunk_stats)._replace(logit_sum=logit_sum)
     if reduced is not None:
-      per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts)
+      per_token, _ = _common.token_loss(Stats(*chunk_stats), labels_c, counted, opts, args_c)
       stats = stats + _common.reduced_sum(per_token, counted, scale_c)
     else:
       stats = Stats(*(None if s is None else
@@ -254,8 +262,8 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
     carry = jax.lax.fori_loop(first, n_full, lambda i, c: step(c, backend, i * chunk, chunk,
                                                                 window=i), carry)
   if apart and with_grads:
-    a_all = a if reduced is None else jnp.where(
-        reduced.valid, _common.weighted(reduced.scale, reduced.weights), 0.0)
+    a_all = a if reduced is None else jnp.where(reduced.valid, _common.weighted(
+        reduced.scale, _common.split_weights(reduced.weights, opts)[0]), 0.0)
     carry = smoothing_terms(carry, x, w_sum, a_all, opts)
   return carry
 
@@ -295,7 +303,8 @@ def _nonzero(ct):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def chunked_loss(static: Static, x, w, bias, labels, valid, weights=None):
   """(loss, lse, z-loss term, entropy) of the chunked computation, each token's loss times
-  its weight (`weights` float32 [N], None: 1); see module docstring. With a loss reduced in
+  its weight (`weights` float32 [N], None: 1; [N, 1 + k] with a token_loss, its arguments
+  after the weights); see module docstring. With a loss reduced in
   the loop (`_reduced_in_loop`) the last three are None, the entropy without
   LossOptions.entropy."""
   if _reduced_in_loop(static.opts):
@@ -329,19 +338,26 @@ def _fwd(static: Static, x, w, bias, labels, valid, weights):
                               reduced=Reduced(valid, scale, grads=True, weights=weights),
                               needed=needed)
     return _alike(static, (loss, None, None, None)), Residuals(
-        x, w, bias, labels, valid, weights, None, None, None, *grads)
+        x, w, bias, labels, valid, weights, None, None, None, None, *grads)
   else:  # scalar loss: gradients now, for a unit cotangent.
-    r = _common.token_scale(valid, opts.reduction, weights)
-    stats, *grads = run_chunks(static, x, w, bias, labels, a=r, e=jnp.zeros_like(r),
+    token_weights, args = _common.split_weights(weights, opts)
+    r = _common.token_scale(valid, opts.reduction, token_weights)
+    a = r if opts.token_loss is None else _common.TokenCoefficients(r, args)
+    stats, *grads = run_chunks(static, x, w, bias, labels, a=a, e=jnp.zeros_like(r),
                                need=need, needed=needed)
   ids = _common.int32_labels(labels)
   out = _alike(static, _common.finish(stats, ids, valid, opts, weights))
   if _reduced_in_loop(opts):  # as chunked_loss returns it
     out = (out[0], None, None, None)
-  losses = _alike(static, _common.token_loss(stats, ids, valid, opts)) if weighs else None
+  args = _common.split_weights(weights, opts)[1]
+  losses = (_alike(static, _common.token_loss(stats, ids, valid, opts, args)) if weighs
+            else None)
   mean_logit = None if stats.mean_logit is None else _alike(static, stats.mean_logit)
+  log_prob = None  # ℓ, where the token_loss's factors are needed again
+  if opts.token_loss is not None and (opts.reduction == "none" or weighs):
+    log_prob = _alike(static, stats.label_logit - stats.lse)
   return out, Residuals(x, w, bias, labels, valid, weights, stats.lse, mean_logit, losses,
-                        *grads)
+                        log_prob, *grads)
 
 
 def _scale(t, g, like):
@@ -361,6 +377,12 @@ def _bwd(static: Static, res: Residuals, cts):
   dweights = None
   if res.losses is not None:  # from the cotangents as given: shares are summed by the caller
     dweights = _common.weight_grads(res.losses, res.valid, g_loss, g_z, static.opts)
+    if static.opts.token_loss is not None:  # and the token_loss's arguments'
+      token_weights, args = _common.split_weights(res.weights, static.opts)
+      ct = (jnp.zeros_like(dweights) if g_loss is None else
+            g_loss * _common.token_scale(res.valid, static.opts.reduction, token_weights))
+      dargs = _common.token_loss_arg_grads(res.log_prob, args, ct, static.opts)
+      dweights = jnp.concatenate([dweights[:, None], dargs], axis=1)
   if static.vocab is not None:
     g_loss, g_lse, g_z, g_ent = static.vocab.cotangents(g_loss, g_lse, g_z, g_ent)
   res, g_loss, g_lse, g_z, g_ent = _checks.first_order_only(
@@ -369,7 +391,8 @@ def _bwd(static: Static, res: Residuals, cts):
   need = (True, True, res.bias is not None)
   entropy = None if g_ent is None else (g_ent.astype(jnp.float32), res.mean_logit)
   if opts.reduction == "none":
-    a, e = _common.coefficients(res.valid, res.lse, g_loss, g_lse, g_z, opts, res.weights)
+    a, e = _common.coefficients(res.valid, res.lse, g_loss, g_lse, g_z, opts, res.weights,
+                                res.log_prob)
     _, dx, dw, db = run_chunks(static, res.x, res.weight, res.bias, res.labels,
                                a=a, e=e, lse=res.lse, need=need, entropy=entropy)
   else:

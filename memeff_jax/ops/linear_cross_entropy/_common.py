@@ -11,6 +11,11 @@ Notation (per token n, vocabulary entry v):
   loss[n]   = valid[n] · ω[n] · (ce[n] + λ lse[n]²)   λ = z_loss, ω = token_weights (or 1)
   μ[n]      = Σ_v p[n, v] ẑ[n, v],  H[n] = lse[n] − μ[n]   p = softmax(ẑ); H: the entropy
 
+With a `token_loss` f, ce[n] is f(ℓ[n], *args[n]) instead, ℓ = ẑ[n, y_n] − lse[n] the label's
+log-probability (no label smoothing or z-loss then): ce = −ℓ is f(ℓ) = −ℓ. Its gradient is
+the cross-entropy's with a[n] times −f'(ℓ[n]), a factor known once the token's statistics
+are (`TokenCoefficients`).
+
 The gradient with respect to the raw logits, for per-token coefficients a (on the loss),
 e (extra weight on the softmax, e.g. from a differentiated log-sum-exp output) and h (the
 entropy's cotangent), is
@@ -25,7 +30,7 @@ once.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +63,10 @@ class LossOptions:
   # Whether each token's entropy is wanted (linear_cross_entropy's `entropy`): the
   # statistics then carry μ = Σ_v p ẑ, and G may take the entropy's cotangent.
   entropy: bool = False
+  # linear_cross_entropy's `token_loss`: f(log_prob, *args) -> the token's loss, on scalars
+  # (vmapped over the tokens). Its args are the columns after the first of the [N, 1 + k]
+  # token weights the implementations are given (split_weights).
+  token_loss: Callable | None = None
 
   @property
   def smoothing_vocab(self) -> int:
@@ -253,11 +262,15 @@ def token_scale(valid: jax.Array, reduction: str, weights=None) -> jax.Array:
   return weighted(valid.astype(jnp.float32) * valid_scale(valid, reduction), weights)
 
 
-def token_loss(stats: Stats, labels, valid, opts: LossOptions):
+def token_loss(stats: Stats, labels, valid, opts: LossOptions, args=None):
   """(loss[n], z-loss term[n]) from per-token statistics, before the token weights; 0 where a
-  token is not counted."""
+  token is not counted. `args`: the token_loss's [N, k] arguments (with opts.token_loss)."""
   in_range = (labels >= 0) & (labels < opts.vocab_size)
   label_logit = jnp.where(in_range, stats.label_logit, jnp.nan)  # optax: NaN, never finite
+  if opts.token_loss is not None:  # f at 0 where not counted: no NaN from there, even in grads
+    safe = lambda t: jnp.where(valid if t.ndim == 1 else valid[:, None], t, 0.0)
+    value = _token_fn(opts)(safe(label_logit - stats.lse), *_columns(safe(args)))
+    return jnp.where(valid, value, 0.0), jnp.zeros_like(value)
   eps = opts.label_smoothing
   ce = stats.lse - (1.0 - eps) * label_logit
   if eps:
@@ -280,9 +293,10 @@ def entropy_of(stats: Stats, opts: LossOptions):
 
 def finish(stats: Stats, labels, valid, opts: LossOptions, weights=None):
   """(loss, lse, z-loss term, entropy) from per-token statistics, weighted by the token
-  weights (None: 1) and reduced as `opts.reduction` says; the entropy None without
-  opts.entropy."""
-  per_token, zterm = token_loss(stats, labels, valid, opts)
+  weights (None: 1; [N, 1 + k] with opts.token_loss, see split_weights) and reduced as
+  `opts.reduction` says; the entropy None without opts.entropy."""
+  weights, args = split_weights(weights, opts)
+  per_token, zterm = token_loss(stats, labels, valid, opts, args)
   entropy = entropy_of(stats, opts)
   if opts.reduction == "none":
     return weighted(per_token, weights), stats.lse, weighted(zterm, weights), entropy
@@ -302,12 +316,83 @@ def weight_grads(losses, valid, g_loss, g_z, opts: LossOptions):
   return dw
 
 
-def coefficients(valid, lse, g_loss, g_lse, g_z, opts: LossOptions, weights=None):
+def coefficients(valid, lse, g_loss, g_lse, g_z, opts: LossOptions, weights=None,
+                 log_prob=None):
   """Per-token (a, e) of block_grad for output cotangents (None means a zero cotangent), with
-  the token weights (None: 1)."""
+  the token weights (None: 1); with a token_loss, its factor at each token's `log_prob`."""
+  weights, args = split_weights(weights, opts)
   r = token_scale(valid, opts.reduction, weights)
-  a = jnp.zeros_like(r) if g_loss is None else g_loss * r
+  if g_loss is None:
+    a = jnp.zeros_like(r)
+  elif opts.token_loss is None:
+    a = g_loss * r
+  else:
+    a = jnp.where(r != 0, g_loss * r * token_loss_factor(log_prob, args, opts), 0.0)
   e = jnp.zeros_like(r) if g_lse is None else g_lse.astype(jnp.float32)
   if g_z is not None and opts.z_loss:
     e = e + 2.0 * opts.z_loss * lse * g_z * r
   return a, e
+
+
+# ----------------------------------------------------------------------------------------
+# A token_loss f(ℓ, *args) in place of the cross-entropy −ℓ.
+# ----------------------------------------------------------------------------------------
+
+
+def split_weights(weights, opts: LossOptions):
+  """(token weights [N] or None, token_loss args [N, k] or None) of the weights the
+  implementations are given: with opts.token_loss an [N, 1 + k] array, the weights first."""
+  if opts.token_loss is None or weights is None:
+    return weights, None
+  return weights[:, 0], weights[:, 1:]
+
+
+def _columns(args):
+  return () if args is None else tuple(args[:, i] for i in range(args.shape[1]))
+
+
+def _scalar_fn(opts: LossOptions):
+  """opts.token_loss of one token, in float32."""
+  return lambda log_prob, *args: jnp.asarray(opts.token_loss(log_prob, *args), jnp.float32)
+
+
+def _token_fn(opts: LossOptions):
+  """opts.token_loss over [N] arrays."""
+  return jax.vmap(_scalar_fn(opts))
+
+
+def token_loss_factor(log_prob, args, opts: LossOptions):
+  """−f'(ℓ) per token, [N] float32: what the cross-entropy's coefficients are multiplied by
+  (1 without a token_loss, whose f is −ℓ)."""
+  if opts.token_loss is None:
+    return jnp.ones_like(log_prob)
+  return -jax.vmap(jax.grad(_scalar_fn(opts)))(log_prob, *_columns(args))
+
+
+def token_loss_arg_grads(log_prob, args, ct, opts: LossOptions):
+  """[N, k] float32: ct[n] · ∂f/∂args[n] (ct the per-token cotangent of f's values), 0
+  where ct is."""
+  grads = jax.vmap(jax.grad(_scalar_fn(opts), argnums=tuple(range(1, 1 + args.shape[1]))))(
+      log_prob, *_columns(args))
+  return jnp.where(ct[:, None] != 0, jnp.stack(grads, axis=1) * ct[:, None], 0.0)
+
+
+class TokenCoefficients(NamedTuple):
+  """The loss coefficients a of a chunk whose token_loss needs its statistics first: a =
+  r · (−f'(ℓ)), ℓ = label logit − lse, where a backend has both (resolve); 0 where r is."""
+
+  r: jax.Array  # [C] float32: d(reduced loss) / d(f's value) of each token
+  args: jax.Array  # [C, k] float32: the token_loss's arguments
+
+
+def resolve(a, lse, label_logit, opts: LossOptions):
+  """The coefficients a as an array: `a` itself, or a TokenCoefficients' from statistics."""
+  if not isinstance(a, TokenCoefficients):
+    return a
+  factor = token_loss_factor(label_logit - lse, a.args, opts)
+  return jnp.where(a.r != 0, a.r * factor, 0.0)
+
+
+def base(a):
+  """The coefficients before the token_loss's factor (nonzero where the resolved may be)."""
+  return a.r if isinstance(a, TokenCoefficients) else a

@@ -17,7 +17,7 @@ scales them by the cotangent: the custom_vjp stays outermost, and a call that is
 differentiated runs the loss alone. Per-token outputs (reduction="none", or return_aux's
 log-sum-exps and z-loss terms) get their gradients in the backward instead, from their
 cotangents (per_token_loss). Token weights, where given, are one more operand sharded like
-the labels, and get their gradients with the others.
+the labels ([N, 1 + k] with a token_loss's arguments), and get their gradients with the others.
 """
 
 from __future__ import annotations
@@ -51,11 +51,16 @@ def _rule(layout: str, mode: str, k: int, weighted: bool):
            ArrayMapping("d", "v") if layout == "dv" else ArrayMapping("v", "d")]
     if _has_bias(len(value_types), mode, k, weighted):
       ops.append(ArrayMapping("v"))
-    grads = (*ops, *(ArrayMapping("n"),) * weighted)  # the token weights' after the others'
-    ops += [ArrayMapping("n")] * (2 + weighted + k * (mode == "vjp"))
+    # The token weights ([N], or [N, 1 + k] with a token_loss's arguments) after the others.
+    weights = ()
+    if weighted:
+      weights = (ArrayMapping(*"nk"[:len(value_types[len(ops) + 2].shape)]),)
+    grads = (*ops, *weights)
+    ops += [ArrayMapping("n")] * 2 + list(weights) + [ArrayMapping("n")] * (k * (mode == "vjp"))
     results = {"loss": (ArrayMapping(),), "grads": (ArrayMapping(), *grads),
                "tokens": (ArrayMapping("n"),) * k, "vjp": grads}[mode]
-    return SdyShardingRule(tuple(ops), results, need_replication_factors=("d",))
+    columns = ("k",) if weights and len(weights[0]) == 2 else ()
+    return SdyShardingRule(tuple(ops), results, need_replication_factors=("d",) + columns)
   return rule
 
 

@@ -103,8 +103,8 @@ def _chunk_size(chunk_size):
   return sizes if pair else sizes[0]
 
 
-def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_index, reduction,
-               return_aux, weight_layout, **options):
+def _per_shard(mesh, x, weight, labels, bias, where, token_weights, loss_args, *, token_loss,
+               ignore_index, reduction, return_aux, weight_layout, **options):
   """linear_cross_entropy on an Explicit mesh. x's token dims may be sharded (data
   parallelism); W's vocabulary too (vocab parallelism: each shard runs the loss on its
   slice, see _vocab_parallel, the bias sharded with it), and W's D (FSDP: W gathered
@@ -143,6 +143,9 @@ def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_in
   where = None if where is None else jax.sharding.reshard(where, tokens)
   if token_weights is not None:
     token_weights = jax.sharding.reshard(_checked_weights(token_weights, labels.shape), tokens)
+  # The token_loss's arguments as one [..., k] array, sharded like the labels.
+  stacked = (jax.sharding.reshard(jnp.stack(loss_args, axis=-1), _explicit.spec([*token_dims, ()]))
+             if loss_args else None)
   local_reduction = "none" if reduction == "none" else "sum"
 
   def gathered(t):  # the tokens of every shard of the shared axes
@@ -158,7 +161,11 @@ def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_in
         t = jax.lax.dynamic_slice_in_dim(t, jax.lax.axis_index(names) * size, size, axis=dim)
     return t
 
-  def grouped_loss(x, weight, labels, bias, where, weights):
+  def unstacked(stacked):
+    return {"token_loss": token_loss, "token_loss_args": () if stacked is None else
+            tuple(stacked[..., i] for i in range(stacked.shape[-1]))}
+
+  def grouped_loss(x, weight, labels, bias, where, weights, stacked):
     """The shard's loss and aux outputs (local_reduction) of its tokens, under FSDP in
     groups: W gathered whole per group, its transpose reduce-scattering that group's dW."""
     lead, d = x.shape[:-1], x.shape[-1]
@@ -171,7 +178,7 @@ def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_in
       if d_axes:
         weight = jax.lax.all_gather(weight, d_axes, axis=d_dim, tiled=True)
       out = linear_cross_entropy(x, weight, labels, bias=bias, where=where,
-                                 token_weights=weights,
+                                 token_weights=weights, **unstacked(stacked),
                                  ignore_index=ignore_index, reduction=local_reduction,
                                  return_aux=return_aux, weight_layout=weight_layout,
                                  vocab_axis=v_axes or None, **options)
@@ -179,14 +186,16 @@ def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_in
     # The groups' gathers read a float32 copy: the shards of dW add up in float32.
     w32, flat = weight.astype(jnp.float32), lambda t: None if t is None else t.reshape(n)
     x, labels, where, weights = x.reshape(n, d), flat(labels), flat(where), flat(weights)
+    stacked = None if stacked is None else stacked.reshape(n, -1)
     outs = []
     for rows in _partition.token_slices(n, group):
       w = jax.lax.all_gather(w32.astype(weight.dtype), d_axes, axis=d_dim, tiled=True)
       outs.append(linear_cross_entropy(
           x[rows], w, labels[rows], bias=bias, where=_partition.token_rows(where, rows),
           token_weights=_partition.token_rows(weights, rows),
-          ignore_index=ignore_index, reduction=local_reduction, return_aux=True,
-          weight_layout=weight_layout, vocab_axis=v_axes or None, **options))
+          **unstacked(_partition.token_rows(stacked, rows)), ignore_index=ignore_index,
+          reduction=local_reduction, return_aux=True, weight_layout=weight_layout,
+          vocab_axis=v_axes or None, **options))
     join = (lambda ts: jnp.concatenate(ts).reshape(lead)) if local_reduction == "none" else sum
     aux = Aux(lse=jnp.concatenate([o[1].lse for o in outs]).reshape(lead),
               z_loss=join([o[1].z_loss for o in outs]),
@@ -194,9 +203,9 @@ def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_in
               jnp.concatenate([o[1].entropy for o in outs]).reshape(lead))
     return join([o[0] for o in outs]), aux if return_aux else None
 
-  def local(x, weight, labels, bias, where, weights):
+  def local(x, weight, labels, bias, where, weights, stacked):
     loss, aux = grouped_loss(gathered(x), weight, gathered(labels), bias, gathered(where),
-                             gathered(weights))
+                             gathered(weights), gathered(stacked))
     if reduction == "none":
       return own(loss), aux and Aux(*(None if a is None else own(a) for a in aux))
     # Its tokens were gathered over the shared axes: the sums are over the other ones.
@@ -211,7 +220,7 @@ def _per_shard(mesh, x, weight, labels, bias, where, token_weights, *, ignore_in
                                 entropy=None if aux.entropy is None else own(aux.entropy))
 
   reduced = tokens if reduction == "none" else P()  # a sum over the shards is replicated
-  args = (x, weight, labels, bias, where, token_weights)
+  args = (x, weight, labels, bias, where, token_weights, stacked)
   loss, aux = jax.shard_map(
       local, mesh=mesh, in_specs=tuple(map(_explicit.spec_of, args)),
       out_specs=(reduced, Aux(lse=tokens, z_loss=reduced,
@@ -285,6 +294,53 @@ def _checked_weights(token_weights, shape):
   return token_weights
 
 
+def _checked_token_loss(token_loss, token_loss_args, shape, label_smoothing, z_loss):
+  """(token_loss, its arguments as a tuple of arrays) after checking them: a callable of
+  scalars (the log-probability, then one float per argument) returning a real scalar, each
+  argument a float array of the labels' shape."""
+  if isinstance(token_loss_args, (jax.Array, jnp.ndarray)) or not isinstance(
+      token_loss_args, (tuple, list)):
+    raise TypeError(f"token_loss_args must be a tuple of arrays, got "
+                    f"{type(token_loss_args).__name__}")
+  args = tuple(jnp.asarray(a) for a in token_loss_args)
+  if token_loss is None:
+    if args:
+      raise ValueError(f"token_loss_args ({len(args)} arrays) given without a token_loss")
+    return None, ()
+  if not callable(token_loss):
+    raise TypeError(f"token_loss must be a callable f(log_prob, *token_loss_args) -> loss, "
+                    f"got {token_loss!r}")
+  if label_smoothing or z_loss:
+    raise ValueError(f"token_loss replaces the cross-entropy, so it takes no label_smoothing "
+                     f"or z_loss; got label_smoothing={label_smoothing!r}, z_loss={z_loss!r}")
+  for i, a in enumerate(args):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise TypeError(f"token_loss_args[{i}] must be floating point, got dtype {a.dtype}")
+    if a.shape != shape:
+      raise ValueError(f"token_loss_args[{i}].shape={a.shape} must equal labels.shape={shape}")
+  scalar = jax.ShapeDtypeStruct((), jnp.float32)
+  try:
+    out = jax.eval_shape(token_loss, scalar, *(scalar,) * len(args))
+  except Exception as err:
+    raise TypeError(f"token_loss must take the log-probability and {len(args)} more float32 "
+                    f"scalars (token_loss_args), one token at a time; calling it so raised "
+                    f"{type(err).__name__}: {err}") from err
+  if not (hasattr(out, "shape") and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
+    raise TypeError(f"token_loss must return one real scalar per token, got {out}")
+  return token_loss, args
+
+
+def _token_inputs(weights, args, n: int):
+  """The implementations' per-token float32 operand: the token weights [N] (or None), or
+  with a token_loss's arguments [N, 1 + k], the weights (1 where none) first."""
+  if weights is not None:
+    weights = weights.reshape(n).astype(jnp.float32)
+  if not args:
+    return weights
+  ones = jnp.ones((n,), jnp.float32) if weights is None else weights
+  return jnp.stack([ones] + [a.reshape(n).astype(jnp.float32) for a in args], axis=1)
+
+
 def _check_float(name, a):
   if a.dtype not in _FLOAT_DTYPES:
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {name}.dtype={a.dtype}")
@@ -304,6 +360,8 @@ def linear_cross_entropy(
     logit_softcap: float | None = None,
     where: jax.Array | None = None,
     token_weights: jax.Array | None = None,
+    token_loss=None,
+    token_loss_args: tuple = (),
     return_aux: bool = False,
     entropy: bool = False,
     implementation=None,
@@ -344,6 +402,18 @@ def linear_cross_entropy(
       what the unweighted one does: the three matmuls, gradients made in the forward pass;
       `reduction="none"` then a weighted sum by the caller needs a fourth (the logits
       again in the backward pass, for the per-token cotangents).
+    token_loss: optional f(log_prob, *args) -> loss of one token, replacing the
+      cross-entropy −log_prob (which is f(ℓ) = −ℓ): ℓ = log softmax(ẑ)[y], each args entry
+      that token's entry of the `token_loss_args`, all float32 scalars (f is vmapped over
+      the tokens). A policy-gradient objective (PPO's or GRPO's clipped ratio against old
+      log-probs, a KL penalty to a reference's) as one call: its gradients are made in the
+      forward pass as the cross-entropy's are (∂f/∂ℓ is known once ℓ is), so a mean or sum
+      costs the three matmuls, where `reduction="none"` and f applied by the caller cost a
+      fourth. Weights, masks and reductions apply to f's values. Differentiable in all its
+      inputs; not with label_smoothing or z_loss. Pass a function defined once (a new
+      closure per call retraces a jitted caller).
+    token_loss_args: a tuple of float arrays shaped like labels (advantages, old
+      log-probs), f's arguments after the log-probability.
     return_aux: also return `Aux(lse, z_loss, entropy)`; all are differentiable. The z-loss
       term is weighted like the loss, the log-sum-exp and entropy not.
     entropy: with return_aux, also each token's entropy H = −Σ_v p log p of softmax(ẑ)
@@ -405,8 +475,11 @@ def linear_cross_entropy(
                        "mesh the weight's sharding says which axes hold the vocabulary")
     if reduction not in _common.REDUCTIONS:
       raise ValueError(f"reduction must be one of {_common.REDUCTIONS}, got {reduction!r}")
-    return _per_shard(mesh, x, weight, jnp.asarray(labels), bias, where, token_weights,
-                      ignore_index=ignore_index, reduction=reduction,
+    labels = jnp.asarray(labels)
+    token_loss, loss_args = _checked_token_loss(token_loss, token_loss_args, labels.shape,
+                                                label_smoothing, z_loss)
+    return _per_shard(mesh, x, weight, labels, bias, where, token_weights, loss_args,
+                      token_loss=token_loss, ignore_index=ignore_index, reduction=reduction,
                       return_aux=_checks.static_bool("return_aux", return_aux),
                       entropy=_checked_entropy(entropy, return_aux),
                       weight_layout=weight_layout, label_smoothing=label_smoothing,
@@ -448,13 +521,15 @@ def linear_cross_entropy(
       raise TypeError(f"where must be a boolean mask, got where.dtype={where.dtype}")
     if where.shape != labels.shape:
       raise ValueError(f"where.shape={where.shape} must equal labels.shape={labels.shape}")
-  weights = token_weights
-  if weights is not None:
-    weights = _checked_weights(weights, labels.shape).reshape(-1).astype(jnp.float32)
+  if token_weights is not None:
+    token_weights = _checked_weights(token_weights, labels.shape)
   if not 0.0 <= _checks.static_real("label_smoothing", label_smoothing) <= 1.0:
     raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
   if not 0.0 <= _checks.static_real("z_loss", z_loss) < float("inf"):
     raise ValueError(f"z_loss must be finite and ≥ 0, got {z_loss!r}")
+  token_loss, loss_args = _checked_token_loss(token_loss, token_loss_args, labels.shape,
+                                              label_smoothing, z_loss)
+  weights = _token_inputs(token_weights, loss_args, math.prod(labels.shape))
   logit_softcap = _checks.logit_softcap(logit_softcap)
   chunk_size = _chunk_size(chunk_size)
   return_aux = _checks.static_bool("return_aux", return_aux)
@@ -470,7 +545,7 @@ def linear_cross_entropy(
                      reduction=reduction,
                      label_smoothing=_checks.static_real("label_smoothing", label_smoothing),
                      z_loss=_checks.static_real("z_loss", z_loss), logit_softcap=logit_softcap,
-                     aux_outputs=return_aux, entropy=entropy)
+                     aux_outputs=return_aux, entropy=entropy, token_loss=token_loss)
   lead = labels.shape
   dtype = jnp.result_type(x.dtype, weight.dtype)
   x2 = x.reshape(math.prod(lead), d).astype(dtype)  # (-1 cannot be inferred at D = 0)

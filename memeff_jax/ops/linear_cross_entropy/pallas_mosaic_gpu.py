@@ -488,10 +488,13 @@ class ChunkBackend:
     scale = None  # exp_logits: the per-row factor of G that the buffer does not hold
     if self.exp_logits:
       g, scale, stats = self._exp_chunk(x_c, w, labels_c, a_c, e_c, vocab, lse_c, needed)
-    elif vocab is not None and lse_c is None:  # the slice's statistics, merged, then G
+    elif lse_c is None and (vocab is not None or self.opts.token_loss is not None):
+      # The statistics (the slice's, merged), then G: a token_loss's coefficients need them.
       z = self._logits(x_c, w, bias)
-      stats = vocab.merge(Stats(*self._softmax(z, labels_c)))
-      g, *_ = self._softmax(z, labels_c, a_c, e_c, stats.lse)
+      stats = Stats(*self._softmax(z, labels_c))
+      stats = stats if vocab is None else vocab.merge(stats)
+      a_c = _common.resolve(a_c, stats.lse, stats.label_logit, self.opts)
+      g, *_ = self._softmax(z, labels_c, a_c, e_c, stats.lse, entropy=entropy)
     else:
       if self.fused_lse and lse_c is None:
         fits = self._mosaic("dx") is not None and mosaic_gemm.stats_window_error(
@@ -637,7 +640,9 @@ class ChunkBackend:
     rows = jnp.arange(labels_c.shape[0])
     e, partials = self._exp_logits(x_c, w)
     in_range, col, e_y, e, z_y, slope_y = self._at_labels(x_c, w, labels_c, e)
-    counts = a_c != 0 if needed is None else (a_c != 0) | needed
+    coefficients = a_c  # with a token_loss, resolved from whichever statistics G is made of
+    counts = _common.base(a_c) != 0
+    counts = counts if needed is None else counts | needed
     low = in_range & counts & (z_y < MIN_LABEL_LOGIT)
     # Per row: Σ E (0 where every entry underflowed), the label logit, whether the label is
     # in the vocabulary and whether its entry is too small to patch.
@@ -647,6 +652,7 @@ class ChunkBackend:
       rowwise = vocab.sum(rowwise)
     lse = jnp.log(rowwise[0]) if lse_c is None else lse_c
     label_logit = rowwise[1]
+    a_c = _common.resolve(a_c, lse, label_logit, opts)
     b = _common.grad_scale(a_c, e_c, lse, opts)
     counts, labelled = counts | (b != 0), (rowwise[2] > 0) & (a_c != 0)
     lo, hi = LSE_RANGE
@@ -655,11 +661,13 @@ class ChunkBackend:
 
     # Fallback: the logits over E (every kernel a no-op where ok), then the softmax pass.
     e = self._logits_unless(ok, x_c, w, e)
-    if vocab is None or lse_c is not None:
+    if lse_c is not None or (vocab is None and opts.token_loss is None):
       e, *slow = self._softmax(e, labels_c, a_c, e_c, lse_c, enabled=~ok)
-    else:
-      slow = vocab.merge(Stats(*self._softmax(e, labels_c, enabled=~ok)))
-      e, *_ = self._softmax(e, labels_c, a_c, e_c, slow.lse, enabled=~ok)
+    else:  # the statistics (merged, vocab parallel) first, then G
+      slow = Stats(*self._softmax(e, labels_c, enabled=~ok))
+      slow = slow if vocab is None else vocab.merge(slow)
+      a_slow = _common.resolve(coefficients, slow.lse, slow.label_logit, opts)
+      e, *_ = self._softmax(e, labels_c, a_slow, e_c, slow.lse, enabled=~ok)
 
     patch = in_range & (a_c != 0)
     safe_b = jnp.where(b != 0, b, 1.0)

@@ -61,6 +61,12 @@ def make_problem(key, lead, d, vocab, dtype, *, bias=False, where=False,
   return x, w, labels, b, wh
 
 
+def _ppo_clip(log_p, advantages, old_log_p):
+  """PPO's clipped surrogate, a token_loss: −min(ρA, clip(ρ, 0.8, 1.2)A), ρ = p / p_old."""
+  ratio = jnp.exp(log_p - old_log_p)
+  return -jnp.minimum(ratio * advantages, jnp.clip(ratio, 0.8, 1.2) * advantages)
+
+
 def rel_err(got, ref):
   got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
   return np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
@@ -269,6 +275,64 @@ class _LinearCrossEntropyTest:
     assert np.all(np.isfinite(np.asarray(got)))
     assert rel_err(got, want) < 2e-5, rel_err(got, want)
     for g, r, arg in zip(got_g, want_g, "xwb"):
+      assert np.all(np.isfinite(np.asarray(g))), arg
+      assert rel_err(g, r) < 2e-5, (arg, rel_err(g, r))
+
+  @pytest.mark.parametrize("reduction, options, weighted, differentiated", [
+      ("mean", {}, False, False), ("sum", {"bias": True, "where": True}, True, False),
+      ("mean", {"logit_softcap": 3.0, "weight_layout": "vd", "where": True}, True, True),
+      ("none", {}, False, True), ("none", {"bias": True, "logit_softcap": 3.0}, True, False),
+      ("mean", {"aux": True}, False, True)])
+  def test_token_loss_matches_plain_jax(self, reduction, options, weighted, differentiated):
+    """A PPO-style clipped objective as token_loss against JAX's autodiff of the same f on
+    the materialized log-probabilities: values and the gradients of x, W, the bias, the
+    token weights and f's arguments (differentiated, or constants: a mean or sum then
+    reduced in the chunk loop); "aux" adds the differentiated log-sum-exps."""
+    options = dict(options)
+    aux = options.pop("aux", False)
+    layout, cap = options.get("weight_layout", "dv"), options.get("logit_softcap")
+    x, w, labels, b, where = make_problem(jax.random.key(41), self.lead, 24, 300,
+                                          jnp.float32, **options)
+    keys = jax.random.split(jax.random.key(42), 3)
+    advantages = jax.random.normal(keys[0], labels.shape)
+    omega = jax.random.uniform(keys[1], labels.shape) if weighted else None
+    z = x @ (w if layout == "dv" else w.T)
+    z = _common.cap_logits(z if b is None else z + b, cap)
+    safe = jnp.where(labels < 0, 0, labels)
+    # Old log-probs near the current ones: some ratios clipped, some not.
+    old = (jnp.take_along_axis(jax.nn.log_softmax(z), safe[..., None], -1)[..., 0]
+           + 0.3 * jax.random.normal(keys[2], labels.shape))
+    counted = (labels != -100) if where is None else (labels != -100) & where
+    ct = 1.5 + jnp.cos(jnp.arange(labels.size, dtype=jnp.float32)).reshape(labels.shape)
+
+    def ours(x, w, b, adv, old, omega):
+      out = memeff_jax.linear_cross_entropy(
+          x, w, labels, bias=b, where=where, token_weights=omega, token_loss=_ppo_clip,
+          token_loss_args=(adv, old), reduction=reduction, return_aux=aux,
+          weight_layout=layout, logit_softcap=cap, implementation=self.impl,
+          chunk_size=self.chunk_size)
+      loss, extra = out if aux else (out, None)
+      total = jnp.sum(loss * ct) if reduction == "none" else loss
+      return total + (jnp.sum(extra.lse * ct) if aux else 0.0)
+
+    def plain(x, w, b, adv, old, omega):
+      z = x @ (w if layout == "dv" else w.T)
+      z = _common.cap_logits(z if b is None else z + b, cap)
+      log_p = jnp.take_along_axis(jax.nn.log_softmax(z), safe[..., None], -1)[..., 0]
+      per_token = jnp.where(counted, _ppo_clip(log_p, adv, old), 0.0)
+      per_token = per_token if omega is None else per_token * omega
+      total = (jnp.sum(per_token * ct) if reduction == "none" else
+               jnp.sum(per_token) / jnp.maximum(jnp.sum(counted), 1) if reduction == "mean"
+               else jnp.sum(per_token))
+      return total + (jnp.sum(jax.nn.logsumexp(z, axis=-1) * ct) if aux else 0.0)
+
+    inputs = (x, w, b, advantages, old, omega)
+    argnums = tuple(i for i, t in enumerate(inputs)
+                    if t is not None and (differentiated or i < 3))
+    run = lambda f: jax.jit(jax.value_and_grad(f, argnums=argnums))(*inputs)
+    (got, got_g), (want, want_g) = run(ours), run(plain)
+    assert rel_err(got, want) < 2e-5, rel_err(got, want)
+    for g, r, arg in zip(got_g, want_g, argnums):
       assert np.all(np.isfinite(np.asarray(g))), arg
       assert rel_err(g, r) < 2e-5, (arg, rel_err(g, r))
 
@@ -725,6 +789,30 @@ def test_exp_chunk_against_softmax_pass(shift, softcap, fast):
     assert rel_err(jnp.where(in_range, got, 0), jnp.where(in_range, ref, 0)) < 1e-6
 
 
+@pytest.mark.parametrize("shift,fast", [(0.0, True), (80.0, False), (-60.0, False)])
+def test_exp_chunk_token_loss_coefficients(shift, fast):
+  """A token_loss's coefficients (TokenCoefficients) made from the chunk's statistics: G of
+  exp_logits, on the fast path and the fallback, equals the softmax pass's G for the
+  coefficients r·(−f'(ℓ)) computed from the reference's statistics."""
+  opts = _common.LossOptions(vocab_size=1000, token_loss=_ppo_clip)
+  x, w, labels, _, _ = make_problem(jax.random.key(23), (48,), 32, 1000, jnp.float32)
+  x, w = x.at[:, -1].set(1.0), w.at[-1].set(shift)
+  r = jnp.where(labels == -100, 0.0, 1.0 / 48)
+  args = jnp.stack([jnp.sin(jnp.arange(48.0)), jnp.full((48,), -6.9)], axis=1)
+  buf, scale, stats = _exp_chunk(x, w, labels, _common.TokenCoefficients(r, args),
+                                 jnp.zeros(48), opts)
+  assert bool(jnp.any(scale != 1.0)) == fast
+  z = x @ w
+  lse, label_logit, _ = triton_softmax.softmax_pass(z, labels, opts=opts,
+                                                    config=SoftmaxKernelConfig(), interpret=True)
+  a = _common.resolve(_common.TokenCoefficients(r, args), lse, label_logit, opts)
+  assert float(jnp.max(jnp.abs(a))) > 0 and bool(jnp.any((a == 0) & (r != 0)))  # some clipped
+  want_g, *_ = triton_softmax.softmax_pass(z, labels, a, jnp.zeros(48), lse, opts=opts,
+                                           config=SoftmaxKernelConfig(), interpret=True)
+  assert rel_err(scale[:, None] * buf, want_g) < 1e-5
+  assert rel_err(stats.lse, lse) < 1e-6
+
+
 def test_exp_chunk_rows_that_do_not_count_may_leave_the_range():
   """A row with a = e = 0 (an ignored token) whose logits would overflow exp is clamped
   and scaled by 0: the chunk stays on the fast path and that row's G is exactly 0."""
@@ -972,6 +1060,28 @@ def test_exp_logits_matches_reference(layout, gemms, dw_accumulation, shift):
     assert_matches(impl, x, w, labels, options, where, ref_impl=same, tol=1e-3)
   else:
     assert_matches(impl, x, w, labels, options, where)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+@pytest.mark.parametrize("reduction, shift", [("mean", 0.0), ("none", 0.0), ("mean", 70.0)])
+def test_token_loss_on_the_default_gemms_matches_reference(layout, reduction, shift):
+  """A token_loss (PPO's clipped surrogate) through the default implementation in bf16:
+  its coefficients made from the exp GEMM's row sums, or, every logit shifted by 70, from
+  the softmax pass it falls back to (against the same kernels' softmax pass there)."""
+  x, w, labels, _, where = make_problem(jax.random.key(16), (3, 256), 256, 2000, jnp.bfloat16,
+                                        weight_layout=layout, where=True)
+  x = x.at[:, -1].set(1.0)
+  w = w.at[-1].set(shift) if layout == "dv" else w.at[:, -1].set(shift)
+  ks = jax.random.split(jax.random.key(17))
+  old = jnp.log(1 / 2000.0) + 0.3 * jax.random.normal(ks[0], labels.shape)
+  options = dict(weight_layout=layout, where=True, reduction=reduction, token_loss=_ppo_clip,
+                 token_loss_args=(jax.random.normal(ks[1], labels.shape), old))
+  if shift:
+    assert_matches("pallas_mosaic_gpu", x, w, labels, options, where, reduction, tol=1e-3,
+                   ref_impl=PallasMosaicGpu(exp_logits=False))
+  else:
+    assert_matches("pallas_mosaic_gpu", x, w, labels, options, where, reduction)
 
 
 @pytest.mark.gpu

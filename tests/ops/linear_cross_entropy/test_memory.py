@@ -107,6 +107,31 @@ def test_entropy_keeps_the_chunks_memory():
   assert temp(True, True) <= 12 * 1.01 * tokens * cols
 
 
+def _clipped_ratio(log_p, advantages, old_log_p):
+  ratio = jnp.exp(log_p - old_log_p)
+  return -jnp.minimum(ratio * advantages, jnp.clip(ratio, 0.8, 1.2) * advantages)
+
+
+def test_token_loss_keeps_the_chunks_memory():
+  """A token_loss with two arguments: the cross-entropy's temporaries plus [N]-sized ones
+  (its arguments stacked, their gradients, the log-probabilities), mean or per token."""
+  n, d, v = 4096, 64, 50257
+  shapes = _shapes(n, d, v, jnp.float32)
+  args = (jax.ShapeDtypeStruct((n,), jnp.float32),) * 2
+
+  def temp(reduction, token_loss):
+    def loss(x, w, y, a, o):
+      out = memeff_jax.linear_cross_entropy(
+          x, w, y, implementation="chunked_xla", reduction=reduction,
+          token_loss=_clipped_ratio if token_loss else None,
+          token_loss_args=(a, o) if token_loss else ())
+      return jnp.sum(out)
+    return _temp_bytes(loss, *shapes, *args)
+
+  for reduction in ("mean", "none"):
+    assert temp(reduction, True) <= temp(reduction, False) + 12 * n * 4, reduction
+
+
 def test_mean_loss_without_aux_holds_no_per_token_statistics():
   """Without return_aux a mean loss is summed inside the chunk loop: no [N] float32 log-sum-
   exp, label logit, Σẑ or gradient coefficients. A small head at 65,536 and 131,072 tokens
