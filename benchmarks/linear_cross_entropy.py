@@ -23,6 +23,11 @@ other provider multiplies its per-token losses. A set with `entropy_bonus = β` 
 times the tokens' mean entropy from the loss (an RL step's entropy bonus, differentiated):
 memeff takes the entropy from `return_aux=True, entropy=True`, plain JAX and torch from the
 logits; Liger, CCE and tokamax, which give no entropy, are skipped. A set with
+`ppo_sequence = T` takes PPO's clipped surrogate (ε = 0.2, GRPO's without a KL term) as the
+loss: each token's −min(ρA, clip(ρ, 0.8, 1.2)A), ρ = exp(log p − log p_old), A one normal
+advantage per sequence of T tokens, log p_old the tokens' log-probs plus noise (some ratios
+clipped), averaged over the tokens: memeff as a `token_loss`, Liger as its fused GRPO loss
+(`dapo` normalization), every other provider from its per-token log-probs. A set with
 `backward = false` times the loss alone, without gradients (evaluation, or
 an RL step's reference log-probs): the floor is then x@W alone, torch runs under no_grad.
 
@@ -116,18 +121,35 @@ def _naive_entropy(logits, softcap=None):
                   axis=-1)
 
 
+def _ppo_clip(log_p, advantages, old_log_p):
+  """PPO's clipped surrogate of one token (or elementwise): memeff's token_loss."""
+  ratio = jnp.exp(log_p - old_log_p)
+  return -jnp.minimum(ratio * advantages, jnp.clip(ratio, 0.8, 1.2) * advantages)
+
+
+def ppo_inputs(x, w, y, sequence: int, seed=0):
+  """(advantages [N], old log-probs [N]) for a `ppo_sequence` set: one normal advantage per
+  sequence, and the tokens' log-probs under (x, w) plus normal noise of 0.2."""
+  ka, ko = jax.random.split(jax.random.key(seed + 2))
+  n = x.shape[0]
+  advantages = jnp.repeat(jax.random.normal(ka, (n // sequence,), jnp.float32), sequence)
+  log_p = -jax.jit(lambda x, w: memeff_jax.linear_cross_entropy(x, w, y, reduction="none"))(x, w)
+  return advantages, log_p + 0.2 * jax.random.normal(ko, (n,), jnp.float32)
+
+
 def token_weights(n, seed=0):
   """[N] float32 fixed per-token weights, standard normal: a policy gradient's advantages."""
   return jax.random.normal(jax.random.key(seed + 1), (n,), jnp.float32)
 
 
 def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean",
-             backward=True, weights=None, bonus=None):
+             backward=True, weights=None, bonus=None, ppo=None):
   """(jitted fn, args) computing the loss and (dx, dW) for a JAX provider, or with
   backward=False the loss alone; `softcap` caps the logits (Gemma-2's
   final_logit_softcapping), `smoothing` smooths the labels, `weights` [N] weight the
-  tokens' losses and `reduction` reduces them ("none": per-token losses, summed here), and
-  `bonus` β subtracts β times the mean entropy, as every provider but the floor does.
+  tokens' losses and `reduction` reduces them ("none": per-token losses, summed here),
+  `bonus` β subtracts β times the mean entropy, and `ppo` (advantages, old log-probs, T)
+  makes each token's loss _ppo_clip of its log-prob, as every provider but the floor does.
   fn(*args)[0] is the loss."""
   if provider == "floor":
     w = jnp.pad(w, ((0, 0), (0, -w.shape[1] % 128)))
@@ -140,10 +162,15 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean
   n = x.shape[0]
   less_bonus = lambda total, entropy_sum: total if bonus is None else total - bonus * (
       entropy_sum / n)
+  # Each token's loss from its cross-entropy (−log p): itself, or PPO's surrogate.
+  objective = (lambda ce, *_: ce) if ppo is None else (
+      lambda ce, adv, old: _ppo_clip(-ce, adv, old))
+  ppo_args = (None, None) if ppo is None else ppo[:2]
   if provider == "jax_naive":
     def loss(x, w):
       logits = (x @ w).astype(jnp.float32)
-      total = _reduced(_naive_losses(logits, y, softcap, smoothing), reduction, weights)
+      total = _reduced(objective(_naive_losses(logits, y, softcap, smoothing), *ppo_args),
+                       reduction, weights)
       return less_bonus(total, None if bonus is None else
                         jnp.sum(_naive_entropy(logits, softcap)))
     return grads(loss), (x, w)
@@ -151,22 +178,24 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean
     chunk = math.gcd(x.shape[0], 1024)
     def loss(x, w):
       @jax.checkpoint
-      def one(xc, yc, wc):  # the chunk's summed losses and entropies
+      def one(xc, yc, wc, ac, oc):  # the chunk's summed losses and entropies
         logits = (xc @ w).astype(jnp.float32)
-        total = _reduced(_naive_losses(logits, yc, softcap, smoothing), "sum", wc)
+        total = _reduced(objective(_naive_losses(logits, yc, softcap, smoothing), ac, oc),
+                         "sum", wc)
         entropy = 0.0 if bonus is None else jnp.sum(_naive_entropy(logits, softcap))
         return jnp.stack([total, entropy])
       xs, ys = x[:n].reshape(-1, chunk, x.shape[1]), y[:n].reshape(-1, chunk)
-      ws = None if weights is None else weights.reshape(-1, chunk)
+      ws, adv, old = (None if t is None else t.reshape(-1, chunk)
+                      for t in (weights, *ppo_args))
       total, entropy = jax.lax.scan(lambda acc, xyw: (acc + one(*xyw), None),
-                                    jnp.zeros(2), (xs, ys, ws))[0]
+                                    jnp.zeros(2), (xs, ys, ws, adv, old))[0]
       return less_bonus(total / n if reduction == "mean" else total, entropy)
     return grads(loss), (x, w)
   if provider == "tokamax":
     if (softcap is not None or smoothing or reduction != "mean" or weights is not None
-        or bonus is not None):
+        or bonus is not None or ppo is not None):
       raise ImportError("tokamax's loss takes no logit softcap, label smoothing, reduction, "
-                        "token weights or entropy")
+                        "token weights, entropy or per-token objective")
     tokamax = import_tokamax()
     return grads(lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
         x, y, w, reduction="mean")), (x, w)
@@ -178,6 +207,11 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean
                    label_smoothing=smoothing)
     if bonus is not None:
       options.update(return_aux=True, entropy=True)
+    if ppo is not None and per_token:  # the log-probs, then the surrogate by the caller
+      return grads(lambda x, w: _reduced(objective(memeff_jax.linear_cross_entropy(
+          x, w, y, reduction="none", **options), *ppo_args), reduction)), (x, w)
+    if ppo is not None:
+      options.update(token_loss=_ppo_clip, token_loss_args=tuple(ppo_args))
 
     def with_bonus(out):  # the loss, less the bonus where the entropy came with it
       if bonus is None:
@@ -290,17 +324,24 @@ def parse_memeff(provider: str):
 
 
 def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean", weights=None,
-                  bonus=None):
+                  bonus=None, ppo=None):
   """loss_fn(x [N, D], w [V, D], y [N] int64) for a PyTorch provider; with `weights` [N]
   (a tensor), the peer's per-token losses times the weights, then reduced; with `bonus` β,
-  less β times the mean entropy of the logits (torch_naive and torch_compile only)."""
+  less β times the mean entropy of the logits (torch_naive and torch_compile only); with
+  `ppo` (advantages, old log-probs, T; tensors), PPO's surrogate of the per-token log-probs
+  (Liger: its fused GRPO loss)."""
   import torch  # pylint: disable=import-outside-toplevel
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
-  peer_reduction = reduction if weights is None else "none"
+  peer_reduction = reduction if weights is None and ppo is None else "none"
   if bonus is not None and provider not in ("torch_naive", "torch_compile"):
     raise ImportError(f"{provider}'s loss gives no entropy")
 
   def reduced(losses):
+    if ppo is not None:
+      adv, old, _ = ppo
+      ratio = torch.exp(-losses - old)
+      losses = -torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+      return losses.mean() if reduction == "mean" else losses.sum()
     if weights is None:
       return losses.sum()
     return _reduced(losses, reduction, weights)
@@ -320,6 +361,21 @@ def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean", weigh
     return naive
   if provider == "torch_compile":
     return torch.compile(naive)
+  if provider == "liger" and ppo is not None:
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss  # pylint: disable=import-outside-toplevel
+    if softcap is not None or smoothing or reduction != "mean":
+      raise ImportError("Liger's GRPO loss takes no logit softcap, smoothing or reduction")
+    adv, old, seq = ppo
+    module = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo",
+                                      epsilon_low=0.2, epsilon_high=0.2)
+    seq_adv, old = adv.view(-1, seq)[:, 0].contiguous(), old.view(-1, seq)
+
+    def grpo(x, w, y):
+      mask = torch.ones_like(old)
+      out = module(x.view(-1, seq, x.shape[-1]), w, y.view(-1, seq), mask, seq_adv,
+                   old_per_token_logps=old)
+      return out[0] if isinstance(out, tuple) else out
+    return grpo
   if provider == "liger":
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
     module = LigerFusedLinearCrossEntropyLoss(softcap=softcap, label_smoothing=smoothing,
@@ -334,7 +390,7 @@ def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean", weigh
 
 
 def torch_case(provider, x, w, y, softcap=None, smoothing=0.0, reduction="mean",
-               backward=True, weights=None, bonus=None):
+               backward=True, weights=None, bonus=None, ppo=None):
   """A closure running forward+backward in torch (the forward alone, under no_grad, with
   backward=False), and a loss getter."""
   import torch  # pylint: disable=import-outside-toplevel
@@ -347,8 +403,10 @@ def torch_case(provider, x, w, y, softcap=None, smoothing=0.0, reduction="mean",
   yt = torch.from_numpy(np.asarray(y).astype(np.int64)).to(dev)
   if weights is not None:
     weights = torch.from_numpy(np.asarray(weights)).to(dev)
+  if ppo is not None:
+    ppo = tuple(torch.from_numpy(np.asarray(t)).to(dev) for t in ppo[:2]) + (ppo[2],)
   step, state = torch_step(torch_loss_fn(provider, softcap, smoothing, reduction, weights,
-                                         bonus), xt, wt, yt, backward)
+                                         bonus, ppo), xt, wt, yt, backward)
   return step, state, (xt, wt, yt)
 
 
@@ -380,13 +438,15 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
   backward = spec.get("backward", True)
   weighted = spec.get("token_weights", False)
   bonus = spec.get("entropy_bonus")
+  sequence = spec.get("ppo_sequence")
   env = _harness.environment()
   rows = []
   for shape in spec["shapes"]:
     n, d, v = shape["n"], shape["d"], shape["v"]
     x, w, y, kg = make_inputs(n, d, v, dtype)
+    ppo = None if sequence is None else (*ppo_inputs(x, w, y, sequence), sequence)
     options = (softcap, smoothing, reduction, backward, token_weights(n) if weighted else None,
-               bonus)
+               bonus, ppo)
     flops = (6.0 if backward else 2.0) * n * d * v
     cases = {}  # provider -> (row, timer, loss getter): built and run once before any timing
     for provider in providers:
@@ -402,6 +462,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
         row["token_weights"] = True
       if bonus is not None:
         row["entropy_bonus"] = bonus
+      if sequence is not None:
+        row["ppo_sequence"] = sequence
       if not backward:
         row["backward"] = False
       try:

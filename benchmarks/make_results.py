@@ -260,6 +260,8 @@ def run_heading(key, rows) -> str:
     dtype = f"{dtype}, token weights"
   if rows[0].get("entropy_bonus") is not None:
     dtype = f"{dtype}, entropy bonus {rows[0]['entropy_bonus']:g}"
+  if rows[0].get("ppo_sequence") is not None:
+    dtype = f"{dtype}, PPO's clipped surrogate, advantages per {rows[0]['ppo_sequence']:,} tokens"
   passes = "forward+backward" if rows[0].get("backward", True) else "forward (no gradients)"
   return (f"**{set_name}** (N={n:,}, D={d:,}, V={v:,}, {dtype}) on {device}, {stamp} "
           f"({versions}), {passes}{_rounds(rows)}")

@@ -7,6 +7,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from benchmarks import linear_cross_entropy as bench
@@ -61,6 +62,24 @@ def test_every_provider_takes_the_same_entropy_bonus(options):
   want = results.pop("jax_naive")
   plain = bench.jax_case("jax_naive", x, w, y, kg, **options)[0](x, w)
   assert not np.allclose(plain[0], want[0], rtol=1e-3)  # the bonus counts
+  for provider, got in results.items():
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=provider)
+
+
+def test_every_provider_takes_the_same_ppo_objective():
+  """A `ppo_sequence` set: memeff's token_loss, its per-token log-probs with the surrogate
+  after them, and plain JAX's give one objective and one set of gradients, and the old
+  log-probs clip some ratios and not others."""
+  x, w, y, kg = bench.make_inputs(256, 64, 1000, jnp.float32, seed=4)
+  ppo = (*bench.ppo_inputs(x, w, y, 64), 64)
+  log_p = -optax.softmax_cross_entropy_with_integer_labels(x @ w, y)
+  ratio = np.exp(np.asarray(log_p) - np.asarray(ppo[1]))
+  assert 0.1 < np.mean((ratio < 0.8) | (ratio > 1.2)) < 0.9
+  results = {provider: bench.jax_case(provider, x, w, y, kg, ppo=ppo)
+             for provider in PROVIDERS + ["memeff:default:per_token=1"]}
+  results = {p: fn(*args) for p, (fn, args) in results.items()}
+  want = results.pop("jax_naive")
   for provider, got in results.items():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=provider)
