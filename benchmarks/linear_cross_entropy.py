@@ -21,8 +21,9 @@ same). A set with `token_weights = true` weights each token's loss by a fixed no
 (an on-policy policy gradient's advantages): memeff passes them as `token_weights`, every
 other provider multiplies its per-token losses. A set with `entropy_bonus = β` subtracts β
 times the tokens' mean entropy from the loss (an RL step's entropy bonus, differentiated):
-memeff takes the entropy from `return_aux=True, entropy=True`, plain JAX and torch from the
-logits; Liger, CCE and tokamax, which give no entropy, are skipped. A set with
+memeff as a `token_loss` of the log-prob and entropy (`memeff:default:aux=1`: the entropy
+from `return_aux=True`, then the bonus), plain JAX and torch from the logits; Liger, CCE
+and tokamax, which give no entropy, are skipped. A set with
 `ppo_sequence = T` takes PPO's clipped surrogate (ε = 0.2, GRPO's without a KL term) as the
 loss: each token's −min(ρA, clip(ρ, 0.8, 1.2)A), ρ = exp(log p − log p_old), A one normal
 advantage per sequence of T tokens, log p_old the tokens' log-probs plus noise (some ratios
@@ -121,6 +122,12 @@ def _naive_entropy(logits, softcap=None):
                   axis=-1)
 
 
+def _less_bonus(log_p, entropy, bonus):
+  """A token's cross-entropy less `bonus` times its entropy: memeff's token_loss for an
+  `entropy_bonus` set."""
+  return -log_p - bonus * entropy
+
+
 def _ppo_clip(log_p, advantages, old_log_p):
   """PPO's clipped surrogate of one token (or elementwise): memeff's token_loss."""
   ratio = jnp.exp(log_p - old_log_p)
@@ -200,11 +207,18 @@ def jax_case(provider, x, w, y, kg, softcap=None, smoothing=0.0, reduction="mean
     return grads(lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
         x, y, w, reduction="mean")), (x, w)
   if provider.startswith("memeff"):
-    impl, layout, per_token = parse_memeff(provider)
+    impl, layout, per_token, aux = parse_memeff(provider)
     if layout == "vd":
       w = jax.block_until_ready(jnp.copy(w.T))
     options = dict(weight_layout=layout, implementation=impl, logit_softcap=softcap,
                    label_smoothing=smoothing)
+    if bonus is not None and not (per_token or aux or smoothing or ppo is not None):
+      # The cross-entropy less the bonus as one token_loss of the log-prob and entropy (the
+      # bonus is on the mean entropy: per token β, or β / N where the losses are summed).
+      per_entropy = bonus if reduction == "mean" else bonus / n
+      options.update(entropy=True, token_loss=functools.partial(_less_bonus, bonus=per_entropy))
+      return grads(lambda x, w: _reduced_first(memeff_jax.linear_cross_entropy(
+          x, w, y, reduction=reduction, token_weights=weights, **options), "sum")), (x, w)
     if bonus is not None:
       options.update(return_aux=True, entropy=True)
     if ppo is not None and per_token:  # the log-probs, then the surrogate by the caller
@@ -284,13 +298,16 @@ def _mosaic_kernel_names():
 
 
 def parse_memeff(provider: str):
-  """memeff[:name[:key=value...]] -> (implementation argument, weight layout, per_token)."""
+  """memeff[:name[:key=value...]] -> (implementation argument, weight layout, per_token,
+  aux): per_token=1 reduces reduction="none"'s losses after the call; aux=1 takes an
+  entropy bonus's entropies from return_aux rather than a token_loss."""
   parts = provider.split(":")
   if len(parts) == 1:
-    return None, "dv", False
+    return None, "dv", False, False
   name, opts = parts[1], dict(p.split("=", 1) for p in parts[2:])
   layout = opts.pop("layout", "dv")
   per_token = bool(int(opts.pop("per_token", 0)))
+  aux = bool(int(opts.pop("aux", 0)))
   if name == "default":
     impl = None
   elif name == "chunked_xla":
@@ -320,7 +337,7 @@ def parse_memeff(provider: str):
     impl = name
   if opts:
     raise ValueError(f"unknown options {opts} in provider {provider!r}")
-  return impl, layout, per_token
+  return impl, layout, per_token, aux
 
 
 def torch_loss_fn(provider, softcap=None, smoothing=0.0, reduction="mean", weights=None,

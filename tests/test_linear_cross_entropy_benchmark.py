@@ -53,11 +53,13 @@ def test_every_provider_weights_the_same_tokens(reduction):
 
 @pytest.mark.parametrize("options", [dict(), dict(softcap=5.0, reduction="none")])
 def test_every_provider_takes_the_same_entropy_bonus(options):
-  """An `entropy_bonus` set: memeff's Aux.entropy (also with per_token=1) and the plain JAX
-  entropies of the logits give one objective and one set of gradients."""
+  """An `entropy_bonus` set: memeff's token_loss of the log-prob and entropy, its Aux.entropy
+  (aux=1, also with per_token=1) and the plain JAX entropies of the logits give one
+  objective and one set of gradients."""
   x, w, y, kg = bench.make_inputs(256, 64, 1000, jnp.float32, seed=3)
   results = {provider: bench.jax_case(provider, x, w, y, kg, bonus=0.5, **options)
-             for provider in PROVIDERS + ["memeff:default:per_token=1"]}
+             for provider in PROVIDERS + ["memeff:default:per_token=1",
+                                          "memeff:default:aux=1"]}
   results = {p: fn(*args) for p, (fn, args) in results.items()}
   want = results.pop("jax_naive")
   plain = bench.jax_case("jax_naive", x, w, y, kg, **options)[0](x, w)

@@ -622,18 +622,24 @@ def _clipped_ratio(log_p, advantages, old_log_p):
     ("auto", dict(reduction="sum", bias=True)),
     ("auto", dict(reduction="none", weight_layout="vd", return_aux=True)),
     ("explicit", dict(where=True)),
-    ("explicit", dict(reduction="none", weight_layout="vd"))])
+    ("explicit", dict(reduction="none", weight_layout="vd")),
+    ("shard_map", dict(entropy=True, reduction="sum")),
+    ("auto", dict(entropy=True, where=True)),
+    ("explicit", dict(entropy=True, reduction="none"))])
 def test_token_loss_on_meshes(mesh, explicit_mesh, kind, kw):
   """A token_loss with its arguments and token weights sharded like the tokens, W's
   vocabulary over 'model': inside shard_map with vocab_axis, under jit on Auto and Explicit
   meshes; the values and the gradients of x, W, the bias, the weights and f's arguments one
-  device's."""
+  device's. With entropy=True f takes the entropy too (merged over the slices)."""
   layout = kw.get("weight_layout", "dv")
   x, w, y, b, where = _vocab_problem(17, layout=layout)
   ks = jax.random.split(jax.random.key(18), 3)
   omega, adv = jax.random.uniform(ks[0], y.shape), jax.random.normal(ks[1], y.shape)
   old = -4.6 + 0.5 * jax.random.normal(ks[2], y.shape)  # log(1/96) nearby: some clipped
-  kw, call = _vocab_call(dict(kw, token_loss=_clipped_ratio), y, b, where)
+  f = _clipped_ratio
+  if kw.get("entropy"):
+    f = lambda lp, h, a, o: _clipped_ratio(lp, a, o) - 0.1 * h + 0.02 * h * h
+  kw, call = _vocab_call(dict(kw, token_loss=f), y, b, where)
   mask = call.__defaults__[1]
   loss = lambda f: lambda x, w, b, om, a, o: sum(map(_weighted_sum,
                                                     jax.tree.leaves(f(x, w, b, om, a, o))))

@@ -360,6 +360,14 @@ def _fwd(static: Static, x, w, bias, labels, valid, weights):
                         log_prob, *grads)
 
 
+def _entropy(static: Static, res: Residuals):
+  """The tokens' entropies from the residuals, where a token_loss takes them (else None);
+  typed alike on every shard of a vocabulary axis, as the statistics they come from are."""
+  if static.opts.token_loss is None or not static.opts.entropy:
+    return None
+  return _alike(static, res.lse - res.mean_logit)
+
+
 def _scale(t, g, like):
   if t is None or g is None:
     return None
@@ -381,7 +389,8 @@ def _bwd(static: Static, res: Residuals, cts):
       token_weights, args = _common.split_weights(res.weights, static.opts)
       ct = (jnp.zeros_like(dweights) if g_loss is None else
             g_loss * _common.token_scale(res.valid, static.opts.reduction, token_weights))
-      dargs = _common.token_loss_arg_grads(res.log_prob, args, ct, static.opts)
+      dargs = _common.token_loss_arg_grads(res.log_prob, _entropy(static, res), args, ct,
+                                           static.opts)
       dweights = jnp.concatenate([dweights[:, None], dargs], axis=1)
   if static.vocab is not None:
     g_loss, g_lse, g_z, g_ent = static.vocab.cotangents(g_loss, g_lse, g_z, g_ent)
@@ -391,8 +400,10 @@ def _bwd(static: Static, res: Residuals, cts):
   need = (True, True, res.bias is not None)
   entropy = None if g_ent is None else (g_ent.astype(jnp.float32), res.mean_logit)
   if opts.reduction == "none":
-    a, e = _common.coefficients(res.valid, res.lse, g_loss, g_lse, g_z, opts, res.weights,
-                                res.log_prob)
+    a, e, h = _common.coefficients(res.valid, res.lse, g_loss, g_lse, g_z, opts, res.weights,
+                                   res.log_prob, _entropy(static, res))
+    if h is not None:  # a token_loss of the entropy: its share of the entropy's cotangent
+      entropy = (h if entropy is None else entropy[0] + h, res.mean_logit)
     _, dx, dw, db = run_chunks(static, res.x, res.weight, res.bias, res.labels,
                                a=a, e=e, lse=res.lse, need=need, entropy=entropy)
   else:
@@ -400,7 +411,7 @@ def _bwd(static: Static, res: Residuals, cts):
                   ((res.dx, res.x), (res.dweight, res.weight), (res.dbias, res.bias)))
     if g_lse is not None or (g_z is not None and opts.z_loss) or entropy is not None:
       # The auxiliary outputs were differentiated: one more pass for their share.
-      a, e = _common.coefficients(res.valid, res.lse, None, g_lse, g_z, opts, res.weights)
+      a, e, _ = _common.coefficients(res.valid, res.lse, None, g_lse, g_z, opts, res.weights)
       _, dx2, dw2, db2 = run_chunks(static, res.x, res.weight, res.bias, res.labels,
                                     a=a, e=e, lse=res.lse, need=need, entropy=entropy)
       dx, dw, db = _add(dx, dx2), _add(dw, dw2), _add(db, db2)

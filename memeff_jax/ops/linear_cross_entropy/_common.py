@@ -13,8 +13,9 @@ Notation (per token n, vocabulary entry v):
 
 With a `token_loss` f, ce[n] is f(ℓ[n], *args[n]) instead, ℓ = ẑ[n, y_n] − lse[n] the label's
 log-probability (no label smoothing or z-loss then): ce = −ℓ is f(ℓ) = −ℓ. Its gradient is
-the cross-entropy's with a[n] times −f'(ℓ[n]), a factor known once the token's statistics
-are (`TokenCoefficients`).
+the cross-entropy's with a[n] times −∂f/∂ℓ, a factor known once the token's statistics are
+(`TokenCoefficients`). With LossOptions.entropy f takes the entropy too, f(ℓ, H, *args), and
+its gradient adds the entropy's with h[n] = a[n] ∂f/∂H.
 
 The gradient with respect to the raw logits, for per-token coefficients a (on the loss),
 e (extra weight on the softmax, e.g. from a differentiated log-sum-exp output) and h (the
@@ -64,8 +65,9 @@ class LossOptions:
   # statistics then carry μ = Σ_v p ẑ, and G may take the entropy's cotangent.
   entropy: bool = False
   # linear_cross_entropy's `token_loss`: f(log_prob, *args) -> the token's loss, on scalars
-  # (vmapped over the tokens). Its args are the columns after the first of the [N, 1 + k]
-  # token weights the implementations are given (split_weights).
+  # (vmapped over the tokens); f(log_prob, entropy, *args) with `entropy`. Its args are the
+  # columns after the first of the [N, 1 + k] token weights the implementations are given
+  # (split_weights).
   token_loss: Callable | None = None
 
   @property
@@ -268,8 +270,11 @@ def token_loss(stats: Stats, labels, valid, opts: LossOptions, args=None):
   in_range = (labels >= 0) & (labels < opts.vocab_size)
   label_logit = jnp.where(in_range, stats.label_logit, jnp.nan)  # optax: NaN, never finite
   if opts.token_loss is not None:  # f at 0 where not counted: no NaN from there, even in grads
-    safe = lambda t: jnp.where(valid if t.ndim == 1 else valid[:, None], t, 0.0)
-    value = _token_fn(opts)(safe(label_logit - stats.lse), *_columns(safe(args)))
+    safe = lambda t: None if t is None else jnp.where(
+        valid if t.ndim == 1 else valid[:, None], t, 0.0)
+    inputs = _token_inputs(safe(label_logit - stats.lse), safe(entropy_of(stats, opts)),
+                           safe(args))
+    value = jax.vmap(_scalar_fn(opts))(*inputs)
     return jnp.where(valid, value, 0.0), jnp.zeros_like(value)
   eps = opts.label_smoothing
   ce = stats.lse - (1.0 - eps) * label_logit
@@ -317,21 +322,24 @@ def weight_grads(losses, valid, g_loss, g_z, opts: LossOptions):
 
 
 def coefficients(valid, lse, g_loss, g_lse, g_z, opts: LossOptions, weights=None,
-                 log_prob=None):
-  """Per-token (a, e) of block_grad for output cotangents (None means a zero cotangent), with
-  the token weights (None: 1); with a token_loss, its factor at each token's `log_prob`."""
+                 log_prob=None, entropy=None):
+  """Per-token (a, e, h) of block_grad for output cotangents (None means a zero cotangent),
+  with the token weights (None: 1); with a token_loss, a is times its factor at each token's
+  `log_prob` (and `entropy`), and h is the share of the entropy's cotangent that f adds where
+  it takes the entropy (else None)."""
   weights, args = split_weights(weights, opts)
   r = token_scale(valid, opts.reduction, weights)
+  h = None
   if g_loss is None:
     a = jnp.zeros_like(r)
   elif opts.token_loss is None:
     a = g_loss * r
   else:
-    a = jnp.where(r != 0, g_loss * r * token_loss_factor(log_prob, args, opts), 0.0)
+    a, h = resolve(TokenCoefficients(g_loss * r, args), log_prob, entropy, opts)
   e = jnp.zeros_like(r) if g_lse is None else g_lse.astype(jnp.float32)
   if g_z is not None and opts.z_loss:
     e = e + 2.0 * opts.z_loss * lse * g_z * r
-  return a, e
+  return a, e, h
 
 
 # ----------------------------------------------------------------------------------------
@@ -356,41 +364,49 @@ def _scalar_fn(opts: LossOptions):
   return lambda log_prob, *args: jnp.asarray(opts.token_loss(log_prob, *args), jnp.float32)
 
 
-def _token_fn(opts: LossOptions):
-  """opts.token_loss over [N] arrays."""
-  return jax.vmap(_scalar_fn(opts))
+def _token_inputs(log_prob, entropy, args):
+  """f's per-token inputs: ℓ, the entropy where f takes it (not None), then the args."""
+  return (log_prob,) + (() if entropy is None else (entropy,)) + _columns(args)
 
 
-def token_loss_factor(log_prob, args, opts: LossOptions):
-  """−f'(ℓ) per token, [N] float32: what the cross-entropy's coefficients are multiplied by
-  (1 without a token_loss, whose f is −ℓ)."""
-  if opts.token_loss is None:
-    return jnp.ones_like(log_prob)
-  return -jax.vmap(jax.grad(_scalar_fn(opts)))(log_prob, *_columns(args))
-
-
-def token_loss_arg_grads(log_prob, args, ct, opts: LossOptions):
+def token_loss_arg_grads(log_prob, entropy, args, ct, opts: LossOptions):
   """[N, k] float32: ct[n] · ∂f/∂args[n] (ct the per-token cotangent of f's values), 0
-  where ct is."""
-  grads = jax.vmap(jax.grad(_scalar_fn(opts), argnums=tuple(range(1, 1 + args.shape[1]))))(
-      log_prob, *_columns(args))
+  where ct is; `entropy` None unless f takes it."""
+  inputs = _token_inputs(log_prob, entropy, args)
+  first = len(inputs) - args.shape[1]
+  grads = jax.vmap(jax.grad(_scalar_fn(opts), argnums=tuple(range(first, len(inputs)))))(
+      *inputs)
   return jnp.where(ct[:, None] != 0, jnp.stack(grads, axis=1) * ct[:, None], 0.0)
 
 
 class TokenCoefficients(NamedTuple):
   """The loss coefficients a of a chunk whose token_loss needs its statistics first: a =
-  r · (−f'(ℓ)), ℓ = label logit − lse, where a backend has both (resolve); 0 where r is."""
+  r · (−∂f/∂ℓ), ℓ = label logit − lse, where a backend has them (resolve); 0 where r is."""
 
   r: jax.Array  # [C] float32: d(reduced loss) / d(f's value) of each token
   args: jax.Array  # [C, k] float32: the token_loss's arguments
 
 
-def resolve(a, lse, label_logit, opts: LossOptions):
-  """The coefficients a as an array: `a` itself, or a TokenCoefficients' from statistics."""
+def resolve(a, log_prob, entropy, opts: LossOptions):
+  """(a, h): the coefficients a as an array (`a` itself, or a TokenCoefficients' from the
+  tokens' log-probabilities and, where f takes them (opts.entropy), entropies), and the
+  entropy cotangent h = r ∂f/∂H that f adds (None where it takes no entropy)."""
   if not isinstance(a, TokenCoefficients):
-    return a
-  factor = token_loss_factor(label_logit - lse, a.args, opts)
-  return jnp.where(a.r != 0, a.r * factor, 0.0)
+    return a, None
+  with_entropy = opts.entropy
+  inputs = _token_inputs(log_prob, entropy if with_entropy else None, a.args)
+  slopes = jax.vmap(jax.grad(_scalar_fn(opts), argnums=(0, 1) if with_entropy else 0))(*inputs)
+  d_log_prob, d_entropy = slopes if with_entropy else (slopes, None)
+  counted = lambda t: jnp.where(a.r != 0, a.r * t, 0.0)
+  return counted(-d_log_prob), None if d_entropy is None else counted(d_entropy)
+
+
+def resolve_stats(a, stats: Stats, opts: LossOptions):
+  """resolve from a chunk's statistics: (a, entropy) with entropy the (h, μ) block_grad
+  takes for f's share of it, or None."""
+  entropy = entropy_of(stats, opts)
+  a, h = resolve(a, stats.label_logit - stats.lse, entropy, opts)
+  return a, None if h is None else (h, stats.mean_logit)
 
 
 def base(a):

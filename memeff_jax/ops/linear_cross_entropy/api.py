@@ -273,12 +273,13 @@ def _compute(x2, weight, bias, labels2, valid, weights, opts: LossOptions, imple
       x2, weight, bias, labels2, valid, weights, opts=opts, chunk_size=chunk_size, **vocab))
 
 
-def _checked_entropy(entropy, return_aux: bool) -> bool:
-  """`entropy` as a bool, after checking that the auxiliary outputs that hold it are asked
-  for."""
+def _checked_entropy(entropy, return_aux: bool, token_loss) -> bool:
+  """`entropy` as a bool, after checking that something takes it: the auxiliary outputs
+  that hold it, or a token_loss."""
   entropy = _checks.static_bool("entropy", entropy)
-  if entropy and not return_aux:
-    raise ValueError("entropy=True returns the entropy in Aux: pass return_aux=True too")
+  if entropy and not return_aux and token_loss is None:
+    raise ValueError("entropy=True returns the entropy in Aux (pass return_aux=True too) or "
+                     "hands it to a token_loss")
   return entropy
 
 
@@ -294,10 +295,10 @@ def _checked_weights(token_weights, shape):
   return token_weights
 
 
-def _checked_token_loss(token_loss, token_loss_args, shape, label_smoothing, z_loss):
+def _checked_token_loss(token_loss, token_loss_args, shape, label_smoothing, z_loss, entropy):
   """(token_loss, its arguments as a tuple of arrays) after checking them: a callable of
-  scalars (the log-probability, then one float per argument) returning a real scalar, each
-  argument a float array of the labels' shape."""
+  scalars (the log-probability, the entropy where `entropy`, then one float per argument)
+  returning a real scalar, each argument a float array of the labels' shape."""
   if isinstance(token_loss_args, (jax.Array, jnp.ndarray)) or not isinstance(
       token_loss_args, (tuple, list)):
     raise TypeError(f"token_loss_args must be a tuple of arrays, got "
@@ -320,10 +321,11 @@ def _checked_token_loss(token_loss, token_loss_args, shape, label_smoothing, z_l
       raise ValueError(f"token_loss_args[{i}].shape={a.shape} must equal labels.shape={shape}")
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
   try:
-    out = jax.eval_shape(token_loss, scalar, *(scalar,) * len(args))
+    out = jax.eval_shape(token_loss, scalar, *(scalar,) * (entropy + len(args)))
   except Exception as err:
-    raise TypeError(f"token_loss must take the log-probability and {len(args)} more float32 "
-                    f"scalars (token_loss_args), one token at a time; calling it so raised "
+    takes = "the log-probability" + (", the entropy (entropy=True)" if entropy else "")
+    raise TypeError(f"token_loss must take {takes} and {len(args)} more float32 scalars "
+                    f"(token_loss_args), one token at a time; calling it so raised "
                     f"{type(err).__name__}: {err}") from err
   if not (hasattr(out, "shape") and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
     raise TypeError(f"token_loss must return one real scalar per token, got {out}")
@@ -410,15 +412,17 @@ def linear_cross_entropy(
       forward pass as the cross-entropy's are (∂f/∂ℓ is known once ℓ is), so a mean or sum
       costs the three matmuls, where `reduction="none"` and f applied by the caller cost a
       fourth. Weights, masks and reductions apply to f's values. Differentiable in all its
-      inputs; not with label_smoothing or z_loss. Pass a function defined once (a new
-      closure per call retraces a jitted caller).
+      inputs; not with label_smoothing or z_loss. With `entropy=True` f takes each token's
+      entropy after its log-probability, f(log_prob, entropy, *args) (an entropy bonus,
+      −β·entropy, in the same three matmuls; return_aux is then optional). Pass a function
+      defined once (a new closure per call retraces a jitted caller).
     token_loss_args: a tuple of float arrays shaped like labels (advantages, old
       log-probs), f's arguments after the log-probability.
     return_aux: also return `Aux(lse, z_loss, entropy)`; all are differentiable. The z-loss
       term is weighted like the loss, the log-sum-exp and entropy not.
     entropy: with return_aux, also each token's entropy H = −Σ_v p log p of softmax(ẑ)
       (Aux.entropy, float32 labels.shape; None without it): an RL step's entropy, logged
-      or, differentiated, a bonus. Its statistic Σ_v p ẑ costs an elementwise product in
+      or, differentiated, a bonus; with a token_loss, also its second argument. Its statistic Σ_v p ẑ costs an elementwise product in
       the softmax pass; pallas_mosaic_gpu then takes that pass rather than exp_logits.
       Differentiated beside a mean or sum loss it costs one more pass over the chunks
       (the forward made the loss's gradients without it); with reduction="none" it shares
@@ -477,11 +481,12 @@ def linear_cross_entropy(
       raise ValueError(f"reduction must be one of {_common.REDUCTIONS}, got {reduction!r}")
     labels = jnp.asarray(labels)
     token_loss, loss_args = _checked_token_loss(token_loss, token_loss_args, labels.shape,
-                                                label_smoothing, z_loss)
+                                                label_smoothing, z_loss,
+                                                _checks.static_bool("entropy", entropy))
     return _per_shard(mesh, x, weight, labels, bias, where, token_weights, loss_args,
                       token_loss=token_loss, ignore_index=ignore_index, reduction=reduction,
                       return_aux=_checks.static_bool("return_aux", return_aux),
-                      entropy=_checked_entropy(entropy, return_aux),
+                      entropy=_checked_entropy(entropy, return_aux, token_loss),
                       weight_layout=weight_layout, label_smoothing=label_smoothing,
                       z_loss=z_loss, logit_softcap=logit_softcap,
                       implementation=implementation, chunk_size=chunk_size)
@@ -528,12 +533,13 @@ def linear_cross_entropy(
   if not 0.0 <= _checks.static_real("z_loss", z_loss) < float("inf"):
     raise ValueError(f"z_loss must be finite and ≥ 0, got {z_loss!r}")
   token_loss, loss_args = _checked_token_loss(token_loss, token_loss_args, labels.shape,
-                                              label_smoothing, z_loss)
+                                              label_smoothing, z_loss,
+                                              _checks.static_bool("entropy", entropy))
   weights = _token_inputs(token_weights, loss_args, math.prod(labels.shape))
   logit_softcap = _checks.logit_softcap(logit_softcap)
   chunk_size = _chunk_size(chunk_size)
   return_aux = _checks.static_bool("return_aux", return_aux)
-  entropy = _checked_entropy(entropy, return_aux)
+  entropy = _checked_entropy(entropy, return_aux, token_loss)
   if vocab == 0:
     raise ValueError(f"the vocabulary is empty (weight.shape={weight.shape})")
   vocab_axis, shards = _checks.manual_axis("vocab_axis", vocab_axis,

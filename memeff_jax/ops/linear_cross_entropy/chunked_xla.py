@@ -163,7 +163,9 @@ class XlaChunkBackend:
       stats = Stats(lse_c, jnp.zeros_like(lse_c), jnp.zeros_like(lse_c))
     if shards is not None and lse_c is None:  # G from the whole vocabulary's statistics
       stats = shards.merge(stats)
-    a_c = _common.resolve(a_c, stats.lse, stats.label_logit, opts)
+    if lse_c is None:  # a token_loss's coefficients (and its share of the entropy's)
+      a_c, own_entropy = _common.resolve_stats(a_c, stats, opts)
+      entropy = own_entropy or entropy
     dx_c = jnp.zeros(x_c.shape, jnp.float32) if need_dx else None
 
     def block(start, size, carry):

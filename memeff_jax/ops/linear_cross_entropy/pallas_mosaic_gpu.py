@@ -493,8 +493,8 @@ class ChunkBackend:
       z = self._logits(x_c, w, bias)
       stats = Stats(*self._softmax(z, labels_c))
       stats = stats if vocab is None else vocab.merge(stats)
-      a_c = _common.resolve(a_c, stats.lse, stats.label_logit, self.opts)
-      g, *_ = self._softmax(z, labels_c, a_c, e_c, stats.lse, entropy=entropy)
+      a_c, own_entropy = _common.resolve_stats(a_c, stats, self.opts)
+      g, *_ = self._softmax(z, labels_c, a_c, e_c, stats.lse, entropy=own_entropy or entropy)
     else:
       if self.fused_lse and lse_c is None:
         fits = self._mosaic("dx") is not None and mosaic_gemm.stats_window_error(
@@ -652,7 +652,7 @@ class ChunkBackend:
       rowwise = vocab.sum(rowwise)
     lse = jnp.log(rowwise[0]) if lse_c is None else lse_c
     label_logit = rowwise[1]
-    a_c = _common.resolve(a_c, lse, label_logit, opts)
+    a_c, _ = _common.resolve(a_c, label_logit - lse, None, opts)  # (no entropy on this path)
     b = _common.grad_scale(a_c, e_c, lse, opts)
     counts, labelled = counts | (b != 0), (rowwise[2] > 0) & (a_c != 0)
     lo, hi = LSE_RANGE
@@ -666,7 +666,7 @@ class ChunkBackend:
     else:  # the statistics (merged, vocab parallel) first, then G
       slow = Stats(*self._softmax(e, labels_c, enabled=~ok))
       slow = slow if vocab is None else vocab.merge(slow)
-      a_slow = _common.resolve(coefficients, slow.lse, slow.label_logit, opts)
+      a_slow, _ = _common.resolve(coefficients, slow.label_logit - slow.lse, None, opts)
       e, *_ = self._softmax(e, labels_c, a_slow, e_c, slow.lse, enabled=~ok)
 
     patch = in_range & (a_c != 0)

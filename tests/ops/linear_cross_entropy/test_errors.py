@@ -62,7 +62,10 @@ Y = jnp.zeros((2, 5), jnp.int32)
     (dict(return_aux="yes"), TypeError, r"return_aux must be a Python bool"),
     (dict(entropy=1), TypeError, r"entropy must be a Python bool"),
     (dict(entropy=True), ValueError,
-     r"entropy=True returns the entropy in Aux: pass return_aux=True too"),
+     r"entropy=True returns the entropy in Aux \(pass return_aux=True too\) or hands it "
+     r"to a token_loss"),
+    (dict(token_loss=lambda lp: -lp, entropy=True), TypeError,
+     r"token_loss must take the log-probability, the entropy \(entropy=True\) and 0 more"),
     (dict(implementation=123), TypeError, r"implementation must be None, a name"),
     (dict(labels=Int64Labels(jnp.zeros((2, 5, 2)))), TypeError,
      r"Int64Labels.words must be \[..., 2\] int32 or uint32.*float32"),

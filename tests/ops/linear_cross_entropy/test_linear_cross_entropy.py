@@ -67,6 +67,11 @@ def _ppo_clip(log_p, advantages, old_log_p):
   return -jnp.minimum(ratio * advantages, jnp.clip(ratio, 0.8, 1.2) * advantages)
 
 
+def _ppo_clip_entropy(log_p, entropy, advantages, old_log_p):
+  """_ppo_clip less an entropy bonus, nonlinear in the entropy: a token_loss of both."""
+  return _ppo_clip(log_p, advantages, old_log_p) - 0.1 * entropy + 0.02 * entropy ** 2
+
+
 def rel_err(got, ref):
   got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
   return np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
@@ -282,14 +287,18 @@ class _LinearCrossEntropyTest:
       ("mean", {}, False, False), ("sum", {"bias": True, "where": True}, True, False),
       ("mean", {"logit_softcap": 3.0, "weight_layout": "vd", "where": True}, True, True),
       ("none", {}, False, True), ("none", {"bias": True, "logit_softcap": 3.0}, True, False),
-      ("mean", {"aux": True}, False, True)])
+      ("mean", {"aux": True}, False, True), ("mean", {"entropy": True}, False, False),
+      ("sum", {"entropy": True, "where": True, "weight_layout": "vd"}, True, True),
+      ("none", {"entropy": True, "aux": True, "bias": True}, False, True)])
   def test_token_loss_matches_plain_jax(self, reduction, options, weighted, differentiated):
     """A PPO-style clipped objective as token_loss against JAX's autodiff of the same f on
     the materialized log-probabilities: values and the gradients of x, W, the bias, the
     token weights and f's arguments (differentiated, or constants: a mean or sum then
-    reduced in the chunk loop); "aux" adds the differentiated log-sum-exps."""
+    reduced in the chunk loop); "aux" adds the differentiated log-sum-exps (and entropies);
+    "entropy" gives f the entropy too, less a bonus for it."""
     options = dict(options)
-    aux = options.pop("aux", False)
+    aux, entropy = options.pop("aux", False), options.pop("entropy", False)
+    token_loss = _ppo_clip_entropy if entropy else _ppo_clip
     layout, cap = options.get("weight_layout", "dv"), options.get("logit_softcap")
     x, w, labels, b, where = make_problem(jax.random.key(41), self.lead, 24, 300,
                                           jnp.float32, **options)
@@ -307,24 +316,32 @@ class _LinearCrossEntropyTest:
 
     def ours(x, w, b, adv, old, omega):
       out = memeff_jax.linear_cross_entropy(
-          x, w, labels, bias=b, where=where, token_weights=omega, token_loss=_ppo_clip,
-          token_loss_args=(adv, old), reduction=reduction, return_aux=aux,
+          x, w, labels, bias=b, where=where, token_weights=omega, token_loss=token_loss,
+          token_loss_args=(adv, old), reduction=reduction, return_aux=aux, entropy=entropy,
           weight_layout=layout, logit_softcap=cap, implementation=self.impl,
           chunk_size=self.chunk_size)
       loss, extra = out if aux else (out, None)
       total = jnp.sum(loss * ct) if reduction == "none" else loss
-      return total + (jnp.sum(extra.lse * ct) if aux else 0.0)
+      if aux:
+        total = total + jnp.sum(extra.lse * ct)
+        total = total + (jnp.sum(extra.entropy * ct ** 2) if entropy else 0.0)
+      return total
 
     def plain(x, w, b, adv, old, omega):
       z = x @ (w if layout == "dv" else w.T)
       z = _common.cap_logits(z if b is None else z + b, cap)
       log_p = jnp.take_along_axis(jax.nn.log_softmax(z), safe[..., None], -1)[..., 0]
-      per_token = jnp.where(counted, _ppo_clip(log_p, adv, old), 0.0)
+      h = -jnp.sum(jax.nn.softmax(z) * jax.nn.log_softmax(z), axis=-1)
+      per_token = jnp.where(counted, _ppo_clip_entropy(log_p, h, adv, old) if entropy
+                            else _ppo_clip(log_p, adv, old), 0.0)
       per_token = per_token if omega is None else per_token * omega
       total = (jnp.sum(per_token * ct) if reduction == "none" else
                jnp.sum(per_token) / jnp.maximum(jnp.sum(counted), 1) if reduction == "mean"
                else jnp.sum(per_token))
-      return total + (jnp.sum(jax.nn.logsumexp(z, axis=-1) * ct) if aux else 0.0)
+      if aux:
+        total = total + jnp.sum(jax.nn.logsumexp(z, axis=-1) * ct)
+        total = total + (jnp.sum(h * ct ** 2) if entropy else 0.0)
+      return total
 
     inputs = (x, w, b, advantages, old, omega)
     argnums = tuple(i for i, t in enumerate(inputs)
@@ -805,7 +822,7 @@ def test_exp_chunk_token_loss_coefficients(shift, fast):
   z = x @ w
   lse, label_logit, _ = triton_softmax.softmax_pass(z, labels, opts=opts,
                                                     config=SoftmaxKernelConfig(), interpret=True)
-  a = _common.resolve(_common.TokenCoefficients(r, args), lse, label_logit, opts)
+  a, _ = _common.resolve(_common.TokenCoefficients(r, args), label_logit - lse, None, opts)
   assert float(jnp.max(jnp.abs(a))) > 0 and bool(jnp.any((a == 0) & (r != 0)))  # some clipped
   want_g, *_ = triton_softmax.softmax_pass(z, labels, a, jnp.zeros(48), lse, opts=opts,
                                            config=SoftmaxKernelConfig(), interpret=True)
