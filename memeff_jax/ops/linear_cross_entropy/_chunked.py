@@ -304,9 +304,8 @@ def _nonzero(ct):
 def chunked_loss(static: Static, x, w, bias, labels, valid, weights=None):
   """(loss, lse, z-loss term, entropy) of the chunked computation, each token's loss times
   its weight (`weights` float32 [N], None: 1; [N, 1 + k] with a token_loss, its arguments
-  after the weights); see module docstring. With a loss reduced in
-  the loop (`_reduced_in_loop`) the last three are None, the entropy without
-  LossOptions.entropy."""
+  after the weights); see module docstring. With a loss reduced in the loop
+  (`_reduced_in_loop`) the last three are None, the entropy without LossOptions.entropy."""
   if _reduced_in_loop(static.opts):
     scale = _common.valid_scale(valid, static.opts.reduction)
     loss, *_ = run_chunks(static, x, w, bias, labels,

@@ -144,8 +144,10 @@ def _per_shard(mesh, x, weight, labels, bias, where, token_weights, loss_args, *
   if token_weights is not None:
     token_weights = jax.sharding.reshard(_checked_weights(token_weights, labels.shape), tokens)
   # The token_loss's arguments as one [..., k] array, sharded like the labels.
-  stacked = (jax.sharding.reshard(jnp.stack(loss_args, axis=-1), _explicit.spec([*token_dims, ()]))
-             if loss_args else None)
+  stacked = None
+  if loss_args:
+    stacked = jax.sharding.reshard(jnp.stack(loss_args, axis=-1),
+                                   _explicit.spec([*token_dims, ()]))
   local_reduction = "none" if reduction == "none" else "sum"
 
   def gathered(t):  # the tokens of every shard of the shared axes
@@ -299,8 +301,7 @@ def _checked_token_loss(token_loss, token_loss_args, shape, label_smoothing, z_l
   """(token_loss, its arguments as a tuple of arrays) after checking them: a callable of
   scalars (the log-probability, the entropy where `entropy`, then one float per argument)
   returning a real scalar, each argument a float array of the labels' shape."""
-  if isinstance(token_loss_args, (jax.Array, jnp.ndarray)) or not isinstance(
-      token_loss_args, (tuple, list)):
+  if not isinstance(token_loss_args, (tuple, list)):
     raise TypeError(f"token_loss_args must be a tuple of arrays, got "
                     f"{type(token_loss_args).__name__}")
   args = tuple(jnp.asarray(a) for a in token_loss_args)
