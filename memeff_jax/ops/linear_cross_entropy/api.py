@@ -423,11 +423,12 @@ def linear_cross_entropy(
       term is weighted like the loss, the log-sum-exp and entropy not.
     entropy: with return_aux, also each token's entropy H = −Σ_v p log p of softmax(ẑ)
       (Aux.entropy, float32 labels.shape; None without it): an RL step's entropy, logged
-      or, differentiated, a bonus; with a token_loss, also its second argument. Its statistic Σ_v p ẑ costs an elementwise product in
-      the softmax pass; pallas_mosaic_gpu then takes that pass rather than exp_logits.
-      Differentiated beside a mean or sum loss it costs one more pass over the chunks
-      (the forward made the loss's gradients without it); with reduction="none" it shares
-      that reduction's one backward pass.
+      or, differentiated, a bonus; with a token_loss, also its second argument. Its
+      statistic Σ_v p ẑ costs an elementwise product in the softmax pass; pallas_mosaic_gpu
+      then takes that pass rather than exp_logits. Aux.entropy differentiated beside a mean
+      or sum loss costs one more pass over the chunks (the forward made the loss's
+      gradients without it); with reduction="none" it shares that reduction's one backward
+      pass; as a token_loss's argument it costs no pass of its own.
     implementation: None (fastest available: "pallas_mosaic_gpu" on NVIDIA GPUs, then
       "chunked_xla"), a name ("reference", "chunked_xla", "pallas_mosaic_gpu"), an implementation
       object (`PallasMosaicGpu(...)`, `ChunkedXla(...)`) or a sequence of those tried in order.
