@@ -328,6 +328,7 @@ def _fwd(static: Static, x, w, bias, labels, valid, weights):
   x, w, bias = _checks.first_order_only(static.backend.implementation, x, w, bias)
   opts = static.opts
   needed = None if weights is None else valid  # counted tokens of weight 0 among them
+  token_weights, args = _common.split_weights(weights, opts)
   if opts.reduction == "none":
     stats, *_ = run_chunks(static, x, w, bias, labels)
     grads = (None, None, None)
@@ -339,7 +340,6 @@ def _fwd(static: Static, x, w, bias, labels, valid, weights):
     return _alike(static, (loss, None, None, None)), Residuals(
         x, w, bias, labels, valid, weights, None, None, None, None, *grads)
   else:  # scalar loss: gradients now, for a unit cotangent.
-    token_weights, args = _common.split_weights(weights, opts)
     r = _common.token_scale(valid, opts.reduction, token_weights)
     a = r if opts.token_loss is None else _common.TokenCoefficients(r, args)
     stats, *grads = run_chunks(static, x, w, bias, labels, a=a, e=jnp.zeros_like(r),
@@ -348,7 +348,6 @@ def _fwd(static: Static, x, w, bias, labels, valid, weights):
   out = _alike(static, _common.finish(stats, ids, valid, opts, weights))
   if _reduced_in_loop(opts):  # as chunked_loss returns it
     out = (out[0], None, None, None)
-  args = _common.split_weights(weights, opts)[1]
   losses = (_alike(static, _common.token_loss(stats, ids, valid, opts, args)) if weighs
             else None)
   mean_logit = None if stats.mean_logit is None else _alike(static, stats.mean_logit)
