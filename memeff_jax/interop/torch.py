@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 import warnings
 
 import jax
@@ -217,13 +218,27 @@ def _on(t: torch.Tensor):
 # ----------------------------------------------------------------------------------------
 
 
-# Implementation objects (and sequences) passed to the bridge, under the string keys that
-# the custom ops carry (a torch.library schema has no slot for a Python object).
-_IMPLEMENTATIONS: dict[str, object] = {}
+# Implementation objects (and sequences) and token_loss functions passed to the bridge, under
+# the string keys that the custom ops carry (a torch.library schema has no slot for a Python
+# object).
+_OBJECTS: dict[str, object] = {}
+_TOKEN_LOSSES: set[str] = set()  # the keys of token_loss functions
+_MANY_TOKEN_LOSSES = 16  # distinct token_loss functions seen when the bridge warns
+
+
+def _registered(obj) -> str:
+  """The "@<n>" key of an object, registered on first sight (found again by ==, which is
+  identity for functions)."""
+  for key, known in _OBJECTS.items():
+    if known == obj:
+      return key
+  key = f"@{len(_OBJECTS)}"
+  _OBJECTS[key] = obj
+  return key
 
 
 def _implementation_key(implementation) -> str:
-  """"" for the default, a name as it is, an object or sequence as a registered "@<n>" key."""
+  """"" for the default, a name as it is, an object or sequence as a registered key."""
   if implementation is None:
     return ""
   _dispatch.resolve(implementation, _LCE_NAMES, ())  # refuses unknown names up front
@@ -231,41 +246,93 @@ def _implementation_key(implementation) -> str:
     return implementation
   if not isinstance(implementation, tuple) and not callable(implementation):
     implementation = tuple(implementation)
-  for key, known in _IMPLEMENTATIONS.items():
-    if known == implementation:
-      return key
-  key = f"@{len(_IMPLEMENTATIONS)}"
-  _IMPLEMENTATIONS[key] = implementation
+  return _registered(implementation)
+
+
+def _token_loss_key(token_loss) -> str:
+  """"" for the cross-entropy, a token_loss function as a registered key. Each function
+  object compiles the loss anew, so one made inside a training loop warns."""
+  if token_loss is None:
+    return ""
+  key = _registered(token_loss)
+  if key not in _TOKEN_LOSSES and len(_TOKEN_LOSSES) + 1 == _MANY_TOKEN_LOSSES:
+    warnings.warn(f"memeff linear_cross_entropy: {_MANY_TOKEN_LOSSES} distinct token_loss "
+                  "functions so far; "
+                  "each one compiles the loss anew. Define the token_loss once (not a new "
+                  "lambda or partial per step) and pass what changes as token_loss_args.")
+  _TOKEN_LOSSES.add(key)
   return key
 
 
+class _Static(NamedTuple):
+  """The static options of a loss call, in the custom ops' terms: the key of its jitted
+  JAX functions."""
+  reduction: str
+  ignore_index: int
+  label_smoothing: float
+  z_loss: float
+  logit_softcap: float | None
+  chunk_size: int | None
+  implementation: str  # "" (the default), a name, or a key of _OBJECTS
+  token_loss: str  # "" (the cross-entropy) or a key of _OBJECTS
+  token_entropy: bool  # the token_loss takes each token's entropy
+  entropy: bool  # each token's entropy is an output
+  has_bias: bool
+  weights_grad: bool  # the token weights get a gradient
+  args_grad: bool  # the token_loss's arguments get a gradient
+
+  @classmethod
+  def of(cls, bias, ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
+         chunk_size, implementation, token_loss, token_entropy, weights_grad, args_grad,
+         entropy) -> "_Static":
+    return cls(reduction, int(ignore_index), float(label_smoothing), float(z_loss),
+               None if logit_softcap is None else float(logit_softcap),
+               None if chunk_size is None else int(chunk_size), implementation, token_loss,
+               bool(token_entropy), bool(entropy), bias is not None, bool(weights_grad),
+               bool(args_grad))
+
+
+def _without_entropy(token_loss, log_prob, entropy, *args):
+  del entropy
+  return token_loss(log_prob, *args)
+
+
 @functools.lru_cache(maxsize=None)
-def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, has_bias,
-             weights_grad, entropy, chunk_size, implementation):
-  """Jitted JAX functions of (x, W, bias, labels, token_weights) for one set of options:
-  value, value+unit grads, and vjp. The value is the loss, or with `entropy` the pair
-  (loss, each token's entropy), whose entropy the unit grads leave out (an aux output) and
-  the vjp takes a cotangent for. The grads are those of x, W, then the bias when there is
-  one and the token weights when weights_grad (otherwise the weights are a constant, and the
-  loss keeps no per-token statistics for their gradient)."""
-  opts = dict(weight_layout="vd", reduction=reduction, ignore_index=ignore_index,
-              label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap,
-              chunk_size=chunk_size, return_aux=entropy, entropy=entropy,
-              implementation=_IMPLEMENTATIONS.get(implementation, implementation or None))
+def _lce_fns(static: _Static):
+  """Jitted JAX functions of (x, W, bias, labels, token_weights, loss_args) for one set of
+  options: value, value+unit grads, and vjp. loss_args is the token_loss's arguments
+  stacked on a last axis [..., k] (or None). The value is the loss, or with `entropy` the
+  pair (loss, each token's entropy), whose entropy the unit grads leave out (an aux output)
+  and the vjp takes a cotangent for. The grads are those of x, W, then the bias, the token
+  weights and loss_args where `_Static` asks for them (otherwise these are constants, and
+  the loss keeps no per-token statistics for their gradients)."""
+  token_loss = _OBJECTS[static.token_loss] if static.token_loss else None
+  if token_loss is not None and static.entropy and not static.token_entropy:
+    # JAX's token_loss takes the entropy whenever it is computed; this one returns it only.
+    token_loss = functools.partial(_without_entropy, token_loss)
+  opts = dict(weight_layout="vd", reduction=static.reduction,
+              ignore_index=static.ignore_index, label_smoothing=static.label_smoothing,
+              z_loss=static.z_loss, logit_softcap=static.logit_softcap,
+              chunk_size=static.chunk_size, token_loss=token_loss,
+              entropy=static.entropy or static.token_entropy, return_aux=static.entropy,
+              implementation=_OBJECTS.get(static.implementation, static.implementation or None))
 
-  def loss(x, w, b, y, tw):
-    out = _lce(x, w, y, bias=b, token_weights=tw, **opts)
-    return (out[0], out[1].entropy) if entropy else out
+  def loss(x, w, b, y, tw, loss_args):
+    args = () if loss_args is None else tuple(loss_args[..., i]
+                                              for i in range(loss_args.shape[-1]))
+    out = _lce(x, w, y, bias=b, token_weights=tw, token_loss_args=args, **opts)
+    return (out[0], out[1].entropy) if static.entropy else out
 
-  argnums = (0, 1) + ((2,) if has_bias else ()) + ((4,) if weights_grad else ())
+  argnums = ((0, 1) + ((2,) if static.has_bias else ()) + ((4,) if static.weights_grad else ())
+             + ((5,) if static.args_grad else ()))
   value = jax.jit(loss)
   # For mean/sum the library computes the gradients inside the forward (three matmuls); the
   # gradient of a unit cotangent is what the torch backward scales.
   # With the entropy, (loss, entropy) is value_and_grad's (value, aux).
-  value_and_grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=entropy))
+  value_and_grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=static.entropy))
 
-  def vjp(x, w, b, y, tw, g):
-    args = (x, w, b, y, tw)
+  def vjp(x, w, b, y, tw, loss_args, g):
+    args = (x, w, b, y, tw, loss_args)
 
     def of_differentiated(*diff):
       chosen = dict(zip(argnums, diff))
@@ -276,37 +343,36 @@ def _lce_fns(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, ha
   return value, value_and_grads, jax.jit(vjp)
 
 
-def _lce_key(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, bias,
-             weights_grad, entropy, chunk_size, implementation):
-  return (reduction, int(ignore_index), float(label_smoothing), float(z_loss),
-          None if logit_softcap is None else float(logit_softcap), bias is not None,
-          bool(weights_grad), bool(entropy), None if chunk_size is None else int(chunk_size),
-          implementation)
-
-
-def _lce_grads(grads, x, bias, weights_grad):
-  """(dx, dW, db, d token_weights) as torch tensors from the JAX grads in `_lce_fns`'s
-  order, an empty tensor for each one not computed."""
+def _lce_grads(grads, x, static: _Static):
+  """(dx, dW, db, d token_weights, d loss_args) as torch tensors from the JAX grads in
+  `_lce_fns`'s order, an empty tensor for each one not computed."""
   grads = [to_torch(g) for g in grads]
-  db = grads.pop(2) if bias is not None else _empty(x)
-  dtw = grads.pop(2) if weights_grad else _empty(x)
-  return grads[0], grads[1], db, dtw
+  db = grads.pop(2) if static.has_bias else _empty(x)
+  dtw = grads.pop(2) if static.weights_grad else _empty(x)
+  dargs = grads.pop(2) if static.args_grad else _empty(x)
+  return grads[0], grads[1], db, dtw, dargs
+
+
+_GRADS = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @torch.library.custom_op("memeff::linear_cross_entropy", mutates_args=())
 def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-            bias: torch.Tensor | None, token_weights: torch.Tensor | None, ignore_index: int,
-            reduction: str, label_smoothing: float, z_loss: float, logit_softcap: float | None,
-            chunk_size: int | None, implementation: str, with_grads: bool, weights_grad: bool,
+            bias: torch.Tensor | None, token_weights: torch.Tensor | None,
+            loss_args: torch.Tensor | None, ignore_index: int, reduction: str,
+            label_smoothing: float, z_loss: float, logit_softcap: float | None,
+            chunk_size: int | None, implementation: str, token_loss: str,
+            token_entropy: bool, with_grads: bool, weights_grad: bool, args_grad: bool,
             entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                    torch.Tensor, torch.Tensor]:
-  """(loss, entropy, dx, dW, db, d token_weights): the entropy with `entropy`, the
-  gradients of a unit loss cotangent when with_grads (mean/sum), d token_weights only when
-  weights_grad; an empty tensor for each one not computed."""
-  value, value_and_grads, _ = _lce_fns(*_lce_key(reduction, ignore_index, label_smoothing,
-                                                 z_loss, logit_softcap, bias, weights_grad,
-                                                 entropy, chunk_size, implementation))
-  args = _lce_arrays(x, weight, bias, labels, token_weights)
+                                    torch.Tensor, torch.Tensor, torch.Tensor]:
+  """(loss, entropy, dx, dW, db, d token_weights, d loss_args): the entropy with `entropy`,
+  the gradients of a unit loss cotangent when with_grads (mean/sum), d token_weights and
+  d loss_args only where asked for; an empty tensor for each one not computed."""
+  static = _Static.of(bias, ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
+                      chunk_size, implementation, token_loss, token_entropy, weights_grad,
+                      args_grad, entropy)
+  value, value_and_grads, _ = _lce_fns(static)
+  args = _lce_arrays(x, weight, bias, labels, token_weights, loss_args)
   with _on(x):
     if not with_grads:
       out, grads = value(*args), None
@@ -314,64 +380,70 @@ def _lce_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
       out, grads = value_and_grads(*args)
   loss, ent = (to_torch(out[0]), to_torch(out[1])) if entropy else (to_torch(out), _empty(x))
   if grads is None:
-    return (loss, ent) + tuple(_empty(x) for _ in range(4))
-  return (loss, ent) + _lce_grads(grads, x, bias, weights_grad)
+    return (loss, ent) + tuple(_empty(x) for _ in range(5))
+  return (loss, ent) + _lce_grads(grads, x, static)
 
 
-def _fake_grads(x, weight, bias, token_weights, weights_grad):
+def _fake_grads(x, weight, bias, token_weights, loss_args, weights_grad, args_grad):
   db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
   dtw = torch.empty_like(token_weights) if weights_grad else x.new_empty(0)
-  return torch.empty_like(x), torch.empty_like(weight), db, dtw
+  dargs = torch.empty_like(loss_args) if args_grad else x.new_empty(0)
+  return torch.empty_like(x), torch.empty_like(weight), db, dtw, dargs
 
 
 @_lce_op.register_fake
-def _(x, weight, labels, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
-      logit_softcap, chunk_size, implementation, with_grads, weights_grad, entropy):
+def _(x, weight, labels, bias, token_weights, loss_args, ignore_index, reduction,
+      label_smoothing, z_loss, logit_softcap, chunk_size, implementation, token_loss,
+      token_entropy, with_grads, weights_grad, args_grad, entropy):
   loss = x.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
   ent = x.new_empty(labels.shape, dtype=torch.float32) if entropy else x.new_empty(0)
   if not with_grads:
-    return (loss, ent) + tuple(x.new_empty(0) for _ in range(4))
-  return (loss, ent) + _fake_grads(x, weight, bias, token_weights, weights_grad)
+    return (loss, ent) + tuple(x.new_empty(0) for _ in range(5))
+  return (loss, ent) + _fake_grads(x, weight, bias, token_weights, loss_args, weights_grad,
+                                   args_grad)
 
 
 @torch.library.custom_op("memeff::linear_cross_entropy_backward", mutates_args=())
 def _lce_bwd_op(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 bias: torch.Tensor | None, token_weights: torch.Tensor | None,
-                grad: torch.Tensor, grad_entropy: torch.Tensor | None, ignore_index: int,
-                label_smoothing: float, z_loss: float, logit_softcap: float | None,
-                chunk_size: int | None, implementation: str, weights_grad: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-  """(dx, dW, db, d token_weights) for each token's loss cotangent (of reduction "none") and
-  the entropy's (or None): recomputes the chunks."""
-  entropy = grad_entropy is not None
-  _, _, vjp = _lce_fns(*_lce_key("none", ignore_index, label_smoothing, z_loss,
-                                 logit_softcap, bias, weights_grad, entropy, chunk_size,
-                                 implementation))
-  args = _lce_arrays(x, weight, bias, labels, token_weights, grad, grad_entropy)
+                loss_args: torch.Tensor | None, grad: torch.Tensor,
+                grad_entropy: torch.Tensor | None, ignore_index: int, label_smoothing: float,
+                z_loss: float, logit_softcap: float | None, chunk_size: int | None,
+                implementation: str, token_loss: str, token_entropy: bool,
+                weights_grad: bool, args_grad: bool) -> _GRADS:
+  """(dx, dW, db, d token_weights, d loss_args) for each token's loss cotangent (of
+  reduction "none") and the entropy's (or None): recomputes the chunks."""
+  static = _Static.of(bias, ignore_index, "none", label_smoothing, z_loss, logit_softcap,
+                      chunk_size, implementation, token_loss, token_entropy, weights_grad,
+                      args_grad, entropy=grad_entropy is not None)
+  *args, g, g_entropy = _lce_arrays(x, weight, bias, labels, token_weights, loss_args, grad,
+                                    grad_entropy)
   with _on(x):
-    grads = vjp(*args[:-2], tuple(args[-2:]) if entropy else args[-2])
-  return _lce_grads(grads, x, bias, weights_grad)
+    grads = _lce_fns(static)[2](*args, (g, g_entropy) if static.entropy else g)
+  return _lce_grads(grads, x, static)
 
 
 @_lce_bwd_op.register_fake
-def _(x, weight, labels, bias, token_weights, grad, grad_entropy, ignore_index,
-      label_smoothing, z_loss, logit_softcap, chunk_size, implementation, weights_grad):
-  return _fake_grads(x, weight, bias, token_weights, weights_grad)
+def _(x, weight, labels, bias, token_weights, loss_args, grad, grad_entropy, ignore_index,
+      label_smoothing, z_loss, logit_softcap, chunk_size, implementation, token_loss,
+      token_entropy, weights_grad, args_grad):
+  return _fake_grads(x, weight, bias, token_weights, loss_args, weights_grad, args_grad)
 
 
 def _lce_setup(ctx, inputs, output):
-  (x, weight, labels, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
-   softcap, chunk_size, implementation, _, weights_grad, entropy) = inputs
-  ctx.options = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size,
-                 implementation, weights_grad)
-  ctx.has_bias = bias is not None
+  (x, weight, labels, bias, token_weights, loss_args, ignore_index, reduction,
+   label_smoothing, z_loss, softcap, chunk_size, implementation, token_loss, token_entropy,
+   _, weights_grad, args_grad, entropy) = inputs
+  ctx.static = _Static.of(bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                          chunk_size, implementation, token_loss, token_entropy, weights_grad,
+                          args_grad, entropy)
   ctx.scaled = False
   # Only the loss and entropy are differentiated; without this autograd would fill [N, D]
   # and [V, D] zero gradients for the other outputs before every backward.
   ctx.set_materialize_grads(False)
   # The inputs, to recompute from (saving them copies nothing): for "none", and for an
   # entropy, whose cotangent the forward's unit gradients leave out.
-  inputs = (x, weight, labels, bias, token_weights)
+  inputs = (x, weight, labels, bias, token_weights, loss_args)
   if reduction == "none":
     ctx.save_for_backward(*inputs)
   else:  # the unit gradients the forward computed
@@ -438,35 +510,39 @@ def _scale_unless_one(tensors, g: torch.Tensor):
 
 def _lce_backward(ctx, g_loss, g_entropy, *unused):
   del unused
+  static = ctx.static
   if g_loss is None and g_entropy is None:  # nothing flowed into the outputs
-    return (None,) * 15
-  (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size, impl,
-   weights_grad) = ctx.options
-  if reduction == "none" or g_entropy is not None:  # recompute, for the cotangents given
-    x, weight, labels, bias, token_weights = ctx.saved_tensors[-5:]
+    return (None,) * 19
+  if static.reduction == "none" or g_entropy is not None:  # recompute, for the cotangents
+    x, weight, labels, bias, token_weights, loss_args = ctx.saved_tensors[-6:]
     if g_loss is None:
-      g_loss = torch.zeros(labels.shape if reduction == "none" else (), device=x.device)
-    if reduction != "none":  # as each token's cotangent: the recompute makes no unit grads
+      g_loss = torch.zeros(labels.shape if static.reduction == "none" else (),
+                           device=x.device)
+    if static.reduction != "none":  # as each token's cotangent: no unit grads to recompute
       g_loss = g_loss.float().expand(labels.shape)
-      if reduction == "mean":
-        g_loss = g_loss / (labels != ignore_index).sum().clamp(min=1)
-    grads = _lce_bwd_op(x, weight, labels, bias, token_weights, g_loss.contiguous().float(),
+      if static.reduction == "mean":
+        g_loss = g_loss / (labels != static.ignore_index).sum().clamp(min=1)
+    grads = _lce_bwd_op(x, weight, labels, bias, token_weights, loss_args,
+                        g_loss.contiguous().float(),
                         None if g_entropy is None else g_entropy.contiguous().float(),
-                        ignore_index, label_smoothing, z_loss, softcap, chunk_size, impl,
-                        weights_grad)
+                        static.ignore_index, static.label_smoothing, static.z_loss,
+                        static.logit_softcap, static.chunk_size, static.implementation,
+                        static.token_loss, static.token_entropy, static.weights_grad,
+                        static.args_grad)
   elif _tracing(g_loss):
-    grads = [(t * g_loss).to(t.dtype) for t in ctx.saved_tensors[:4]]
+    grads = [(t * g_loss).to(t.dtype) for t in ctx.saved_tensors[:5]]
   else:  # eager: scale the unit gradients in place (they are ours alone), no second dW
     if ctx.scaled:
       raise RuntimeError("memeff linear_cross_entropy: a second backward through the same "
                          "loss (retain_graph=True) is not supported; its gradients were "
                          "scaled in place by the first. Call the loss again instead.")
     ctx.scaled = True
-    grads = ctx.saved_tensors[:4]
+    grads = ctx.saved_tensors[:5]
     _scale_unless_one(grads, g_loss)
-  dx, dw, db, dtw = grads
-  return ((dx, dw, None, db if ctx.has_bias else None, dtw if weights_grad else None)
-          + (None,) * 10)
+  dx, dw, db, dtw, dargs = grads
+  return ((dx, dw, None, db if static.has_bias else None,
+           dtw if static.weights_grad else None, dargs if static.args_grad else None)
+          + (None,) * 13)
 
 
 _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
@@ -493,16 +569,51 @@ def _check_lce_inputs(x, weight, labels, bias, token_weights):
   if bias is not None and tuple(bias.shape) != (weight.shape[0],):
     raise ValueError(f"bias.shape={tuple(bias.shape)} must be [V]=({weight.shape[0]},)")
   if token_weights is not None:
-    if not token_weights.dtype.is_floating_point:
-      raise TypeError(f"token_weights must be floating point, got token_weights.dtype="
-                      f"{token_weights.dtype}")
-    if tuple(token_weights.shape) != tuple(labels.shape):
-      raise ValueError(f"token_weights.shape={tuple(token_weights.shape)} must equal "
-                       f"labels.shape={tuple(labels.shape)}")
-  for name, t in (("weight", weight), ("labels", labels), ("bias", bias),
-                  ("token_weights", token_weights)):
+    _check_per_token("token_weights", token_weights, x, labels)
+  for name, t in (("weight", weight), ("labels", labels), ("bias", bias)):
     if t is not None and t.device != x.device:
       raise ValueError(f"{name} is on {t.device}, x on {x.device}: pass them on one device")
+
+
+def _check_per_token(name: str, t, x: torch.Tensor, labels: torch.Tensor):
+  """A float tensor of one value per token, shaped like the labels and on x's device."""
+  if not isinstance(t, torch.Tensor):
+    raise TypeError(f"{name} must be a torch.Tensor shaped like labels, got "
+                    f"{type(t).__name__}")
+  if not t.dtype.is_floating_point:
+    raise TypeError(f"{name} must be floating point, got {name}.dtype={t.dtype}")
+  if tuple(t.shape) != tuple(labels.shape):
+    raise ValueError(f"{name}.shape={tuple(t.shape)} must equal "
+                     f"labels.shape={tuple(labels.shape)}")
+  if t.device != x.device:
+    raise ValueError(f"{name} is on {t.device}, x on {x.device}: pass them on one device")
+
+
+def _loss_args(token_loss, token_loss_args, entropy: bool, x: torch.Tensor,
+               labels: torch.Tensor):
+  """The token_loss's arguments as one float32 tensor [..., k] (None for none; a stack
+  autograd sees through, so each argument gets its gradient), after checking them."""
+  if not isinstance(entropy, bool):
+    raise TypeError(f"entropy must be a bool, got {entropy!r}")
+  if not isinstance(token_loss_args, (tuple, list)):
+    raise TypeError(f"token_loss_args must be a tuple of tensors, got "
+                    f"{type(token_loss_args).__name__}")
+  if token_loss is None:
+    if token_loss_args:
+      raise ValueError(f"token_loss_args ({len(token_loss_args)} tensors) given without a "
+                       "token_loss")
+    if entropy:
+      raise ValueError("entropy=True hands each token's entropy to a token_loss; to get it "
+                       "back, pass return_entropy=True")
+    return None
+  if not callable(token_loss):
+    raise TypeError(f"token_loss must be a callable f(log_prob, *token_loss_args) -> loss "
+                    f"written with jax.numpy, got {token_loss!r}")
+  for i, a in enumerate(token_loss_args):
+    _check_per_token(f"token_loss_args[{i}]", a, x, labels)
+  if not token_loss_args:
+    return None
+  return torch.stack([a.float() for a in token_loss_args], dim=-1)
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -511,6 +622,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, logit_softcap: float | None = None,
                          chunk_size: int | None = None, implementation=None,
+                         token_loss=None, token_loss_args: tuple = (), entropy: bool = False,
                          return_entropy: bool = False):
   """`F.cross_entropy(F.linear(x, weight, bias), labels, ...)` without the logits.
 
@@ -534,35 +646,60 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
       `memeff_jax.ops.linear_cross_entropy.PallasMosaicGpu(mosaic_gemms=("logits", "dx", "dw"),
       dw_accumulation="tma_add", fused_lse=True)` (the lowest-memory setting on Hopper, see
       the README), or a sequence of them.
+    token_loss: optional f(log_prob, *args) -> each token's loss in place of the
+      cross-entropy −log_prob, as memeff_jax.linear_cross_entropy's: a policy-gradient
+      objective (PPO's clipped ratio, a KL term) whose gradients the forward pass makes, so
+      a mean or sum keeps the three matmuls. f is traced by JAX, one token at a time on
+      float32 scalars: write it with jax.numpy (jnp.exp, jnp.minimum, jnp.clip), and define
+      it once (each new function object compiles the loss anew). Not with label_smoothing
+      or z_loss;
+    token_loss_args: float tensors shaped like labels (old log-probabilities, advantages),
+      f's arguments after the log-probability. Those with requires_grad get gradients;
+    entropy: with a token_loss, f also takes each token's entropy after its
+      log-probability, f(log_prob, entropy, *args): an entropy bonus in the same matmuls.
     return_entropy: also return each token's entropy −Σ p log p of softmax(logits)
-      (float32, labels.shape), differentiable (an RL step's entropy bonus): as
-      memeff_jax.linear_cross_entropy's `entropy`. Differentiated, it makes the backward
-      recompute the chunks, as "none" does.
+      (float32, labels.shape), differentiable (an RL step's entropy, logged or as a bonus):
+      as memeff_jax.linear_cross_entropy's `entropy` with return_aux. Differentiated, it
+      makes the backward recompute the chunks, as "none" does; a bonus taken by a
+      token_loss (`entropy=True`) does not.
 
   Returns:
     float32 loss (scalar, or labels.shape for "none"); with return_entropy, (loss, entropy).
+
+  >>> import jax.numpy as jnp
+  >>> def ppo(log_p, old_log_p, advantage):  # PPO's clipped surrogate, ε = 0.2
+  ...   ratio = jnp.exp(log_p - old_log_p)
+  ...   return -jnp.minimum(ratio * advantage, jnp.clip(ratio, 0.8, 1.2) * advantage)
+  >>> x, w, y = torch.randn(8, 16), torch.randn(100, 16), torch.randint(0, 100, (8,))
+  >>> old_log_p, advantage = -4.6 * torch.ones(8), torch.randn(8)
+  >>> loss = linear_cross_entropy(x, w, y, token_loss=ppo,
+  ...                             token_loss_args=(old_log_p, advantage))
   """
   if not isinstance(return_entropy, bool):
     raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}")
   _check_lce_inputs(x, weight, labels, bias, token_weights)
+  loss_args = _loss_args(token_loss, token_loss_args, entropy, x, labels)
   grad_enabled = torch.is_grad_enabled()
   weights_grad = grad_enabled and token_weights is not None and token_weights.requires_grad
-  needs_grad = weights_grad or grad_enabled and any(
+  args_grad = grad_enabled and loss_args is not None and loss_args.requires_grad
+  needs_grad = weights_grad or args_grad or grad_enabled and any(
       t is not None and t.requires_grad for t in (x, weight, bias))
   if labels.dtype not in (torch.int64, torch.int32):
     labels = labels.to(torch.int32)
-  loss, entropy, *_ = _lce_op(
-      x, weight, labels, bias, token_weights, int(ignore_index), reduction,
+  loss, ent, *_ = _lce_op(
+      x, weight, labels, bias, token_weights, loss_args, int(ignore_index), reduction,
       float(label_smoothing), float(z_loss),
       None if logit_softcap is None else float(logit_softcap),
       None if chunk_size is None else int(chunk_size), _implementation_key(implementation),
-      needs_grad and reduction != "none", weights_grad, return_entropy)
-  return (loss, entropy) if return_entropy else loss
+      _token_loss_key(token_loss), entropy, needs_grad and reduction != "none", weights_grad,
+      args_grad, return_entropy)
+  return (loss, ent) if return_entropy else loss
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
   """The LM-head loss as a module, over an existing [V, D] weight (nn.Linear or tied
-  embedding), which it holds by reference, not as a copy or a new parameter.
+  embedding), which it holds by reference, not as a copy or a new parameter. Options are
+  linear_cross_entropy's; the token weights and a token_loss's arguments go to forward.
 
   >>> head = torch.nn.Linear(64, 1000, bias=False)
   >>> loss_fn = LinearCrossEntropyLoss(head.weight)
@@ -572,21 +709,26 @@ class LinearCrossEntropyLoss(torch.nn.Module):
   def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                z_loss: float = 0.0, logit_softcap: float | None = None,
-               chunk_size: int | None = None, implementation=None,
-               return_entropy: bool = False):
+               chunk_size: int | None = None, implementation=None, token_loss=None,
+               entropy: bool = False, return_entropy: bool = False):
     super().__init__()
     if weight.ndim != 2:
       raise ValueError(f"weight must be [V, D], got weight.shape={tuple(weight.shape)}")
+    if token_loss is not None and not callable(token_loss):
+      raise TypeError(f"token_loss must be a callable written with jax.numpy, got "
+                      f"{token_loss!r}")
     self._weight, self._bias = [weight], [bias]  # references: not registered twice
     self.options = dict(ignore_index=ignore_index, reduction=reduction,
                         label_smoothing=label_smoothing, z_loss=z_loss,
                         logit_softcap=logit_softcap, chunk_size=chunk_size,
-                        implementation=implementation, return_entropy=return_entropy)
+                        implementation=implementation, token_loss=token_loss,
+                        entropy=entropy, return_entropy=return_entropy)
 
   def forward(self, x: torch.Tensor, labels: torch.Tensor,
-              token_weights: torch.Tensor | None = None):
+              token_weights: torch.Tensor | None = None, token_loss_args: tuple = ()):
     return linear_cross_entropy(x, self._weight[0], labels, bias=self._bias[0],
-                                token_weights=token_weights, **self.options)
+                                token_weights=token_weights, token_loss_args=token_loss_args,
+                                **self.options)
 
 
 # ----------------------------------------------------------------------------------------

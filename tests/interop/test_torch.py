@@ -171,6 +171,105 @@ def test_lce_token_weights_through_the_module_and_torch_compile(return_entropy, 
     _close(a, r, 1e-6)
 
 
+def _ppo(xp):
+  """PPO's clipped surrogate (ε = 0.2) with a 0.01 entropy bonus where it takes the
+  entropy, in jax.numpy or torch (xp)."""
+
+  def surrogate(log_p, old_log_p, advantage):
+    ratio = xp.exp(log_p - old_log_p)
+    return -xp.minimum(ratio * advantage, xp.clip(ratio, 0.8, 1.2) * advantage)
+
+  def with_bonus(log_p, entropy, old_log_p, advantage):
+    return surrogate(log_p, old_log_p, advantage) - 0.01 * entropy
+
+  return surrogate, with_bonus
+
+
+_PPO_JAX, _PPO_TORCH = _ppo(jnp), _ppo(torch)
+
+
+@pytest.mark.parametrize("reduction, bonus, returned", [
+    ("mean", False, False), ("sum", True, False), ("none", False, False),
+    ("none", True, True), ("mean", True, True), ("sum", False, True)])
+def test_lce_token_loss_equals_torch(reduction, bonus, returned, device):
+  """token_loss: PPO's clipped objective (with an entropy bonus where `bonus`, as
+  f(log p, H, ...)) against torch autograd of the same objective on the logits: the loss,
+  the returned entropy (differentiated too where `returned`), and the gradients of x, W,
+  the bias, the token weights and the advantages (the old log-probabilities need none)."""
+  x, w, b, y = _lce_inputs(bias=True, device=device)
+  g = torch.Generator().manual_seed(3)
+  omega = torch.rand(y.shape, generator=g).to(device).requires_grad_()
+  advantage = torch.randn(y.shape, generator=g).to(device).requires_grad_()
+  ct = torch.cos(torch.arange(3 * N, dtype=torch.float32)).reshape(3, N).to(device)
+  with torch.no_grad():  # old log-probabilities near the new ones: ratios on both sides of
+    logits = F.linear(x, w, b)  # the clip
+    picked = F.log_softmax(logits, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
+    old = picked + 0.3 * torch.randn(y.shape, generator=g).to(device)
+  inputs = (x, w, b, omega, advantage)
+
+  def ref():
+    logits = F.linear(x, w, b)
+    log_p = F.log_softmax(logits, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
+    entropy = -(F.softmax(logits, -1) * F.log_softmax(logits, -1)).sum(-1)
+    per_token = (_PPO_TORCH[1](log_p, entropy, old, advantage) if bonus
+                 else _PPO_TORCH[0](log_p, old, advantage))
+    per_token = torch.where(y == -100, 0.0, per_token) * omega
+    loss = {"none": per_token, "sum": per_token.sum(),
+            "mean": per_token.sum() / (y != -100).sum()}[reduction]
+    return (loss, entropy) if returned else loss
+
+  def objective(out):
+    loss, entropy = out if returned else (out, None)
+    loss = (loss * ct).sum() if reduction == "none" else loss * -1.5
+    return loss if entropy is None else loss + (entropy * ct).sum()
+
+  got = mt.linear_cross_entropy(x, w, y, bias=b, token_weights=omega, reduction=reduction,
+                                token_loss=_PPO_JAX[bonus], token_loss_args=(old, advantage),
+                                entropy=bonus, return_entropy=returned)
+  want = ref()
+  for a, r in zip(*((got, want) if returned else ((got,), (want,)))):
+    _close(a, r)
+  for a, r in zip(torch.autograd.grad(objective(got), inputs),
+                  torch.autograd.grad(objective(want), inputs)):
+    assert a.dtype == r.dtype and a.device == r.device
+    _close(a, r)
+
+
+def test_lce_token_loss_through_the_module_and_torch_compile(device):
+  """The module takes a token_loss and its arguments; torch.compile(fullgraph=True) traces
+  the op with them, the arguments' gradients included, and matches eager."""
+  x, w, _, y = _lce_inputs(device=device)
+  old = torch.full(y.shape, -5.0, device=device)
+  advantage = torch.randn(y.shape, device=device, requires_grad=True)
+  loss_fn = mt.LinearCrossEntropyLoss(w, reduction="sum", token_loss=_PPO_JAX[1], entropy=True)
+
+  def objective(x, y, advantage):
+    return loss_fn(x, y, token_loss_args=(old, advantage)) * 0.5
+
+  eager = objective(x, y, advantage)
+  eager_grads = torch.autograd.grad(eager, (x, w, advantage))
+  compiled = torch.compile(objective, fullgraph=True, backend="aot_eager")
+  got = compiled(x, y, advantage)
+  got_grads = torch.autograd.grad(got, (x, w, advantage))
+  _close(got, eager, 1e-6)
+  for a, r in zip(got_grads, eager_grads):
+    _close(a, r, 1e-6)
+
+
+def test_lce_new_token_loss_functions_warn(monkeypatch):
+  """Each token_loss function object compiles anew: the bridge warns when a training loop
+  makes one per step, and not for the same function called again."""
+  monkeypatch.setattr(mt, "_TOKEN_LOSSES", set())
+  monkeypatch.setattr(mt, "_MANY_TOKEN_LOSSES", 3)
+  x, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.int64)
+  same = lambda log_p: -log_p  # noqa: E731
+  for _ in range(3):
+    mt.linear_cross_entropy(x, w, y, token_loss=same)
+  mt.linear_cross_entropy(x, w, y, token_loss=lambda log_p: -2.0 * log_p)
+  with pytest.warns(UserWarning, match="3 distinct token_loss functions so far"):
+    mt.linear_cross_entropy(x, w, y, token_loss=lambda log_p: -3.0 * log_p)
+
+
 @pytest.mark.parametrize("scale", [1.0, -2.5])
 def test_lce_scaled_loss_gradients(scale, device):
   """The unit gradients computed in the forward are scaled by the loss's cotangent."""
@@ -594,6 +693,33 @@ def test_lce_bad_token_weights_raise(weights, error, match):
   with pytest.raises(error, match=match):
     mt.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8),
                             torch.zeros(4, dtype=torch.int64), token_weights=weights)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(token_loss_args=(torch.ones(4),)), ValueError,
+     r"token_loss_args \(1 tensors\) given without a token_loss"),
+    (dict(entropy=True), ValueError, r"entropy=True hands each token's entropy to a "
+     r"token_loss; to get it back, pass return_entropy=True"),
+    (dict(token_loss="ppo"), TypeError, r"token_loss must be a callable"),
+    (dict(token_loss=lambda lp, a: lp * a, token_loss_args=torch.ones(4)), TypeError,
+     r"token_loss_args must be a tuple of tensors, got Tensor"),
+    (dict(token_loss=lambda lp, a: lp * a, token_loss_args=(torch.ones(4, dtype=torch.int32),)),
+     TypeError, r"token_loss_args\[0\] must be floating point, got .*torch.int32"),
+    (dict(token_loss=lambda lp, a: lp * a, token_loss_args=(torch.ones(2, 2),)), ValueError,
+     r"token_loss_args\[0\].shape=\(2, 2\) must equal labels.shape=\(4,\)"),
+    (dict(token_loss=lambda lp, a: lp * a, token_loss_args=(0.5,)), TypeError,
+     r"token_loss_args\[0\] must be a torch.Tensor shaped like labels, got float"),
+    (dict(token_loss=lambda lp, a: lp * a, token_loss_args=(torch.ones(4, device="meta"),)),
+     ValueError, r"token_loss_args\[0\] is on meta, x on cpu"),
+    (dict(token_loss=lambda lp: -lp, entropy=1), TypeError, r"entropy must be a bool"),
+    (dict(token_loss=lambda lp, a: lp * a), TypeError,
+     r"token_loss must take the log-probability and 0 more"),
+    (dict(token_loss=lambda lp: -lp, label_smoothing=0.1), ValueError,
+     r"token_loss replaces the cross-entropy, so it takes no label_smoothing")])
+def test_lce_bad_token_loss_raises(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    mt.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8),
+                            torch.zeros(4, dtype=torch.int64), **kwargs)
 
 
 def test_lce_inputs_on_another_device_raise():
