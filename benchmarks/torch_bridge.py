@@ -1,6 +1,6 @@
 """memeff_jax's ops called from PyTorch through the bridge, against the torch peers.
 
-    python benchmarks/torch_bridge.py [--op loss,attention] [--providers ...]
+    python benchmarks/torch_bridge.py [--op loss,ppo,attention] [--providers ...]
 
 Loss (llama3-8b shape, N=16384, D=4096, V=128256, bf16; forward+backward):
   memeff             memeff_jax.interop.torch.linear_cross_entropy (default chunking)
@@ -18,6 +18,9 @@ Loss (llama3-8b shape, N=16384, D=4096, V=128256, bf16; forward+backward):
                      (conversion, stream sync, scaling the unit gradients) is the difference
   floor              the three matmuls in torch (x Wᵀ, G W, Gᵀ x) with a given G
   torch_naive, torch_compile, liger, cce
+PPO (the same shape; PPO's clipped surrogate, ε = 0.2, of each token's log-probability, one
+advantage per 1,024-token sequence, averaged over the tokens): floor, memeff (a token_loss
+through the bridge), jax_direct, liger (its fused GRPO loss), torch_naive, torch_compile.
 Attention (B=4, H=32, T=4096, D=128, bf16; forward and forward+backward, causal and not):
   memeff             memeff_jax.interop.torch.flash_attention, layout "bthd"
   jax_direct         memeff_jax.flash_attention on JAX arrays
@@ -46,6 +49,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 LOSS_PROVIDERS = "floor,memeff,memeff:chunk=512,jax_direct,liger,cce,torch_naive,torch_compile"
+PPO_PROVIDERS = "floor,memeff,jax_direct,liger,torch_naive,torch_compile"
+PPO_SEQUENCE = 1024
 ATTENTION_PROVIDERS = "memeff,jax_direct,sdpa_flash,sdpa_cudnn"
 N, D, V = 16384, 4096, 128256
 B, H, T, HD = 4, 32, 4096, 128
@@ -62,18 +67,21 @@ def _modifiers(provider: str) -> list[str]:
   return provider.split(":")[1:]
 
 
-def loss_worker(provider: str, reps: int) -> dict:
+def loss_worker(provider: str, reps: int, ppo: bool = False) -> dict:
+  """One loss provider's row; with `ppo`, of PPO's clipped surrogate (a token_loss)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
 
   from benchmarks import _harness  # pylint: disable=import-outside-toplevel
-  from benchmarks.linear_cross_entropy import torch_loss_fn, torch_step  # pylint: disable=import-outside-toplevel
+  from benchmarks.linear_cross_entropy import _ppo_clip, torch_loss_fn, torch_step  # pylint: disable=import-outside-toplevel
 
   torch.manual_seed(0)
   xt = torch.randn(N, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
   wt = (torch.randn(V, D, device="cuda") / np.sqrt(D)).to(torch.bfloat16).requires_grad_()
   yt = torch.randint(0, V, (N,), device="cuda")
   grads = (N * D + V * D) * 2
+  ppo_args = _ppo_inputs(xt, wt, yt) if ppo else None
+  token_loss = dict(token_loss=_ppo_clip, token_loss_args=ppo_args) if ppo else {}
 
   if provider == "floor":
     g = (torch.randn(N, V, device="cuda") * 1e-3).to(torch.bfloat16)
@@ -87,8 +95,11 @@ def loss_worker(provider: str, reps: int) -> dict:
     from memeff_jax import linear_cross_entropy  # pylint: disable=import-outside-toplevel
     from memeff_jax.interop import torch as mt  # pylint: disable=import-outside-toplevel
     x, w, y = mt.to_jax(xt), mt.to_jax(wt), mt.to_jax(yt.to(torch.int32))
+    if ppo:
+      token_loss["token_loss_args"] = tuple(mt.to_jax(t) for t in ppo_args)
     fn = jax.jit(jax.value_and_grad(
-        lambda x, w: linear_cross_entropy(x, w, y, weight_layout="vd"), argnums=(0, 1)))
+        lambda x, w: linear_cross_entropy(x, w, y, weight_layout="vd", **token_loss),
+        argnums=(0, 1)))
     return dict(ms=_harness.time_jax(fn, x, w, reps=reps), loss=float(fn(x, w)[0]),
                 extra_bytes=_harness.jax_temp_bytes(fn, x, w))
   if provider.startswith("memeff"):
@@ -101,9 +112,9 @@ def loss_worker(provider: str, reps: int) -> dict:
                           fused_lse="lse" in mods)
             if "mosaic" in mods else None)
     loss_fn = lambda x, w, y: mt.linear_cross_entropy(x, w, y, chunk_size=chunk,
-                                                      implementation=impl)
+                                                      implementation=impl, **token_loss)
   else:
-    loss_fn = torch_loss_fn(provider)
+    loss_fn = torch_loss_fn(provider, ppo=(*ppo_args, PPO_SEQUENCE) if ppo else None)
   step, state = torch_step(loss_fn, xt, wt, yt)
 
   # JAX's peak cannot be reset: it counts from here, over a warm-up call and the timed ones
@@ -125,6 +136,21 @@ def loss_worker(provider: str, reps: int) -> dict:
   return dict(ms=ms, queued_ms=queued_ms, loss=float(state["loss"].detach()),
               torch_peak_bytes=int(torch_extra), jax_peak_bytes=int(jax_extra),
               extra_bytes=int(torch_extra + jax_extra - grads))
+
+
+def _ppo_inputs(xt, wt, yt):
+  """(advantages [N], old log-probs [N]) as benchmarks/linear_cross_entropy.py's
+  `ppo_sequence` sets make them: one normal advantage per sequence, and the tokens'
+  log-probabilities plus normal noise of 0.2."""
+  import torch  # pylint: disable=import-outside-toplevel
+
+  from memeff_jax.interop import torch as mt  # pylint: disable=import-outside-toplevel
+  g = torch.Generator(device="cuda").manual_seed(2)
+  advantages = torch.randn(N // PPO_SEQUENCE, device="cuda", generator=g)
+  with torch.no_grad():
+    log_p = -mt.linear_cross_entropy(xt, wt, yt, reduction="none")
+  noise = 0.2 * torch.randn(N, device="cuda", generator=g)
+  return advantages.repeat_interleave(PPO_SEQUENCE), log_p + noise
 
 
 def attention_worker(provider: str, causal: bool, reps: int) -> dict:
@@ -194,8 +220,8 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.worker:
     op, provider = args.worker.split("/", 1)
-    row = (loss_worker(provider, args.reps) if op == "loss" else
-           attention_worker(provider, bool(args.causal), args.reps))
+    row = (attention_worker(provider, bool(args.causal), args.reps) if op == "attention"
+           else loss_worker(provider, args.reps, ppo=op == "ppo"))
     print(json.dumps(row), flush=True)
     # The row is out: skip the interpreter's teardown, where JAX's and torch's C++ state are
     # destroyed in no fixed order (an eager autograd.Function path of the
@@ -206,9 +232,9 @@ def main(argv=None):
   from benchmarks import _harness  # pylint: disable=import-outside-toplevel
   env = _harness.environment()
   for op in args.op.split(","):
-    providers = (args.providers or (LOSS_PROVIDERS if op == "loss" else
-                                    ATTENTION_PROVIDERS)).split(",")
-    for causal in ([None] if op == "loss" else [False, True]):
+    providers = (args.providers or dict(loss=LOSS_PROVIDERS, ppo=PPO_PROVIDERS,
+                                        attention=ATTENTION_PROVIDERS)[op]).split(",")
+    for causal in ([False, True] if op == "attention" else [None]):
       print(f"{op}{'' if causal is None else f' causal={causal}'} on {env['device']}",
             flush=True)
       rows, floor = [], None
@@ -231,7 +257,7 @@ def main(argv=None):
           row.update(b=B, t=T, h=H, d=HD, causal=causal)
           flops = 4 * B * H * T * T * HD / (2 if causal else 1)
         else:
-          row.update(n=N, d=D, v=V)
+          row.update(n=N, d=D, v=V, **(dict(ppo_sequence=PPO_SEQUENCE) if op == "ppo" else {}))
           flops = 6 * N * D * V
         if proc.returncode or not lines:
           tail = (proc.stderr.strip().splitlines() or ["failed"])[-1]
