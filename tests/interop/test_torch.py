@@ -148,6 +148,17 @@ def test_lce_entropy_equals_torch(reduction, uses, device):
     _close(a, r)
 
 
+def _compiled_matches_eager(objective, args, wrt):
+  """torch.compile(fullgraph=True) of objective(*args) against eager: the value and the
+  gradients of the tensors `wrt`."""
+  eager = objective(*args)
+  eager_grads = torch.autograd.grad(eager, wrt)
+  got = torch.compile(objective, fullgraph=True, backend="aot_eager")(*args)
+  _close(got, eager, 1e-6)
+  for a, r in zip(torch.autograd.grad(got, wrt), eager_grads):
+    _close(a, r, 1e-6)
+
+
 @pytest.mark.parametrize("return_entropy", [False, True])
 def test_lce_token_weights_through_the_module_and_torch_compile(return_entropy, device):
   """The module's forward takes token_weights (and gives the entropy where asked);
@@ -161,14 +172,7 @@ def test_lce_token_weights_through_the_module_and_torch_compile(return_entropy, 
     out = loss_fn(*args)
     return out[0] * 0.5 - 0.1 * out[1].sum() if return_entropy else out * 0.5
 
-  eager = objective(x, y, omega)
-  eager_grads = torch.autograd.grad(eager, (x, w, omega))
-  compiled = torch.compile(objective, fullgraph=True, backend="aot_eager")
-  got = compiled(x, y, omega)
-  got_grads = torch.autograd.grad(got, (x, w, omega))
-  _close(got, eager, 1e-6)
-  for a, r in zip(got_grads, eager_grads):
-    _close(a, r, 1e-6)
+  _compiled_matches_eager(objective, (x, y, omega), (x, w, omega))
 
 
 def _ppo(xp):
@@ -246,14 +250,7 @@ def test_lce_token_loss_through_the_module_and_torch_compile(device):
   def objective(x, y, advantage):
     return loss_fn(x, y, token_loss_args=(old, advantage)) * 0.5
 
-  eager = objective(x, y, advantage)
-  eager_grads = torch.autograd.grad(eager, (x, w, advantage))
-  compiled = torch.compile(objective, fullgraph=True, backend="aot_eager")
-  got = compiled(x, y, advantage)
-  got_grads = torch.autograd.grad(got, (x, w, advantage))
-  _close(got, eager, 1e-6)
-  for a, r in zip(got_grads, eager_grads):
-    _close(a, r, 1e-6)
+  _compiled_matches_eager(objective, (x, y, advantage), (x, w, advantage))
 
 
 def test_lce_new_token_loss_functions_warn(monkeypatch):
