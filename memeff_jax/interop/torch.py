@@ -257,9 +257,9 @@ def _token_loss_key(token_loss) -> str:
   key = _registered(token_loss)
   if key not in _TOKEN_LOSSES and len(_TOKEN_LOSSES) + 1 == _MANY_TOKEN_LOSSES:
     warnings.warn(f"memeff linear_cross_entropy: {_MANY_TOKEN_LOSSES} distinct token_loss "
-                  "functions so far; "
-                  "each one compiles the loss anew. Define the token_loss once (not a new "
-                  "lambda or partial per step) and pass what changes as token_loss_args.")
+                  "functions so far; each one compiles the loss anew. Define the token_loss "
+                  "once (not a new lambda or partial per step) and pass what changes as "
+                  "token_loss_args.")
   _TOKEN_LOSSES.add(key)
   return key
 
