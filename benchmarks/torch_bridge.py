@@ -28,7 +28,9 @@ Attention (B=4, H=32, T=4096, D=128, bf16; forward and forward+backward, causal 
 
 Every provider runs in a fresh process, so its peak memory is its own: extra bytes are
 torch.cuda.max_memory_allocated over the inputs plus JAX's peak_bytes_in_use over its
-start, less the gradient outputs (which every provider must return). Times are CUDA-event
+start, less the gradient outputs (which every provider must return); a memeff provider runs
+twice, the first process filling a persistent compilation cache (JAX_COMPILATION_CACHE_DIR,
+a temporary one where unset) so that the second's peak holds no autotuning. Times are CUDA-event
 medians on torch's stream (JAX's work is ordered into it by DLPack): `ms` from an idle
 GPU (the host's latency to the first kernel included), and for the torch-driven
 providers also `queued_ms`, the step queued behind 20 ms of matmuls as behind a model's
@@ -44,6 +46,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -141,14 +144,18 @@ def loss_worker(provider: str, reps: int, ppo: bool = False) -> dict:
 def _ppo_inputs(xt, wt, yt):
   """(advantages [N], old log-probs [N]) as benchmarks/linear_cross_entropy.py's
   `ppo_sequence` sets make them: one normal advantage per sequence, and the tokens'
-  log-probabilities plus normal noise of 0.2."""
+  log-probabilities plus normal noise of 0.2. The log-probabilities come from torch, a
+  sequence at a time, so that JAX's peak memory (which cannot be reset) holds the timed
+  step's alone."""
   import torch  # pylint: disable=import-outside-toplevel
-
-  from memeff_jax.interop import torch as mt  # pylint: disable=import-outside-toplevel
+  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
   g = torch.Generator(device="cuda").manual_seed(2)
   advantages = torch.randn(N // PPO_SEQUENCE, device="cuda", generator=g)
   with torch.no_grad():
-    log_p = -mt.linear_cross_entropy(xt, wt, yt, reduction="none")
+    log_p = torch.cat([
+        -F.cross_entropy(F.linear(xt[i:i + PPO_SEQUENCE], wt).float(),
+                         yt[i:i + PPO_SEQUENCE], reduction="none")
+        for i in range(0, N, PPO_SEQUENCE)])
   noise = 0.2 * torch.randn(N, device="cuda", generator=g)
   return advantages.repeat_interleave(PPO_SEQUENCE), log_p + noise
 
@@ -231,6 +238,8 @@ def main(argv=None):
     os._exit(0)
   from benchmarks import _harness  # pylint: disable=import-outside-toplevel
   env = _harness.environment()
+  cache = (os.environ.get("JAX_COMPILATION_CACHE_DIR")
+           or tempfile.mkdtemp(prefix="memeff-bridge-jax-cache-"))
   for op in args.op.split(","):
     providers = (args.providers or dict(loss=LOSS_PROVIDERS, ppo=PPO_PROVIDERS,
                                         attention=ATTENTION_PROVIDERS)[op]).split(",")
@@ -244,10 +253,12 @@ def main(argv=None):
         environ = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
         if provider.startswith("memeff") and "async" in _modifiers(provider):
           environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "cuda_async"
-        if provider.startswith("memeff") and environ.get("JAX_COMPILATION_CACHE_DIR"):
+        if provider.startswith("memeff"):
           # JAX's peak_bytes_in_use cannot be reset and counts the autotuner's scratch
-          # buffers of the first compile: a first process fills the persistent cache, the
-          # second loads the executable and measures steady-state memory.
+          # buffers of the first compile (2 GiB at the loss's shape, H100): a first process
+          # fills the persistent cache, the second loads the executable and measures
+          # steady-state memory.
+          environ["JAX_COMPILATION_CACHE_DIR"] = cache
           subprocess.run(cmd + ["--reps", "1"], capture_output=True, check=False, env=environ)
         proc = subprocess.run(cmd + ["--reps", str(args.reps)], capture_output=True, text=True,
                               check=False, env=environ)
