@@ -1349,6 +1349,22 @@ def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
   assert not mosaic_gemm.own_slots(mosaic_gemm.GemmConfig(schedule="ring"), 4096)
 
 
+def test_h100_exp_gemm_takes_the_ring_where_k_breaks_its_ping_pong(monkeypatch):
+  """The tuning table's H100 section sends the exp GEMM to the ring, not the 6-slot tiles,
+  where K's steps are no multiple of 8 (Gemma-2's 2,304); other K keep the ping-pong tiles,
+  and other GPUs the 6-slot ones."""
+  lookup = pallas_mosaic_gpu._tuning.lookup  # pylint: disable=protected-access
+  def tiles(kind, k):
+    monkeypatch.setattr(pallas_mosaic_gpu._tuning, "lookup",  # pylint: disable=protected-access
+                        lambda *a, **kw: lookup(*a, **{**kw, "device_kind": kind}))
+    config = pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", k)
+    return config.schedule, config.tile_n, config.max_concurrent_steps
+
+  assert tiles("NVIDIA H100 80GB HBM3", 2304) == ("ring", 128, 4)
+  assert tiles("NVIDIA H100 80GB HBM3", 4096) == ("pingpong", 192, 4)
+  assert tiles("NVIDIA H200", 2304) == ("pingpong", 128, 6)
+
+
 def test_exp_gemm_narrows_where_its_waves_end_sooner():
   """The "dv" exp GEMM's 128 × 192 tiles give way to its `narrow` ones (128 columns, 6
   slots) where those finish the [tokens, V] output in fewer columns of main loop on 132
