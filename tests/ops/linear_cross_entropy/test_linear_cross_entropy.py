@@ -1170,13 +1170,15 @@ def test_loss_alone_from_the_exp_gemms_row_sums(layout, option):
                                               (("logits", "dw"), 512, "dv"),
                                               (("logits", "dw"), 768, "dv"),
                                               ((), 512, "vd"), ((), 768, "vd")])
-def test_own_slot_ping_pong_gemms_match_reference(gemms, d, layout):
+def test_own_slot_ping_pong_gemms_match_reference(gemms, d, layout, tuned_as):
   """Two chunks of 512 tokens: at D = 512 the exp GEMM's 8 K steps and the dW GEMM's 8 run
   the tuned ping-pong tiles on each warpgroup's own slots (mosaic_gemm.own_slots), as at
   Llama-3-8B's shape (the other tests' 256-token chunks take the ring's fallback); at
   D = 768 (GPT-2's) the exp GEMM's 12 steps its 6-slot fallback. The second chunk adds into
   dW by TMA. With ("logits", "dw") dx is cuBLAS's, as the default at Gemma-2's shape; in
-  the "vd" layout dx and dW are cuBLAS's beside the same exp GEMM tiles, as its default."""
+  the "vd" layout dx and dW are cuBLAS's beside the same exp GEMM tiles, as its default.
+  The tiles are the H200's (an H100 runs the ring where K's steps are no multiple of 8)."""
+  tuned_as("NVIDIA H200")
   keys = ("logits", "dw_tma") if "dw" in gemms else ("logits",)
   for key, k in zip(keys, (d, 512)):  # K: D for the logits, a chunk's 512 tokens for dW
     assert mosaic_gemm.own_slots(pallas_mosaic_gpu.tuned_gemm_config(key, layout, k), k)
@@ -1329,11 +1331,23 @@ def test_mosaic_gemms_refuse_shapes_off_their_tiles():
     memeff_jax.linear_cross_entropy(x, w, labels, implementation=impl, chunk_size=200)
 
 
-def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
+@pytest.fixture
+def tuned_as(monkeypatch):
+  """tuned_as(kind): the tuning table read as on a GPU of that device kind, so that the
+  tests of the tuned tiles pass on any machine."""
+  lookup = pallas_mosaic_gpu._tuning.lookup  # pylint: disable=protected-access
+  def pin(kind):
+    monkeypatch.setattr(pallas_mosaic_gpu._tuning, "lookup",  # pylint: disable=protected-access
+                        lambda *a, **kw: lookup(*a, **{**kw, "device_kind": kind}))
+  return pin
+
+
+def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots(tuned_as):
   """The exp and "dv" dW GEMMs' tuned ping-pong tiles need K's steps of 64 to be a multiple
   of twice their 4 slots (each warpgroup on its own slots); elsewhere their `fallback`
   sections run: the exp GEMM's 6-slot ping-pong where its steps are a multiple of 12, then
   the ring's tiles. The logits tiles are both layouts' ("vd" has no section of its own)."""
+  tuned_as("NVIDIA H200")
   def tiles(key, k, layout="dv"):
     config = pallas_mosaic_gpu.tuned_gemm_config(key, layout, k)
     assert config.schedule == "ring" or mosaic_gemm.own_slots(config, k), (key, k, layout)
@@ -1349,14 +1363,12 @@ def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots():
   assert not mosaic_gemm.own_slots(mosaic_gemm.GemmConfig(schedule="ring"), 4096)
 
 
-def test_h100_exp_gemm_takes_the_ring_where_k_breaks_its_ping_pong(monkeypatch):
+def test_h100_exp_gemm_takes_the_ring_where_k_breaks_its_ping_pong(tuned_as):
   """The tuning table's H100 section sends the exp GEMM to the ring, not the 6-slot tiles,
   where K's steps are no multiple of 8 (Gemma-2's 2,304); other K keep the ping-pong tiles,
   and other GPUs the 6-slot ones."""
-  lookup = pallas_mosaic_gpu._tuning.lookup  # pylint: disable=protected-access
   def tiles(kind, k):
-    monkeypatch.setattr(pallas_mosaic_gpu._tuning, "lookup",  # pylint: disable=protected-access
-                        lambda *a, **kw: lookup(*a, **{**kw, "device_kind": kind}))
+    tuned_as(kind)
     config = pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", k)
     return config.schedule, config.tile_n, config.max_concurrent_steps
 
@@ -1365,10 +1377,11 @@ def test_h100_exp_gemm_takes_the_ring_where_k_breaks_its_ping_pong(monkeypatch):
   assert tiles("NVIDIA H200", 2304) == ("pingpong", 128, 6)
 
 
-def test_exp_gemm_narrows_where_its_waves_end_sooner():
+def test_exp_gemm_narrows_where_its_waves_end_sooner(tuned_as):
   """The "dv" exp GEMM's 128 × 192 tiles give way to its `narrow` ones (128 columns, 6
   slots) where those finish the [tokens, V] output in fewer columns of main loop on 132
   SMs, each tile counted 32 columns more (mosaic_gemm.wave_span)."""
+  tuned_as("NVIDIA H200")
   def tiles(tokens, vocab, k=4096):
     config = pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", k, (tokens, vocab), 132)
     return config.tile_n, config.max_concurrent_steps
