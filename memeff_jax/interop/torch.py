@@ -589,6 +589,12 @@ def _check_per_token(name: str, t, x: torch.Tensor, labels: torch.Tensor):
     raise ValueError(f"{name} is on {t.device}, x on {x.device}: pass them on one device")
 
 
+def _check_token_loss(token_loss):
+  if not callable(token_loss):
+    raise TypeError(f"token_loss must be a callable f(log_prob, *token_loss_args) -> loss "
+                    f"written with jax.numpy, got {token_loss!r}")
+
+
 def _loss_args(token_loss, token_loss_args, entropy: bool, x: torch.Tensor,
                labels: torch.Tensor):
   """The token_loss's arguments as one float32 tensor [..., k] (None for none; a stack
@@ -606,9 +612,7 @@ def _loss_args(token_loss, token_loss_args, entropy: bool, x: torch.Tensor,
       raise ValueError("entropy=True hands each token's entropy to a token_loss; to get it "
                        "back, pass return_entropy=True")
     return None
-  if not callable(token_loss):
-    raise TypeError(f"token_loss must be a callable f(log_prob, *token_loss_args) -> loss "
-                    f"written with jax.numpy, got {token_loss!r}")
+  _check_token_loss(token_loss)
   for i, a in enumerate(token_loss_args):
     _check_per_token(f"token_loss_args[{i}]", a, x, labels)
   if not token_loss_args:
@@ -714,9 +718,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     super().__init__()
     if weight.ndim != 2:
       raise ValueError(f"weight must be [V, D], got weight.shape={tuple(weight.shape)}")
-    if token_loss is not None and not callable(token_loss):
-      raise TypeError(f"token_loss must be a callable written with jax.numpy, got "
-                      f"{token_loss!r}")
+    if token_loss is not None:
+      _check_token_loss(token_loss)
     self._weight, self._bias = [weight], [bias]  # references: not registered twice
     self.options = dict(ignore_index=ignore_index, reduction=reduction,
                         label_smoothing=label_smoothing, z_loss=z_loss,
