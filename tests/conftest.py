@@ -100,3 +100,15 @@ def tuning_tables(tmp_path, monkeypatch):
 
   yield write
   _tuning._table.cache_clear()  # pylint: disable=protected-access
+
+
+@pytest.fixture
+def tuned_as(monkeypatch):
+  """tuned_as(kind): the tuning tables read as on a GPU of that device kind, so that tests of
+  the tuned settings pass on any machine."""
+  from memeff_jax import _tuning  # pylint: disable=import-outside-toplevel
+  lookup = _tuning.lookup
+  def pin(kind):
+    monkeypatch.setattr(_tuning, "lookup",
+                        lambda *a, **kw: lookup(*a, **{**kw, "device_kind": kind}))
+  return pin

@@ -82,6 +82,10 @@ _ADDERS_COPY = 32
 # steps) is long enough that staggered warpgroups on two dQ slots pay (see the tuning table's
 # `_long` sections); shorter walks run one slot, unstaggered.
 LONG_WALK_QUERIES = 4096
+# Queries from which such a call takes its section's `_longest` variant where the table has one
+# (an H100's: a third Q/dO stage on one dQ slot, whose walks wait on HBM for Q and dO more than
+# an H200's do; see the tuning table).
+LONGEST_WALK_QUERIES = 16384
 # Queries from which a causal call with segment ids takes D = 128's causal sections (one CTA
 # per query head under GQA) rather than those without a mask (see for_deterministic).
 CAUSAL_DOCUMENTS_QUERIES = 8192
@@ -272,10 +276,11 @@ class MosaicBackwardConfig:
     left + right + 1; 0: all s): the whole kernel with dq_ordered where the tuning table has a
     `d<D>[_causal]_ordered` section (`d<D>[_causal]_gqa_ordered` for GQA calls, whose schedule
     differs; from long_walk_queries(d) queries on, and under a window, that section's `_long`
-    variant where there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key blocks
-    add into a query block (block_adders), else with segment ids dq_rounded_per_block; else the
-    dK/dV-only kernel (tuned(with_dq=False)), which runs beside a dq kernel. A head dim without
-    a section of its own takes those of _section_dims.
+    variant where there is one, from long_walk_queries(d, longest=True) without segment ids its
+    `_longest` where there is one), with dq_rounded where at most ROUNDED_DQ_MAX_ADDERS key
+    blocks add into a query block (block_adders), else with segment ids dq_rounded_per_block;
+    else the dK/dV-only kernel (tuned(with_dq=False)), which runs beside a dq kernel. A head
+    dim without a section of its own takes those of _section_dims.
 
     causal: a causal band (pallas_mosaic_gpu passes causal windows at D = 128 too), with or
     without segment ids. A causal call with segment ids takes D = 128's causal sections from
@@ -293,7 +298,11 @@ class MosaicBackwardConfig:
     # A causal window runs the `_long` sections' kernel at any span (the design doc's "Causal
     # windows and long walks").
     window = 0 < seen < (s or seen + 1)
-    found = (((t >= long_walk_queries(d) or window) and _section(table, d, suffix + "_long"))
+    # With segment ids the walks end at their documents' starts, however long T is: no
+    # `_longest`.
+    longest = not segments and t >= long_walk_queries(d, longest=True)
+    found = ((longest and _section(table, d, suffix + "_longest"))
+             or ((t >= long_walk_queries(d) or window) and _section(table, d, suffix + "_long"))
              or _section(table, d, suffix))
     if found:
       config = cls(**{**found, "dq_ordered": True})
@@ -418,11 +427,13 @@ def _section_dims(d: int) -> tuple[int, ...]:
   return (96, 128) if d == 96 else (d,)
 
 
-def long_walk_queries(d: int) -> int:
+def long_walk_queries(d: int, longest: bool = False) -> int:
   """Queries from which a deterministic causal call of head dim d takes its section's `_long`
-  variant: LONG_WALK_QUERIES, and twice as many at D = 96, which runs D = 128's sections but
-  lost with the stagger at B4 T4k H32 (fwd+bwd 3.58–3.59 against 3.52–3.54 ms, H200)."""
-  return 2 * LONG_WALK_QUERIES if d == 96 else LONG_WALK_QUERIES
+  variant (with `longest`, its `_longest`): LONG_WALK_QUERIES (LONGEST_WALK_QUERIES), and
+  twice as many at D = 96, which runs D = 128's sections but lost with the stagger at B4 T4k
+  H32 (fwd+bwd 3.58–3.59 against 3.52–3.54 ms, H200)."""
+  queries = LONGEST_WALK_QUERIES if longest else LONG_WALK_QUERIES
+  return 2 * queries if d == 96 else queries
 
 
 def _section_dim(d: int) -> int:

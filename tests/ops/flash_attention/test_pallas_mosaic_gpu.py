@@ -1507,9 +1507,11 @@ def test_deterministic_calls_take_an_ordered_section(as_on_hopper, tuning_tables
     (4096, 1024, 128, "d128_causal_gqa_ordered_long"),
     (8192, 4096, 256, "d256_gqa_ordered"),  # D = 256 keeps the sections without a mask
 ])
-def test_causal_windows_at_d128_take_the_causal_sections(as_on_hopper, t, window, d, section):
+def test_causal_windows_at_d128_take_the_causal_sections(as_on_hopper, tuned_as, t, window, d,
+                                                         section):
   """Deterministic calls under a causal window run the causal sections' `_long` variants at
   D = 128 (under GQA a CTA per query head) at any span: their Δ does not fuse."""
+  tuned_as("NVIDIA H200")  # an H100 has `_longest` sections
   opts = AttentionOptions(mask=MaskSpec.make(True, window, False), scale=0.1,
                           deterministic=True)
   # pylint: disable=protected-access
@@ -1518,6 +1520,28 @@ def test_causal_windows_at_d128_take_the_causal_sections(as_on_hopper, t, window
   want = {**_tuning.lookup("flash_attention", "pallas_mosaic_gpu_backward")[section],
           "dq_ordered": True}
   assert dataclasses.replace(st.backward, dq_rounded=False) == mb.MosaicBackwardConfig(**want)
+
+
+def test_longest_walks_take_the_h100_sections(tuned_as):
+  """On an H100, causal calls from LONGEST_WALK_QUERIES queries without segment ids run a
+  third Q/dO stage on one dQ slot, unstaggered (the `_longest` sections); an H200, D = 96
+  below twice that, and calls with segment ids keep the `_long` sections."""
+  det, n = mb.MosaicBackwardConfig.for_deterministic, mb.LONGEST_WALK_QUERIES
+  for gqa in (False, True):
+    tuned_as("NVIDIA H200")
+    on_h200 = [det(d, True, gqa, t=t, s=t, segments=seg)
+               for d, t, seg in ((128, n, False), (128, n, True), (96, n, False))]
+    assert on_h200[0] == det(128, True, gqa, t=n // 2, s=n // 2) and on_h200[0].dq_stagger
+    tuned_as("NVIDIA H100 80GB HBM3")
+    longest = det(128, True, gqa, t=n, s=n)
+    assert longest == dataclasses.replace(on_h200[0], stages=3, dq_buffers=1, dq_stagger=False)
+    assert det(128, True, gqa, t=n // 2, s=n // 2) == on_h200[0]
+    assert det(128, True, gqa, t=n, s=n, segments=True) == on_h200[1]
+    assert det(96, True, gqa, t=n, s=n) == on_h200[2]
+    assert det(96, True, gqa, t=2 * n, s=2 * n) == longest
+    assert mb.fit_shared_memory(longest, 128, BF16, segments=False) == longest
+    assert mb.support_error((1, n, 8, 128), (1, n, 2 if gqa else 8, 128), BF16, _opts(True),
+                            longest) is None
 
 
 @pytest.mark.parametrize("d, causal, gqa, s, rounded", [

@@ -1331,17 +1331,6 @@ def test_mosaic_gemms_refuse_shapes_off_their_tiles():
     memeff_jax.linear_cross_entropy(x, w, labels, implementation=impl, chunk_size=200)
 
 
-@pytest.fixture
-def tuned_as(monkeypatch):
-  """tuned_as(kind): the tuning table read as on a GPU of that device kind, so that the
-  tests of the tuned tiles pass on any machine."""
-  lookup = pallas_mosaic_gpu._tuning.lookup  # pylint: disable=protected-access
-  def pin(kind):
-    monkeypatch.setattr(pallas_mosaic_gpu._tuning, "lookup",  # pylint: disable=protected-access
-                        lambda *a, **kw: lookup(*a, **{**kw, "device_kind": kind}))
-  return pin
-
-
 def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots(tuned_as):
   """The exp and "dv" dW GEMMs' tuned ping-pong tiles need K's steps of 64 to be a multiple
   of twice their 4 slots (each warpgroup on its own slots); elsewhere their `fallback`
