@@ -54,6 +54,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks import _harness  # noqa: E402
 from memeff_jax.ops import flash_attention as fa  # noqa: E402
 from memeff_jax.ops.flash_attention import masks  # noqa: E402
+from memeff_jax.ops.flash_attention import mosaic_gpu_backward, pallas_mosaic_gpu  # noqa: E402
 from memeff_jax.ops.flash_attention.masks import MaskSpec  # noqa: E402
 
 DEFAULT_PROVIDERS = ("memeff,memeff:nondeterministic,xla,cudnn,cudnn:deterministic,rows:cudnn,"
@@ -81,18 +82,33 @@ def tuned_fields(tuned: Tuned):
   """While a call is traced: the Mosaic configs that the default dispatch picks
   (MosaicConfig.for_call, MosaicBackwardConfig.for_deterministic and for_nondeterministic)
   with tuned's fields replaced; what the dispatch does after them (split_group,
-  fit_shared_memory, the support checks) runs as for the default. The backward's config is
-  picked with the forward's (the custom_vjp's static argument)."""
+  fit_shared_memory, the support checks) runs as for the default, except that a changed
+  config its kernel cannot run is an error, not a fall back to another kernel (a row timing
+  pallas_triton under the tuned name). The backward's config is picked with the forward's
+  (the custom_vjp's static argument)."""
   with contextlib.ExitStack() as stack:
-    for cls, names, fields in ((fa.MosaicConfig, ("for_call",), tuned.forward),
-                               (fa.MosaicBackwardConfig,
-                                ("for_deterministic", "for_nondeterministic"), tuned.backward)):
+    for cls, names, fields, checks in (
+        (fa.MosaicConfig, ("for_call",), tuned.forward, pallas_mosaic_gpu),
+        (fa.MosaicBackwardConfig, ("for_deterministic", "for_nondeterministic"),
+         tuned.backward, mosaic_gpu_backward)):
+      if not fields:
+        continue
       for name in names:
         picked = getattr(cls, name)
         replaced = lambda *a, picked=picked, fields=fields, **kw: dataclasses.replace(
             picked(*a, **kw), **fields)
         stack.enter_context(mock.patch.object(cls, name, staticmethod(replaced)))
+      stack.enter_context(mock.patch.object(checks, "support_error",
+                                            _refusing(checks.support_error, fields)))
     yield
+
+
+def _refusing(support_error, fields: dict):
+  """support_error that raises where the config with `fields` cannot serve the call."""
+  def check(*args, **kwargs):
+    if (why := support_error(*args, **kwargs)) is not None:
+      raise ValueError(f"memeff:tuned: {fields} do not run here: {why}")
+  return check
 
 
 def _config_fields(opts: dict) -> tuple[dict, dict]:

@@ -285,6 +285,24 @@ def test_tuned_provider_replaces_fields_of_the_configs_the_dispatch_picks(monkey
   assert not fa.MosaicBackwardConfig.for_deterministic(128, True).dq_heavy_first
 
 
+def test_tuned_provider_refuses_a_config_its_kernel_cannot_run(monkeypatch):
+  """A tuned setting the Mosaic kernels cannot run is an error naming it, not a row timing
+  the kernel the dispatch would fall back to."""
+  monkeypatch.setattr(pm, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
+  opts = AttentionOptions(mask=MaskSpec.make(True, None, False), scale=0.0625)
+  static = lambda q: pm.PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
+  d256 = jax.ShapeDtypeStruct((4, 4096, 16, 256), jnp.bfloat16)
+  with bench.tuned_fields(bench.parse_memeff("memeff:tuned:bwd_pingpong=1")[0]):
+    with pytest.raises(ValueError, match=r"\{'pingpong': 1\}.*scores_split needs"):
+      static(d256)
+  d128 = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16)  # the grid forward
+  with bench.tuned_fields(bench.parse_memeff("memeff:tuned:dynamic=1")[0]):
+    with pytest.raises(ValueError, match=r"\{'dynamic': 1\}.*dynamic needs persistent"):
+      static(d128)
+  assert static(d256).backward.scores_split  # restored: the default runs
+
+
 def test_tuned_provider_computes_the_default_attention():
   """On the CPU (no Mosaic kernel: the fields change nothing) the tuned provider's call is
   memeff's."""
