@@ -112,3 +112,14 @@ def tuned_as(monkeypatch):
     monkeypatch.setattr(_tuning, "lookup",
                         lambda *a, **kw: lookup(*a, **{**kw, "device_kind": kind}))
   return pin
+
+
+@pytest.fixture
+def as_on_hopper(monkeypatch):
+  """The Mosaic kernels report themselves available: default choices are made as on a
+  Hopper GPU, on any machine."""
+  # pylint: disable=import-outside-toplevel
+  from memeff_jax.kernels import hopper
+  from memeff_jax.ops.flash_attention import pallas_mosaic_gpu
+  monkeypatch.setattr(pallas_mosaic_gpu, "hopper_available", lambda: None)
+  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)

@@ -11,7 +11,6 @@ import pytest
 
 from benchmarks import flash_attention as bench
 import memeff_jax
-from memeff_jax.kernels import hopper
 from memeff_jax.ops import flash_attention as fa
 from memeff_jax.ops.flash_attention import pallas_mosaic_gpu as pm
 from memeff_jax.ops.flash_attention._common import AttentionOptions
@@ -265,11 +264,9 @@ def test_a_run_measured_again_by_a_later_run_of_any_set_leaves_the_results():
       "d-sweep", "headline"]
 
 
-def test_tuned_provider_replaces_fields_of_the_configs_the_dispatch_picks(monkeypatch):
+def test_tuned_provider_replaces_fields_of_the_configs_the_dispatch_picks(as_on_hopper):
   """memeff:tuned:... runs the default dispatch (as on a Hopper GPU here) with the named
   fields of its forward and backward configs replaced, only while its call is traced."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   tuned, deterministic = bench.parse_memeff("memeff:tuned:bwd_dq_heavy_first=1:persistent=1")
   assert tuned == bench.Tuned({"persistent": 1}, {"dq_heavy_first": 1}) and deterministic
   q = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16)  # the grid forward, not persistent
@@ -285,11 +282,9 @@ def test_tuned_provider_replaces_fields_of_the_configs_the_dispatch_picks(monkey
   assert not fa.MosaicBackwardConfig.for_deterministic(128, True).dq_heavy_first
 
 
-def test_tuned_provider_refuses_a_config_its_kernel_cannot_run(monkeypatch):
+def test_tuned_provider_refuses_a_config_its_kernel_cannot_run(as_on_hopper):
   """A tuned setting the Mosaic kernels cannot run is an error naming it, not a row timing
   the kernel the dispatch would fall back to."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
   opts = AttentionOptions(mask=MaskSpec.make(True, None, False), scale=0.0625)
   static = lambda q: pm.PallasMosaicGpu()._static(q, q, opts)  # pylint: disable=protected-access
   d256 = jax.ShapeDtypeStruct((4, 4096, 16, 256), jnp.bfloat16)

@@ -37,14 +37,6 @@ BF16 = jnp.bfloat16
 _MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu")
 
 
-@pytest.fixture
-def as_on_hopper(monkeypatch):
-  """The Mosaic kernels report themselves available: default choices are made as on a
-  Hopper GPU, on any machine."""
-  monkeypatch.setattr(pm, "hopper_available", lambda: None)
-  monkeypatch.setattr(hopper, "on_nvidia_gpu", lambda: True)
-
-
 def _opts(causal=False, window=None, segments=False, softcap=None, scale=0.125):
   return AttentionOptions(mask=MaskSpec.make(causal, window, segments), scale=scale,
                           logit_softcap=softcap)
