@@ -224,7 +224,11 @@ class PallasMosaicGpu:
     would leave most SMs idle). Where only that last fails and the dW GEMM runs ping-pong
     on its warpgroups' own slots (mosaic_gemm.own_slots), the logits and dW GEMMs go on
     kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b's head, whose dx takes 72 tiles of
-    128 × 256: faster than all three on cuBLAS). Where the chunks do not
+    128 × 256: faster than all three on cuBLAS). Where dx fills the waves, a chunk holds at
+    least the table's `cublas_dw_tokens` (an H100's: its dW GEMM's K steps are many enough
+    for cuBLAS's main loop to beat ours) and the memory budget also holds x's scaled rows,
+    which dW then reads from a buffer of their own, dW goes on cuBLAS, its product added to
+    a 16-bit dW by the GEMM's epilogue ("weight"). Where the chunks do not
     divide the tokens, the ragged rest runs on the same GEMMs with tiles chosen for its own
     rows, or on cuBLAS where those do not fit (see __call__). Elsewhere cuBLAS, with dW
     added in the weight's dtype ("weight"). Where a 16-bit dW would be rounded after more
@@ -255,6 +259,11 @@ class PallasMosaicGpu:
     tiles = mosaic_gemm.cta_tiles(configs["dx"], tokens, d)
     sms = mosaic_gemm.ctas(configs["dx"], sms)  # as the dx GEMM's launch will have them
     if tiles / (-(-tiles // sms) * sms) >= rule.get("min_wave_fill", 1.0):
+      itemsize = jnp.dtype(shapes[3]).itemsize
+      per_token = _per_token(shapes[2], itemsize) + d * itemsize  # E, its sums, x's rows
+      if (tokens >= rule.get("cublas_dw_tokens", math.inf)
+          and tokens * per_token <= self._budget(shapes[2], itemsize)):
+        return ("logits", "dx"), "weight"
       return GEMMS, "tma_add"
     if mosaic_gemm.own_slots(configs["dw"], tokens):  # ping-pong dW: dx alone on cuBLAS
       return ("logits", "dw"), "tma_add"
@@ -281,15 +290,10 @@ class PallasMosaicGpu:
                                       f"got {chunk_size=} with vocab size {vocab}")
         chunk_size = tokens
       return min(chunk_size, n_tokens)
-    rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
-    min_tokens = rule.get("min_chunk_tokens", 0)
-    # A token's logits and, on the exp_logits path, its row's float32 sums over E's column
-    # tiles (128 columns at the narrowest).
-    per_token = vocab * itemsize + 4 * -(-vocab // 128)
-    budget = self.memory_budget_bytes
-    if budget is None:
-      budget = max(256 * 2**20, min_tokens * per_token)
-    tokens = budget // per_token
+    min_tokens = _tuning.lookup("linear_cross_entropy", "mosaic_default").get(
+        "min_chunk_tokens", 0)
+    budget = self._budget(vocab, itemsize)
+    tokens = budget // _per_token(vocab, itemsize)
     if tokens < 16:
       raise _dispatch.Unsupported(
           f"a vocabulary of {vocab} leaves fewer than 16 tokens per chunk in "
@@ -302,6 +306,15 @@ class PallasMosaicGpu:
         # whole tiles, and a few zero rows cost less than cuBLAS and the softmax pass.
         return -(-n_tokens // 128) * 128
     return _chunked.balanced_chunk(n_tokens, tokens, min_exact=min_tokens)
+
+  def _budget(self, vocab: int, itemsize: int) -> int:
+    """The bytes a chunk's temporaries may take: memory_budget_bytes, else 256 MiB, or
+    min_chunk_tokens' logits and sums where those take more."""
+    if self.memory_budget_bytes is not None:
+      return self.memory_budget_bytes
+    min_tokens = _tuning.lookup("linear_cross_entropy", "mosaic_default").get(
+        "min_chunk_tokens", 0)
+    return max(256 * 2**20, min_tokens * _per_token(vocab, itemsize))
 
   def __call__(self, x, weight, bias, labels, valid, weights=None, *, opts: LossOptions,
                chunk_size=None, vocab: VocabShards | None = None):
@@ -749,6 +762,12 @@ class ChunkBackend:
 # zero (z < -87) then has p < e^-50.
 LSE_RANGE = (-25.0, 60.0)
 MIN_LABEL_LOGIT = -80.0
+
+
+def _per_token(vocab: int, itemsize: int) -> int:
+  """A chunk's bytes per token: its logits and, on the exp_logits path, its row's float32
+  sums over E's column tiles (128 columns at the narrowest)."""
+  return vocab * itemsize + 4 * -(-vocab // 128)
 
 
 def _label_dots(x_c, w, col, layout: str):

@@ -1449,6 +1449,30 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   assert f32() == cublas  # a float32 weight: "weight" accumulates in float32 already
 
 
+def test_h100_puts_dw_on_cublas_where_chunks_are_long_and_the_rows_fit(monkeypatch, tuned_as):
+  """On an H100 (the tuning table's cublas_dw_tokens) the default puts dW on cuBLAS where the
+  chunks hold 2,048 tokens or more and the memory budget also holds x's scaled rows:
+  Mistral-7B's head in 8 chunks of 2,048. Not at 1,024-token chunks (Llama-3-8B), nor where
+  the logits fill the budget (Llama-2-13B's 4,096-token chunks; a larger budget makes room),
+  nor on an H200."""
+  monkeypatch.setattr(hopper, "unavailable", lambda: None)
+  bf16 = jnp.bfloat16
+
+  def auto(tokens, d, v, impl=PallasMosaicGpu()):
+    return impl.auto_gemms(16384, (tokens, d, v, bf16, bf16, "dv"), exp=True, sms=132)
+
+  mosaic, cublas_dw = (pallas_mosaic_gpu.GEMMS, "tma_add"), (("logits", "dx"), "weight")
+  tuned_as("NVIDIA H100 80GB HBM3")
+  assert PallasMosaicGpu().plan(16384, 32768, 2, None) == 2048
+  assert auto(2048, 4096, 32768) == cublas_dw
+  assert auto(1024, 4096, 128256) == mosaic
+  assert auto(4096, 5120, 32000) == mosaic
+  assert auto(4096, 5120, 32000, PallasMosaicGpu(memory_budget_bytes=2**30)) == cublas_dw
+  assert auto(2048, 4096, 32768, PallasMosaicGpu(mosaic_gemms=pallas_mosaic_gpu.GEMMS)) == mosaic
+  tuned_as("NVIDIA H200")
+  assert auto(2048, 4096, 32768) == mosaic
+
+
 def test_gpu_chunks_hold_the_tuned_tokens():
   """pallas_mosaic_gpu's chunk: 256 MiB of bf16 logits, or min_chunk_tokens' worth where
   that holds fewer tokens; an explicit memory budget is kept."""
@@ -1465,3 +1489,6 @@ def test_gpu_chunks_hold_the_tuned_tokens():
   assert impl.plan(1000, 256000, 2, None) == 1024
   assert impl.plan(100, 32768, 2, None) == 128
   assert impl.plan(100, 32768, 2, 100) == 100  # a chunk_size is taken as given
+  with pytest.raises(NotImplementedError, match="fewer than 16 tokens per chunk in "
+                     "memory_budget_bytes=1048576"):
+    PallasMosaicGpu(memory_budget_bytes=2**20).plan(16384, 256000, 2, None)
