@@ -431,7 +431,7 @@ def long_walk_queries(d: int, longest: bool = False) -> int:
   """Queries from which a deterministic causal call of head dim d takes its section's `_long`
   variant (with `longest`, its `_longest`): LONG_WALK_QUERIES (LONGEST_WALK_QUERIES), and
   twice as many at D = 96, which runs D = 128's sections but lost with the stagger at B4 T4k
-  H32 (fwd+bwd 3.58–3.59 against 3.52–3.54 ms, H200)."""
+  H32 (the design doc's "Causal windows and long walks")."""
   queries = LONGEST_WALK_QUERIES if longest else LONG_WALK_QUERIES
   return 2 * queries if d == 96 else queries
 
