@@ -54,6 +54,51 @@ def lce_table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
+def heads_section(rows: list[dict]) -> list[str]:
+  """The `heads` set's latest figures on each GPU, one line per head: memeff's default against
+  the three-matmul floor of the same run (the loss's target, ≤ 1.03×), its extra memory, and
+  plain XLA where that run timed it. Heads are named after the one-head sets of
+  configs/benchmarks/linear_cross_entropy.toml that share their shape."""
+  with (ROOT / "configs" / "benchmarks" / "linear_cross_entropy.toml").open("rb") as f:
+    sets = tomllib.load(f)
+  shape = lambda x: (x["n"], x["d"], x["v"])
+  names = {}
+  for name, spec in sets.items():
+    names.setdefault(shape(spec["shapes"][0]), name)
+  order = [shape(x) for x in sets["heads"]["shapes"]]
+  latest_run = collections.defaultdict(dict)  # device -> head -> (stamp, {provider: row})
+  for r in sorted((r for r in rows if r["set"] == "heads" and "error" not in r),
+                  key=lambda r: r["timestamp"]):
+    run = latest_run[r["device"]].get(shape(r))
+    if run is None or run[0] != r["timestamp"]:
+      run = latest_run[r["device"]][shape(r)] = (r["timestamp"], {})
+    run[1][r["provider"]] = r
+  out = []
+  for device, heads in latest_run.items():
+    found = [(head, heads[head][1]) for head in order
+             if head in heads and {"floor", "memeff"} <= set(heads[head][1])]
+    if not found:
+      continue
+    stamps = sorted({heads[head][0] for head, _ in found})
+    naive = any("jax_naive" in run for _, run in found)
+    out += [f"**heads** on {device}, {' and '.join(stamps)}"
+            f"{_rounds([r for _, run in found for r in run.values()])}", "",
+            "| head | N | D | V | floor ms | memeff ms | × floor | extra memory (GiB) |"
+            + (" plain XLA × floor |" if naive else ""),
+            "|---|---|---|---|---|---|---|---|" + ("---|" if naive else "")]
+    for (n, d, v), run in found:
+      floor, ours = run["floor"], run["memeff"]
+      line = (f"| {names.get((n, d, v), '')} | {n:,} | {d:,} | {v:,} | {floor['ms']:.2f} | "
+              f"{ours['ms']:.2f} | {ours['ms'] / floor['ms']:.3f} | "
+              f"{_gib(ours.get('extra_bytes'))} |")
+      if naive:
+        plain = run.get("jax_naive")
+        line += " — |" if plain is None else f" {plain['ms'] / floor['ms']:.3f} |"
+      out.append(line)
+    out.append("")
+  return out
+
+
 def fa_table(rows: list[dict]) -> str:
   """One attention run: ratios against the best JAX peer of the same run and mask (a peer on
   packed documents cut into rows, `rows:PEER`, among them)."""
@@ -661,6 +706,10 @@ def main():
            "floor (or the best JAX attention peer) of that same run. Extra "
            "memory: XLA's temporary bytes for JAX providers, peak allocation over inputs and "
            "gradient outputs for torch ones.", "", "## linear_cross_entropy", ""]
+  heads = heads_section(rows)
+  if heads:
+    lines += ["`python benchmarks/linear_cross_entropy.py --set heads`: the default against "
+              "the three-matmul floor, each head's latest run.", ""] + heads
   latest = {}  # device -> (key, group)
   for key, group in runs(rows):
     lines += [run_heading(key, group), "", lce_table(group), ""]

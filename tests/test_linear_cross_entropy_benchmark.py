@@ -106,3 +106,22 @@ def test_a_forward_run_says_so(tmp_path):
   (key, group), *_ = make_results.runs([json.loads(line) for line in
                                         out.read_text().splitlines()])
   assert "forward (no gradients)" in make_results.run_heading(key, group)
+
+
+def test_heads_summary_takes_each_heads_latest_run_per_gpu():
+  """One line per head and GPU from its latest `heads` run: memeff over that run's floor,
+  named after the one-head set of its shape; plain XLA's column only where a run timed it."""
+  from benchmarks import make_results  # pylint: disable=import-outside-toplevel
+  head = dict(set="heads", n=16384, d=768, v=50257, rounds=3)
+  rows = [dict(head, device="A", timestamp="t", provider="floor", ms=5.0),
+          dict(head, device="A", timestamp="t", provider="memeff", ms=6.0, extra_bytes=2**29),
+          dict(head, device="A", timestamp="u", provider="floor", ms=4.0),
+          dict(head, device="A", timestamp="u", provider="memeff", ms=5.0, extra_bytes=2**28),
+          dict(head, device="B", timestamp="t", provider="floor", ms=5.0),
+          dict(head, device="B", timestamp="t", provider="memeff", ms=5.5, extra_bytes=2**28),
+          dict(head, device="B", timestamp="t", provider="jax_naive", ms=20.0)]
+  text = "\n".join(make_results.heads_section(rows))
+  assert "**heads** on A, u" in text and "**heads** on B, t" in text
+  assert "| gpt2 | 16,384 | 768 | 50,257 | 4.00 | 5.00 | 1.250 | 0.250 |\n" in text + "\n"
+  assert "| gpt2 | 16,384 | 768 | 50,257 | 5.00 | 5.50 | 1.100 | 0.250 | 4.000 |" in text
+  assert text.count("plain XLA") == 1
