@@ -67,12 +67,9 @@ def heads_section(rows: list[dict]) -> list[str]:
     names.setdefault(shape(spec["shapes"][0]), name)
   order = [shape(x) for x in sets["heads"]["shapes"]]
   latest_run = collections.defaultdict(dict)  # device -> head -> (stamp, {provider: row})
-  for r in sorted((r for r in rows if r["set"] == "heads" and "error" not in r),
-                  key=lambda r: r["timestamp"]):
-    run = latest_run[r["device"]].get(shape(r))
-    if run is None or run[0] != r["timestamp"]:
-      run = latest_run[r["device"]][shape(r)] = (r["timestamp"], {})
-    run[1][r["provider"]] = r
+  for (set_name, device, stamp, n, d, v, _), group in runs(rows):
+    if set_name == "heads":
+      latest_run[device][n, d, v] = (stamp, {r["provider"]: r for r in group if "error" not in r})
   out = []
   for device, heads in latest_run.items():
     found = [(head, heads[head][1]) for head in order

@@ -112,7 +112,7 @@ def test_heads_summary_takes_each_heads_latest_run_per_gpu():
   """One line per head and GPU from its latest `heads` run: memeff over that run's floor,
   named after the one-head set of its shape; plain XLA's column only where a run timed it."""
   from benchmarks import make_results  # pylint: disable=import-outside-toplevel
-  head = dict(set="heads", n=16384, d=768, v=50257, rounds=3)
+  head = dict(set="heads", n=16384, d=768, v=50257, dtype="bfloat16", rounds=3)
   rows = [dict(head, device="A", timestamp="t", provider="floor", ms=5.0),
           dict(head, device="A", timestamp="t", provider="memeff", ms=6.0, extra_bytes=2**29),
           dict(head, device="A", timestamp="u", provider="floor", ms=4.0),
