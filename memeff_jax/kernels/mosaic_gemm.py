@@ -178,14 +178,6 @@ class GemmConfig:
     return 2 if self.cluster else 1
 
 
-def own_slots(config: GemmConfig, k: int) -> bool:
-  """Whether a GEMM with K = k runs `config` as ping-pong on each warpgroup's own slots
-  (see _ring_kernel): K's steps a multiple of twice the slots. Other ping-pong GEMMs pass
-  the other warpgroup's slots too, whose epilogue then holds up the other's main loop."""
-  return (config.schedule == "pingpong"
-          and (k // config.tile_k) % (2 * config.max_concurrent_steps) == 0)
-
-
 def _cluster_layout(config: GemmConfig):
   """(cta_origin, a_axes, b_axes): cta_origin(mi, ni) is the first row and column of this
   CTA's tile in cluster tile (mi, ni); a_axes / b_axes are the collective axes of A's and B's
@@ -420,11 +412,11 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
 
   In the ring schedule both compute warpgroups wait on every slot's arrival and release
   every slot once their WGMMA has read it, and a slot is refilled once both have passed it.
-  In ping-pong, where K's steps are a multiple of twice the slots, each warpgroup waits on
-  and releases only its own tiles' slots (`turns`, below): its epilogue then holds up
-  none of the other's main loop (docs/design/hopper_gemm.md has the dW GEMM's figures).
-  Otherwise the non-owner passes every slot of the other's tiles (waits on it and releases
-  it at once), so that each sees every phase of every barrier in order. C is requested when a
+  In ping-pong each warpgroup waits on and releases only its own tiles' slots: a slot has
+  one `ready` barrier per warpgroup, and the memory warpgroup's copies for tile j arrive on
+  warpgroup j % 2's, so each warpgroup sees every phase of its own barriers in order
+  whatever number of K steps a tile takes, and its epilogue holds up none of the other's
+  main loop (docs/design/hopper_gemm.md has the figures). C is requested when a
   tile's main loop starts and lands in shared memory while it runs. With `reduce` (c_gmem is
   then None) each tile is stored by a TMA reduce-add into what out_gmem holds.
 
@@ -459,13 +451,14 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   div, rem = hopper.div, hopper.rem
   pingpong = config.schedule == "pingpong"
   split = None if pingpong else config.wg_split  # ping-pong: each warpgroup owns whole tiles
-  # Ping-pong where each slot fills an even number of times per tile: a warpgroup's tracked
-  # parity of every slot's `ready` barrier is the same after the other warpgroup's tile as
-  # before it, so it neither waits on nor releases the other's slots (`free` takes the
-  # owner's arrival alone), and its epilogue holds up no slot of the other's main loop.
-  # A parity names a phase only up to two, so a warpgroup starts waiting on its tile's
-  # slots once the other has seen the last of its own tile's land (`turn`).
-  turns = own_slots(config, k)
+  # Ping-pong: slot s's copies for warpgroup w's tiles arrive on ready[w · stages + s]. A
+  # warpgroup's next phase of one of its barriers is always its next tile step there: the
+  # copy after it into the same slot waits on that step's release (`free`, the owner's
+  # arrival alone). The warpgroups take turns (`turn`): one issues a tile's WGMMAs once the
+  # other has issued all of its last tile's, so that their main loops do not interleave
+  # and each one's epilogue runs under the other's main loop.
+  def ready_at(slot, owner):
+    return slot + owner * stages if pingpong else slot
   walker, walkers = lax.axis_index("sm"), sms // config.cluster_size()  # clusters (or CTAs)
   cta_origin, a_shared, b_shared = _cluster_layout(config)
   per_tile = stats_gmem is not None and exp_out  # each tile's sums stored as they come
@@ -580,13 +573,13 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
                                  optimized=False)
 
           def main_loop(acc_ref):
-            if turns:  # the other's last tile has seen all its slots land (none first)
+            if pingpong:  # the other has issued its last tile's WGMMAs (none first)
               pl.when(i > 0)(lambda: plgpu.barrier_wait(turn.at[wg]))
 
             @pl.loop(0, k_steps)
             def _(kk):
               slot = rem(first + kk, stages)
-              plgpu.barrier_wait(ready.at[slot])
+              plgpu.barrier_wait(ready.at[ready_at(slot, wg)])
               plgpu.wgmma(acc_ref, *_wg_operands(a_smem.at[slot], b_part(slot, width),
                                                  wg, split, wg_config, trans_a, trans_b))
               # One WGMMA group left running: the step before has been read, so its slot
@@ -597,7 +590,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
               def _():
                 plgpu.barrier_arrive(free.at[rem(first + kk - 1, stages)])
 
-            if turns:
+            if pingpong:
               plgpu.barrier_arrive(turn.at[1 - wg])
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(free.at[rem(first + k_steps - 1, stages)])
@@ -641,15 +634,6 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
         if not pingpong:
           return own()
 
-        if not turns:
-          @pl.when(rem(i, 2) != wg)
-          def _pass():  # the other warpgroup's tile: release each slot once it has landed
-            @pl.loop(0, k_steps)
-            def _(kk):
-              slot = rem(first + kk, stages)
-              plgpu.barrier_wait(ready.at[slot])
-              plgpu.barrier_arrive(free.at[slot])
-
         if stats:  # the owner's rows' running statistics go on, the other's stay
           return lax.cond(rem(i, 2) == wg, own, lambda: carry)
         pl.when(rem(i, 2) == wg)(own)
@@ -691,6 +675,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
       def tile(phase, j, i, _):
         rows, cols = phase.origin(j)
         width = cn // tn * phase.width  # the B block's columns
+        owner = rem(i, 2)
         if reduce:
           # The running sum's tile, into L2 while the tile's main loop runs, so that the
           # epilogue's TMA reduce-add finds it there (prefetching the next tile's instead
@@ -710,9 +695,10 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
           a_src = a_gmem.at[ks, pl.ds(rows, cm)] if trans_a else a_gmem.at[pl.ds(rows, cm), ks]
           b_src = (b_gmem.at[pl.ds(cols, width), ks] if trans_b
                    else b_gmem.at[ks, pl.ds(cols, width)])
-          plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], ready.at[slot],
+          plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], ready.at[ready_at(slot, owner)],
                                   collective_axes=a_shared)
-          plgpu.copy_gmem_to_smem(b_src, b_part(slot, phase.width), ready.at[slot],
+          plgpu.copy_gmem_to_smem(b_src, b_part(slot, phase.width),
+                                  ready.at[ready_at(slot, owner)],
                                   collective_axes=b_shared)
 
       # One warp streams the slots; the warpgroup's other three wait at the end instead of
@@ -737,7 +723,7 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   # TMA store needs its tile contiguous in shared memory, which a column slice of the first
   # view is not. Each warpgroup keeps to its own bytes in both views.
   # B's slots stored [tk, cn] likewise (a tail block [tk, tail_cn] is then a slot's prefix).
-  arrivals = 1 if turns else 2  # per CTA, on each slot's `free`
+  arrivals = 1 if pingpong else 2  # per CTA, on each slot's `free`
   c_buffer = plgpu.SMEM((2, er, tn), out_dtype, transforms=_swizzled(tn, out_dtype))
   b_slots = plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype))
   if config.tail_n is not None:
@@ -753,13 +739,14 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
       plgpu.SMEM((stages, *a_block), dtype, transforms=_swizzled(a_block[1], dtype)),
       b_slots,
       c_buffer,
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # ready: A and B landed
+      # ready: A and B landed (per warpgroup in ping-pong)
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
       # free: both warpgroups (of both CTAs of a cluster) passed
       (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=arrivals,
                             num_barriers=stages)
        if config.cluster else plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages)),
       plgpu.Barrier(num_barriers=2),  # C landed, per warpgroup
-      *([plgpu.Barrier(num_barriers=2)] if turns else []),  # turn: this one's to wait
+      *([plgpu.Barrier(num_barriers=2)] if pingpong else []),  # turn: this one's to wait
       collective_axes="wg",
   )
 

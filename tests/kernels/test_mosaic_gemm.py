@@ -338,14 +338,18 @@ def test_tma_add_matches_reference(name, trans_a, trans_b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cluster", [None, "m", "n"])
 @pytest.mark.parametrize("trans_a,trans_b", [(True, False), (False, True)])
-@pytest.mark.parametrize("slots,num_sms", [(2, 3), (4, 2)])
-def test_pingpong_on_own_slots_matches_reference(slots, num_sms, trans_a, trans_b, cluster):
-  """Ping-pong with K a multiple of twice the slots (K = 512: 8 steps of 64): each
-  warpgroup waits on and releases its own tiles' slots only. 2 slots: 3 CTAs over 12
-  tiles of 128 × 128; 4 slots: 2 CTAs over 8 tiles of 128 × 192 (some CTAs run an odd
-  number, so the warpgroups own different numbers of tiles; pairs along M or N when
-  clustered); stored, added by TMA and (128 wide) added in the epilogue."""
-  a, b, c, ref = _operands(trans_a, trans_b, seed=7, m=512, k=512, n=384)
+@pytest.mark.parametrize("slots,num_sms,k", [(2, 3, 512), (2, 3, 320), (4, 2, 512),
+                                             (4, 2, 768)])
+def test_pingpong_on_own_slots_matches_reference(slots, num_sms, k, trans_a, trans_b,
+                                                  cluster):
+  """Ping-pong: each warpgroup waits on and releases its own tiles' slots only, through
+  its own `ready` barriers, whether a tile fills each slot an even number of times (K =
+  512: 8 steps of 64) or not (K = 320 on 2 slots: 5 steps; K = 768 on 4: 12, GPT-2's D).
+  2 slots: 3 CTAs over 12 tiles of 128 × 128; 4 slots: 2 CTAs over 8 tiles of 128 × 192
+  (some CTAs run an odd number, so the warpgroups own different numbers of tiles; pairs
+  along M or N when clustered); stored, added by TMA and (128 wide) added in the
+  epilogue."""
+  a, b, c, ref = _operands(trans_a, trans_b, seed=7, m=512, k=k, n=384)
   wide = slots == 4  # 192 wide: the epilogue through 64-row pieces, so no C tile fits
   cfg = mg.GemmConfig(tile_n=192 if wide else 128, max_concurrent_steps=slots,
                       schedule="pingpong", num_sms=2 if cluster else num_sms, cluster=cluster,

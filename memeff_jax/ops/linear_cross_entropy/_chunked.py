@@ -113,8 +113,8 @@ def balanced_chunk(n_tokens: int, max_chunk: int, min_exact: int | None = None) 
 
   E.g. 16,000 tokens with room for 1,024: 15 chunks of 1,024 and a ragged one of 640 (see
   run_chunks), 1,000 being no whole number of 128-row tiles. 16,384 with room for 2,560: 8
-  chunks of 2,048 rather than 7 of 2,432, on whose 38 K steps the Mosaic dW GEMM cannot run
-  ping-pong on each warpgroup's own slots (GPT-2's head). With room for 3,968 and min_exact
+  chunks of 2,048 rather than 7 of 2,432, whose 38 K steps would fill the Mosaic dW GEMM's
+  ping-pong slots unevenly and send it to the ring (GPT-2's head). With room for 3,968 and min_exact
   1,024: 8 chunks of 2,048 rather than 5 of 3,328 (Mistral-7B's head: faster, and half the
   memory). The figures: the design doc's "GPT-2's small D" and "V ≈ 32k".
   """

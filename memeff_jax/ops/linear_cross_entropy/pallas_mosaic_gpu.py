@@ -61,9 +61,10 @@ def tuned_gemm_config(key: str, layout: str, k: int, output: tuple[int, int] | N
                       sms: int | None = None) -> mosaic_gemm.GemmConfig:
   """The tuned tiles (configs/tuning, [mosaic_gemm]) of the loss's GEMM `key` ("logits",
   "dx", "dw" or "dw_tma") for a weight `layout` and contraction size k: the section
-  `<key>_<layout>`, else `<key>`. Ping-pong tiles tuned for each warpgroup on its own slots
-  name in `fallback` the section to run where k's steps do not allow that
-  (mosaic_gemm.own_slots), which may name a further one: the first that k allows runs.
+  `<key>_<layout>`, else `<key>`. A ping-pong section may name in `fallback` the section to
+  run where a tile's k steps fill each slot an odd number of times (they are no multiple
+  of twice the slots: _fills_evenly), which may name a further one: the first whose slots
+  k fills evenly runs.
   A section may also name in `narrow` the fields of narrower tiles that take over where
   they finish the [M, N] `output` sooner on `sms` SMs (mosaic_gemm.wave_span, each tile
   counted `tile_cost` columns more than its width)."""
@@ -73,7 +74,7 @@ def tuned_gemm_config(key: str, layout: str, k: int, output: tuple[int, int] | N
     fallback, narrow = section.pop("fallback", None), section.pop("narrow", None)
     tile_cost = section.pop("tile_cost", 0)
     config = mosaic_gemm.GemmConfig(**section)
-    if fallback is None or mosaic_gemm.own_slots(config, k):
+    if fallback is None or _fills_evenly(config, k):
       if narrow is not None and output is not None:
         narrower = dataclasses.replace(config, **narrow)
         if (mosaic_gemm.wave_span(narrower, *output, sms, tile_cost)
@@ -83,6 +84,13 @@ def tuned_gemm_config(key: str, layout: str, k: int, output: tuple[int, int] | N
     section = dict(tuned[fallback])
   raise ValueError(f"tuning/linear_cross_entropy.toml: the fallbacks of {key}_{layout} "
                    "form a cycle")
+
+
+def _fills_evenly(config: mosaic_gemm.GemmConfig, k: int) -> bool:
+  """Whether a ping-pong tile's K steps (K = k) fill each of its slots an even number of
+  times: the shape class on which some GPUs' tables keep their ping-pong tiles."""
+  return (config.schedule == "pingpong"
+          and (k // config.tile_k) % (2 * config.max_concurrent_steps) == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +229,8 @@ class PallasMosaicGpu:
     with cuBLAS at 1,024-token chunks), every GEMM within its tiles, and a dx GEMM whose
     tiles (narrowed where that fills the waves sooner, see gemm_configs) fill the GPU's SMs
     in whole waves to `min_wave_fill` (it has no split-K: a [C, D] output of a few tiles
-    would leave most SMs idle). Where only that last fails and the dW GEMM runs ping-pong
-    on its warpgroups' own slots (mosaic_gemm.own_slots), the logits and dW GEMMs go on
+    would leave most SMs idle). Where only that last fails and the dW GEMM's tuned tiles
+    run ping-pong (not their ring `fallback`), the logits and dW GEMMs go on
     kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b's head, whose dx takes 72 tiles of
     128 × 256: faster than all three on cuBLAS). Where dx fills the waves, a chunk holds at
     least the table's `cublas_dw_tokens` (an H100's: its dW GEMM's K steps are many enough
@@ -265,7 +273,7 @@ class PallasMosaicGpu:
           and tokens * per_token <= self._budget(shapes[2], itemsize)):
         return ("logits", "dx"), "weight"
       return GEMMS, "tma_add"
-    if mosaic_gemm.own_slots(configs["dw"], tokens):  # ping-pong dW: dx alone on cuBLAS
+    if configs["dw"].schedule == "pingpong":  # dx alone on cuBLAS
       return ("logits", "dw"), "tma_add"
     return cublas
 

@@ -1170,18 +1170,19 @@ def test_loss_alone_from_the_exp_gemms_row_sums(layout, option):
                                               (("logits", "dw"), 512, "dv"),
                                               (("logits", "dw"), 768, "dv"),
                                               ((), 512, "vd"), ((), 768, "vd")])
-def test_own_slot_ping_pong_gemms_match_reference(gemms, d, layout, tuned_as):
-  """Two chunks of 512 tokens: at D = 512 the exp GEMM's 8 K steps and the dW GEMM's 8 run
-  the tuned ping-pong tiles on each warpgroup's own slots (mosaic_gemm.own_slots), as at
-  Llama-3-8B's shape (the other tests' 256-token chunks take the ring's fallback); at
-  D = 768 (GPT-2's) the exp GEMM's 12 steps its 6-slot fallback. The second chunk adds into
-  dW by TMA. With ("logits", "dw") dx is cuBLAS's, as the default at Gemma-2's shape; in
-  the "vd" layout dx and dW are cuBLAS's beside the same exp GEMM tiles, as its default.
-  The tiles are the H200's (an H100 runs the ring where K's steps are no multiple of 8)."""
-  tuned_as("NVIDIA H200")
+@pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_own_slot_ping_pong_gemms_match_reference(gemms, d, layout, kind, tuned_as):
+  """Two chunks of 512 tokens on the tuned ping-pong tiles: at D = 512 the exp GEMM's 8 K
+  steps and the dW GEMM's 8, as at Llama-3-8B's shape (the other tests' 256-token chunks
+  take the dW GEMM's ring fallback); at D = 768 (GPT-2's) the exp GEMM's 12 steps on the
+  H100's 128 × 192 tiles, which they fill unevenly, and on the H200's 6-slot fallback. The
+  second chunk adds into dW by TMA. With ("logits", "dw") dx is cuBLAS's, as the default at
+  Gemma-2's shape; in the "vd" layout dx and dW are cuBLAS's beside the same exp GEMM
+  tiles, as its default."""
+  tuned_as(kind)
   keys = ("logits", "dw_tma") if "dw" in gemms else ("logits",)
   for key, k in zip(keys, (d, 512)):  # K: D for the logits, a chunk's 512 tokens for dW
-    assert mosaic_gemm.own_slots(pallas_mosaic_gpu.tuned_gemm_config(key, layout, k), k)
+    assert pallas_mosaic_gpu.tuned_gemm_config(key, layout, k).schedule == "pingpong"
   options = dict(weight_layout=layout, z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(17), (2, 512), d, 2000, jnp.bfloat16,
                                     **options)
@@ -1243,7 +1244,7 @@ def test_dx_gemm_in_tiles_narrowed_to_fill_the_waves(d, tiles):
 def test_narrowed_exp_gemm_matches_reference():
   """512 tokens at D = 4,096, V = 32,000 in one chunk (Mistral-7B's head, as the default
   runs it at 512 tokens): the exp GEMM on 128-column tiles and 6 slots, which K's 64 steps
-  leave shared between the warpgroups."""
+  fill unevenly."""
   options = dict(weight_layout="dv", z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(20), (512,), 4096, 32000, jnp.bfloat16,
                                     **options)
@@ -1331,15 +1332,17 @@ def test_mosaic_gemms_refuse_shapes_off_their_tiles():
     memeff_jax.linear_cross_entropy(x, w, labels, implementation=impl, chunk_size=200)
 
 
-def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots(tuned_as):
-  """The exp and "dv" dW GEMMs' tuned ping-pong tiles need K's steps of 64 to be a multiple
-  of twice their 4 slots (each warpgroup on its own slots); elsewhere their `fallback`
-  sections run: the exp GEMM's 6-slot ping-pong where its steps are a multiple of 12, then
-  the ring's tiles. The logits tiles are both layouts' ("vd" has no section of its own)."""
+def test_tuned_ping_pong_tiles_fall_back_where_k_fills_their_slots_unevenly(tuned_as):
+  """Where K's steps of 64 are no multiple of twice the 4 slots of the tuned ping-pong
+  tiles, their `fallback` sections run: the "dv" dW GEMM's ring tiles, and on an H200 the
+  exp GEMM's 6-slot ping-pong where its steps are a multiple of 12, then the ring's tiles.
+  The logits tiles are both layouts' ("vd" has no section of its own)."""
   tuned_as("NVIDIA H200")
   def tiles(key, k, layout="dv"):
     config = pallas_mosaic_gpu.tuned_gemm_config(key, layout, k)
-    assert config.schedule == "ring" or mosaic_gemm.own_slots(config, k), (key, k, layout)
+    steps = k // config.tile_k
+    assert config.schedule == "ring" or steps % (2 * config.max_concurrent_steps) == 0, (
+        key, k, layout)
     return config.schedule, config.tile_n, config.max_concurrent_steps
 
   for layout in ("dv", "vd"):
@@ -1349,21 +1352,21 @@ def test_tuned_ping_pong_tiles_fall_back_where_k_breaks_own_slots(tuned_as):
   assert tiles("dw_tma", 1024) == tiles("dw_tma", 512) == ("pingpong", 192, 4)
   assert tiles("dw_tma", 256)[:2] == tiles("dw_tma", 768)[:2] == ("ring", 128)
   assert tiles("dw_tma", 1024, "vd")[1] == 128  # "vd" keeps its own dW tiles
-  assert not mosaic_gemm.own_slots(mosaic_gemm.GemmConfig(schedule="ring"), 4096)
 
 
-def test_h100_exp_gemm_takes_the_ring_where_k_breaks_its_ping_pong(tuned_as):
-  """The tuning table's H100 section sends the exp GEMM to the ring, not the 6-slot tiles,
-  where K's steps are no multiple of 8 (Gemma-2's 2,304); other K keep the ping-pong tiles,
-  and other GPUs the 6-slot ones."""
+def test_exp_gemm_keeps_its_ping_pong_tiles_at_any_k_but_on_an_h200(tuned_as):
+  """The default exp GEMM tiles (an H100's, and those of GPUs without a section) run at any
+  K, each warpgroup on its own slots whether or not K's steps fill them evenly (Gemma-2's
+  2,304: 36 steps on 4 slots); the H200's section falls back to the 6-slot tiles there."""
   def tiles(kind, k):
     tuned_as(kind)
     config = pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", k)
     return config.schedule, config.tile_n, config.max_concurrent_steps
 
-  assert tiles("NVIDIA H100 80GB HBM3", 2304) == ("ring", 128, 4)
-  assert tiles("NVIDIA H100 80GB HBM3", 4096) == ("pingpong", 192, 4)
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H800"):
+    assert tiles(kind, 2304) == tiles(kind, 768) == tiles(kind, 4096) == ("pingpong", 192, 4)
   assert tiles("NVIDIA H200", 2304) == ("pingpong", 128, 6)
+  assert tiles("NVIDIA H200", 4096) == ("pingpong", 192, 4)
 
 
 def test_exp_gemm_narrows_where_its_waves_end_sooner(tuned_as):
@@ -1418,14 +1421,14 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   assert auto(d=3584, v=152064) == auto(d=2304, v=256000) == (pallas_mosaic_gpu.GEMMS,
                                                               "tma_add")
   # Gemma-2's 512-token chunks, 64 dx tiles of 128 × 144 at most: dx on cuBLAS, the dW
-  # GEMM's 8 K steps on ping-pong's own slots.
+  # GEMM's 8 K steps on its ping-pong tiles.
   assert auto(tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
   # Llama-3-8B's at 512 tokens: 116 dx tiles of 128 × 144, 88% of a wave (128 × 128 tiles,
   # which would fill 97% of it, are slower than cuBLAS: mosaic_gemm.narrowed_to_fill_waves).
   assert auto(n=512, tokens=512) == (("logits", "dw"), "tma_add")
   assert auto(n=15000, d=2304, v=256000) == (pallas_mosaic_gpu.GEMMS, "tma_add")
   assert auto(n=15000, tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
-  # GPT-2's 2,048-token chunks: 48 dx tiles at most, the dW GEMM's 32 K steps on own slots.
+  # GPT-2's 2,048-token chunks: 48 dx tiles at most, the dW GEMM's 32 K steps in ping-pong.
   assert auto(tokens=2048, d=768, v=50304) == (("logits", "dw"), "tma_add")
   assert auto(PallasMosaicGpu(interpret=True)) == cublas
   assert auto(PallasMosaicGpu(dw_accumulation="weight")) == cublas
