@@ -8,7 +8,10 @@ import os
 import pathlib
 import platform
 import re
+import shutil
 import statistics
+import subprocess
+import threading
 import time
 import tomllib
 
@@ -78,19 +81,89 @@ def time_jax(fn, *args, warmup: int = 2, reps: int = 10, inner: int | None = 1,
   return statistics.median(times)
 
 
-def interleaved(timers: dict, rounds: int) -> dict[str, list]:
+def interleaved(timers: dict, rounds: int, gpu: "GpuSampler | None" = None
+                ) -> dict[str, list]:
   """{name: [timer() of each round]}: every timer once per round, the order rotated by one
   each round, so that no provider always runs first (coolest GPU) or last. Under sustained
   load the GPU's clock drifts by a few percent within a run; ratios of medians over
   interleaved rounds do not carry that drift, as ratios of providers timed one after
-  another do."""
+  another do. With `gpu`, each timer's calls are also marked as its windows there."""
   names = list(timers)
   out = {name: [] for name in names}
   for r in range(rounds):
     shift = r % len(names) if names else 0
     for name in names[shift:] + names[:shift]:
+      start = time.perf_counter()
       out[name].append(timers[name]())
+      if gpu is not None:
+        gpu.mark(name, start, time.perf_counter())
   return out
+
+
+def parse_gpu_sample(line: str) -> tuple[float, float] | None:
+  """(SM clock in MHz, board power in W) from one line of `nvidia-smi
+  --query-gpu=clocks.sm,power.draw.instant --format=csv,noheader,nounits`, None where it
+  holds no such pair (a header, "[N/A]")."""
+  try:
+    mhz, watts = (float(part) for part in line.split(","))
+  except ValueError:
+    return None
+  return mhz, watts
+
+
+class GpuSampler:
+  """The SM clock and instant board power of the first GPU, read by nvidia-smi every
+  `period_ms` (power.draw, the driver's average over about a second, would blur a timed
+  window of a few hundred ms into its neighbours), averaged over the windows marked per
+  provider. A GPU held at its power limit trades clock
+  for power under sustained load (an H100 at 700 W runs the loss heads at 1.3-1.5 GHz, not
+  its 1.98): a provider slower at a higher clock than another's waited more, one slower at
+  the same clock and power spent more energy (the LCE design doc's H100 figures). Where
+  nvidia-smi is missing, `summary()` is empty. Use as a context manager."""
+
+  def __init__(self, period_ms: int = 100):
+    self.period_ms = period_ms
+    self.samples: list[tuple[float, float, float]] = []  # (perf_counter, MHz, W)
+    self.windows: dict[str, list[tuple[float, float]]] = {}
+    self._proc = None
+    self._reader = None
+
+  def __enter__(self):
+    if shutil.which("nvidia-smi") is None:
+      return self
+    self._proc = subprocess.Popen(
+        ["nvidia-smi", "--id=0", "--query-gpu=clocks.sm,power.draw.instant",
+         "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+    return self
+
+  def _read(self):
+    for line in self._proc.stdout:
+      if (sample := parse_gpu_sample(line)) is not None:
+        self.samples.append((time.perf_counter(), *sample))
+
+  def __exit__(self, *exc):
+    if self._proc is not None:
+      self._proc.terminate()
+      self._proc.wait()
+      self._reader.join(timeout=1.0)
+
+  def mark(self, name: str, start: float, end: float) -> None:
+    self.windows.setdefault(name, []).append((start, end))
+
+  def summary(self) -> dict[str, dict[str, float]]:
+    """{name: {"sm_mhz", "power_w"}}: the means of the samples inside its windows, for the
+    names whose windows hold any."""
+    out = {}
+    for name, windows in self.windows.items():
+      inside = [(mhz, watts) for t, mhz, watts in self.samples
+                if any(start <= t <= end for start, end in windows)]
+      if inside:
+        out[name] = {"sm_mhz": statistics.fmean(m for m, _ in inside),
+                     "power_w": statistics.fmean(w for _, w in inside)}
+    return out
 
 
 def jax_temp_bytes(jitted, *args) -> int | None:

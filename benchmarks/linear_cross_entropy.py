@@ -34,7 +34,9 @@ an RL step's reference log-probs): the floor is then x@W alone, torch runs under
 
 Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step, 2·N·D·V for the loss
 alone), extra memory (XLA temporaries for JAX; peak allocated over the inputs for torch) and
-the loss value.
+the loss value; on a GPU also its SM clock and board power over the provider's timed calls
+(sm_mhz, power_w: _harness.GpuSampler), which tell a provider that waits from one that spends
+more energy where the GPU holds its power limit.
 Every provider is built and run once first (memory is measured then); `--rounds R` interleaved
 rounds then time each once per round, the order rotated each round, and ms is the median over
 rounds (see _harness.interleaved). A JAX provider's calls are queued in batches of about
@@ -53,6 +55,7 @@ benchmarks/results/lce_dw_precision.jsonl.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import pathlib
@@ -506,7 +509,11 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
         rows.append(row)
         _harness.append(out, [row])
         print(f"  {provider:32s} ERROR {row['error'][:200]}")
-    times = _harness.interleaved({p: timer for p, (_, timer, _) in cases.items()}, rounds)
+    on_gpu = env["platform"] == "gpu"
+    with _harness.GpuSampler() if on_gpu else contextlib.nullcontext() as gpu:
+      times = _harness.interleaved({p: timer for p, (_, timer, _) in cases.items()}, rounds,
+                                   gpu=gpu)
+    clocks = gpu.summary() if on_gpu else {}
     medians = {p: float(np.median(t)) for p, t in times.items()}
     floor_ms = medians.get("floor")
     for provider, ms in medians.items():
@@ -516,14 +523,17 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
       if rounds > 1:
         row["ms_rounds"] = [round(t, 3) for t in times[provider]]
       row.update(ms=ms, tflops=flops / ms / 1e9,
-                 ratio_to_floor=None if floor_ms is None else ms / floor_ms)
+                 ratio_to_floor=None if floor_ms is None else ms / floor_ms,
+                 **clocks.get(provider, {}))
       rows.append(row)
       _harness.append(out, [row])
       extra = row.get("extra_bytes")
+      clock = (f"  {row['sm_mhz']:5.0f} MHz {row['power_w']:4.0f} W" if "sm_mhz" in row
+               else "")
       print(f"  {provider:32s} {ms:9.2f} ms  x{row['ratio_to_floor'] or float('nan'):.3f}  "
             f"{row['tflops']:7.1f} TFLOP/s  extra "
             f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}  "
-            f"loss {row.get('loss', float('nan')):.5f}", flush=True)
+            f"loss {row.get('loss', float('nan')):.5f}{clock}", flush=True)
     del cases, times
   return rows
 
