@@ -100,6 +100,16 @@ def interleaved(timers: dict, rounds: int, gpu: "GpuSampler | None" = None
   return out
 
 
+def sampled_rounds(timers: dict, rounds: int, on_gpu: bool) -> tuple[dict, dict]:
+  """(interleaved(timers, rounds), {name: {"sm_mhz", "power_w"}}): on a GPU the clock and
+  power over each timer's calls (GpuSampler), elsewhere no such figures."""
+  if not on_gpu:
+    return interleaved(timers, rounds), {}
+  with GpuSampler() as gpu:
+    times = interleaved(timers, rounds, gpu=gpu)
+  return times, gpu.summary()
+
+
 def parse_gpu_sample(line: str) -> tuple[float, float] | None:
   """(SM clock in MHz, board power in W) from one line of `nvidia-smi
   --query-gpu=clocks.sm,power.draw.instant --format=csv,noheader,nounits`, None where it

@@ -24,7 +24,9 @@ on CPU anyway).
 
 TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal; with a sliding window or
 packed documents, 4·H·D per visible (query, key) pair) and 2.5× that for the backward;
-extra memory is XLA's temporary bytes of the compiled forward+backward.
+extra memory is XLA's temporary bytes of the compiled forward+backward; on a GPU the SM clock
+and instant board power over the provider's timed forward and forward+backward calls
+(sm_mhz, power_w: _harness.GpuSampler).
 Every provider of a case is compiled first; then `--rounds R` interleaved rounds time each once
 per round (the order rotated each round), and each figure is the median over rounds: the GPU's
 clock drifts under sustained load, and providers timed one after another carry that drift into
@@ -402,8 +404,10 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
           print(f"  {provider:28s} causal={causal!s:5s} ERROR {row['error'][:160]}")
 
       timers = {p: timer for p, (_, timer) in cases.items()}
-      for provider, times in _harness.interleaved(timers, rounds).items():
+      times_of, clocks = _harness.sampled_rounds(timers, rounds, env["platform"] == "gpu")
+      for provider, times in times_of.items():
         row = cases[provider][0]
+        row.update(clocks.get(provider, {}))
         row["fwd_ms"] = float(np.median([f for f, _ in times]))
         row["fwd_bwd_ms"] = float(np.median([fb for _, fb in times]))
         if rounds > 1:
@@ -413,11 +417,13 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
         rows.append(row)
         _harness.append(out, [row])
         extra = row["extra_bytes"]
+        clock = (f" | {row['sm_mhz']:4.0f} MHz {row['power_w']:3.0f} W" if "sm_mhz" in row
+                 else "")
         print(f"  {provider:28s} B={b} T={t} H={h}/{hkv} D={d} causal={causal!s:5s} "
               f"fwd {row['fwd_ms']:7.2f} ms {row['fwd_tflops']:6.1f} TFLOP/s | fwd+bwd "
               f"{row['fwd_bwd_ms']:7.2f} ms {row['fwd_bwd_tflops']:6.1f} TFLOP/s | extra "
-              f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}", flush=True)
-      del cases, timers
+              f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}{clock}", flush=True)
+      del cases, timers, times_of
   return rows
 
 

@@ -55,7 +55,6 @@ benchmarks/results/lce_dw_precision.jsonl.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import math
 import pathlib
@@ -509,11 +508,8 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
         rows.append(row)
         _harness.append(out, [row])
         print(f"  {provider:32s} ERROR {row['error'][:200]}")
-    on_gpu = env["platform"] == "gpu"
-    with _harness.GpuSampler() if on_gpu else contextlib.nullcontext() as gpu:
-      times = _harness.interleaved({p: timer for p, (_, timer, _) in cases.items()}, rounds,
-                                   gpu=gpu)
-    clocks = gpu.summary() if on_gpu else {}
+    times, clocks = _harness.sampled_rounds(
+        {p: timer for p, (_, timer, _) in cases.items()}, rounds, env["platform"] == "gpu")
     medians = {p: float(np.median(t)) for p, t in times.items()}
     floor_ms = medians.get("floor")
     for provider, ms in medians.items():

@@ -49,3 +49,11 @@ def test_sampler_without_nvidia_smi_summarizes_nothing(monkeypatch):
   with _harness.GpuSampler() as gpu:
     gpu.mark("floor", 0.0, 1e12)
   assert gpu.summary() == {}
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_sampled_rounds_times_every_timer(monkeypatch, on_gpu):
+  monkeypatch.setattr(_harness.shutil, "which", lambda name: None)  # no nvidia-smi here
+  times, clocks = _harness.sampled_rounds({"a": lambda: 1.0, "b": lambda: 2.0}, 3, on_gpu)
+  assert times == {"a": [1.0] * 3, "b": [2.0] * 3}
+  assert clocks == {}
