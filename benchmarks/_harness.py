@@ -125,11 +125,11 @@ class GpuSampler:
   """The SM clock and instant board power of the first GPU, read by nvidia-smi every
   `period_ms` (power.draw, the driver's average over about a second, would blur a timed
   window of a few hundred ms into its neighbours), averaged over the windows marked per
-  provider. A GPU held at its power limit trades clock
-  for power under sustained load (an H100 at 700 W runs the loss heads at 1.3-1.5 GHz, not
-  its 1.98): a provider slower at a higher clock than another's waited more, one slower at
-  the same clock and power spent more energy (the LCE design doc's H100 figures). Where
-  nvidia-smi is missing, `summary()` is empty. Use as a context manager."""
+  provider. A GPU held at its power limit trades clock for power under sustained load (an
+  H100 at 700 W runs the loss heads at 1.3-1.5 GHz, not its 1.98): a provider slower at a
+  higher clock than another's waited more, one slower at the same clock and power spent
+  more energy (the LCE design doc's H100 figures). Where nvidia-smi is missing, `summary()`
+  is empty. Use as a context manager."""
 
   def __init__(self, period_ms: int = 100):
     self.period_ms = period_ms
@@ -174,6 +174,13 @@ class GpuSampler:
         out[name] = {"sm_mhz": statistics.fmean(m for m, _ in inside),
                      "power_w": statistics.fmean(w for _, w in inside)}
     return out
+
+
+def clock_text(row: dict) -> str:
+  """" | 1,450 MHz 690 W" for a row with GpuSampler's figures, else ""."""
+  if "sm_mhz" not in row:
+    return ""
+  return f" | {row['sm_mhz']:,.0f} MHz {row['power_w']:.0f} W"
 
 
 def jax_temp_bytes(jitted, *args) -> int | None:

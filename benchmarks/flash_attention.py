@@ -417,12 +417,11 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1,
         rows.append(row)
         _harness.append(out, [row])
         extra = row["extra_bytes"]
-        clock = (f" | {row['sm_mhz']:4.0f} MHz {row['power_w']:3.0f} W" if "sm_mhz" in row
-                 else "")
         print(f"  {provider:28s} B={b} T={t} H={h}/{hkv} D={d} causal={causal!s:5s} "
               f"fwd {row['fwd_ms']:7.2f} ms {row['fwd_tflops']:6.1f} TFLOP/s | fwd+bwd "
               f"{row['fwd_bwd_ms']:7.2f} ms {row['fwd_bwd_tflops']:6.1f} TFLOP/s | extra "
-              f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}{clock}", flush=True)
+              f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}"
+              f"{_harness.clock_text(row)}", flush=True)
       del cases, timers, times_of
   return rows
 

@@ -524,12 +524,11 @@ def run(set_name: str, providers: list[str], out, reps: int, rounds: int = 1) ->
       rows.append(row)
       _harness.append(out, [row])
       extra = row.get("extra_bytes")
-      clock = (f"  {row['sm_mhz']:5.0f} MHz {row['power_w']:4.0f} W" if "sm_mhz" in row
-               else "")
       print(f"  {provider:32s} {ms:9.2f} ms  x{row['ratio_to_floor'] or float('nan'):.3f}  "
             f"{row['tflops']:7.1f} TFLOP/s  extra "
             f"{'n/a' if extra is None else f'{extra / 2**30:.3f} GiB'}  "
-            f"loss {row.get('loss', float('nan')):.5f}{clock}", flush=True)
+            f"loss {row.get('loss', float('nan')):.5f}{_harness.clock_text(row)}",
+            flush=True)
     del cases, times
   return rows
 

@@ -57,3 +57,8 @@ def test_sampled_rounds_times_every_timer(monkeypatch, on_gpu):
   times, clocks = _harness.sampled_rounds({"a": lambda: 1.0, "b": lambda: 2.0}, 3, on_gpu)
   assert times == {"a": [1.0] * 3, "b": [2.0] * 3}
   assert clocks == {}
+
+
+def test_clock_text_shows_the_figures_a_row_has():
+  assert _harness.clock_text({"sm_mhz": 1450.2, "power_w": 690.4}) == " | 1,450 MHz 690 W"
+  assert _harness.clock_text({"ms": 1.0}) == ""
