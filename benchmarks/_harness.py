@@ -101,7 +101,7 @@ def interleaved(timers: dict, rounds: int, gpu: "GpuSampler | None" = None
 
 
 def sampled_rounds(timers: dict, rounds: int, on_gpu: bool) -> tuple[dict, dict]:
-  """(interleaved(timers, rounds), {name: {"sm_mhz", "power_w"}}): on a GPU the clock and
+  """(interleaved(timers, rounds), {name: GpuSampler.summary()'s figures}): on a GPU the clock and
   power over each timer's calls (GpuSampler), elsewhere no such figures."""
   if not on_gpu:
     return interleaved(timers, rounds), {}
@@ -164,23 +164,27 @@ class GpuSampler:
     self.windows.setdefault(name, []).append((start, end))
 
   def summary(self) -> dict[str, dict[str, float]]:
-    """{name: {"sm_mhz", "power_w"}}: the means of the samples inside its windows, for the
-    names whose windows hold any."""
+    """{name: {"sm_mhz", "power_w", "gpu_samples"}}: the means of the samples inside its
+    windows and how many there were (a provider whose windows total less than a period or
+    two gets its figures from one or two samples), for the names whose windows hold any."""
     out = {}
     for name, windows in self.windows.items():
       inside = [(mhz, watts) for t, mhz, watts in self.samples
                 if any(start <= t <= end for start, end in windows)]
       if inside:
         out[name] = {"sm_mhz": statistics.fmean(m for m, _ in inside),
-                     "power_w": statistics.fmean(w for _, w in inside)}
+                     "power_w": statistics.fmean(w for _, w in inside),
+                     "gpu_samples": len(inside)}
     return out
 
 
 def clock_text(row: dict) -> str:
-  """" | 1,450 MHz 690 W" for a row with GpuSampler's figures, else ""."""
+  """" | 1,450 MHz 690 W (12 samples)" for a row with GpuSampler's figures, else ""."""
   if "sm_mhz" not in row:
     return ""
-  return f" | {row['sm_mhz']:,.0f} MHz {row['power_w']:.0f} W"
+  count = row.get("gpu_samples")
+  samples = "" if count is None else f" ({count} sample{'s' if count != 1 else ''})"
+  return f" | {row['sm_mhz']:,.0f} MHz {row['power_w']:.0f} W{samples}"
 
 
 def jax_temp_bytes(jitted, *args) -> int | None:

@@ -26,7 +26,7 @@ TFLOP/s count 4·B·H·T·S·D for the forward (halved when causal; with a slidi
 packed documents, 4·H·D per visible (query, key) pair) and 2.5× that for the backward;
 extra memory is XLA's temporary bytes of the compiled forward+backward; on a GPU the SM clock
 and instant board power over the provider's timed forward and forward+backward calls
-(sm_mhz, power_w: _harness.GpuSampler).
+(sm_mhz, power_w and the count of samples they average, gpu_samples: _harness.GpuSampler).
 Every provider of a case is compiled first; then `--rounds R` interleaved rounds time each once
 per round (the order rotated each round), and each figure is the median over rounds: the GPU's
 clock drifts under sustained load, and providers timed one after another carry that drift into

@@ -35,8 +35,8 @@ an RL step's reference log-probs): the floor is then x@W alone, torch runs under
 Each row: ms (median), ratio to the floor, TFLOP/s (6·N·D·V per step, 2·N·D·V for the loss
 alone), extra memory (XLA temporaries for JAX; peak allocated over the inputs for torch) and
 the loss value; on a GPU also its SM clock and board power over the provider's timed calls
-(sm_mhz, power_w: _harness.GpuSampler), which tell a provider that waits from one that spends
-more energy where the GPU holds its power limit.
+(sm_mhz, power_w, averaged over gpu_samples samples: _harness.GpuSampler), which tell a
+provider that waits from one that spends more energy where the GPU holds its power limit.
 Every provider is built and run once first (memory is measured then); `--rounds R` interleaved
 rounds then time each once per round, the order rotated each round, and ms is the median over
 rounds (see _harness.interleaved). A JAX provider's calls are queued in batches of about

@@ -26,8 +26,8 @@ def test_samples_are_averaged_over_each_providers_windows():
   gpu.mark("memeff", 3.9, 4.1)
   gpu.mark("idle", 4.5, 5.5)  # no sample inside: no entry
   summary = gpu.summary()
-  assert summary == {"floor": {"sm_mhz": 1310.0, "power_w": 699.0},
-                     "memeff": {"sm_mhz": 1460.0, "power_w": 691.0}}
+  assert summary == {"floor": {"sm_mhz": 1310.0, "power_w": 699.0, "gpu_samples": 2},
+                     "memeff": {"sm_mhz": 1460.0, "power_w": 691.0, "gpu_samples": 2}}
 
 
 def test_interleaved_marks_one_window_per_timed_call():
@@ -61,4 +61,8 @@ def test_sampled_rounds_times_every_timer(monkeypatch, on_gpu):
 
 def test_clock_text_shows_the_figures_a_row_has():
   assert _harness.clock_text({"sm_mhz": 1450.2, "power_w": 690.4}) == " | 1,450 MHz 690 W"
+  assert (_harness.clock_text({"sm_mhz": 1450.2, "power_w": 690.4, "gpu_samples": 1})
+          == " | 1,450 MHz 690 W (1 sample)")
+  assert (_harness.clock_text({"sm_mhz": 1980.0, "power_w": 80.0, "gpu_samples": 12})
+          == " | 1,980 MHz 80 W (12 samples)")
   assert _harness.clock_text({"ms": 1.0}) == ""
