@@ -518,7 +518,9 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   def _counted(y, cols, phase, other):
     """y with the columns from stats_cols on set to `other`."""
     if stats_cols < phase.end:
-      col = plgpu.broadcasted_iota(jnp.int32, (tm, phase.width), 1, layout=plgpu.Layout.WGMMA)
+      col = plgpu.broadcasted_iota(jnp.int32, (phase.width,), 0,
+                                   layout=plgpu.Layout.WGMMA.reduce(0))
+      col = lax.broadcast_in_dim(col, y.shape, [1])
       y = jnp.where(col < stats_cols - cols, y, other)
     return y
 
