@@ -516,7 +516,9 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   er = config.epilogue_rows or tm
 
   def _counted(y, cols, phase, other):
-    """y with the columns from stats_cols on set to `other`."""
+    """y with the columns from stats_cols on set to `other`. The column indices are one row,
+    broadcast along y's rows: a [tm, width] int32 tile of them beside the accumulator made
+    ptxas spill the epilogue's registers."""
     if stats_cols < phase.end:
       col = plgpu.broadcasted_iota(jnp.int32, (phase.width,), 0,
                                    layout=plgpu.Layout.WGMMA.reduce(0))
@@ -623,8 +625,8 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
               stats_gmem.at[div(cols, tn), pl.ds(rows, tm)][...] = s
 
             if stats_cols < phase.end:
-              # Only the tiles reaching past stats_cols mask their columns: the mask's
-              # column indices in every tile made ptxas spill the epilogue's registers.
+              # Only the tiles reaching past stats_cols mask their columns (one compare and
+              # select per entry less in every other tile).
               # A cluster's second CTA may hold a tile wholly past N, whose strip has no row.
               ragged = cols + width > stats_cols
               pl.when(ragged & (cols < n))(lambda: store_sums(True))
