@@ -140,29 +140,39 @@ def visible(mask, shape, key_axis: int, first_key, first_query, row_ids=None, co
   """Bool tile (WGMMA layout) of which pairs a score tile keeps, or None for all of them.
 
   `key_axis` is the axis along which the key index runs (1 for the forward's S, 0 for the
-  backward's Sᵀ); `first_key`, `first_query`: the tile's first key and query. The band
-  compares one iota difference with scalar bounds (two full index tiles cost registers the
-  compute warpgroups do not have), the key bound the keys' iota; segment ids, when given as a
-  vector per row and per column (WGMMA reduce layouts), must be equal.
+  backward's Sᵀ); `first_key`, `first_query`: the tile's first key and query. Every test
+  compares a vector along one axis with a vector along the other (WGMMA reduce layouts),
+  both broadcast over the tile: no full tile of indices is made, whose registers the
+  compute warpgroups do not have. The band compares the keys' offsets with the queries'
+  shifted by its bounds, the key bound the keys' offsets with a scalar; segment ids, when
+  given as a vector per row and per column, must be equal.
   """
   ok = None
 
   def both(a, b):
     return b if a is None else a & b
 
-  iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+  def offsets(axis):  # 0, 1, ... along `axis` of the tile
+    return plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0,
+                                  layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+
+  def tile(vector, axis):
+    return lax.broadcast_in_dim(vector, shape, [axis])
+
+  query_axis = 1 - key_axis
+  if mask.left is not None or mask.right is not None or mask.keys is not None:
+    keys = tile(offsets(key_axis), key_axis)
   if mask.left is not None or mask.right is not None:
-    key_minus_query = first_key - first_query
-    rel = iota(key_axis) - iota(1 - key_axis)  # key - query, less key_minus_query
+    # key - query against the band's bounds: key offset against query offset + a shift.
+    queries = offsets(query_axis) + (first_query - first_key)
     if mask.right is not None:
-      ok = both(ok, rel <= mask.right - key_minus_query)
+      ok = both(ok, keys <= tile(queries + mask.right, query_axis))
     if mask.left is not None:
-      ok = both(ok, rel >= -mask.left - key_minus_query)
+      ok = both(ok, keys >= tile(queries - mask.left, query_axis))
   if mask.keys is not None:
-    ok = both(ok, iota(key_axis) < mask.keys - first_key)
+    ok = both(ok, keys < mask.keys - first_key)
   if row_ids is not None:
-    ok = both(ok, lax.broadcast_in_dim(row_ids, shape, [0])
-              == lax.broadcast_in_dim(col_ids, shape, [1]))
+    ok = both(ok, tile(row_ids, 0) == tile(col_ids, 1))
   return ok
 
 def query_cta_index(mask, n_ctas: int, launch):
