@@ -232,9 +232,9 @@ class PallasMosaicGpu:
     would leave most SMs idle). Where only that last fails and the dW GEMM's tuned tiles
     run ping-pong (not their ring `fallback`), the logits and dW GEMMs go on
     kernels.mosaic_gemm and dx on cuBLAS (Gemma-2-2b's head, whose dx takes 72 tiles of
-    128 × 256: faster than all three on cuBLAS). Where dx fills the waves, a chunk holds at
-    least the table's `cublas_dw_tokens` (an H100's: its dW GEMM's K steps are many enough
-    for cuBLAS's main loop to beat ours) and the memory budget also holds x's scaled rows,
+    128 × 256: faster than all three on cuBLAS). Either way, where a chunk holds at least
+    the table's `cublas_dw_tokens` (an H100's: its dW GEMM's K steps are many enough for
+    cuBLAS's main loop to beat ours) and the memory budget also holds x's scaled rows,
     which dW then reads from a buffer of their own, dW goes on cuBLAS, its product added to
     a 16-bit dW by the GEMM's epilogue ("weight"). Where the chunks do not
     divide the tokens, the ragged rest runs on the same GEMMs with tiles chosen for its own
@@ -266,16 +266,15 @@ class PallasMosaicGpu:
       return cublas
     tiles = mosaic_gemm.cta_tiles(configs["dx"], tokens, d)
     sms = mosaic_gemm.ctas(configs["dx"], sms)  # as the dx GEMM's launch will have them
-    if tiles / (-(-tiles // sms) * sms) >= rule.get("min_wave_fill", 1.0):
-      itemsize = jnp.dtype(shapes[3]).itemsize
-      per_token = _per_token(shapes[2], itemsize) + d * itemsize  # E, its sums, x's rows
-      if (tokens >= rule.get("cublas_dw_tokens", math.inf)
-          and tokens * per_token <= self._budget(shapes[2], itemsize)):
-        return ("logits", "dx"), "weight"
-      return GEMMS, "tma_add"
-    if configs["dw"].schedule == "pingpong":  # dx alone on cuBLAS
-      return ("logits", "dw"), "tma_add"
-    return cublas
+    fills = tiles / (-(-tiles // sms) * sms) >= rule.get("min_wave_fill", 1.0)
+    if not fills and configs["dw"].schedule != "pingpong":
+      return cublas
+    itemsize = jnp.dtype(shapes[3]).itemsize
+    per_token = _per_token(shapes[2], itemsize) + d * itemsize  # E, its sums, x's rows
+    if (tokens >= rule.get("cublas_dw_tokens", math.inf)
+        and tokens * per_token <= self._budget(shapes[2], itemsize)):
+      return ("logits", "dx") if fills else ("logits",), "weight"
+    return GEMMS if fills else ("logits", "dw"), "tma_add"  # without dx, it is cuBLAS's
 
   def rounded_tokens(self, vocab: int, itemsize: int, chunk_size) -> int | None:
     """The most tokens whose dW a call adds up in the weight's 16-bit dtype: its chunks, at

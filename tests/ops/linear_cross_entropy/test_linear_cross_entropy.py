@@ -1454,9 +1454,9 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
 def test_h100_puts_dw_on_cublas_where_chunks_are_long_and_the_rows_fit(monkeypatch, tuned_as):
   """On an H100 (the tuning table's cublas_dw_tokens) the default puts dW on cuBLAS where the
   chunks hold 2,048 tokens or more and the memory budget also holds x's scaled rows:
-  Mistral-7B's head in 8 chunks of 2,048. Not at 1,024-token chunks (Llama-3-8B), nor where
-  the logits fill the budget (Llama-2-13B's 4,096-token chunks; a larger budget makes room),
-  nor on an H200."""
+  Mistral-7B's head in 8 chunks of 2,048, and GPT-2's, whose dx is cuBLAS's too. Not at
+  1,024-token chunks (Llama-3-8B), nor where the logits fill the budget (Llama-2-13B's
+  4,096-token chunks; a larger budget makes room), nor on an H200."""
   monkeypatch.setattr(hopper, "unavailable", lambda: None)
   bf16 = jnp.bfloat16
 
@@ -1471,8 +1471,11 @@ def test_h100_puts_dw_on_cublas_where_chunks_are_long_and_the_rows_fit(monkeypat
   assert auto(4096, 5120, 32000) == mosaic
   assert auto(4096, 5120, 32000, PallasMosaicGpu(memory_budget_bytes=2**30)) == cublas_dw
   assert auto(2048, 4096, 32768, PallasMosaicGpu(mosaic_gemms=pallas_mosaic_gpu.GEMMS)) == mosaic
+  # GPT-2's head, whose dx has too few tiles for our GEMM: dW joins it on cuBLAS.
+  assert auto(2048, 768, 50304) == (("logits",), "weight")
   tuned_as("NVIDIA H200")
   assert auto(2048, 4096, 32768) == mosaic
+  assert auto(2048, 768, 50304) == (("logits", "dw"), "tma_add")
 
 
 def test_gpu_chunks_hold_the_tuned_tokens():
