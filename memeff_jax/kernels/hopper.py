@@ -112,6 +112,14 @@ def dtype_error(dtype) -> str | None:
     return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
   return None
 
+def index_vector(shape, axis: int):
+  """0, 1, ... along `axis` of a [rows, cols] tile in the WGMMA layout, as one int32 vector
+  (the reduce layout that lax.broadcast_in_dim(v, shape, [axis]) spreads over the tile). Masks
+  compare such vectors, broadcast: a full tile of indices takes a register per entry beside
+  the accumulator, which made ptxas spill the GEMM's epilogue and the attention kernels."""
+  return plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0,
+                                layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+
 def load(ref, layout, optimized: bool = True):
   """A whole ref into registers with `layout`. jax 0.11 deprecates the index argument of
   plgpu.load that 0.10 requires. Mosaic GPU has optimized transfers for shared memory only:

@@ -516,13 +516,10 @@ def _ring_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: GemmConfig, trans_
   er = config.epilogue_rows or tm
 
   def _counted(y, cols, phase, other):
-    """y with the columns from stats_cols on set to `other`. The column indices are one row,
-    broadcast along y's rows: a [tm, width] int32 tile of them beside the accumulator made
-    ptxas spill the epilogue's registers."""
+    """y with the columns from stats_cols on set to `other` (the column indices one row,
+    broadcast along y's rows: hopper.index_vector)."""
     if stats_cols < phase.end:
-      col = plgpu.broadcasted_iota(jnp.int32, (phase.width,), 0,
-                                   layout=plgpu.Layout.WGMMA.reduce(0))
-      col = lax.broadcast_in_dim(col, y.shape, [1])
+      col = lax.broadcast_in_dim(hopper.index_vector(y.shape, 1), y.shape, [1])
       y = jnp.where(col < stats_cols - cols, y, other)
     return y
 

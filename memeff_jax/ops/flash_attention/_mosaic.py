@@ -141,7 +141,7 @@ def visible(mask, shape, key_axis: int, first_key, first_query, row_ids=None, co
 
   `key_axis` is the axis along which the key index runs (1 for the forward's S, 0 for the
   backward's Sᵀ); `first_key`, `first_query`: the tile's first key and query. Every test
-  compares a vector along one axis with a vector along the other (WGMMA reduce layouts),
+  compares a vector along one axis with a vector along the other (hopper.index_vector),
   both broadcast over the tile: no full tile of indices is made, whose registers the
   compute warpgroups do not have. The band compares the keys' offsets with the queries'
   shifted by its bounds, the key bound the keys' offsets with a scalar; segment ids, when
@@ -152,19 +152,15 @@ def visible(mask, shape, key_axis: int, first_key, first_query, row_ids=None, co
   def both(a, b):
     return b if a is None else a & b
 
-  def offsets(axis):  # 0, 1, ... along `axis` of the tile
-    return plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0,
-                                  layout=plgpu.Layout.WGMMA.reduce(1 - axis))
-
   def tile(vector, axis):
     return lax.broadcast_in_dim(vector, shape, [axis])
 
   query_axis = 1 - key_axis
   if mask.left is not None or mask.right is not None or mask.keys is not None:
-    keys = tile(offsets(key_axis), key_axis)
+    keys = tile(hopper.index_vector(shape, key_axis), key_axis)
   if mask.left is not None or mask.right is not None:
     # key - query against the band's bounds: key offset against query offset + a shift.
-    queries = offsets(query_axis) + (first_query - first_key)
+    queries = hopper.index_vector(shape, query_axis) + (first_query - first_key)
     if mask.right is not None:
       ok = both(ok, keys <= tile(queries + mask.right, query_axis))
     if mask.left is not None:
