@@ -1309,7 +1309,7 @@ def test_exp_logits_gemm_against_xla():
   kx, kw = jax.random.split(jax.random.key(15))
   x = jax.random.normal(kx, (256, 256), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(kw, (256, 2048), jnp.float32) * 1.2).astype(jnp.bfloat16)
-  config = pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", 256)  # the ring's fallback
+  config = mosaic_gemm.GemmConfig(schedule="ring", tile_n=128, epilogue_rows=64)
   e, parts = mosaic_gemm.gemm(x, w, config=config, row_stats=2000, exp_out=True)
   z = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
   want = jnp.exp(jnp.minimum(z, mosaic_gemm.EXP_CLAMP))
@@ -1333,39 +1333,33 @@ def test_mosaic_gemms_refuse_shapes_off_their_tiles():
 
 
 def test_tuned_ping_pong_tiles_fall_back_where_k_fills_their_slots_unevenly(tuned_as):
-  """Where K's steps of 64 are no multiple of twice the 4 slots of the tuned ping-pong
-  tiles, their `fallback` sections run: the "dv" dW GEMM's ring tiles, and on an H200 the
-  exp GEMM's 6-slot ping-pong where its steps are a multiple of 12, then the ring's tiles.
-  The logits tiles are both layouts' ("vd" has no section of its own)."""
+  """Where K's steps of 64 are no multiple of twice the 4 slots of the "dv" dW GEMM's tuned
+  ping-pong tiles, their `fallback` section runs: the ring's tiles."""
   tuned_as("NVIDIA H200")
-  def tiles(key, k, layout="dv"):
-    config = pallas_mosaic_gpu.tuned_gemm_config(key, layout, k)
+  def tiles(k, layout="dv"):
+    config = pallas_mosaic_gpu.tuned_gemm_config("dw_tma", layout, k)
     # pylint: disable-next=protected-access
-    assert config.schedule == "ring" or pallas_mosaic_gpu._fills_evenly(config, k), (key, k)
+    assert config.schedule == "ring" or pallas_mosaic_gpu._fills_evenly(config, k), k
     return config.schedule, config.tile_n, config.max_concurrent_steps
 
-  for layout in ("dv", "vd"):
-    assert tiles("logits", 4096, layout) == tiles("logits", 2048, layout) == ("pingpong", 192, 4)
-    assert tiles("logits", 768, layout) == tiles("logits", 2304, layout) == ("pingpong", 128, 6)
-    assert tiles("logits", 1088, layout) == tiles("logits", 320, layout) == ("ring", 128, 4)
-  assert tiles("dw_tma", 1024) == tiles("dw_tma", 512) == ("pingpong", 192, 4)
-  assert tiles("dw_tma", 256)[:2] == tiles("dw_tma", 768)[:2] == ("ring", 128)
-  assert tiles("dw_tma", 1024, "vd")[1] == 128  # "vd" keeps its own dW tiles
+  assert tiles(1024) == tiles(512) == ("pingpong", 192, 4)
+  assert tiles(256)[:2] == tiles(768)[:2] == ("ring", 128)
+  assert tiles(1024, "vd")[1] == 128  # "vd" keeps its own dW tiles
 
 
-def test_exp_gemm_keeps_its_ping_pong_tiles_at_any_k_but_on_an_h200(tuned_as):
-  """The default exp GEMM tiles (an H100's, and those of GPUs without a section) run at any
-  K, each warpgroup on its own slots whether or not K's steps fill them evenly (Gemma-2's
-  2,304: 36 steps on 4 slots); the H200's section falls back to the 6-slot tiles there."""
-  def tiles(kind, k):
+def test_exp_gemm_keeps_its_ping_pong_tiles_at_any_k(tuned_as):
+  """The exp GEMM's tiles, both layouts' ("vd" has no section of its own), run at any K on
+  every GPU, each warpgroup on its own slots whether or not K's steps fill them evenly
+  (GPT-2's 768: 12 steps on 4 slots; Gemma-2's 2,304: 36)."""
+  def tiles(kind, k, layout):
     tuned_as(kind)
-    config = pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", k)
+    config = pallas_mosaic_gpu.tuned_gemm_config("logits", layout, k)
     return config.schedule, config.tile_n, config.max_concurrent_steps
 
-  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H800"):
-    assert tiles(kind, 2304) == tiles(kind, 768) == tiles(kind, 4096) == ("pingpong", 192, 4)
-  assert tiles("NVIDIA H200", 2304) == ("pingpong", 128, 6)
-  assert tiles("NVIDIA H200", 4096) == ("pingpong", 192, 4)
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H800"):
+    for layout in ("dv", "vd"):
+      for k in (4096, 2304, 1088, 768, 320):
+        assert tiles(kind, k, layout) == ("pingpong", 192, 4), (kind, k, layout)
 
 
 def test_exp_gemm_narrows_where_its_waves_end_sooner(tuned_as):
@@ -1382,7 +1376,7 @@ def test_exp_gemm_narrows_where_its_waves_end_sooner(tuned_as):
   assert tiles(256, 32768) == (128, 6)
   # 21 waves of 224 against 31 of 160 (Llama-3-8B), or 10.4 against 15.5 waves.
   assert tiles(512, 128256) == tiles(1024, 32768) == tiles(4096, 32768) == (192, 4)
-  assert tiles(512, 32768, k=768) == (128, 6)  # the 6-slot fallback, narrow already
+  assert tiles(512, 32768, k=768) == (128, 6)  # at K's steps no multiple of 8 too
   assert pallas_mosaic_gpu.tuned_gemm_config("logits", "dv", 4096).tile_n == 192  # no output
   assert mosaic_gemm.wave_span(mosaic_gemm.GemmConfig(tile_n=96, wg_split="n"), 256, 2000,
                                sms=4, tile_cost=8) == 6 * 200  # 22 tiles of 192, 6 waves
