@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -256,20 +255,6 @@ def _lead_work(ms: float):
     for _ in range(count):
       torch.matmul(a, a, out=out)
   return lead
-
-
-def buffer_values(path: os.PathLike) -> dict[str, tuple[int, str, str]]:
-  """The HLO values of an XLA buffer-assignment dump (`--xla_dump_to`): name -> (bytes,
-  shape, kind), kind one of temp, out (live-out), param, constant, other."""
-  values = {}
-  for alloc in re.split(r"\n(?=allocation \d+:)", pathlib.Path(path).read_text()):
-    head = alloc.split("\n", 1)[0]
-    kind = next((k for key, k in (("temp", "temp"), ("live-out", "out"), ("param", "param"),
-                                  ("constant", "constant")) if key in head), "other")
-    for name, size, shape in re.findall(
-        r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)", alloc):
-      values[name] = (int(size), shape, kind)
-  return values
 
 
 def append(path: os.PathLike, rows: list[dict]) -> None:

@@ -188,12 +188,6 @@ def _labels_from(labels: torch.Tensor, imported: jax.Array):
   return Int64Labels(imported) if labels.dtype == torch.int64 else imported
 
 
-def _labels_to_jax(labels: torch.Tensor):
-  """Class ids for the JAX loss without a copy: int64 as `Int64Labels`, the int32 words of
-  the same memory, other integer dtypes as they are."""
-  return _labels_from(labels, to_jax(_label_words(labels)))
-
-
 def _lce_arrays(x, weight, bias, labels, *more):
   """The loss's JAX inputs (x, W, bias, labels, *more) for one call, by `_to_jax_call`."""
   jx, jw, jb, jy, *rest = _to_jax_call(x, weight, bias, _label_words(labels), *more)

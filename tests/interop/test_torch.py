@@ -528,10 +528,10 @@ def test_int64_labels_reach_jax_without_a_copy(device):
   """The loss reads torch's int64 labels in place, as int32 words (Int64Labels), and keeps
   64-bit meaning: -100 + 2³² is not ignore_index, an id past int32 is out of range (NaN)."""
   y = torch.randint(0, V, (3, N), device=device)
-  words = mt._labels_to_jax(y)  # pylint: disable=protected-access
+  x, w, _, _ = _lce_inputs(device=device)
+  *_, words = mt._lce_arrays(x, w, None, y)  # pylint: disable=protected-access
   assert words.words.unsafe_buffer_pointer() == y.data_ptr()
   assert words.shape == tuple(y.shape)
-  x, w, _, _ = _lce_inputs(device=device)
   y[0, :3] = torch.tensor([-100 + 2**32, 2**40 + 1, -100], device=device)
   loss = mt.linear_cross_entropy(x, w, y, reduction="none").detach()
   assert torch.isnan(loss[0, :2]).all() and loss[0, 2] == 0
