@@ -903,9 +903,8 @@ def _check(a, b, c, trans_a, trans_b, config, accumulate=True, add="epilogue", o
                      "(trans_b=True): a [K, N] block is cut into columns 64 at a time")
   if (why := shape_error(m, n, k, config)) is not None:
     raise ValueError(f"mosaic gemm: {why} ({config})")
-  if c is not None and jnp.dtype(c.dtype).itemsize != 2 and not (
-      add == "tma" and accumulate and c.dtype == jnp.float32):
-    raise TypeError(f"c must be 16-bit (or float32 with add='tma'), got {c.dtype}")
+  if c is not None and jnp.dtype(c.dtype).itemsize != 2:
+    raise TypeError(f"c must be 16-bit, got {c.dtype}")
   _check_smem(config, a.dtype, c.dtype if c is not None else out_dtype)
   return m, n, k
 

@@ -109,11 +109,10 @@ class PallasMosaicGpu:
       (a float32 [D, V] accumulator, cast once at the end: D·V·4 bytes more) or "tma_add"
       (in the weight's dtype, with "dw" in mosaic_gemms: each chunk's product is rounded to
       the weight's dtype and added to the running dW by TMA reduce-add stores in L2, so the
-      GEMM never reads dW into the SMs; two roundings per chunk instead of one). With "dw"
-      in mosaic_gemms, "float32" too is added by TMA reduce-adds, of the float32 product,
-      never rounded to 16 bits. None (the default): "float32" where a 16-bit dW would be
-      rounded more than the tuning table's `max_rounded_chunks` times (its error grows
-      with the roundings), else "tma_add" where the dW GEMM is Mosaic's, else "weight".
+      GEMM never reads dW into the SMs; two roundings per chunk instead of one). None (the
+      default): "float32" where a 16-bit dW would be rounded more than the tuning table's
+      `max_rounded_chunks` times (its error grows with the roundings), else "tma_add" where
+      the dW GEMM is Mosaic's, else "weight".
     kernel: the softmax pass's tiles (triton_softmax's Pallas Triton kernel); None looks
       up configs/tuning for the device. Where JAX has no Pallas Triton (it deprecates that
       backend) the pass runs in XLA (xla_softmax), and a kernel given raises Unsupported.
@@ -124,9 +123,8 @@ class PallasMosaicGpu:
     mosaic_gemms: which of the chunk's GEMMs ("logits", "dx", "dw") run on kernels.mosaic_gemm
       instead of cuBLAS; tiles from configs/tuning/linear_cross_entropy.toml's
       [mosaic_gemm] sections (`<gemm>_<layout>`, else `<gemm>`; the dW GEMM's under
-      dw_accumulation="tma_add" are `dw_tma_<layout>`, under "float32"
-      `dw_tma_f32_<layout>`). Needs a Hopper GPU, 16-bit x and weight, and shapes that are
-      multiples of the tiles; a call that cannot have them
+      dw_accumulation="tma_add" are `dw_tma_<layout>`). Needs a Hopper GPU, 16-bit
+      x and weight, and shapes that are multiples of the tiles; a call that cannot have them
       raises NotImplementedError. None (the default, with dw_accumulation None too): all
       three where they are as fast as cuBLAS and hold less memory, else none (see
       auto_gemms: on Hopper with bfloat16 inputs, at Llama-3-8B's shape in the default
@@ -180,6 +178,9 @@ class PallasMosaicGpu:
     if self.fused_lse and "logits" not in gemms:
       raise ValueError("fused_lse is done by the Mosaic logits GEMM's epilogue; it needs "
                        f"'logits' in mosaic_gemms, got {self.mosaic_gemms!r}")
+    if "dw" in gemms and self.dw_accumulation == "float32":
+      raise ValueError("mosaic_gemms with 'dw' accumulates dW in the weight's 16-bit dtype; "
+                       "it excludes dw_accumulation='float32'")
 
   def gemm_configs(self, tokens: int, d: int, vocab: int, dtype, weight_dtype,
                    layout: str, names: tuple[str, ...] | None = None, sms: int | None = None
@@ -206,8 +207,7 @@ class PallasMosaicGpu:
     for name in GEMMS:
       if name in names:
         # dW added by TMA reads no C: its tiles have their own sections ("dw_tma_<layout>").
-        key = name if name != "dw" or self.dw_accumulation == "weight" else (
-            "dw_tma_f32" if self.dw_accumulation == "float32" else "dw_tma")
+        key = "dw_tma" if name == "dw" and self.dw_accumulation == "tma_add" else name
         config = tuned_gemm_config(key, layout, shapes[name][2], shapes[name][:2], sms)
         if name == "dx":
           config = mosaic_gemm.narrowed_to_fill_waves(config, tokens, d, sms=sms,
@@ -240,9 +240,7 @@ class PallasMosaicGpu:
     divide the tokens, the ragged rest runs on the same GEMMs with tiles chosen for its own
     rows, or on cuBLAS where those do not fit (see __call__). Elsewhere cuBLAS, with dW
     added in the weight's dtype ("weight"). Where a 16-bit dW would be rounded after more
-    than `max_rounded_chunks` chunks, the same GEMMs with a float32 dW ("float32"): the
-    Mosaic dW GEMM's TMA adds go into it (on its `dw_tma_f32` tiles), or cuBLAS's
-    products where dW is cuBLAS's or those tiles do not fit the chunk. `shapes` as
+    than `max_rounded_chunks` chunks, cuBLAS with a float32 dW ("float32"). `shapes` as
     gemm_configs takes them; `sms`: the GPU's SM count (default: the default device's),
     which mosaic_gemm.ctas turns into the dx launch's CTAs."""
     tokens, d = shapes[0], shapes[1]
@@ -250,29 +248,13 @@ class PallasMosaicGpu:
     rounded = (jnp.dtype(shapes[4]).itemsize == 2
                and -(-n_tokens // tokens) > rule.get("max_rounded_chunks", float("inf")))
     if self.mosaic_gemms is not None:  # only the accumulation is open
-      if rounded:
-        return self.mosaic_gemms, "float32"
-      return self.mosaic_gemms, "tma_add" if "dw" in self.mosaic_gemms else "weight"
+      if "dw" in self.mosaic_gemms:
+        return self.mosaic_gemms, "tma_add"
+      return self.mosaic_gemms, "float32" if rounded else "weight"
     if self.dw_accumulation is not None:
       return (), self.dw_accumulation
-    gemms, accumulation = self._auto_gemms(tokens, shapes, exp, sms)
-    if not rounded:
-      return gemms, accumulation
-    # Past the limit, dW goes into a float32 accumulator: by the Mosaic dW GEMM's TMA adds
-    # where its float32 tiles fit the chunk, else on cuBLAS.
-    if "dw" in gemms:
-      try:
-        dataclasses.replace(self, mosaic_gemms=("dw",), dw_accumulation="float32"
-                            ).gemm_configs(*shapes, sms=sms)
-      except _dispatch.Unsupported:
-        gemms = tuple(name for name in gemms if name != "dw")
-    return gemms, "float32"
-
-  def _auto_gemms(self, tokens: int, shapes: tuple, exp: bool, sms: int | None
-                  ) -> tuple[tuple[str, ...], str]:
-    """auto_gemms' choice where dW may be added up in its 16-bit dtype."""
-    d = shapes[1]
-    rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
+    if rounded:  # cuBLAS dW into a float32 accumulator
+      return (), "float32"
     cublas = ((), "weight")
     if (not exp or self.interpret or self.fused_lse
         or shapes[-1] not in rule.get("layouts", ())):
@@ -615,11 +597,11 @@ class ChunkBackend:
       # op(A) = Aᵀ: dW = x_cᵀ G ("dv") or Gᵀ x_c ("vd"), both operands as stored.
       a, b = (x_c, g) if layout == "dv" else (g, x_c)
       if dw_acc is None:
-        return mosaic_gemm.gemm(a, b, trans_a=True, out_dtype=self.dw_dtype(w),
-                                config=config, name="lce_dw_gemm")
+        return mosaic_gemm.gemm(a, b, trans_a=True, out_dtype=w.dtype, config=config,
+                                name="lce_dw_gemm")
       ref = jax.new_ref(dw_acc)
       mosaic_gemm.gemm_into(ref, a, b, trans_a=True, config=config, name="lce_dw_gemm",
-                            add="epilogue" if self.dw_accumulation == "weight" else "tma")
+                            add="tma" if self.dw_accumulation == "tma_add" else "epilogue")
       return ref[...]
     dw_c = _common.dw_dot(_sliced(x_c), g, layout, self.dw_dtype(w))
     # Same dtype on both sides of the add, so XLA fuses it into the GEMM (beta = 1).

@@ -108,6 +108,8 @@ def test_bad_mosaic_gemms_option():
     PallasMosaicGpu(mosaic_gemms="dw")
   with pytest.raises(ValueError, match=r"mosaic_gemms must be a tuple.*'dW'"):
     PallasMosaicGpu(mosaic_gemms=("dW",))
+  with pytest.raises(ValueError, match="excludes dw_accumulation='float32'"):
+    PallasMosaicGpu(mosaic_gemms=("dw",), dw_accumulation="float32")
   with pytest.raises(ValueError, match=r"'tma_add'.*needs 'dw' in mosaic_gemms, got \('dx',\)"):
     PallasMosaicGpu(mosaic_gemms=("dx",), dw_accumulation="tma_add")
 

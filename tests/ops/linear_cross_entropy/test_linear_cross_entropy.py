@@ -1006,13 +1006,10 @@ class TestPallasGpuWithoutTritonOnGpu(TestPallasGpuOnGpu):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("gemms,dw_accumulation", [(("dw",), "weight"),
                                                    (pallas_mosaic_gpu.GEMMS, "weight"),
-                                                   (pallas_mosaic_gpu.GEMMS, "tma_add"),
-                                                   (("dw",), "float32"),
-                                                   (pallas_mosaic_gpu.GEMMS, "float32")])
+                                                   (pallas_mosaic_gpu.GEMMS, "tma_add")])
 def test_mosaic_gemms_match_reference(layout, reduction, gemms, dw_accumulation):
   """GEMMs on kernels.mosaic_gemm: three chunks of 256 tokens (the first writes dW, the others
-  add into it in place, or by TMA reduce-adds, into a float32 dW with "float32"), V = 2,000
-  padded to 2,048, bf16."""
+  add into it in place, or by TMA reduce-adds), V = 2,000 padded to 2,048, bf16."""
   options = dict(weight_layout=layout, reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(11), (3, 256), 256, 2000, jnp.bfloat16,
                                     **options)
@@ -1021,11 +1018,11 @@ def test_mosaic_gemms_match_reference(layout, reduction, gemms, dw_accumulation)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemms", [None, ("logits", "dx"), pallas_mosaic_gpu.GEMMS])
+@pytest.mark.parametrize("gemms", [None, ("logits", "dx")])
 def test_float32_dw_beyond_the_rounding_limit_matches_reference(gemms):
   """Past max_rounded_chunks (33 chunks of 128 tokens) the default accumulates dW in float32
-  (cuBLAS, after Mosaic logits and dx GEMMs, or by the Mosaic dW GEMM's TMA adds): its dW
-  is as close to the float32 reference as one chunk's, and the loss and dx match."""
+  (cuBLAS, or after Mosaic logits and dx GEMMs): its dW is as close to the float32
+  reference as one chunk's, and the loss and dx match."""
   options = dict(label_smoothing=0.1, z_loss=1e-3)
   x, w, labels, _, _ = make_problem(jax.random.key(17), (33, 128), 256, 2000, jnp.bfloat16,
                                     **options)
@@ -1401,7 +1398,7 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   tiles are narrowed to fill them; at Gemma-2's and Llama-3-8B's with 512-token chunks (64
   and 116 dx tiles at most) dx alone on cuBLAS; the same choices with a chunk that does not
   divide the tokens; cuBLAS in the "vd" layout, without the exp GEMM, in interpret mode, and
-  wherever either option is set; a float32 dW beyond 32 chunks, on the same GEMMs."""
+  wherever either option is set; a float32 dW beyond 32 chunks."""
   monkeypatch.setattr(hopper, "unavailable", lambda: None)
   bf16 = jnp.bfloat16
 
@@ -1436,15 +1433,12 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   # Off the tiles (a chunk of 1,000 tokens): cuBLAS, not an error.
   assert auto(n=16000, tokens=1000) == cublas
   # More than 32 chunks (max_rounded_chunks): a bf16 dW would be rounded too often, so dW
-  # accumulates in float32, by the Mosaic dW GEMM's TMA adds where it runs (on cuBLAS where
-  # the others do), unless the options say otherwise.
+  # accumulates in float32 (on cuBLAS), unless the options say otherwise.
   assert auto(n=32768) == (pallas_mosaic_gpu.GEMMS, "tma_add")
-  assert auto(n=33792) == auto(n=131072) == (pallas_mosaic_gpu.GEMMS, "float32")
-  assert auto(n=131072, tokens=512, d=2304, v=256000) == (("logits", "dw"), "float32")
-  assert auto(n=131072, layout="vd") == auto(n=131072, exp=False) == ((), "float32")
+  assert auto(n=33792) == auto(n=131072) == auto(n=131072, layout="vd") == ((), "float32")
   assert auto(PallasMosaicGpu(mosaic_gemms=("logits", "dx")), n=131072) == (
       ("logits", "dx"), "float32")
-  assert auto(PallasMosaicGpu(mosaic_gemms=("dw",)), n=131072) == (("dw",), "float32")
+  assert auto(PallasMosaicGpu(mosaic_gemms=("dw",)), n=131072) == (("dw",), "tma_add")
   assert auto(PallasMosaicGpu(dw_accumulation="weight"), n=131072) == cublas
   f32 = lambda: PallasMosaicGpu().auto_gemms(
       131072, (1024, 4096, 128256, jnp.float32, jnp.float32, "dv"), exp=False, sms=132)
