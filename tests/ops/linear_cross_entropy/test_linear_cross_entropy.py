@@ -1491,3 +1491,62 @@ def test_gpu_chunks_hold_the_tuned_tokens():
   with pytest.raises(NotImplementedError, match="fewer than 16 tokens per chunk in "
                      "memory_budget_bytes=1048576"):
     PallasMosaicGpu(memory_budget_bytes=2**20).plan(16384, 256000, 2, None)
+
+
+def test_long_calls_take_longer_chunks_not_a_float32_dw():
+  """Where a 16-bit call would take more than max_rounded_chunks (32) of the budget's chunks,
+  the default takes 32 longer ones, so that its bf16 dW is rounded no more often, as long as
+  their logits hold no more than the float32 [D, V] dW it would take instead; an explicit
+  budget, chunk size or accumulation, or a float32 weight, keeps the budget's chunks."""
+  impl = PallasMosaicGpu()
+  llama = dict(vocab=128256, itemsize=2, chunk_size=None, d=4096)
+  assert impl.plan(32768, **llama) == 1024  # 32 chunks of the budget's
+  assert impl.plan(65536, **llama) == 2048  # 0.5 GiB of logits, not 2 GiB of float32 dW
+  assert impl.plan(131072, **llama) == 4096
+  assert impl.plan(40000, **llama) == 1280  # 31 chunks and a ragged one of 320 tokens
+  assert impl.plan(34816, **llama) == 1152  # 31 (34 exact chunks of 1,024 would be more)
+  # 8,192-token chunks' logits and sums would outgrow a float32 dW (8,064 tokens' worth).
+  assert pallas_mosaic_gpu._grown_tokens_max(128256, 4096, 2) == 8064
+  assert impl.plan(262144, **llama) == 1024
+  assert impl.plan(65536, **{**llama, "d": 768}) == 1024  # GPT-2's D: 1,408 at most
+  assert impl.plan(65536, **{**llama, "d": None}) == 1024
+  assert impl.plan(65536, **{**llama, "itemsize": 4}) == 1024  # float32: no limit
+  assert impl.plan(65536, **{**llama, "chunk_size": 1024}) == 1024
+  for kept in (PallasMosaicGpu(memory_budget_bytes=2**28),
+               PallasMosaicGpu(dw_accumulation="weight"),
+               PallasMosaicGpu(dw_accumulation="float32")):
+    assert kept.plan(65536, **llama) == 1024, kept
+  # The most tokens a call adds up in bf16: 32 of the longest chunks the default takes.
+  assert impl.rounded_tokens(128256, 4096, 2, None) == 32 * 8064
+  assert impl.rounded_tokens(50257, 768, 2, None) == 32 * 2048  # the budget's are longer
+  assert PallasMosaicGpu(memory_budget_bytes=2**28).rounded_tokens(128256, 4096, 2,
+                                                                   None) == 32 * 1024
+  assert impl.rounded_tokens(128256, 4096, 2, 512) == 32 * 512
+  assert impl.rounded_tokens(128256, 4096, 4, None) is None
+
+
+def test_longer_chunks_keep_a_bf16_dw_that_matches_reference(monkeypatch):
+  """End to end (interpreted kernels): a call of 1,000 tokens whose budget holds 128 tokens,
+  under a limit of 2 rounded chunks, runs 2 chunks of 512 with a bf16 dW and matches the
+  float32 reference; with that budget given explicitly it keeps 128-token chunks and a
+  float32 dW."""
+  lookup = pallas_mosaic_gpu._tuning.lookup
+  monkeypatch.setattr(pallas_mosaic_gpu._tuning, "lookup", lambda table, section, **kw: (
+      {**lookup(table, section, **kw), "max_rounded_chunks": 2}
+      if section == "mosaic_default" else lookup(table, section, **kw)))
+  per_token = 2048 * 2 + 4 * 16  # the padded vocabulary's logits and their sums
+  monkeypatch.setattr(PallasMosaicGpu, "_budget", lambda self, vocab, itemsize: (
+      self.memory_budget_bytes or 128 * per_token))
+  chunks, dw_dtype = [], pallas_mosaic_gpu.ChunkBackend.dw_dtype
+  def spy(self, w):
+    chunks.append(jnp.dtype(dw_dtype(self, w)).name)
+    return dw_dtype(self, w)
+  monkeypatch.setattr(pallas_mosaic_gpu.ChunkBackend, "dw_dtype", spy)
+  x, w, labels, _, _ = make_problem(jax.random.key(5), (4, 250), 512, 2000, jnp.bfloat16)
+  assert PallasMosaicGpu().plan(1000, 2048, 2, None, d=512) == 512
+  for impl, dtype in ((PallasMosaicGpu(interpret=True), "bfloat16"),
+                      (PallasMosaicGpu(interpret=True, memory_budget_bytes=128 * per_token),
+                       "float32")):
+    chunks.clear()
+    assert_matches(impl, x, w, labels, {}, chunk=None)
+    assert set(chunks) == {dtype}, chunks
