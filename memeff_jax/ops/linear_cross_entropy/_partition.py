@@ -163,7 +163,7 @@ def token_group(rounded_tokens, x, w, scatter: tuple) -> int | None:
   or None where its tokens (x's rows) go in one piece: no FSDP, no limit, or no more tokens
   than it. scatter: (the FSDP axes, W's D dimension)."""
   axes, d_dim = scatter
-  group = rounded_tokens(w.shape[1 - d_dim], x.shape[1]) if rounded_tokens and axes else None
+  group = rounded_tokens(w.shape[1 - d_dim]) if rounded_tokens and axes else None
   return group if group and x.shape[0] > group else None
 
 
@@ -220,7 +220,7 @@ def reduced_loss(x, w, b, labels, valid, weights, *, reduction: str, weight_layo
   token weights, or None). With the tokens sharded, a mean is each shard's sum over the
   global count. name: the implementation, for the error a second-order gradient raises.
 
-  rounded_tokens(v_local, d) -> the most tokens whose dW the implementation adds up in W's
+  rounded_tokens(v_local) -> the most tokens whose dW the implementation adds up in W's
   16-bit dtype (beyond them it holds a float32 dW), or None. Where W's D is sharded over
   token axes (FSDP) and a shard has more tokens, they are taken in groups of at most that
   many (_token_groups): each group's dW is reduce-scattered as it comes and added to a

@@ -247,15 +247,15 @@ def _implementations(implementation):
 
 
 def _rounded_tokens(impl, dtype, chunk_size):
-  """(v_local, d) -> the most tokens whose dW `impl` adds up in a 16-bit dtype, or None (see
+  """v_local -> the most tokens whose dW `impl` adds up in a 16-bit dtype, or None (see
   _partition.reduced_loss); None where the implementation sets no such limit."""
   limit = getattr(impl, "rounded_tokens", None)
   if limit is None:
     return None
 
-  def tokens(v_local, d):
+  def tokens(v_local):
     try:
-      return limit(v_local, d, jnp.dtype(dtype).itemsize, chunk_size)
+      return limit(v_local, jnp.dtype(dtype).itemsize, chunk_size)
     except _dispatch.Unsupported:
       return None
   return tokens

@@ -276,43 +276,19 @@ class PallasMosaicGpu:
       return ("logits", "dx") if fills else ("logits",), "weight"
     return GEMMS if fills else ("logits", "dw"), "tma_add"  # without dx, it is cuBLAS's
 
-  def rounded_tokens(self, vocab: int, d: int, itemsize: int, chunk_size) -> int | None:
+  def rounded_tokens(self, vocab: int, itemsize: int, chunk_size) -> int | None:
     """The most tokens whose dW a call adds up in the weight's 16-bit dtype: its chunks, at
-    most the tuning table's `max_rounded_chunks` of them, each as long as the memory budget
-    holds or, by default, as the default grows them to (see plan; beyond that the default
+    most the tuning table's `max_rounded_chunks` of them (beyond that the default
     accumulates a float32 dW, see auto_gemms). None where no such limit applies."""
-    limit = self._rounding_limit(itemsize)
-    if limit is None:
+    limit = _tuning.lookup("linear_cross_entropy", "mosaic_default").get("max_rounded_chunks")
+    if limit is None or itemsize != 2 or self.dw_accumulation is not None:
       return None
-    vocab += -vocab % self.vocab_multiple
-    tokens = self.plan(2**31, vocab, itemsize, chunk_size)
-    if self._grows(chunk_size):
-      tokens = max(tokens, _grown_tokens_max(vocab, d, itemsize))
-    return limit * tokens
+    return limit * self.plan(2**31, vocab + -vocab % self.vocab_multiple, itemsize, chunk_size)
 
-  def _rounding_limit(self, itemsize: int) -> int | None:
-    """The tuning table's `max_rounded_chunks` where the default picks dW's accumulation for a
-    16-bit weight, else None."""
-    if itemsize != 2 or self.dw_accumulation is not None:
-      return None
-    return _tuning.lookup("linear_cross_entropy", "mosaic_default").get("max_rounded_chunks")
-
-  def _grows(self, chunk_size) -> bool:
-    """Whether plan may lengthen the chunks past the memory budget's (the defaults)."""
-    return chunk_size is None and self.memory_budget_bytes is None
-
-  def plan(self, n_tokens: int, vocab: int, itemsize: int, chunk_size, d: int | None = None
-           ) -> int:
+  def plan(self, n_tokens: int, vocab: int, itemsize: int, chunk_size) -> int:
     """Tokens per chunk: `chunk_size` as given, else as many as the memory budget holds
     (a multiple of 128), balanced over the chunks needed. A call under one chunk is one
-    chunk, rounded up to whole 128-row tiles (more than n_tokens: _chunked pads it).
-
-    With the default budget and accumulation, a 16-bit call that would take more than
-    `max_rounded_chunks` chunks takes that many longer ones instead, so that its dW is
-    rounded no more often, where their logits hold no more memory than the float32 [D, V]
-    accumulator the default turns to otherwise (auto_gemms; d: x's D, None: no such
-    lengthening). At Llama-3-8B's head: 2,048-token chunks (0.5 GiB) at 65,536 tokens, in
-    place of 2 GiB of float32 dW."""
+    chunk, rounded up to whole 128-row tiles (more than n_tokens: _chunked pads it)."""
     if chunk_size is not None:
       if not isinstance(chunk_size, int):
         tokens, cols = chunk_size
@@ -336,16 +312,7 @@ class PallasMosaicGpu:
         # One chunk, padded to whole 128-row tiles (see __call__): the Mosaic GEMMs run on
         # whole tiles, and a few zero rows cost less than cuBLAS and the softmax pass.
         return -(-n_tokens // 128) * 128
-    chunk = _chunked.balanced_chunk(n_tokens, tokens, min_exact=min_tokens)
-    limit = self._rounding_limit(itemsize)
-    if (limit is None or d is None or not self._grows(chunk_size)
-        or -(-n_tokens // chunk) <= limit):
-      return chunk
-    grown = -(-n_tokens // (limit * 128)) * 128  # the shortest chunk `limit` of which hold them
-    if grown > _grown_tokens_max(vocab, d, itemsize):
-      return chunk
-    chunk = _chunked.balanced_chunk(n_tokens, grown, min_exact=min_tokens)
-    return chunk if -(-n_tokens // chunk) <= limit else grown  # a ragged chunk, not one more
+    return _chunked.balanced_chunk(n_tokens, tokens, min_exact=min_tokens)
 
   def _budget(self, vocab: int, itemsize: int) -> int:
     """The bytes a chunk's temporaries may take: memory_budget_bytes, else 256 MiB, or
@@ -367,8 +334,7 @@ class PallasMosaicGpu:
     whole, opts = opts, opts if vocab is None else vocab.options(opts, weight)
     pad = -opts.vocab_size % self.vocab_multiple
     rows = x.shape[0]
-    tokens = self.plan(rows, opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize, chunk_size,
-                       d=x.shape[1])
+    tokens = self.plan(rows, opts.vocab_size + pad, jnp.dtype(x.dtype).itemsize, chunk_size)
     shapes = (tokens, x.shape[1], opts.vocab_size + pad, x.dtype, weight.dtype,
               opts.weight_layout)
     wanted = self.exp_logits or (self.exp_logits is None and not self.fused_lse)
@@ -803,12 +769,6 @@ class ChunkBackend:
 # zero (z < -87) then has p < e^-50.
 LSE_RANGE = (-25.0, 60.0)
 MIN_LABEL_LOGIT = -80.0
-
-
-def _grown_tokens_max(vocab: int, d: int, itemsize: int) -> int:
-  """The longest chunk PallasMosaicGpu.plan lengthens chunks to: its logits and sums no larger
-  than a float32 [D, V] dW (a multiple of 128 tokens)."""
-  return d * vocab * 4 // _per_token(vocab, itemsize) // 128 * 128
 
 
 def _per_token(vocab: int, itemsize: int) -> int:
