@@ -111,7 +111,7 @@ class PallasMosaicGpu:
       the weight's dtype and added to the running dW by TMA reduce-add stores in L2, so the
       GEMM never reads dW into the SMs; two roundings per chunk instead of one). None (the
       default): "float32" where a 16-bit dW would be rounded more than the tuning table's
-      `max_rounded_chunks` times (its error grows with the roundings), else "tma_add" where
+      `max_rounded_chunks` times (its error grows with the tokens added up), else "tma_add" where
       the dW GEMM is Mosaic's, else "weight".
     kernel: the softmax pass's tiles (triton_softmax's Pallas Triton kernel); None looks
       up configs/tuning for the device. Where JAX has no Pallas Triton (it deprecates that
