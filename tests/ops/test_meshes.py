@@ -501,9 +501,10 @@ def test_loss_fsdp_groups_keep_no_float32_dw(request, monkeypatch, groups, reduc
   """FSDP (W's D over 'data', its vocabulary over 'model') with more tokens per shard than
   the GPU loss adds up in bf16 (max_rounded_chunks chunks, here 32 chunks of one token):
   the tokens go in groups, each group's bf16 dW reduce-scattered as it comes, so no chunk
-  loop accumulates a float32 dW of the shard's whole [D, V_s] (without the groups, one
-  does); one device's loss and gradients either way, on Auto and Explicit meshes, also
-  with a token_loss (its arguments split into the groups with the tokens)."""
+  loop adds up a float32 dW of the shard's whole [D, V_s] (without the groups, one does:
+  its own groups of chunks, _chunked._grouped); one device's loss and gradients either
+  way, on Auto and Explicit meshes, also with a token_loss (its arguments split into the
+  groups with the tokens)."""
   mesh = request.getfixturevalue("mesh" if kind == "auto" else "explicit_mesh")
   from memeff_jax.ops.linear_cross_entropy import PallasMosaicGpu  # pylint: disable=import-outside-toplevel
   from memeff_jax.ops.linear_cross_entropy import api  # pylint: disable=import-outside-toplevel
@@ -513,6 +514,13 @@ def test_loss_fsdp_groups_keep_no_float32_dw(request, monkeypatch, groups, reduc
     accumulated.append((w.shape[1], jnp.dtype(dw_dtype(self, w)).name))
     return dw_dtype(self, w)
   monkeypatch.setattr(pallas_mosaic_gpu.ChunkBackend, "dw_dtype", spy)
+  from memeff_jax.ops.linear_cross_entropy import _chunked  # pylint: disable=import-outside-toplevel
+  summed, grouped = [], _chunked._grouped
+  def spy_groups(carry, *args):  # a chunk loop's float32 sum of its groups' dW: its columns
+    out = grouped(carry, *args)
+    summed.append(out[2].shape[1])
+    return out
+  monkeypatch.setattr(_chunked, "_grouped", spy_groups)
   if not groups:
     monkeypatch.setattr(api, "_rounded_tokens", lambda *a: None)
   impl = PallasMosaicGpu(interpret=True)
@@ -540,8 +548,8 @@ def test_loss_fsdp_groups_keep_no_float32_dw(request, monkeypatch, groups, reduc
   assert grads[1].sharding.is_equivalent_to(args[1].sharding, 2)
   # a shard's slice of the vocabulary (the call traced whole, for custom_partitioning's
   # shapes, does not run)
-  dtypes = {dtype for cols, dtype in accumulated if cols < w.shape[1]}
-  assert dtypes == ({"bfloat16"} if groups else {"float32"}), accumulated
+  assert {dtype for cols, dtype in accumulated if cols < w.shape[1]} == {"bfloat16"}
+  assert any(cols < w.shape[1] for cols in summed) != groups, summed
   text = compiled.as_text()
   scatters = text.count(" reduce-scatter(") + text.count(" reduce-scatter-start(")
   assert scatters >= (2 if groups else 1)

@@ -73,6 +73,9 @@ class Static(NamedTuple):
   token_chunk: int
   vocab: VocabShards | None = None  # W's vocabulary sharded over these axes
   tail_backend: Any = None  # the ragged chunk's, where it differs (see run_chunks)
+  # Chunks per group whose dW the backend adds up in its dtype, the groups' sums added up
+  # in float32 (see run_chunks); None: one group.
+  dw_group: int | None = None
 
 
 class Residuals(NamedTuple):
@@ -161,7 +164,10 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
   ragged chunk, which runs first, before the loop (by `static.tail_backend` where given),
   padded with zero rows to a multiple of the backend's `row_multiple` (default 1). Padded
   rows are invalid tokens with zero coefficients: they add nothing and their outputs are
-  dropped.
+  dropped. With `static.dw_group` G and more chunks than G, the chunks run in groups of G
+  (the ragged chunk in the first): each group's dW is added up in the backend's dtype and
+  then into a float32 sum, rounded to W's dtype once at the end, so no 16-bit sum spans
+  more than G chunks.
   """
   backend, chunk, opts = static.backend, static.token_chunk, static.opts
   tail_backend = static.tail_backend or backend
@@ -258,14 +264,45 @@ def run_chunks(static: Static, x, w, bias, labels, *, a=None, e=None, lse=None,
     carry = step(carry, tail_backend, n_full * chunk, rest)
   elif peel:
     carry, first = step(carry, backend, 0, chunk, window=0), 1
-  if first < n_full:
-    carry = jax.lax.fori_loop(first, n_full, lambda i, c: step(c, backend, i * chunk, chunk,
-                                                                window=i), carry)
+  whole = lambda i, c: step(c, backend, i * chunk, chunk, window=i)
+  group = static.dw_group if with_grads and need_dw else None
+  if group is not None and n_full + bool(rest) > group:
+    carry = _grouped(carry, whole, first, n_full, group, group - bool(rest), peel, w.dtype)
+  elif first < n_full:
+    carry = jax.lax.fori_loop(first, n_full, whole, carry)
   if apart and with_grads:
     a_all = a if reduced is None else jnp.where(reduced.valid, _common.weighted(
         reduced.scale, _common.split_weights(reduced.weights, opts)[0]), 0.0)
     carry = smoothing_terms(carry, x, w_sum, a_all, opts)
   return carry
+
+
+def _grouped(carry, whole, first: int, n_full: int, group: int, head: int, peel: bool,
+             dtype):
+  """run_chunks' whole chunks [first, n_full) in groups: the first group's end at chunk
+  `head`, the others `group` chunks long (the last may be shorter). whole(i, carry) runs
+  chunk i. Each group's dW starts afresh (written by its first chunk where `peel`, else from
+  zeros) and is added into a float32 sum after its last chunk; dW is returned in `dtype`."""
+  carry = jax.lax.fori_loop(first, head, whole, carry)
+  stats, dx, dw, db = carry
+  total = dw.astype(jnp.float32)
+
+  def one(start, size, carry):
+    stats, dx, dw, db, total = carry
+    inner = (stats, dx, None if peel else jnp.zeros_like(dw), db)
+    if peel:  # dW written by the group's first chunk
+      inner = whole(start, inner)
+    inner = jax.lax.fori_loop(start + peel, start + size, whole, inner)
+    return (*inner, total + inner[2].astype(jnp.float32))
+
+  groups, last = divmod(n_full - head, group)
+  carry = (stats, dx, dw, db, total)
+  if groups:
+    carry = jax.lax.fori_loop(0, groups, lambda g, c: one(head + g * group, group, c), carry)
+  if last:
+    carry = one(n_full - last, last, carry)
+  stats, dx, _, db, total = carry
+  return stats, dx, total.astype(dtype), db
 
 
 def smoothing_terms(carry, x, w_sum, a, opts: LossOptions):

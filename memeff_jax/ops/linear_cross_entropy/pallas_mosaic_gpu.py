@@ -110,9 +110,10 @@ class PallasMosaicGpu:
       (in the weight's dtype, with "dw" in mosaic_gemms: each chunk's product is rounded to
       the weight's dtype and added to the running dW by TMA reduce-add stores in L2, so the
       GEMM never reads dW into the SMs; two roundings per chunk instead of one). None (the
-      default): "float32" where a 16-bit dW would be rounded more than the tuning table's
-      `max_rounded_chunks` times (its error grows with the tokens added up), else "tma_add" where
-      the dW GEMM is Mosaic's, else "weight".
+      default): "tma_add" where the dW GEMM is Mosaic's, else "weight"; a call of more
+      chunks than the tuning table's `max_rounded_chunks` (a 16-bit sum's error grows with
+      the tokens it adds up) takes them in groups of that many, each group's dW added up so
+      and the groups' sums in a float32 [D, V] buffer (dw_group: D·V·4 bytes more).
     kernel: the softmax pass's tiles (triton_softmax's Pallas Triton kernel); None looks
       up configs/tuning for the device. Where JAX has no Pallas Triton (it deprecates that
       backend) the pass runs in XLA (xla_softmax), and a kernel given raises Unsupported.
@@ -219,7 +220,7 @@ class PallasMosaicGpu:
         configs.append((name, config))
     return tuple(configs)
 
-  def auto_gemms(self, n_tokens: int, shapes: tuple, *, exp: bool, sms: int | None = None
+  def auto_gemms(self, shapes: tuple, *, exp: bool, sms: int | None = None
                  ) -> tuple[tuple[str, ...], str]:
     """The (mosaic_gemms, dw_accumulation) that a call runs with where either is None.
 
@@ -239,22 +240,16 @@ class PallasMosaicGpu:
     a 16-bit dW by the GEMM's epilogue ("weight"). Where the chunks do not
     divide the tokens, the ragged rest runs on the same GEMMs with tiles chosen for its own
     rows, or on cuBLAS where those do not fit (see __call__). Elsewhere cuBLAS, with dW
-    added in the weight's dtype ("weight"). Where a 16-bit dW would be rounded after more
-    than `max_rounded_chunks` chunks, cuBLAS with a float32 dW ("float32"). `shapes` as
+    added in the weight's dtype ("weight"). A call of more chunks than a 16-bit dW may be
+    rounded in takes the same choice, its chunks in groups (dw_group). `shapes` as
     gemm_configs takes them; `sms`: the GPU's SM count (default: the default device's),
     which mosaic_gemm.ctas turns into the dx launch's CTAs."""
     tokens, d = shapes[0], shapes[1]
     rule = _tuning.lookup("linear_cross_entropy", "mosaic_default")
-    rounded = (jnp.dtype(shapes[4]).itemsize == 2
-               and -(-n_tokens // tokens) > rule.get("max_rounded_chunks", float("inf")))
     if self.mosaic_gemms is not None:  # only the accumulation is open
-      if "dw" in self.mosaic_gemms:
-        return self.mosaic_gemms, "tma_add"
-      return self.mosaic_gemms, "float32" if rounded else "weight"
+      return self.mosaic_gemms, "tma_add" if "dw" in self.mosaic_gemms else "weight"
     if self.dw_accumulation is not None:
       return (), self.dw_accumulation
-    if rounded:  # cuBLAS dW into a float32 accumulator
-      return (), "float32"
     cublas = ((), "weight")
     if (not exp or self.interpret or self.fused_lse
         or shapes[-1] not in rule.get("layouts", ())):
@@ -276,14 +271,30 @@ class PallasMosaicGpu:
       return ("logits", "dx") if fills else ("logits",), "weight"
     return GEMMS if fills else ("logits", "dw"), "tma_add"  # without dx, it is cuBLAS's
 
+  def dw_group(self, n_tokens: int, tokens: int, itemsize: int) -> int | None:
+    """How many chunks of `tokens` a call of n_tokens adds up in a 16-bit dW before a
+    float32 sum takes that dW over (_chunked.run_chunks' groups): the tuning table's
+    `max_rounded_chunks` where dw_accumulation is the default's and the call has more
+    chunks, as a 16-bit sum's error grows with the tokens it adds up. None: one sum."""
+    limit = self._rounding_limit(itemsize)
+    return limit if limit is not None and -(-n_tokens // tokens) > limit else None
+
   def rounded_tokens(self, vocab: int, itemsize: int, chunk_size) -> int | None:
-    """The most tokens whose dW a call adds up in the weight's 16-bit dtype: its chunks, at
-    most the tuning table's `max_rounded_chunks` of them (beyond that the default
-    accumulates a float32 dW, see auto_gemms). None where no such limit applies."""
-    limit = _tuning.lookup("linear_cross_entropy", "mosaic_default").get("max_rounded_chunks")
-    if limit is None or itemsize != 2 or self.dw_accumulation is not None:
+    """The most tokens whose dW a call adds up in the weight's 16-bit dtype alone: its
+    chunks, at most the tuning table's `max_rounded_chunks` of them (beyond that the
+    default adds the groups' sums in float32, see dw_group). None where no such limit
+    applies."""
+    limit = self._rounding_limit(itemsize)
+    if limit is None:
       return None
     return limit * self.plan(2**31, vocab + -vocab % self.vocab_multiple, itemsize, chunk_size)
+
+  def _rounding_limit(self, itemsize: int) -> int | None:
+    """The tuning table's `max_rounded_chunks` where the default picks dW's accumulation for
+    a 16-bit weight, else None."""
+    if itemsize != 2 or self.dw_accumulation is not None:
+      return None
+    return _tuning.lookup("linear_cross_entropy", "mosaic_default").get("max_rounded_chunks")
 
   def plan(self, n_tokens: int, vocab: int, itemsize: int, chunk_size) -> int:
     """Tokens per chunk: `chunk_size` as given, else as many as the memory budget holds
@@ -356,7 +367,7 @@ class PallasMosaicGpu:
     chosen = self.mosaic_gemms is not None and self.dw_accumulation is not None
     impl = self
     if not chosen:
-      gemms, accumulation = self.auto_gemms(rows, shapes, exp=wanted)
+      gemms, accumulation = self.auto_gemms(shapes, exp=wanted)
       impl = dataclasses.replace(self, mosaic_gemms=gemms, dw_accumulation=accumulation)
     backend = impl._chunk_backend(shapes, opts, kernel, wanted)
     tail = None
@@ -378,7 +389,8 @@ class PallasMosaicGpu:
       axis = 1 if opts.weight_layout == "dv" else 0
       weight = jnp.pad(weight, [(0, pad if i == axis else 0) for i in range(2)])
       bias = None if bias is None else jnp.pad(bias, (0, pad))
-    static = _chunked.Static(backend, whole, tokens, vocab, tail)
+    static = _chunked.Static(backend, whole, tokens, vocab, tail,
+                             self.dw_group(rows, tokens, jnp.dtype(weight.dtype).itemsize))
     return _chunked.chunked_loss(static, x, weight, bias, labels, valid, weights)
 
   def _softmax_kernel(self) -> triton_softmax.SoftmaxKernelConfig | None:

@@ -1018,18 +1018,37 @@ def test_mosaic_gemms_match_reference(layout, reduction, gemms, dw_accumulation)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemms", [None, ("logits", "dx")])
-def test_float32_dw_beyond_the_rounding_limit_matches_reference(gemms):
-  """Past max_rounded_chunks (33 chunks of 128 tokens) the default accumulates dW in float32
-  (cuBLAS, or after Mosaic logits and dx GEMMs): its dW is as close to the float32
-  reference as one chunk's, and the loss and dx match."""
+@pytest.mark.parametrize("lead", [(33, 128), (70, 128), (2, 4481)])
+@pytest.mark.parametrize("gemms", [None, ("logits", "dx"), pallas_mosaic_gpu.GEMMS])
+def test_groups_past_the_rounding_limit_match_reference(gemms, lead):
+  """Past max_rounded_chunks (chunks of 128 tokens: 33, 70, and 70 with a ragged one) the
+  default adds up dW in groups of 32 chunks (cuBLAS, or Mosaic GEMMs with dW by TMA adds),
+  the groups' sums in float32: the loss and gradients match the float32 reference."""
   options = dict(label_smoothing=0.1, z_loss=1e-3)
-  x, w, labels, _, _ = make_problem(jax.random.key(17), (33, 128), 256, 2000, jnp.bfloat16,
+  x, w, labels, _, _ = make_problem(jax.random.key(17), lead, 256, 2000, jnp.bfloat16,
                                     **options)
   impl = PallasMosaicGpu(mosaic_gemms=gemms)
-  shapes = (128, 256, 2048, jnp.bfloat16, jnp.bfloat16, "dv")
-  assert impl.auto_gemms(33 * 128, shapes, exp=True)[1] == "float32"
+  assert impl.dw_group(x.size // 256, 128, 2) == 32
   assert_matches(impl, x, w, labels, options, chunk=128, tol=1e-2)
+
+
+@pytest.mark.parametrize("lead", [(70, 4), (2, 141)])
+def test_dw_groups_match_reference(lead):
+  """The chunk loop in groups (interpreted kernels: 4-token chunks, 70 of them, and 70 with a
+  ragged one; 32 a group): dW's groups summed in float32 land closer to the float32
+  reference's dW than one bf16 sum over every chunk, and the loss and dx match."""
+  options = dict(label_smoothing=0.1)
+  x, w, labels, _, _ = make_problem(jax.random.key(3), lead, 64, 500, jnp.bfloat16, **options)
+  grouped = PallasMosaicGpu(interpret=True)
+  assert grouped.dw_group(x.size // 64, 4, 2) == 32
+  assert_matches(grouped, x, w, labels, options, chunk=4)
+  f32 = lambda t: t.astype(jnp.float32)
+  _, (_, ref) = value_and_grads(loss_fn(None, labels, options), f32(x), f32(w), None, None,
+                                "mean")
+  errors = [rel_err(value_and_grads(loss_fn(impl, labels, options, 4), x, w, None, None,
+                                    "mean")[1][1], ref)
+            for impl in (grouped, PallasMosaicGpu(interpret=True, dw_accumulation="weight"))]
+  assert errors[0] < 0.85 * errors[1], errors
 
 
 @pytest.mark.gpu
@@ -1398,18 +1417,17 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   tiles are narrowed to fill them; at Gemma-2's and Llama-3-8B's with 512-token chunks (64
   and 116 dx tiles at most) dx alone on cuBLAS; the same choices with a chunk that does not
   divide the tokens; cuBLAS in the "vd" layout, without the exp GEMM, in interpret mode, and
-  wherever either option is set; a float32 dW beyond 32 chunks."""
+  wherever either option is set."""
   monkeypatch.setattr(hopper, "unavailable", lambda: None)
   bf16 = jnp.bfloat16
 
-  def auto(impl=PallasMosaicGpu(), n=16384, tokens=1024, d=4096, v=128256, layout="dv", exp=True):
-    return impl.auto_gemms(n, (tokens, d, v, bf16, bf16, layout), exp=exp, sms=132)
+  def auto(impl=PallasMosaicGpu(), tokens=1024, d=4096, v=128256, layout="dv", exp=True):
+    return impl.auto_gemms((tokens, d, v, bf16, bf16, layout), exp=exp, sms=132)
 
   cublas = ((), "weight")
   assert auto() == (pallas_mosaic_gpu.GEMMS, "tma_add")
   assert auto(layout="vd") == cublas
   assert auto(exp=False) == cublas
-  assert auto(n=16000) == (pallas_mosaic_gpu.GEMMS, "tma_add")  # the last chunk overlaps
   # 112 and 72 dx tiles in 128 × 256, 128 in 128 × 224 and 128 × 144
   assert auto(d=3584, v=152064) == auto(d=2304, v=256000) == (pallas_mosaic_gpu.GEMMS,
                                                               "tma_add")
@@ -1418,9 +1436,7 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   assert auto(tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
   # Llama-3-8B's at 512 tokens: 116 dx tiles of 128 × 144, 88% of a wave (128 × 128 tiles,
   # which would fill 97% of it, are slower than cuBLAS: mosaic_gemm.narrowed_to_fill_waves).
-  assert auto(n=512, tokens=512) == (("logits", "dw"), "tma_add")
-  assert auto(n=15000, d=2304, v=256000) == (pallas_mosaic_gpu.GEMMS, "tma_add")
-  assert auto(n=15000, tokens=512, d=2304, v=256000) == (("logits", "dw"), "tma_add")
+  assert auto(tokens=512) == (("logits", "dw"), "tma_add")
   # GPT-2's 2,048-token chunks: 48 dx tiles at most, the dW GEMM's 32 K steps in ping-pong.
   assert auto(tokens=2048, d=768, v=50304) == (("logits", "dw"), "tma_add")
   assert auto(PallasMosaicGpu(interpret=True)) == cublas
@@ -1431,18 +1447,22 @@ def test_default_puts_the_gemms_on_mosaic_where_they_fill_the_gpu(monkeypatch):
   assert auto(PallasMosaicGpu(mosaic_gemms=pallas_mosaic_gpu.GEMMS, fused_lse=True)) == (
       pallas_mosaic_gpu.GEMMS, "tma_add")
   # Off the tiles (a chunk of 1,000 tokens): cuBLAS, not an error.
-  assert auto(n=16000, tokens=1000) == cublas
-  # More than 32 chunks (max_rounded_chunks): a bf16 dW would be rounded too often, so dW
-  # accumulates in float32 (on cuBLAS), unless the options say otherwise.
-  assert auto(n=32768) == (pallas_mosaic_gpu.GEMMS, "tma_add")
-  assert auto(n=33792) == auto(n=131072) == auto(n=131072, layout="vd") == ((), "float32")
-  assert auto(PallasMosaicGpu(mosaic_gemms=("logits", "dx")), n=131072) == (
-      ("logits", "dx"), "float32")
-  assert auto(PallasMosaicGpu(mosaic_gemms=("dw",)), n=131072) == (("dw",), "tma_add")
-  assert auto(PallasMosaicGpu(dw_accumulation="weight"), n=131072) == cublas
-  f32 = lambda: PallasMosaicGpu().auto_gemms(
-      131072, (1024, 4096, 128256, jnp.float32, jnp.float32, "dv"), exp=False, sms=132)
-  assert f32() == cublas  # a float32 weight: "weight" accumulates in float32 already
+  assert auto(tokens=1000) == cublas
+
+
+def test_long_calls_add_up_dw_in_groups():
+  """A call of more chunks than max_rounded_chunks (32) adds up its bf16 dW in groups of 32
+  chunks, the groups' sums in float32 (dw_group); not where the options set the
+  accumulation, nor with a float32 weight."""
+  impl = PallasMosaicGpu()
+  assert impl.dw_group(32768, 1024, 2) is None
+  assert impl.dw_group(33792, 1024, 2) == impl.dw_group(131072, 1024, 2) == 32
+  assert impl.dw_group(32769, 1024, 2) == 32  # 32 chunks and a ragged one
+  assert impl.dw_group(131072, 1024, 4) is None
+  for options in (dict(dw_accumulation="weight"), dict(dw_accumulation="float32"),
+                  dict(mosaic_gemms=("dw",), dw_accumulation="tma_add")):
+    assert PallasMosaicGpu(**options).dw_group(131072, 1024, 2) is None
+  assert impl.rounded_tokens(128256, 2, None) == 32 * 1024
 
 
 def test_h100_puts_dw_on_cublas_where_chunks_are_long_and_the_rows_fit(monkeypatch, tuned_as):
@@ -1455,7 +1475,7 @@ def test_h100_puts_dw_on_cublas_where_chunks_are_long_and_the_rows_fit(monkeypat
   bf16 = jnp.bfloat16
 
   def auto(tokens, d, v, impl=PallasMosaicGpu()):
-    return impl.auto_gemms(16384, (tokens, d, v, bf16, bf16, "dv"), exp=True, sms=132)
+    return impl.auto_gemms((tokens, d, v, bf16, bf16, "dv"), exp=True, sms=132)
 
   mosaic, cublas_dw = (pallas_mosaic_gpu.GEMMS, "tma_add"), (("logits", "dx"), "weight")
   tuned_as("NVIDIA H100 80GB HBM3")
