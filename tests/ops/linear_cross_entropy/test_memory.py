@@ -203,6 +203,21 @@ def test_exp_logits_with_mosaic_gemms_fits_a_quarter_gib():
   assert temp < 2**28, f"{temp / 2**30:.4f} GiB"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [65536, 131072])
+def test_long_calls_hold_a_float32_total_at_most(n):
+  """Past 32 chunks the default adds up each group of 32 chunks' dW in bf16 and the groups'
+  sums in a float32 total (_chunked._grouped): beside the chunk's exponentials it holds at
+  most that total (D·V·4 bytes) and one group's sum (D·V·2). Llama-3-8B, 2 and 4 groups."""
+  if (why := hopper.unavailable()) is not None:
+    pytest.skip(why)
+  d, v = 4096, 128256
+  x, w, y = _shapes(n, d, v, jnp.bfloat16)
+  temp = _temp_bytes(lambda x, w, y: memeff_jax.linear_cross_entropy(x, w, y), x, w, y)
+  logits, strips = 1024 * v * 2, (v // 128) * 1024 * 4
+  assert temp < logits + strips + d * v * 6 + 2**24, f"{temp / 2**30:.3f} GiB"
+
+
 @pytest.mark.parametrize("layout", ["dv", "vd"])
 def test_smoothing_apart_adds_its_share_in_place(layout):
   """Label smoothing on the exponential path (interpret mode: the exp GEMM's XLA equivalent)
