@@ -548,10 +548,10 @@ class ChunkBackend:
     chunk's buffer (scale None: 1). With dx_rows (a Rows window of a jax.Ref of dx) dx_c is
     all of dx, the chunk's rows written in place; where the dW and dx GEMMs are both
     Mosaic's, x's scaled rows wait in them for the dW GEMM (no [C, D] operand of their
-    own), so dW comes first, ordered by a data dependence. Not where dx is cuBLAS's: its [C, D] product is a buffer of
-    its own anyway, and its write into rows the dW kernel reads, which XLA cannot order
-    after that kernel, made XLA copy all of dx twice a chunk (the design doc's GPT-2
-    section)."""
+    own), so dW comes first, ordered by a data dependence. Not where dx is cuBLAS's: its
+    [C, D] product is a buffer of its own anyway, and its write into rows the dW kernel
+    reads, which XLA cannot order after that kernel, made XLA copy all of dx twice a chunk
+    (the design doc's GPT-2 section)."""
     need_dx, need_dw = need
     scratch = (need_dw and scale is not None and dx_rows is not None
                and self._mosaic("dw") is not None and self._mosaic("dx") is not None)
@@ -566,9 +566,9 @@ class ChunkBackend:
     if need_dw:
       dw_acc = self._dw(g, x_c, w, dw_acc)
     if need_dx and scratch:
-      # The dx GEMM overwrites the rows the dW GEMM reads, and nothing else orders the two
-      # kernels: the barrier makes dx's buffer an output of dW's GEMM. Without it XLA's
-      # schedule decided, and where it put dx first, copied all of dx twice a chunk.
+      # The dx GEMM overwrites the rows the dW GEMM reads, and no operand orders the two
+      # kernels: through the barrier the dx GEMM's buffer waits for dW's result. Without it
+      # XLA's schedule decided, and where it put dx first, XLA copied all of dx twice a chunk.
       dw_acc, rows = jax.lax.optimization_barrier((dw_acc, dx_rows.array[...]))
       dx_rows.array[...] = rows
       dx_c = self._dx(g, w, dx_rows, scale)
