@@ -549,9 +549,9 @@ class ChunkBackend:
     all of dx, the chunk's rows written in place; where the dW and dx GEMMs are both
     Mosaic's, x's scaled rows wait in them for the dW GEMM (no [C, D] operand of their
     own), so dW comes first, ordered by a data dependence. Not where dx is cuBLAS's: its
-    [C, D] product is a buffer of its own anyway, and its write into rows the dW kernel
-    reads, which XLA cannot order after that kernel, made XLA copy all of dx twice a chunk
-    (the design doc's GPT-2 section)."""
+    [C, D] product is a buffer of its own anyway, so the rows would save nothing (written
+    there, unordered, it made XLA copy all of dx twice a chunk: the design doc's GPT-2
+    section)."""
     need_dx, need_dw = need
     scratch = (need_dw and scale is not None and dx_rows is not None
                and self._mosaic("dw") is not None and self._mosaic("dx") is not None)
