@@ -283,25 +283,24 @@ def _grouped(carry, whole, first: int, n_full: int, group: int, head: int, peel:
   `head`, the others `group` chunks long (the last may be shorter). whole(i, carry) runs
   chunk i. Each group's dW starts afresh (written by its first chunk where `peel`, else from
   zeros) and is added into a float32 sum after its last chunk; dW is returned in `dtype`."""
-  carry = jax.lax.fori_loop(first, head, whole, carry)
-  stats, dx, dw, db = carry
-  total = dw.astype(jnp.float32)
+  stats, dx, dw, db = jax.lax.fori_loop(first, head, whole, carry)
+  shape, group_dtype = dw.shape, dw.dtype
 
   def one(start, size, carry):
-    stats, dx, dw, db, total = carry
-    inner = (stats, dx, None if peel else jnp.zeros_like(dw), db)
+    stats, dx, db, total = carry
+    inner = (stats, dx, None if peel else jnp.zeros(shape, group_dtype), db)
     if peel:  # dW written by the group's first chunk
       inner = whole(start, inner)
-    inner = jax.lax.fori_loop(start + peel, start + size, whole, inner)
-    return (*inner, total + inner[2].astype(jnp.float32))
+    stats, dx, dw, db = jax.lax.fori_loop(start + peel, start + size, whole, inner)
+    return stats, dx, db, total + dw.astype(jnp.float32)
 
   groups, last = divmod(n_full - head, group)
-  carry = (stats, dx, dw, db, total)
+  carry = (stats, dx, db, dw.astype(jnp.float32))
   if groups:
     carry = jax.lax.fori_loop(0, groups, lambda g, c: one(head + g * group, group, c), carry)
   if last:
     carry = one(n_full - last, last, carry)
-  stats, dx, _, db, total = carry
+  stats, dx, db, total = carry
   return stats, dx, total.astype(dtype), db
 
 
