@@ -41,8 +41,9 @@ their spread bounds the efficiency that any code could reach on this host.
              same length, its peak memory, and the first and last losses (the same data and
              parameters on every mesh); ms per step; a length one device cannot hold is
              recorded as out of memory. Each run is a fresh process (train_step.py's, JAX
-             allowed 95% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise),
-             stopped after --run-timeout seconds. Not in the default cases.
+             given 95% of a GPU as one preallocated pool unless
+             XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise), stopped after
+             --run-timeout seconds. Not in the default cases.
 
 `--small` runs shapes a CPU can take (tests and a dry run: XLA_FLAGS=
 --xla_force_host_platform_device_count=8 before the run). Rows (op="scaling": case,

@@ -12,7 +12,7 @@ device's `bytes_limit` then gives the batch where the compiled peak reaches the 
 runs at that batch and the next one confirm it (and step on from there if the prediction was
 off). Every run is a fresh process, so `peak_bytes_in_use` starts from zero and an
 out-of-memory failure only means "does not fit". JAX may use 95% of the GPU
-(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set).
+(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set), preallocated as one pool.
 With `--mesh` (as `memeff-jax train --mesh` takes it) the step trains on that mesh of the
 host's devices; batches are global, searched in multiples of the data × fsdp shards, and the
 peak is the first device's.
@@ -149,11 +149,15 @@ def measure(config: str, kernels: str, batch: int, steps: int, seq_len: int | No
     cmd += ["--sequence-parallel"]
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  # One preallocated pool, as JAX's default has it. Grown on demand instead, the allocator
+  # kept the compile's freed buffers in regions of their own and found no contiguous room
+  # for the step's temporaries far below the limit (plain layers out of memory at a 50.5 GiB
+  # compiled peak of the 75 GiB allowed on an H100, memeff ones at 57.4).
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
   proc = run_worker(cmd, env, timeout)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   record = dict(op="train_step_run", config=config, kernels=kernels, batch=batch,
-                remat_policy=remat_policy, **({"mesh": mesh} if mesh else {}),
+                remat_policy=remat_policy, preallocated=True, **({"mesh": mesh} if mesh else {}),
                 **({"sequence_parallel": True} if sequence_parallel else {}))
   prediction = [json.loads(l) for l in lines if l.startswith('{"compiled"')]
   probes = [json.loads(l)["probes"] for l in lines if l.startswith('{"probes"')]
@@ -272,7 +276,7 @@ def main(argv=None):
 
   _, train_cfg = LlamaConfig.from_toml(_config_path(args.config))
   batch = args.batch or train_cfg["batch"]
-  env = _harness.environment()
+  env = dict(_harness.environment(), preallocated=True)  # as measure's runs record it
   mesh = {}
   if args.mesh:  # global batches: whole multiples of the batch's shards
     mesh = sharding.parse_mesh(args.mesh)

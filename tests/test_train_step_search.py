@@ -65,3 +65,45 @@ def test_a_run_that_trained_counts_though_its_probe_did_not_finish(tmp_path, mon
   assert row["tokens_per_s"] == 5.0 and row["probes"] == {}
   recorded = json.loads(out.read_text())
   assert recorded["fits"] and recorded["predicted_peak_bytes"] == 6
+
+
+def test_a_run_preallocates_its_pool(tmp_path, monkeypatch):
+  """Every worker runs on one preallocated pool, whatever the caller's environment says (an
+  allocator grown on demand found no contiguous room well below the limit), and its row
+  says so."""
+  import json  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  seen = []
+
+  def run(cmd, env, timeout):
+    seen.append(env)
+    return subprocess.CompletedProcess(cmd, 1, "", "failed\n")
+
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  monkeypatch.setattr(train_step, "run_worker", run)
+  out = tmp_path / "runs.jsonl"
+  assert train_step.measure("tiny", "memeff", 2, 1, None, runs_out=out) is None
+  assert seen[0]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+  assert json.loads(out.read_text())["preallocated"] is True
+
+
+def test_results_replace_a_kernel_sets_grown_runs_with_its_preallocated_ones(monkeypatch):
+  """RESULTS.md's train-step table: where a kernel set has runs on a preallocated pool, its
+  runs on an allocator grown on demand (out of memory below the limit) leave the table; a
+  set with none keeps them, under a note that its largest batch is a lower bound."""
+  from benchmarks import make_results  # pylint: disable=import-outside-toplevel
+  base = dict(op="train_step_run", config="1b", device="GPU", platform="gpu", jax="0",
+              seq_len=8, peak_bytes=1, predicted_peak_bytes=1, temp_bytes=1)
+  run = lambda kernels, batch, fits, **kw: dict(base, kernels=kernels, batch=batch, fits=fits,
+                                                tokens_per_s=1.0, **kw)
+  rows = [run("memeff", 50, True), run("memeff", 51, False, error="out of memory"),
+          run("plain", 8, True), run("plain", 9, False, error="out of memory"),
+          run("memeff", 51, True, preallocated=True), run("memeff", 82, True, preallocated=True),
+          run("memeff", 83, False, error="out of memory", preallocated=True)]
+  monkeypatch.setattr(make_results, "load", lambda op: rows)
+  text = "\n".join(make_results.train_step_section()[0])
+  assert "| memeff | 50 |" not in text and "| memeff | 82 | yes |" in text
+  assert "| memeff | 51 | yes |" in text and "| plain | 9 | no: out of memory |" in text
+  summary = text.split("largest batch that runs")[1]
+  assert "| memeff | 82 |" in summary and "| plain (cuDNN attention) | 8 |" in summary
+  assert "Note: the runs of plain grew JAX's allocator" in text
