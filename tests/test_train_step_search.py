@@ -1,5 +1,8 @@
 """benchmarks/train_step.py's largest-batch search, with a fake run in place of the GPU's."""
 
+import json
+import subprocess
+
 import pytest
 
 from benchmarks import train_step
@@ -49,8 +52,6 @@ def test_a_worker_that_ran_out_of_memory_is_stopped():
 def test_a_run_that_trained_counts_though_its_probe_did_not_finish(tmp_path, monkeypatch):
   """The worker prints its trained row before compiling the probes: a run cut off while
   probing still trained (and is recorded so), without a prediction."""
-  import json  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
   trained = {"kernels": "memeff", "batch": 2, "tokens_per_s": 5.0, "peak_bytes": 7,
              "temp_bytes": 3}
   stdout = "\n".join([json.dumps({"compiled": True, "predicted_peak_bytes": 6,
@@ -71,8 +72,6 @@ def test_a_run_preallocates_its_pool(tmp_path, monkeypatch):
   """Every worker runs on one preallocated pool, whatever the caller's environment says (an
   allocator grown on demand found no contiguous room well below the limit), and its row
   says so."""
-  import json  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
   seen = []
 
   def run(cmd, env, timeout):
