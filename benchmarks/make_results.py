@@ -377,9 +377,11 @@ def _mesh_name(mesh) -> str:
 
 def _train_summary(runs_: list[dict]) -> list[str]:
   """Per kernel set (its latest run at each batch): the largest batch that runs (exact where
-  the next one failed), and tokens/s and peak at one batch (the one most sets ran; of
-  those, one plain ran, then the smallest) and at its largest batch."""
+  the next one ran out of memory; another failure is named), and tokens/s and peak at one
+  batch (the one most sets ran; of those, one plain ran, then the smallest) and at its
+  largest batch."""
   fits = collections.defaultdict(dict)
+  runs_by = {(r["kernels"], r["batch"]): r for r in runs_}
   for r in runs_:
     fits[r["kernels"]][r["batch"]] = r if r.get("fits") is not False else None
   ran = collections.Counter(b for by in fits.values() for b, r in by.items() if r)
@@ -392,7 +394,10 @@ def _train_summary(runs_: list[dict]) -> list[str]:
     if ok is None:
       continue
     bad = min((b for b, r in by.items() if r is None and b > ok), default=None)
-    largest = f"{ok}" if bad == ok + 1 else f"≥ {ok}" if bad is None else f"{ok} ({bad} fails)"
+    why = "" if bad is None else runs_by[kernels, bad].get("error", "")
+    why = "" if why.startswith("out of memory") else f": {why}"
+    largest = (f"{ok}" if bad == ok + 1 and not why else f"≥ {ok}" if bad is None
+               else f"{ok} ({bad} fails{why})")
     at = by.get(equal)
     speed = "" if at is None else f"{at['tokens_per_s']:,.0f}"
     peak = "" if at is None else _gib(at.get("peak_bytes"))

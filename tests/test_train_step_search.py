@@ -106,3 +106,20 @@ def test_results_replace_a_kernel_sets_grown_runs_with_its_preallocated_ones(mon
   summary = text.split("largest batch that runs")[1]
   assert "| memeff | 82 |" in summary and "| plain (cuDNN attention) | 8 |" in summary
   assert "Note: the runs of plain grew JAX's allocator" in text
+
+
+def test_results_name_a_failure_other_than_out_of_memory(monkeypatch):
+  """The summary's largest batch is exact only where the next batch ran out of memory; a run
+  that timed out says so, since a longer wait might have found a larger batch."""
+  from benchmarks import make_results  # pylint: disable=import-outside-toplevel
+  base = dict(op="train_step_run", config="1b", device="GPU", platform="gpu", jax="0",
+              seq_len=8, peak_bytes=1, predicted_peak_bytes=1, temp_bytes=1, tokens_per_s=1.0,
+              preallocated=True)
+  rows = [dict(base, kernels="memeff", batch=161, fits=True),
+          dict(base, kernels="memeff", batch=162, fits=False, error="timed out after 150 s"),
+          dict(base, kernels="plain", batch=34, fits=True),
+          dict(base, kernels="plain", batch=35, fits=False, error="out of memory")]
+  monkeypatch.setattr(make_results, "load", lambda op: rows)
+  summary = "\n".join(make_results.train_step_section()[0]).split("largest batch that runs")[1]
+  assert "| memeff | 161 (162 fails: timed out after 150 s) |" in summary
+  assert "| plain (cuDNN attention) | 34 |" in summary
