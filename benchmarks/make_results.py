@@ -380,22 +380,23 @@ def _train_summary(runs_: list[dict]) -> list[str]:
   the next one ran out of memory; another failure is named), and tokens/s and peak at one
   batch (the one most sets ran; of those, one plain ran, then the smallest) and at its
   largest batch."""
-  fits = collections.defaultdict(dict)
-  runs_by = {(r["kernels"], r["batch"]): r for r in runs_}
+  latest = collections.defaultdict(dict)  # kernels -> batch -> its latest run
   for r in runs_:
-    fits[r["kernels"]][r["batch"]] = r if r.get("fits") is not False else None
-  ran = collections.Counter(b for by in fits.values() for b, r in by.items() if r)
-  equal = min(ran, key=lambda b: (-ran[b], not fits["plain"].get(b), b), default=None)
+    latest[r["kernels"]][r["batch"]] = r
+  fits = {kernels: {b: r for b, r in by.items() if r.get("fits") is not False}
+          for kernels, by in latest.items()}
+  ran = collections.Counter(b for by in fits.values() for b in by)
+  equal = min(ran, key=lambda b: (-ran[b], b not in fits.get("plain", {}), b), default=None)
   out = [f"| layers | largest batch that runs | tokens/s at batch {equal} | peak at batch "
          f"{equal} (GiB) | tokens/s at its largest batch |", "|---|---|---|---|---|"]
   for kernels in [k for k in LAYERS if k in fits]:
     by = fits[kernels]
-    ok = max((b for b, r in by.items() if r), default=None)
+    ok = max(by, default=None)
     if ok is None:
       continue
-    bad = min((b for b, r in by.items() if r is None and b > ok), default=None)
-    why = "" if bad is None else runs_by[kernels, bad].get("error", "")
-    why = "" if why.startswith("out of memory") else f": {why}"
+    bad = min((b for b in latest[kernels] if b not in by and b > ok), default=None)
+    error = "" if bad is None else latest[kernels][bad].get("error", "")
+    why = "" if error.startswith("out of memory") else f": {error}"
     largest = (f"{ok}" if bad == ok + 1 and not why else f"≥ {ok}" if bad is None
                else f"{ok} ({bad} fails{why})")
     at = by.get(equal)
