@@ -73,7 +73,6 @@ def main(argv=None):
   import jax  # pylint: disable=import-outside-toplevel
 
   from memeff_jax import remat  # pylint: disable=import-outside-toplevel
-  from memeff_jax.remat.policies import _table  # pylint: disable=import-outside-toplevel
 
   env = _harness.environment()
   cands, seq_len = compile_candidates(args.config, args.batch, args.seq_len,
@@ -83,14 +82,14 @@ def main(argv=None):
     budgets = [int(float(b) * 2**30) for b in args.budgets_gib.split(",")]
   else:
     budgets = default_budgets(cands, limit)
-  table = [dataclasses.asdict(c) for c in cands]
+  candidate_rows = [dataclasses.asdict(c) for c in cands]
   print(f"{args.config}, memeff layers, batch {args.batch} × {seq_len} on {env['device']}:")
-  print(_table(cands, max(budgets or [0])))
+  print(remat.table(cands, max(budgets or [0])))
   measured = {}
   rows = []
   for budget in budgets:
     row = dict(op="remat_fit", config=args.config, batch=args.batch, seq_len=seq_len,
-               budget_bytes=budget, candidates=table, **env)
+               budget_bytes=budget, candidates=candidate_rows, **env)
     try:
       chosen = remat.choose(cands, budget)
     except ValueError as err:
