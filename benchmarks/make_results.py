@@ -472,9 +472,10 @@ def remat_fit_section() -> list[str]:
          "`python benchmarks/remat_fit.py --config 1b`: every policy compiled (not run); for "
          "each budget the policy `fit` picks, then trained in a fresh process. Matmul GFLOP: "
          "counted on the step's jaxpr (scanned layers × their count, Pallas kernels by their "
-         "cost estimate), what fit ranks by. XLA GFLOP: the compiled cost analysis, which "
-         "counts a scanned layer once and Pallas kernels not at all (the only count in runs "
-         "before the jaxpr count existed).", ""]
+         "cost estimate), what fit ranks by. XLA GFLOP: the compiled cost analysis, for "
+         "contrast: it counts a loop body once and nothing inside a Pallas kernel, and at the "
+         "1b config it reads less than one layer's projection and MLP matmuls (about 8,000 "
+         "GFLOP with the forward recomputed), so it cannot rank policies.", ""]
   for (config, batch, device, stamp), group in latest(
       _by_run(rows, "config", "batch", "device", "timestamp"), 3):
     out += [f"**{config}**, batch {batch} × {group[0]['seq_len']}, memeff layers, on {device}, "
