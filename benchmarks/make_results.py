@@ -473,9 +473,11 @@ def remat_fit_section() -> list[str]:
          "each budget the policy `fit` picks, then trained in a fresh process. Matmul GFLOP: "
          "counted on the step's jaxpr (scanned layers × their count, Pallas kernels by their "
          "cost estimate), what fit ranks by. XLA GFLOP: the compiled cost analysis, for "
-         "contrast: it counts a loop body once and nothing inside a Pallas kernel, and at the "
-         "1b config it reads less than one layer's projection and MLP matmuls (about 8,000 "
-         "GFLOP with the forward recomputed), so it cannot rank policies.", ""]
+         "contrast: it counts a loop body once, nothing inside a Pallas kernel and, on GPU, "
+         "only the matmuls XLA emits as Triton fusions, not its cuBLAS calls; autotuning picks "
+         "between them per compile, so the count moves between compiles of one step (the 1b "
+         "step's jaxpr holds about 8,000 GFLOP with the forward recomputed) and cannot rank "
+         "policies.", ""]
   for (config, batch, device, stamp), group in latest(
       _by_run(rows, "config", "batch", "device", "timestamp"), 3):
     out += [f"**{config}**, batch {batch} × {group[0]['seq_len']}, memeff layers, on {device}, "

@@ -2,10 +2,14 @@
 
 XLA's compiled cost analysis is the obvious estimate of what a remat policy recomputes, but
 it counts the body of a loop once (a model whose layers run under `lax.scan` looks 1/L as
-expensive) and sees nothing inside Pallas kernels. Counting on the jaxpr of the whole step
-(forward and backward, as `jax.make_jaxpr` traces it) avoids both: a scan's body counts
-`length` times, what `jax.checkpoint` recomputes appears in the backward's `remat` bodies,
-and a `pallas_call` counts its `cost_estimate` (memeff_jax's kernels give one).
+expensive), sees nothing inside Pallas kernels, and on GPU counts only the matmuls XLA emits
+as Triton fusions, not those it hands to cuBLAS, a choice autotuning makes per compile (the
+1b train step at batch 4 reads 1,265 GFLOP, and 27 with
+`--xla_gpu_enable_triton_gemm=false`, on an H100). Counting on the jaxpr of the whole step
+(forward and backward, as `jax.make_jaxpr` traces it) avoids all three: a scan's body counts
+`length` times, what `jax.checkpoint` recomputes appears in the backward's `remat` bodies, a
+`pallas_call` counts its `cost_estimate` (memeff_jax's kernels give one), and every
+dot_general counts however XLA lowers it.
 
 Counted: dot_general (2·M·N·K) and the cost estimates of Pallas kernels (pallas_call, and
 mpmd_map for Mosaic GPU kernels launched by pl.kernel). Elementwise work is left out.

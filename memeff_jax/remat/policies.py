@@ -103,7 +103,8 @@ def candidates(make_step, *args, policies=None) -> list[Candidate]:
   `flops` counts the matmuls of the traced step (memeff_jax.remat.flops: scanned layers
   times their count, Pallas kernels by their cost estimate), so recomputation shows up as
   extra FLOPs; `xla_flops` is XLA's compiled cost analysis, which counts a loop body once
-  and sees no Pallas kernel. A policy that does not compile is kept with its error."""
+  and sees no Pallas kernel (nor, on GPU, a cuBLAS call). A policy that does not compile is
+  kept with its error."""
   from memeff_jax.memory import report_of  # pylint: disable=import-outside-toplevel
   from memeff_jax.remat.flops import matmul_flops  # pylint: disable=import-outside-toplevel
 
